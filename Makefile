@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine: `make demo` (generate with the embedded tiny K3) and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROMPT  ?= Hello
+
+.PHONY: demo test toolchain test-cuda test-rocm clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU machines take the pinned CPU wheel; a GPU host keeps the ROCm/CUDA torch already in the venv.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,kernels]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rocm-k3 generate "$(PROMPT)"
+
+# lld-19 for FlyDSL's compile-only link (the `compile` tier); best effort, the tier skips with a reason without it.
+toolchain:
+	bash scripts/ensure_lld.sh || true
+
+test: $(STAMP) toolchain
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-cuda: $(STAMP)
+	$(BIN)/python -m pytest -q -m cuda
+
+test-rocm: $(STAMP)
+	$(BIN)/python -m pytest -q -m rocm
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

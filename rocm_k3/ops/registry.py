@@ -1,0 +1,178 @@
+"""Backend registry and per-call dispatch for the op interface.
+
+Each op has one public function in ``rocm_k3/ops/<family>.py`` that validates its inputs and then calls
+:func:`dispatch`. Backends register an implementation with the same signature plus a ``supports`` check
+returning ``(ok, reason)``. Dispatch picks the backend named in the call (or in settings), else the first
+in the device's priority order whose ``supports`` accepts the call; every automatic fallback is logged once
+per (op, backend, reason).
+
+Backends other than ``reference`` live in their own packages and are imported lazily, the first time an op
+asks for them; importing this module imports no kernel toolchain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Any, Callable
+
+import torch
+
+from rocm_k3.ops.devices import DeviceInfo, device_info
+from rocm_k3.settings import BACKEND_CHOICES, get_settings
+
+log = logging.getLogger("rocm_k3.ops")
+
+SupportsFn = Callable[..., "tuple[bool, str]"]
+
+# backend name -> module whose ``register(registry)`` adds its ops and whose ``available(dev)`` says
+# whether the backend can run on a device at all.
+BACKEND_MODULES: dict[str, str] = {
+    "reference": "rocm_k3.ops.reference_backend",
+    "triton": "rocm_k3.triton_kernels.backend",
+    "flydsl": "rocm_k3.flydsl_kernels.backend",
+    "aiter": "rocm_k3.ops.aiter_backend",
+}
+
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "rocm": ("flydsl", "aiter", "triton", "reference"),
+    "cuda": ("triton", "reference"),
+    "cpu": ("reference",),
+}
+
+
+class BackendError(RuntimeError):
+    """A named backend cannot run a call; the message carries the backend's reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpImpl:
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    supports: SupportsFn | None = None
+
+    def check(self, *args: Any, **kwargs: Any) -> tuple[bool, str]:
+        if self.supports is None:
+            return True, "supported"
+        return self.supports(*args, **kwargs)
+
+
+_impls: dict[str, dict[str, OpImpl]] = {}
+_ops: list[str] = []
+_loaded: dict[str, tuple[bool, str]] = {}
+_logged: set[tuple[str, str, str]] = set()
+
+
+def declare_op(name: str) -> None:
+    """Record an op name (done by each op family module) so ``rocm-k3 ops`` can list it."""
+    if name not in _ops:
+        _ops.append(name)
+
+
+def declared_ops() -> list[str]:
+    return list(_ops)
+
+
+def register(op: str, backend: str, fn: Callable[..., Any], supports: SupportsFn | None = None) -> None:
+    if backend not in BACKEND_MODULES:
+        raise ValueError(f"unknown backend {backend!r}; known: {sorted(BACKEND_MODULES)}")
+    declare_op(op)
+    _impls.setdefault(op, {})[backend] = OpImpl(op, backend, fn, supports)
+
+
+def _load_backend(backend: str) -> tuple[bool, str]:
+    """Import a backend module once; returns (ok, reason)."""
+    if backend in _loaded:
+        return _loaded[backend]
+    try:
+        module = importlib.import_module(BACKEND_MODULES[backend])
+        module.register()
+        result = (True, "loaded")
+    except ImportError as exc:  # toolchain not installed
+        result = (False, f"{backend} backend unavailable: {exc}")
+    _loaded[backend] = result
+    return result
+
+
+def backend_available(backend: str, dev: DeviceInfo) -> tuple[bool, str]:
+    ok, reason = _load_backend(backend)
+    if not ok:
+        return ok, reason
+    module = importlib.import_module(BACKEND_MODULES[backend])
+    return module.available(dev)
+
+
+def _call_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def resolve(op: str, backend: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpImpl:
+    """Choose the implementation of ``op`` for this call (see module docstring)."""
+    requested = backend if backend is not None else get_settings().backend
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKEND_CHOICES}")
+    dev = device_info(_call_device(args, kwargs))
+    if requested != "auto":
+        return _explicit(op, requested, dev, args, kwargs)
+    reasons = []
+    for name in PRIORITY.get(dev.kind, ("reference",)):
+        ok, reason = backend_available(name, dev)
+        impl = _impls.get(op, {}).get(name) if ok else None
+        if ok and impl is None:
+            ok, reason = False, f"{name} has no {op} kernel"
+        if ok:
+            ok, reason = impl.check(*args, **kwargs)
+        if ok:
+            if reasons:
+                _log_fallback(op, name, "; ".join(reasons))
+            return impl
+        reasons.append(f"{name}: {reason}")
+    raise BackendError(f"no backend can run {op} on {dev.describe()}: " + "; ".join(reasons))
+
+
+def _explicit(op: str, name: str, dev: DeviceInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpImpl:
+    ok, reason = backend_available(name, dev)
+    if not ok:
+        raise BackendError(f"backend {name!r} cannot run {op} on {dev.describe()}: {reason}")
+    impl = _impls.get(op, {}).get(name)
+    if impl is None:
+        raise BackendError(f"backend {name!r} has no implementation of {op}")
+    ok, reason = impl.check(*args, **kwargs)
+    if not ok:
+        raise BackendError(f"backend {name!r} cannot run this {op} call: {reason}")
+    return impl
+
+
+def _log_fallback(op: str, chosen: str, why: str) -> None:
+    key = (op, chosen, why)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("%s: using %s backend (%s)", op, chosen, why)
+
+
+def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on the backend chosen by :func:`resolve`."""
+    return resolve(op, backend, args, kwargs).fn(*args, **kwargs)
+
+
+def explain(op: str, dev: DeviceInfo) -> tuple[str | None, list[str]]:
+    """For ``rocm-k3 ops``: which backend ``op`` resolves to on ``dev`` without arguments, and why.
+
+    Call-specific ``supports`` checks need real arguments, so this reports device-level availability only.
+    """
+    requested = get_settings().backend
+    order = PRIORITY.get(dev.kind, ("reference",)) if requested == "auto" else (requested,)
+    lines = []
+    for name in order:
+        ok, reason = backend_available(name, dev)
+        if ok and name not in _impls.get(op, {}):
+            ok, reason = False, f"no {op} kernel in this backend"
+        lines.append(f"{name}: {'ok' if ok else reason}")
+        if ok:
+            return name, lines
+    return None, lines

@@ -1,0 +1,88 @@
+"""The one typed settings module: every environment variable rocm-k3 reads is declared here.
+
+Nothing else in the package reads ``os.environ``. Settings are read when :func:`get_settings` is first
+called (never at import time) and can be overridden for a block of code with :func:`override`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterator, Mapping
+
+BACKEND_CHOICES = ("auto", "reference", "triton", "flydsl", "aiter")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Process-wide knobs.
+
+    backend:        ROCM_K3_BACKEND     op backend for every op, or "auto" (per-device priority order).
+    cache_dir:      ROCM_K3_CACHE_DIR   where the embedded tiny model and compiled artifacts are written.
+    log_level:      ROCM_K3_LOG_LEVEL   logging level of the ``rocm_k3`` logger.
+    compile_only:   COMPILE_ONLY        FlyDSL's compile-only mode (build code objects without a GPU).
+    flydsl_arch:    ARCH                FlyDSL target arch in compile-only mode (gfx942 or gfx950).
+    rocm_path:      ROCM_PATH           ROCm root (FlyDSL links with ``$ROCM_PATH/llvm/bin/ld.lld``).
+    triton_interpret: TRITON_INTERPRET  Triton's CPU interpreter (read so tests can tell which tier runs).
+    """
+
+    backend: str = "auto"
+    cache_dir: Path = Path.home() / ".cache" / "rocm_k3"
+    log_level: str = "WARNING"
+    compile_only: bool = False
+    flydsl_arch: str | None = None
+    rocm_path: Path | None = None
+    triton_interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"ROCM_K3_BACKEND={self.backend!r} is not one of {BACKEND_CHOICES}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"ROCM_K3_LOG_LEVEL={self.log_level!r} is not one of {_LOG_LEVELS}")
+        if self.flydsl_arch is not None and self.flydsl_arch not in ("gfx942", "gfx950"):
+            raise ValueError(f"ARCH={self.flydsl_arch!r}: rocm-k3 targets gfx942 and gfx950 only")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+
+        def flag(name: str) -> bool:
+            return env.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+        cache = env.get("ROCM_K3_CACHE_DIR")
+        rocm = env.get("ROCM_PATH")
+        return cls(
+            backend=env.get("ROCM_K3_BACKEND", "auto").strip().lower() or "auto",
+            cache_dir=Path(cache).expanduser() if cache else cls.cache_dir,
+            log_level=env.get("ROCM_K3_LOG_LEVEL", "WARNING").strip().upper(),
+            compile_only=flag("COMPILE_ONLY"),
+            flydsl_arch=env.get("ARCH") or None,
+            rocm_path=Path(rocm) if rocm else None,
+            triton_interpret=flag("TRITON_INTERPRET"),
+        )
+
+
+_current: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """The process settings, read from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = Settings.from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """Temporarily replace some settings (tests, the CLI)."""
+    global _current
+    previous = get_settings()
+    _current = dataclasses.replace(previous, **changes)
+    try:
+        yield _current
+    finally:
+        _current = previous

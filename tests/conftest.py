@@ -1,0 +1,26 @@
+"""Test tiers (markers): unit (none), interpret, compile, cuda, rocm. GPU tiers skip with a reason elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def _has_rocm() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_cuda = pytest.mark.skip(reason="cuda tier: needs an NVIDIA GPU (run on the H200)")
+    skip_rocm = pytest.mark.skip(
+        reason="rocm tier: needs an AMD MI300X/MI355X GPU with ROCm torch and flydsl (run `pytest -m rocm` there)"
+    )
+    for item in items:
+        if "cuda" in item.keywords and not _has_cuda():
+            item.add_marker(skip_cuda)
+        if "rocm" in item.keywords and not _has_rocm():
+            item.add_marker(skip_rocm)
