@@ -1,0 +1,163 @@
+"""Cross-compile a ``@triton.jit`` kernel for sm_90, gfx942 or gfx950 on a machine without a GPU.
+
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))`` runs Triton's whole pipeline
+(TTIR -> TTGIR -> LLVM -> PTX/cubin or AMDGCN/hsaco) without a driver, so the `compile` test tier can prove that
+every kernel lowers for each target and inspect the instructions it became (``wgmma``/``mma`` on Hopper,
+``v_mfma_*`` on CDNA3/CDNA4) and its register, scratch and spill use.
+
+Usage::
+
+    res = compile_kernel(my_kernel, {"x_ptr": "*bf16", "n": "i32"}, {"BLOCK": 128}, "gfx942")
+    assert res.has("v_mfma"), res.summary()
+
+The signature maps every non-constexpr argument to a Triton type string (``*fp32``, ``*bf16``, ``*u8``,
+``i32``, ``i64``, ``fp32``, ...); constexpr arguments go in ``constexprs`` and may be left out of the signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+TARGETS = ("sm_90", "gfx942", "gfx950")
+
+_AMD_META = {
+    "vgprs": re.compile(r"\.vgpr_count:\s+(\d+)"),
+    "sgprs": re.compile(r"\.sgpr_count:\s+(\d+)"),
+    "agprs": re.compile(r"\.agpr_count:\s+(\d+)"),
+    "vgpr_spills": re.compile(r"\.vgpr_spill_count:\s+(\d+)"),
+    "sgpr_spills": re.compile(r"\.sgpr_spill_count:\s+(\d+)"),
+    "scratch_bytes": re.compile(r"; ScratchSize:\s+(\d+)"),
+}
+_AMD_INSTR = re.compile(r"^\s+((?:v|s|global|buffer|ds|flat|scratch)_[a-z0-9_]+)", re.MULTILINE)
+_PTX_INSTR = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)", re.MULTILINE)
+_CUOBJ_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    """What one cross-compilation produced.
+
+    target:    "sm_90", "gfx942" or "gfx950".
+    asm:       the assembly text (PTX for sm_90, AMDGCN for gfx9xx).
+    mnemonics: every instruction mnemonic in ``asm`` (PTX opcodes keep their dotted suffixes,
+               e.g. ``wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16``).
+    registers: VGPRs per lane (AMD) or registers per thread from the cubin (NVIDIA; None if cuobjdump is absent).
+    scratch_bytes: private scratch (AMD ScratchSize) or local memory per thread (NVIDIA LOCAL).
+    spills:    VGPR + SGPR spill count (AMD); on NVIDIA the stack-frame bytes (> 0 means ptxas spilled).
+    shared_bytes: shared memory / LDS the kernel declares.
+    """
+
+    target: str
+    asm: str
+    mnemonics: frozenset[str]
+    registers: int | None
+    scratch_bytes: int
+    spills: int
+    shared_bytes: int
+    extra: Mapping[str, int]
+
+    def has(self, prefix: str) -> bool:
+        """True when some instruction mnemonic starts with ``prefix`` (e.g. "v_mfma", "wgmma.mma_async")."""
+        return any(m.startswith(prefix) for m in self.mnemonics)
+
+    def count(self, prefix: str) -> int:
+        """Number of instruction lines whose mnemonic starts with ``prefix``."""
+        pattern = _AMD_INSTR if self.target.startswith("gfx") else _PTX_INSTR
+        return sum(1 for m in pattern.findall(self.asm) if m.startswith(prefix))
+
+    def summary(self) -> str:
+        mma = sorted(m for m in self.mnemonics if "mma" in m or "mfma" in m)
+        return (
+            f"{self.target}: registers={self.registers} scratch={self.scratch_bytes}B spills={self.spills} "
+            f"shared={self.shared_bytes}B matrix_ops={mma[:6]}"
+        )
+
+
+def _gpu_target(target: str) -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    if target == "sm_90":
+        return GPUTarget("cuda", 90, 32)
+    if target in ("gfx942", "gfx950"):
+        return GPUTarget("hip", target, 64)
+    raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+
+
+def _cuda_resources(cubin: bytes) -> tuple[int | None, int, int, int]:
+    """(registers, stack, shared, local) of the first kernel in a cubin, via Triton's bundled cuobjdump."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    exe = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if exe is None:
+        return None, 0, 0, 0
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([exe, "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+    m = _CUOBJ_RES.search(out)
+    if m is None:
+        return None, 0, 0, 0
+    reg, stack, shared, local = (int(g) for g in m.groups())
+    return reg, stack, shared, local
+
+
+def compile_kernel(
+    fn: Any,
+    signature: Mapping[str, str],
+    constexprs: Mapping[str, Any] | None,
+    target: str,
+    *,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> CompileResult:
+    """Compile ``fn`` (a ``@triton.jit`` function) for ``target`` without a GPU and summarise the result.
+
+    signature: argument name -> Triton type string for every runtime argument.
+    constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing).
+    """
+    import triton
+    from triton.compiler import ASTSource
+
+    if not isinstance(signature, Mapping):
+        raise TypeError(f"signature must be a mapping name -> type string, got {type(signature).__name__}")
+    constexprs = dict(constexprs or {})
+    sig = dict(signature)
+    for name in constexprs:
+        sig.setdefault(name, "constexpr")
+    known = set(fn.arg_names)
+    unknown = sorted(set(sig) - known)
+    if unknown:
+        raise ValueError(f"signature names {unknown} are not arguments of {fn.__name__} ({sorted(known)})")
+    missing = [a for a in fn.arg_names if a not in sig]
+    if missing:
+        raise ValueError(f"signature is missing arguments {missing} of {fn.__name__}")
+    options: dict[str, Any] = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs)
+    kernel = triton.compile(src, target=_gpu_target(target), options=options)
+    shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+    if target == "sm_90":
+        asm = kernel.asm["ptx"]
+        regs, stack, cu_shared, local = _cuda_resources(kernel.asm["cubin"])
+        mnemonics = frozenset(_PTX_INSTR.findall(asm))
+        return CompileResult(target, asm, mnemonics, regs, local, stack, max(shared, cu_shared), {"stack": stack})
+    asm = kernel.asm["amdgcn"]
+    meta = {k: int(m.group(1)) if (m := p.search(asm)) else 0 for k, p in _AMD_META.items()}
+    return CompileResult(
+        target,
+        asm,
+        frozenset(_AMD_INSTR.findall(asm)),
+        meta["vgprs"],
+        meta["scratch_bytes"],
+        meta["vgpr_spills"] + meta["sgpr_spills"],
+        shared,
+        meta,
+    )
