@@ -1,0 +1,325 @@
+"""MLA (multi-head latent attention, DeepSeek-V3 style, NoPE) over a paged latent cache.
+
+Cache layout (one tensor per MLA layer)::
+
+    kv_cache     [num_blocks, block_size, 576]   576 = 512 c_kv (already RMS-normed) | 64 k_pe
+    block_table  int32 [N, max_blocks]           physical block of each logical block of sequence i
+    slot_mapping int64 [T]                       slot = block * block_size + offset; -1 = do not write
+
+Token ``p`` of sequence ``i`` lives at ``kv_cache[block_table[i, p // block_size], p % block_size]``.
+
+K3 uses no rotary embedding: the 64 "rope" dims of q and the shared k_pe are used exactly as given, never
+rotated, so no op takes positions. The per-head up-projection ``kv_b_weight [H * (128 + 128), 512]`` holds, for
+head h, rows ``h*256 : h*256+128`` = W_uk (c_kv -> k_nope) and rows ``h*256+128 : (h+1)*256`` = W_uv (c_kv -> v).
+
+Ops:
+- :func:`mla_write_cache` stores the latents of new tokens (in place).
+- :func:`mla_prefill` expands k/v from the cached latents and runs causal attention (q = new tokens, which are the
+  last ones of each sequence's context: chunked prefill and prefix hits read earlier context from the cache).
+- :func:`mla_decode` attends in the absorbed 512-d latent space (the caller folds W_uk into q and applies W_uv to
+  the output).
+
+Public functions check shapes, dtypes and devices only (no device syncs, so they stay graph-capturable). The
+reference implementations additionally check the index VALUES (slot range, block ids, seq_lens against the
+block table capacity, cu_seqlens_q consistency) and raise ValueError; kernel backends trust them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from rocm_k3.ops import registry
+
+KV_LORA_RANK = 512  # c_kv width
+ROPE_DIM = 64  # k_pe / q_pe width (NoPE in K3: never rotated)
+LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576 values per cached token
+QK_NOPE_DIM = 128
+QK_DIM = QK_NOPE_DIM + ROPE_DIM  # 192; default softmax scale 192^-0.5
+V_DIM = 128
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# boundary validation (shapes, dtypes, devices)
+# ----------------------------------------------------------------------------------------------------------
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _float(name: str, t: object) -> torch.Tensor:
+    t = _tensor(name, t)
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype}")
+    return t
+
+
+def _int(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
+    t = _tensor(name, t)
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    return t
+
+
+def _shape(name: str, t: torch.Tensor, expected: Sequence[int | None], spec: str) -> None:
+    """``expected`` holds a size per dim, None = any; ``spec`` is the symbolic shape for the message."""
+    ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))
+    if not ok:
+        raise ValueError(f"{name} must have shape {spec}, got {list(t.shape)}")
+
+
+def _same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all must share a device")
+
+
+def _check_cache(kv_cache: object) -> torch.Tensor:
+    kv_cache = _float("kv_cache", kv_cache)
+    _shape("kv_cache", kv_cache, (None, None, LATENT_DIM), f"[num_blocks, block_size, {LATENT_DIM}]")
+    if kv_cache.shape[1] == 0:
+        raise ValueError("kv_cache block_size (dim 1) must be >= 1, got 0")
+    return kv_cache
+
+
+def _check_paged(kv_cache: object, block_table: object, seq_lens: object, n: int | None) -> None:
+    _check_cache(kv_cache)
+    block_table = _int("block_table", block_table, torch.int32)
+    seq_lens = _int("seq_lens", seq_lens, torch.int32)
+    _shape("block_table", block_table, (n, None), "[N, max_blocks]")
+    _shape("seq_lens", seq_lens, (block_table.shape[0],), f"[N] with N = {block_table.shape[0]}")
+
+
+def _check_scale(scale: object, required: bool) -> None:
+    if scale is None and not required:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float{'' if required else ' or None'}, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# value checks (reference only: they read index tensors on the host)
+# ----------------------------------------------------------------------------------------------------------
+def _check_paged_values(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       min_len: int = 0) -> list[int]:
+    """Check that every sequence fits its block-table row and only names existing blocks; return seq_lens.
+
+    Raises ValueError naming the sequence. Reads the index tensors on the host (a device sync).
+    """
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
+    max_blocks = block_table.shape[1]
+    lens = [int(x) for x in seq_lens.tolist()]
+    table = block_table.cpu()
+    for i, length in enumerate(lens):
+        if length < min_len:
+            raise ValueError(f"seq_lens[{i}] must be >= {min_len}, got {length}")
+        used = -(-length // block_size)  # ceil
+        if used > max_blocks:
+            raise ValueError(
+                f"block_table too small: seq_lens[{i}] = {length} needs {used} blocks of {block_size} tokens, "
+                f"but block_table has {max_blocks} columns"
+            )
+        row = table[i, :used]
+        if used and (int(row.min()) < 0 or int(row.max()) >= num_blocks):
+            raise ValueError(
+                f"block_table[{i}, :{used}] holds block ids outside [0, {num_blocks}): {row.tolist()}"
+            )
+    return lens
+
+
+def _check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, total: int, lens: list[int]) -> list[int]:
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens_q must start at 0 and end at T = {total}, got {cu}")
+    for i, length in enumerate(lens):
+        n = cu[i + 1] - cu[i]
+        if n < 0:
+            raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu}")
+        if n > length:
+            raise ValueError(
+                f"sequence {i} has {n} query tokens but seq_lens[{i}] = {length}: the new tokens must already be "
+                f"in the cache (write them with mla_write_cache first)"
+            )
+    return cu
+
+
+def _gather_latents(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached latents of one sequence, fp32 [length, 576]."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(length, device=kv_cache.device)
+    blocks = table_row.to(kv_cache.device)[pos // block_size].long()  # [length]
+    return kv_cache[blocks, pos % block_size].float()  # [length, 576]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------------------
+def _mla_write_cache_reference(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    capacity = kv_cache.shape[0] * kv_cache.shape[1]
+    if slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= capacity:
+            raise ValueError(
+                f"slot_mapping values must be -1 (skip) or in [0, {capacity}) for kv_cache "
+                f"{list(kv_cache.shape)}, got range [{lo}, {hi}]"
+            )
+    keep = slot_mapping >= 0  # [T]
+    flat = kv_cache.view(-1, LATENT_DIM)  # [num_blocks * block_size, 576], shares storage
+    flat[slot_mapping[keep]] = latent[keep].to(kv_cache.dtype)
+
+
+def _mla_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *,
+                           scale: float | None = None) -> torch.Tensor:
+    lens = _check_paged_values(kv_cache, block_table, seq_lens)
+    cu = _check_cu_seqlens_values(cu_seqlens_q, q.shape[0], lens)
+    scale = QK_DIM**-0.5 if scale is None else float(scale)
+    num_heads = q.shape[1]
+    w = kv_b_weight.float().view(num_heads, QK_NOPE_DIM + V_DIM, KV_LORA_RANK)  # [H, 256, 512]
+    w_uk, w_uv = w[:, :QK_NOPE_DIM], w[:, QK_NOPE_DIM:]  # [H, 128, 512] each
+    out = torch.zeros(q.shape[0], num_heads, V_DIM, dtype=q.dtype, device=q.device)
+    for i, length in enumerate(lens):
+        q0, q1 = cu[i], cu[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, 576]
+        c_kv, k_pe = latent[:, :KV_LORA_RANK], latent[:, KV_LORA_RANK:]  # [L, 512], [L, 64]
+        k_nope = torch.einsum("lc,hdc->hld", c_kv, w_uk)  # [H, L, 128]
+        v = torch.einsum("lc,hdc->hld", c_kv, w_uv)  # [H, L, 128]
+        qi = q[q0:q1].float().transpose(0, 1)  # [H, n, 192]
+        scores = qi[..., :QK_NOPE_DIM] @ k_nope.transpose(1, 2) + qi[..., QK_NOPE_DIM:] @ k_pe.T  # [H, n, L]
+        q_pos = torch.arange(length - n, length, device=q.device)  # absolute positions of the new tokens
+        k_pos = torch.arange(length, device=q.device)
+        future = k_pos[None, :] > q_pos[:, None]  # [n, L]
+        probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, n, L]
+        out[q0:q1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [n, H, 128]
+    return out
+
+
+def _mla_decode_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                          block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+    lens = _check_paged_values(kv_cache, block_table, seq_lens, min_len=1)
+    out = torch.empty_like(q_latent)  # [N, H, 512]
+    for i, length in enumerate(lens):
+        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, 576]
+        c_kv, k_pe = latent[:, :KV_LORA_RANK], latent[:, KV_LORA_RANK:]  # [L, 512], [L, 64]
+        scores = q_latent[i].float() @ c_kv.T + q_pe[i].float() @ k_pe.T  # [H, L]
+        probs = torch.softmax(scores * float(scale), dim=-1)  # [H, L]
+        out[i] = (probs @ c_kv).to(q_latent.dtype)  # [H, 512]
+    return out
+
+
+REFERENCE_IMPLS = {
+    "mla_write_cache": _mla_write_cache_reference,
+    "mla_prefill": _mla_prefill_reference,
+    "mla_decode": _mla_decode_reference,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public ops
+# ----------------------------------------------------------------------------------------------------------
+def mla_write_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                    backend: str | None = None) -> None:
+    """Store the latents of new tokens in the paged cache, in place.
+
+    Args:
+        latent: [T, 576] (512 normed c_kv | 64 k_pe), same dtype as ``kv_cache``.
+        kv_cache: [num_blocks, block_size, 576], contiguous; updated in place.
+        slot_mapping: int64 [T]; token t goes to flat slot ``slot_mapping[t]`` (= block * block_size + offset),
+            -1 skips the token (e.g. padding or a prefix-cache hit).
+    """
+    latent = _float("latent", latent)
+    kv_cache = _check_cache(kv_cache)
+    slot_mapping = _int("slot_mapping", slot_mapping, torch.int64)
+    _shape("latent", latent, (None, LATENT_DIM), f"[T, {LATENT_DIM}]")
+    _shape("slot_mapping", slot_mapping, (latent.shape[0],), f"[T] with T = {latent.shape[0]}")
+    if latent.dtype != kv_cache.dtype:
+        raise TypeError(f"latent dtype {latent.dtype} must match kv_cache dtype {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (its flat slot index is block * block_size + offset)")
+    _same_device("latent", latent, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    registry.dispatch("mla_write_cache", backend, latent, kv_cache, slot_mapping)
+
+
+def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
+                backend: str | None = None) -> torch.Tensor:
+    """Causal MLA attention of new tokens over their sequence's cached context, with expanded k/v.
+
+    Args:
+        q: [T, H, 192] (128 nope | 64 pe), new tokens of N sequences concatenated.
+        kv_cache: [num_blocks, block_size, 576]; must already hold every context token INCLUDING the new ones.
+        block_table: int32 [N, max_blocks].
+        cu_seqlens_q: int32 [N + 1]; sequence i's queries are rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]``.
+        seq_lens: int32 [N]; context length of sequence i after this step (cached + new).
+        kv_b_weight: [H * 256, 512]; per head, 128 rows W_uk then 128 rows W_uv.
+        scale: softmax scale, default 192^-0.5.
+
+    Math (fp32), for sequence i with L = seq_lens[i] and n new tokens, query j at position ``L - n + j``::
+
+        c_kv, k_pe = cache[:L, :512], cache[:L, 512:]
+        k_nope[h] = c_kv @ W_uk[h]^T;  v[h] = c_kv @ W_uv[h]^T            # [L, 128]
+        s[h, j, l] = scale * (q_nope[j, h] . k_nope[h, l] + q_pe[j, h] . k_pe[l]),  l <= L - n + j
+        out[j, h] = softmax_l(s[h, j]) @ v[h]
+
+    Returns: [T, H, 128] in q's dtype.
+    """
+    q = _float("q", q)
+    _shape("q", q, (None, None, QK_DIM), f"[T, H, {QK_DIM}]")
+    num_heads = q.shape[1]
+    cu_seqlens_q = _int("cu_seqlens_q", cu_seqlens_q, torch.int32)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must have shape [N + 1] with N >= 1, got {list(cu_seqlens_q.shape)}")
+    n = cu_seqlens_q.shape[0] - 1
+    _check_paged(kv_cache, block_table, seq_lens, n)
+    kv_b_weight = _float("kv_b_weight", kv_b_weight)
+    rows = num_heads * (QK_NOPE_DIM + V_DIM)
+    _shape("kv_b_weight", kv_b_weight, (rows, KV_LORA_RANK),
+           f"[H * ({QK_NOPE_DIM} + {V_DIM}), {KV_LORA_RANK}] = [{rows}, {KV_LORA_RANK}] for H = {num_heads}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype}")
+    _check_scale(scale, required=False)
+    _same_device("q", q, kv_cache=kv_cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                 seq_lens=seq_lens, kv_b_weight=kv_b_weight)
+    return registry.dispatch("mla_prefill", backend, q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight,
+                             scale=scale)
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, *, scale: float, backend: str | None = None) -> torch.Tensor:
+    """One-token-per-sequence MLA attention in the absorbed 512-d latent space.
+
+    Args:
+        q_latent: [N, H, 512] = q_nope[h] @ W_uk[h] (W_uk absorbed by the caller).
+        q_pe: [N, H, 64], same dtype as q_latent.
+        kv_cache: [num_blocks, block_size, 576], same dtype as q_latent.
+        block_table: int32 [N, max_blocks].
+        seq_lens: int32 [N], each >= 1 (the new token is already cached).
+        scale: softmax scale (K3: 192^-0.5, the scale of the unabsorbed attention).
+
+    Math (fp32): ``s[h, l] = scale * (q_latent[h] . c_kv[l] + q_pe[h] . k_pe[l])`` over the seq_lens[i] cached
+    tokens, ``out[h] = softmax_l(s[h]) @ c_kv``. The caller applies W_uv: ``o[h] = out[h] @ W_uv[h]^T``.
+
+    Returns: [N, H, 512] in q_latent's dtype.
+    """
+    q_latent = _float("q_latent", q_latent)
+    _shape("q_latent", q_latent, (None, None, KV_LORA_RANK), f"[N, H, {KV_LORA_RANK}]")
+    n, num_heads = q_latent.shape[0], q_latent.shape[1]
+    q_pe = _float("q_pe", q_pe)
+    _shape("q_pe", q_pe, (n, num_heads, ROPE_DIM), f"[N, H, {ROPE_DIM}] = [{n}, {num_heads}, {ROPE_DIM}]")
+    _check_paged(kv_cache, block_table, seq_lens, n)
+    for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache)):
+        if t.dtype != q_latent.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} must match q_latent dtype {q_latent.dtype}")
+    _check_scale(scale, required=True)
+    _same_device("q_latent", q_latent, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+    return registry.dispatch("mla_decode", backend, q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale)
