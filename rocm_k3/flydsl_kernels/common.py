@@ -1,0 +1,135 @@
+"""Device-side helpers shared by the FlyDSL kernels (called while a kernel is traced).
+
+Everything here emits FlyDSL IR and must be called from inside a ``@flyc.kernel`` body. Math that LLVM's
+AMDGPU backend has no instruction for (``tanh``: "no libcall available") is written with ``exp``.
+
+Conventions: a wave is 64 lanes (CDNA3/CDNA4); all reductions accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flydsl.expr as fx
+from flydsl.expr import gpu, range_constexpr
+from flydsl.expr import math as fmath
+
+WAVE = 64
+
+_FX_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
+_TORCH_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bf16' | 'f16' | 'f32' for a torch floating dtype the kernels accept."""
+    try:
+        return _TORCH_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"FlyDSL kernels take bf16, fp16 or fp32 activations, got {dtype}") from None
+
+
+def fx_dtype(name: str):
+    return _FX_DTYPES[name]
+
+
+def itemsize(name: str) -> int:
+    return _ITEMSIZE[name]
+
+
+def vec_elems(name: str) -> int:
+    """Elements moved by one 128-bit access (8 for bf16/fp16, 4 for fp32)."""
+    return 16 // _ITEMSIZE[name]
+
+
+def copy_atom_128(name: str):
+    return fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 8 * _ITEMSIZE[name])
+
+
+def load_vec(atom, divided, index, n: int, name: str):
+    """Load ``n`` contiguous elements (one 128-bit access) at tile ``index`` of a row divided into n-vectors."""
+    reg = fx.make_rmem_tensor(n, fx_dtype(name))
+    fx.copy(atom, fx.slice(divided, (None, index)), reg)
+    return fx.memref_load_vec(reg)
+
+
+def store_vec(atom, divided, index, value, n: int, name: str):
+    """Store an n-vector (already in the element dtype) to tile ``index`` of a divided row."""
+    reg = fx.make_rmem_tensor(n, fx_dtype(name))
+    fx.memref_store_vec(value, reg)
+    fx.copy(atom, reg, fx.slice(divided, (None, index)))
+
+
+def row_vectors(tensor, row, n: int):
+    """Row ``row`` of a 2-D global tensor as a buffer view divided into n-element tiles."""
+    buf = fx.rocdl.make_buffer_tensor(tensor)
+    return fx.logical_divide(fx.slice(buf, (row, None)), fx.make_layout(n, 1))
+
+
+def flat_vectors(tensor, n: int):
+    """A 1-D global tensor as a buffer view divided into n-element tiles."""
+    return fx.logical_divide(fx.rocdl.make_buffer_tensor(tensor), fx.make_layout(n, 1))
+
+
+def group_sum(x, width: int):
+    """Sum of ``x`` over aligned groups of ``width`` lanes (width a power of two <= 64), via xor shuffles."""
+    shift = width // 2
+    while shift >= 1:
+        x = x + x.shuffle_xor(shift, WAVE)
+        shift //= 2
+    return x
+
+
+def group_max(x, width: int):
+    shift = width // 2
+    while shift >= 1:
+        x = fx.max(x, x.shuffle_xor(shift, WAVE))
+        shift //= 2
+    return x
+
+
+def block_sum(x, scratch, tid, waves: int):
+    """Sum of ``x`` over a workgroup of ``waves`` waves; ``scratch`` is an LDS fp32 view of >= waves slots.
+
+    Every lane of a wave holds the wave total after the butterfly, so all of them store the same value
+    to the wave's slot (no lane predicate needed). Ends with a barrier, so it may be called repeatedly
+    with the same scratch.
+    """
+    x = group_sum(x, WAVE)
+    if waves == 1:
+        return x
+    scratch[tid // WAVE] = x
+    gpu.barrier()
+    total = scratch[0]
+    for w in range_constexpr(1, waves):
+        total = total + scratch[w]
+    gpu.barrier()
+    return total
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + fmath.exp(-x))
+
+
+def tanh(x):
+    """tanh via exp: 1 - 2 / (exp(2x) + 1); exact limits +-1 for large |x| (exp overflows to inf / 0)."""
+    return 1.0 - 2.0 / (fmath.exp(x * 2.0) + 1.0)
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def softplus(x):
+    """log(1 + exp(x)) computed as max(x, 0) + log(1 + exp(-|x|))."""
+    return fx.max(x, 0.0) + fmath.log(1.0 + fmath.exp(-fmath.absf(x)))
+
+
+def vector_of(values, dtype):
+    return fx.Vector.from_elements(list(values), dtype)
+
+
+def fill_rmem(n: int, value: float):
+    reg = fx.make_rmem_tensor(n, fx.Float32)
+    reg.store(fx.Vector.filled(n, value, fx.Float32))
+    return reg

@@ -1,0 +1,140 @@
+"""Work decompositions (thread -> element index maps) of the FlyDSL kernels, in plain Python.
+
+The kernels build their index arithmetic from these functions, called with DSL integers while tracing;
+the host tests call the very same functions with Python ints and check that every tile is covered
+exactly once with the intended vector width. Only ``+ - * // %`` are used, so one definition serves both.
+Nothing here imports FlyDSL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+WAVE = 64
+_BLOCK_THREADS = (256, 128, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """How a workgroup covers ``rows_per_block`` rows of ``D`` elements with ``vec``-wide accesses.
+
+    Wide rows (D / vec >= 64): one row per workgroup of ``threads`` lanes, each lane loads ``tiles``
+    vectors, vector ``i`` of lane ``t`` is row vector ``t + i * threads`` (coalesced per tile).
+    Narrow rows (D / vec < 64, e.g. one 128-wide head): ``lanes_per_row`` lanes hold one row in a single
+    vector each and a 256-lane workgroup holds ``256 / lanes_per_row`` rows; reductions stay inside the
+    aligned lane group.
+    """
+
+    D: int
+    vec: int
+    threads: int
+    lanes_per_row: int
+    tiles: int
+    rows_per_block: int
+
+    def __post_init__(self) -> None:
+        if self.threads % WAVE or self.threads > 256:
+            raise ValueError(f"threads must be a multiple of {WAVE} up to 256, got {self.threads}")
+        if self.lanes_per_row * self.tiles * self.vec != self.D:
+            raise ValueError(f"plan does not tile D={self.D}: {self}")
+        if self.rows_per_block * self.lanes_per_row != self.threads:
+            raise ValueError(f"plan does not fill the workgroup: {self}")
+
+    @property
+    def waves(self) -> int:
+        return self.threads // WAVE
+
+    def row_of(self, tid):
+        """Row (inside the block) handled by lane ``tid``."""
+        return tid // self.lanes_per_row
+
+    def vector_of(self, tid, tile):
+        """Index of the ``vec``-wide vector of its row that lane ``tid`` handles in ``tile``."""
+        return tid % self.lanes_per_row + tile * self.lanes_per_row
+
+
+def row_plan(D: int, vec: int) -> RowPlan:
+    """The RowPlan the norm / attn-res kernels use for rows of D elements and vec-wide accesses."""
+    if D <= 0 or D % vec:
+        raise ValueError(f"row length D={D} must be a positive multiple of the vector width {vec}")
+    vectors = D // vec
+    if vectors >= WAVE:
+        for threads in _BLOCK_THREADS:
+            if vectors % threads == 0:
+                return RowPlan(D, vec, threads, threads, vectors // threads, 1)
+        raise ValueError(f"D={D}: {vectors} vectors of {vec} are not a multiple of 64 lanes")
+    if WAVE % vectors:
+        raise ValueError(f"D={D}: {vectors} vectors of {vec} per row must divide a 64-lane wave")
+    return RowPlan(D, vec, 256, vectors, 1, 256 // vectors)
+
+
+# --- KDA decode: one workgroup per (sequence, head) ------------------------------------------------------
+
+
+def kda_decode_lane_channel(tid):
+    """Lane ``tid`` of the 128-lane KDA workgroup owns key channel ``tid`` (q, k, g, conv of q/k/v) and value
+    column ``tid`` of the [K, V] state (all K rows of it, in registers)."""
+    return tid
+
+
+# --- MoE GEMM tiles -------------------------------------------------------------------------------------
+# MFMA 16x16 output tiles; a wave computes NT such tiles along N for one 16-row block of sorted tokens.
+MOE_BLOCK_M = 16
+MOE_K_GROUP = 128  # K elements one lane group consumes per pre-shuffled weight load (4 MX blocks of 32)
+
+
+def mfma_c_coord(lane, i):
+    """(row, col) of accumulator element ``i`` (0..3) held by ``lane`` in a 16x16 fp32 MFMA tile."""
+    return (lane // 16) * 4 + i, lane % 16
+
+
+def mfma_ab_row(lane):
+    """Row of A (token) / column of B (output feature) whose operand values ``lane`` supplies."""
+    return lane % 16
+
+
+def moe_k_index(lane, group, step, j, layout: str, kpl: int):
+    """K index of element ``j`` of the MFMA operand fragment of ``lane`` in MFMA step ``step`` of K group ``group``.
+
+    A K group is 128 values = 4 MX blocks of 32; lane group ``q = lane // 16`` holds 32 of them, as 4
+    dwords of 8 FP4 codes in the pre-shuffled weights. ``kpl`` is the per-lane K of one MFMA step:
+    4 (16x16x16 bf16, gfx942), 8 (16x16x32 bf16 on gfx950, 16x16x32 fp8) or 32 (scaled 16x16x128).
+    - layout "step": each MX block is consumed by whole MFMA steps (block = step // (8 // kpl)), lane
+      group q taking 8 values of it: k = block*32 + q*8 + sub*kpl + j. One step never mixes MX blocks,
+      so per-block scales of BOTH operands can be applied to the fp32 result of the step (gfx942 FP8).
+    - layout "lane": lane group q owns MX block q: k = q*32 + step*kpl + j. A lane's fragment never
+      mixes MX blocks, which is what the scaled MFMA (one E8M0 scale per lane and operand) expects.
+    """
+    q = lane // 16
+    if layout == "step":
+        if kpl not in (4, 8):
+            raise ValueError(f"layout 'step' takes kpl 4 or 8, got {kpl}")
+        per_block = 8 // kpl
+        return group * MOE_K_GROUP + (step // per_block) * 32 + q * 8 + (step % per_block) * kpl + j
+    if layout == "lane":
+        if kpl not in (4, 8, 32):
+            raise ValueError(f"layout 'lane' takes kpl 4, 8 or 32, got {kpl}")
+        return group * MOE_K_GROUP + q * 32 + step * kpl + j
+    raise ValueError(f"unknown K layout {layout!r}")
+
+
+def moe_steps(kpl: int) -> int:
+    """MFMA steps per 128-wide K group."""
+    return MOE_K_GROUP // (4 * kpl)
+
+
+def moe_dword_pos(step, j, layout: str, kpl: int):
+    """(dword 0..3, nibble 0..7) of the lane's pre-shuffled weights holding fragment element ``j`` of ``step``.
+
+    Dword ``d`` nibble ``p`` of a lane holds K value ``moe_k_index(lane, g, d * 8 // kpl + p // kpl, p % kpl)``,
+    i.e. the lane's 32 values in its fragment order.
+    """
+    flat = step * kpl + j  # position among the lane's 32 values of this group
+    return flat // 8, flat % 8
+
+
+def moe_dword_k(lane, group, d, p, layout: str):
+    """K index stored in dword ``d`` nibble ``p`` of ``lane``'s pre-shuffled weights for K group ``group``."""
+    if layout == "step":
+        return group * MOE_K_GROUP + d * 32 + (lane // 16) * 8 + p
+    return group * MOE_K_GROUP + (lane // 16) * 32 + d * 8 + p
