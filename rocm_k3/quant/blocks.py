@@ -41,8 +41,9 @@ def check_scales(scales: object, data_shape: torch.Size, k: int, name: str = "sc
     return scales
 
 
-def row_chunks(rows: int, cols: int, budget: int = CHUNK_ELEMENTS) -> Iterator[slice]:
-    """Slices of ``range(rows)`` holding at most ``budget`` elements each (at least one row)."""
+def row_chunks(rows: int, cols: int, budget: int | None = None) -> Iterator[slice]:
+    """Slices of ``range(rows)`` holding at most ``budget`` (default CHUNK_ELEMENTS) elements each, >= 1 row."""
+    budget = CHUNK_ELEMENTS if budget is None else budget
     step = max(1, budget // max(cols, 1))
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
