@@ -46,6 +46,16 @@ def copy_atom_128(name: str):
     return fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 8 * _ITEMSIZE[name])
 
 
+def copy_atom(name: str, n: int):
+    """Buffer copy atom moving ``n`` elements of dtype ``name`` in one access (32, 64 or 128 bits)."""
+    bits = 8 * _ITEMSIZE[name] * n
+    ops = {16: fx.rocdl.BufferCopy16b, 32: fx.rocdl.BufferCopy32b, 64: fx.rocdl.BufferCopy64b,
+           128: fx.rocdl.BufferCopy128b}
+    if bits not in ops:
+        raise ValueError(f"no buffer copy of {bits} bits ({n} x {name})")
+    return fx.make_copy_atom(ops[bits](), 8 * _ITEMSIZE[name])
+
+
 def load_vec(atom, divided, index, n: int, name: str):
     """Load ``n`` contiguous elements (one 128-bit access) at tile ``index`` of a row divided into n-vectors."""
     reg = fx.make_rmem_tensor(n, fx_dtype(name))
@@ -60,10 +70,17 @@ def store_vec(atom, divided, index, value, n: int, name: str):
     fx.copy(atom, reg, fx.slice(divided, (None, index)))
 
 
-def row_vectors(tensor, row, n: int):
-    """Row ``row`` of a 2-D global tensor as a buffer view divided into n-element tiles."""
-    buf = fx.rocdl.make_buffer_tensor(tensor)
-    return fx.logical_divide(fx.slice(buf, (row, None)), fx.make_layout(n, 1))
+def row_vectors(tensor, coord, n: int):
+    """The row ``tensor[coord..., :]`` as a buffer view divided into n-element tiles.
+
+    ``coord`` is the row index of a 2-D tensor or a tuple of leading indices. The row is sliced on the
+    global (64-bit) pointer first and the buffer descriptor is built at the row start, so tensors larger
+    than the 4 GiB a buffer descriptor can address are fine. Buffer accesses are not bounds-checked on
+    CDNA: callers pass in-range rows only.
+    """
+    coord = coord if isinstance(coord, tuple) else (coord,)
+    row = fx.slice(tensor, (*coord, None))
+    return fx.logical_divide(fx.rocdl.make_buffer_tensor(row), fx.make_layout(n, 1))
 
 
 def flat_vectors(tensor, n: int):
@@ -105,6 +122,23 @@ def block_sum(x, scratch, tid, waves: int):
         total = total + scratch[w]
     gpu.barrier()
     return total
+
+
+def block_sum2(a, b, scratch, tid, waves: int):
+    """Two workgroup sums at once (one barrier pair); ``scratch`` holds >= 2 * waves fp32 slots."""
+    a = group_sum(a, WAVE)
+    b = group_sum(b, WAVE)
+    if waves == 1:
+        return a, b
+    scratch[tid // WAVE] = a
+    scratch[waves + tid // WAVE] = b
+    gpu.barrier()
+    ta, tb = scratch[0], scratch[waves]
+    for w in range_constexpr(1, waves):
+        ta = ta + scratch[w]
+        tb = tb + scratch[waves + w]
+    gpu.barrier()
+    return ta, tb
 
 
 def sigmoid(x):

@@ -75,6 +75,8 @@ def build_norm(config: NormConfig):
     def norm_kernel(X: fx.Tensor, G: fx.Tensor, W: fx.Tensor, Y: fx.Tensor, rows: fx.Int32, eps: fx.Float32):
         tid = gpu.thread_idx.x
         row = gpu.block_idx.x * plan.rows_per_block + plan.row_of(tid)
+        in_range = row < rows
+        row = in_range.select(row, rows - 1)  # lanes past the last row redo it and skip the store
         lds = fx.SharedAllocator().allocate(Scratch).peek()
         red = lds.red.view(fx.make_layout(4, 1))
         atom = common.copy_atom_128(dt)
@@ -105,7 +107,7 @@ def build_norm(config: NormConfig):
             if const_expr(gated):
                 g = common.load_vec(atom, g_row, j, vec, dt).to(fx.Float32)
                 y = y * common.sigmoid(g)
-            if row < rows:
+            if in_range:
                 common.store_vec(atom, y_row, j, y.to(common.fx_dtype(dt)), vec, dt)
 
     @flyc.jit
