@@ -101,8 +101,9 @@ def short_conv(
         else:
             history = torch.zeros(W - 1, C, dtype=torch.float32, device=x.device)
         ext = torch.cat([history, x[start:end].float()])  # [W-1+L, C]
-        windows = ext.unfold(0, W, 1)  # [L, C, W]: windows[t] = ext[t : t+W].T
-        y[start:end] = (windows * w).sum(dim=-1)
+        if end > start:
+            windows = ext.unfold(0, W, 1)  # [L, C, W]: windows[t] = ext[t : t+W].T
+            y[start:end] = (windows * w).sum(dim=-1)
         if conv_state is not None:
             last = ext[ext.shape[0] - (W - 1) :]  # [W-1, C]
             conv_state[slots[i]] = last.t().to(conv_state.dtype)

@@ -1,0 +1,295 @@
+"""KDA prefill and decode references against the token-by-token recurrence (an independent formulation).
+
+The chunked reference (fp32) is compared with `kda_recurrent_naive` run in float64 on the same inputs, with
+q/k normalisation, beta activation and the gate computed here from their formulas, not by the code under
+test. Tolerances (relative, per tensor): fp32 outputs and states 1e-5; bf16 outputs 1e-2 (a bf16 ulp is
+2^-8, the output cast costs at most half of that per element), states of bf16 runs 1e-5 (states stay fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rocm_k3.ops import kda
+from rocm_k3.ops.kda import KDAGateParams
+from rocm_k3.ops.kda.naive import kda_recurrent_naive
+from tests.helpers import assert_rel, seeded
+
+FP32_TOL = 1e-5
+BF16_OUT_TOL = 1e-2
+LENGTHS = (1, 63, 64, 65, 130, 200)
+
+
+def _cu(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def _l2norm64(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+
+
+def _gate64(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    H, K = f.shape[1], f.shape[2]
+    x = f.double() + dt_bias.double().view(H, K)
+    a = A_log.double().exp().view(H, 1)
+    if lower_bound is None:
+        return -a * torch.log1p(torch.exp(x))
+    return lower_bound / (1.0 + torch.exp(-a * x))
+
+
+class Case:
+    """Random inputs of one varlen prefill call (raw gate input f + gate params, beta logits)."""
+
+    def __init__(self, lengths, H, K, V, *, seed, dtype=torch.float32, lower_bound=-5.0, a_scale=1.0, slots=None):
+        gen = seeded(seed)
+        self.lengths, self.H, self.K, self.V = list(lengths), H, K, V
+        T, N = sum(lengths), len(lengths)
+        self.cu = _cu(lengths)
+        self.q = torch.randn(T, H, K, generator=gen).to(dtype)
+        self.k = torch.randn(T, H, K, generator=gen).to(dtype)
+        self.v = torch.randn(T, H, V, generator=gen).to(dtype)
+        self.f = torch.randn(T, H, K, generator=gen).to(dtype)
+        self.beta = torch.randn(T, H, generator=gen).to(dtype)
+        self.A_log = (torch.rand(H, generator=gen) * a_scale + 0.1).log()
+        self.dt_bias = 0.5 * torch.randn(H * K, generator=gen)
+        self.lower_bound = lower_bound
+        self.slots = list(range(N)) if slots is None else list(slots)
+        self.pool = torch.randn(max(self.slots) + 2, H, K, V, generator=gen)  # spare slot never used
+
+    @property
+    def gate_params(self) -> KDAGateParams:
+        return KDAGateParams(self.A_log, self.dt_bias, self.lower_bound)
+
+    def run(self, has_init, *, positions=None, gate_in_kernel=True, state=None):
+        state = self.pool.clone() if state is None else state
+        g = self.f if gate_in_kernel else _gate64(self.f, self.A_log, self.dt_bias, self.lower_bound).float()
+        out = kda.kda_prefill(
+            self.q, self.k, self.v, g, self.beta, self.cu, state,
+            torch.tensor(self.slots, dtype=torch.int32), torch.tensor(has_init, dtype=torch.bool),
+            gate_params=self.gate_params if gate_in_kernel else None,
+            intermediate_positions=positions, backend="reference",
+        )
+        return out, state
+
+    def naive(self, seq: int, has_init: bool, upto: int | None = None):
+        """float64 recurrence over the first `upto` tokens (default all) of sequence `seq`."""
+        start = int(self.cu[seq])
+        end = start + (self.lengths[seq] if upto is None else upto)
+        sl = slice(start, end)
+        g = _gate64(self.f[sl], self.A_log, self.dt_bias, self.lower_bound)
+        init = self.pool[self.slots[seq]].double() if has_init else None
+        return kda_recurrent_naive(
+            _l2norm64(self.q[sl]), _l2norm64(self.k[sl]), self.v[sl].double(), g,
+            torch.sigmoid(self.beta[sl].double()), self.K**-0.5, init,
+        )
+
+
+def _has_init(n: int, mode: str) -> list[bool]:
+    return [False] * n if mode == "noinit" else [i % 3 != 1 for i in range(n)]
+
+
+@pytest.mark.parametrize("init", ["noinit", "init"])
+@pytest.mark.parametrize(
+    "H,K,V,lower_bound",
+    [(1, 32, 32, -5.0), (3, 64, 64, -5.0), (3, 32, 32, None), (1, 64, 64, None), (3, 32, 64, -5.0)],
+    ids=["H1-D32-safe", "H3-D64-safe", "H3-D32-softplus", "H1-D64-softplus", "H3-K32-V64-safe"],
+)
+def test_prefill_matches_recurrence(H, K, V, lower_bound, init):
+    case = Case(LENGTHS, H, K, V, seed=H * 100 + K + V, lower_bound=lower_bound, slots=[4, 0, 6, 2, 5, 1])
+    has = _has_init(len(LENGTHS), init)
+    out, state = case.run(has)
+    assert out.intermediate_states is None
+    assert out.o.dtype == torch.float32 and out.o.shape == (sum(LENGTHS), H, V)
+    for i, length in enumerate(LENGTHS):
+        o_ref, s_ref = case.naive(i, has[i])
+        sl = slice(int(case.cu[i]), int(case.cu[i + 1]))
+        assert_rel(out.o[sl], o_ref, FP32_TOL, f"o of seq {i} (len {length})")
+        assert_rel(state[case.slots[i]], s_ref, FP32_TOL, f"final state of seq {i} (len {length})")
+
+
+def test_prefill_precomputed_gate_matches_gate_params():
+    """g given as the fp32 log-decay (gate_params=None) gives the same result as the raw input + params."""
+    case = Case((70, 5), 2, 32, 32, seed=7)
+    has = [True, False]
+    out_params, state_params = case.run(has)
+    out_g, state_g = case.run(has, gate_in_kernel=False)
+    assert_rel(out_g.o, out_params.o, FP32_TOL, "o")
+    assert_rel(state_g, state_params, FP32_TOL, "state pool")
+
+
+def test_prefill_strong_decay_stays_finite():
+    """Softplus gate with large A: in-chunk log-decay sums reach the thousands; nothing over/underflows."""
+    case = Case((150,), 2, 32, 32, seed=11, lower_bound=None, a_scale=50.0)
+    out, state = case.run([True])
+    g = _gate64(case.f, case.A_log, case.dt_bias, None)
+    assert g.sum(0).min() < -1000  # the regime this test is about
+    o_ref, s_ref = case.naive(0, True)
+    assert_rel(out.o, o_ref, FP32_TOL, "o")
+    assert_rel(state[0], s_ref, FP32_TOL, "final state")
+
+
+def test_intermediate_states_match_recurrence():
+    lengths = (1, 63, 64, 65, 130, 200)
+    case = Case(lengths, 3, 32, 32, seed=21, slots=[2, 5, 0, 1, 4, 3])
+    has = _has_init(len(lengths), "init")
+    rows = [(5, 100), (4, 64), (0, 1), (3, 65), (3, 1), (4, 129), (5, 200), (1, 63), (5, 100), (4, 130), (2, 37)]
+    positions = torch.tensor(rows, dtype=torch.int32)
+    out, state = case.run(has, positions=positions)
+    assert out.intermediate_states.shape == (len(rows), 3, 32, 32)
+    for m, (seq, p) in enumerate(rows):
+        _, s_ref = case.naive(seq, has[seq], upto=p)
+        assert_rel(out.intermediate_states[m], s_ref, FP32_TOL, f"intermediate state {m} = (seq {seq}, p {p})")
+    # splitting chunks at the positions must not change the outputs or the final states
+    out_plain, state_plain = case.run(has)
+    assert_rel(out.o, out_plain.o, FP32_TOL, "o with vs without intermediate positions")
+    assert_rel(state, state_plain, FP32_TOL, "state pool with vs without intermediate positions")
+
+
+def test_intermediate_positions_empty():
+    case = Case((10, 3), 1, 32, 32, seed=3)
+    out, _ = case.run([False, False], positions=torch.zeros(0, 2, dtype=torch.int32))
+    assert out.intermediate_states.shape == (0, 1, 32, 32)
+
+
+def test_slot_indexing_and_untouched_slots():
+    """Permuted, non-contiguous slots; slots without initial state are never read (NaN there must not leak);
+    slots not named in the call stay bit-identical."""
+    lengths = (65, 1, 130)
+    case = Case(lengths, 2, 32, 32, seed=31, slots=[6, 1, 3])
+    pool = torch.randn(8, 2, 32, 32, generator=seeded(5))
+    pool[1] = float("nan")  # slot of seq 1, which starts fresh
+    case.pool = pool.clone()
+    has = [True, False, True]
+    out, state = case.run(has, state=pool.clone())
+    for slot in (0, 2, 4, 5, 7):
+        assert torch.equal(state[slot], pool[slot]), f"slot {slot} is not in state_indices but changed"
+    for i in range(len(lengths)):
+        o_ref, s_ref = case.naive(i, has[i])
+        sl = slice(int(case.cu[i]), int(case.cu[i + 1]))
+        assert_rel(out.o[sl], o_ref, FP32_TOL, f"o of seq {i}")
+        assert_rel(state[case.slots[i]], s_ref, FP32_TOL, f"state of seq {i} in slot {case.slots[i]}")
+
+
+def test_empty_sequence_passes_state_through():
+    case = Case((0, 20, 0), 1, 32, 32, seed=41, slots=[2, 0, 1])
+    out, state = case.run([True, True, False])
+    assert torch.equal(state[2], case.pool[2]), "a length-0 sequence with initial state keeps it"
+    assert torch.equal(state[1], torch.zeros_like(state[1])), "a length-0 fresh sequence leaves a zero state"
+    o_ref, s_ref = case.naive(1, True)
+    assert_rel(out.o, o_ref, FP32_TOL, "o")
+    assert_rel(state[0], s_ref, FP32_TOL, "state of seq 1")
+
+
+def test_bf16_inputs():
+    case = Case((90, 37), 2, 64, 64, seed=51, dtype=torch.bfloat16)
+    has = [True, False]
+    out, state = case.run(has)
+    assert out.o.dtype == torch.bfloat16
+    for i in range(2):
+        o_ref, s_ref = case.naive(i, has[i])
+        sl = slice(int(case.cu[i]), int(case.cu[i + 1]))
+        assert_rel(out.o[sl], o_ref, BF16_OUT_TOL, f"bf16 o of seq {i}")
+        assert_rel(state[case.slots[i]], s_ref, FP32_TOL, f"fp32 state of seq {i} from bf16 inputs")
+
+
+# ---- decode: token-by-token kda_decode == the prefill pipeline over the whole sequence ----
+
+
+class LayerInputs:
+    """Pre-conv projections of N equal-length sequences for one KDA layer, and its parameters."""
+
+    def __init__(self, N, T, H, K, W, *, seed, lower_bound):
+        gen = seeded(seed)
+        self.N, self.T, self.H, self.K, self.W = N, T, H, K, W
+        self.qkv = torch.randn(N, T, 3 * H * K, generator=gen)
+        self.f = torch.randn(N, T, H * K, generator=gen)
+        self.beta = torch.randn(N, T, H, generator=gen)
+        self.out_gate = torch.randn(N, T, H * K, generator=gen)
+        self.conv_weight = 0.5 * torch.randn(3 * H * K, W, generator=gen)
+        self.A_log = (torch.rand(H, generator=gen) + 0.1).log()
+        self.dt_bias = 0.5 * torch.randn(H * K, generator=gen)
+        self.o_norm_weight = 1.0 + 0.1 * torch.randn(K, generator=gen)
+        self.lower_bound = lower_bound
+
+    def prefill(self, start, end, conv_state, state, slots, has_init):
+        """short_conv + split + (kda_gate inside) kda_prefill + gated_rms_norm over tokens [start, end)."""
+        N, H, K, L = self.N, self.H, self.K, end - start
+        flat = lambda x: x[:, start:end].reshape(N * L, *x.shape[2:])  # noqa: E731  [N*L, ...]
+        cu = torch.arange(N + 1, dtype=torch.int32) * L
+        slot_t = torch.tensor(slots, dtype=torch.int32)
+        has_t = torch.tensor(has_init, dtype=torch.bool)
+        mixed = kda.short_conv(flat(self.qkv), self.conv_weight, cu, conv_state=conv_state,
+                               state_indices=slot_t, has_initial_state=has_t, backend="reference")
+        q, k, v = mixed.view(N * L, 3, H, K).unbind(1)
+        out = kda.kda_prefill(q, k, v, flat(self.f).view(N * L, H, K), flat(self.beta), cu, state, slot_t, has_t,
+                              gate_params=KDAGateParams(self.A_log, self.dt_bias, self.lower_bound),
+                              backend="reference")
+        y = kda.gated_rms_norm(out.o, flat(self.out_gate).view(N * L, H, K), self.o_norm_weight,
+                               backend="reference")
+        return y.view(N, L, H * K)
+
+    def decode(self, t, conv_state, state, slots):
+        return kda.kda_decode(
+            self.qkv[:, t], self.f[:, t], self.beta[:, t], self.out_gate[:, t], self.conv_weight, conv_state,
+            self.A_log, self.dt_bias, self.o_norm_weight, state, torch.tensor(slots, dtype=torch.int32),
+            num_heads=self.H, lower_bound=self.lower_bound, backend="reference",
+        )
+
+
+@pytest.mark.parametrize("prefix", [0, 37], ids=lambda p: f"prefill{p}")
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe", "softplus"])
+def test_decode_chain_matches_prefill(prefix, lower_bound):
+    N, T, H, K, W, S = 2, 70, 2, 32, 4, 4
+    layer = LayerInputs(N, T, H, K, W, seed=61 + prefix, lower_bound=lower_bound)
+    slots = [3, 1]
+    conv0 = torch.randn(S, 3 * H * K, W - 1, generator=seeded(1))
+    state0 = torch.randn(S, H, K, K, generator=seeded(2))
+    has_init = [True, False]
+    conv_full, state_full = conv0.clone(), state0.clone()
+    y_full = layer.prefill(0, T, conv_full, state_full, slots, has_init)  # [N, T, H*K]
+
+    conv, state = conv0.clone(), state0.clone()
+    for i, slot in enumerate(slots):  # decode always continues a state: a fresh sequence starts from zeros
+        if not has_init[i]:
+            conv[slot].zero_()
+            state[slot].zero_()
+    parts = []
+    if prefix:
+        parts.append(layer.prefill(0, prefix, conv, state, slots, [True, True]))
+    for t in range(prefix, T):
+        parts.append(layer.decode(t, conv, state, slots).unsqueeze(1))
+    y_steps = torch.cat(parts, dim=1)
+    assert_rel(y_steps, y_full, FP32_TOL, "decode chain output")
+    for slot in slots:
+        assert_rel(state[slot], state_full[slot], FP32_TOL, f"recurrent state of slot {slot}")
+        assert torch.equal(conv[slot], conv_full[slot]), f"conv state of slot {slot} (raw inputs, must be exact)"
+    for slot in set(range(S)) - set(slots):
+        assert torch.equal(state[slot], state0[slot]) and torch.equal(conv[slot], conv0[slot])
+
+
+def test_decode_bf16_matches_fp32():
+    """bf16 activations through kda_decode: y within 1e-2 of the fp32 run on the same (rounded) inputs."""
+    N, H, K, W, S = 3, 2, 32, 4, 5
+    layer = LayerInputs(N, 1, H, K, W, seed=71, lower_bound=-5.0)
+    slots = [4, 0, 2]
+    conv0 = torch.randn(S, 3 * H * K, W - 1, generator=seeded(3)).bfloat16()
+    state0 = torch.randn(S, H, K, K, generator=seeded(4))
+    args = [x[:, 0].bfloat16() for x in (layer.qkv, layer.f, layer.beta, layer.out_gate)]
+    conv_bf, state_bf = conv0.clone(), state0.clone()
+    y_bf = kda.kda_decode(*args, layer.conv_weight.bfloat16(), conv_bf, layer.A_log, layer.dt_bias,
+                          layer.o_norm_weight.bfloat16(), state_bf, torch.tensor(slots, dtype=torch.int32),
+                          num_heads=H, lower_bound=-5.0, backend="reference")
+    conv32, state32 = conv0.float(), state0.clone()
+    y32 = kda.kda_decode(*[a.float() for a in args], layer.conv_weight.bfloat16().float(), conv32, layer.A_log,
+                         layer.dt_bias, layer.o_norm_weight.bfloat16().float(), state32,
+                         torch.tensor(slots, dtype=torch.int32), num_heads=H, lower_bound=-5.0,
+                         backend="reference")
+    assert y_bf.dtype == torch.bfloat16
+    assert_rel(y_bf, y32, BF16_OUT_TOL, "bf16 decode output")
+    assert_rel(state_bf, state32, FP32_TOL, "state pool")
+    assert torch.equal(conv_bf.float(), conv32), "conv state holds the raw inputs"
