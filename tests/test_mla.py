@@ -93,6 +93,7 @@ PREFILL_CASES = {
     "chunked-ctx100-new37": [(137, 37)],
     "varlen-4seq": [(137, 37), (50, 50), (1, 1), (70, 3)],
     "with-empty-seq": [(20, 0), (65, 65)],
+    "ctx100-new300": [(400, 300)],  # more queries than one reference score block (256)
 }
 
 

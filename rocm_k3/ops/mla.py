@@ -41,6 +41,7 @@ QK_DIM = QK_NOPE_DIM + ROPE_DIM  # 192; default softmax scale 192^-0.5
 V_DIM = 128
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PREFILL_Q_CHUNK = 256  # reference prefill: queries per score block
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -186,21 +187,22 @@ def _mla_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     w_uk, w_uv = w[:, :QK_NOPE_DIM], w[:, QK_NOPE_DIM:]  # [H, 128, 512] each
     out = torch.zeros(q.shape[0], num_heads, V_DIM, dtype=q.dtype, device=q.device)
     for i, length in enumerate(lens):
-        q0, q1 = cu[i], cu[i + 1]
-        n = q1 - q0
-        if n == 0:
+        q0, q1 = cu[i], cu[i + 1]  # new tokens: the last q1 - q0 of the L context positions
+        if q0 == q1:
             continue
         latent = _gather_latents(kv_cache, block_table[i], length)  # [L, 576]
         c_kv, k_pe = latent[:, :KV_LORA_RANK], latent[:, KV_LORA_RANK:]  # [L, 512], [L, 64]
         k_nope = torch.einsum("lc,hdc->hld", c_kv, w_uk)  # [H, L, 128]
         v = torch.einsum("lc,hdc->hld", c_kv, w_uv)  # [H, L, 128]
-        qi = q[q0:q1].float().transpose(0, 1)  # [H, n, 192]
-        scores = qi[..., :QK_NOPE_DIM] @ k_nope.transpose(1, 2) + qi[..., QK_NOPE_DIM:] @ k_pe.T  # [H, n, L]
-        q_pos = torch.arange(length - n, length, device=q.device)  # absolute positions of the new tokens
         k_pos = torch.arange(length, device=q.device)
-        future = k_pos[None, :] > q_pos[:, None]  # [n, L]
-        probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, n, L]
-        out[q0:q1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [n, H, 128]
+        for c0 in range(q0, q1, _PREFILL_Q_CHUNK):  # bounds the [H, chunk, L] score tensor on long prompts
+            c1 = min(c0 + _PREFILL_Q_CHUNK, q1)
+            qc = q[c0:c1].float().transpose(0, 1)  # [H, c, 192]
+            scores = qc[..., :QK_NOPE_DIM] @ k_nope.transpose(1, 2) + qc[..., QK_NOPE_DIM:] @ k_pe.T  # [H, c, L]
+            q_pos = torch.arange(c0 - q1 + length, c1 - q1 + length, device=q.device)  # absolute positions
+            future = k_pos[None, :] > q_pos[:, None]  # [c, L]
+            probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, c, L]
+            out[c0:c1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [c, H, 128]
     return out
 
 
