@@ -1,0 +1,232 @@
+"""The embedded default model: a small, seeded checkpoint of the Kimi K3 architecture in the released K3 layout.
+
+``write_tiny_checkpoint(dir)`` writes ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a
+compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
+``model.safetensors.index.json``) with ``language_model.``-prefixed names and MXFP4 routed experts
+(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer. Six layers: KDA at 1, 2, 4, 5 and MLA at
+3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
+(top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
+output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128), which the MLA ops
+assume. About 2 MB. The weights are random: the model exercises every code path, it does not speak.
+
+:func:`ensure_embedded_model` builds it once into ``settings.cache_dir`` for ``rocm-k3 generate`` and
+``rocm_k3.LLM()`` with no path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from rocm_k3 import ops
+from rocm_k3.model.checkpoint_names import expected_tensors
+from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.loader import INDEX_FILE
+from rocm_k3.model.tokenizer import ByteTokenizer
+from rocm_k3.settings import get_settings
+
+EMBEDDED_NAME = "tiny-k3-v1"
+TINY_SEED = 0
+
+_TOKENIZER = ByteTokenizer()
+
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "kimi_linear",
+    "architectures": ["KimiLinearForCausalLM"],
+    "vocab_size": _TOKENIZER.vocab_size,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 32,
+    "routed_expert_hidden_size": 32,
+    "latent_moe_use_norm": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "intermediate_size": 128,
+    "moe_router_activation_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "attn_res_block_size": 2,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": _TOKENIZER.bos_token_id,
+    "eos_token_id": _TOKENIZER.eos_token_id,
+    "pad_token_id": _TOKENIZER.pad_token_id,
+    "linear_attn_config": {
+        "num_heads": 2,
+        "head_dim": 32,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "full_attn_layers": [3, 6],
+        "kda_layers": [1, 2, 4, 5],
+    },
+}
+
+QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+            "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                        "symmetric": True, "dynamic": False},
+            "input_activations": None,
+            "format": "mxfp4-pack-quantized",
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*routed_expert_.*", "re:.*gate$"],
+}
+
+
+def tiny_config(text_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The top-level K3 ``config.json`` of the tiny model (``text_overrides`` patch ``text_config``)."""
+    text = json.loads(json.dumps(TINY_TEXT_CONFIG))
+    text.update(text_overrides or {})
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "quantization_config": QUANTIZATION_CONFIG,
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+    }
+
+
+def random_tensors(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every tensor of ``cfg``, by checkpoint name, in fp32 (experts: see below).
+
+    Linear weights ~ N(0, 1/fan_in); norms ~ 1 + N(0, 0.1^2); AttnRes projections ~ N(0, 1/hidden) so the
+    depth mix is far from uniform; A_log = log U(1, 16) and dt_bias = inverse-softplus of U(1e-3, 1e-1) as in
+    the released initialisation. Routed experts are quantised to MXFP4 when ``cfg.expert_format == "mxfp4"``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    dense_experts: dict[str, torch.Tensor] = {}
+    specs = expected_tensors(cfg)
+    for name, spec in specs.items():
+        full = cfg.weight_prefix + name
+        shape = spec.shape
+        if name.endswith(("_norm.weight", "layernorm.weight", "o_norm.weight", "model.norm.weight")):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.01 * torch.randn(shape, generator=gen)
+        elif name.endswith("_res_proj.weight"):
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=gen)
+        elif spec.kind == "uint8":
+            base = name.rsplit(".", 1)[0]  # ...experts.E.wN
+            if base not in dense_experts:
+                packed_shape = specs[base + ".weight_packed"].shape
+                rows, cols = packed_shape[0], packed_shape[1] * 2
+                dense_experts[base] = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+            continue
+        elif len(shape) == 3:  # conv taps [C, 1, W]
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        else:
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        out[full] = t
+    for base, w in dense_experts.items():
+        packed, scales = ops.quantize_mxfp4(w, rule="ct")
+        out[cfg.weight_prefix + base + ".weight_packed"] = packed
+        out[cfg.weight_prefix + base + ".weight_scale"] = scales
+    return out
+
+
+def _storage_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.uint8 or name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+        return t.contiguous()
+    return t.to(torch.bfloat16).contiguous()
+
+
+def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     shards: int = 1) -> Path:
+    """Write ``config.json`` and the tensors (bf16 except fp32/uint8 ones) as 1 or more safetensors shards."""
+    if shards < 1:
+        raise ValueError(f"shards: expected >= 1, got {shards}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    names = sorted(tensors)
+    stored = {n: _storage_dtype(n, tensors[n]) for n in names}
+    meta = {"format": "pt"}
+    if shards == 1:
+        save_file(stored, str(root / "model.safetensors"), metadata=meta)
+        return root
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[i * per:(i + 1) * per]
+        save_file({n: stored[n] for n in chunk}, str(root / file), metadata=meta)
+        weight_map.update({n: file for n in chunk})
+    total = sum(t.numel() * t.element_size() for t in stored.values())
+    (root / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2) + "\n")
+    return root
+
+
+def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: int = 1,
+                          text_overrides: dict[str, Any] | None = None) -> Path:
+    """Write the tiny K3 checkpoint (config, weights, byte tokenizer) into ``directory``; returns it."""
+    config = tiny_config(text_overrides)
+    cfg = ModelConfig.from_hf_dict(config)
+    root = write_checkpoint(directory, config, random_tensors(cfg, seed), shards)
+    ByteTokenizer(vocab_size=cfg.vocab_size).save(root)
+    return root
+
+
+def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded tiny model's directory under ``cache_dir`` (default: settings.cache_dir), built on first use.
+
+    Built in a temporary sibling directory and renamed into place, so a crash never leaves a half-written model.
+    """
+    base = Path(cache_dir) if cache_dir is not None else get_settings().cache_dir
+    target = base / EMBEDDED_NAME
+    if (target / "config.json").is_file():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".", dir=base))
+    try:
+        write_tiny_checkpoint(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent builder that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
