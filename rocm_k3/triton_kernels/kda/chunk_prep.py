@@ -1,0 +1,60 @@
+"""Phase 1 of the chunked KDA prefill: per-token preparation, one program per (chunk, head).
+
+For the rows of one 64-token chunk of one head:
+    g  = kda_gate(f)            when the gate is fused (else g is the given fp32 log-decay)
+    G  = cumsum(g) over the chunk's tokens                          fp32 [T, H, K]
+    q' = scale * q / sqrt(sum q^2 + 1e-6),  k' = k / sqrt(...)      (when qk_l2norm; else q' = scale * q, k' = k)
+    b  = sigmoid(beta)                                              (when beta_logits; else beta as is), fp32 [T, H]
+q' and k' are written in the dtype the later phases feed to ``tl.dot`` (the activation dtype).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rocm_k3.triton_kernels.kda.common import gate, l2norm_rows, sigmoid_f32
+
+
+@triton.jit
+def chunk_prep_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr,  # inputs: q, k [T, H, K]; g [T, H, K] (log-decay or raw f); beta [T, H]
+    a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
+    chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
+    qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
+    scale, lower_bound,  # fp32 scalars
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(chunk_seq_ptr + c)
+    t0 = tl.load(chunk_start_ptr + c)
+    eos = tl.load(cu_seqlens_ptr + seq + 1)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, K)
+    mask_t = (t0 + rows) < eos  # [BT]
+    mask = mask_t[:, None]
+    offs = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + cols[None, :]  # [BT, K]
+
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, K]
+    if HAS_GATE:
+        a_log = tl.load(a_log_ptr + h)
+        dt_bias = tl.load(dt_bias_ptr + h * K + cols)  # [K]
+        g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE)
+    g = tl.where(mask, g, 0.0)
+    tl.store(gcum_ptr + offs, tl.cumsum(g, axis=0), mask=mask)
+
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q = l2norm_rows(q)
+        k = l2norm_rows(k)
+    tl.store(qn_ptr + offs, (q * scale).to(qn_ptr.dtype.element_ty), mask=mask)
+    tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
+
+    b_offs = (t0 + rows).to(tl.int64) * H + h
+    b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]
+    if BETA_LOGITS:
+        b = sigmoid_f32(b)
+    tl.store(beta_out_ptr + b_offs, b, mask=mask_t)

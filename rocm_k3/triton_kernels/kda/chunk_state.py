@@ -1,0 +1,74 @@
+"""Phase 3 of the chunked KDA prefill: the inter-chunk state recurrence and the output.
+
+One program per (value block, sequence, head) walks the sequence's chunks in order, holding the fp32 state
+slice S [K, BV] in registers::
+
+    V' = U - W S                       [C, BV]   (the delta-rule corrected values)
+    O  = QG S + Aqk V'                 [C, BV]   (written in o's dtype)
+    S  = diag(GL) S + KD^T V'          [K, BV]
+
+The initial state is read from ``state[state_indices[n]]`` when ``has_initial_state[n]`` (else 0); the final
+state is written back to the same slot, in place. ``inter_map[chunk]`` >= 0 asks for the state after that chunk
+to be written to row ``inter_map[chunk]`` of the intermediate-state buffer (prefix caching at chunk ends).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_state_kernel(
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, glast_ptr,  # phase-2 outputs
+    cu_seqlens_ptr, seq_first_chunk_ptr,  # int32 [N+1] each
+    state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
+    o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    HAS_INTER: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+):
+    BT: tl.constexpr = 64
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(cu_seqlens_ptr + n)
+    eos = tl.load(cu_seqlens_ptr + n + 1)
+    c_first = tl.load(seq_first_chunk_ptr + n)
+    n_chunks = tl.load(seq_first_chunk_ptr + n + 1) - c_first
+    slot = tl.load(state_indices_ptr + n).to(tl.int64)
+    has_init = tl.load(has_init_ptr + n)
+
+    rk = tl.arange(0, K)
+    rv = iv * BV + tl.arange(0, BV)
+    rt = tl.arange(0, BT)
+    s_offs = rk[:, None] * V + rv[None, :]  # [K, BV] inside one [K, V] head state
+    state_h = state_ptr + (slot * H + h) * (K * V)
+    if has_init != 0:
+        s = tl.load(state_h + s_offs)
+    else:
+        s = tl.zeros([K, BV], dtype=tl.float32)
+
+    for ci in range(0, n_chunks):
+        t0 = bos + ci * BT
+        rows = t0 + rt
+        m = (rows < eos)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        offs_k = r64 * (H * K) + h * K + rk[None, :]  # [BT, K]
+        offs_v = r64 * (H * V) + h * V + rv[None, :]  # [BT, BV]
+        s_dot = s.to(DOT_T)
+        w = tl.load(w_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
+        u = tl.load(u_ptr + offs_v, mask=m, other=0.0).to(tl.float32)
+        v_new = u - tl.dot(w, s_dot, input_precision=PREC)  # [BT, BV]
+        v_dot = v_new.to(DOT_T)
+        qg = tl.load(qg_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
+        aqk = tl.load(aqk_ptr + r64 * (H * BT) + h * BT + rt[None, :], mask=m, other=0.0).to(DOT_T)  # [BT, BT]
+        o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
+        tl.store(o_ptr + offs_v, o.to(o_ptr.dtype.element_ty), mask=m)
+        kd = tl.load(kd_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
+        gl = tl.load(glast_ptr + ((c_first + ci) * H + h).to(tl.int64) * K + rk)  # [K]
+        s = s * gl[:, None] + tl.dot(tl.trans(kd), v_dot, input_precision=PREC)
+        if HAS_INTER:
+            row = tl.load(inter_map_ptr + c_first + ci)
+            if row >= 0:
+                tl.store(inter_ptr + (row.to(tl.int64) * H + h) * (K * V) + s_offs, s)
+    tl.store(state_h + s_offs, s)

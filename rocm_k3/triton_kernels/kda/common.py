@@ -1,0 +1,96 @@
+"""Pieces shared by the KDA Triton kernels: device-side math helpers and the host-side varlen chunk plan.
+
+Device helpers (``@triton.jit``, inlined into the kernels):
+    ``gate``        the KDA decay gate (safe gate ``L * sigmoid(exp(A_log) * (f + dt_bias))`` or softplus gate
+                    ``-exp(A_log) * softplus(f + dt_bias)``), fp32.
+    ``l2norm_rows`` ``x / sqrt(sum(x^2) + 1e-6)`` over the last axis of a 2-D tile.
+
+Host helper :func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into
+(one host synchronisation per prefill call, like every varlen chunked kernel).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64  # chunk length C of the chunked prefill (K3_SPEC section 2)
+SUB = 16  # sub-block length inside a chunk (4 sub-blocks): the decay of one pair of sub-blocks stays in range
+L2NORM_EPS = 1e-6
+
+
+@triton.jit
+def sigmoid_f32(x):
+    """1 / (1 + exp(-x)) in fp32."""
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus_f32(x):
+    """log(1 + exp(x)) without overflow: max(x, 0) + log(1 + exp(-|x|))."""
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
+    """Log-space decay g (fp32) from the raw gate input f; a_log is a scalar, dt_bias broadcasts with f."""
+    x = f.to(tl.float32) + dt_bias
+    a = tl.exp(a_log)
+    if SAFE_GATE:
+        g = lower_bound * sigmoid_f32(a * x)
+    else:
+        g = -a * softplus_f32(x)
+    return g
+
+
+@triton.jit
+def l2norm_rows(x):
+    """Each row of the fp32 tile x [R, D] divided by sqrt(sum of its squares + 1e-6)."""
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+class ChunkPlan(NamedTuple):
+    """The 64-token chunks of a varlen batch, sequences in order, chunks in order inside each sequence.
+
+    chunk_seq:    int32 [NC]   sequence of each chunk.
+    chunk_start:  int32 [NC]   first token (global row) of each chunk.
+    seq_first_chunk: int32 [N+1] index of the first chunk of each sequence (last entry = NC).
+    num_chunks:   NC (host int).
+    max_chunks:   most chunks in one sequence (host int).
+    bounds:       cu_seqlens as a host list.
+    """
+
+    chunk_seq: torch.Tensor
+    chunk_start: torch.Tensor
+    seq_first_chunk: torch.Tensor
+    num_chunks: int
+    max_chunks: int
+    bounds: list[int]
+
+
+def plan_chunks(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> ChunkPlan:
+    """Cut every sequence of ``cu_seqlens`` (int32 [N+1]) into chunks of ``chunk`` tokens (the last may be short)."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    seqs, starts, first = [], [], [0]
+    for i in range(len(bounds) - 1):
+        n = -(-(bounds[i + 1] - bounds[i]) // chunk)
+        seqs += [i] * n
+        starts += [bounds[i] + j * chunk for j in range(n)]
+        first.append(first[-1] + n)
+    device = cu_seqlens.device
+    counts = [first[i + 1] - first[i] for i in range(len(first) - 1)]
+    return ChunkPlan(
+        torch.tensor(seqs, dtype=torch.int32, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(first, dtype=torch.int32, device=device),
+        len(seqs),
+        max(counts, default=0),
+        bounds,
+    )
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0

@@ -1,0 +1,172 @@
+"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches.
+
+    phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid
+    phase 2  chunk_intra  in-chunk A / Aqk, WY solve (W, U), decayed q and k, exp(G_last)
+    phase 3  chunk_state  sequential state recurrence over each sequence's chunks + output
+
+Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
+states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
+from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
+from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
+from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
+from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 128  # the fused phase-2/phase-3 tiles hold whole [64, K] / [K, BV] blocks in registers
+
+
+def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """(operand dtype, input precision) of the kernels' ``tl.dot`` calls for activations of ``dtype``.
+
+    bf16 activations use bf16 operands (fp32 accumulation); fp16 and fp32 use fp32 operands in IEEE precision
+    (fp16 cannot hold the sub-block decay factors, see chunk_intra).
+    """
+    if dtype == torch.bfloat16:
+        return tl.bfloat16, "ieee"
+    return tl.float32, "ieee"
+
+
+def _value_block(n_programs_per_block: int, V: int) -> int:
+    """Widest value block (64, 32 or 16) that still gives ~2 programs per SM of a large GPU (132 SMs)."""
+    for bv in (64, 32):
+        if bv <= V and n_programs_per_block * (V // bv) >= 256:
+            return bv
+    return min(16, V) if V >= 16 else V
+
+
+def supports_kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    gate_params: KDAGateParams | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+    intermediate_positions: torch.Tensor | None = None,
+) -> tuple[bool, str]:
+    """(ok, reason): head dims powers of two in [16, 128], one activation dtype, fp32 contiguous state,
+    intermediate positions at chunk ends (p % 64 == 0)."""
+    K, V = q.shape[-1], v.shape[-1]
+    for name, d in (("K", K), ("V", V)):
+        if not (is_pow2(d) and 16 <= d <= MAX_HEAD_DIM):
+            return False, f"triton kda_prefill needs {name} a power of two in [16, {MAX_HEAD_DIM}], got {d}"
+    if q.dtype not in _ACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False, f"triton kda_prefill needs q, k, v of one dtype in {_ACT_DTYPES}, got {q.dtype}/{k.dtype}/{v.dtype}"
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        return False, "triton kda_prefill updates the state in place: it must be contiguous fp32"
+    if intermediate_positions is not None and intermediate_positions.numel() > 0:
+        p = intermediate_positions[:, 1]
+        if bool((p % CHUNK != 0).any()):
+            bad = p[p % CHUNK != 0][:4].tolist()
+            return False, f"triton kda_prefill saves states at chunk ends only (p % {CHUNK} == 0); got p = {bad}"
+    return True, "supported"
+
+
+def _inter_map(positions: torch.Tensor, seq_first_chunk: torch.Tensor, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int32 [NC] chunk -> row of the intermediate buffer (-1: none), and, when two rows ask for the same state,
+    the row each one copies from afterwards."""
+    pos = positions.to(torch.int64)
+    gid = seq_first_chunk.to(torch.int64)[pos[:, 0]] + pos[:, 1] // CHUNK - 1  # [M] chunk after which to save
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    inter_map = torch.full((num_chunks,), -1, dtype=torch.int32, device=pos.device)
+    inter_map[gid] = rows.to(torch.int32)
+    source = inter_map[gid].to(torch.int64)
+    return inter_map, (None if bool((source == rows).all()) else source)
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    scale: float | None = None,
+    gate_params: KDAGateParams | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+    intermediate_positions: torch.Tensor | None = None,
+) -> KDAPrefillOutput:
+    """Chunked KDA prefill (see module docstring); q, k [T, H, K], v [T, H, V], g [T, H, K], beta [T, H],
+    state fp32 [S, H, K, V] updated in place at ``state_indices``. Returns (o [T, H, V] in v's dtype,
+    intermediate states fp32 [M, H, K, V] or None)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    scale = K**-0.5 if scale is None else float(scale)
+    dev = q.device
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    plan = plan_chunks(cu)
+    o = torch.empty(T, H, V, dtype=v.dtype, device=dev)
+    has_inter = intermediate_positions is not None and intermediate_positions.shape[0] > 0
+    inter = None
+    if has_inter:
+        inter = torch.empty(intermediate_positions.shape[0], H, K, V, dtype=torch.float32, device=dev)
+    if plan.num_chunks == 0:  # only empty sequences: the final state is the initial one
+        fresh = state_indices[~has_initial_state.bool()].long()
+        state[fresh] = 0.0
+        return KDAPrefillOutput(o, inter)
+
+    dot_t, prec = dot_config(q.dtype)
+    mid_dtype = q.dtype  # q', k', W, U, QG, KD, Aqk travel in the activation dtype
+    qn = torch.empty(T, H, K, dtype=mid_dtype, device=dev)
+    kn = torch.empty_like(qn)
+    gcum = torch.empty(T, H, K, dtype=torch.float32, device=dev)
+    b = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if gate_params is not None:
+        a_log, dt_bias = gate_params.A_log.float().contiguous(), gate_params.dt_bias.float().contiguous()
+        lower = gate_params.lower_bound
+    else:
+        a_log, dt_bias, lower = gcum, gcum, None  # unread placeholders
+    grid = (plan.num_chunks, H)
+    chunk_prep_kernel[grid](
+        q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+        qn, kn, gcum, b, scale, 0.0 if lower is None else float(lower),
+        H=H, K=K, BT=CHUNK, HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None,
+        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=4,
+    )
+
+    w = torch.empty(T, H, K, dtype=mid_dtype, device=dev)
+    u = torch.empty(T, H, V, dtype=mid_dtype, device=dev)
+    qg = torch.empty_like(w)
+    kd = torch.empty_like(w)
+    aqk = torch.empty(T, H, CHUNK, dtype=mid_dtype, device=dev)
+    glast = torch.empty(plan.num_chunks, H, K, dtype=torch.float32, device=dev)
+    chunk_intra_kernel[grid](
+        qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
+        w, u, qg, kd, aqk, glast, H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=4,
+    )
+
+    inter_map, copy_from = (None, None)
+    if has_inter:
+        inter_map, copy_from = _inter_map(intermediate_positions, plan.seq_first_chunk, plan.num_chunks)
+    bv = _value_block(N * H, V)
+    chunk_state_kernel[(V // bv, N, H)](
+        w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
+        state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
+        o, inter if has_inter else o, inter_map if has_inter else cu,
+        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec, num_warps=4,
+    )
+    if copy_from is not None:
+        inter = inter[copy_from]
+    return KDAPrefillOutput(o, inter)
