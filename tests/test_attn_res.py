@@ -264,8 +264,10 @@ def _mix_args(**over: object) -> dict[str, object]:
     (dict(num_blocks=1.0), TypeError, r"num_blocks must be an int"),
     (dict(proj_weight=torch.ones(9)), ValueError, r"proj_weight must have shape \[Hd\] = \[8\], got \[9\]"),
     (dict(norm_weight=torch.ones(8, dtype=torch.int64)), TypeError, r"norm_weight must have dtype"),
+    (dict(blocks=torch.zeros(3, 4, 8, device="meta")), ValueError, r"blocks is on meta but partial is on cpu"),
+    (dict(partial=[[0.0] * 8] * 4), TypeError, r"partial must be a torch.Tensor, got list"),
 ], ids=["partial-3d", "partial-int", "blocks-shape", "blocks-dtype", "nb-too-big", "nb-negative", "nb-float",
-        "proj-shape", "norm-dtype"])
+        "proj-shape", "norm-dtype", "device-mismatch", "partial-list"])
 def test_mix_named_errors(over: dict[str, object], exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         attn_res.attn_res_mix(*_mix_args(**over).values())

@@ -284,11 +284,16 @@ def test_decode_named_errors(over: dict[str, object], exc: type[Exception], matc
     (dict(cu_seqlens_q=cu_from_counts([6, 1])), ValueError, r"sequence 0 has 6 query tokens but seq_lens\[0\] = 5"),
     (dict(seq_lens=torch.tensor([5, 33], dtype=torch.int32)), ValueError, r"block_table too small"),
     (dict(kv_cache=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), TypeError, r"kv_cache dtype .* must match q"),
+    (dict(seq_lens=torch.tensor([5, 20], dtype=torch.int32, device="meta")), ValueError,
+     r"seq_lens is on meta but q is on cpu"),
+    (dict(scale="0.1"), TypeError, r"scale must be a float or None, got str"),
 ], ids=["q-dim", "cache-last-dim", "kv_b-shape", "cu-dtype", "cu-total", "more-q-than-ctx", "table-too-small",
-        "cache-dtype"])
+        "cache-dtype", "device-mismatch", "scale-str"])
 def test_prefill_named_errors(over: dict[str, object], exc: type[Exception], match: str) -> None:
+    args = _prefill_args(**over)
+    scale = args.pop("scale", None)
     with pytest.raises(exc, match=match):
-        mla.mla_prefill(*_prefill_args(**over).values())
+        mla.mla_prefill(*args.values(), scale=scale)
 
 
 @pytest.mark.parametrize("latent, cache, slots, exc, match", [

@@ -88,12 +88,13 @@ def _check_cache(kv_cache: object) -> torch.Tensor:
     return kv_cache
 
 
-def _check_paged(kv_cache: object, block_table: object, seq_lens: object, n: int | None) -> None:
+def _check_paged(kv_cache: object, block_table: object, seq_lens: object, n: int) -> None:
+    """Cache layout, block_table int32 [N, max_blocks] and seq_lens int32 [N] for N = n sequences."""
     _check_cache(kv_cache)
     block_table = _int("block_table", block_table, torch.int32)
     seq_lens = _int("seq_lens", seq_lens, torch.int32)
-    _shape("block_table", block_table, (n, None), "[N, max_blocks]")
-    _shape("seq_lens", seq_lens, (block_table.shape[0],), f"[N] with N = {block_table.shape[0]}")
+    _shape("block_table", block_table, (n, None), f"[N, max_blocks] with N = {n}")
+    _shape("seq_lens", seq_lens, (n,), f"[N] with N = {n}")
 
 
 def _check_scale(scale: object, required: bool) -> None:
@@ -109,7 +110,7 @@ def _check_scale(scale: object, required: bool) -> None:
 # value checks (reference only: they read index tensors on the host)
 # ----------------------------------------------------------------------------------------------------------
 def _check_paged_values(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                       min_len: int = 0) -> list[int]:
+                        min_len: int = 0) -> list[int]:
     """Check that every sequence fits its block-table row and only names existing blocks; return seq_lens.
 
     Raises ValueError naming the sequence. Reads the index tensors on the host (a device sync).
