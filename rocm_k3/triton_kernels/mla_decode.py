@@ -1,0 +1,150 @@
+"""Absorbed MLA decode over the paged latent cache (K3_SPEC §3), optionally split over KV ranges.
+
+Per sequence i, head h (fp32 accumulation):
+    s[l]   = scale * (q_latent[h] . c_kv[l] + q_pe[h] . k_pe[l])      l < seq_lens[i]
+    out[h] = softmax(s) @ c_kv                                        [512], in q's dtype
+
+``_mla_decode_kernel`` runs one program per (sequence, BH heads, KV split); it walks its token range in tiles
+of BLOCK_N (each token's page from ``block_table``), keeps an online softmax, and either writes the normalised
+output (one split) or its partial (acc / l, log-sum-exp) to an fp32 workspace that ``_mla_combine_kernel``
+merges. Cache row layout: 512 c_kv | 64 k_pe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rocm_k3.triton_kernels.runtime import interpreted
+
+LATENT = 512
+ROPE = 64
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+                       num_heads, block_size, scale,
+                       stride_qn, stride_qh, stride_pn, stride_ph, stride_kvb, stride_kvt, stride_btn,
+                       stride_on, stride_oh,
+                       SPLITS: tl.constexpr, DOT_F32: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr,
+                       D: tl.constexpr, DR: tl.constexpr):
+    seq = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)  # [BH]
+    split = tl.program_id(2)
+    hmask = heads < num_heads
+    d = tl.arange(0, D)
+    dr = tl.arange(0, DR)
+    q = tl.load(q_ptr + seq * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    qpe = tl.load(qpe_ptr + seq * stride_pn + heads[:, None] * stride_ph + dr[None, :], mask=hmask[:, None],
+                  other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        qpe = qpe.to(tl.float32)
+    length = tl.load(lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, length)
+    m = tl.full((BH,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        pmask = pos < hi
+        page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=pmask, other=0).to(tl.int64)
+        row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt  # [BLOCK_N] row pointers
+        c_kv = tl.load(row[:, None] + d[None, :], mask=pmask[:, None], other=0.0)  # [BLOCK_N, D]
+        k_pe = tl.load(row[:, None] + D + dr[None, :], mask=pmask[:, None], other=0.0)  # [BLOCK_N, DR]
+        if DOT_F32:
+            c_kv = c_kv.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q, tl.trans(c_kv)) + tl.dot(qpe, tl.trans(k_pe))  # [BH, BLOCK_N]
+        s = tl.where(pmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+        m = m_new
+    if SPLITS == 1:
+        o = acc / l_sum[:, None]
+        tl.store(out_ptr + seq * stride_on + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        base = (seq * num_heads + heads) * SPLITS + split  # [BH] workspace rows
+        safe_l = tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(part_ptr + base[:, None].to(tl.int64) * D + d[None, :], acc / safe_l[:, None], mask=hmask[:, None])
+        tl.store(lse_ptr + base, tl.where(l_sum > 0, m + tl.log(safe_l), float("-inf")), mask=hmask)
+
+
+@triton.jit
+def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_on, stride_oh,
+                        SPLITS: tl.constexpr, D: tl.constexpr):
+    """out[seq, h] = sum_s exp(lse_s - LSE) * part_s over the KV splits (empty splits have lse = -inf)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    base = (seq * num_heads + h) * SPLITS
+    lse = tl.load(lse_ptr + base + sp)  # [SPLITS]
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    d = tl.arange(0, D)
+    part = tl.load(part_ptr + (base + sp)[:, None].to(tl.int64) * D + d[None, :])  # [SPLITS, D]
+    o = tl.sum(part * w[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_on + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def _num_splits(n: int, head_blocks: int, max_len: int) -> int:
+    """Enough programs to fill ~264 SM slots, at most one split per 256 tokens and 16 splits."""
+    want = triton.cdiv(264, max(1, n * head_blocks))
+    return max(1, min(16, want, triton.cdiv(max_len, 256)))
+
+
+def mla_decode_with(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale: float, splits: int | None = None,
+                    block_h: int = 16, block_n: int = 32) -> torch.Tensor:
+    """:func:`mla_decode` with explicit KV splits / tile sizes (tests and benchmarks)."""
+    n, num_heads, _ = q_latent.shape
+    out = torch.empty_like(q_latent)
+    if n == 0:
+        return out
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if splits is None:
+        splits = _num_splits(n, head_blocks, block_table.shape[1] * kv_cache.shape[1])
+    splits = triton.next_power_of_2(splits)
+    if splits > 1:
+        part = torch.empty(n * num_heads * splits, LATENT, dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=q_latent.device)
+    else:
+        part = lse = out
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    _mla_decode_kernel[(n, head_blocks, splits)](
+        q_latent, q_pe, kv_cache, block_table, seq_lens, out, part, lse,
+        num_heads, kv_cache.shape[1], float(scale),
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        SPLITS=splits, DOT_F32=interpreted(_mla_decode_kernel), BH=block_h, BLOCK_N=block_n, D=LATENT, DR=ROPE,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _mla_combine_kernel[(n, num_heads)](part, lse, out, num_heads, out.stride(0), out.stride(1),
+                                            SPLITS=splits, D=LATENT, num_warps=4)
+    return out
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """``q_latent [N, H, 512]``, ``q_pe [N, H, 64]``, paged ``kv_cache [B, bs, 576]`` -> ``[N, H, 512]``."""
+    return mla_decode_with(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale)
+
+
+def mla_decode_supports(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale) -> tuple[bool, str]:
+    if q_latent.dtype not in _FLOAT_DTYPES:
+        return False, f"q_latent must be bf16/fp16/fp32, got {q_latent.dtype}"
+    if kv_cache.stride(-1) != 1:
+        return False, "kv_cache must have a contiguous last dim"
+    return True, "supported"
+
+
+KERNELS = {"mla_decode": (mla_decode, mla_decode_supports)}

@@ -1,0 +1,158 @@
+"""``fused_moe`` on Triton: align -> [MXFP8 pre-pass] -> w13 GEMM + activation -> w2 GEMM x routing weight -> reduce.
+
+Launches (decode, A16W4): the single-program align, the w13 GEMM, the w2 GEMM and the top-k reduce (4 in all;
+A8W4 adds the x pre-pass). Every expert weight tile is read once per block of BM rows routed to it, so at
+decode (T <= 64) the bytes moved are the active experts' weights.
+
+Weight layout: the kernels read the checkpoint byte order ([E, 2N, K/2] packed along K, low nibble first, E8M0
+[E, 2N, K/32]) directly; :func:`prepare_weights` checks it, makes the tensors contiguous and tags the weights
+``layout="triton"``. ``fused_moe_supports`` rejects untagged (checkpoint-layout) weights so a missing prepare
+step at load time is an explicit error rather than a hidden per-call copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import triton
+
+from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.triton_kernels.moe import kernels as K
+from rocm_k3.triton_kernels.moe.align import align_routing
+from rocm_k3.triton_kernels.runtime import interpreted
+
+LAYOUT = "triton"
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# E4M3 variants: (scale exponent offset EMAX, exponent bias, largest finite value)
+_FP8 = {torch.float8_e4m3fn: (8, 7, 448.0), torch.float8_e4m3fnuz: (7, 8, 240.0)}
+
+
+class MoEConfig(NamedTuple):
+    """Tile sizes of both GEMMs: BM rows (tokens of one expert) x BN output columns x BK reduction."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Keyed on how many rows each expert gets on average: decode (few) vs prefill (many).
+DECODE_CONFIG = MoEConfig(16, 64, 256, 4, 3)
+PREFILL_CONFIG = MoEConfig(64, 128, 128, 8, 3)
+
+
+def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
+    return DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG
+
+
+def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
+    """Checkpoint-layout experts -> the same weights tagged ``layout="triton"`` (contiguous, validated)."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+    if weights.layout == LAYOUT:
+        return weights
+    if weights.layout != "checkpoint":
+        raise ValueError(f"weights.layout must be 'checkpoint' or {LAYOUT!r}, got {weights.layout!r}")
+
+    def contig(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous()
+
+    return dataclasses.replace(
+        weights, w13=contig(weights.w13), w13_scale=contig(weights.w13_scale), w2=contig(weights.w2),
+        w2_scale=contig(weights.w2_scale), layout=LAYOUT, extras={},
+    )
+
+
+def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
+                       fp8_dtype=None) -> tuple[bool, str]:
+    if weights.layout != LAYOUT:
+        return False, (f"expert weights are in {weights.layout!r} layout; run "
+                       "rocm_k3.triton_kernels.backend.prepare_weights(weights) once at load time")
+    if x.dtype not in _ACT_DTYPES:
+        return False, f"x must be bf16/fp16/fp32, got {x.dtype}"
+    if act_quant == "mxfp8" and fp8_dtype not in _FP8:
+        return False, f"act_quant='mxfp8' needs fp8_dtype float8_e4m3fn or float8_e4m3fnuz, got {fp8_dtype!r}"
+    if weights.fmt == "bf16" and act_quant == "mxfp8":
+        return False, "A8W4 (act_quant='mxfp8') is only implemented for MXFP4 experts"
+    if weights.intermediate % 32:
+        return False, f"intermediate size {weights.intermediate} must be a multiple of 32"
+    return True, "supported"
+
+
+def _mxfp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (E4M3 code bytes uint8 [R, K], E8M0 uint8 [R, K/32]) with the ct rule."""
+    emax, bias, fmax = _FP8[fp8_dtype]
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.uint8, device=x.device)
+    s = torch.empty(rows, k // 32, dtype=torch.uint8, device=x.device)
+    if rows:
+        block_k = min(256, triton.next_power_of_2(k))
+        K.mxfp8_quant_kernel[(triton.cdiv(rows, 4), triton.cdiv(k, block_k))](
+            x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0),
+            EMAX=emax, BIAS=bias, FP8_MAX=fmax, ROWS=4, BLOCK_K=block_k,
+        )
+    return q, s
+
+
+def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              activation: MoEActivation = MoEActivation(), act_quant: str = "bf16",
+              fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * W2_e act(W13_e x_t)`` -> [T, Kout] in x dtype (see module doc)."""
+    return fused_moe_with(x, weights, topk_weights, topk_ids, activation=activation, act_quant=act_quant,
+                          fp8_dtype=fp8_dtype)
+
+
+def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
+                   fp8_dtype=None, config: MoEConfig | None = None, manual_w4: bool = False) -> torch.Tensor:
+    """:func:`fused_moe` with an explicit tile config and the hand-written E2M1 decode (benchmarks, tests)."""
+    tokens, top_k = topk_ids.shape
+    num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
+    out = torch.empty(tokens, kout, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    cfg = config or pick_config(tokens * top_k, num_experts)
+    routing = align_routing(topk_ids, num_experts, cfg.block_m)
+    num_blocks = routing.block_expert.numel()
+    padded_rows = routing.sorted_pairs.numel()
+    a8 = act_quant == "mxfp8"
+    emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
+    w_fmt = K.W_BF16 if weights.fmt == "bf16" else (K.W_MXFP4_MANUAL if manual_w4 else K.W_MXFP4)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if a8:
+        xa, xs = _mxfp8_quantize(x, fp8_dtype)
+        inter = torch.empty(padded_rows, n, dtype=torch.uint8, device=x.device)  # E4M3 codes
+        inter_s = torch.empty(padded_rows, n // 32, dtype=torch.uint8, device=x.device)
+    else:
+        xa, xs = x, x
+        inter = torch.empty(padded_rows, n, dtype=x.dtype, device=x.device)
+        inter_s = inter
+    w13, w2 = weights.w13, weights.w2
+    w13s = weights.w13_scale if weights.w13_scale is not None else w13
+    w2s = weights.w2_scale if weights.w2_scale is not None else w2
+    linear_beta = activation.linear_beta
+    common = dict(A_MX=a8, W_FMT=w_fmt, DOT_F32=interpreted(K.w13_kernel), BIAS=bias, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    K.w13_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
+        xa, xs, w13, w13s, inter, inter_s,
+        routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,
+        hidden, n, top_k, xa.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13s.stride(0), w13s.stride(1),
+        inter.stride(0), inter_s.stride(0), float(activation.beta), float(linear_beta or 1.0),
+        ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU, HAS_LINEAR_BETA=linear_beta is not None,
+        OUT_MX=a8, EMAX=emax, FP8_MAX=fmax, **common,
+    )
+    y = torch.empty(tokens * top_k, kout, dtype=torch.float32, device=x.device)  # per-pair weighted outputs
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    K.w2_kernel[(num_blocks, triton.cdiv(kout, cfg.block_n))](
+        inter, inter_s, w2, w2s, y, tw,
+        routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,
+        n, kout, inter.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1), w2s.stride(0), w2s.stride(1),
+        y.stride(0), **common,
+    )
+    block = min(1024, triton.next_power_of_2(kout))
+    K.topk_reduce_kernel[(tokens, triton.cdiv(kout, block))](
+        y, out, kout, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+    )
+    return out

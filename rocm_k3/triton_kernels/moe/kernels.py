@@ -1,0 +1,211 @@
+"""The MoE kernels: MXFP8 activation pre-pass, w13 GEMM + activation, w2 GEMM + routing weight, top-k reduce.
+
+Rows of both GEMMs follow the padded expert-sorted layout of :mod:`.align` (block b = BM rows of one expert).
+MXFP4 weights are consumed by ``tl.dot_scaled(a_bf16, None, "bf16", w_e2m1, w_scale, "e2m1")``: Triton decodes
+E2M1 x E8M0 in registers on sm_90 / gfx942 (then wgmma / v_mfma on bf16) and gfx950 has a scaled MFMA.
+``W_FMT == 2`` decodes the nibbles by hand (``mx.e2m1_decode``) and uses ``tl.dot``: a fallback and a
+cross-check of ``dot_scaled``. bf16 experts (``W_FMT == 1``) use a plain ``tl.dot``.
+
+A8W4 activations are stored as E4M3 code bytes (uint8) + E8M0 bytes and decoded in registers with
+``mx.fp8_e4m3_decode`` (exact), so OCP (bias 7) and FNUZ (bias 8) share one code path.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rocm_k3.triton_kernels.moe.mx import (
+    e2m1_decode,
+    fp8_e4m3_decode,
+    fp8_e4m3_encode,
+    mx_scale_exponent,
+    pow2,
+)
+
+ACT_SITU = 0
+ACT_SILU = 1
+W_MXFP4 = 0
+W_BF16 = 1
+W_MXFP4_MANUAL = 2
+
+
+@triton.jit
+def _mx_quantize_tile(v, R: tl.constexpr, C: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
+                      FP8_MAX: tl.constexpr):
+    """fp32 [R, C] -> (E4M3 codes int32 [R, C], scale bytes int32 [R, C // 32]) with the ct rule."""
+    g = tl.reshape(v, (R, C // 32, 32))  # [R, G, 32]
+    e = mx_scale_exponent(tl.max(tl.abs(g), axis=2), EMAX)  # [R, G]
+    scaled = g * pow2(-e)[:, :, None]
+    scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    codes = fp8_e4m3_encode(scaled, BIAS)  # [R, G, 32]
+    return tl.reshape(codes, (R, C)), e + 127
+
+
+@triton.jit
+def _mx_dequantize_tile(codes, scales, R: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr):
+    """E4M3 codes int32 [R, C] and scale bytes int32 [R, C // 32] -> fp32 [R, C]."""
+    v = tl.reshape(fp8_e4m3_decode(codes, BIAS), (R, C // 32, 32))
+    return tl.reshape(v * pow2(scales - 127)[:, :, None], (R, C))
+
+
+@triton.jit
+def mxfp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, K, stride_x, stride_q, stride_s,
+                       EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [R, K] float -> q uint8 E4M3 codes [R, K], s uint8 E8M0 [R, K/32] (ct rule)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    codes, sbytes = _mx_quantize_tile(x, ROWS, BLOCK_K, EMAX, BIAS, FP8_MAX)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], codes.to(tl.uint8), mask=mask)
+    g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    tl.store(s_ptr + r64 * stride_s + g[None, :], sbytes.to(tl.uint8), mask=rmask[:, None] & (g * 32 < K)[None, :])
+
+
+@triton.jit
+def _load_a_tile(a_ptr, as_ptr, row_off, srow_off, rmask, k0, K,
+                 A_MX: tl.constexpr, BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile [BM, BK] as bf16: plain rows, or MXFP8 codes + scales decoded in registers."""
+    kk = k0 + tl.arange(0, BK)
+    mask = rmask[:, None] & (kk < K)[None, :]
+    if A_MX:
+        codes = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0).to(tl.int32)
+        g = k0 // 32 + tl.arange(0, BK // 32)
+        sc = tl.load(as_ptr + srow_off[:, None] + g[None, :], mask=rmask[:, None] & (g * 32 < K)[None, :],
+                     other=127).to(tl.int32)
+        return _mx_dequantize_tile(codes, sc, BM, BK, BIAS).to(tl.bfloat16)
+    return tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+
+
+@triton.jit
+def _weight_dot(acc, a, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
+                W_FMT: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += a [BM, BK] @ W[n, k0:k0+BK]^T for one expert's weight rows (offsets per n)."""
+    if W_FMT == 1:
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + w_row_off[None, :] + kk[:, None], mask=nmask[None, :] & (kk < K)[:, None], other=0.0)
+        if DOT_F32:  # interpreter: its bf16 tl.dot is wrong
+            return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+        return tl.dot(a, w.to(tl.bfloat16), acc)  # [BK, BN]
+    kh = k0 // 2 + tl.arange(0, BK // 2)
+    wq = tl.load(w_ptr + w_row_off[None, :] + kh[:, None], mask=nmask[None, :] & (kh * 2 < K)[:, None], other=0)
+    g = k0 // 32 + tl.arange(0, BK // 32)
+    ws = tl.load(ws_ptr + ws_row_off[:, None] + g[None, :], mask=nmask[:, None] & (g * 32 < K)[None, :], other=127)
+    if W_FMT == 0:
+        return tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)  # wq [BK/2, BN] packed along K, ws [BN, BK/32]
+    # manual decode: low nibble = even k, high nibble = odd k
+    q = wq.to(tl.int32)
+    scale = tl.reshape(tl.broadcast_to(pow2(tl.trans(ws).to(tl.int32) - 127)[:, None, :], (BK // 32, 16, BN)),
+                       (BK // 2, BN))  # [BK/2, BN]
+    lo = (e2m1_decode(q & 15) * scale).to(tl.bfloat16)
+    hi = (e2m1_decode(q >> 4) * scale).to(tl.bfloat16)
+    w = tl.reshape(tl.trans(tl.join(lo, hi), 0, 2, 1), (BK, BN))  # [BK, BN] interleaved back
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
+               sorted_ptr, block_expert_ptr, start_ptr, count_ptr,
+               K, N, top_k, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+               stride_out, stride_out_s, beta, linear_beta,
+               A_MX: tl.constexpr, W_FMT: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+               OUT_MX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """inter[p, n] = act(x[tok(p)] @ W1_e[n]^T, x[tok(p)] @ W3_e[n]^T) for the BM rows p of block pid_m.
+
+    a: x [T, K] (or its MXFP8 codes + scales); w: w13 [E, 2N, K/2] u8 (+ scales [E, 2N, K/32]) or [E, 2N, K] bf16.
+    out: [P_max, N] activation dtype, or (OUT_MX) E4M3 codes u8 [P_max, N] + scales u8 [P_max, N/32].
+    """
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    row_end = tl.load(start_ptr + expert) + tl.load(count_ptr + expert)
+    rows = pid_m * BM + tl.arange(0, BM)  # [BM] padded-layout rows
+    rmask = rows < row_end
+    tok = (tl.load(sorted_ptr + rows, mask=rmask, other=0) // top_k).to(tl.int64)  # [BM]
+    n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+    nmask = n < N
+    e64 = expert.to(tl.int64)
+    wg_off = e64 * stride_we + n.to(tl.int64) * stride_wn  # gate rows
+    wu_off = wg_off + N * stride_wn  # up rows
+    sg_off = e64 * stride_wse + n.to(tl.int64) * stride_wsn
+    su_off = sg_off + N * stride_wsn
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
+        acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+        acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+    if ACT == 0:  # SiTU: beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)
+        gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
+        if HAS_LINEAR_BETA:
+            up = linear_beta * _tanh(acc_u / linear_beta)
+        else:
+            up = acc_u
+    else:  # SiLU(g) * u
+        gate = acc_g * tl.sigmoid(acc_g)
+        up = acc_u
+    act = gate * up  # [BM, BN] fp32
+    r64 = rows.to(tl.int64)
+    omask = rmask[:, None] & nmask[None, :]
+    if OUT_MX:
+        codes, sbytes = _mx_quantize_tile(act, BM, BN, EMAX, BIAS, FP8_MAX)
+        tl.store(out_ptr + r64[:, None] * stride_out + n[None, :], codes.to(tl.uint8), mask=omask)
+        g = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+        tl.store(out_s_ptr + r64[:, None] * stride_out_s + g[None, :], sbytes.to(tl.uint8),
+                 mask=rmask[:, None] & (g * 32 < N)[None, :])
+    else:
+        tl.store(out_ptr + r64[:, None] * stride_out + n[None, :], act.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
+              sorted_ptr, block_expert_ptr, start_ptr, count_ptr,
+              K, N, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_y,
+              A_MX: tl.constexpr, W_FMT: tl.constexpr, DOT_F32: tl.constexpr, BIAS: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[pair(p), n] = topk_w[pair(p)] * inter[p] @ W2_e[n]^T for the rows p of block pid_m (K = intermediate)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    row_end = tl.load(start_ptr + expert) + tl.load(count_ptr + expert)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < row_end
+    pair = tl.load(sorted_ptr + rows, mask=rmask, other=0).to(tl.int64)  # [BM]
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < N
+    e64 = expert.to(tl.int64)
+    w_off = e64 * stride_we + n.to(tl.int64) * stride_wn
+    s_off = e64 * stride_wse + n.to(tl.int64) * stride_wsn
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
+        acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+    rw = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0)  # [BM] routing weights
+    tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], acc * rw[:, None], mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def topk_reduce_kernel(y_ptr, out_ptr, Kout, stride_y, stride_out, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j y[t * TOP_K + j] (fp32, fixed order, deterministic), cast to the output dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < Kout
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
