@@ -13,7 +13,7 @@ import torch
 
 from rocm_k3.ops import kda
 from rocm_k3.ops.kda import KDAGateParams
-from rocm_k3.ops.kda.naive import kda_recurrent_naive
+from rocm_k3.ops.kda.naive import kda_prefill_naive, kda_recurrent_naive
 from tests.helpers import assert_rel, seeded
 
 FP32_TOL = 1e-5
@@ -148,6 +148,31 @@ def test_intermediate_states_match_recurrence():
     out_plain, state_plain = case.run(has)
     assert_rel(out.o, out_plain.o, FP32_TOL, "o with vs without intermediate positions")
     assert_rel(state, state_plain, FP32_TOL, "state pool with vs without intermediate positions")
+
+
+@pytest.mark.parametrize(
+    "qk_l2norm,beta_logits,scale",
+    [(False, False, 0.3), (True, False, None), (False, True, 1.0), (True, True, 0.05)],
+    ids=["raw-qk-raw-beta-s0.3", "l2norm-raw-beta", "raw-qk-beta-logits-s1", "default-flags-s0.05"],
+)
+def test_prefill_options_match_naive_twin(qk_l2norm, beta_logits, scale):
+    """Every flag of kda_prefill against kda_prefill_naive (float64, token loop, its own preprocessing)."""
+    lengths = (3, 64, 97)
+    case = Case(lengths, 2, 32, 32, seed=81, slots=[1, 3, 0])
+    if not qk_l2norm:  # keep |k|^2 near 1 so the un-normalised delta rule stays contractive
+        case.q, case.k = case.q / 32**0.5, case.k / 32**0.5
+    beta = case.beta if beta_logits else torch.sigmoid(case.beta)
+    positions = torch.tensor([[1, 50], [2, 97], [0, 2]], dtype=torch.int32)
+    args = (case.q, case.k, case.v, case.f, beta, case.cu)
+    slots, has = torch.tensor(case.slots, dtype=torch.int32), torch.tensor([True, False, True])
+    options = dict(scale=scale, gate_params=case.gate_params, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                   intermediate_positions=positions)
+    state, state_naive = case.pool.clone(), case.pool.clone()
+    out = kda.kda_prefill(*args, state, slots, has, **options, backend="reference")
+    ref = kda_prefill_naive(*args, state_naive, slots, has, **options)
+    assert_rel(out.o, ref.o, FP32_TOL, "o")
+    assert_rel(out.intermediate_states, ref.intermediate_states, FP32_TOL, "intermediate states")
+    assert_rel(state, state_naive, FP32_TOL, "state pool")
 
 
 def test_intermediate_positions_empty():
