@@ -26,8 +26,8 @@ log = logging.getLogger("rocm_k3.ops")
 
 SupportsFn = Callable[..., "tuple[bool, str]"]
 
-# backend name -> module whose ``register(registry)`` adds its ops and whose ``available(dev)`` says
-# whether the backend can run on a device at all.
+# backend name -> module whose ``register()`` adds its ops (through :func:`register`) and whose
+# ``available(dev) -> (ok, reason)`` says whether the backend can run on a device at all.
 BACKEND_MODULES: dict[str, str] = {
     "reference": "rocm_k3.ops.reference_backend",
     "triton": "rocm_k3.triton_kernels.backend",
@@ -83,7 +83,13 @@ def register(op: str, backend: str, fn: Callable[..., Any], supports: SupportsFn
 
 
 def _load_backend(backend: str) -> tuple[bool, str]:
-    """Import a backend module once; returns (ok, reason)."""
+    """Import a backend module and register its ops, once; returns (ok, reason).
+
+    A kernel backend whose toolchain is missing or fails to initialise (ImportError, or any other exception
+    from importing it on a machine it does not fit) is reported unavailable with the exception as the reason,
+    so dispatch can fall back. An error while loading the ``reference`` backend other than a missing module
+    propagates: there is nothing to fall back to, and the traceback is the useful report.
+    """
     if backend in _loaded:
         return _loaded[backend]
     try:
@@ -92,6 +98,11 @@ def _load_backend(backend: str) -> tuple[bool, str]:
         result = (True, "loaded")
     except ImportError as exc:  # toolchain not installed
         result = (False, f"{backend} backend unavailable: {exc}")
+    except Exception as exc:
+        if backend == "reference":
+            raise
+        log.warning("%s backend failed to load: %s: %s", backend, type(exc).__name__, exc)
+        result = (False, f"{backend} backend failed to load: {type(exc).__name__}: {exc}")
     _loaded[backend] = result
     return result
 
