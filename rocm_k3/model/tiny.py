@@ -198,12 +198,26 @@ def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dic
     return root
 
 
+def _favour_printable(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Scale the LM-head rows so printable ASCII bytes get most of the probability mass.
+
+    The weights are random, so this only makes the demo print readable characters instead of control bytes;
+    the rows of other tokens (including eos) are shrunk, not removed.
+    """
+    head = tensors[cfg.weight_prefix + "lm_head.weight"]  # [vocab, hidden]
+    scale = torch.full((head.shape[0], 1), 0.1)
+    scale[ord(" "):ord("~") + 1] = 2.0
+    tensors[cfg.weight_prefix + "lm_head.weight"] = head * scale
+
+
 def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: int = 1,
                           text_overrides: dict[str, Any] | None = None) -> Path:
     """Write the tiny K3 checkpoint (config, weights, byte tokenizer) into ``directory``; returns it."""
     config = tiny_config(text_overrides)
     cfg = ModelConfig.from_hf_dict(config)
-    root = write_checkpoint(directory, config, random_tensors(cfg, seed), shards)
+    tensors = random_tensors(cfg, seed)
+    _favour_printable(tensors, cfg)
+    root = write_checkpoint(directory, config, tensors, shards)
     ByteTokenizer(vocab_size=cfg.vocab_size).save(root)
     return root
 

@@ -1,0 +1,163 @@
+"""The Python API: ``rocm_k3.LLM(path).generate(prompts, rocm_k3.SamplingParams(...))``.
+
+``LLM()`` with no path serves the embedded tiny K3 model (built on first use into ``settings.cache_dir``).
+Requests currently run one at a time over a :class:`~rocm_k3.model.simple_cache.SimpleCache`, in
+:meth:`LLM._run_requests`; the continuous-batching engine replaces that one method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+
+from rocm_k3.engine.outputs import RequestOutput
+from rocm_k3.engine.sampler import check_stop, make_generator, sample
+from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.model.loader import load_model
+from rocm_k3.model.simple_cache import SimpleCache
+from rocm_k3.model.tiny import ensure_embedded_model
+from rocm_k3.model.tokenizer import ByteTokenizer
+from rocm_k3.settings import BACKEND_CHOICES
+
+Prompt = Union[str, Sequence[int]]
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class PromptTooLongError(ValueError):
+    """A prompt with more tokens than the model's ``max_model_len``."""
+
+
+class LLM:
+    """A loaded model plus its tokenizer, generating from text prompts or token-id lists.
+
+    path:          checkpoint directory (Kimi K3 or Kimi Linear layout); None = the embedded tiny K3 model.
+    dtype:         "bfloat16" (default), "float32", "float16", a torch dtype, or "auto" (bfloat16 on a GPU, float32
+                   on the CPU, where bfloat16 matmuls are slow).
+    backend:       op backend for every op ("reference", "triton", "flydsl", "aiter"); None = settings / auto.
+    max_model_len: the longest prompt + generation allowed; default and upper bound: max_position_embeddings.
+    device:        torch device; default the first GPU if there is one, else the CPU.
+    """
+
+    def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
+                 backend: str | None = None, max_model_len: int | None = None,
+                 device: str | torch.device | None = None, progress: bool = False) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if backend is not None and backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend: expected one of {BACKEND_CHOICES} or None, got {backend!r}")
+        self.path = Path(path) if path is not None else ensure_embedded_model()
+        self.model = load_model(self.path, dtype=self.dtype, device=self.device, backend=backend, progress=progress)
+        self.config = self.model.cfg
+        limit = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len: expected an int in [1, max_position_embeddings={limit}], "
+                             f"got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        self.tokenizer = ByteTokenizer.from_dir(self.path)
+        self.eos_token_ids = tuple(self.config.eos_token_id)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt: a str, a list of token ids, or a list of either. Returns one output per prompt.
+
+        sampling_params: one SamplingParams for all prompts, one per prompt, or None (defaults).
+        Raises PromptTooLongError for a prompt longer than ``max_model_len``, ValueError for an empty prompt,
+        out-of-vocabulary ids or a text prompt when the checkpoint has no tokenizer.
+        """
+        batch = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(batch)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch) or not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError(f"sampling_params: expected one SamplingParams or {len(batch)} of them, "
+                                 f"got {len(params)} items")
+        prompt_ids = [self._encode(p, i) for i, p in enumerate(batch)]
+        return self._run_requests(prompt_ids, params)
+
+    # ------------------------------------------------------------------ internals
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index}: {self.path} has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index}: empty prompt")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {index}: token ids {bad[:8]} outside the vocabulary [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt {index}: {len(ids)} tokens exceed max_model_len={self.max_model_len}"
+            )
+        return ids
+
+    def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Run every request to completion (one at a time for now); outputs in prompt order."""
+        return [self._run_one(ids, p) for ids, p in zip(prompt_ids, params)]
+
+    def _run_one(self, prompt: list[int], params: SamplingParams) -> RequestOutput:
+        capacity = min(self.max_model_len, len(prompt) + params.max_tokens)
+        cache = SimpleCache(self.config, max_model_len=capacity, dtype=self.dtype, device=self.device)
+        gen = make_generator(params.seed, self.device)
+        logits = self.model.forward(cache.prepare([(0, prompt)]), cache)  # [1, vocab]
+        tokens: list[int] = []
+        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        while True:
+            out = sample(logits, [params], [gen])
+            token = int(out.token_ids[0])
+            tokens.append(token)
+            if logprobs is not None:
+                logprobs.append(out.logprobs[0])
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+            decision = check_stop(tokens, text, params, self.eos_token_ids)
+            reason = decision.finish_reason
+            if reason is None and cache.lengths[0] >= capacity:
+                reason = "length"  # no room to feed the token back
+            if reason is not None:
+                return RequestOutput(list(prompt), tokens, decision.text, logprobs, reason)
+            logits = self.model.forward(cache.prepare([(0, [token])]), cache)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """str -> [str]; [int, ...] -> [[int, ...]]; a list of str / id lists stays as it is."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts: expected a str, a list of token ids, or a non-empty list of those, got {prompts!r}")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    out: list[Prompt] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(list(p))
+        else:
+            raise TypeError(f"prompts[{i}]: expected a str or a list of int token ids, got {type(p).__name__}")
+    return out

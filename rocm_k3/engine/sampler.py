@@ -1,0 +1,126 @@
+"""Batched next-token sampling from fp32 logits, one seeded generator per request, plus the stop check.
+
+For each row: temperature 0 = argmax of the logits; otherwise the logits are divided by the temperature,
+restricted to the top-k tokens and then to the smallest most-likely set whose probability reaches top-p, and a
+token is drawn from the softmax with the request's own ``torch.Generator`` (the exponential-race form of a
+categorical draw, ``argmax(p / E)`` with ``E ~ Exp(1)``), so a request's tokens do not depend on which other
+requests share its batch. Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import torch
+
+from rocm_k3.engine.sampling import SamplingParams
+
+
+class SampleOutput(NamedTuple):
+    """token_ids int64 [N]; logprobs[i] = {token: logprob} (chosen token first, then the top alternatives) or None."""
+
+    token_ids: torch.Tensor
+    logprobs: list[dict[int, float] | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's generator: seeded with ``seed``, or from fresh OS entropy when None."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> SampleOutput:
+    """Pick one token per row of ``logits`` fp32 [N, V] under ``params[i]`` with ``generators[i]``."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits: expected a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits: expected dtype torch.float32, got {logits.dtype}")
+    n, vocab = logits.shape
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"params/generators: expected {n} each (one per row), got {len(params)} and {len(generators)}")
+    dev = logits.device
+    temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
+    greedy = temps == 0
+    chosen = logits.argmax(dim=-1)  # [N]
+    if not bool(greedy.all()):
+        scaled = logits / temps.clamp_min(1e-6)[:, None]  # [N, V]
+        scaled = _apply_top_k(scaled, [p.top_k for p in params])
+        scaled = _apply_top_p(scaled, [float(p.top_p) for p in params])
+        probs = torch.softmax(scaled, dim=-1)  # [N, V]
+        for i, (p, gen) in enumerate(zip(params, generators)):
+            if p.temperature == 0:
+                continue
+            race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
+            chosen[i] = torch.argmax(probs[i] / race)
+    return SampleOutput(chosen, _logprobs(logits, chosen, params))
+
+
+def _apply_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = scaled.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if all(k == vocab for k in ks):
+        return scaled
+    k_t = torch.tensor(ks, device=scaled.device)  # [N]
+    sorted_vals = scaled.sort(dim=-1, descending=True).values  # [N, V]
+    kth = sorted_vals.gather(1, (k_t - 1)[:, None])  # [N, 1] the k-th largest value
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _apply_top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_p):
+        return scaled
+    p_t = torch.tensor(top_p, device=scaled.device)[:, None]  # [N, 1]
+    probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)  # [N, V]
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = before >= p_t  # the first token is always kept (before = 0 < p)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[dict[int, float] | None]:
+    wanted = [p.logprobs for p in params]
+    if all(w is None for w in wanted):
+        return [None] * len(params)
+    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+    out: list[dict[int, float] | None] = []
+    for i, w in enumerate(wanted):
+        if w is None:
+            out.append(None)
+            continue
+        tok = int(chosen[i])
+        entry = {tok: float(logp[i, tok])}
+        if w > 0:
+            top = torch.topk(logp[i], min(w, logp.shape[1]))
+            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                entry.setdefault(t, v)
+        out.append(entry)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StopDecision:
+    """finish_reason: "stop" (eos, a stop token or a stop string), "length" (max_tokens) or None (continue).
+    text: the output text, cut before a matched stop string."""
+
+    finish_reason: str | None
+    text: str
+
+
+def check_stop(token_ids: Sequence[int], text: str, params: SamplingParams,
+               eos_token_ids: Sequence[int] = ()) -> StopDecision:
+    """Whether a request is finished after its latest token (``token_ids`` = generated ids so far)."""
+    if token_ids:
+        last = token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            return StopDecision("stop", text)
+    cut = min((pos for pos in (text.find(s) for s in params.stop) if pos >= 0), default=-1)
+    if cut >= 0:
+        return StopDecision("stop", text[:cut])
+    if len(token_ids) >= params.max_tokens:
+        return StopDecision("length", text)
+    return StopDecision(None, text)

@@ -1,0 +1,53 @@
+"""``rocm-k3 generate PROMPT``: generate text with a checkpoint (default: the embedded tiny K3 model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated one after another)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny K3 model)")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="read each prompt as comma-separated token ids (for checkpoints without a tokenizer)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+                        help="auto (default): bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--backend", default=None, help="op backend (reference, triton, flydsl, aiter; default auto)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--device", default=None, help="torch device (default: first GPU, else cpu)")
+    parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError as exc:
+        raise ValueError(f"--token-ids: expected comma-separated integers, got {text!r}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from rocm_k3.engine.llm import LLM
+    from rocm_k3.engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                max_tokens=args.max_tokens)
+        prompts = [_parse_ids(p) for p in args.prompt] if args.token_ids else list(args.prompt)
+        llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_model_len=args.max_model_len,
+                  device=args.device, progress=True)
+        outputs = llm.generate(prompts, params)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"rocm-k3 generate: error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"prompt: {prompt!r}")
+        print(f"output: {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+        if args.show_ids or llm.tokenizer is None:
+            print(f"token ids: {out.token_ids}")
+    return 0
