@@ -69,12 +69,16 @@ def test_auto_on_cpu_resolves_to_reference_and_settings_can_name_a_backend():
 
 
 def test_supports_rejection_carries_the_reason(isolated_registry):
-    isolated_registry.register("probe_op", "reference", lambda t: t + 1, supports=lambda t: (t.numel() % 2 == 0, "needs an even size"))
+    isolated_registry.register(
+        "probe_op", "reference", lambda t: t + 1, supports=lambda t: (t.numel() % 2 == 0, "needs an even size")
+    )
     assert isolated_registry.dispatch("probe_op", "reference", torch.zeros(4)).tolist() == [1.0] * 4
     with pytest.raises(registry.BackendError, match="needs an even size"):
         isolated_registry.dispatch("probe_op", "reference", torch.zeros(3))
     with override(backend="auto"):
-        with pytest.raises(registry.BackendError, match="no backend can run probe_op on CPU: reference: needs an even size"):
+        with pytest.raises(
+            registry.BackendError, match="no backend can run probe_op on CPU: reference: needs an even size"
+        ):
             isolated_registry.dispatch("probe_op", None, torch.zeros(3))
 
 

@@ -48,7 +48,9 @@ def test_situ_and_mul_matches_python_math(linear_beta, dtype, tol):
 def test_silu_and_mul_matches_python_math():
     x = torch.randn(9, 96, generator=seeded(21)) * 4
     out = moe.silu_and_mul(x)
-    expected = torch.tensor([[r[i] / (1 + math.exp(-r[i])) * r[48 + i] for i in range(48)] for r in x.double().tolist()])
+    expected = torch.tensor(
+        [[r[i] / (1 + math.exp(-r[i])) * r[48 + i] for i in range(48)] for r in x.double().tolist()]
+    )
     assert_rel(out, expected, 1e-6, "silu_and_mul")
 
 
@@ -82,7 +84,9 @@ def route_py(logits, k, bias=None, renormalize=True, scale=1.0):
 
 
 @pytest.mark.parametrize("use_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("renormalize, scale", [(True, 1.0), (False, 1.0), (True, 2.446)], ids=["renorm", "raw", "renorm-x2.446"])
+@pytest.mark.parametrize(
+    "renormalize, scale", [(True, 1.0), (False, 1.0), (True, 2.446)], ids=["renorm", "raw", "renorm-x2.446"]
+)
 @pytest.mark.parametrize("top_k", [1, 4])
 def test_route_matches_python_loop(use_bias, renormalize, scale, top_k):
     gen = seeded(30)
@@ -232,7 +236,9 @@ def test_fused_moe_fp32_activations(activation, act_quant, fp8_dtype, tol):
     weights = make_experts("mxfp4", 8, 128, 64, 128, seed=43)
     topk_weights, topk_ids = make_routing(7, 8, 2, seed=44)
     x = torch.randn(7, 128, generator=seeded(45)) * 2
-    out = moe.fused_moe(x, weights, topk_weights, topk_ids, activation=activation, act_quant=act_quant, fp8_dtype=fp8_dtype)
+    out = moe.fused_moe(
+        x, weights, topk_weights, topk_ids, activation=activation, act_quant=act_quant, fp8_dtype=fp8_dtype
+    )
     assert out.dtype == torch.float32
     assert_rel(out, fused_moe_loop(x, weights, topk_weights, topk_ids, activation, fp8_dtype), tol, "fused_moe fp32")
 

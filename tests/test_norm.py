@@ -11,7 +11,11 @@ from rocm_k3.ops import norm
 # per-dtype tolerance on the normalised output: fp32 math rounded once to the output dtype
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in TOL]
-SHAPES = [pytest.param((7, 128), id="T7-D128"), pytest.param((3, 5, 64), id="B3-T5-D64"), pytest.param((1, 32), id="T1-D32")]
+SHAPES = [
+    pytest.param((7, 128), id="T7-D128"),
+    pytest.param((3, 5, 64), id="B3-T5-D64"),
+    pytest.param((1, 32), id="T1-D32"),
+]
 
 
 def rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

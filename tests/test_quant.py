@@ -20,7 +20,7 @@ def block(*values: float, fill: float = 0.0) -> torch.Tensor:
 
 
 def oracle_e2m1(code: int) -> float:
-    """E2M1 from its bit fields: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0); exponent 0 is subnormal."""
+    """E2M1 from its bit fields: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0); exp 0 is subnormal."""
     sign = -1.0 if code & 8 else 1.0
     exp, man = (code >> 1) & 3, code & 1
     mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1.0 + man / 2)
@@ -72,8 +72,21 @@ def test_mxfp4_nibble_order_single_byte():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),
-     (0.2, 0.0), (0.3, 0.5), (2.6, 3.0), (5.1, 6.0), (-3.5, -4.0), (-2.5, -2.0)],
+    [
+        (0.25, 0.0),
+        (0.75, 1.0),
+        (1.25, 1.0),
+        (1.75, 2.0),
+        (2.5, 2.0),
+        (3.5, 4.0),
+        (5.0, 4.0),
+        (0.2, 0.0),
+        (0.3, 0.5),
+        (2.6, 3.0),
+        (5.1, 6.0),
+        (-3.5, -4.0),
+        (-2.5, -2.0),
+    ],
     ids=lambda v: f"{v}",
 )
 def test_mxfp4_round_to_nearest_even(value, expected):
@@ -235,7 +248,10 @@ def test_fp8_dtype_for_arch():
 
 @pytest.mark.parametrize(
     "fp8_dtype, byte_for_amax_1, max_value",
-    [pytest.param(torch.float8_e4m3fn, 127 - 8, 448.0, id="ocp"), pytest.param(torch.float8_e4m3fnuz, 127 - 7, 240.0, id="fnuz")],
+    [
+        pytest.param(torch.float8_e4m3fn, 127 - 8, 448.0, id="ocp"),
+        pytest.param(torch.float8_e4m3fnuz, 127 - 7, 240.0, id="fnuz"),
+    ],
 )
 def test_mxfp8_scale_offset_and_range(fp8_dtype, byte_for_amax_1, max_value):
     q, scales = quant.quantize_mxfp8(block(1.0, -0.5), fp8_dtype)
@@ -245,12 +261,18 @@ def test_mxfp8_scale_offset_and_range(fp8_dtype, byte_for_amax_1, max_value):
     q, scales = quant.quantize_mxfp8(block(1.99, -1.99), fp8_dtype, rule="ocp")
     assert q.float()[0, :2].tolist() == [max_value, -max_value]
     out = quant.dequantize_mxfp8(q, scales)
-    assert out[0, :2].tolist() == [max_value * 2.0 ** (byte_for_amax_1 - 127), -max_value * 2.0 ** (byte_for_amax_1 - 127)]
+    assert out[0, :2].tolist() == [
+        max_value * 2.0 ** (byte_for_amax_1 - 127),
+        -max_value * 2.0 ** (byte_for_amax_1 - 127),
+    ]
 
 
 @pytest.mark.parametrize(
     "fp8_dtype, byte, q_value",
-    [pytest.param(torch.float8_e4m3fn, 120, 224.0, id="ocp"), pytest.param(torch.float8_e4m3fnuz, 121, 112.0, id="fnuz")],
+    [
+        pytest.param(torch.float8_e4m3fn, 120, 224.0, id="ocp"),
+        pytest.param(torch.float8_e4m3fnuz, 121, 112.0, id="fnuz"),
+    ],
 )
 def test_mxfp8_ct_rule_rounds_amax_up(fp8_dtype, byte, q_value):
     # amax 1.8 has mantissa >= 1.75: ct uses exponent floor(log2 2) - offset = 1 - 8 (OCP) or 1 - 7 (FNUZ);

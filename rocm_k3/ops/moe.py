@@ -121,7 +121,9 @@ class ExpertWeights:
         for name in ("w2", "w13_scale", "w2_scale"):
             t = getattr(self, name)
             if t is not None and t.device != self.w13.device:
-                raise ValueError(f"ExpertWeights.{name} must be on the device of w13 ({self.w13.device}), got {t.device}")
+                raise ValueError(
+                    f"ExpertWeights.{name} must be on the device of w13 ({self.w13.device}), got {t.device}"
+                )
 
     def _check_mxfp4(self) -> None:
         u8 = (torch.uint8,)
@@ -135,7 +137,10 @@ class ExpertWeights:
             )
         n, k = two_n // 2, 2 * half_k
         if w2.shape[0] != num_experts or w2.shape[1] == 0 or w2.shape[2] != n // 2:
-            raise ValueError(f"ExpertWeights.w2 must have shape [E, Kout, N/2] = [{num_experts}, Kout, {n // 2}], got {tuple(w2.shape)}")
+            raise ValueError(
+                f"ExpertWeights.w2 must have shape [E, Kout, N/2] = [{num_experts}, Kout, {n // 2}], "
+                f"got {tuple(w2.shape)}"
+            )
         w13s = _check_tensor(self.w13_scale, "ExpertWeights.w13_scale", 3, u8)
         w2s = _check_tensor(self.w2_scale, "ExpertWeights.w2_scale", 3, u8)
         _check_shape(w13s, "ExpertWeights.w13_scale", (num_experts, two_n, k // BLOCK_SIZE), "[E, 2N, K/32]")
@@ -152,7 +157,10 @@ class ExpertWeights:
         if two_n == 0 or two_n % 2 or k == 0:
             raise ValueError(f"ExpertWeights.w13 must have shape [E, 2N, K] with N, K > 0, got {tuple(w13.shape)}")
         if w2.shape[0] != num_experts or w2.shape[1] == 0 or w2.shape[2] != two_n // 2:
-            raise ValueError(f"ExpertWeights.w2 must have shape [E, Kout, N] = [{num_experts}, Kout, {two_n // 2}], got {tuple(w2.shape)}")
+            raise ValueError(
+                f"ExpertWeights.w2 must have shape [E, Kout, N] = [{num_experts}, Kout, {two_n // 2}], "
+                f"got {tuple(w2.shape)}"
+            )
 
     @property
     def num_experts(self) -> int:
@@ -214,7 +222,9 @@ def route(
     scaling_factor: float = 1.0,
     backend: str | None = None,
 ) -> RouteResult:
-    """noaux_tc sigmoid router (one group): ``router_logits fp32 [T, E]`` -> ``RouteResult(weights fp32 [T, k], ids int32 [T, k])``.
+    """noaux_tc sigmoid router (one group): ``router_logits fp32 [T, E]`` -> ``RouteResult``.
+
+    ``RouteResult.weights`` fp32 [T, k], ``RouteResult.ids`` int32 [T, k].
 
     Chooses the top-k experts of ``sigmoid(logits) + correction_bias`` (ties: lower index first; ids ordered by
     descending score); weights are ``sigmoid(logits)`` at the chosen ids, renormalised to sum 1 when
@@ -228,7 +238,10 @@ def route(
         _check_tensor(correction_bias, "correction_bias", 1, (torch.float32,))
         _check_shape(correction_bias, "correction_bias", (num_experts,), "[E]")
         if correction_bias.device != router_logits.device:
-            raise ValueError(f"correction_bias must be on the device of router_logits ({router_logits.device}), got {correction_bias.device}")
+            raise ValueError(
+                f"correction_bias must be on the device of router_logits ({router_logits.device}), "
+                f"got {correction_bias.device}"
+            )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     _positive_or_none(scaling_factor, "scaling_factor", allow_none=False)
@@ -283,7 +296,9 @@ def fused_moe(
     _check_tensor(topk_weights, "topk_weights", 2, (torch.float32,))
     _check_tensor(topk_ids, "topk_ids", 2, (torch.int32,))
     if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] == 0:
-        raise ValueError(f"topk_ids must have shape [T, k] with T = {x.shape[0]} and k > 0, got {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"topk_ids must have shape [T, k] with T = {x.shape[0]} and k > 0, got {tuple(topk_ids.shape)}"
+        )
     _check_shape(topk_weights, "topk_weights", tuple(topk_ids.shape), "[T, k] (the shape of topk_ids)")
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != x.device:
@@ -300,7 +315,8 @@ def fused_moe(
             raise ValueError("act_quant='mxfp8' needs fp8_dtype (torch.float8_e4m3fn or torch.float8_e4m3fnuz)")
         if weights.hidden % BLOCK_SIZE or weights.intermediate % BLOCK_SIZE:
             raise ValueError(
-                f"act_quant='mxfp8' needs K and N multiples of {BLOCK_SIZE}, got K={weights.hidden}, N={weights.intermediate}"
+                f"act_quant='mxfp8' needs K and N multiples of {BLOCK_SIZE}, "
+                f"got K={weights.hidden}, N={weights.intermediate}"
             )
     return registry.dispatch(
         "fused_moe",

@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 
-def quantize_mxfp4(x: torch.Tensor, rule: str = "ct", *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(
+    x: torch.Tensor, rule: str = "ct", *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4-quantise ``x`` float [..., K] (K a positive multiple of 32, finite values).
 
     Returns ``(packed uint8 [..., K/2], scales uint8 [..., K/32])``: E2M1 codes, low nibble = even element,
@@ -66,7 +68,10 @@ def quantize_mxfp4(x: torch.Tensor, rule: str = "ct", *, backend: str | None = N
 def dequantize_mxfp4(
     packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None
 ) -> torch.Tensor:
-    """``packed uint8 [..., K/2]``, ``scales uint8 [..., K/32]`` -> ``dtype [..., K]``; a 0xFF (NaN) scale raises ValueError."""
+    """``packed uint8 [..., K/2]``, ``scales uint8 [..., K/32]`` -> ``dtype [..., K]``.
+
+    A 0xFF (NaN) scale raises ValueError.
+    """
     check_dequantize_mxfp4_args(packed, scales, dtype)
     return registry.dispatch("dequantize_mxfp4", backend, packed, scales, dtype)
 
@@ -74,7 +79,9 @@ def dequantize_mxfp4(
 def quantize_mxfp8(
     x: torch.Tensor, fp8_dtype: torch.dtype, rule: str = "ct", *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8-quantise ``x`` float [..., K] to ``fp8_dtype`` (float8_e4m3fn: OCP, max 448; float8_e4m3fnuz: FNUZ, max 240).
+    """MXFP8-quantise ``x`` float [..., K] to ``fp8_dtype``.
+
+    ``fp8_dtype``: float8_e4m3fn (OCP, max 448) or float8_e4m3fnuz (FNUZ, max 240).
 
     Returns ``(q fp8_dtype [..., K], scales uint8 [..., K/32])``; scale exponent offset 8 (OCP) or 7 (FNUZ).
     """

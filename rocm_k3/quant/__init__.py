@@ -5,7 +5,15 @@ These are plain library functions (validated, pure PyTorch). The model calls the
 """
 
 from rocm_k3.quant.blocks import BLOCK_SIZE
-from rocm_k3.quant.e2m1 import E2M1_MAGNITUDES, E2M1_MAX, decode_e2m1, e2m1_values, encode_e2m1, pack_nibbles, unpack_nibbles
+from rocm_k3.quant.e2m1 import (
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    decode_e2m1,
+    e2m1_values,
+    encode_e2m1,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from rocm_k3.quant.e8m0 import E8M0_NAN, SCALE_RULES, decode_e8m0, encode_e8m0, scale_exponent
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from rocm_k3.quant.mxfp8 import FP8_FORMATS, FP8Format, dequantize_mxfp8, fp8_dtype_for_arch, quantize_mxfp8

@@ -61,4 +61,6 @@ def check_no_nan_scale(scales: torch.Tensor, name: str = "scales") -> None:
     """Raise ValueError if any scale byte is 0xFF (the E8M0 NaN)."""
     if bool((scales == E8M0_NAN).any()):
         count = int((scales == E8M0_NAN).sum())
-        raise ValueError(f"{name} holds {count} NaN scale (0xFF) byte(s); an MX block with a NaN scale cannot be dequantised")
+        raise ValueError(
+            f"{name} holds {count} NaN scale (0xFF) byte(s); an MX block with a NaN scale cannot be dequantised"
+        )

@@ -32,7 +32,8 @@ def check_dequantize_mxfp4_args(packed: torch.Tensor, scales: torch.Tensor, dtyp
         raise TypeError(f"packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
     if packed.dim() == 0 or packed.shape[-1] == 0 or (2 * packed.shape[-1]) % BLOCK_SIZE:
         raise ValueError(
-            f"packed must have a last dim K/2 with K a positive multiple of {BLOCK_SIZE}, got shape {tuple(packed.shape)}"
+            f"packed must have a last dim K/2 with K a positive multiple of {BLOCK_SIZE}, "
+            f"got shape {tuple(packed.shape)}"
         )
     check_scales(scales, packed.shape, 2 * packed.shape[-1], "scales")
     if scales.device != packed.device:

@@ -74,7 +74,9 @@ def check_dequantize_mxfp8_args(q: torch.Tensor, scales: torch.Tensor, dtype: to
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     fp8_format(q.dtype, "q.dtype")
     if q.dim() == 0 or q.shape[-1] == 0 or q.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"q must have a last dim K that is a positive multiple of {BLOCK_SIZE}, got shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must have a last dim K that is a positive multiple of {BLOCK_SIZE}, got shape {tuple(q.shape)}"
+        )
     check_scales(scales, q.shape, q.shape[-1], "scales")
     if scales.device != q.device:
         raise ValueError(f"scales must be on the device of q ({q.device}), got {scales.device}")
@@ -105,7 +107,9 @@ def quantize_mxfp8_reference(
     return q.reshape(*lead, k), scales.reshape(*lead, k // BLOCK_SIZE)
 
 
-def dequantize_mxfp8_reference(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxfp8_reference(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Unvalidated MXFP8 dequantisation: q fp8 [..., K], scales uint8 [..., K/32] -> dtype [..., K]."""
     k = q.shape[-1]
     lead = q.shape[:-1]
