@@ -1,0 +1,114 @@
+"""Cache configuration: the three token granularities of the hybrid prefix cache, and the memory budgets.
+
+- ``block_size`` (**physical block size**): tokens per MLA latent page, the allocation unit of the KV cache.
+- ``match_unit`` (**prefix match unit**): prefixes are hashed and matched every ``match_unit`` tokens, and a KDA
+  state is saved at every multiple of ``match_unit`` that a prompt prefill passes (budget permitting). It divides
+  ``block_size``, so a match can end in the middle of a block (that block is then copied, see the prefix index).
+  It is a multiple of ``kda_save_grid`` so that every save point lies on the kernel's state-save grid.
+- ``alignment`` (**scheduler alignment**): every prefill chunk except a prompt's last one ends on a multiple of
+  ``alignment``. It is a multiple of ``match_unit``, so a chunk always starts on a match-unit boundary: each save
+  point inside a chunk is then a whole number of ``kda_save_grid`` steps after the chunk start, which is what KDA
+  prefill kernels support for intermediate states, and a chunk end is always a usable cache point.
+- ``kda_save_grid``: the granularity (relative to a chunk start) at which the KDA prefill kernels can emit
+  intermediate states; 64 (the chunk size of the chunked KDA algorithm) for the GPU kernels. The reference
+  backend can save anywhere, so tests may lower it.
+
+Usable match rule: a request reuses the longest prefix ``L`` that (a) is a whole number of match units whose
+hashes are all in the index, (b) has a saved KDA state at ``L``, and (c) leaves at least one prompt token to
+compute (the logits of the last prompt token are needed). Blocks entirely below ``L`` are shared; a block that
+``L`` ends inside is copied into a private block, and the saved state is always copied into the request's private
+running slot, so a cache entry is never written in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rocm_k3.cache.errors import AlignmentError, CacheBudgetError, MatchUnitError
+
+_MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Validated cache knobs (see the module docstring for the three granularities).
+
+    kv_cache_bytes / state_cache_bytes: memory budgets for the MLA pages (all MLA layers) and the KDA state slots
+    (all KDA layers: recurrent fp32 + conv state). ``num_blocks`` / ``num_state_slots`` override them with exact
+    counts (tests, or a caller that sized memory itself).
+    """
+
+    block_size: int = 128
+    match_unit: int = 64
+    alignment: int = 128
+    kda_save_grid: int = 64
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int = 512 * _MiB
+    state_cache_bytes: int = 512 * _MiB
+    num_blocks: int | None = None
+    num_state_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "match_unit", "alignment", "kda_save_grid", "kv_cache_bytes", "state_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CacheConfig.{name}: expected a positive int, got {value!r}")
+        for name in ("num_blocks", "num_state_slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"CacheConfig.{name}: expected a positive int or None, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"CacheConfig.enable_prefix_caching: expected bool, got {self.enable_prefix_caching!r}")
+        if self.block_size % self.match_unit:
+            raise MatchUnitError(
+                f"match_unit={self.match_unit} must divide block_size={self.block_size} "
+                "(a block holds a whole number of match units)"
+            )
+        if self.match_unit % self.kda_save_grid:
+            raise MatchUnitError(
+                f"match_unit={self.match_unit} must be a multiple of kda_save_grid={self.kda_save_grid} "
+                "(KDA states are saved at every match-unit boundary, and kernels save on that grid only)"
+            )
+        if self.alignment % self.match_unit:
+            raise AlignmentError(
+                f"alignment={self.alignment} must be a multiple of match_unit={self.match_unit} "
+                "(prefill chunks must start on a match-unit boundary)"
+            )
+
+    def blocks_per_request(self, max_model_len: int) -> int:
+        """KV blocks one request of ``max_model_len`` tokens needs, plus one when prefix caching is on (the
+        source block of a pending copy-on-write is pinned next to the request's own blocks)."""
+        return -(-max_model_len // self.block_size) + (1 if self.enable_prefix_caching else 0)
+
+    def slots_per_request(self) -> int:
+        """KDA slots one request needs: its running slot, plus a pinned saved state to copy from when caching."""
+        return 2 if self.enable_prefix_caching else 1
+
+    def resolve(self, *, bytes_per_block: int, bytes_per_slot: int, max_model_len: int) -> tuple[int, int]:
+        """(num_blocks, num_state_slots) from the byte budgets (or the explicit counts).
+
+        bytes_per_block: one page of all MLA layers (num_mla_layers * block_size * 576 * itemsize);
+        bytes_per_slot: one slot of all KDA layers (recurrent fp32 [H, K, V] + conv [3*H*K, W-1] per layer).
+        Raises CacheBudgetError when one request of ``max_model_len`` tokens could not fit.
+        """
+        for name, value in (("bytes_per_block", bytes_per_block), ("bytes_per_slot", bytes_per_slot),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        num_blocks = self.num_blocks if self.num_blocks is not None else self.kv_cache_bytes // bytes_per_block
+        num_slots = self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
+        need_blocks = self.blocks_per_request(max_model_len)
+        if num_blocks < need_blocks:
+            raise CacheBudgetError(
+                f"KV budget holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({bytes_per_block} bytes each, kv_cache_bytes={self.kv_cache_bytes}, num_blocks={self.num_blocks}); "
+                f"one request of max_model_len={max_model_len} needs {need_blocks}"
+            )
+        need_slots = self.slots_per_request()
+        if num_slots < need_slots:
+            raise CacheBudgetError(
+                f"KDA state budget holds {num_slots} slots ({bytes_per_slot} bytes each, "
+                f"state_cache_bytes={self.state_cache_bytes}, num_state_slots={self.num_state_slots}); "
+                f"one request needs {need_slots}"
+            )
+        return num_blocks, num_slots

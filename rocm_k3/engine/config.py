@@ -1,0 +1,41 @@
+"""Engine configuration: scheduler limits next to the cache configuration, validated together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.errors import TokenBudgetError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Validated engine knobs.
+
+    max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+    max_num_seqs:           running sequences at once.
+    max_model_len:          prompt + generated tokens of one request; also sizes the cache budget check.
+    cache:                  the hybrid cache (block size, match unit, alignment, budgets, prefix caching).
+
+    A step must be able to carry one aligned prefill chunk next to a decode token of every other running
+    sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name}: expected a positive int, got {value!r}")
+        if not isinstance(self.cache, CacheConfig):
+            raise TypeError(f"EngineConfig.cache: expected CacheConfig, got {type(self.cache).__name__}")
+        need = self.cache.alignment + self.max_num_seqs - 1
+        if self.max_num_batched_tokens < need:
+            raise TokenBudgetError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below alignment={self.cache.alignment} "
+                f"+ max_num_seqs={self.max_num_seqs} - 1 = {need}: an aligned prefill chunk could starve behind decodes"
+            )

@@ -1,0 +1,214 @@
+"""Continuous batching over the hybrid cache: decodes first, then aligned prefill chunks, then admissions.
+
+Each :meth:`Scheduler.schedule` builds one step under ``max_num_batched_tokens`` new tokens:
+
+1. every running sequence past its prefill gets one decode token (FIFO);
+2. running sequences still in prefill get the next chunk;
+3. waiting sequences are admitted in FIFO order (a KDA slot, the longest usable cached prefix, blocks for the
+   first chunk) while the budget, ``max_num_seqs`` and the cache allow; admission never preempts.
+
+A prefill chunk that is not the last one of its prompt ends on a multiple of ``alignment`` (chunks of one
+prefill therefore start on match-unit boundaries, where KDA states can be saved). When a running sequence needs a
+block and none is free or evictable, the most recently admitted unscheduled running sequence is preempted: its
+cache is released (its indexed prefix stays cached) and it returns to the front of the queue to be recomputed
+from its prompt + outputs. After the step ran, :meth:`Scheduler.postprocess` advances the sequences and
+publishes their prefix-cache entries.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.manager import CacheManager, CopyPlan
+from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [start, start + num_new_tokens) of ``seq.token_ids``.
+
+    is_prefill: the chunk belongs to a (re)computed prefill (its full units are indexed afterwards).
+    samples: the chunk computes the sequence's last token, so the step samples its next token.
+    saves: (absolute position, KDA slot) pairs to save during this chunk (prefill only).
+    """
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    is_prefill: bool
+    samples: bool = dataclasses.field(init=False)
+    saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.seq.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: CopyPlan
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.scheduled) and all(not s.is_prefill and s.num_new_tokens == 1 for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.cache = cache
+        self.alignment = config.cache.alignment
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; RequestTooLargeError if it could never run."""
+        need = seq.num_prompt_tokens + seq.max_tokens
+        if need > self.config.max_model_len:
+            raise RequestTooLargeError(
+                f"request {seq.request_id!r}: {seq.num_prompt_tokens} prompt tokens + max_tokens={seq.max_tokens} "
+                f"= {need} exceeds max_model_len={self.config.max_model_len}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running sequence and free its cache."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        self._finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """A running sequence is done (stop condition met): free its cache."""
+        if seq.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"finish: sequence {seq.request_id!r} is {seq.status.value}, expected running")
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        self._finish(seq, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        taken: set[int] = set()
+        preempted: list[Sequence] = []
+
+        for seq in [s for s in self.running if s.is_decoding]:
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence of this loop
+                continue
+            if self._grow(seq, seq.num_computed_tokens + 1, taken, preempted):
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, is_prefill=False))
+                taken.add(seq.seq_id)
+                budget -= 1
+
+        for seq in [s for s in self.running if not s.is_decoding]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = self._chunk(seq, budget)
+            if n and self._grow(seq, seq.num_computed_tokens + n, taken, preempted):
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, is_prefill=True))
+                taken.add(seq.seq_id)
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, is_prefill=True))
+            taken.add(seq.seq_id)
+            budget -= n
+
+        for item in scheduled:  # after all admissions, so saves never take a slot a new sequence needed
+            if item.is_prefill:
+                item.saves = self.cache.plan_saves(item.seq.seq_id, item.seq.token_ids, item.start, item.end)
+        return SchedulerOutput(scheduled=scheduled, copies=self.cache.take_copies(), preempted=preempted)
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """After the step's forward ran (copies included): advance each sequence and index what it computed."""
+        self.cache.finish_copies(out.copies)
+        for item in out.scheduled:
+            if item.is_prefill:
+                self.cache.commit_prefill(item.seq.seq_id, item.seq.token_ids, item.end, item.saves)
+            item.seq.num_computed_tokens = item.end
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of the next prefill chunk: the rest of the prefill if it fits, else up to the last aligned
+        position within the budget (0 when none is reachable this step)."""
+        start = seq.num_computed_tokens
+        remaining = seq.prefill_len - start
+        if remaining <= budget:
+            return remaining
+        end = (start + budget) // self.alignment * self.alignment
+        return max(0, end - start)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
+        seq.prefill_len = seq.num_tokens
+        cached = self.cache.admit(seq.seq_id, seq.token_ids)
+        if cached is None:
+            return 0
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        n = self._chunk(seq, budget)
+        if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + n):
+            self.cache.cancel_admission(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.num_cached_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            return 0
+        return n
+
+    def _grow(self, seq: Sequence, num_tokens: int, taken: set[int], preempted: list[Sequence]) -> bool:
+        """Cover ``num_tokens`` positions of ``seq``, preempting the newest unscheduled running sequences
+        (possibly ``seq`` itself) while blocks are short. False if ``seq`` cannot run this step."""
+        while not self.cache.ensure_capacity(seq.seq_id, num_tokens):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in taken), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,73 @@
+"""One request's token sequence and its scheduling state (plain Python, no tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no cache (new, or preempted and to be recomputed)
+    RUNNING = "running"  # admitted: holds a KDA slot and blocks
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request: prompt + generated tokens, and how far the cache has computed them.
+
+    token_ids:            prompt followed by the generated tokens.
+    num_computed_tokens:  leading tokens whose KV and KDA state are in the cache (restored or computed).
+    prefill_len:          tokens to (re)compute as a prefill since the last admission: the prompt, or prompt +
+                          outputs after a preemption; past it the sequence decodes one token per step.
+    num_cached_tokens:    tokens of the last admission served from the prefix cache.
+    max_tokens:           generation limit, used to reject requests that can never fit.
+    sampling:             the request's sampling parameters (opaque to the scheduler).
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: Any = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    prefill_len: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    output_logprobs: list[Any] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must be non-negative ints")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be a positive int, got {self.max_tokens!r}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prefill: one new token per step."""
+        return self.status is SequenceStatus.RUNNING and self.num_computed_tokens >= self.prefill_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
