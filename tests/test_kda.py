@@ -318,3 +318,53 @@ def test_decode_bf16_matches_fp32():
     assert_rel(y_bf, y32, BF16_OUT_TOL, "bf16 decode output")
     assert_rel(state_bf, state32, FP32_TOL, "state pool")
     assert torch.equal(conv_bf.float(), conv32), "conv state holds the raw inputs"
+
+
+# ---- the references are device-agnostic: same results on an NVIDIA GPU (cuda tier, run on the H200) ----
+
+
+@pytest.mark.cuda
+def test_reference_on_cuda_matches_naive():
+    """Chunked prefill on the GPU (K = V = 128, several chunks, slots, intermediate positions) against the
+    float64 token loop on the GPU; and kda_decode on the GPU against the same op on the CPU."""
+    dev = torch.device("cuda")
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is meant to run in full fp32
+    try:
+        lengths = (300, 1, 64, 129)
+        case = Case(lengths, 4, 128, 128, seed=91, slots=[3, 0, 5, 1])
+        to = lambda t: t.to(dev)  # noqa: E731
+        slots, has = torch.tensor(case.slots, dtype=torch.int32), torch.tensor([True, False, True, False])
+        positions = torch.tensor([[0, 128], [0, 200], [3, 129], [2, 64]], dtype=torch.int32)
+        args = [to(t) for t in (case.q, case.k, case.v, case.f, case.beta, case.cu)]
+        params = KDAGateParams(to(case.A_log), to(case.dt_bias), -5.0)
+        state, state_naive = to(case.pool), to(case.pool)
+        out = kda.kda_prefill(*args, state, to(slots), to(has), gate_params=params,
+                              intermediate_positions=to(positions), backend="reference")
+        ref = kda_prefill_naive(*args, state_naive, to(slots), to(has), gate_params=params,
+                                intermediate_positions=to(positions))
+        assert out.o.is_cuda and out.intermediate_states.is_cuda
+        assert_rel(out.o, ref.o, FP32_TOL, "o on cuda")
+        assert_rel(out.intermediate_states, ref.intermediate_states, FP32_TOL, "intermediate states on cuda")
+        assert_rel(state, state_naive, FP32_TOL, "state pool on cuda")
+
+        layer = LayerInputs(3, 1, 4, 128, 4, seed=93, lower_bound=-5.0)
+        conv0 = torch.randn(6, 3 * 4 * 128, 3, generator=seeded(5))
+        state0 = torch.randn(6, 4, 128, 128, generator=seeded(6))
+        step_slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+        results = []
+        for device in (torch.device("cpu"), dev):
+            conv, st = conv0.to(device, copy=True), state0.to(device, copy=True)
+            y = kda.kda_decode(
+                *[x[:, 0].to(device) for x in (layer.qkv, layer.f, layer.beta, layer.out_gate)],
+                layer.conv_weight.to(device), conv, layer.A_log.to(device), layer.dt_bias.to(device),
+                layer.o_norm_weight.to(device), st, step_slots.to(device), num_heads=4, lower_bound=-5.0,
+                backend="reference",
+            )
+            results.append((y.cpu(), conv.cpu(), st.cpu()))
+        (y_cpu, conv_cpu, st_cpu), (y_gpu, conv_gpu, st_gpu) = results
+        assert_rel(y_gpu, y_cpu, FP32_TOL, "decode y, cuda vs cpu")
+        assert_rel(st_gpu, st_cpu, FP32_TOL, "decode state, cuda vs cpu")
+        assert torch.equal(conv_gpu, conv_cpu)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
