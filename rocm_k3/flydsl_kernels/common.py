@@ -83,6 +83,16 @@ def row_vectors(tensor, coord, n: int):
     return fx.logical_divide(fx.rocdl.make_buffer_tensor(row), fx.make_layout(n, 1))
 
 
+def static_view(tensor, size: int):
+    """The contiguous memory of ``tensor`` as a 1-D view of static length ``size`` (stride 1).
+
+    Launchers receive layout-dynamic tensors; indexing a static 1-D view lets LLVM fold constant parts
+    of an offset into instruction immediates instead of computing a coordinate per access. Only for
+    tensors the backend has checked to be contiguous.
+    """
+    return fx.make_view(fx.get_iter(tensor), fx.make_layout(size, 1))
+
+
 def flat_vectors(tensor, n: int):
     """A 1-D global tensor as a buffer view divided into n-element tiles."""
     return fx.logical_divide(fx.rocdl.make_buffer_tensor(tensor), fx.make_layout(n, 1))

@@ -71,10 +71,21 @@ def row_plan(D: int, vec: int) -> RowPlan:
 # --- KDA decode: one workgroup per (sequence, head) ------------------------------------------------------
 
 
-def kda_decode_lane_channel(tid):
-    """Lane ``tid`` of the 128-lane KDA workgroup owns key channel ``tid`` (q, k, g, conv of q/k/v) and value
-    column ``tid`` of the [K, V] state (all K rows of it, in registers)."""
-    return tid
+KDA_LANES_PER_COLUMN = 2
+
+
+def kda_decode_lane(tid):
+    """(channel c, half) of lane ``tid`` in the 2*K-lane KDA decode workgroup.
+
+    The lane pair (2c, 2c+1) owns key channel c (both compute its conv/gate; the even lane writes) and
+    value column c of the [K, V] state; lane ``half`` holds rows ``kda_decode_row(half, i, K)``, i < K/2.
+    """
+    return tid // KDA_LANES_PER_COLUMN, tid % KDA_LANES_PER_COLUMN
+
+
+def kda_decode_row(half, i, K: int):
+    """State row held in register ``i`` by the lane of the given half (rows split in two contiguous halves)."""
+    return half * (K // KDA_LANES_PER_COLUMN) + i
 
 
 # --- MoE GEMM tiles -------------------------------------------------------------------------------------
