@@ -165,8 +165,8 @@ def test_prefill_options_match_naive_twin(qk_l2norm, beta_logits, scale):
     positions = torch.tensor([[1, 50], [2, 97], [0, 2]], dtype=torch.int32)
     args = (case.q, case.k, case.v, case.f, beta, case.cu)
     slots, has = torch.tensor(case.slots, dtype=torch.int32), torch.tensor([True, False, True])
-    options = dict(scale=scale, gate_params=case.gate_params, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-                   intermediate_positions=positions)
+    options = {"scale": scale, "gate_params": case.gate_params, "qk_l2norm": qk_l2norm, "beta_logits": beta_logits,
+                   "intermediate_positions": positions}
     state, state_naive = case.pool.clone(), case.pool.clone()
     out = kda.kda_prefill(*args, state, slots, has, **options, backend="reference")
     ref = kda_prefill_naive(*args, state_naive, slots, has, **options)
@@ -182,17 +182,23 @@ def test_intermediate_positions_empty():
 
 
 def test_slot_indexing_and_untouched_slots():
-    """Permuted, non-contiguous slots; slots without initial state are never read (NaN there must not leak);
-    slots not named in the call stay bit-identical."""
+    """Permuted, scattered slots of a non-contiguous pool (every other slot of a larger tensor); slots without
+    initial state are never read (NaN there must not leak); everything not named in the call stays
+    bit-identical."""
     lengths = (65, 1, 130)
     case = Case(lengths, 2, 32, 32, seed=31, slots=[6, 1, 3])
-    pool = torch.randn(8, 2, 32, 32, generator=seeded(5))
-    pool[1] = float("nan")  # slot of seq 1, which starts fresh
-    case.pool = pool.clone()
+    backing = torch.randn(16, 2, 32, 32, generator=seeded(5))
+    backing[2] = float("nan")  # pool slot 1: the slot of seq 1, which starts fresh
+    before = backing.clone()
+    state = backing[::2]  # [8, H, K, V], non-contiguous view
+    assert not state.is_contiguous()
+    case.pool = state.clone()
     has = [True, False, True]
-    out, state = case.run(has, state=pool.clone())
+    out, state = case.run(has, state=state)
+    assert state.data_ptr() == backing.data_ptr(), "written in place into the caller's pool"
+    assert torch.equal(backing[1::2], before[1::2]), "storage between the pool's slots changed"
     for slot in (0, 2, 4, 5, 7):
-        assert torch.equal(state[slot], pool[slot]), f"slot {slot} is not in state_indices but changed"
+        assert torch.equal(state[slot], before[2 * slot]), f"slot {slot} is not in state_indices but changed"
     for i in range(len(lengths)):
         o_ref, s_ref = case.naive(i, has[i])
         sl = slice(int(case.cu[i]), int(case.cu[i + 1]))
@@ -244,7 +250,10 @@ class LayerInputs:
     def prefill(self, start, end, conv_state, state, slots, has_init):
         """short_conv + split + (kda_gate inside) kda_prefill + gated_rms_norm over tokens [start, end)."""
         N, H, K, L = self.N, self.H, self.K, end - start
-        flat = lambda x: x[:, start:end].reshape(N * L, *x.shape[2:])  # noqa: E731  [N*L, ...]
+
+        def flat(x: torch.Tensor) -> torch.Tensor:  # [N, T, ...] -> [N*L, ...] over tokens [start, end)
+            return x[:, start:end].reshape(N * L, *x.shape[2:])
+
         cu = torch.arange(N + 1, dtype=torch.int32) * L
         slot_t = torch.tensor(slots, dtype=torch.int32)
         has_t = torch.tensor(has_init, dtype=torch.bool)
@@ -333,7 +342,10 @@ def test_reference_on_cuda_matches_naive():
     try:
         lengths = (300, 1, 64, 129)
         case = Case(lengths, 4, 128, 128, seed=91, slots=[3, 0, 5, 1])
-        to = lambda t: t.to(dev)  # noqa: E731
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, copy=True)
+
         slots, has = torch.tensor(case.slots, dtype=torch.int32), torch.tensor([True, False, True, False])
         positions = torch.tensor([[0, 128], [0, 200], [3, 129], [2, 64]], dtype=torch.int32)
         args = [to(t) for t in (case.q, case.k, case.v, case.f, case.beta, case.cu)]

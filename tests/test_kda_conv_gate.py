@@ -167,6 +167,7 @@ def test_gated_rms_norm_formula(dtype, tol):
     weight = torch.randn(D, generator=gen).to(dtype)
     y = kda.gated_rms_norm(x, gate, weight, eps, backend="reference")
     x64 = x.double()
-    ref = x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / D + eps) * weight.double() / (1 + torch.exp(-gate.double()))
+    rms = torch.sqrt((x64 * x64).sum(-1, keepdim=True) / D + eps)
+    ref = x64 / rms * weight.double() / (1 + torch.exp(-gate.double()))
     assert y.dtype == dtype
     assert_rel(y, ref, tol, "gated_rms_norm")

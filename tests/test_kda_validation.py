@@ -16,11 +16,11 @@ i32 = torch.int32
 
 
 def _prefill_args() -> dict:
-    return dict(
-        q=torch.randn(T, H, K), k=torch.randn(T, H, K), v=torch.randn(T, H, V), g=-torch.rand(T, H, K),
-        beta=torch.randn(T, H), cu_seqlens=torch.tensor([0, 4, T], dtype=i32), state=torch.zeros(S, H, K, V),
-        state_indices=torch.tensor([2, 0], dtype=i32), has_initial_state=torch.tensor([True, False]),
-    )
+    return {
+        "q": torch.randn(T, H, K), "k": torch.randn(T, H, K), "v": torch.randn(T, H, V), "g": -torch.rand(T, H, K),
+        "beta": torch.randn(T, H), "cu_seqlens": torch.tensor([0, 4, T], dtype=i32), "state": torch.zeros(S, H, K, V),
+        "state_indices": torch.tensor([2, 0], dtype=i32), "has_initial_state": torch.tensor([True, False]),
+    }
 
 
 def _run_prefill(overrides: dict, **kwargs):
@@ -101,9 +101,11 @@ def test_prefill_does_not_touch_state_on_error():
 
 
 def _conv_args() -> dict:
-    return dict(x=torch.randn(T, 6), weight=torch.randn(6, W), cu_seqlens=torch.tensor([0, 3, T], dtype=i32),
-                conv_state=torch.zeros(S, 6, W - 1), state_indices=torch.tensor([1, 3], dtype=i32),
-                has_initial_state=torch.tensor([False, True]))
+    return {
+        "x": torch.randn(T, 6), "weight": torch.randn(6, W), "cu_seqlens": torch.tensor([0, 3, T], dtype=i32),
+        "conv_state": torch.zeros(S, 6, W - 1), "state_indices": torch.tensor([1, 3], dtype=i32),
+        "has_initial_state": torch.tensor([False, True]),
+    }
 
 
 CONV_ERRORS = [
@@ -149,12 +151,13 @@ def test_short_conv_update_errors():
 
 def _decode_args() -> dict:
     C = 3 * H * K
-    return dict(
-        qkv=torch.randn(N, C), f=torch.randn(N, H * K), beta=torch.randn(N, H), out_gate=torch.randn(N, H * K),
-        conv_weight=torch.randn(C, W), conv_state=torch.zeros(S, C, W - 1), A_log=torch.zeros(H),
-        dt_bias=torch.zeros(H * K), o_norm_weight=torch.ones(K), state=torch.zeros(S, H, K, K),
-        state_indices=torch.tensor([3, 1], dtype=i32),
-    )
+    return {
+        "qkv": torch.randn(N, C), "f": torch.randn(N, H * K), "beta": torch.randn(N, H),
+        "out_gate": torch.randn(N, H * K),
+        "conv_weight": torch.randn(C, W), "conv_state": torch.zeros(S, C, W - 1), "A_log": torch.zeros(H),
+        "dt_bias": torch.zeros(H * K), "o_norm_weight": torch.ones(K), "state": torch.zeros(S, H, K, K),
+        "state_indices": torch.tensor([3, 1], dtype=i32),
+    }
 
 
 DECODE_ERRORS = [

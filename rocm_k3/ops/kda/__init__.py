@@ -18,9 +18,9 @@ from rocm_k3.ops.kda import validation as check
 from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
 
 __all__ = [
+    "REFERENCE_IMPLS",
     "KDAGateParams",
     "KDAPrefillOutput",
-    "REFERENCE_IMPLS",
     "gated_rms_norm",
     "kda_decode",
     "kda_gate",

@@ -5,7 +5,8 @@ Arguments are assumed valid: the public functions in :mod:`rocm_k3.ops.kda` chec
 Contents: the element-wise and per-token parts (gate, l2 norm, short convolution, gated RMSNorm), the
 decode step built from them, and the chunked prefill.
 
-Chunked prefill (K3_SPEC section 2, chunk C = 64, fp32), varlen and state-slot aware. Within a chunk of length C (rows i, columns j, G = cumsum of the log-decay g from the chunk start)::
+Chunked prefill (K3_SPEC section 2, chunk C = 64, fp32), varlen and state-slot aware. Within a chunk of
+length C (rows i, columns j, G = cumsum of the log-decay g from the chunk start)::
 
     A[i, j]   = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])      j < i    (strictly lower)
     Aqk[i, j] = sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])               j <= i

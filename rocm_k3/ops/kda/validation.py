@@ -7,7 +7,7 @@ one small copy each; they are skipped while a CUDA graph is being captured, wher
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
