@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_rel, seeded
 
-from rocm_k3.ops import moe, quant
+from rocm_k3.ops import moe, moe_reference, quant
 from rocm_k3.ops.registry import BackendError
 
 # ---------------------------------------------------------------- activations
@@ -312,3 +312,39 @@ def test_fused_moe_backend_that_cannot_run_the_call_says_why():
         moe.fused_moe(torch.randn(3, 64), weights, tw, ids, backend="flydsl")
     reason = str(info.value).split(": ", 1)[1]
     assert reason.strip(), f"BackendError without a reason: {info.value}"
+
+
+def test_fused_moe_reference_token_chunks(monkeypatch):
+    # a tiny chunk budget makes every expert run several token chunks (bounded memory path)
+    monkeypatch.setattr(moe_reference, "_CHUNK_ELEMENTS", 3 * 128)  # 3 rows of [*, 2N = 128]
+    weights = make_experts("mxfp4", 8, 64, 64, 64, seed=52)
+    topk_weights, topk_ids = make_routing(33, 8, 4, seed=53)
+    x = torch.randn(33, 64, generator=seeded(54))
+    out = moe.fused_moe(x, weights, topk_weights, topk_ids)
+    assert_rel(out, fused_moe_loop(x, weights, topk_weights, topk_ids, moe.MoEActivation()), 1e-5, "chunked fused_moe")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_moe_ops_on_gpu_match_loop(mode):
+    fmt, act_quant, fp8_dtype = mode
+    logits = torch.randn(33, 16, generator=seeded(55)) * 2
+    bias = torch.randn(16, generator=seeded(56)) * 0.3
+    routed = moe.route(logits.cuda(), 4, correction_bias=bias.cuda(), backend="reference")
+    weights_ref, ids_ref = route_py(logits, 4, bias)
+    assert routed.ids.cpu().tolist() == ids_ref
+    assert_rel(routed.weights, weights_ref, 1e-6, "route weights (gpu)")
+    experts = make_experts(fmt, 16, 128, 96, 128, seed=57)
+    gpu_experts = moe.ExpertWeights(
+        experts.fmt,
+        experts.w13.cuda(),
+        None if experts.w13_scale is None else experts.w13_scale.cuda(),
+        experts.w2.cuda(),
+        None if experts.w2_scale is None else experts.w2_scale.cuda(),
+    )
+    x = torch.randn(33, 128, generator=seeded(58))
+    out = moe.fused_moe(
+        x.cuda(), gpu_experts, routed.weights, routed.ids, act_quant=act_quant, fp8_dtype=fp8_dtype, backend="reference"
+    )
+    expected = fused_moe_loop(x, experts, routed.weights.cpu(), routed.ids.cpu(), moe.MoEActivation(), fp8_dtype)
+    assert_rel(out, expected, 1e-4 if act_quant == "mxfp8" else 1e-5, "fused_moe (gpu)")

@@ -309,3 +309,24 @@ def test_mxfp8_round_trip_and_scales(fp8_dtype, rule):
     sub_half = 2.0**-10 if fp8_dtype == torch.float8_e4m3fn else 2.0**-11
     bound = torch.maximum(torch.maximum(v * 2.0**-4, torch.full_like(v, sub_half)), v - fmax) * scale
     assert bool(((out - x.double()).abs() <= bound).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule", ["ct", "ocp"])
+def test_reference_quantisers_on_gpu_match_cpu(rule):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=gen) * torch.pow(2.0, torch.randint(-30, 30, (64, 1), generator=gen).float())
+    packed, scales = quant.quantize_mxfp4(x, rule)
+    packed_gpu, scales_gpu = quant.quantize_mxfp4(x.cuda(), rule, backend="reference")
+    assert torch.equal(packed_gpu.cpu(), packed) and torch.equal(scales_gpu.cpu(), scales)
+    assert torch.equal(
+        quant.dequantize_mxfp4(packed_gpu, scales_gpu, backend="reference").cpu(),
+        oracle_dequant_mxfp4(packed, scales).float(),
+    )
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        q, s = quant.quantize_mxfp8(x, fp8_dtype, rule)
+        q_gpu, s_gpu = quant.quantize_mxfp8(x.cuda(), fp8_dtype, rule, backend="reference")
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_gpu.cpu(), s)
+        assert torch.equal(
+            quant.dequantize_mxfp8(q_gpu, s_gpu, backend="reference").cpu(), quant.dequantize_mxfp8(q, s)
+        )
