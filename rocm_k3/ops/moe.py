@@ -14,19 +14,26 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
-
 import torch
 
 from rocm_k3.ops import registry
 from rocm_k3.ops.moe_reference import (
-    RouteResult,
     fused_moe_reference,
     route_reference,
     silu_and_mul_reference,
     situ_and_mul_reference,
+)
+from rocm_k3.ops.moe_types import (
+    ACT_DTYPES,
+    ACT_QUANT_CHOICES,
+    DEFAULT_ACTIVATION,
+    EXPERT_FORMATS,
+    ExpertWeights,
+    MoEActivation,
+    RouteResult,
+    check_shape,
+    check_tensor,
+    positive_or_none,
 )
 from rocm_k3.quant.blocks import BLOCK_SIZE
 from rocm_k3.quant.mxfp8 import fp8_format
@@ -44,149 +51,11 @@ __all__ = [
     "situ_and_mul",
 ]
 
-ACTIVATION_KINDS = ("situ", "silu")
-ACT_QUANT_CHOICES = ("bf16", "mxfp8")
-EXPERT_FORMATS = ("mxfp4", "bf16")
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _positive_or_none(value: object, name: str, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite positive number{' or None' if allow_none else ''}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEActivation:
-    """Expert activation: ``kind`` "situ" (K3; uses beta and linear_beta) or "silu" (Kimi Linear; ignores them)."""
-
-    kind: str = "situ"
-    beta: float = 4.0
-    linear_beta: float | None = 25.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ACTIVATION_KINDS:
-            raise ValueError(f"MoEActivation.kind must be one of {ACTIVATION_KINDS}, got {self.kind!r}")
-        _positive_or_none(self.beta, "MoEActivation.beta", allow_none=False)
-        _positive_or_none(self.linear_beta, "MoEActivation.linear_beta", allow_none=True)
-
-
-def _check_tensor(t: object, name: str, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    return t
-
-
-def _check_shape(t: torch.Tensor, name: str, expected: tuple[int, ...], meaning: str) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{name} must have shape {meaning} = {expected}, got {tuple(t.shape)}")
-
-
-@dataclasses.dataclass
-class ExpertWeights:
-    """Routed-expert weights of one MoE layer, always held in checkpoint layout.
-
-    fmt "mxfp4": ``w13`` uint8 [E, 2N, K/2], ``w13_scale`` uint8 [E, 2N, K/32], ``w2`` uint8 [E, Kout, N/2],
-    ``w2_scale`` uint8 [E, Kout, N/32] (compressed-tensors packing, K and N multiples of 32).
-    fmt "bf16": ``w13`` [E, 2N, K] and ``w2`` [E, Kout, N] (bf16; fp16/fp32 accepted), scales None.
-    Rows of w13: the first N are the gate (w1), the next N the up projection (w3).
-    ``layout`` names the backend whose ``prepare_weights`` filled ``extras`` with its re-laid private tensors;
-    the checkpoint-layout tensors stay valid so any backend (and the reference) can still run the layer.
-    """
-
-    fmt: str
-    w13: torch.Tensor
-    w13_scale: torch.Tensor | None
-    w2: torch.Tensor
-    w2_scale: torch.Tensor | None
-    layout: str = "checkpoint"
-    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.fmt not in EXPERT_FORMATS:
-            raise ValueError(f"ExpertWeights.fmt must be one of {EXPERT_FORMATS}, got {self.fmt!r}")
-        if not isinstance(self.layout, str) or not self.layout:
-            raise ValueError(f"ExpertWeights.layout must be a non-empty str, got {self.layout!r}")
-        if not isinstance(self.extras, dict):
-            raise TypeError(f"ExpertWeights.extras must be a dict, got {type(self.extras).__name__}")
-        if self.fmt == "mxfp4":
-            self._check_mxfp4()
-        else:
-            self._check_dense()
-        for name in ("w2", "w13_scale", "w2_scale"):
-            t = getattr(self, name)
-            if t is not None and t.device != self.w13.device:
-                raise ValueError(
-                    f"ExpertWeights.{name} must be on the device of w13 ({self.w13.device}), got {t.device}"
-                )
-
-    def _check_mxfp4(self) -> None:
-        u8 = (torch.uint8,)
-        w13 = _check_tensor(self.w13, "ExpertWeights.w13", 3, u8)
-        w2 = _check_tensor(self.w2, "ExpertWeights.w2", 3, u8)
-        num_experts, two_n, half_k = w13.shape
-        if two_n == 0 or two_n % (2 * BLOCK_SIZE) or half_k == 0 or (2 * half_k) % BLOCK_SIZE:
-            raise ValueError(
-                "ExpertWeights.w13 must have shape [E, 2N, K/2] with N and K positive multiples of 32, "
-                f"got {tuple(w13.shape)}"
-            )
-        n, k = two_n // 2, 2 * half_k
-        if w2.shape[0] != num_experts or w2.shape[1] == 0 or w2.shape[2] != n // 2:
-            raise ValueError(
-                f"ExpertWeights.w2 must have shape [E, Kout, N/2] = [{num_experts}, Kout, {n // 2}], "
-                f"got {tuple(w2.shape)}"
-            )
-        w13s = _check_tensor(self.w13_scale, "ExpertWeights.w13_scale", 3, u8)
-        w2s = _check_tensor(self.w2_scale, "ExpertWeights.w2_scale", 3, u8)
-        _check_shape(w13s, "ExpertWeights.w13_scale", (num_experts, two_n, k // BLOCK_SIZE), "[E, 2N, K/32]")
-        _check_shape(w2s, "ExpertWeights.w2_scale", (num_experts, w2.shape[1], n // BLOCK_SIZE), "[E, Kout, N/32]")
-
-    def _check_dense(self) -> None:
-        w13 = _check_tensor(self.w13, "ExpertWeights.w13", 3, _ACT_DTYPES)
-        w2 = _check_tensor(self.w2, "ExpertWeights.w2", 3, _ACT_DTYPES)
-        if w2.dtype != w13.dtype:
-            raise TypeError(f"ExpertWeights.w2 must have the dtype of w13 ({w13.dtype}), got {w2.dtype}")
-        if self.w13_scale is not None or self.w2_scale is not None:
-            raise ValueError("ExpertWeights with fmt 'bf16' take no scales (w13_scale and w2_scale must be None)")
-        num_experts, two_n, k = w13.shape
-        if two_n == 0 or two_n % 2 or k == 0:
-            raise ValueError(f"ExpertWeights.w13 must have shape [E, 2N, K] with N, K > 0, got {tuple(w13.shape)}")
-        if w2.shape[0] != num_experts or w2.shape[1] == 0 or w2.shape[2] != two_n // 2:
-            raise ValueError(
-                f"ExpertWeights.w2 must have shape [E, Kout, N] = [{num_experts}, Kout, {two_n // 2}], "
-                f"got {tuple(w2.shape)}"
-            )
-
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return self.w13.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        """K: the input features of w13."""
-        return self.w13.shape[2] * (2 if self.fmt == "mxfp4" else 1)
-
-    @property
-    def intermediate(self) -> int:
-        """N: the activation width (w13 has 2N output rows)."""
-        return self.w13.shape[1] // 2
-
-    @property
-    def out_features(self) -> int:
-        """Kout: the output features of w2."""
-        return self.w2.shape[1]
-
 
 def _check_gated_input(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _ACT_DTYPES:
+    if x.dtype not in ACT_DTYPES:
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must have shape [..., 2N] with N > 0 (gate | up halves), got {tuple(x.shape)}")
@@ -202,8 +71,8 @@ def situ_and_mul(
     ``g = x[..., :N]``, ``u = x[..., N:]``, fp32 math.
     """
     _check_gated_input(x)
-    _positive_or_none(beta, "beta", allow_none=False)
-    _positive_or_none(linear_beta, "linear_beta", allow_none=True)
+    positive_or_none(beta, "beta", allow_none=False)
+    positive_or_none(linear_beta, "linear_beta", allow_none=True)
     return registry.dispatch("situ_and_mul", backend, x, beta, linear_beta)
 
 
@@ -230,13 +99,13 @@ def route(
     descending score); weights are ``sigmoid(logits)`` at the chosen ids, renormalised to sum 1 when
     ``renormalize``, times ``scaling_factor``.
     """
-    _check_tensor(router_logits, "router_logits", 2, (torch.float32,))
+    check_tensor(router_logits, "router_logits", 2, (torch.float32,))
     num_experts = router_logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
     if correction_bias is not None:
-        _check_tensor(correction_bias, "correction_bias", 1, (torch.float32,))
-        _check_shape(correction_bias, "correction_bias", (num_experts,), "[E]")
+        check_tensor(correction_bias, "correction_bias", 1, (torch.float32,))
+        check_shape(correction_bias, "correction_bias", (num_experts,), "[E]")
         if correction_bias.device != router_logits.device:
             raise ValueError(
                 f"correction_bias must be on the device of router_logits ({router_logits.device}), "
@@ -244,7 +113,7 @@ def route(
             )
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    _positive_or_none(scaling_factor, "scaling_factor", allow_none=False)
+    positive_or_none(scaling_factor, "scaling_factor", allow_none=False)
     return registry.dispatch(
         "route",
         backend,
@@ -273,7 +142,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: MoEActivation = MoEActivation(),
+    activation: MoEActivation = DEFAULT_ACTIVATION,
     act_quant: str = "bf16",
     fp8_dtype: torch.dtype | None = None,
     backend: str | None = None,
@@ -288,18 +157,18 @@ def fused_moe(
     """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
-    _check_tensor(x, "x", 2, _ACT_DTYPES)
+    check_tensor(x, "x", 2, ACT_DTYPES)
     if x.shape[1] != weights.hidden:
         raise ValueError(f"x must have shape [T, K] with K = weights.hidden = {weights.hidden}, got {tuple(x.shape)}")
     if x.device != weights.w13.device:
         raise ValueError(f"x ({x.device}) and the expert weights ({weights.w13.device}) must be on one device")
-    _check_tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-    _check_tensor(topk_ids, "topk_ids", 2, (torch.int32,))
+    check_tensor(topk_weights, "topk_weights", 2, (torch.float32,))
+    check_tensor(topk_ids, "topk_ids", 2, (torch.int32,))
     if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] == 0:
         raise ValueError(
             f"topk_ids must have shape [T, k] with T = {x.shape[0]} and k > 0, got {tuple(topk_ids.shape)}"
         )
-    _check_shape(topk_weights, "topk_weights", tuple(topk_ids.shape), "[T, k] (the shape of topk_ids)")
+    check_shape(topk_weights, "topk_weights", tuple(topk_ids.shape), "[T, k] (the shape of topk_ids)")
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != x.device:
             raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")

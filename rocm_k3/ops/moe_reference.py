@@ -7,25 +7,14 @@ results, so memory stays at one dequantised expert plus a chunk of activations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 import torch.nn.functional as F
 
+from rocm_k3.ops.moe_types import DEFAULT_ACTIVATION, ExpertWeights, MoEActivation, RouteResult
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference
 from rocm_k3.quant.mxfp8 import dequantize_mxfp8_reference, quantize_mxfp8_reference
 
-if TYPE_CHECKING:
-    from rocm_k3.ops.moe import ExpertWeights, MoEActivation
-
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements per activation chunk inside one expert
-
-
-class RouteResult(NamedTuple):
-    """Router output (re-exported by :mod:`rocm_k3.ops.moe`): ``weights`` fp32 [T, k], ``ids`` int32 [T, k]."""
-
-    weights: torch.Tensor
-    ids: torch.Tensor
 
 
 def situ_and_mul_reference(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
@@ -64,7 +53,7 @@ def route_reference(
     return RouteResult(weights * scaling_factor, ids.to(torch.int32))
 
 
-def _activate(h: torch.Tensor, activation: "MoEActivation") -> torch.Tensor:
+def _activate(h: torch.Tensor, activation: MoEActivation) -> torch.Tensor:
     """fp32 [c, 2N] -> fp32 [c, N] through the configured activation-and-multiply."""
     if activation.kind == "situ":
         return situ_and_mul_reference(h, activation.beta, activation.linear_beta)
@@ -77,7 +66,7 @@ def _mxfp8_round_trip(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return dequantize_mxfp8_reference(q, scales, torch.float32)
 
 
-def _expert_fp32(weights: "ExpertWeights", e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_fp32(weights: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantised weights of expert ``e``: (w13 fp32 [2N, K], w2 fp32 [Kout, N])."""
     if weights.fmt == "mxfp4":
         w13 = dequantize_mxfp4_reference(weights.w13[e], weights.w13_scale[e], torch.float32)
@@ -88,11 +77,11 @@ def _expert_fp32(weights: "ExpertWeights", e: int) -> tuple[torch.Tensor, torch.
 
 def fused_moe_reference(
     x: torch.Tensor,
-    weights: "ExpertWeights",
+    weights: ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: "MoEActivation",
+    activation: MoEActivation = DEFAULT_ACTIVATION,
     act_quant: str = "bf16",
     fp8_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
