@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -108,6 +109,31 @@ def _cuda_resources(cubin: bytes) -> tuple[int | None, int, int, int]:
     return reg, stack, shared, local
 
 
+def _as_jit(fn: Any, memo: dict[int, Any]) -> Any:
+    """A ``JITFunction`` for ``fn``; kernels decorated under ``TRITON_INTERPRET=1`` are ``InterpretedFunction``s.
+
+    The Python function is re-created over a copy of its globals in which every interpreted callee is replaced
+    the same way, so one process can run the interpreter tier and the compile tier.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, InterpretedFunction):
+        return fn
+    if id(fn) in memo:
+        return memo[id(fn)]
+    py = fn.fn
+    scope = dict(py.__globals__)
+    clone = types.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
+    clone.__module__, clone.__qualname__, clone.__doc__ = py.__module__, py.__qualname__, py.__doc__
+    jit = JITFunction(clone, **fn.kwargs)
+    memo[id(fn)] = jit
+    for name, value in list(scope.items()):
+        if isinstance(value, InterpretedFunction):
+            scope[name] = _as_jit(value, memo)
+    return jit
+
+
 def compile_kernel(
     fn: Any,
     signature: Mapping[str, str],
@@ -119,6 +145,8 @@ def compile_kernel(
 ) -> CompileResult:
     """Compile ``fn`` (a ``@triton.jit`` function) for ``target`` without a GPU and summarise the result.
 
+    ``fn`` may also have been decorated under ``TRITON_INTERPRET=1``; it is recompiled as a normal kernel.
+
     signature: argument name -> Triton type string for every runtime argument.
     constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing).
     """
@@ -127,6 +155,7 @@ def compile_kernel(
 
     if not isinstance(signature, Mapping):
         raise TypeError(f"signature must be a mapping name -> type string, got {type(signature).__name__}")
+    fn = _as_jit(fn, {})
     constexprs = dict(constexprs or {})
     sig = dict(signature)
     for name in constexprs:
@@ -142,7 +171,9 @@ def compile_kernel(
     if num_stages is not None:
         options["num_stages"] = num_stages
     src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs)
-    kernel = triton.compile(src, target=_gpu_target(target), options=options)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False  # code generation differs under the interpreter flag
+        kernel = triton.compile(src, target=_gpu_target(target), options=options)
     shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     if target == "sm_90":
         asm = kernel.asm["ptx"]

@@ -1,0 +1,166 @@
+"""Benchmarks of the Triton kernels on an NVIDIA GPU against torch baselines and the H200 roofline.
+
+Run on the H200: ``PYTHONPATH=. python3 benchmarks/bench_ops.py [--out DIR] [--quick]``. Prints one table:
+op, shape, kernel time (median of CUDA-graph replays), baseline time, bytes and FLOPs counted as the fewest the op
+must move/do, and the roofline fractions ``bytes / 4.27 TB/s`` and ``FLOPs / 778 TFLOP/s`` (measured ceilings,
+shared/PLATFORM.md) expressed as % of the measured time.
+
+- MoE decode (T = 1..64): bytes = the *active* experts' MXFP4 weights + E8M0 scales (each used expert read once)
+  + activations; baseline = torch dequantise-then-matmul of the same experts (rocm_k3's reference path).
+- MoE prefill (T = 2048): FLOPs = 2 * T * k * (2N*K + Kout*N).
+- AttnRes step: bytes = (num_blocks + 2) reads + 3 writes of [T, Hd] bf16; baseline = the unfused torch reference.
+- MLA decode: bytes = N * L * 576 * 2 (latent cache) + q/out; baseline = torch reference (gather + softmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from rocm_k3.ops import attn_res as ref_attn_res
+from rocm_k3.ops import mla as ref_mla
+from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.ops.moe_reference import fused_moe_reference
+from rocm_k3.triton_kernels import attn_res as tri_attn_res
+from rocm_k3.triton_kernels.mla_decode import mla_decode_with
+from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_with, pick_config, prepare_weights
+
+HBM_BPS = 4.27e12
+BF16_FLOPS = 778e12
+ROWS: list[dict] = []
+
+
+def timed(fn, graph: bool = True) -> float:
+    """Median milliseconds; CUDA-graph replays when ``graph`` (launch gaps removed, as the engine will run)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def record(op: str, shape: str, ms: float, base_ms: float | None, nbytes: float, flops: float, note: str = "") -> None:
+    s = ms * 1e-3
+    row = dict(op=op, shape=shape, ms=ms, baseline_ms=base_ms, bytes=nbytes, flops=flops,
+               hbm_pct=100 * nbytes / HBM_BPS / s, flop_pct=100 * flops / BF16_FLOPS / s,
+               speedup=(base_ms / ms) if base_ms else None, note=note)
+    ROWS.append(row)
+    print(f"{op:<14} {shape:<34} {ms * 1e3:9.1f}us  base {'-' if base_ms is None else f'{base_ms * 1e3:9.1f}us'}"
+          f"  HBM {row['hbm_pct']:5.1f}%  MMA {row['flop_pct']:5.1f}%  {note}", flush=True)
+
+
+def random_mxfp4_experts(e: int, n: int, k: int, kout: int, dev: str) -> ExpertWeights:
+    """Random MXFP4 experts: uniform code bytes, scales 2^-6..2^-3 (weights of the size real checkpoints hold)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randint(0, 256, (e, 2 * n, k // 2), dtype=torch.uint8, device=dev, generator=g)
+    w2 = torch.randint(0, 256, (e, kout, n // 2), dtype=torch.uint8, device=dev, generator=g)
+    s13 = torch.randint(121, 125, (e, 2 * n, k // 32), dtype=torch.uint8, device=dev, generator=g)
+    s2 = torch.randint(121, 125, (e, kout, n // 32), dtype=torch.uint8, device=dev, generator=g)
+    return prepare_weights(ExpertWeights("mxfp4", w13, s13, w2, s2))
+
+
+def random_routing(t: int, e: int, k: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].to(torch.int32)  # distinct experts per token
+    w = torch.softmax(torch.randn(t, k, device=dev), dim=1)
+    return w, ids
+
+
+def bench_moe(dev: str, quick: bool) -> None:
+    e, k, hidden, n = 896, 16, 3584, 3072
+    weights = random_mxfp4_experts(e, n, hidden, hidden, dev)
+    per_expert = (2 * n * hidden // 2 + 2 * n * hidden // 32) + (hidden * n // 2 + hidden * n // 32)
+    configs = [None] if quick else [None, MoEConfig(16, 32, 128, 4, 3), MoEConfig(16, 64, 64, 4, 3),
+                                    MoEConfig(16, 128, 128, 8, 3), MoEConfig(16, 64, 128, 8, 4)]
+    for t in (1, 4, 16, 64):
+        tw, ids = random_routing(t, e, k, dev)
+        x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+        active = torch.unique(ids).numel()
+        nbytes = active * per_expert + t * hidden * 2 * 2
+        flops = 2 * t * k * (2 * n * hidden + hidden * n)
+        base = None
+        if t in (1, 16):
+            base = timed(lambda: fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()), graph=False)
+        for cfg in configs:
+            label = "auto" if cfg is None else f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} s{cfg.num_stages}"
+            try:
+                ms = timed(lambda: fused_moe_with(x, weights, tw, ids, config=cfg))
+            except Exception as exc:  # a config that does not compile on this Triton is reported, not fatal
+                print(f"moe config {label} failed: {exc!r}"[:300])
+                continue
+            record("moe_a16w4", f"T{t} E{e} k{k} K{hidden} N{n} [{active} exp]", ms, base, nbytes, flops, label)
+        if t in (1, 64):
+            ms = timed(lambda: fused_moe_with(x, weights, tw, ids, manual_w4=True))
+            record("moe_a16w4", f"T{t} manual E2M1 decode", ms, base, nbytes, flops, "manual")
+            ms = timed(lambda: fused_moe_with(x, weights, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn))
+            record("moe_a8w4", f"T{t} E{e} k{k} OCP e4m3", ms, None, nbytes, flops, "auto")
+    t = 2048
+    tw, ids = random_routing(t, e, k, dev)
+    x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+    ms = timed(lambda: fused_moe_with(x, weights, tw, ids), graph=False)
+    nbytes = torch.unique(ids).numel() * per_expert
+    record("moe_a16w4", f"T{t} prefill", ms, None, nbytes, 2 * t * k * 3 * n * hidden,
+           str(pick_config(t * k, e)[:3]))
+
+
+def bench_attn_res(dev: str) -> None:
+    hd, b_max, nb = 7168, 9, 8
+    for t in (1, 64, 4096):
+        p = torch.randn(t, hd, device=dev, dtype=torch.bfloat16)
+        d = torch.randn_like(p)
+        blocks = torch.randn(b_max, t, hd, device=dev, dtype=torch.bfloat16)
+        w = [torch.randn(hd, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+        kw = dict(write_block=True, proj_weight=w[0], norm_weight=w[1], rms_weight=w[2])
+        nbytes = (nb + 2) * t * hd * 2 + 3 * t * hd * 2
+        base = timed(lambda: ref_attn_res._attn_res_step_reference(p, d, blocks, nb, **kw), graph=False)
+        ms = timed(lambda: tri_attn_res.attn_res_step(p, d, blocks, nb, **kw))
+        record("attn_res_step", f"T{t} Hd{hd} blocks{nb} +write", ms, base, nbytes, 0.0)
+
+
+def bench_mla(dev: str) -> None:
+    bs = 64
+    for n, h, length in ((1, 96, 8192), (32, 12, 4096), (32, 96, 4096), (128, 12, 2048)):
+        blocks_per = math.ceil(length / bs)
+        cache = torch.randn(n * blocks_per, bs, 576, device=dev, dtype=torch.bfloat16)
+        bt = torch.randperm(n * blocks_per, device=dev).view(n, blocks_per).to(torch.int32)
+        lens = torch.full((n,), length, device=dev, dtype=torch.int32)
+        q = torch.randn(n, h, 512, device=dev, dtype=torch.bfloat16)
+        qp = torch.randn(n, h, 64, device=dev, dtype=torch.bfloat16)
+        nbytes = n * length * 576 * 2 + 2 * n * h * (512 + 64) * 2
+        flops = 2 * n * h * length * (576 + 512)
+        base = timed(lambda: ref_mla._mla_decode_reference(q, qp, cache, bt, lens, scale=0.072), graph=False) \
+            if n <= 32 else None
+        ms = timed(lambda: mla_decode_with(q, qp, cache, bt, lens, scale=0.072))
+        record("mla_decode", f"N{n} H{h} L{length} bs{bs}", ms, base, nbytes, flops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write bench_ops.json here")
+    parser.add_argument("--quick", action="store_true", help="skip the MoE tile-config sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_ops.py needs a CUDA GPU")
+    dev = "cuda"
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    for name, fn in (("attn_res", lambda: bench_attn_res(dev)), ("mla", lambda: bench_mla(dev)),
+                     ("moe", lambda: bench_moe(dev, args.quick))):
+        try:
+            fn()
+        except Exception as exc:  # keep the other sections' numbers
+            print(f"{name} benchmark failed: {exc!r}", flush=True)
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_ops.json").write_text(json.dumps(ROWS, indent=1))
+    print("median HBM% of MoE decode rows:",
+          statistics.median([r["hbm_pct"] for r in ROWS if r["op"] == "moe_a16w4" and "prefill" not in r["shape"]] or [0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Triton kernels vs the reference ops, in three tiers.
+
+- ``interpret``: small fp32 shapes under ``TRITON_INTERPRET=1`` on the CPU. Triton reads that variable when
+  ``triton`` is first imported (every ``@triton.jit``, its standard library included, is decorated then), so this
+  module sets it before importing triton. If triton was already imported in this process without it, the tier
+  re-runs this module in a subprocess (``test_interpret_tier_in_subprocess``).
+- ``compile``: every kernel cross-compiled for sm_90, gfx942, gfx950 (tests/triton_compile_driver.py runs in a
+  fresh interpreter), asserting the matrix instructions (wgmma/mma, v_mfma) and no scratch spills on AMD.
+- ``cuda``: K3 shapes in bf16 on an NVIDIA GPU against the reference backend.
+
+Tolerances (relative L2 error, tests/helpers.rel_err): fp32 kernels 1e-5; MoE 1.5e-2 (the kernel feeds bf16 operands
+to the MMA, the fp32 reference does not: x and the fp32 activation are each rounded to bf16 once); bf16 outputs
+on the GPU 1e-2 (a few bf16 ulps, 2^-8 each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_GPU = torch.cuda.is_available() and torch.version.hip is None
+_TRITON_PREIMPORTED = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: see the module docstring
+
+triton = pytest.importorskip("triton")
+
+from rocm_k3.ops import attn_res as ref_attn_res  # noqa: E402
+from rocm_k3.ops import mla as ref_mla  # noqa: E402
+from rocm_k3.ops import norm as ref_norm  # noqa: E402
+from rocm_k3.ops.kda import gated_rms_norm as ref_gated_rms_norm  # noqa: E402
+from rocm_k3.ops.moe import ExpertWeights, MoEActivation  # noqa: E402
+from rocm_k3.ops.moe_reference import fused_moe_reference  # noqa: E402
+from rocm_k3.quant.mxfp4 import quantize_mxfp4_reference  # noqa: E402
+from rocm_k3.triton_kernels import attn_res as tri_attn_res  # noqa: E402
+from rocm_k3.triton_kernels import norm as tri_norm  # noqa: E402
+from rocm_k3.triton_kernels.mla_decode import mla_decode_with  # noqa: E402
+from rocm_k3.triton_kernels.moe.align import align_routing  # noqa: E402
+from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_supports, fused_moe_with, prepare_weights  # noqa: E402
+from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
+from tests.helpers import assert_rel, poisoned_like, seeded  # noqa: E402
+
+_INTERPRETED = interpreted(tri_norm._rms_norm_kernel)
+needs_interp = pytest.mark.skipif(
+    not _INTERPRETED, reason="kernels are compiled in this process (GPU host, or triton imported before "
+                             "TRITON_INTERPRET=1); the interpreter tier runs in test_interpret_tier_in_subprocess")
+FP8 = {"ocp": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}
+
+
+def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0, device: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _mxfp4_experts(e: int, n: int, k: int, kout: int, gen: torch.Generator, device: str = "cpu") -> ExpertWeights:
+    """Random experts quantised by the reference MXFP4 quantiser (ct rule)."""
+    w13, s13 = quantize_mxfp4_reference(torch.randn(e, 2 * n, k, generator=gen) * 0.05, "ct")
+    w2, s2 = quantize_mxfp4_reference(torch.randn(e, kout, n, generator=gen) * 0.05, "ct")
+    return ExpertWeights("mxfp4", w13.to(device), s13.to(device), w2.to(device), s2.to(device))
+
+
+def _routing(t: int, e: int, k: int, gen: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)  # [T, k] distinct
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
+    return w.to(device), ids.to(device)
+
+
+# ------------------------------------------------------------------------------------------------- interpret tier
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("rows,d", [(7, 96), (3, 200)], ids=["R7-D96", "R3-D200"])
+def test_norms_interpret(rows: int, d: int) -> None:
+    g = seeded(1)
+    x, r, gate, w = (_randn(rows, 2, d, gen=g) for _ in range(4))
+    assert_rel(tri_norm.rms_norm(x, w[0, 0]), ref_norm.rms_norm_reference(x, w[0, 0]), 1e-5, "rms_norm")
+    normed, res = tri_norm.add_rms_norm(x, r, w[0, 0])
+    ref_normed, ref_res = ref_norm.add_rms_norm_reference(x, r, w[0, 0])
+    assert_rel(res, ref_res, 1e-6, "new_residual")
+    assert_rel(normed, ref_normed, 1e-5, "normed")
+    out = tri_norm.gated_rms_norm(x, gate, w[0, 0])
+    assert_rel(out, ref_gated_rms_norm(x, gate, w[0, 0], backend="reference"), 1e-5, "gated_rms_norm")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("has_partial,has_delta,num_blocks,write", [(True, True, 3, True), (False, True, 0, False),
+                                                                   (True, False, 2, False)],
+                         ids=["p+d-nb3-write", "d-nb0", "p-nb2"])
+def test_attn_res_interpret(has_partial: bool, has_delta: bool, num_blocks: int, write: bool) -> None:
+    g = seeded(2)
+    t, hd, b_max = 5, 160, 4
+    partial = _randn(t, hd, gen=g) if has_partial else None
+    delta = _randn(t, hd, gen=g) if has_delta else None
+    blocks = _randn(b_max, t, hd, gen=g)
+    pw, nw, rw = (_randn(hd, gen=g) for _ in range(3))
+    kw = dict(write_block=write, proj_weight=pw, norm_weight=nw, rms_weight=rw)
+    blocks_k, blocks_r = blocks.clone(), blocks.clone()
+    out = tri_attn_res.attn_res_step(partial, delta, blocks_k, num_blocks, **kw)
+    ref = ref_attn_res._attn_res_step_reference(partial, delta, blocks_r, num_blocks, **kw)
+    assert_rel(out.partial, ref.partial, 1e-6, "partial")
+    assert_rel(out.normed, ref.normed, 1e-5, "normed")
+    assert_rel(blocks_k, blocks_r, 0.0, "blocks (in-place write)")
+    if has_partial:
+        mix = tri_attn_res.attn_res_mix(partial, blocks, num_blocks, pw, nw)
+        assert_rel(mix, ref_attn_res._attn_res_mix_reference(partial, blocks, num_blocks, pw, nw), 1e-5, "mix")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("splits", [1, 4], ids=["splits1", "splits4"])
+def test_mla_decode_interpret(splits: int) -> None:
+    g = seeded(3)
+    n, h, bs, pages = 3, 5, 16, 12
+    cache = _randn(pages, bs, 576, gen=g)
+    table = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(n)]).to(torch.int32)
+    lens = torch.tensor([1, 37, 70], dtype=torch.int32)
+    q, qpe = _randn(n, h, 512, gen=g), _randn(n, h, 64, gen=g)
+    out = mla_decode_with(q, qpe, cache, table, lens, scale=0.07, splits=splits)
+    assert_rel(out, ref_mla._mla_decode_reference(q, qpe, cache, table, lens, scale=0.07), 1e-5, "out_latent")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16)],
+                         ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20"])
+def test_moe_align_kernel_matches_sort(t: int, k: int, e: int, bm: int) -> None:
+    ids = _routing(t, e, k, seeded(4))[1]
+    got = align_routing(ids, e, bm, force="kernel")
+    want = align_routing(ids, e, bm, force="torch")  # stable torch sort: an independent formulation
+    assert torch.equal(got.expert_count, torch.bincount(ids.flatten().long(), minlength=e).int())
+    assert torch.equal(got.expert_start, want.expert_start)
+    assert torch.equal(got.block_expert, want.block_expert)
+    for ex in range(e):
+        s, c = int(got.expert_start[ex]), int(got.expert_count[ex])
+        assert torch.equal(got.sorted_pairs[s:s + c], want.sorted_pairs[s:s + c]), f"expert {ex}"
+        assert bool((ids.flatten()[got.sorted_pairs[s:s + c].long()] == ex).all())
+
+
+_MOE_CASES = [
+    ("situ", "bf16", None, False),
+    ("silu", "bf16", None, True),
+    ("situ", "mxfp8", "ocp", False),
+    ("situ", "mxfp8", "fnuz", True),
+]
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("act,aq,fp8,manual", _MOE_CASES,
+                         ids=["situ-A16W4", "silu-A16W4-manualE2M1", "situ-A8W4-ocp", "situ-A8W4-fnuz-manualE2M1"])
+def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, manual: bool) -> None:
+    g = seeded(5)
+    t, k, e, hidden, n, kout = 5, 2, 4, 64, 64, 96
+    weights = prepare_weights(_mxfp4_experts(e, n, hidden, kout, g))
+    tw, ids = _routing(t, e, k, g)
+    x = _randn(t, hidden, gen=g)
+    kw = dict(activation=MoEActivation(act), act_quant=aq, fp8_dtype=FP8.get(fp8))
+    out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), manual_w4=manual, **kw)
+    ref = fused_moe_reference(x, weights, tw, ids, **kw)
+    # A8W4: both sides quantise x and the activation with the same MXFP8 rule, so only accumulation order differs.
+    assert_rel(out, ref, 1e-5 if aq == "mxfp8" else 1.5e-2, "fused_moe")
+
+
+@pytest.mark.interpret
+@needs_interp
+def test_fused_moe_bf16_experts_interpret() -> None:
+    g = seeded(6)
+    t, k, e, hidden, n = 4, 2, 3, 64, 32
+    w13 = _randn(e, 2 * n, hidden, gen=g, scale=0.1)
+    w2 = _randn(e, hidden, n, gen=g, scale=0.1)
+    weights = prepare_weights(ExpertWeights("bf16", w13, None, w2, None))
+    tw, ids = _routing(t, e, k, g)
+    x = _randn(t, hidden, gen=g)
+    out = fused_moe_with(x, weights, tw, ids, activation=MoEActivation("silu"), config=MoEConfig(16, 32, 32, 4, 1))
+    ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation("silu"))
+    assert_rel(out, ref, 1.5e-2, "fused_moe bf16 experts")
+
+
+def test_fused_moe_supports_rejects_checkpoint_layout() -> None:
+    g = seeded(7)
+    weights = _mxfp4_experts(2, 32, 32, 32, g)
+    tw, ids = _routing(1, 2, 1, g)
+    ok, reason = fused_moe_supports(torch.zeros(1, 32), weights, tw, ids)
+    assert not ok and "prepare_weights" in reason
+    assert fused_moe_supports(torch.zeros(1, 32), prepare_weights(weights), tw, ids)[0]
+    with pytest.raises(ValueError, match="layout"):
+        prepare_weights(ExpertWeights("mxfp4", weights.w13, weights.w13_scale, weights.w2, weights.w2_scale,
+                                      layout="flydsl"))
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(_INTERPRETED or _GPU, reason="the interpreter tier ran in this process (or a GPU is present)")
+def test_interpret_tier_in_subprocess() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------------------- compile tier
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "moe_align", "moe_w13_a16w4", "moe_w2_a8w4",
+                    "moe_mxfp8_quant")
+_MMA_KERNELS = ("mla_decode", "moe_w13_a16w4", "moe_w2_a8w4")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_compile_driver.py")],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+@pytest.mark.parametrize("kernel", _COMPILE_KERNELS)
+def test_kernels_compile(compiled: dict, kernel: str, target: str) -> None:
+    res = compiled[f"{kernel}/{target}"]
+    assert res["ok"], res["error"]
+    mnemonics = res["mnemonics"]
+    if kernel in _MMA_KERNELS:
+        if target == "sm_90":
+            assert any(m.startswith(("wgmma.mma_async", "mma.sync")) for m in mnemonics), mnemonics
+        else:
+            assert any(m.startswith("v_mfma") for m in mnemonics), [m for m in mnemonics if "mfma" in m]
+    if target != "sm_90":
+        assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
+
+
+# ------------------------------------------------------------------------------------------------------ cuda tier
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 16, 64, 512], ids=lambda t: f"T{t}")
+def test_fused_moe_k3_cuda(t: int) -> None:
+    """K3 LatentMoE experts: 896 x (3584 -> 2 x 3072 -> 3584) MXFP4, top-16, bf16 activations."""
+    g = seeded(10)
+    e, k, hidden, n = 896, 16, 3584, 3072
+    gd = torch.Generator(device="cuda").manual_seed(10)
+    w13 = torch.randint(0, 256, (e, 2 * n, hidden // 2), dtype=torch.uint8, device="cuda", generator=gd)
+    w2 = torch.randint(0, 256, (e, hidden, n // 2), dtype=torch.uint8, device="cuda", generator=gd)
+    s13 = torch.randint(118, 123, (e, 2 * n, hidden // 32), dtype=torch.uint8, device="cuda", generator=gd)
+    s2 = torch.randint(118, 123, (e, hidden, n // 32), dtype=torch.uint8, device="cuda", generator=gd)
+    weights = prepare_weights(ExpertWeights("mxfp4", w13, s13, w2, s2))
+    tw, ids = _routing(t, e, k, g, "cuda")
+    x = _randn(t, hidden, gen=g, device="cuda", dtype=torch.bfloat16)
+    ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation())
+    out = fused_moe_with(x, weights, tw, ids)
+    assert_rel(out, ref, 1.5e-2, "A16W4")
+    if t in (1, 64):
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            kw = dict(activation=MoEActivation(), act_quant="mxfp8", fp8_dtype=fp8)
+            assert_rel(fused_moe_with(x, weights, tw, ids, **kw), fused_moe_reference(x, weights, tw, ids, **kw),
+                       1e-2, f"A8W4 {fp8}")
+        assert_rel(fused_moe_with(x, weights, tw, ids, manual_w4=True), ref, 1.5e-2, "A16W4 manual E2M1")
+
+
+@pytest.mark.cuda
+def test_fused_moe_bf16_experts_kimi_linear_cuda() -> None:
+    g = seeded(11)
+    e, k, hidden, n, t = 256, 8, 2304, 1024, 32
+    w13 = _randn(e, 2 * n, hidden, gen=g, scale=0.02, device="cuda", dtype=torch.bfloat16)
+    w2 = _randn(e, hidden, n, gen=g, scale=0.02, device="cuda", dtype=torch.bfloat16)
+    weights = prepare_weights(ExpertWeights("bf16", w13, None, w2, None))
+    tw, ids = _routing(t, e, k, g, "cuda")
+    x = _randn(t, hidden, gen=g, device="cuda", dtype=torch.bfloat16)
+    act = MoEActivation("silu")
+    assert_rel(fused_moe_with(x, weights, tw, ids, activation=act),
+               fused_moe_reference(x, weights, tw, ids, activation=act), 1e-2, "bf16 experts")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 300], ids=lambda t: f"T{t}")
+def test_attn_res_k3_cuda(t: int) -> None:
+    g = seeded(12)
+    hd, b_max, nb = 7168, 9, 8
+    p, d = (_randn(t, hd, gen=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    blocks = _randn(b_max, t, hd, gen=g, device="cuda", dtype=torch.bfloat16)
+    pw, nw, rw = (_randn(hd, gen=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(write_block=True, proj_weight=pw, norm_weight=nw, rms_weight=rw)
+    bk, br = blocks.clone(), blocks.clone()
+    out = tri_attn_res.attn_res_step(p, d, bk, nb, **kw)
+    ref = ref_attn_res._attn_res_step_reference(p, d, br, nb, **kw)
+    assert_rel(out.partial, ref.partial, 0.0, "partial")
+    assert_rel(bk, br, 0.0, "blocks")
+    assert_rel(out.normed, ref.normed, 1e-2, "normed")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,h,length", [(2, 96, 3000), (8, 12, 1000), (64, 12, 257)], ids=lambda v: str(v))
+def test_mla_decode_k3_cuda(n: int, h: int, length: int) -> None:
+    g = seeded(13)
+    bs = 64
+    per = (length + bs - 1) // bs
+    cache = _randn(n * per, bs, 576, gen=g, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(n * per, generator=g).view(n, per).to(device="cuda", dtype=torch.int32)
+    lens = torch.randint(1, length + 1, (n,), generator=g).to(device="cuda", dtype=torch.int32)
+    q = _randn(n, h, 512, gen=g, device="cuda", dtype=torch.bfloat16, scale=0.1)
+    qpe = _randn(n, h, 64, gen=g, device="cuda", dtype=torch.bfloat16, scale=0.1)
+    ref = ref_mla._mla_decode_reference(q, qpe, cache, table, lens, scale=192 ** -0.5)
+    for splits in (None, 1):
+        out = mla_decode_with(q, qpe, cache, table, lens, scale=192 ** -0.5, splits=splits)
+        assert_rel(out, ref, 1e-2, f"mla_decode splits={splits}")
+
+
+@pytest.mark.cuda
+def test_norms_k3_cuda() -> None:
+    g = seeded(14)
+    x, r = (_randn(77, 7168, gen=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = _randn(7168, gen=g, device="cuda", dtype=torch.bfloat16)
+    out = poisoned_like(x)
+    out.copy_(tri_norm.rms_norm(x, w))
+    assert_rel(out, ref_norm.rms_norm_reference(x, w), 1e-2, "rms_norm")
+    a, b = tri_norm.add_rms_norm(x, r, w)
+    ra, rb = ref_norm.add_rms_norm_reference(x, r, w)
+    assert_rel(b, rb, 0.0, "new_residual")
+    assert_rel(a, ra, 1e-2, "normed")
+    xh, gh = (_randn(33, 96, 128, gen=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    wh = _randn(128, gen=g, device="cuda", dtype=torch.bfloat16)
+    assert_rel(tri_norm.gated_rms_norm(xh, gh, wh), ref_gated_rms_norm(xh, gh, wh, backend="reference"), 1e-2,
+               "gated_rms_norm")

@@ -1,0 +1,91 @@
+"""Cross-compile every rocm-k3 Triton kernel for sm_90, gfx942 and gfx950 and print a JSON summary.
+
+Run by ``tests/test_triton_ops.py`` (compile tier) in a fresh interpreter *without* ``TRITON_INTERPRET``:
+Triton decides at import time whether every ``@triton.jit`` (its own standard library included) is interpreted,
+so the interpreter tier and real compilation cannot share one process. Output: one JSON object
+``{"<kernel>/<target>": {"ok": bool, "error": str, "mnemonics": [...], "registers": int, "spills": int,
+"scratch": int}}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+TARGETS = ("sm_90", "gfx942", "gfx950")
+
+
+def _specs() -> dict:
+    """kernel name -> (module, attribute, signature, constexprs, num_warps)."""
+    moe_ptrs = {"a_ptr": "*bf16", "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "sorted_ptr": "*i32",
+                "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32"}
+    w13_sig = {**moe_ptrs, "out_ptr": "*bf16", "out_s_ptr": "*u8", "K": "i32", "N": "i32", "top_k": "i32",
+               "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
+               "stride_wsn": "i32", "stride_out": "i32", "stride_out_s": "i32", "beta": "fp32",
+               "linear_beta": "fp32"}
+    w2_sig = {**moe_ptrs, "a_ptr": "*u8", "y_ptr": "*fp32", "topk_w_ptr": "*fp32", "K": "i32", "N": "i32",
+              "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
+              "stride_wsn": "i32", "stride_y": "i32"}
+    moe_ce = dict(W_FMT=0, DOT_F32=False, BIAS=7, BM=16, BN=64, BK=128)
+    return {
+        "rms_norm": ("rocm_k3.triton_kernels.norm", "_rms_norm_kernel",
+                     {"x_ptr": "*bf16", "res_ptr": "*bf16", "gate_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                      "res_out_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32", "stride_x": "i32",
+                      "stride_res": "i32", "stride_gate": "i32", "stride_out": "i32", "stride_res_out": "i32",
+                      "eps": "fp32"},
+                     dict(HAS_RES=True, HAS_GATE=False, ROWS=1, BLOCK_D=8192), 16),
+        "attn_res_step": ("rocm_k3.triton_kernels.attn_res", "_attn_res_kernel",
+                          {"partial_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16", "proj_ptr": "*bf16",
+                           "normw_ptr": "*bf16", "rmsw_ptr": "*bf16", "p_out_ptr": "*bf16", "out_ptr": "*bf16",
+                           "n_rows": "i32", "hd": "i32", "num_blocks": "i32", "write_offset": "i64",
+                           "stride_part": "i32", "stride_delta": "i32", "stride_bb": "i64", "stride_bt": "i32",
+                           "stride_p": "i32", "stride_out": "i32", "eps": "fp32"},
+                          dict(HAS_PARTIAL=True, HAS_DELTA=True, WRITE_P=True, WRITE_BLOCK=True, NORM=True, ROWS=1,
+                               BLOCK_D=8192), 16),
+        "mla_decode": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel",
+                       {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
+                        "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
+                        "block_size": "i32", "scale": "fp32", "stride_qn": "i32", "stride_qh": "i32",
+                        "stride_pn": "i32", "stride_ph": "i32", "stride_kvb": "i64", "stride_kvt": "i32",
+                        "stride_btn": "i32", "stride_on": "i32", "stride_oh": "i32"},
+                       dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=512, DR=64), 4),
+        "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel",
+                      {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
+                       "count_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32", "num_blocks": "i32"},
+                      dict(BM=16, BLOCK_A=64, BLOCK_E=1024), 8),
+        "moe_w13_a16w4": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
+                          dict(moe_ce, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
+        "moe_w2_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig, dict(moe_ce, A_MX=True), 4),
+        "moe_mxfp8_quant": ("rocm_k3.triton_kernels.moe.kernels", "mxfp8_quant_kernel",
+                            {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "n_rows": "i32", "K": "i32",
+                             "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"},
+                            dict(EMAX=8, BIAS=7, FP8_MAX=448.0, ROWS=4, BLOCK_K=256), 4),
+    }
+
+
+def _compile_one(job: tuple[str, str]) -> tuple[str, dict]:
+    import importlib
+
+    from rocm_k3.triton_kernels.compile_check import compile_kernel
+
+    name, target = job
+    module, attr, sig, constexprs, warps = _specs()[name]
+    fn = getattr(importlib.import_module(module), attr)
+    try:
+        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=2)
+    except Exception as exc:  # reported per kernel/target; the test fails with this message
+        return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
+    return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
+                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
+
+
+def main(names: list[str]) -> None:
+    jobs = [(n, t) for n in (names or list(_specs())) for t in TARGETS]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = dict(pool.map(_compile_one, jobs))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
