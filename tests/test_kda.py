@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rocm_k3.ops import kda
 from rocm_k3.ops.kda import KDAGateParams
@@ -170,6 +172,31 @@ def test_prefill_options_match_naive_twin(qk_l2norm, beta_logits, scale):
     state, state_naive = case.pool.clone(), case.pool.clone()
     out = kda.kda_prefill(*args, state, slots, has, **options, backend="reference")
     ref = kda_prefill_naive(*args, state_naive, slots, has, **options)
+    assert_rel(out.o, ref.o, FP32_TOL, "o")
+    assert_rel(out.intermediate_states, ref.intermediate_states, FP32_TOL, "intermediate states")
+    assert_rel(state, state_naive, FP32_TOL, "state pool")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 130), min_size=1, max_size=4),
+    H=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_prefill_random_batches_match_naive_twin(lengths, H, seed, data):
+    """Random varlen batches (empty sequences included), random initial-state flags and positions."""
+    N = len(lengths)
+    case = Case(lengths, H, 16, 16, seed=seed, slots=list(range(N))[::-1])
+    has = data.draw(st.lists(st.booleans(), min_size=N, max_size=N), label="has_initial_state")
+    candidates = [(i, p) for i, n in enumerate(lengths) for p in range(1, n + 1)]
+    rows = data.draw(st.lists(st.sampled_from(candidates), max_size=5), label="positions") if candidates else []
+    positions = torch.tensor(rows, dtype=torch.int32).view(-1, 2)
+    out, state = case.run(has, positions=positions)
+    state_naive = case.pool.clone()
+    ref = kda_prefill_naive(case.q, case.k, case.v, case.f, case.beta, case.cu, state_naive,
+                            torch.tensor(case.slots, dtype=torch.int32), torch.tensor(has, dtype=torch.bool),
+                            gate_params=case.gate_params, intermediate_positions=positions)
     assert_rel(out.o, ref.o, FP32_TOL, "o")
     assert_rel(out.intermediate_states, ref.intermediate_states, FP32_TOL, "intermediate states")
     assert_rel(state, state_naive, FP32_TOL, "state pool")
