@@ -1,0 +1,57 @@
+"""Test checkpoints: a tiny Kimi Linear model written by transformers' own ``save_pretrained``.
+
+transformers >= 5 ships ``KimiLinearForCausalLM`` (the ``test`` extra installs it); its forward pass is an
+independent formulation of the Kimi Linear variant (softplus gate, low-rank output gate, no q_lora, SiLU, plain
+residual, bf16/fp32 experts, routed_scaling_factor 2.446). Weights are re-drawn with O(1) activations so every
+sublayer matters in a comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+KL_VOCAB = 300
+KL_LAYERS = 5  # KDA at 1, 3, 4 and MLA at 2, 5 (1-based): two KDA/MLA boundaries
+
+
+def kimi_linear_hf_model(seed: int = 0):
+    """A tiny transformers KimiLinearForCausalLM in eval mode, fp32, with seeded O(1) weights."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "KimiLinearForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM")
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=KL_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=KL_LAYERS, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+        routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+        qk_nope_head_dim=128, num_experts=8, num_experts_per_tok=2, num_local_experts=8,
+        linear_attn_config={"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4,
+                            "full_attn_layers": [2, 5], "kda_layers": [1, 3, 4]},
+        first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue  # keep the released initialisation (decay rates in a sensible range)
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def write_kimi_linear_checkpoint(directory: Path, seed: int = 0):
+    """Save the tiny model with ``save_pretrained`` (released Kimi Linear tensor names); returns the HF model."""
+    model = kimi_linear_hf_model(seed)
+    model.save_pretrained(str(directory))
+    return model
