@@ -118,7 +118,7 @@ def test_abort_frees_everything():
 def test_request_that_can_never_fit_is_rejected():
     eng = SimEngine(small_config(max_len=64), num_blocks=20, num_slots=4)
     with pytest.raises(RequestTooLargeError, match="max_model_len=64"):
-        eng.sched.add(Sequence(seq_id=0, request_id="x", prompt_token_ids=[1] * 60, max_tokens=5))
+        eng.sched.add(Sequence(seq_id=0, request_id="x", prompt_token_ids=[1] * 60, max_tokens=6))
 
 
 def test_token_budget_too_small_is_a_named_error():

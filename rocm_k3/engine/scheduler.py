@@ -79,11 +79,11 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; RequestTooLargeError if it could never run."""
-        need = seq.num_prompt_tokens + seq.max_tokens
+        need = seq.num_prompt_tokens + seq.max_tokens - 1  # the last generated token is never fed back
         if need > self.config.max_model_len:
             raise RequestTooLargeError(
                 f"request {seq.request_id!r}: {seq.num_prompt_tokens} prompt tokens + max_tokens={seq.max_tokens} "
-                f"= {need} exceeds max_model_len={self.config.max_model_len}"
+                f"- 1 = {need} positions exceed max_model_len={self.config.max_model_len}"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

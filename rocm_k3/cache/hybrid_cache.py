@@ -1,0 +1,105 @@
+"""The hybrid cache's tensors: paged MLA latent KV per MLA layer and KDA state/conv slots per KDA layer.
+
+Implements :class:`rocm_k3.model.forward_batch.HybridCacheView`. Block ids and slot ids are shared by all
+layers: block ``b`` is page ``b`` of every MLA layer's pool and slot ``s`` is entry ``s`` of every KDA layer's
+state and conv pools, so the integer bookkeeping of :class:`rocm_k3.cache.manager.CacheManager` applies to all
+layers at once. Memory is allocated once, up front; :meth:`apply_copies` executes a copy-on-write plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rocm_k3.cache.manager import CopyPlan
+from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.forward_batch import MLA_LATENT_WIDTH
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """Per-layer cache shapes of a model.
+
+    num_mla_layers / num_kda_layers: layers of each kind; kda_heads (H), kda_head_dim (K = V), conv_width (W);
+    dtype: MLA latent and conv state dtype (the model's activation dtype); the KDA recurrent state is fp32.
+    """
+
+    num_mla_layers: int
+    num_kda_layers: int
+    kda_heads: int
+    kda_head_dim: int
+    conv_width: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "CacheGeometry":
+        return cls(len(cfg.mla_layers), len(cfg.kda_layers), cfg.kda.num_heads, cfg.kda.head_dim,
+                   cfg.kda.conv_kernel_size, dtype)
+
+    @property
+    def conv_channels(self) -> int:
+        return 3 * self.kda_heads * self.kda_head_dim  # q | k | v
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """One page of every MLA layer: num_mla_layers * block_size * 576 * itemsize (at least 1)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return max(1, self.num_mla_layers * block_size * MLA_LATENT_WIDTH * itemsize)
+
+    def bytes_per_slot(self) -> int:
+        """One slot of every KDA layer: fp32 [H, K, V] state + [3*H*K, W-1] conv state (at least 1)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        h, d = self.kda_heads, self.kda_head_dim
+        per_layer = h * d * d * 4 + self.conv_channels * (self.conv_width - 1) * itemsize
+        return max(1, self.num_kda_layers * per_layer)
+
+
+class HybridCache:
+    """Tensor pools behind the cache manager's ids (a :class:`HybridCacheView`)."""
+
+    def __init__(self, geometry: CacheGeometry, *, block_size: int, num_blocks: int, num_slots: int,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("num_slots", num_slots)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.geometry = geometry
+        self._block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        g = geometry
+        self._mla = [torch.zeros(num_blocks, block_size, MLA_LATENT_WIDTH, dtype=g.dtype, device=self.device)
+                     for _ in range(g.num_mla_layers)]  # [num_blocks, block_size, 576] each
+        self._kda = [torch.zeros(num_slots, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32,
+                                 device=self.device) for _ in range(g.num_kda_layers)]  # [S, H, K, V] each
+        self._conv = [torch.zeros(num_slots, g.conv_channels, g.conv_width - 1, dtype=g.dtype, device=self.device)
+                      for _ in range(g.num_kda_layers)]  # [S, 3*H*K, W-1] each
+
+    # ---- HybridCacheView -----------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def mla_kv(self, mla_layer_idx: int) -> torch.Tensor:
+        return self._mla[mla_layer_idx]
+
+    def kda_state(self, kda_layer_idx: int) -> torch.Tensor:
+        return self._kda[kda_layer_idx]
+
+    def conv_state(self, kda_layer_idx: int) -> torch.Tensor:
+        return self._conv[kda_layer_idx]
+
+    # ---- copy-on-write -------------------------------------------------------------------------------------
+    def apply_copies(self, plan: CopyPlan) -> None:
+        """Copy the first n latent rows of each (src, dst, n) block in every MLA layer, and the recurrent and
+        conv state of each (src, dst) slot in every KDA layer. Sources are never written."""
+        for src, dst, n in plan.block_copies:
+            if src == dst:
+                raise ValueError(f"block copy {src} -> {dst}: source and destination must differ")
+            for pages in self._mla:
+                pages[dst, :n].copy_(pages[src, :n])
+        if plan.state_copies:
+            src = torch.tensor([s for s, _ in plan.state_copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in plan.state_copies], dtype=torch.long, device=self.device)
+            for pool in (*self._kda, *self._conv):
+                pool[dst] = pool[src]
