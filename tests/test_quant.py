@@ -242,8 +242,10 @@ def test_fp8_dtype_for_arch():
     assert quant.fp8_dtype_for_arch("gfx942:sramecc+:xnack-") is torch.float8_e4m3fnuz
     assert quant.fp8_dtype_for_arch("gfx950") is torch.float8_e4m3fn
     assert quant.fp8_dtype_for_arch("sm_90") is torch.float8_e4m3fn
-    with pytest.raises(ValueError, match="gfx1100"):
-        quant.fp8_dtype_for_arch("gfx1100")
+    assert quant.fp8_dtype_for_arch("sm_90a") is torch.float8_e4m3fn
+    for unknown in ("gfx1100", "sm_x", "cpu"):
+        with pytest.raises(ValueError, match=unknown):
+            quant.fp8_dtype_for_arch(unknown)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ mantissa is 1.75, so re-quantising a dequantised block may pick the next scale; 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -36,19 +37,21 @@ FP8_FORMATS: dict[torch.dtype, FP8Format] = {
 
 _FNUZ_ARCHES = ("gfx940", "gfx941", "gfx942")  # the MI300 family uses the FNUZ FP8 encodings
 _OCP_ARCHES = ("gfx950",)
+_NVIDIA_ARCH = re.compile(r"sm_\d+[a-z]?")  # sm_90, sm_90a, sm_100a: NVIDIA FP8 is OCP
 
 
 def fp8_dtype_for_arch(arch: str) -> torch.dtype:
     """The FP8 E4M3 dtype a GPU arch computes in: gfx942 -> float8_e4m3fnuz; gfx950 and NVIDIA sm_* -> float8_e4m3fn.
 
-    ``arch`` may carry target features (``"gfx942:sramecc+:xnack-"``). Unknown arches raise ValueError.
+    ``arch`` may carry target features (``"gfx942:sramecc+:xnack-"``) or an NVIDIA suffix (``"sm_90a"``).
+    Unknown arches raise ValueError.
     """
     if not isinstance(arch, str):
         raise TypeError(f"arch must be a str such as 'gfx942', 'gfx950' or 'sm_90', got {type(arch).__name__}")
     base = arch.split(":")[0].strip().lower()
     if base in _FNUZ_ARCHES:
         return torch.float8_e4m3fnuz
-    if base in _OCP_ARCHES or (base.startswith("sm_") and base[3:].isdigit()):
+    if base in _OCP_ARCHES or _NVIDIA_ARCH.fullmatch(base):
         return torch.float8_e4m3fn
     raise ValueError(f"arch {arch!r} has no known FP8 E4M3 variant; expected gfx942, gfx950 or sm_<NN>")
 
