@@ -23,6 +23,16 @@ BF16_OUT_TOL = 1e-2
 LENGTHS = (1, 63, 64, 65, 130, 200)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The references run many small ops; on the shared 2-core CI box one intra-op thread is several times
+    faster than two contending ones. Restored after this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _cu(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
     offsets = [0]
     for n in lengths:

@@ -299,11 +299,9 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     Row i of T = (I + A)^-1 satisfies T_i = e_i - sum_{j<i} A[i, j] T_j.
     """
     C = A.shape[-1]
-    T = torch.zeros_like(A)
-    T[..., 0, 0] = 1.0
+    T = torch.eye(C, dtype=A.dtype, device=A.device).expand_as(A).clone()  # [..., C, C]
     for i in range(1, C):
         T[..., i, :i] = -(A[..., i : i + 1, :i] @ T[..., :i, :i]).squeeze(-2)
-        T[..., i, i] = 1.0
     return T
 
 
