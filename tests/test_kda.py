@@ -4,8 +4,9 @@ The chunked reference (fp32) is compared with `kda_recurrent_naive` run in float
 q/k normalisation, beta activation and the gate computed here from their formulas, not by the code under
 test; flags, random batches and the GPU run use `kda_prefill_naive` (the same loop behind the op's signature).
 Decode is checked by chaining `kda_decode` token by token against the prefill pipeline (short_conv, kda_prefill,
-gated_rms_norm) over the whole sequence. Tolerances (relative, per tensor): fp32 outputs and states 1e-5; bf16 outputs 1e-2 (a bf16 ulp is
-2^-8, the output cast costs at most half of that per element), states of bf16 runs 1e-5 (states stay fp32).
+gated_rms_norm) over the whole sequence.
+Tolerances (relative, per tensor): fp32 outputs and states 1e-5; bf16 outputs 1e-2 (a bf16 ulp is 2^-8, the
+output cast costs at most half of that per element); states of bf16 runs 1e-5 (states stay fp32).
 """
 
 from __future__ import annotations
