@@ -97,8 +97,9 @@ def test_short_conv_state_without_history_is_zero_padded():
     assert torch.equal(conv_state[0], expected)
 
 
+@pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "identity"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_short_conv_update_chain_equals_prefill(dtype):
+def test_short_conv_update_chain_equals_prefill(dtype, activation):
     """N sequences stepped token by token with short_conv_update == one varlen short_conv from the same state."""
     N, L, C, W, S = 3, 9, 12, 4, 6
     gen = seeded(13)
@@ -109,10 +110,12 @@ def test_short_conv_update_chain_equals_prefill(dtype):
     prefill_state = pool.clone()
     y_pre = kda.short_conv(x.reshape(N * L, C), weight, torch.arange(N + 1, dtype=torch.int32) * L,
                            conv_state=prefill_state, state_indices=slots,
-                           has_initial_state=torch.ones(N, dtype=torch.bool), backend="reference")
+                           has_initial_state=torch.ones(N, dtype=torch.bool), activation=activation,
+                           backend="reference")
     step_state = pool.clone()
     y_steps = torch.stack(
-        [kda.short_conv_update(x[:, t], weight, step_state, slots, backend="reference") for t in range(L)], dim=1
+        [kda.short_conv_update(x[:, t], weight, step_state, slots, activation, backend="reference") for t in range(L)],
+        dim=1,
     )
     # fp32: both paths sum W products in fp32 (order may differ); bf16: at most an ulp (2^-8) from the cast
     tol = CONV_TOL if dtype == torch.float32 else 1e-2
@@ -120,7 +123,7 @@ def test_short_conv_update_chain_equals_prefill(dtype):
     assert_rel(y_steps.reshape(N * L, C), y_pre, tol, "short_conv_update chain vs short_conv")
     assert torch.equal(step_state, prefill_state), "conv states hold raw inputs on both paths"
     for i in range(N):
-        ref = _conv1d_ref(x[i].float(), weight.float(), pool[slots[i]].float(), "silu")
+        ref = _conv1d_ref(x[i].float(), weight.float(), pool[slots[i]].float(), activation)
         assert_rel(y_steps[i], ref, tol, f"seq {i} vs conv1d")
 
 
