@@ -5,7 +5,8 @@ For the rows of one 64-token chunk of one head:
     G  = cumsum(g) over the chunk's tokens                          fp32 [T, H, K]
     q' = scale * q / sqrt(sum q^2 + 1e-6),  k' = k / sqrt(...)      (when qk_l2norm; else q' = scale * q, k' = k)
     b  = sigmoid(beta)                                              (when beta_logits; else beta as is), fp32 [T, H]
-q' and k' are written in the dtype the later phases feed to ``tl.dot`` (the activation dtype).
+    QG = q' * exp(G),  KD = k' * exp(G_last - G),  GL = exp(G_last)  (G_last: G at the chunk's last token)
+q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K].
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def chunk_prep_kernel(
     a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
     qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
+    qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
     scale, lower_bound,  # fp32 scalars
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
@@ -43,15 +45,22 @@ def chunk_prep_kernel(
         dt_bias = tl.load(dt_bias_ptr + h * K + cols)  # [K]
         g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE)
     g = tl.where(mask, g, 0.0)
-    tl.store(gcum_ptr + offs, tl.cumsum(g, axis=0), mask=mask)
+    gc = tl.cumsum(g, axis=0)  # [BT, K]
+    tl.store(gcum_ptr + offs, gc, mask=mask)
+    glast = tl.sum(g, axis=0)  # [K] G at the last token (padding rows add 0)
+    tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + cols, tl.exp(glast))
 
     q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
         q = l2norm_rows(q)
         k = l2norm_rows(k)
-    tl.store(qn_ptr + offs, (q * scale).to(qn_ptr.dtype.element_ty), mask=mask)
+    q = q * scale
+    tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
     tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
+    tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)
+    kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
+    tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
 
     b_offs = (t0 + rows).to(tl.int64) * H + h
     b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]

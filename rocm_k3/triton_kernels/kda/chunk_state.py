@@ -40,7 +40,6 @@ def chunk_state_kernel(
 
     rk = tl.arange(0, K)
     rv = iv * BV + tl.arange(0, BV)
-    rt = tl.arange(0, BT)
     s_offs = rk[:, None] * V + rv[None, :]  # [K, BV] inside one [K, V] head state
     state_h = state_ptr + (slot * H + h) * (K * V)
     if has_init != 0:
@@ -48,23 +47,23 @@ def chunk_state_kernel(
     else:
         s = tl.zeros([K, BV], dtype=tl.float32)
 
+    rt = tl.arange(0, BT)
+    loc_k = rt[:, None] * (H * K) + h * K + rk[None, :]  # int32 offsets of a [BT, K] tile from its chunk's row 0
+    loc_v = rt[:, None] * (H * V) + h * V + rv[None, :]  # [BT, BV]
+    loc_a = rt[:, None] * (H * BT) + h * BT + rt[None, :]  # [BT, BT]
     for ci in range(0, n_chunks):
-        t0 = bos + ci * BT
-        rows = t0 + rt
-        m = (rows < eos)[:, None]
-        r64 = rows.to(tl.int64)[:, None]
-        offs_k = r64 * (H * K) + h * K + rk[None, :]  # [BT, K]
-        offs_v = r64 * (H * V) + h * V + rv[None, :]  # [BT, BV]
+        t0 = (bos + ci * BT).to(tl.int64)  # scalar 64-bit row base; the tiles add 32-bit offsets
+        m = (rt < eos - t0)[:, None]
         s_dot = s.to(DOT_T)
-        w = tl.load(w_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
-        u = tl.load(u_ptr + offs_v, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+        u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
         v_new = u - tl.dot(w, s_dot, input_precision=PREC)  # [BT, BV]
         v_dot = v_new.to(DOT_T)
-        qg = tl.load(qg_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
-        aqk = tl.load(aqk_ptr + r64 * (H * BT) + h * BT + rt[None, :], mask=m, other=0.0).to(DOT_T)  # [BT, BT]
+        qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+        aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
         o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
-        tl.store(o_ptr + offs_v, o.to(o_ptr.dtype.element_ty), mask=m)
-        kd = tl.load(kd_ptr + offs_k, mask=m, other=0.0).to(DOT_T)
+        tl.store(o_ptr + t0 * (H * V) + loc_v, o.to(o_ptr.dtype.element_ty), mask=m)
+        kd = tl.load(kd_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
         gl = tl.load(glast_ptr + ((c_first + ci) * H + h).to(tl.int64) * K + rk)  # [K]
         s = s * gl[:, None] + tl.dot(tl.trans(kd), v_dot, input_precision=PREC)
         if HAS_INTER:

@@ -1,8 +1,9 @@
-"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches.
+"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches.
 
-    phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid
-    phase 2  chunk_intra  in-chunk A / Aqk, WY solve (W, U), decayed q and k, exp(G_last)
-    phase 3  chunk_state  sequential state recurrence over each sequence's chunks + output
+    phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
+    phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block
+    phase 3  chunk_solve  T = (I + A)^-1 and the WY form W, U
+    phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
 
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
@@ -16,6 +17,7 @@ import triton.language as tl
 from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
+from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
@@ -34,12 +36,16 @@ def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     return tl.float32, "ieee"
 
 
-def _value_block(n_programs_per_block: int, V: int) -> int:
-    """Widest value block (64, 32 or 16) that still gives ~2 programs per SM of a large GPU (132 SMs)."""
-    for bv in (64, 32):
-        if bv <= V and n_programs_per_block * (V // bv) >= 256:
-            return bv
-    return min(16, V) if V >= 16 else V
+def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
+    """(value block BV, num_warps) of the state phase for ``n_seq_heads`` = N * H programs per value block.
+
+    The state slice [K, BV] and the [64, K] chunk tiles live in registers; BV = 32 with 8 warps keeps the sm_90
+    build near the register limit (a few spills), BV = 16 with 4 warps doubles the programs of small batches
+    (a TP-8 shard has 12 heads) to fill the GPU's 132 SMs.
+    """
+    if V >= 32 and n_seq_heads * (V // 32) >= 264:
+        return 32, 8
+    return min(16, V), 4
 
 
 def supports_kda_prefill(
@@ -128,11 +134,14 @@ def kda_prefill(
         return KDAPrefillOutput(o, inter)
 
     dot_t, prec = dot_config(q.dtype)
-    mid_dtype = q.dtype  # q', k', W, U, QG, KD, Aqk travel in the activation dtype
-    qn = torch.empty(T, H, K, dtype=mid_dtype, device=dev)
-    kn = torch.empty_like(qn)
-    gcum = torch.empty(T, H, K, dtype=torch.float32, device=dev)
-    b = torch.empty(T, H, dtype=torch.float32, device=dev)
+    mid_dtype = q.dtype  # q', k', QG, KD, W, U, Aqk travel in the activation dtype
+
+    def buf(*shape: int, dtype: torch.dtype = mid_dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=dev)
+
+    qn, kn, qg, kd = buf(T, H, K), buf(T, H, K), buf(T, H, K), buf(T, H, K)
+    gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
+    glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     if gate_params is not None:
         a_log, dt_bias = gate_params.A_log.float().contiguous(), gate_params.dt_bias.float().contiguous()
         lower = gate_params.lower_bound
@@ -141,31 +150,30 @@ def kda_prefill(
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, scale, 0.0 if lower is None else float(lower),
+        qn, kn, gcum, b, qg, kd, glast, scale, 0.0 if lower is None else float(lower),
         H=H, K=K, BT=CHUNK, HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None,
-        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=4,
+        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=16, num_stages=1,
     )
-
-    w = torch.empty(T, H, K, dtype=mid_dtype, device=dev)
-    u = torch.empty(T, H, V, dtype=mid_dtype, device=dev)
-    qg = torch.empty_like(w)
-    kd = torch.empty_like(w)
-    aqk = torch.empty(T, H, CHUNK, dtype=mid_dtype, device=dev)
-    glast = torch.empty(plan.num_chunks, H, K, dtype=torch.float32, device=dev)
-    chunk_intra_kernel[grid](
-        qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
-        w, u, qg, kd, aqk, glast, H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=4,
+    a, aqk = buf(T, H, CHUNK, dtype=torch.float32), buf(T, H, CHUNK)
+    chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
+        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=4,
+    )
+    w, u = buf(T, H, K), buf(T, H, V)
+    chunk_solve_kernel[grid](
+        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=8, num_stages=1,
     )
 
     inter_map, copy_from = (None, None)
     if has_inter:
         inter_map, copy_from = _inter_map(intermediate_positions, plan.seq_first_chunk, plan.num_chunks)
-    bv = _value_block(N * H, V)
+    bv, warps = state_tile(N * H, V)
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
         o, inter if has_inter else o, inter_map if has_inter else cu,
-        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec, num_warps=4,
+        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec, num_warps=warps, num_stages=2,
     )
     if copy_from is not None:
         inter = inter[copy_from]
