@@ -26,6 +26,15 @@ from rocm_k3.model.tiny import write_tiny_checkpoint
 LOGITS_TOL = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation (seconds per step on a loaded 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory: pytest.TempPathFactory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("k3"), seed=3)
