@@ -2,6 +2,7 @@
 
 Math (fp32 inside, output in the activation dtype):
     rms_norm:       y = x * rsqrt(mean(x^2) + eps) * w
+    add_rms_norm:   r' = (x + r) in fp32, cast to the dtype (written back as the new residual); y = rms_norm(r')
     gated_rms_norm: y = x * rsqrt(mean(x^2) + eps) * w * sigmoid(gate)      (per 128-wide head)
 
 Tiling (``plans.row_plan``): rows of D elements are read with 128-bit buffer loads (8 bf16/fp16 or
@@ -35,15 +36,19 @@ class NormConfig:
     """Static configuration of one compiled norm kernel.
 
     D: row length (normalised dim); dtype: activation dtype name; weight_dtype: dtype name of ``w``;
-    gated: multiply by sigmoid(gate) (gate has the activation dtype and the shape of x).
+    gated: multiply by sigmoid(gate) (gate has the activation dtype and the shape of x);
+    residual: add the second input first and write the sum (add_rms_norm). gated and residual exclude each other.
     """
 
     D: int
     dtype: str = "bf16"
     weight_dtype: str = "bf16"
     gated: bool = False
+    residual: bool = False
 
     def __post_init__(self) -> None:
+        if self.gated and self.residual:
+            raise ValueError("a norm kernel is gated or residual, not both")
         if self.dtype not in _DTYPES or self.weight_dtype not in _DTYPES:
             raise ValueError(f"dtype and weight_dtype must be in {_DTYPES}, got {self.dtype}/{self.weight_dtype}")
         if common.itemsize(self.weight_dtype) < common.itemsize(self.dtype) and self.weight_dtype != self.dtype:
@@ -56,15 +61,17 @@ class NormConfig:
 
 
 def build_norm(config: NormConfig):
-    """A ``@flyc.jit`` launcher ``launch(x [R, D], gate [R, D], w [D], y [R, D], rows, eps)``.
+    """A ``@flyc.jit`` launcher ``launch(x [R, D], g [R, D], w [D], y [R, D], rows, eps)``.
 
-    ``gate`` is ignored (pass ``x``) unless ``config.gated``. ``rows`` = R (runtime), ``eps`` runtime fp32.
+    ``g`` is the gate (``config.gated``), the residual (``config.residual``: overwritten in place with
+    x + residual), otherwise ignored (pass ``x``). ``rows`` = R (runtime), ``eps`` runtime fp32.
     """
     plan = config.plan
     vec, dt, wdt = plan.vec, config.dtype, config.weight_dtype
     wvec = common.vec_elems(wdt)
     w_loads = vec // wvec  # 128-bit weight loads per activation vector (2 for fp32 weights with bf16 x)
     gated = config.gated
+    residual = config.residual
     D = config.D
 
     @fx.struct
@@ -84,13 +91,19 @@ def build_norm(config: NormConfig):
         x_row = common.row_vectors(X, row, vec)
         y_row = common.row_vectors(Y, row, vec)
         w_all = common.flat_vectors(W, wvec)
-        if const_expr(gated):
+        if const_expr(gated or residual):
             g_row = common.row_vectors(G, row, vec)
 
         xs = []
         sumsq = fx.Float32(0.0)
         for i in range_constexpr(plan.tiles):
             v = common.load_vec(atom, x_row, plan.vector_of(tid, i), vec, dt).to(fx.Float32)
+            if const_expr(residual):
+                r_sum = (v + common.load_vec(atom, g_row, plan.vector_of(tid, i), vec, dt).to(fx.Float32)).to(
+                    common.fx_dtype(dt))
+                if in_range:
+                    common.store_vec(atom, g_row, plan.vector_of(tid, i), r_sum, vec, dt)
+                v = r_sum.to(fx.Float32)
             xs.append(v)
             sumsq = sumsq + (v * v).reduce(ReductionOp.ADD)
         if const_expr(plan.rows_per_block == 1):

@@ -1,0 +1,201 @@
+"""Host wrappers: the FlyDSL implementations of the norm, attn_res and KDA-decode ops, plus their ``supports``.
+
+Each implementation has the signature of the public op minus ``backend`` (the op module has already
+validated shapes, dtypes and devices), builds (once per static configuration, cached) the launcher of
+its kernel module and runs it on the call's tensors. ``supports`` functions only check what the kernels
+add to the op contract (tileable sizes, contiguity, dtypes) and say why not.
+
+Compile-verified only (gfx942, gfx950); not yet run on an AMD GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rocm_k3.flydsl_kernels.plans import row_plan
+
+_ACT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+OK = (True, "flydsl kernel")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _ACT[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_launcher(cfg):
+    from rocm_k3.flydsl_kernels.norm import build_norm
+
+    return build_norm(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_res_launcher(cfg):
+    from rocm_k3.flydsl_kernels.attn_res import build_attn_res_step
+
+    return build_attn_res_step(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _kda_decode_launcher(cfg):
+    from rocm_k3.flydsl_kernels.kda_decode import build_kda_decode
+
+    return build_kda_decode(cfg)
+
+
+def _row_ok(x: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[bool, str]:
+    if x.dtype not in _ACT:
+        return False, f"activation dtype {x.dtype} is not bf16/fp16/fp32"
+    if weight is not None and weight.dtype not in _ACT:
+        return False, f"weight dtype {weight.dtype} is not bf16/fp16/fp32"
+    D = x.shape[-1]
+    vec = 16 // x.element_size()
+    try:
+        row_plan(D, vec)
+    except ValueError as exc:
+        return False, f"row length {D} does not tile: {exc}"
+    return OK
+
+
+# --- rms_norm / add_rms_norm / gated_rms_norm ------------------------------------------------------------
+
+
+def _norm_config(x: torch.Tensor, weight: torch.Tensor, *, gated=False, residual=False):
+    from rocm_k3.flydsl_kernels.norm import NormConfig
+
+    return NormConfig(x.shape[-1], _name(x.dtype), _name(weight.dtype), gated=gated, residual=residual)
+
+
+def rms_norm_supports(x, weight, eps=1e-5):
+    ok, why = _row_ok(x, weight)
+    if ok and weight.element_size() < x.element_size():
+        return False, f"weight {weight.dtype} narrower than activations {x.dtype}"
+    return ok, why
+
+
+def rms_norm(x, weight, eps=1e-5):
+    """FlyDSL ``rms_norm``: x [..., D] -> [..., D]."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [R, D]
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _norm_launcher(_norm_config(x2, weight))(x2, x2, weight.contiguous(), y, x2.shape[0], float(eps))
+    return y.reshape(x.shape)
+
+
+def add_rms_norm_supports(x, residual, weight, eps=1e-5):
+    return rms_norm_supports(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-5):
+    """FlyDSL ``add_rms_norm``: returns (rms_norm(x + residual), x + residual); inputs are not modified."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [R, D]
+    res = residual.reshape(-1, x.shape[-1]).clone()  # [R, D] becomes x + residual in place
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _norm_launcher(_norm_config(x2, weight, residual=True))(
+            x2, res, weight.contiguous(), y, x2.shape[0], float(eps)
+        )
+    return y.reshape(x.shape), res.reshape(x.shape)
+
+
+def gated_rms_norm_supports(x, gate, weight, eps=1e-5):
+    if gate.dtype != x.dtype:
+        return False, f"gate dtype {gate.dtype} differs from x dtype {x.dtype}"
+    return rms_norm_supports(x, weight, eps)
+
+
+def gated_rms_norm(x, gate, weight, eps=1e-5):
+    """FlyDSL ``gated_rms_norm``: x, gate [T, H, D] -> [T, H, D]."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [T*H, D]
+    g2 = gate.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _norm_launcher(_norm_config(x2, weight, gated=True))(x2, g2, weight.contiguous(), y, x2.shape[0], float(eps))
+    return y.reshape(x.shape)
+
+
+# --- attn_res_step ------------------------------------------------------------------------------------------
+
+
+def _attn_res_config(partial, delta, blocks, num_blocks, write_block, proj_weight):
+    from rocm_k3.flydsl_kernels.attn_res import AttnResConfig
+
+    ref = partial if partial is not None else delta
+    return AttnResConfig(
+        hidden=ref.shape[-1], num_blocks=num_blocks, write_block=write_block, has_partial=partial is not None,
+        has_delta=delta is not None, dtype=_name(ref.dtype), weight_dtype=_name(proj_weight.dtype),
+    )
+
+
+def attn_res_step_supports(partial, delta, blocks, num_blocks, *, write_block, proj_weight, norm_weight,
+                           rms_weight, eps=1e-5):
+    ref = partial if partial is not None else delta
+    if ref.dtype not in _ACT:
+        return False, f"activation dtype {ref.dtype} is not bf16/fp16/fp32"
+    if not (proj_weight.dtype == norm_weight.dtype == rms_weight.dtype) or proj_weight.dtype not in _ACT:
+        return False, "proj/norm/rms weights must share one of bf16/fp16/fp32"
+    if not blocks.is_contiguous():
+        return False, "blocks must be contiguous"
+    try:
+        _attn_res_config(partial, delta, blocks, num_blocks, write_block, proj_weight)
+    except ValueError as exc:
+        return False, str(exc)
+    return OK
+
+
+def attn_res_step(partial, delta, blocks, num_blocks, *, write_block, proj_weight, norm_weight, rms_weight,
+                  eps=1e-5):
+    """FlyDSL ``attn_res_step``: returns AttnResStepOutput(normed, p); blocks[num_blocks] written if asked."""
+    from rocm_k3.ops.attn_res import AttnResStepOutput
+
+    ref = partial if partial is not None else delta
+    T = ref.shape[0]
+    p = torch.empty_like(ref)
+    normed = torch.empty_like(ref)
+    if T:
+        launch = _attn_res_launcher(_attn_res_config(partial, delta, blocks, num_blocks, write_block, proj_weight))
+        launch(
+            (partial if partial is not None else ref).contiguous(), (delta if delta is not None else ref).contiguous(),
+            blocks, proj_weight.contiguous(), norm_weight.contiguous(), rms_weight.contiguous(), normed, p, T,
+            float(eps),
+        )
+    return AttnResStepOutput(normed, p)
+
+
+# --- kda_decode ---------------------------------------------------------------------------------------------
+
+
+def kda_decode_supports(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, o_norm_weight, state,
+                        state_indices, *, num_heads, lower_bound, scale=None, eps=1e-5):
+    K = qkv.shape[1] // (3 * num_heads)
+    if K not in (64, 128):
+        return False, f"head dim {K} is not 64 or 128 (one lane pair per channel)"
+    if qkv.dtype not in _ACT:
+        return False, f"activation dtype {qkv.dtype} is not bf16/fp16/fp32"
+    if not state.is_contiguous():
+        return False, "state must be contiguous [S, H, K, V] (its [K, V] tiles are addressed statically)"
+    if not conv_state.is_contiguous():
+        return False, "conv_state must be contiguous"
+    return OK
+
+
+def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, o_norm_weight, state,
+               state_indices, *, num_heads, lower_bound, scale=None, eps=1e-5):
+    """FlyDSL ``kda_decode``: y [N, H*K]; conv_state and state updated in place at state_indices."""
+    from rocm_k3.flydsl_kernels.kda_decode import KdaDecodeConfig
+
+    N = qkv.shape[0]
+    K = qkv.shape[1] // (3 * num_heads)
+    y = torch.empty(N, num_heads * K, dtype=qkv.dtype, device=qkv.device)
+    if N == 0:
+        return y
+    cfg = KdaDecodeConfig(num_heads, K, conv_weight.shape[1], _name(qkv.dtype),
+                          None if lower_bound is None else float(lower_bound))
+    _kda_decode_launcher(cfg)(
+        qkv.contiguous(), f.contiguous(), beta.contiguous(), out_gate.contiguous(), conv_weight.contiguous(),
+        conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_weight.contiguous(), state,
+        state_indices.to(torch.int32).contiguous(), y, N, float(K**-0.5 if scale is None else scale), float(eps),
+    )
+    return y
