@@ -1,0 +1,162 @@
+"""LLMEngine on the tiny K3 model (fp32, reference ops): prefix caching changes no output, the hit path runs
+(saved KDA state restored, mid-block copy-on-write), cache invariants hold after every step, and cached
+entries (saved states, indexed KV rows) are never written in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.invariants import check_invariants
+from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.engine import LLMEngine
+from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.model.loader import load_model
+from rocm_k3.model.tiny import write_tiny_checkpoint
+from tests.helpers import seeded
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("tiny_k3_engine")
+    write_tiny_checkpoint(root, seed=11)
+    return load_model(root, dtype=torch.float32, progress=False)
+
+
+def _engine(model, caching: bool, *, max_seqs: int = 4, budget: int = 48, block: int = 16, unit: int = 8,
+            align: int = 16, grid: int = 8, num_blocks: int = 40, num_slots: int = 24, max_len: int = 80):
+    cache = CacheConfig(block_size=block, match_unit=unit, alignment=align, kda_save_grid=grid,
+                        enable_prefix_caching=caching, num_blocks=num_blocks, num_state_slots=num_slots)
+    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, cache=cache)
+    return LLMEngine(model, cfg)
+
+
+def _snapshot_cache_entries(engine: LLMEngine):
+    """Saved KDA states and indexed KV rows as they are now (to check nothing writes them in place)."""
+    mgr, cache = engine.cache_manager, engine.cache
+    states = {s: (cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone())
+              for s in mgr.index.saved_states()}
+    u, bs = mgr.match_unit, mgr.block_size
+    rows = {}
+    for node in mgr.index.nodes():
+        off = (node.depth - 1) * u % bs
+        rows[(node.block, off)] = cache.mla_kv(0)[node.block, off:off + u].clone()
+    return states, rows
+
+
+def _check_entries_unchanged(engine: LLMEngine, before) -> None:
+    states, rows = before
+    mgr, cache = engine.cache_manager, engine.cache
+    still_saved = mgr.index.saved_states()
+    for s, (rec, conv) in states.items():
+        if s in still_saved:
+            assert torch.equal(cache.kda_state(0)[s], rec), f"saved KDA state {s} was written in place"
+            assert torch.equal(cache.conv_state(0)[s], conv), f"saved conv state {s} was written in place"
+    u = mgr.match_unit
+    live = {(n.block, (n.depth - 1) * u % mgr.block_size) for n in mgr.index.nodes()}
+    for key, value in rows.items():
+        if key in live:
+            assert torch.equal(cache.mla_kv(0)[key[0], key[1]:key[1] + u], value), f"cached KV rows {key} changed"
+
+
+def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
+    """requests: (request_id, prompt, arrival step); aborts: request_id -> step. Checks invariants every step."""
+    aborts = aborts or {}
+    pending = sorted(requests, key=lambda r: r[2])
+    outputs: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][2] <= step:
+            rid, prompt, _ = pending.pop(0)
+            engine.add_request(rid, prompt, GREEDY)
+        for rid, when in aborts.items():
+            if when == step and rid not in outputs:
+                seq = engine._seqs.get(rid)
+                if seq is not None:
+                    outputs[rid] = list(seq.output_token_ids)
+                    engine.abort(rid)
+        if engine.has_unfinished():
+            before = _snapshot_cache_entries(engine)
+            for done in engine.step():
+                outputs[done.request_id] = done.output.token_ids
+                logprobs[done.request_id] = [next(iter(d.values())) for d in done.output.logprobs]
+            _check_entries_unchanged(engine, before)
+            check_invariants(engine.cache_manager,
+                             {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running})
+        step += 1
+    engine.last_logprobs = logprobs
+    return outputs
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=seeded(seed)).tolist()
+
+
+@st.composite
+def request_mixes(draw, vocab: int):
+    bases = [_ids(40, draw(st.integers(0, 10**6)), vocab) for _ in range(2)]
+    requests, aborts = [], {}
+    for i in range(draw(st.integers(2, 5))):
+        shared = draw(st.sampled_from([0, 7, 8, 16, 24, 29, 40]))  # ends off/on units, mid/at blocks
+        tail = _ids(draw(st.integers(1, 5)), draw(st.integers(0, 10**6)), vocab)
+        requests.append((f"r{i}", bases[draw(st.integers(0, 1))][:shared] + tail, draw(st.integers(0, 3))))
+        if draw(st.integers(0, 4)) == 0:
+            aborts[f"r{i}"] = draw(st.integers(1, 5))
+    tight = draw(st.booleans())
+    return requests, aborts, tight
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_mixes_identical_with_prefix_caching_on_and_off(model, data):
+    requests, aborts, tight = data.draw(request_mixes(model.cfg.vocab_size))
+    # tight: 7 blocks of 16 (the minimum for max_model_len 80 + a COW source) for up to five ~45-token
+    # requests -> preemption and recompute
+    blocks = 7 if tight else 40
+    on = _run(_engine(model, True, num_blocks=blocks), requests, aborts)
+    off = _run(_engine(model, False, num_blocks=blocks), requests, aborts)
+    for rid, _, _ in requests:
+        if rid in aborts:
+            n = min(len(on[rid]), len(off[rid]))
+            assert on[rid][:n] == off[rid][:n], rid
+        else:
+            assert on[rid] == off[rid], rid
+
+
+def test_batched_with_cache_equals_one_request_at_a_time(model):
+    vocab = model.cfg.vocab_size
+    base = _ids(44, 1, vocab)
+    requests = [("a", base + [5, 6], 0), ("b", base[:20] + [7], 0), ("c", base + [5, 6, 9], 1),
+                ("d", _ids(36, 2, vocab), 1), ("e", base[:28], 2)]
+    eng = _engine(model, True, num_blocks=7)  # tight enough to preempt
+    batched = _run(eng, requests)
+    stats = eng.stats()
+    assert stats["hit_requests"] >= 2 and stats["cow_copies"] >= 1 and stats["preemptions"] >= 1, stats
+    serial = {}
+    for rid, prompt, _ in requests:  # each request alone, on a fresh engine without prefix caching
+        serial.update(_run(_engine(model, False, max_seqs=1), [(rid, prompt, 0)]))
+    assert batched == serial
+
+
+def test_shared_1000_token_prefix_skips_prefill_with_mid_block_copy(model):
+    # kernel-realistic granularities: states on the 64-token grid, blocks of 128, chunks aligned to 128
+    eng = _engine(model, True, block=128, unit=64, align=128, grid=64, budget=640, num_blocks=20, num_slots=24,
+                  max_len=1100)
+    prompt = _ids(1000, 3, model.cfg.vocab_size) + [11, 12, 13]
+    first = _run(eng, [("first", prompt, 0)])
+    first_lp = eng.last_logprobs["first"]
+    computed = eng.stats()["prefill_tokens"]
+    second = _run(eng, [("second", prompt, 0)])
+    stats = eng.stats()
+    assert second["second"] == first["first"]
+    assert eng.last_logprobs["second"] == pytest.approx(first_lp, abs=1e-4)
+    assert stats["hit_tokens"] == 960 and stats["state_restores"] == 1  # 1002 // 64 * 64: one token left
+    assert stats["cow_copies"] == 1  # 960 = 7.5 blocks of 128: the half block is copied
+    assert stats["prefill_tokens"] - computed == 1003 - 960
