@@ -161,7 +161,11 @@ def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, manual: bool) -
     tw, ids = _routing(t, e, k, g)
     x = _randn(t, hidden, gen=g)
     kw = dict(activation=MoEActivation(act), act_quant=aq, fp8_dtype=FP8.get(fp8))
+    if manual:  # also exercise the lazy path: checkpoint-layout weights prepared on first use and cached
+        weights = ExpertWeights(weights.fmt, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale)
     out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), manual_w4=manual, **kw)
+    if manual:
+        assert "triton" in weights.extras
     ref = fused_moe_reference(x, weights, tw, ids, **kw)
     # A8W4: both sides quantise x and the activation with the same MXFP8 rule, so only accumulation order differs.
     assert_rel(out, ref, 1e-5 if aq == "mxfp8" else 1.5e-2, "fused_moe")
@@ -182,16 +186,22 @@ def test_fused_moe_bf16_experts_interpret() -> None:
     assert_rel(out, ref, 1.5e-2, "fused_moe bf16 experts")
 
 
-def test_fused_moe_supports_rejects_checkpoint_layout() -> None:
+def test_prepare_weights_and_lazy_layout() -> None:
     g = seeded(7)
-    weights = _mxfp4_experts(2, 32, 32, 32, g)
+    weights = _mxfp4_experts(2, 64, 64, 32, g)
+    prepared = prepare_weights(weights)
+    assert prepared.layout == "triton" and prepare_weights(prepared) is prepared
+    assert prepared.w13.data_ptr() == weights.w13.data_ptr()  # already contiguous: nothing copied
     tw, ids = _routing(1, 2, 1, g)
-    ok, reason = fused_moe_supports(torch.zeros(1, 32), weights, tw, ids)
-    assert not ok and "prepare_weights" in reason
-    assert fused_moe_supports(torch.zeros(1, 32), prepare_weights(weights), tw, ids)[0]
-    with pytest.raises(ValueError, match="layout"):
-        prepare_weights(ExpertWeights("mxfp4", weights.w13, weights.w13_scale, weights.w2, weights.w2_scale,
-                                      layout="flydsl"))
+    x = torch.zeros(1, 64)
+    assert fused_moe_supports(x, weights, tw, ids) == (True, "supported")  # checkpoint layout: prepared lazily
+    assert fused_moe_supports(x, weights, tw, ids, act_quant="mxfp8")[0] is False  # fp8_dtype missing
+    strided = ExpertWeights("mxfp4", weights.w13.transpose(1, 2).contiguous().transpose(1, 2), weights.w13_scale,
+                            weights.w2, weights.w2_scale)
+    assert not strided.w13.is_contiguous()
+    assert prepare_weights(strided).w13.is_contiguous()
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        prepare_weights(weights.w13)
 
 
 @pytest.mark.interpret

@@ -6,8 +6,9 @@ minus ``backend``. Modules (imported by :func:`register`, never at import time):
 (fused_moe), ``mla_decode`` (mla_decode) and ``kda`` (the KDA kernels). When two modules offer the same op the
 first in ``KERNEL_MODULES`` wins (so ``gated_rms_norm`` comes from ``norm``).
 
-MoE weights: the model calls :func:`prepare_weights` once at load time; ``fused_moe`` refuses weights that
-were not prepared (``supports`` says so) instead of preparing them on every call.
+MoE weights: the kernels read the checkpoint byte layout, so :func:`prepare_weights` (call it once at load) only
+makes the tensors contiguous and tags ``layout="triton"``; unprepared weights are prepared lazily on their first
+``fused_moe`` call and cached in ``weights.extras`` (see :mod:`rocm_k3.triton_kernels.moe.fused`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     """Checkpoint-layout experts -> ``layout="triton"`` (what ``fused_moe`` on this backend accepts).
 
     The kernels read the checkpoint byte order directly (MXFP4 packed along K, low nibble first, E8M0 per 32);
-    this validates the format, makes the tensors contiguous and tags the layout. Idempotent.
+    this makes the tensors contiguous and tags the layout. Idempotent. Optional: ``fused_moe`` prepares
+    unprepared weights lazily, once.
     """
     from rocm_k3.triton_kernels.moe.fused import prepare_weights as _prepare
 

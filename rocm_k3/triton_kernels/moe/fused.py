@@ -4,10 +4,12 @@ Launches (decode, A16W4): the single-program align, the w13 GEMM, the w2 GEMM an
 A8W4 adds the x pre-pass). Every expert weight tile is read once per block of BM rows routed to it, so at
 decode (T <= 64) the bytes moved are the active experts' weights.
 
-Weight layout: the kernels read the checkpoint byte order ([E, 2N, K/2] packed along K, low nibble first, E8M0
-[E, 2N, K/32]) directly; :func:`prepare_weights` checks it, makes the tensors contiguous and tags the weights
-``layout="triton"``. ``fused_moe_supports`` rejects untagged (checkpoint-layout) weights so a missing prepare
-step at load time is an explicit error rather than a hidden per-call copy.
+Weight layout (the choice: prepare lazily, once, and cache): the kernels read the checkpoint byte order
+([E, 2N, K/2] packed along K, low nibble first, E8M0 [E, 2N, K/32]) directly, so "preparing" only means
+contiguous tensors. :func:`prepare_weights` does that at load time and tags ``layout="triton"``; weights in any
+other layout (``ExpertWeights`` always keeps valid checkpoint-layout tensors) are accepted too, and their
+contiguous view is made on the first call and cached in ``weights.extras["triton"]`` (no copy when the tensors
+are already contiguous, which is what the loader produces).
 """
 
 from __future__ import annotations
@@ -53,29 +55,38 @@ def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
     return DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG
 
 
+def _contiguous(weights: ExpertWeights) -> tuple[torch.Tensor | None, ...]:
+    """(w13, w13_scale, w2, w2_scale), each contiguous (the same tensor when it already is)."""
+    return tuple(None if t is None else t.contiguous()
+                 for t in (weights.w13, weights.w13_scale, weights.w2, weights.w2_scale))
+
+
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """Checkpoint-layout experts -> the same weights tagged ``layout="triton"`` (contiguous, validated)."""
+    """Experts in checkpoint layout -> the same weights, contiguous, tagged ``layout="triton"`` (idempotent).
+
+    Another backend's ``extras`` are dropped (its checkpoint-layout tensors are what this backend reads).
+    """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
     if weights.layout == LAYOUT:
         return weights
-    if weights.layout != "checkpoint":
-        raise ValueError(f"weights.layout must be 'checkpoint' or {LAYOUT!r}, got {weights.layout!r}")
+    w13, w13s, w2, w2s = _contiguous(weights)
+    return dataclasses.replace(weights, w13=w13, w13_scale=w13s, w2=w2, w2_scale=w2s, layout=LAYOUT, extras={})
 
-    def contig(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.contiguous()
 
-    return dataclasses.replace(
-        weights, w13=contig(weights.w13), w13_scale=contig(weights.w13_scale), w2=contig(weights.w2),
-        w2_scale=contig(weights.w2_scale), layout=LAYOUT, extras={},
-    )
+def _kernel_weights(weights: ExpertWeights) -> tuple[torch.Tensor | None, ...]:
+    """The tensors the kernels read: prepared weights as they are, others made contiguous once and cached."""
+    if weights.layout == LAYOUT:
+        return weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
+    cached = weights.extras.get(LAYOUT)
+    if cached is None:
+        cached = _contiguous(weights)
+        weights.extras[LAYOUT] = cached  # extras is the backend-private cache of ExpertWeights
+    return cached
 
 
 def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
                        fp8_dtype=None) -> tuple[bool, str]:
-    if weights.layout != LAYOUT:
-        return False, (f"expert weights are in {weights.layout!r} layout; run "
-                       "rocm_k3.triton_kernels.backend.prepare_weights(weights) once at load time")
     if x.dtype not in _ACT_DTYPES:
         return False, f"x must be bf16/fp16/fp32, got {x.dtype}"
     if act_quant == "mxfp8" and fp8_dtype not in _FP8:
@@ -134,9 +145,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         xa, xs = x, x
         inter = torch.empty(padded_rows, n, dtype=x.dtype, device=x.device)
         inter_s = inter
-    w13, w2 = weights.w13, weights.w2
-    w13s = weights.w13_scale if weights.w13_scale is not None else w13
-    w2s = weights.w2_scale if weights.w2_scale is not None else w2
+    w13, w13s, w2, w2s = _kernel_weights(weights)
+    w13s = w13s if w13s is not None else w13  # bf16 experts: the scale pointers are unused
+    w2s = w2s if w2s is not None else w2
     linear_beta = activation.linear_beta
     stages = min(cfg.num_stages, _DOT_SCALED_MAX_STAGES) if w_fmt == K.W_MXFP4 else cfg.num_stages
     common = dict(A_MX=a8, W_FMT=w_fmt, DOT_F32=interpreted(K.w13_kernel), BIAS=bias, BM=cfg.block_m, BN=cfg.block_n,
