@@ -93,13 +93,34 @@ def flydsl_compile_env(arch: str, dump_dir: Path) -> Iterator[None]:
                     os.environ[key] = old
 
 
+@contextlib.contextmanager
+def _captured_stderr(sink: Path) -> Iterator[None]:
+    """Redirect file descriptor 2 (where LLVM prints its diagnostics) into ``sink`` for the block."""
+    saved = os.dup(2)
+    try:
+        with open(sink, "wb") as out:
+            os.dup2(out.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileResult:
-    """The kernels one launcher call compiled for one arch, with the ISA listing text of each."""
+    """The kernels one launcher call compiled for one arch, the ISA listing text of each, and what the
+    compiler printed to stderr (LLVM reports some codegen failures, e.g. a missing libcall, only there)."""
 
     arch: str
     kernels: tuple[KernelIsa, ...]
     listings: tuple[str, ...]
+    diagnostics: str
+
+    @property
+    def llvm_errors(self) -> list[str]:
+        return [line for line in self.diagnostics.splitlines() if "error:" in line]
 
     def kernel(self, prefix: str) -> KernelIsa:
         found = [k for k in self.kernels if k.name.startswith(prefix)]
@@ -114,13 +135,16 @@ def compile_launcher(
     """Trace and compile ``launcher(*args, **kwargs)`` for ``arch`` without a GPU; return its ISA facts.
 
     ``args`` may be CPU torch tensors of the real shapes and dtypes (compile-only mode never launches).
-    Each call compiles afresh (FlyDSL's disk cache is bypassed while dumping); callers that need a
+    Everything written to file descriptor 2 during the compile is returned in ``diagnostics``
+    (the Python exception of a failed trace still propagates). Each call compiles afresh (FlyDSL's disk cache is bypassed while dumping); callers that need a
     kernel more than once cache the result themselves.
     """
     with tempfile.TemporaryDirectory(prefix="rocm_k3_flydsl_") as tmp:
         dump = Path(tmp)
-        with flydsl_compile_env(arch, dump):
+        log = dump / "stderr.txt"
+        with flydsl_compile_env(arch, dump), _captured_stderr(log):
             launcher(*args, **(kwargs or {}))
+        diagnostics = log.read_text(encoding="utf-8", errors="replace")
         files = sorted(dump.rglob("*_final_isa.s"))
         if not files:
             raise ToolchainError(f"FlyDSL produced no final ISA for {arch} (is ld.lld usable? see toolchain_root())")
@@ -129,4 +153,4 @@ def compile_launcher(
     wrong = [k.name for k in kernels if k.arch != arch]
     if wrong:
         raise ToolchainError(f"kernels {wrong} were compiled for another arch than {arch}")
-    return CompileResult(arch=arch, kernels=kernels, listings=listings)
+    return CompileResult(arch=arch, kernels=kernels, listings=listings, diagnostics=diagnostics)

@@ -1,0 +1,187 @@
+"""`compile` tier: every FlyDSL kernel builds for gfx942 and gfx950 at K3 and TP-8 shapes; ISA checks.
+
+Runs on a CPU machine (FlyDSL COMPILE_ONLY mode, Debian's lld-19 as the linker). For each kernel and target
+the final ISA must show: no scratch (no private segment, no spills, no scratch_* instruction), a VGPR count
+(arch VGPRs + AGPRs as allocated) within the budget stated here, the expected matrix instructions (bf16 or
+FNUZ-fp8 MFMA on gfx942, bf16 MFMA or v_mfma_scale_*_f8f6f4 on gfx950), and no LLVM error on stderr.
+Each (kernel, target) compiles exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+
+pytest.importorskip("flydsl", reason="flydsl is not installed (pip install flydsl==0.5.0)")
+
+from rocm_k3.flydsl_kernels.toolchain import compile_launcher, find_lld  # noqa: E402
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(find_lld() is None, reason="no ld.lld for FlyDSL compile-only links (apt-get install lld-19)"),
+]
+
+BF16, F32, U8, I32 = torch.bfloat16, torch.float32, torch.uint8, torch.int32
+ARCHES = ("gfx942", "gfx950")
+# K3 (config.json) and its tensor-parallel-8 shard: MoE intermediate 3072 -> 384 per rank, KDA heads 96 -> 12.
+HIDDEN, LATENT, Q_LORA, KV_LORA, HEAD = 7168, 3584, 1536, 512, 128
+SHAPES = {"K3": {"heads": 96, "inter": 3072}, "TP8": {"heads": 12, "inter": 384}}
+TOP_K, EXPERTS = 16, 8  # expert count only sizes the (runtime-shaped) weight tensors
+
+
+def z(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel configuration: how to build its launcher, example arguments, and what its ISA must show."""
+
+    id: str
+    build: Callable[[str], Any]  # arch -> launcher
+    args: Callable[[], tuple]
+    vgpr_budget: int
+    mfma: Callable[[str], str | None] = lambda arch: None  # expected mnemonic prefix per arch (None: no MFMA)
+
+
+def _norm_case(name: str, D: int, **kw: Any) -> Case:
+    from rocm_k3.flydsl_kernels.norm import NormConfig, build_norm
+
+    cfg = NormConfig(D, **kw)
+    rows = 37
+    wdt = F32 if cfg.weight_dtype == "f32" else BF16
+    return Case(f"{name}-D{D}", lambda arch: build_norm(cfg),
+                lambda: (z(rows, D), z(rows, D), z(D, dtype=wdt), z(rows, D), rows, 1e-5), vgpr_budget=96)
+
+
+def _attn_res_case(nb: int, write: bool, has_partial: bool = True) -> Case:
+    from rocm_k3.flydsl_kernels.attn_res import AttnResConfig, build_attn_res_step
+
+    cfg = AttnResConfig(HIDDEN, nb, write, has_partial=has_partial)
+    T = 5
+    return Case(
+        f"attn_res_step-B{nb}-{'write' if write else 'nowrite'}-{'pd' if has_partial else 'd'}",
+        lambda arch: build_attn_res_step(cfg),
+        lambda: (z(T, HIDDEN), z(T, HIDDEN), z(9, T, HIDDEN), z(HIDDEN), z(HIDDEN), z(HIDDEN), z(T, HIDDEN),
+                 z(T, HIDDEN), T, 1e-5),
+        vgpr_budget=192,
+    )
+
+
+def _kda_decode_case(shape: str) -> Case:
+    from rocm_k3.flydsl_kernels.kda_decode import KdaDecodeConfig, build_kda_decode
+
+    H = SHAPES[shape]["heads"]
+    cfg = KdaDecodeConfig(H, HEAD, 4, "bf16", -5.0)
+    N, S, C = 4, 6, 3 * H * HEAD
+    return Case(
+        f"kda_decode-{shape}-H{H}",
+        lambda arch: build_kda_decode(cfg),
+        lambda: (z(N, C), z(N, H * HEAD), z(N, H), z(N, H * HEAD), z(C, 4), z(S, C, 3), z(H, dtype=F32),
+                 z(H * HEAD, dtype=F32), z(HEAD), z(S, H, HEAD, HEAD, dtype=F32), z(N, dtype=I32),
+                 z(N, H * HEAD), N, HEAD**-0.5, 1e-5),
+        vgpr_budget=192,
+    )
+
+
+_MOE_MFMA = {
+    ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
+    ("bf16", "gfx950"): "v_mfma_f32_16x16x32_bf16",
+    ("fp8", "gfx942"): "v_mfma_f32_16x16x32_fp8_fp8",  # gfx942 FP8 MFMA = FNUZ e4m3
+    ("fp8", "gfx950"): "v_mfma_scale_f32_16x16x128_f8f6f4",
+}
+
+
+def _moe_case(shape: str, stage: int, fmt: str) -> Case:
+    from rocm_k3.flydsl_kernels.moe_gemm import MoeGemmConfig, build_moe_gemm
+
+    inter = SHAPES[shape]["inter"]
+    K, N = (LATENT, inter) if stage == 1 else (inter, LATENT)
+    R = 2 * N if stage == 1 else N  # weight rows
+    T, blocks = 3, 3
+    P, pairs = 16 * blocks, T * TOP_K
+    out_dtype = "bf16" if fmt == "bf16" else "f32"
+
+    def args() -> tuple:
+        a_rows = T if stage == 1 else P
+        a = z(a_rows, K) if fmt == "bf16" else z(a_rows, K, dtype=U8)
+        out = z(P, N, dtype=BF16 if out_dtype == "bf16" else F32) if stage == 1 else z(pairs, N, dtype=F32)
+        return (a, z(a_rows, K // 32, dtype=U8), z(P, dtype=I32), z(blocks, dtype=I32),
+                z(EXPERTS, R // 16, K // 128, 64, 4, dtype=I32), z(EXPERTS, R // 16, K // 128, 16, 4, dtype=U8),
+                out, z(pairs, dtype=F32), pairs, blocks)
+
+    return Case(
+        f"moe_stage{stage}-{'A8W4' if fmt == 'fp8' else 'A16W4'}-{shape}-K{K}-N{N}",
+        lambda arch: build_moe_gemm(MoeGemmConfig(arch, stage, fmt, K, N, TOP_K, out_dtype=out_dtype)),
+        args, vgpr_budget=128, mfma=lambda arch: _MOE_MFMA[(fmt, arch)],
+    )
+
+
+def _quant_case(K: int, dtype: str) -> Case:
+    from rocm_k3.flydsl_kernels.moe_aux import Mxfp8QuantConfig, build_mxfp8_quant
+
+    rows = 7
+    return Case(
+        f"mxfp8_quant-{dtype}-K{K}",
+        lambda arch: build_mxfp8_quant(Mxfp8QuantConfig(K, dtype, fnuz=arch == "gfx942")),
+        lambda: (z(rows, K, dtype=F32 if dtype == "f32" else BF16), z(rows, K, dtype=U8), z(rows, K // 32, dtype=U8),
+                 rows),
+        vgpr_budget=64,
+    )
+
+
+def _reduce_case() -> Case:
+    from rocm_k3.flydsl_kernels.moe_aux import MoeReduceConfig, build_moe_reduce
+
+    T = 3
+    return Case(f"moe_reduce-top{TOP_K}-N{LATENT}", lambda arch: build_moe_reduce(MoeReduceConfig(LATENT, TOP_K)),
+                lambda: (z(T * TOP_K, LATENT, dtype=F32), z(T, LATENT), T), vgpr_budget=96)
+
+
+def _cases() -> list[Case]:
+    cases = [
+        _norm_case("rms_norm", HIDDEN),
+        _norm_case("rms_norm", Q_LORA),
+        _norm_case("rms_norm", KV_LORA),
+        _norm_case("add_rms_norm", HIDDEN, residual=True),
+        _norm_case("gated_rms_norm", HEAD, gated=True),
+        _attn_res_case(8, False),
+        _attn_res_case(3, True),
+        _attn_res_case(0, False, has_partial=False),
+        _kda_decode_case("K3"),
+        _kda_decode_case("TP8"),
+        _quant_case(LATENT, "bf16"),
+        _quant_case(3072, "f32"),
+        _quant_case(384, "f32"),
+        _reduce_case(),
+    ]
+    for shape in SHAPES:
+        for stage in (1, 2):
+            for fmt in ("bf16", "fp8"):
+                cases.append(_moe_case(shape, stage, fmt))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
+    result = compile_launcher(case.build(arch), case.args(), arch)
+    assert not result.llvm_errors, f"{case.id} [{arch}]: LLVM reported errors: {result.llvm_errors[:3]}"
+    assert len(result.kernels) == 1, [k.name for k in result.kernels]
+    kernel = result.kernels[0]
+    assert kernel.arch == arch
+    assert not kernel.uses_scratch, f"scratch or spills: {kernel.summary()}"
+    assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"
+    expected = case.mfma(arch)
+    if expected is None:
+        assert not kernel.has("v_mfma"), f"unexpected matrix instructions: {kernel.summary()}"
+    else:
+        assert kernel.has(expected), f"expected {expected}: {kernel.summary()}"
+        others = [m for m in kernel.matching("v_mfma") if not m.startswith(expected)]
+        assert not others, f"{case.id} [{arch}] uses other matrix instructions {others}"
