@@ -36,12 +36,19 @@ from rocm_k3.ops import mla as ref_mla  # noqa: E402
 from rocm_k3.ops import norm as ref_norm  # noqa: E402
 from rocm_k3.ops.kda import gated_rms_norm as ref_gated_rms_norm  # noqa: E402
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation  # noqa: E402
-from rocm_k3.ops.moe_reference import fused_moe_reference  # noqa: E402
+from rocm_k3.ops.moe_reference import (  # noqa: E402
+    fused_moe_reference,
+    route_reference,
+    silu_and_mul_reference,
+    situ_and_mul_reference,
+)
 from rocm_k3.quant.mxfp4 import quantize_mxfp4_reference  # noqa: E402
 from rocm_k3.triton_kernels import attn_res as tri_attn_res  # noqa: E402
 from rocm_k3.triton_kernels import norm as tri_norm  # noqa: E402
+from rocm_k3.triton_kernels import mla_prefill as tri_mla_prefill  # noqa: E402
 from rocm_k3.triton_kernels.mla_decode import mla_decode_with  # noqa: E402
 from rocm_k3.triton_kernels.moe.align import align_routing  # noqa: E402
+from rocm_k3.triton_kernels.moe import pointwise as tri_pointwise  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_supports, fused_moe_with, prepare_weights  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 from tests.helpers import assert_rel, poisoned_like, seeded  # noqa: E402
@@ -123,6 +130,44 @@ def test_mla_decode_interpret(splits: int) -> None:
     q, qpe = _randn(n, h, 512, gen=g), _randn(n, h, 64, gen=g)
     out = mla_decode_with(q, qpe, cache, table, lens, scale=0.07, splits=splits)
     assert_rel(out, ref_mla._mla_decode_reference(q, qpe, cache, table, lens, scale=0.07), 1e-5, "out_latent")
+
+
+@pytest.mark.interpret
+@needs_interp
+def test_mla_prefill_and_cache_write_interpret() -> None:
+    g = seeded(8)
+    h, bs, pages = 3, 16, 12
+    cache = _randn(pages, bs, 576, gen=g)
+    table = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([20, 5, 40], dtype=torch.int32)  # context after the step; new tokens 3, 5 (all), 18
+    cu = torch.tensor([0, 3, 8, 26], dtype=torch.int32)
+    q = _randn(26, h, 192, gen=g)
+    w = _randn(h * 256, 512, gen=g, scale=0.05)
+    out = tri_mla_prefill.mla_prefill(q, cache, table, cu, lens, w)
+    assert_rel(out, ref_mla._mla_prefill_reference(q, cache, table, cu, lens, w), 1e-5, "mla_prefill")
+    latent = _randn(4, 576, gen=g)
+    slots = torch.tensor([3, -1, 17, 100], dtype=torch.int64)
+    got, want = cache.clone(), cache.clone()
+    tri_mla_prefill.mla_write_cache(latent, got, slots)
+    ref_mla._mla_write_cache_reference(latent, want, slots)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.interpret
+@needs_interp
+def test_route_and_activations_interpret() -> None:
+    g = seeded(9)
+    x = _randn(3, 5, 80, gen=g, scale=3.0)
+    assert_rel(tri_pointwise.situ_and_mul(x), situ_and_mul_reference(x), 1e-5, "situ_and_mul")
+    assert_rel(tri_pointwise.situ_and_mul(x, 2.0, None), situ_and_mul_reference(x, 2.0, None), 1e-5, "situ lb=None")
+    assert_rel(tri_pointwise.silu_and_mul(x), silu_and_mul_reference(x), 1e-6, "silu_and_mul")
+    logits = _randn(7, 20, gen=g)
+    logits[0, 5] = logits[0, 3]  # a tie: the lower expert index wins
+    bias = _randn(20, gen=g, scale=0.1)
+    for kw in (dict(), dict(correction_bias=bias, renormalize=False, scaling_factor=2.5)):
+        got, want = tri_pointwise.route(logits, 4, **kw), route_reference(logits, 4, **kw)
+        assert torch.equal(got.ids, want.ids), kw
+        assert_rel(got.weights, want.weights, 1e-6, "route weights")
 
 
 @pytest.mark.interpret
@@ -214,9 +259,9 @@ def test_interpret_tier_in_subprocess() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "moe_align", "moe_w13_a16w4", "moe_w2_a8w4",
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4", "moe_w2_a8w4",
                     "moe_mxfp8_quant")
-_MMA_KERNELS = ("mla_decode", "moe_w13_a16w4", "moe_w2_a8w4")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "moe_w13_a16w4", "moe_w2_a8w4")
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +363,29 @@ def test_mla_decode_k3_cuda(n: int, h: int, length: int) -> None:
     for splits in (None, 1):
         out = mla_decode_with(q, qpe, cache, table, lens, scale=192 ** -0.5, splits=splits)
         assert_rel(out, ref, 1e-2, f"mla_decode splits={splits}")
+
+
+@pytest.mark.cuda
+def test_route_activation_prefill_k3_cuda() -> None:
+    g = seeded(15)
+    logits = _randn(64, 896, gen=g, device="cuda")
+    bias = _randn(896, gen=g, scale=0.01, device="cuda")
+    got = tri_pointwise.route(logits, 16, correction_bias=bias)
+    want = route_reference(logits, 16, correction_bias=bias)
+    assert torch.equal(got.ids, want.ids)
+    assert_rel(got.weights, want.weights, 1e-6, "route weights")
+    h = _randn(64, 2 * 3072, gen=g, scale=4.0, device="cuda", dtype=torch.bfloat16)
+    assert_rel(tri_pointwise.situ_and_mul(h), situ_and_mul_reference(h), 1e-2, "situ_and_mul")
+    heads, bs = 12, 64
+    lens = torch.tensor([700, 130], dtype=torch.int32)
+    cu = torch.tensor([0, 300, 430], dtype=torch.int32)  # 300 new of 700, all 130 new
+    per = 11
+    cache = _randn(2 * per, bs, 576, gen=g, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(2 * per, generator=g).view(2, per).to(device="cuda", dtype=torch.int32)
+    q = _randn(430, heads, 192, gen=g, device="cuda", dtype=torch.bfloat16)
+    w = _randn(heads * 256, 512, gen=g, scale=0.05, device="cuda", dtype=torch.bfloat16)
+    args = (q, cache, table, cu.cuda(), lens.cuda(), w)
+    assert_rel(tri_mla_prefill.mla_prefill(*args), ref_mla._mla_prefill_reference(*args), 1e-2, "mla_prefill")
 
 
 @pytest.mark.cuda

@@ -1,0 +1,133 @@
+"""Row kernels of the MoE family: ``situ_and_mul``, ``silu_and_mul`` and the noaux_tc ``route``.
+
+- ``situ_and_mul(x [..., 2N], beta, linear_beta) -> [..., N]``: ``beta*tanh(g/beta)*sigmoid(g) * (lb*tanh(u/lb) | u)``
+  with g = x[..., :N], u = x[..., N:], fp32 math, x dtype out.
+- ``silu_and_mul(x [..., 2N]) -> [..., N]``: ``silu(g) * u``.
+- ``route(logits fp32 [T, E], top_k, *, correction_bias, renormalize, scaling_factor) -> RouteResult``:
+  one program per token holds the E scores, picks the top-k of ``sigmoid(logit) + bias`` by repeated arg-max (ties
+  go to the lower expert index, ids in descending score order), weights ``sigmoid(logit)`` of the chosen experts,
+  renormalised to sum 1 if asked, times ``scaling_factor``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rocm_k3.ops.moe import RouteResult
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_EXPERTS = 4096
+
+
+@triton.jit
+def _tanh(z):
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, n, stride_x, stride_out, beta, linear_beta,
+                        SITU: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    g = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # gate half
+    u = tl.load(x_ptr + r64 * stride_x + n + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # up half
+    if SITU:
+        gate = beta * _tanh(g / beta) * tl.sigmoid(g)
+        if HAS_LINEAR_BETA:
+            u = linear_beta * _tanh(u / linear_beta)
+    else:
+        gate = g * tl.sigmoid(g)
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], (gate * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _act_and_mul(x: torch.Tensor, situ: bool, beta: float, linear_beta: float | None) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        rows = max(1, min(16, 2048 // block))
+        _act_and_mul_kernel[(triton.cdiv(x2.shape[0], rows), triton.cdiv(n, block))](
+            x2, out, x2.shape[0], n, x2.stride(0), out.stride(0), float(beta), float(linear_beta or 1.0),
+            SITU=situ, HAS_LINEAR_BETA=linear_beta is not None, ROWS=rows, BLOCK=block,
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def situ_and_mul(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """SiTU(gate) * (linear-SiTU(up)): ``x [..., 2N]`` -> ``[..., N]`` in x dtype."""
+    return _act_and_mul(x, True, beta, linear_beta)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up: ``x [..., 2N]`` -> ``[..., N]`` in x dtype."""
+    return _act_and_mul(x, False, 1.0, None)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, stride_l, scaling_factor,
+                  TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ex = tl.arange(0, BLOCK_E)
+    emask = ex < num_experts
+    scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + ex, mask=emask, other=0.0))  # [E]
+    select = scores
+    if HAS_BIAS:
+        select = scores + tl.load(bias_ptr + ex, mask=emask, other=0.0)
+    select = tl.where(emask, select, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    for j in range(TOP_K):
+        best = tl.max(select, axis=0)
+        idx = tl.min(tl.where(select == best, ex, BLOCK_E), axis=0)  # lowest index among ties
+        w = tl.sum(tl.where(ex == idx, scores, 0.0), axis=0)
+        weights = tl.where(kk == j, w, weights)
+        ids = tl.where(kk == j, idx, ids)
+        select = tl.where(ex == idx, float("-inf"), select)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    kmask = kk < TOP_K
+    tl.store(w_ptr + t * TOP_K + kk, weights * scaling_factor, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kmask)
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, correction_bias: torch.Tensor | None = None,
+          renormalize: bool = True, scaling_factor: float = 1.0) -> RouteResult:
+    """noaux_tc routing (one group): ``router_logits`` fp32 [T, E] -> RouteResult(weights fp32 [T, k], ids int32 [T, k])."""
+    tokens, num_experts = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, num_experts,
+            logits.stride(0), float(scaling_factor), TOP_K=top_k, HAS_BIAS=correction_bias is not None,
+            RENORM=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        )
+    return RouteResult(weights, ids)
+
+
+def act_and_mul_supports(x, *args) -> tuple[bool, str]:
+    if x.dtype not in _FLOAT_DTYPES:
+        return False, f"x must be bf16/fp16/fp32, got {x.dtype}"
+    return True, "supported"
+
+
+def route_supports(router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
+    if router_logits.shape[1] > _MAX_EXPERTS:
+        return False, f"{router_logits.shape[1]} experts exceed the one-tile limit {_MAX_EXPERTS}"
+    return True, "supported"
+
+
+KERNELS = {
+    "situ_and_mul": (situ_and_mul, act_and_mul_supports),
+    "silu_and_mul": (silu_and_mul, act_and_mul_supports),
+    "route": (route, route_supports),
+}
