@@ -1,0 +1,93 @@
+"""HybridCache tensors (sizes vs the byte budget, copy-on-write execution) and the runner's ForwardBatch."""
+
+from __future__ import annotations
+
+import torch
+
+from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.hybrid_cache import CacheGeometry, HybridCache
+from rocm_k3.cache.manager import CacheManager, CopyPlan
+from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.runner import ModelRunner
+from rocm_k3.engine.scheduler import Scheduler
+from rocm_k3.engine.sequence import Sequence
+from rocm_k3.model.forward_batch import HybridCacheView
+from tests.helpers import seeded
+
+GEOM = CacheGeometry(num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4,
+                     dtype=torch.bfloat16)
+
+
+def _filled_cache(num_blocks: int = 6, num_slots: int = 4, block_size: int = 4) -> HybridCache:
+    cache = HybridCache(GEOM, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots)
+    gen = seeded(0)
+    for i in range(GEOM.num_mla_layers):
+        cache.mla_kv(i).copy_(torch.randn(cache.mla_kv(i).shape, generator=gen))
+    for i in range(GEOM.num_kda_layers):
+        cache.kda_state(i).copy_(torch.randn(cache.kda_state(i).shape, generator=gen))
+        cache.conv_state(i).copy_(torch.randn(cache.conv_state(i).shape, generator=gen))
+    return cache
+
+
+def test_tensor_sizes_match_byte_accounting():
+    cache = HybridCache(GEOM, block_size=16, num_blocks=5, num_slots=3)
+    assert isinstance(cache, HybridCacheView)
+    kv = sum(cache.mla_kv(i).nbytes for i in range(2))
+    states = sum(cache.kda_state(i).nbytes + cache.conv_state(i).nbytes for i in range(3))
+    assert kv == 5 * GEOM.bytes_per_block(16) and states == 3 * GEOM.bytes_per_slot()
+    assert cache.mla_kv(0).shape == (5, 16, 576) and cache.kda_state(2).shape == (3, 2, 8, 8)
+    assert cache.kda_state(0).dtype == torch.float32 and cache.conv_state(0).shape == (3, 48, 3)
+    num_blocks, num_slots = CacheConfig(block_size=16, match_unit=16, alignment=16, kda_save_grid=16,
+                                        kv_cache_bytes=kv, state_cache_bytes=states).resolve(
+        bytes_per_block=GEOM.bytes_per_block(16), bytes_per_slot=GEOM.bytes_per_slot(), max_model_len=64)
+    assert (num_blocks, num_slots) == (5, 3)
+
+
+def test_apply_copies_copies_prefix_rows_and_whole_states():
+    cache = _filled_cache()
+    before_kv = [cache.mla_kv(i).clone() for i in range(2)]
+    before_st = [(cache.kda_state(i).clone(), cache.conv_state(i).clone()) for i in range(3)]
+    cache.apply_copies(CopyPlan(block_copies=[(1, 4, 3)], state_copies=[(0, 2), (0, 3)]))
+    for i in range(2):
+        kv = cache.mla_kv(i)
+        assert torch.equal(kv[4, :3], before_kv[i][1, :3])  # copied rows
+        assert torch.equal(kv[4, 3:], before_kv[i][4, 3:])  # the rest of the private block untouched
+        assert torch.equal(kv[1], before_kv[i][1])  # source untouched
+    for i in range(3):
+        for pool, old in zip((cache.kda_state(i), cache.conv_state(i)), before_st[i]):
+            assert torch.equal(pool[2], old[0]) and torch.equal(pool[3], old[0])
+            assert torch.equal(pool[0], old[0]) and torch.equal(pool[1], old[1])
+
+
+def test_runner_builds_mixed_prefill_decode_batch():
+    cfg = EngineConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32,
+                       cache=CacheConfig(block_size=4, match_unit=2, alignment=4, kda_save_grid=1,
+                                         num_blocks=1, num_state_slots=1))
+    mgr = CacheManager(cfg.cache, num_blocks=20, num_slots=8)
+    sched = Scheduler(cfg, mgr)
+    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=4)
+    sched.add(a)
+    out = sched.schedule()
+    sched.postprocess(out)
+    a.token_ids.append(9)  # a sampled token: a decodes next
+    b = Sequence(seq_id=1, request_id="b", prompt_token_ids=[2, 7, 1, 8, 2, 8, 1], max_tokens=4)
+    sched.add(b)
+    out = sched.schedule()
+    runner = ModelRunner(model=None, cache=_filled_cache(num_blocks=20, num_slots=8), manager=mgr)
+    batch = runner.build_batch(out)
+    ta, tb = mgr.table(0), mgr.table(1)
+    assert batch.input_ids.tolist() == [9, 2, 7, 1, 8, 2, 8, 1]
+    assert batch.positions.tolist() == [5, 0, 1, 2, 3, 4, 5, 6]
+    assert batch.cu_seqlens.tolist() == [0, 1, 8] and batch.seq_lens.tolist() == [6, 7]
+    expected_slots = [ta[1] * 4 + 1] + [tb[p // 4] * 4 + p % 4 for p in range(7)]
+    assert batch.slot_mapping.tolist() == expected_slots
+    assert batch.block_table.tolist() == [ta + [0] * (len(tb) - len(ta)), tb]
+    assert batch.kda_slots.tolist() == [mgr.slot(0), mgr.slot(1)]
+    assert batch.has_initial_state.tolist() == [True, False]
+    assert batch.logits_indices.tolist() == [0, 7]
+    assert not batch.is_decode
+    # b's saves: every match unit (2 tokens) inside its chunk, positions relative to the chunk start
+    saves = out.scheduled[1].saves
+    assert [p for p, _ in saves] == [2, 4, 6]
+    assert batch.save_positions.tolist() == [[1, 2], [1, 4], [1, 6]]
+    assert batch.save_slots.tolist() == [s for _, s in saves]
