@@ -45,11 +45,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_once(model, args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_tokens
-    cache = CacheConfig(block_size=args.block_size, match_unit=args.match_unit, alignment=args.alignment,
-                        enable_prefix_caching=caching, num_blocks=args.num_requests * (max_len // args.block_size + 2),
-                        num_state_slots=4 * args.num_requests + args.prefix_len // args.match_unit + 4)
-    cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       max_model_len=max_len, cache=cache)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        match_unit=args.match_unit,
+        alignment=args.alignment,
+        enable_prefix_caching=caching,
+        num_blocks=args.num_requests * (max_len // args.block_size + 2),
+        num_state_slots=4 * args.num_requests + args.prefix_len // args.match_unit + 4,
+    )
+    cfg = EngineConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        cache=cache,
+    )
     engine = LLMEngine(model, cfg)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -65,8 +74,12 @@ def run_once(model, args: argparse.Namespace, prompts: list[list[int]], caching:
         step += 1
     elapsed = time.perf_counter() - start
     stats = engine.stats()
-    return {"caching": caching, "seconds": elapsed, "tokens": {k: v.token_ids for k, v in outputs.items()},
-            "stats": stats}
+    return {
+        "caching": caching,
+        "seconds": elapsed,
+        "tokens": {k: v.token_ids for k, v in outputs.items()},
+        "stats": stats,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,28 +89,42 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.cfg.vocab_size
     prefix = torch.randint(1, vocab, (args.prefix_len,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(1, vocab, (args.suffix_len,), generator=gen).tolist()
-               for _ in range(args.num_requests)]
+    prompts = [
+        prefix + torch.randint(1, vocab, (args.suffix_len,), generator=gen).tolist() for _ in range(args.num_requests)
+    ]
     off = run_once(model, args, prompts, caching=False)
     on = run_once(model, args, prompts, caching=True)
     identical = off["tokens"] == on["tokens"]
     s_off, s_on = off["stats"], on["stats"]
     saved = s_off["prefill_tokens"] - s_on["prefill_tokens"]
-    print(f"workload: {args.num_requests} requests x ({args.prefix_len} shared + {args.suffix_len} own) tokens, "
-          f"one every {args.arrival_interval} step(s), {args.max_tokens} generated; block {args.block_size}, match unit {args.match_unit}, "
-          f"alignment {args.alignment}")
+    print(
+        f"workload: {args.num_requests} requests x ({args.prefix_len} shared + {args.suffix_len} own) tokens, "
+        f"one every {args.arrival_interval} step(s), {args.max_tokens} generated; block {args.block_size}, match unit {args.match_unit}, "
+        f"alignment {args.alignment}"
+    )
     print(f"{'prefix caching':<16}{'prefill tokens':>16}{'steps':>8}{'seconds':>10}")
     for run in (off, on):
         st = run["stats"]
-        print(f"{'on' if run['caching'] else 'off':<16}{st['prefill_tokens']:>16}{st['steps']:>8}{run['seconds']:>10.2f}")
-    print(f"prefill tokens saved: {saved} ({saved / max(1, s_off['prefill_tokens']):.1%}); "
-          f"time saved: {off['seconds'] - on['seconds']:.2f} s ({off['seconds'] / on['seconds']:.2f}x)")
-    print(f"hit tokens {s_on['hit_tokens']}, hit requests {s_on['hit_requests']}/{s_on['queries']}, "
-          f"saved states {s_on['saved_states']}, COW copies {s_on['cow_copies']}; identical outputs: {identical}")
+        print(
+            f"{'on' if run['caching'] else 'off':<16}{st['prefill_tokens']:>16}{st['steps']:>8}{run['seconds']:>10.2f}"
+        )
+    print(
+        f"prefill tokens saved: {saved} ({saved / max(1, s_off['prefill_tokens']):.1%}); "
+        f"time saved: {off['seconds'] - on['seconds']:.2f} s ({off['seconds'] / on['seconds']:.2f}x)"
+    )
+    print(
+        f"hit tokens {s_on['hit_tokens']}, hit requests {s_on['hit_requests']}/{s_on['queries']}, "
+        f"saved states {s_on['saved_states']}, COW copies {s_on['cow_copies']}; identical outputs: {identical}"
+    )
     if args.json is not None:
-        result = {"args": {k: str(v) for k, v in vars(args).items()}, "off": off, "on": on,
-                  "prefill_tokens_saved": saved, "seconds_saved": off["seconds"] - on["seconds"],
-                  "identical_outputs": identical}
+        result = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "off": off,
+            "on": on,
+            "prefill_tokens_saved": saved,
+            "seconds_saved": off["seconds"] - on["seconds"],
+            "identical_outputs": identical,
+        }
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if identical else 1
 

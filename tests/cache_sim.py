@@ -15,7 +15,7 @@ from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.scheduler import Scheduler, SchedulerOutput
-from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.engine.sequence import Sequence
 
 
 def next_token(prefix: tuple[int, ...], vocab: int) -> int:
@@ -36,7 +36,9 @@ class Request:
 
 
 class SimEngine:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None):
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None
+    ):
         self.cache = CacheManager(config.cache, num_blocks, num_slots)
         self.sched = Scheduler(config, self.cache)
         self.block_size = config.cache.block_size
@@ -49,8 +51,9 @@ class SimEngine:
         self.steps = 0
 
     def add(self, req: Request) -> Sequence:
-        seq = Sequence(seq_id=len(self.seqs), request_id=req.request_id, prompt_token_ids=req.prompt,
-                       max_tokens=req.max_tokens)
+        seq = Sequence(
+            seq_id=len(self.seqs), request_id=req.request_id, prompt_token_ids=req.prompt, max_tokens=req.max_tokens
+        )
         self.sched.add(seq)
         self.seqs[req.request_id] = seq
         return seq
@@ -95,7 +98,9 @@ class SimEngine:
             for pos in range(start):  # the context the model reads
                 got = self.kv[table[pos // self.block_size]][pos % self.block_size]
                 if got != seq.token_ids[pos]:
-                    raise AssertionError(f"{seq.request_id}: KV at position {pos} holds {got}, expected {seq.token_ids[pos]}")
+                    raise AssertionError(
+                        f"{seq.request_id}: KV at position {pos} holds {got}, expected {seq.token_ids[pos]}"
+                    )
             if start > 0 and self.state[slot] != tuple(seq.token_ids[:start]):
                 raise AssertionError(f"{seq.request_id}: KDA slot {slot} does not hold the state after {start} tokens")
             for pos in range(start, end):
@@ -139,10 +144,26 @@ def reference_outputs(requests: list[Request], vocab: int = 50, stop_token: int 
     return out
 
 
-def small_config(caching: bool = True, block: int = 8, unit: int = 4, align: int = 8, budget: int = 32,
-                 max_seqs: int = 4, max_len: int = 64) -> EngineConfig:
+def small_config(
+    caching: bool = True,
+    block: int = 8,
+    unit: int = 4,
+    align: int = 8,
+    budget: int = 32,
+    max_seqs: int = 4,
+    max_len: int = 64,
+) -> EngineConfig:
     return EngineConfig(
-        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
-        cache=CacheConfig(block_size=block, match_unit=unit, alignment=align, kda_save_grid=1,
-                          enable_prefix_caching=caching, num_blocks=1, num_state_slots=1),
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=max_len,
+        cache=CacheConfig(
+            block_size=block,
+            match_unit=unit,
+            alignment=align,
+            kda_save_grid=1,
+            enable_prefix_caching=caching,
+            num_blocks=1,
+            num_state_slots=1,
+        ),
     )

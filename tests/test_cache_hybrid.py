@@ -14,8 +14,9 @@ from rocm_k3.engine.sequence import Sequence
 from rocm_k3.model.forward_batch import HybridCacheView
 from tests.helpers import seeded
 
-GEOM = CacheGeometry(num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4,
-                     dtype=torch.bfloat16)
+GEOM = CacheGeometry(
+    num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4, dtype=torch.bfloat16
+)
 
 
 def _filled_cache(num_blocks: int = 6, num_slots: int = 4, block_size: int = 4) -> HybridCache:
@@ -37,9 +38,9 @@ def test_tensor_sizes_match_byte_accounting():
     assert kv == 5 * GEOM.bytes_per_block(16) and states == 3 * GEOM.bytes_per_slot()
     assert cache.mla_kv(0).shape == (5, 16, 576) and cache.kda_state(2).shape == (3, 2, 8, 8)
     assert cache.kda_state(0).dtype == torch.float32 and cache.conv_state(0).shape == (3, 48, 3)
-    num_blocks, num_slots = CacheConfig(block_size=16, match_unit=16, alignment=16, kda_save_grid=16,
-                                        kv_cache_bytes=kv, state_cache_bytes=states).resolve(
-        bytes_per_block=GEOM.bytes_per_block(16), bytes_per_slot=GEOM.bytes_per_slot(), max_model_len=64)
+    num_blocks, num_slots = CacheConfig(
+        block_size=16, match_unit=16, alignment=16, kda_save_grid=16, kv_cache_bytes=kv, state_cache_bytes=states
+    ).resolve(bytes_per_block=GEOM.bytes_per_block(16), bytes_per_slot=GEOM.bytes_per_slot(), max_model_len=64)
     assert (num_blocks, num_slots) == (5, 3)
 
 
@@ -60,9 +61,12 @@ def test_apply_copies_copies_prefix_rows_and_whole_states():
 
 
 def test_runner_builds_mixed_prefill_decode_batch():
-    cfg = EngineConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32,
-                       cache=CacheConfig(block_size=4, match_unit=2, alignment=4, kda_save_grid=1,
-                                         num_blocks=1, num_state_slots=1))
+    cfg = EngineConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=32,
+        cache=CacheConfig(block_size=4, match_unit=2, alignment=4, kda_save_grid=1, num_blocks=1, num_state_slots=1),
+    )
     mgr = CacheManager(cfg.cache, num_blocks=20, num_slots=8)
     sched = Scheduler(cfg, mgr)
     a = Sequence(seq_id=0, request_id="a", prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=4)

@@ -99,7 +99,7 @@ def test_lru_eviction_of_unreferenced_entries():
     m.admit(2, list(range(200, 208)))
     assert m.ensure_capacity(2, 8)  # evicts the least recently released prompt (0..7)
     assert m.stats.block_evictions == 2
-    assert m.admit(3, list(range(0, 8)) + [1]) == 0  # evicted
+    assert m.admit(3, list(range(8)) + [1]) == 0  # evicted
     assert m.admit(4, list(range(100, 108)) + [1]) == 8  # still cached
     check_invariants(m)
 
@@ -120,10 +120,14 @@ def test_prefix_caching_off_never_matches_or_saves():
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(block_size=128, match_unit=96, alignment=96, kda_save_grid=32), MatchUnitError, "divide block_size"),
-        (dict(block_size=128, match_unit=32, alignment=128), MatchUnitError, "kda_save_grid"),
-        (dict(block_size=128, match_unit=64, alignment=96), AlignmentError, "multiple of match_unit"),
-        (dict(block_size=0), ValueError, "block_size"),
+        (
+            {"block_size": 128, "match_unit": 96, "alignment": 96, "kda_save_grid": 32},
+            MatchUnitError,
+            "divide block_size",
+        ),
+        ({"block_size": 128, "match_unit": 32, "alignment": 128}, MatchUnitError, "kda_save_grid"),
+        ({"block_size": 128, "match_unit": 64, "alignment": 96}, AlignmentError, "multiple of match_unit"),
+        ({"block_size": 0}, ValueError, "block_size"),
     ],
     ids=["unit-not-dividing-block", "unit-off-save-grid", "alignment-not-multiple", "zero-block"],
 )
@@ -140,7 +144,8 @@ def test_budget_too_small_for_one_max_length_request():
     with pytest.raises(CacheBudgetError, match="KDA state budget holds 1 slots"):
         cfg.resolve(bytes_per_block=1, bytes_per_slot=100, max_model_len=4096)
     assert CacheConfig(num_blocks=40, num_state_slots=3).resolve(
-        bytes_per_block=10**9, bytes_per_slot=10**9, max_model_len=4096) == (40, 3)
+        bytes_per_block=10**9, bytes_per_slot=10**9, max_model_len=4096
+    ) == (40, 3)
 
 
 def test_invariant_checker_catches_corruption():

@@ -28,10 +28,29 @@ def model(tmp_path_factory: pytest.TempPathFactory):
     return load_model(root, dtype=torch.float32, progress=False)
 
 
-def _engine(model, caching: bool, *, max_seqs: int = 4, budget: int = 48, block: int = 16, unit: int = 8,
-            align: int = 16, grid: int = 8, num_blocks: int = 40, num_slots: int = 24, max_len: int = 80):
-    cache = CacheConfig(block_size=block, match_unit=unit, alignment=align, kda_save_grid=grid,
-                        enable_prefix_caching=caching, num_blocks=num_blocks, num_state_slots=num_slots)
+def _engine(
+    model,
+    caching: bool,
+    *,
+    max_seqs: int = 4,
+    budget: int = 48,
+    block: int = 16,
+    unit: int = 8,
+    align: int = 16,
+    grid: int = 8,
+    num_blocks: int = 40,
+    num_slots: int = 24,
+    max_len: int = 80,
+):
+    cache = CacheConfig(
+        block_size=block,
+        match_unit=unit,
+        alignment=align,
+        kda_save_grid=grid,
+        enable_prefix_caching=caching,
+        num_blocks=num_blocks,
+        num_state_slots=num_slots,
+    )
     cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, cache=cache)
     return LLMEngine(model, cfg)
 
@@ -39,13 +58,12 @@ def _engine(model, caching: bool, *, max_seqs: int = 4, budget: int = 48, block:
 def _snapshot_cache_entries(engine: LLMEngine):
     """Saved KDA states and indexed KV rows as they are now (to check nothing writes them in place)."""
     mgr, cache = engine.cache_manager, engine.cache
-    states = {s: (cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone())
-              for s in mgr.index.saved_states()}
+    states = {s: (cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone()) for s in mgr.index.saved_states()}
     u, bs = mgr.match_unit, mgr.block_size
     rows = {}
     for node in mgr.index.nodes():
         off = (node.depth - 1) * u % bs
-        rows[(node.block, off)] = cache.mla_kv(0)[node.block, off:off + u].clone()
+        rows[(node.block, off)] = cache.mla_kv(0)[node.block, off : off + u].clone()
     return states, rows
 
 
@@ -61,7 +79,7 @@ def _check_entries_unchanged(engine: LLMEngine, before) -> None:
     live = {(n.block, (n.depth - 1) * u % mgr.block_size) for n in mgr.index.nodes()}
     for key, value in rows.items():
         if key in live:
-            assert torch.equal(cache.mla_kv(0)[key[0], key[1]:key[1] + u], value), f"cached KV rows {key} changed"
+            assert torch.equal(cache.mla_kv(0)[key[0], key[1] : key[1] + u], value), f"cached KV rows {key} changed"
 
 
 def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
@@ -87,8 +105,7 @@ def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
                 outputs[done.request_id] = done.output.token_ids
                 logprobs[done.request_id] = [next(iter(d.values())) for d in done.output.logprobs]
             _check_entries_unchanged(engine, before)
-            check_invariants(engine.cache_manager,
-                             {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running})
+            check_invariants(engine.cache_manager, {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running})
         step += 1
     engine.last_logprobs = logprobs
     return outputs
@@ -112,8 +129,12 @@ def request_mixes(draw, vocab: int):
     return requests, aborts, tight
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_random_mixes_identical_with_prefix_caching_on_and_off(model, data):
     requests, aborts, tight = data.draw(request_mixes(model.cfg.vocab_size))
@@ -133,8 +154,13 @@ def test_random_mixes_identical_with_prefix_caching_on_and_off(model, data):
 def test_batched_with_cache_equals_one_request_at_a_time(model):
     vocab = model.cfg.vocab_size
     base = _ids(44, 1, vocab)
-    requests = [("a", base + [5, 6], 0), ("b", base[:20] + [7], 0), ("c", base + [5, 6, 9], 1),
-                ("d", _ids(36, 2, vocab), 1), ("e", base[:28], 2)]
+    requests = [
+        ("a", base + [5, 6], 0),
+        ("b", base[:20] + [7], 0),
+        ("c", base + [5, 6, 9], 1),
+        ("d", _ids(36, 2, vocab), 1),
+        ("e", base[:28], 2),
+    ]
     eng = _engine(model, True, num_blocks=7)  # tight enough to preempt
     batched = _run(eng, requests)
     stats = eng.stats()
@@ -147,8 +173,9 @@ def test_batched_with_cache_equals_one_request_at_a_time(model):
 
 def test_shared_1000_token_prefix_skips_prefill_with_mid_block_copy(model):
     # kernel-realistic granularities: states on the 64-token grid, blocks of 128, chunks aligned to 128
-    eng = _engine(model, True, block=128, unit=64, align=128, grid=64, budget=640, num_blocks=20, num_slots=24,
-                  max_len=1100)
+    eng = _engine(
+        model, True, block=128, unit=64, align=128, grid=64, budget=640, num_blocks=20, num_slots=24, max_len=1100
+    )
     prompt = _ids(1000, 3, model.cfg.vocab_size) + [11, 12, 13]
     first = _run(eng, [("first", prompt, 0)])
     first_lp = eng.last_logprobs["first"]

@@ -37,13 +37,28 @@ def workloads(draw, tight: bool = False):
         max_tokens = draw(st.integers(1, 20))
         abort = draw(st.integers(0, 12)) if draw(st.integers(0, 3)) == 0 else None
         requests.append(Request(f"r{i}", prompt, max_tokens, arrival_step=draw(st.integers(0, 3)), abort_step=abort))
-    return dict(block=block, unit=unit, align=align, max_seqs=max_seqs, budget=budget, max_len=max_len,
-                num_blocks=num_blocks, num_slots=num_slots), requests
+    return {
+        "block": block,
+        "unit": unit,
+        "align": align,
+        "max_seqs": max_seqs,
+        "budget": budget,
+        "max_len": max_len,
+        "num_blocks": num_blocks,
+        "num_slots": num_slots,
+    }, requests
 
 
 def _run(params: dict, requests: list[Request], caching: bool, max_seqs: int | None = None, abort: bool = True):
-    cfg = small_config(caching=caching, block=params["block"], unit=params["unit"], align=params["align"],
-                       budget=params["budget"], max_seqs=max_seqs or params["max_seqs"], max_len=params["max_len"])
+    cfg = small_config(
+        caching=caching,
+        block=params["block"],
+        unit=params["unit"],
+        align=params["align"],
+        budget=params["budget"],
+        max_seqs=max_seqs or params["max_seqs"],
+        max_len=params["max_len"],
+    )
     reqs = [r if abort else Request(r.request_id, r.prompt, r.max_tokens, r.arrival_step) for r in requests]
     eng = SimEngine(cfg, params["num_blocks"], params["num_slots"], vocab=23, stop_token=0)
     return eng.run(reqs), eng

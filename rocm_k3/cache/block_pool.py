@@ -13,7 +13,7 @@ Plain Python (no tensors): the same class manages MLA KV blocks (ids = physical 
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 
 class BlockPool:

@@ -91,12 +91,17 @@ class CacheConfig:
         bytes_per_slot: one slot of all KDA layers (recurrent fp32 [H, K, V] + conv [3*H*K, W-1] per layer).
         Raises CacheBudgetError when one request of ``max_model_len`` tokens could not fit.
         """
-        for name, value in (("bytes_per_block", bytes_per_block), ("bytes_per_slot", bytes_per_slot),
-                            ("max_model_len", max_model_len)):
+        for name, value in (
+            ("bytes_per_block", bytes_per_block),
+            ("bytes_per_slot", bytes_per_slot),
+            ("max_model_len", max_model_len),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         num_blocks = self.num_blocks if self.num_blocks is not None else self.kv_cache_bytes // bytes_per_block
-        num_slots = self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
+        num_slots = (
+            self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
+        )
         need_blocks = self.blocks_per_request(max_model_len)
         if num_blocks < need_blocks:
             raise CacheBudgetError(

@@ -33,9 +33,15 @@ class CacheGeometry:
     dtype: torch.dtype
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> "CacheGeometry":
-        return cls(len(cfg.mla_layers), len(cfg.kda_layers), cfg.kda.num_heads, cfg.kda.head_dim,
-                   cfg.kda.conv_kernel_size, dtype)
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> CacheGeometry:
+        return cls(
+            len(cfg.mla_layers),
+            len(cfg.kda_layers),
+            cfg.kda.num_heads,
+            cfg.kda.head_dim,
+            cfg.kda.conv_kernel_size,
+            dtype,
+        )
 
     @property
     def conv_channels(self) -> int:
@@ -57,8 +63,15 @@ class CacheGeometry:
 class HybridCache:
     """Tensor pools behind the cache manager's ids (a :class:`HybridCacheView`)."""
 
-    def __init__(self, geometry: CacheGeometry, *, block_size: int, num_blocks: int, num_slots: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("num_slots", num_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -68,12 +81,18 @@ class HybridCache:
         self.num_slots = num_slots
         self.device = torch.device(device)
         g = geometry
-        self._mla = [torch.zeros(num_blocks, block_size, MLA_LATENT_WIDTH, dtype=g.dtype, device=self.device)
-                     for _ in range(g.num_mla_layers)]  # [num_blocks, block_size, 576] each
-        self._kda = [torch.zeros(num_slots, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32,
-                                 device=self.device) for _ in range(g.num_kda_layers)]  # [S, H, K, V] each
-        self._conv = [torch.zeros(num_slots, g.conv_channels, g.conv_width - 1, dtype=g.dtype, device=self.device)
-                      for _ in range(g.num_kda_layers)]  # [S, 3*H*K, W-1] each
+        self._mla = [
+            torch.zeros(num_blocks, block_size, MLA_LATENT_WIDTH, dtype=g.dtype, device=self.device)
+            for _ in range(g.num_mla_layers)
+        ]  # [num_blocks, block_size, 576] each
+        self._kda = [
+            torch.zeros(num_slots, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32, device=self.device)
+            for _ in range(g.num_kda_layers)
+        ]  # [S, H, K, V] each
+        self._conv = [
+            torch.zeros(num_slots, g.conv_channels, g.conv_width - 1, dtype=g.dtype, device=self.device)
+            for _ in range(g.num_kda_layers)
+        ]  # [S, 3*H*K, W-1] each
 
     # ---- HybridCacheView -----------------------------------------------------------------------------------
     @property

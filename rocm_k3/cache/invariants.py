@@ -9,7 +9,7 @@ copy destination, i.e. a shared state is never written in place.
 from __future__ import annotations
 
 import collections
-from typing import Mapping
+from collections.abc import Mapping
 
 from rocm_k3.cache.block_pool import BlockPool
 from rocm_k3.cache.manager import CacheManager
@@ -45,7 +45,7 @@ def check_invariants(manager: CacheManager, computed_tokens: Mapping[int, int] |
             if done is None:
                 problems.append(f"seq {seq_id}: holds cache but is not a live sequence")
                 continue
-            for block in seq.block_table[done // manager.block_size:]:
+            for block in seq.block_table[done // manager.block_size :]:
                 if len(holders[block]) != 1:
                     problems.append(f"seq {seq_id}: block {block} it writes next is also held by {holders[block]}")
     for plan in unfinished:
@@ -73,9 +73,7 @@ def check_invariants(manager: CacheManager, computed_tokens: Mapping[int, int] |
                 problems.append(f"state copy source {src} is cached but not in the index")
             if dst not in running or dst in saved:
                 problems.append(f"state copy destination {dst} is not a private running slot")
-    expected = {
-        s: (s in running) + (s in pending) + pinned_slots.get(s, 0) for s in range(manager.slots.size)
-    }
+    expected = {s: (s in running) + (s in pending) + pinned_slots.get(s, 0) for s in range(manager.slots.size)}
     problems += _check_pool(manager.slots.pool, expected, set(saved))
 
     # ---- index structure ----

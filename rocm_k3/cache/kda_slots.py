@@ -12,7 +12,7 @@ A slot is in one of these roles (the tensors live in :class:`rocm_k3.cache.hybri
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from rocm_k3.cache.block_pool import BlockPool
 

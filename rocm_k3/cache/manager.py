@@ -9,7 +9,7 @@ the copies. See :mod:`rocm_k3.cache.config` for the match rule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from rocm_k3.cache.block_pool import BlockPool
 from rocm_k3.cache.config import CacheConfig
@@ -242,9 +242,7 @@ class CacheManager:
             saves.append((k * u, slot))
         return saves
 
-    def commit_prefill(
-        self, seq_id: int, token_ids: Sequence[int], end: int, saves: Sequence[tuple[int, int]]
-    ) -> None:
+    def commit_prefill(self, seq_id: int, token_ids: Sequence[int], end: int, saves: Sequence[tuple[int, int]]) -> None:
         """After a prefill chunk ending at ``end`` ran: index its full units and publish the states saved at
         ``saves`` (from :meth:`plan_saves`); a state whose prefix gained one meanwhile is given back."""
         seq = self._seq(seq_id)

@@ -19,7 +19,7 @@ When a state slot is reclaimed only the node's ``state`` is cleared.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from rocm_k3.cache.block_pool import BlockPool
 from rocm_k3.cache.kda_slots import KDASlotPool
@@ -29,11 +29,11 @@ from rocm_k3.cache.kda_slots import KDASlotPool
 class PrefixNode:
     depth: int  # match units from the root
     tokens: tuple[int, ...]  # this unit's token ids
-    parent: "PrefixNode | None"
+    parent: PrefixNode | None
     block: int  # KV block holding this unit (-1 for the root)
     state: int | None = None  # saved KDA state slot after this unit
     alive: bool = True  # False once dropped from the index
-    children: dict[tuple[int, ...], "PrefixNode"] = dataclasses.field(default_factory=dict)
+    children: dict[tuple[int, ...], PrefixNode] = dataclasses.field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -58,7 +58,7 @@ class PrefixIndex:
         path: list[PrefixNode] = []
         node = self.root
         for k in range(limit):
-            child = node.children.get(tuple(token_ids[k * u:(k + 1) * u]))
+            child = node.children.get(tuple(token_ids[k * u : (k + 1) * u]))
             if child is None:
                 break
             path.append(child)
@@ -84,7 +84,7 @@ class PrefixIndex:
         node = self.root
         path: list[PrefixNode] = []
         for k in range(num_units):
-            key = tuple(token_ids[k * u:(k + 1) * u])
+            key = tuple(token_ids[k * u : (k + 1) * u])
             child = node.children.get(key)
             if child is None:
                 block = block_table[(k * u) // b]

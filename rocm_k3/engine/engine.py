@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, NamedTuple, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any, NamedTuple
 
 import torch
 
-from rocm_k3.cache.hybrid_cache import CacheGeometry, HybridCache
 from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.hybrid_cache import CacheGeometry, HybridCache
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.outputs import RequestOutput
@@ -44,8 +45,9 @@ class LLMEngine:
     tokenizer: optional, with ``decode(ids) -> str`` (needed for stop strings).
     """
 
-    def __init__(self, model: Any, config: EngineConfig, *, eos_token_ids: Seq[int] = (),
-                 tokenizer: Any = None) -> None:
+    def __init__(
+        self, model: Any, config: EngineConfig, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None
+    ) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -54,12 +56,15 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         cc = config.cache
         geometry = CacheGeometry.from_model_config(model.cfg, model.dtype)
-        num_blocks, num_slots = cc.resolve(bytes_per_block=geometry.bytes_per_block(cc.block_size),
-                                           bytes_per_slot=geometry.bytes_per_slot(),
-                                           max_model_len=config.max_model_len)
+        num_blocks, num_slots = cc.resolve(
+            bytes_per_block=geometry.bytes_per_block(cc.block_size),
+            bytes_per_slot=geometry.bytes_per_slot(),
+            max_model_len=config.max_model_len,
+        )
         self.cache_manager = CacheManager(cc, num_blocks, num_slots)
-        self.cache = HybridCache(geometry, block_size=cc.block_size, num_blocks=num_blocks, num_slots=num_slots,
-                                 device=model.device)
+        self.cache = HybridCache(
+            geometry, block_size=cc.block_size, num_blocks=num_blocks, num_slots=num_slots, device=model.device
+        )
         self.scheduler = Scheduler(config, self.cache_manager)
         self.runner = ModelRunner(model, self.cache, self.cache_manager)
         self._seqs: dict[str, Sequence] = {}
@@ -87,8 +92,13 @@ class LLMEngine:
             )
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
-        seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_token_ids=prompt,
-                       max_tokens=max_tokens, sampling=params)
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            sampling=params,
+        )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self._state[request_id] = _RequestState(
@@ -139,8 +149,12 @@ class LLMEngine:
                 reason = "length"  # capped by max_model_len
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                finished.append(FinishedRequest(seq.request_id, RequestOutput(
-                    list(seq.prompt_token_ids), generated, decision.text, st.logprobs, reason)))
+                finished.append(
+                    FinishedRequest(
+                        seq.request_id,
+                        RequestOutput(list(seq.prompt_token_ids), generated, decision.text, st.logprobs, reason),
+                    )
+                )
                 self._forget(seq.request_id)
         return finished
 
@@ -157,9 +171,13 @@ class LLMEngine:
         """Prefix-cache counters (queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
         cow_copies, state_restores, block/state evictions) plus steps, computed prefill tokens, preemptions."""
         out = self.cache_manager.stats.as_dict()
-        out.update(steps=self.num_steps, prefill_tokens=self.num_prefill_tokens,
-                   preemptions=self.scheduler.num_preemptions,
-                   num_blocks=self.cache_manager.blocks.size, num_state_slots=self.cache_manager.slots.size)
+        out.update(
+            steps=self.num_steps,
+            prefill_tokens=self.num_prefill_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            num_blocks=self.cache_manager.blocks.size,
+            num_state_slots=self.cache_manager.slots.size,
+        )
         return out
 
     def _forget(self, request_id: str) -> None:

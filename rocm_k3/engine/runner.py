@@ -45,7 +45,7 @@ class ModelRunner:
         for i, item in enumerate(out.scheduled):
             seq = item.seq
             table = self.manager.table(seq.seq_id)
-            ids += seq.token_ids[item.start:item.end]
+            ids += seq.token_ids[item.start : item.end]
             span = range(item.start, item.end)
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
@@ -72,8 +72,9 @@ class ModelRunner:
             block_table=i32(padded),
             slot_mapping=i64(slots),
             kda_slots=i32(kda_slots),
-            has_initial_state=torch.tensor([item.start > 0 for item in out.scheduled], dtype=torch.bool,
-                                           device=self.device),
+            has_initial_state=torch.tensor(
+                [item.start > 0 for item in out.scheduled], dtype=torch.bool, device=self.device
+            ),
             logits_indices=i64([c - 1 for c in cu[1:]]),
             save_positions=i32(saves).reshape(-1, 2) if saves else None,
             save_slots=i32(save_slots) if saves else None,
