@@ -1,0 +1,289 @@
+"""Host-side checks of the FlyDSL backend (unit tier, no compiler, no GPU).
+
+- the thread -> element index maps the kernels are built from (``plans``) cover each tile exactly once with
+  the intended vector widths;
+- the MoE weight pre-shuffle places every FP4 code where the kernels' K map says, and round-trips exactly;
+- expert alignment, the ISA parser, backend availability/dispatch choice and ``supports`` reasons.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+import torch
+
+from tests.helpers import seeded
+from rocm_k3.flydsl_kernels import plans
+from rocm_k3.flydsl_kernels.isa import parse_isa
+from rocm_k3.flydsl_kernels.moe import align_pairs
+from rocm_k3.flydsl_kernels.weights import LAYOUTS, preshuffle_codes, unshuffle_codes
+from rocm_k3.ops.devices import DeviceInfo
+
+# (D, vec) pairs the kernels use: norms (hidden, q/kv LoRA, head; 8 x bf16 or 4 x fp32 per access),
+# attn_res (64-bit accesses) and the MoE top-k reduction (4 x fp32).
+ROW_SHAPES = [(7168, 8), (1536, 8), (512, 8), (128, 8), (128, 4), (7168, 4), (3584, 4), (256, 8)]
+
+
+@pytest.mark.parametrize("D,vec", ROW_SHAPES, ids=[f"D{d}-vec{v}" for d, v in ROW_SHAPES])
+def test_row_plan_covers_block_exactly_once(D: int, vec: int) -> None:
+    plan = plans.row_plan(D, vec)
+    seen = collections.Counter()
+    for tid in range(plan.threads):
+        row = plan.row_of(tid)
+        for tile in range(plan.tiles):
+            v = plan.vector_of(tid, tile)
+            assert 0 <= v < D // vec
+            seen.update((row, v * vec + e) for e in range(vec))  # one vec-wide, vec-aligned access
+    expected = {(r, c) for r in range(plan.rows_per_block) for c in range(D)}
+    assert set(seen) == expected
+    assert set(seen.values()) == {1}
+    assert plan.threads % 64 == 0 and plan.threads <= 256
+
+
+def test_row_plan_rejects_untileable_rows() -> None:
+    with pytest.raises(ValueError, match="multiple of the vector width"):
+        plans.row_plan(100, 8)
+    with pytest.raises(ValueError, match="64"):
+        plans.row_plan(8 * 96, 8)  # 96 vectors: not a multiple of 64 lanes
+
+
+def test_kda_decode_lanes_cover_state_tile_once() -> None:
+    K = 128
+    seen = collections.Counter()
+    for tid in range(plans.KDA_LANES_PER_COLUMN * K):
+        c, half = plans.kda_decode_lane(tid)
+        seen.update((plans.kda_decode_row(half, i, K), c) for i in range(K // plans.KDA_LANES_PER_COLUMN))
+    assert set(seen) == {(r, c) for r in range(K) for c in range(K)}
+    assert set(seen.values()) == {1}
+    # the two lanes of a column are xor-1 neighbours (their partial dots meet with shuffle_xor(1))
+    assert all(plans.kda_decode_lane(t)[0] == plans.kda_decode_lane(t ^ 1)[0] for t in range(2 * K))
+
+
+def test_mfma_c_fragment_covers_tile_once() -> None:
+    seen = collections.Counter(plans.mfma_c_coord(lane, i) for lane in range(64) for i in range(4))
+    assert set(seen) == {(r, c) for r in range(16) for c in range(16)} and set(seen.values()) == {1}
+    # the C column of a lane is the B row it supplies, so a per-column scale can be applied to the C fragment
+    assert all(plans.mfma_c_coord(lane, 0)[1] == plans.mfma_ab_row(lane) for lane in range(64))
+
+
+MFMA_K_MAPS = [("step", 4), ("step", 8), ("lane", 4), ("lane", 8), ("lane", 32)]
+
+
+@pytest.mark.parametrize("layout,kpl", MFMA_K_MAPS, ids=[f"{lay}-kpl{k}" for lay, k in MFMA_K_MAPS])
+def test_moe_operand_map_covers_k_group_once(layout: str, kpl: int) -> None:
+    group = 3
+    seen = collections.Counter()
+    for lane, step, j in itertools.product(range(64), range(plans.moe_steps(kpl)), range(kpl)):
+        seen[(plans.mfma_ab_row(lane), plans.moe_k_index(lane, group, step, j, layout, kpl))] += 1
+    base = group * plans.MOE_K_GROUP
+    assert set(seen) == {(r, base + k) for r in range(16) for k in range(plans.MOE_K_GROUP)}
+    assert set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("layout,kpl", MFMA_K_MAPS, ids=[f"{lay}-kpl{k}" for lay, k in MFMA_K_MAPS])
+def test_moe_k_map_respects_mx_blocks(layout: str, kpl: int) -> None:
+    for step in range(plans.moe_steps(kpl)):
+        blocks_in_step = {plans.moe_k_index(lane, 0, step, j, layout, kpl) // 32
+                          for lane in range(64) for j in range(kpl)}
+        for lane in range(64):
+            lane_blocks = {plans.moe_k_index(lane, 0, step, j, layout, kpl) // 32 for j in range(kpl)}
+            assert len(lane_blocks) == 1, "a lane's fragment must lie in one MX block (one scale per lane)"
+        if layout == "step":
+            assert len(blocks_in_step) == 1, "a 'step' MFMA must stay inside one MX block (scale after the MFMA)"
+        # the fragment is contiguous in the lane's pre-shuffled dwords, in MFMA order
+        for lane, j in itertools.product(range(64), range(kpl)):
+            d, p = plans.moe_dword_pos(step, j, layout, kpl)
+            assert plans.moe_dword_k(lane, 0, d, p, layout) == plans.moe_k_index(lane, 0, step, j, layout, kpl)
+
+
+def _random_mxfp4(E: int, R: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = seeded(seed)
+    codes = torch.randint(0, 256, (E, R, K // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 140, (E, R, K // 32), dtype=torch.uint8, generator=g)
+    return codes, scales
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_preshuffle_places_codes_where_kernels_read_them(layout: str) -> None:
+    E, R, K = 2, 32, 256
+    codes, scales = _random_mxfp4(E, R, K, seed=1)
+    words, s = preshuffle_codes(codes, scales, layout)
+    assert words.shape == (E, R // 16, K // 128, 64, 4) and words.dtype == torch.int32
+    nib = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # [E, R, K] one code per k
+    raw = words.view(torch.uint8).reshape(E, R // 16, K // 128, 64, 16)
+    for e, tile, grp, lane, d, p in itertools.product(range(E), range(R // 16), range(K // 128), range(64),
+                                                      range(4), range(8)):
+        code = (int(raw[e, tile, grp, lane, 4 * d + p // 2]) >> (4 * (p % 2))) & 15
+        k = plans.moe_dword_k(lane, grp, d, p, layout)
+        assert code == int(nib[e, tile * 16 + lane % 16, k])
+    for e, tile, grp, row, b in itertools.product(range(E), range(R // 16), range(K // 128), range(16), range(4)):
+        assert s[e, tile, grp, row, b] == scales[e, tile * 16 + row, grp * 4 + b]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_preshuffle_round_trips(layout: str) -> None:
+    codes, scales = _random_mxfp4(3, 48, 384, seed=2)
+    back_codes, back_scales = unshuffle_codes(*preshuffle_codes(codes, scales, layout), layout)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+
+
+def test_preshuffle_validates_shapes() -> None:
+    codes, scales = _random_mxfp4(1, 24, 256, seed=3)
+    with pytest.raises(ValueError, match="R % 16"):
+        preshuffle_codes(codes, scales, "step")
+    codes, scales = _random_mxfp4(1, 16, 256, seed=3)
+    with pytest.raises(ValueError, match="layout"):
+        preshuffle_codes(codes, scales, "diagonal")
+
+
+def _expert_weights(E: int = 4, K: int = 256, N: int = 128, Kout: int = 256):
+    from rocm_k3.ops.moe import ExpertWeights
+
+    w13, s13 = _random_mxfp4(E, 2 * N, K, seed=4)
+    w2, s2 = _random_mxfp4(E, Kout, N, seed=5)
+    return ExpertWeights(fmt="mxfp4", w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_prepare_weights_round_trips(arch: str) -> None:
+    from rocm_k3.flydsl_kernels.backend import prepare_weights, restore_weights
+
+    weights = _expert_weights()
+    prepared = prepare_weights(weights, arch=arch)
+    assert prepared.layout == "flydsl" and prepared.extras["arch"] == arch
+    assert prepared.extras["k_layout"] == ("step" if arch == "gfx942" else "lane")
+    restored = restore_weights(prepared)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(restored, name), getattr(weights, name)), name
+
+
+def test_prepare_weights_needs_an_arch_on_the_host() -> None:
+    from rocm_k3.flydsl_kernels.backend import prepare_weights
+
+    with pytest.raises(ValueError, match="arch"):
+        prepare_weights(_expert_weights())
+
+
+ALIGN_CASES = [(1, 1, 4), (7, 2, 4), (33, 8, 16), (5, 16, 896)]
+
+
+@pytest.mark.parametrize("T,k,E", ALIGN_CASES, ids=[f"T{t}-k{k}-E{e}" for t, k, e in ALIGN_CASES])
+def test_align_pairs_groups_every_pair_once(T: int, k: int, E: int) -> None:
+    g = seeded(T * 100 + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)  # distinct per token
+    blocks = align_pairs(ids, E)
+    pairs = blocks.sorted_pairs.tolist()
+    experts = blocks.block_expert.tolist()
+    assert blocks.num_pairs == T * k and len(pairs) == 16 * blocks.num_blocks == 16 * len(experts)
+    real = [p for p in pairs if p != T * k]
+    assert sorted(real) == list(range(T * k))
+    flat = ids.reshape(-1).tolist()
+    for b, e in enumerate(experts):
+        for p in pairs[16 * b : 16 * b + 16]:
+            assert p == T * k or flat[p] == e
+    counts = collections.Counter(flat)
+    assert blocks.num_blocks == sum((c + 15) // 16 for c in counts.values())
+    assert experts == sorted(experts)
+
+
+ISA_SNIPPET = """\t.amdgcn_target "amdgcn-amd-amdhsa--gfx942"
+\t.text
+my_kernel:
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], 0
+\tv_mfma_f32_16x16x16_bf16 v[0:3], v[8:9], v[10:11], v[0:3]
+\tscratch_store_dword off, v1, s0
+\ts_endpgm
+.Lfunc_end0:
+\t.amdgpu_metadata
+---
+amdhsa.kernels:
+  - .agpr_count:     4
+    .args:
+      - .offset:         0
+        .size:           8
+    .group_segment_fixed_size: 512
+    .name:           my_kernel
+    .private_segment_fixed_size: 16
+    .sgpr_count:     20
+    .sgpr_spill_count: 0
+    .vgpr_count:     40
+    .vgpr_spill_count: 3
+amdhsa.target:   amdgcn-amd-amdhsa--gfx942
+"""
+
+
+def test_isa_parser_reads_registers_spills_and_mnemonics() -> None:
+    (kernel,) = parse_isa(ISA_SNIPPET)
+    assert (kernel.name, kernel.arch) == ("my_kernel", "gfx942")
+    assert (kernel.vgpr_count, kernel.agpr_count, kernel.sgpr_count) == (40, 4, 20)
+    assert (kernel.vgpr_spill_count, kernel.private_segment_size, kernel.lds_size) == (3, 16, 512)
+    assert kernel.mnemonics["v_mfma_f32_16x16x16_bf16"] == 2 and kernel.scratch_instructions == 1
+    assert kernel.uses_scratch and kernel.has("v_mfma_f32_16x16x16") and not kernel.has("v_mfma_scale")
+
+
+def test_isa_parser_rejects_listing_without_metadata() -> None:
+    with pytest.raises(ValueError, match="metadata"):
+        parse_isa('\t.amdgcn_target "amdgcn-amd-amdhsa--gfx950"\nk:\n\ts_endpgm\n')
+
+
+def test_backend_available_only_on_rocm_gfx942_gfx950() -> None:
+    pytest.importorskip("flydsl")
+    from rocm_k3.flydsl_kernels.backend import available
+
+    ok, why = available(DeviceInfo("cpu", None, "CPU"))
+    assert not ok and "ROCm" in why and "CPU" in why
+    ok, why = available(DeviceInfo("cuda", "sm_90", "H200"))
+    assert not ok and "H200" in why
+    ok, why = available(DeviceInfo("rocm", "gfx90a", "MI250X"))
+    assert not ok and "gfx90a" in why
+    assert available(DeviceInfo("rocm", "gfx942", "MI300X"))[0]
+    assert available(DeviceInfo("rocm", "gfx950", "MI355X"))[0]
+
+
+FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "fused_moe"]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_ops_listing_picks_flydsl_on_amd_and_explains_elsewhere(arch: str) -> None:
+    pytest.importorskip("flydsl")
+    from rocm_k3.ops import registry
+    from rocm_k3.settings import override
+
+    with override(backend="auto"):
+        registry.backend_available("reference", DeviceInfo("cpu", None, "CPU"))  # declares the ops
+        for op in FLYDSL_OPS:
+            chosen, lines = registry.explain(op, DeviceInfo("rocm", arch, "AMD Instinct"))
+            assert chosen == "flydsl", (op, lines)
+    with override(backend="flydsl"):
+        chosen, lines = registry.explain("fused_moe", DeviceInfo("cpu", None, "CPU"))
+        assert chosen is None and "gfx942/gfx950" in lines[0]
+
+
+def test_fused_moe_supports_explains_refusals() -> None:
+    from rocm_k3.flydsl_kernels.moe import fused_moe_supports, prepare_weights
+
+    weights = _expert_weights()
+    x = torch.zeros(3, weights.hidden, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    tw = torch.ones(3, 2)
+    ok, why = fused_moe_supports(x, weights, tw, ids)
+    assert not ok and "prepare_weights" in why
+    prepared = prepare_weights(weights, "gfx942")
+    assert fused_moe_supports(x, prepared, tw, ids)[0]
+    ok, why = fused_moe_supports(x, prepared, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)
+    assert not ok and "float8_e4m3fnuz" in why
+    ok, why = fused_moe_supports(x.float(), prepared, tw, ids)
+    assert not ok and "bf16" in why
+
+
+def test_row_kernel_supports_explain_refusals() -> None:
+    from rocm_k3.flydsl_kernels import ops_impl
+
+    ok, why = ops_impl.rms_norm_supports(torch.zeros(2, 100, dtype=torch.bfloat16), torch.ones(100))
+    assert not ok and "100" in why
+    ok, why = ops_impl.gated_rms_norm_supports(torch.zeros(2, 4, 128, dtype=torch.bfloat16),
+                                               torch.zeros(2, 4, 128), torch.ones(128))
+    assert not ok and "gate dtype" in why
+    assert ops_impl.rms_norm_supports(torch.zeros(2, 7168, dtype=torch.bfloat16), torch.ones(7168))[0]
