@@ -5,7 +5,7 @@ W-1 history inputs (``conv_state[state_indices[i]]`` [C, W-1], oldest first, whe
 state, else zeros). Semantics and signatures are those of :func:`rocm_k3.ops.kda.short_conv` and
 :func:`rocm_k3.ops.kda.short_conv_update`.
 
-Prefill runs two launches: the convolution over (64-token chunk, channel block) tiles, then one program per
+Prefill runs two launches: the convolution over (32-token block, channel block) tiles, then one program per
 (sequence, channel block) that writes the new conv state (the last W-1 inputs), so that no program can
 overwrite a history another program still has to read.
 """
@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.common import CHUNK, plan_chunks
+from rocm_k3.triton_kernels.kda.common import plan_chunks
 
 _BC = 128  # channels per program
+_BT = 32  # tokens per program
 
 
 @triton.jit
@@ -51,13 +52,15 @@ def short_conv_kernel(
     for j in tl.static_range(W):
         src = rows - (W - 1) + j  # [BT] input row feeding tap j
         in_seq = src >= bos
-        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :],
-                     mask=(in_seq & mt)[:, None] & mc[None, :], other=0.0).to(tl.float32)
-        if HAS_STATE:
-            hist = src - bos + (W - 1)  # position inside the [W-1] history when src < bos
-            mh = ((src < bos) & (src >= hist_lo) & mt)[:, None] & mc[None, :]
-            hv = tl.load(state_row + cols[None, :] * (W - 1) + hist[:, None], mask=mh, other=0.0).to(tl.float32)
-            xv = xv + hv
+        x_ptrs = x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :]
+        if HAS_STATE:  # rows before bos read the history slot instead: one gather per tap
+            hist = (src - bos + (W - 1))[:, None]  # position inside the [W-1] history
+            ptrs = tl.where(in_seq[:, None], x_ptrs, state_row + cols[None, :] * (W - 1) + hist)
+            valid = (src >= hist_lo) & mt
+        else:
+            ptrs = x_ptrs
+            valid = in_seq & mt
+        xv = tl.load(ptrs, mask=valid[:, None] & mc[None, :], other=0.0).to(tl.float32)
         wj = tl.load(w_ptr + cols * W + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
         acc += xv * wj[None, :]
     if SILU:
@@ -173,12 +176,12 @@ def short_conv(
             has_init = has_initial_state.to(torch.int8).contiguous()
     else:
         idx, has_init = cu, cu  # unread placeholders
-    plan = plan_chunks(cu)
+    plan = plan_chunks(cu, _BT)
     if plan.num_chunks > 0:
         short_conv_kernel[(plan.num_chunks, triton.cdiv(C, _BC))](
             x, weight, y, conv_state if has_state else x, idx, has_init,
             plan.chunk_seq, plan.chunk_start, cu, C,
-            W=W, BT=CHUNK, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=4,
+            W=W, BT=_BT, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=4,
         )
     if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](

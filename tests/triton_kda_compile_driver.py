@@ -1,0 +1,95 @@
+"""Cross-compile every Triton KDA kernel for sm_90, gfx942 and gfx950 at K3 shapes and print a JSON summary.
+
+Run by ``tests/test_triton_kda.py`` (compile tier) in a fresh interpreter without ``TRITON_INTERPRET`` (Triton
+decides at import time whether every ``@triton.jit`` is interpreted). The launch options (num_warps,
+num_stages) and constexprs are the ones the wrappers use for bf16 activations, H = 96, K = V = 128.
+Output: ``{"<kernel>/<target>": {"ok", "error", "mnemonics", "registers", "spills", "scratch"}}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+TARGETS = ("sm_90", "gfx942", "gfx950")
+H, K, V, W = 96, 128, 128, 4
+
+
+def _specs() -> dict:
+    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
+    import triton.language as tl
+
+    from rocm_k3.triton_kernels.kda.prefill import state_tile
+
+    plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
+    dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
+    bv, state_warps = state_tile(H, V)  # one 4096-token sequence of K3: 96 heads
+    pkg = "rocm_k3.triton_kernels.kda"
+    return {
+        "kda_gate": (f"{pkg}.gate", "kda_gate_kernel",
+                     {"f_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "g_ptr": "*fp32", "T": "i32",
+                      "lower_bound": "fp32"}, dict(H=H, K=K, BT=16, SAFE_GATE=True), 4, 2),
+        "short_conv": (f"{pkg}.short_conv", "short_conv_kernel",
+                       {**plan, "x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "conv_state_ptr": "*bf16",
+                        "state_indices_ptr": "*i32", "has_init_ptr": "*i8", "C": "i32"},
+                       dict(W=W, BT=32, BC=128, HAS_STATE=True, SILU=True), 4, 2),
+        "conv_state": (f"{pkg}.short_conv", "conv_state_kernel",
+                       {"x_ptr": "*bf16", "conv_state_ptr": "*bf16", "state_indices_ptr": "*i32",
+                        "has_init_ptr": "*i8", "cu_seqlens_ptr": "*i32", "C": "i32"},
+                       dict(W=W, WP=4, BC=128), 4, 2),
+        "short_conv_update": (f"{pkg}.short_conv", "short_conv_update_kernel",
+                              {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "conv_state_ptr": "*bf16",
+                               "state_indices_ptr": "*i32", "C": "i32"}, dict(W=W, WP=4, BC=128, SILU=True), 4, 2),
+        "chunk_prep": (f"{pkg}.chunk_prep", "chunk_prep_kernel",
+                       {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
+                        "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+                        "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
+                        "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32"},
+                       dict(H=H, K=K, BT=64, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True), 16, 1),
+        "chunk_intra": (f"{pkg}.chunk_intra", "chunk_intra_kernel",
+                        {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
+                         "a_ptr": "*fp32", "aqk_ptr": "*bf16"}, dict(H=H, K=K, **dots), 4, 2),
+        "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
+                        {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
+                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots), 8, 1),
+        "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel",
+                        {"w_ptr": "*bf16", "u_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
+                         "aqk_ptr": "*bf16", "glast_ptr": "*fp32", "cu_seqlens_ptr": "*i32",
+                         "seq_first_chunk_ptr": "*i32", "state_ptr": "*fp32", "state_indices_ptr": "*i32",
+                         "has_init_ptr": "*i8", "o_ptr": "*bf16", "inter_ptr": "*fp32", "inter_map_ptr": "*i32"},
+                        dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, **dots), state_warps, 2),
+        "kda_decode": (f"{pkg}.decode", "kda_decode_kernel",
+                       {"qkv_ptr": "*bf16", "f_ptr": "*bf16", "beta_ptr": "*bf16", "out_gate_ptr": "*bf16",
+                        "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "a_log_ptr": "*fp32",
+                        "dt_bias_ptr": "*fp32", "norm_w_ptr": "*bf16", "state_ptr": "*fp32",
+                        "state_indices_ptr": "*i32", "y_ptr": "*bf16", "scale": "fp32", "lower_bound": "fp32",
+                        "eps": "fp32"}, dict(H=H, K=K, W=W, WP=4, SAFE_GATE=True), 8, 2),
+    }
+
+
+def _compile_one(job: tuple[str, str]) -> tuple[str, dict]:
+    import importlib
+
+    from rocm_k3.triton_kernels.compile_check import compile_kernel
+
+    name, target = job
+    module, attr, sig, constexprs, warps, stages = _specs()[name]
+    fn = getattr(importlib.import_module(module), attr)
+    try:
+        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages)
+    except Exception as exc:  # reported per kernel/target; the test fails with this message
+        return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
+    return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
+                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
+
+
+def main(names: list[str]) -> None:
+    jobs = [(n, t) for n in (names or list(_specs())) for t in TARGETS]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = dict(pool.map(_compile_one, jobs))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
