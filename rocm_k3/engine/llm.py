@@ -38,6 +38,7 @@ class LLM:
     backend:       op backend for every op ("reference", "triton", "flydsl", "aiter"); None = settings / auto.
     max_model_len: the longest prompt + generation allowed; default and upper bound: max_position_embeddings.
     device:        torch device; default the first GPU if there is one, else the CPU.
+    progress:      show a progress bar while the weights load.
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
