@@ -1,0 +1,205 @@
+"""Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
+
+    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile]
+
+Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
+final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
+``lower_bound=-5``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel``, initial state, final state out).
+Decode: ``kda_decode`` (conv update + gate + norms + state update + gated RMSNorm, one kernel) vs FLA's
+``fused_recurrent_kda_fwd`` with in-place slot states (recurrence, gate and norms only: FLA needs separate
+conv and norm launches, not counted), and vs the copy floor: state bytes read + written / measured copy bandwidth.
+
+Roofline numbers: prefill floor = max(FLOPs / bf16 matmul rate, minimal bytes / copy bandwidth), with the
+minimal bytes = q, k, v, f (bf16), beta, o read/written once plus the states; both ceilings are measured here
+(8192^3 bf16 matmul, 4 GiB device copy). Times: ``triton.testing.do_bench`` medians, in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable
+
+import torch
+import triton
+
+from rocm_k3.ops.kda.datatypes import KDAGateParams
+from rocm_k3.triton_kernels.kda import KERNELS
+from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+D = 128
+LOWER = -5.0
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s) on this GPU."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t_copy = _bench(lambda: dst.copy_(src)) * 1e-3
+    bw = 2 * src.numel() * src.element_size() / t_copy
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = _bench(lambda: a @ b) * 1e-3
+    return bw, 2 * 8192**3 / t_mm
+
+
+def _fla():
+    try:
+        from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as exc:  # FLA is an optional peer
+        print(f"FLA unavailable: {exc!r}")
+        return None, None
+    return chunk_kda, fused_recurrent_kda_fwd
+
+
+def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool) -> dict:
+    T, N = sum(lengths), len(lengths)
+    dev = "cuda"
+    bf = torch.bfloat16
+    q, k, v, f = (torch.randn(T, H, D, generator=gen).to(dev, bf) for _ in range(4))
+    beta = torch.randn(T, H, generator=gen).to(dev, bf)
+    a_log = (torch.randn(H, generator=gen) * 0.5).to(dev)
+    dt_bias = (torch.randn(H * D, generator=gen) * 0.5).to(dev)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    pool = (torch.randn(N, H, D, D, generator=gen) * 0.05).to(dev)
+    idx = torch.arange(N, dtype=torch.int32, device=dev)
+    has_init = torch.ones(N, dtype=torch.bool, device=dev)
+    params = KDAGateParams(a_log, dt_bias, LOWER)
+    run = KERNELS["kda_prefill"][0]
+    row = {"op": "kda_prefill", "shape": f"H{H} N{N} T{T} D{D} bf16",
+           "ms": _bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))}
+    if sweep:
+        default = tri_prefill.state_tile
+        for tile in ((16, 4), (32, 4), (32, 8), (64, 8)):
+            tri_prefill.state_tile = lambda n, v, tile=tile: tile
+            try:
+                row[f"ms_state_bv{tile[0]}_w{tile[1]}"] = _bench(
+                    lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))
+            except Exception as exc:
+                row[f"ms_state_bv{tile[0]}_w{tile[1]}"] = repr(exc)[:80]
+            finally:
+                tri_prefill.state_tile = default
+    if chunk_kda is not None:
+        cu64 = cu.long()
+        h0 = pool.clone()
+
+        def fla() -> object:
+            return chunk_kda(q[None], k[None], v[None], f[None], beta[None], initial_state=h0,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER, A_log=a_log,
+                             dt_bias=dt_bias, cu_seqlens=cu64, cu_seqlens_cpu=cu64.cpu())
+
+        with torch.inference_mode():
+            try:
+                row["fla_ms"] = _bench(fla)
+            except Exception as exc:
+                row["fla_error"] = repr(exc)[:300]
+    chunks = sum(-(-n // 64) for n in lengths)
+    # A, Aqk (lower blocks ~ 10/16 of 64x64xD each), WY (2 x 64x64xD), state: W S, QG S, KD^T V' (64xDxD), Aqk V'
+    row["flops"] = chunks * H * 2 * (2 * 0.625 * 64 * 64 * D + 2 * 64 * 64 * D + 3 * 64 * D * D + 64 * 64 * D)
+    row["min_bytes"] = T * H * (5 * D * 2 + 2) + 2 * N * H * D * D * 4  # q, k, v, f, o bf16; beta; states
+    return row
+
+
+def decode_case(H: int, N: int, gen: torch.Generator, fla_rec) -> dict:
+    dev, bf = "cuda", torch.bfloat16
+    S = N
+    args = [torch.randn(N, 3 * H * D, generator=gen).to(dev, bf), torch.randn(N, H * D, generator=gen).to(dev, bf),
+            torch.randn(N, H, generator=gen).to(dev, bf), torch.randn(N, H * D, generator=gen).to(dev, bf),
+            (torch.randn(3 * H * D, 4, generator=gen) * 0.5).to(dev, bf),
+            torch.randn(S, 3 * H * D, 3, generator=gen).to(dev, bf), (torch.randn(H, generator=gen) * 0.3).to(dev),
+            (torch.randn(H * D, generator=gen) * 0.3).to(dev), torch.randn(D, generator=gen).to(dev, bf),
+            (torch.randn(S, H, D, D, generator=gen) * 0.05).to(dev),
+            torch.randperm(S, generator=gen).to(dev, torch.int32)]
+    run = KERNELS["kda_decode"][0]
+    row = {"op": "kda_decode", "shape": f"H{H} N{N} D{D} bf16",
+           "ms": _bench(lambda: run(*args, num_heads=H, lower_bound=LOWER))}
+    row["state_bytes"] = 2 * N * H * D * D * 4
+    if fla_rec is not None:
+        q, k, v = (torch.randn(1, N, H, D, generator=gen).to(dev, bf) for _ in range(3))
+        g = torch.randn(1, N, H, D, generator=gen).to(dev, bf)
+        b = torch.randn(1, N, H, generator=gen).to(dev, bf)
+        cu = torch.arange(N + 1, dtype=torch.long, device=dev)
+        pool = args[9].clone()
+
+        def fla() -> object:
+            return fla_rec(q, k, v, g, b, A_log=args[6], dt_bias=args[7], initial_state=pool,
+                           output_final_state=True, inplace_final_state=True, cu_seqlens=cu,
+                           ssm_state_indices=args[10], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                           use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)
+
+        with torch.inference_mode():
+            try:
+                row["fla_ms"] = _bench(fla)
+            except Exception as exc:
+                row["fla_error"] = repr(exc)[:300]
+    return row
+
+
+def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
+    """Per-kernel CUDA time of one prefill call (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, f = (torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+    beta = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    params = KDAGateParams(torch.zeros(H, device="cuda"), torch.zeros(H * D, device="cuda"), LOWER)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    pool = torch.zeros(1, H, D, D, device="cuda")
+    idx, hi = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.bool, device="cuda")
+    run = KERNELS["kda_prefill"][0]
+    for _ in range(3):
+        run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write all rows to this file")
+    parser.add_argument("--sweep", action="store_true", help="also time the state phase's tile choices")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bw, mm = measure_ceilings()
+    print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    chunk_kda, fla_rec = _fla()
+    rows = []
+    for H, N in ((96, 64), (96, 256), (12, 256), (12, 1024)):
+        rows.append(decode_case(H, N, gen, fla_rec))
+        print(rows[-1], flush=True)
+    for H, lengths in ((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4)):
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep))
+        print(rows[-1], flush=True)
+    if args.profile:
+        profile_prefill(96, 4096, gen)
+    print(f"\n{'op':<11} {'shape':<26} {'ours ms':>8} {'FLA ms':>8} {'speedup':>8} {'floor ms':>9} {'% floor':>8}")
+    for r in rows:
+        if r["op"] == "kda_prefill":
+            floor = max(r["flops"] / mm, r["min_bytes"] / bw) * 1e3
+        else:
+            floor = r["state_bytes"] / bw * 1e3
+        r["floor_ms"] = floor
+        fla = r.get("fla_ms")
+        sp = f"{fla / r['ms']:.2f}x" if fla else "n/a"
+        print(f"{r['op']:<11} {r['shape']:<26} {r['ms']:8.3f} {fla if fla else float('nan'):8.3f} {sp:>8} "
+              f"{floor:9.3f} {100 * floor / r['ms']:7.1f}%")
+        extra = {k: v for k, v in r.items() if k.startswith("ms_state") or k == "fla_error"}
+        if extra:
+            print("    ", extra)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_bw": bw, "matmul_flops": mm, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
