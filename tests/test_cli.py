@@ -10,20 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_fixtures import one_thread  # noqa: F401 (autouse)
 from rocm_k3.cli import main
 from rocm_k3.model.tiny import EMBEDDED_NAME
 from rocm_k3.model.tokenizer import TOKENIZER_FILE
 from rocm_k3.settings import override
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_make_tiny_then_generate(tmp_path, capsys: pytest.CaptureFixture) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rocm_k3
+from model_fixtures import one_thread  # noqa: F401 (autouse)
 from rocm_k3.engine.llm import LLM, PromptTooLongError
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import EMBEDDED_NAME, write_tiny_checkpoint
@@ -15,14 +16,6 @@ from rocm_k3.model.tokenizer import TOKENIZER_FILE
 from rocm_k3.settings import override
 
 GREEDY = rocm_k3.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kimi_checkpoints import write_kimi_linear_checkpoint
+from model_fixtures import write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
 from rocm_k3.model.config import UnsupportedModelError
 from rocm_k3.model.loader import (CorruptCheckpointError, MissingTensorError, TensorShapeError,
                                   UnexpectedTensorError, load_model)
@@ -17,14 +17,6 @@ from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 
 P = "language_model."
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

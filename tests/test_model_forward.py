@@ -17,22 +17,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kimi_checkpoints import KL_VOCAB, write_kimi_linear_checkpoint
+from model_fixtures import KL_VOCAB, write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
 from helpers import assert_rel, seeded
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 
 LOGITS_TOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation (seconds per step on a loaded 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_checkpoints import write_kimi_linear_checkpoint
+from model_fixtures import write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
 from helpers import assert_rel, seeded
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation (seconds per step on a loaded 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])

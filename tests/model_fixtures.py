@@ -1,4 +1,5 @@
-"""Test checkpoints: a tiny Kimi Linear model written by transformers' own ``save_pretrained``.
+"""Shared pieces of the model tests: a tiny Kimi Linear checkpoint written by transformers' own
+``save_pretrained``, and the single-thread fixture.
 
 transformers >= 5 ships ``KimiLinearForCausalLM`` (the ``test`` extra installs it); its forward pass is an
 independent formulation of the Kimi Linear variant (softplus gate, low-rank output gate, no q_lora, SiLU, plain
@@ -55,3 +56,15 @@ def write_kimi_linear_checkpoint(directory: Path, seed: int = 0):
     model = kimi_linear_hf_model(seed)
     model.save_pretrained(str(directory))
     return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation (seconds per step on a loaded 2-core machine).
+
+    Autouse in every module that imports it.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
