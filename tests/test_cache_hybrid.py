@@ -90,8 +90,8 @@ def test_runner_builds_mixed_prefill_decode_batch():
     assert batch.has_initial_state.tolist() == [True, False]
     assert batch.logits_indices.tolist() == [0, 7]
     assert not batch.is_decode
-    # b's saves: every match unit (2 tokens) inside its chunk, positions relative to the chunk start
+    # b's saves: the alignment point 4 and its last match-unit boundary 6, rows relative to the chunk start
     saves = out.scheduled[1].saves
-    assert [p for p, _ in saves] == [2, 4, 6]
-    assert batch.save_positions.tolist() == [[1, 2], [1, 4], [1, 6]]
+    assert [p for p, _ in saves] == [4, 6]
+    assert batch.save_positions.tolist() == [[1, 4], [1, 6]]
     assert batch.save_slots.tolist() == [s for _, s in saves]

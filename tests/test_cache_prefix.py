@@ -44,35 +44,54 @@ def test_second_request_skips_shared_1000_token_prefix(block, unit, align):
     assert no_cache_prefill == 1002
 
 
+def _prefill(m: CacheManager, sid: int, toks: list[int], publish: int | None = None) -> list[tuple[int, int]]:
+    """Admit and prefill ``toks`` in one chunk; publish the first ``publish`` planned saves (default all)."""
+    assert m.admit(sid, toks) == 0
+    assert m.ensure_capacity(sid, len(toks))
+    saves = m.plan_saves(sid, toks, 0, len(toks), last_chunk=True)
+    keep = saves if publish is None else saves[:publish]
+    m.commit_prefill(sid, toks, len(toks), keep)
+    m.abandon_saves(saves[len(keep) :])
+    return saves
+
+
+def test_saves_at_alignment_points_and_at_the_last_unit_of_a_prefill():
+    cfg = CacheConfig(block_size=8, match_unit=4, alignment=8, kda_save_grid=1)
+    m = CacheManager(cfg, num_blocks=16, num_slots=8)
+    toks = list(range(23))
+    m.admit(0, toks)
+    m.ensure_capacity(0, 23)
+    assert [p for p, _ in m.plan_saves(0, toks, 0, 16, last_chunk=False)] == [8, 16]
+    assert [p for p, _ in m.plan_saves(0, toks, 16, 23, last_chunk=True)] == [20]  # 20 = last unit boundary
+
+
 def test_match_needs_saved_state_and_leaves_one_token():
     cfg = CacheConfig(block_size=8, match_unit=4, alignment=8, kda_save_grid=1)
-    m = CacheManager(cfg, num_blocks=8, num_slots=4)
     toks = list(range(12))
-    assert m.admit(0, toks) == 0
-    assert m.ensure_capacity(0, 12)
-    saves = m.plan_saves(0, toks, 0, 12)
-    assert [p for p, _ in saves] == [4, 8, 12]
-    m.commit_prefill(0, toks, 12, saves[:2])  # the state at 12 is "lost": only 4 and 8 are published
-    m.abandon_saves(saves[2:])
+    m = CacheManager(cfg, num_blocks=8, num_slots=4)
+    saves = _prefill(m, 0, toks, publish=1)
+    assert [p for p, _ in saves] == [8, 12]
     m.free(0)
-    assert m.admit(1, toks) == 8  # 12 has no state; also 12 would leave no token to compute
-    assert m.admit(2, toks + [99]) == 8
-    assert m.stats.saved_states == 2 and m.stats.cow_copies == 0
+    assert m.admit(1, toks + [99]) == 8  # units up to 12 are indexed, but only 8 has a saved state
+    m = CacheManager(cfg, num_blocks=8, num_slots=4)
+    saves = _prefill(m, 0, toks)
+    m.free(0)
+    assert m.admit(1, toks) == 8  # 12 would leave no token to compute
+    assert m.admit(2, toks + [99]) == 12
+    assert m.stats.saved_states == 2 and m.stats.cow_copies == 1  # 12 is mid-block (blocks of 8)
     plan = m.take_copies()
-    assert plan.state_copies == [(saves[1][1], m.slot(1)), (saves[1][1], m.slot(2))]
+    assert plan.state_copies == [(saves[0][1], m.slot(1)), (saves[1][1], m.slot(2))]
     check_invariants(m)
     m.finish_copies(plan)
     check_invariants(m)
 
 
 def test_mid_block_match_copies_block_and_state():
-    cfg = CacheConfig(block_size=8, match_unit=4, alignment=8, kda_save_grid=1)
-    m = CacheManager(cfg, num_blocks=8, num_slots=4)
+    cfg = CacheConfig(block_size=8, match_unit=4, alignment=4, kda_save_grid=1)
+    m = CacheManager(cfg, num_blocks=8, num_slots=6)
     toks = list(range(16))
-    m.admit(0, toks)
-    m.ensure_capacity(0, 16)
-    saves = m.plan_saves(0, toks, 0, 16)
-    m.commit_prefill(0, toks, 16, saves)
+    saves = _prefill(m, 0, toks)
+    assert [p for p, _ in saves] == [4, 8, 12, 16]
     other = toks[:12] + [50, 51, 52, 53]  # shares 12 tokens = one and a half blocks
     assert m.admit(1, other) == 12
     t0, t1 = m.table(0), m.table(1)
@@ -93,7 +112,7 @@ def test_lru_eviction_of_unreferenced_entries():
         toks = list(range(base, base + 8))
         m.admit(sid, toks)
         m.ensure_capacity(sid, 8)
-        m.commit_prefill(sid, toks, 8, m.plan_saves(sid, toks, 0, 8))
+        m.commit_prefill(sid, toks, 8, m.plan_saves(sid, toks, 0, 8, last_chunk=True))
         m.free(sid)
     assert m.blocks.num_evictable == 4 and m.blocks.num_free == 0
     m.admit(2, list(range(200, 208)))
@@ -110,7 +129,7 @@ def test_prefix_caching_off_never_matches_or_saves():
     toks = list(range(9))
     m.admit(0, toks)
     m.ensure_capacity(0, 9)
-    assert m.plan_saves(0, toks, 0, 9) == []
+    assert m.plan_saves(0, toks, 0, 9, last_chunk=True) == []
     m.commit_prefill(0, toks, 9, [])
     m.free(0)
     assert m.admit(1, toks) == 0 and m.stats.queries == 0
@@ -154,7 +173,7 @@ def test_invariant_checker_catches_corruption():
     toks = list(range(9))
     m.admit(0, toks)
     m.ensure_capacity(0, 9)
-    m.commit_prefill(0, toks, 8, m.plan_saves(0, toks, 0, 8))
+    m.commit_prefill(0, toks, 8, m.plan_saves(0, toks, 0, 8, last_chunk=False))
     check_invariants(m, {0: 8})
     m.blocks._ref[m.table(0)[0]] += 1  # a leaked reference
     with pytest.raises(CacheInvariantError, match="refcount 2 != 1"):

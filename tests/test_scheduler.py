@@ -64,7 +64,7 @@ def _run(params: dict, requests: list[Request], caching: bool, max_seqs: int | N
     return eng.run(reqs), eng
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_mixes_same_outputs_with_and_without_prefix_caching(workload):
     params, requests = workload

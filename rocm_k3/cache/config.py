@@ -1,17 +1,21 @@
 """Cache configuration: the three token granularities of the hybrid prefix cache, and the memory budgets.
 
 - ``block_size`` (**physical block size**): tokens per MLA latent page, the allocation unit of the KV cache.
-- ``match_unit`` (**prefix match unit**): prefixes are hashed and matched every ``match_unit`` tokens, and a KDA
-  state is saved at every multiple of ``match_unit`` that a prompt prefill passes (budget permitting). It divides
-  ``block_size``, so a match can end in the middle of a block (that block is then copied, see the prefix index).
-  It is a multiple of ``kda_save_grid`` so that every save point lies on the kernel's state-save grid.
-- ``alignment`` (**scheduler alignment**): every prefill chunk except a prompt's last one ends on a multiple of
-  ``alignment``. It is a multiple of ``match_unit``, so a chunk always starts on a match-unit boundary: each save
-  point inside a chunk is then a whole number of ``kda_save_grid`` steps after the chunk start, which is what KDA
-  prefill kernels support for intermediate states, and a chunk end is always a usable cache point.
-- ``kda_save_grid``: the granularity (relative to a chunk start) at which the KDA prefill kernels can emit
-  intermediate states; 64 (the chunk size of the chunked KDA algorithm) for the GPU kernels. The reference
-  backend can save anywhere, so tests may lower it.
+- ``match_unit`` (**prefix match unit**): prefixes are hashed and matched every ``match_unit`` tokens. It divides
+  ``block_size``, so a match can end in the middle of a block (that block is then copied, see below), and it is
+  a multiple of ``kda_save_grid``.
+- ``alignment`` (**scheduler alignment**): every prefill chunk except a prefill's last one ends on a multiple of
+  ``alignment``, and a KDA state is saved at every multiple of ``alignment`` a prefill passes. It is a multiple
+  of ``match_unit``, so chunks start on match-unit boundaries.
+- ``kda_save_grid``: the granularity, relative to a chunk start, at which KDA prefill kernels can emit
+  intermediate states (64, the chunk size of the chunked KDA algorithm, for the GPU kernels; the reference
+  backend saves anywhere, so tests may lower it). Because chunks start on match-unit boundaries and the match
+  unit is a multiple of this grid, every save point below is a legal kernel save position.
+
+Where KDA states are saved (each one a prefix-cache entry, LRU-evicted under ``state_cache_bytes``):
+(1) at every multiple of ``alignment`` that a prefill passes, and (2) at the last match-unit boundary of each
+prefill (``floor(len / match_unit) * match_unit``), which is where a later request extending the same
+conversation resumes. In K3 one KDA state (~434 MB) outweighs ~15,000 tokens of MLA KV, hence not at every unit.
 
 Usable match rule: a request reuses the longest prefix ``L`` that (a) is a whole number of match units whose
 hashes are all in the index, (b) has a saved KDA state at ``L``, and (c) leaves at least one prompt token to
@@ -40,7 +44,7 @@ class CacheConfig:
 
     block_size: int = 128
     match_unit: int = 64
-    alignment: int = 128
+    alignment: int = 256
     kda_save_grid: int = 64
     enable_prefix_caching: bool = True
     kv_cache_bytes: int = 512 * _MiB

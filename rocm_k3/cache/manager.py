@@ -218,28 +218,36 @@ class CacheManager:
             self.slots.unpin(src)
 
     # ---- state saving --------------------------------------------------------------------------------------
-    def plan_saves(self, seq_id: int, token_ids: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
-        """Save points of a prefill chunk covering positions [start, end): (absolute position p, slot) for each
-        multiple p of the match unit with start < p <= end whose prefix has no saved state yet, while slots last.
+    def plan_saves(
+        self, seq_id: int, token_ids: Sequence[int], start: int, end: int, *, last_chunk: bool
+    ) -> list[tuple[int, int]]:
+        """Save points of a prefill chunk covering positions [start, end): (absolute position p, slot).
+
+        A state is saved at every multiple of the alignment in (start, end] and, in the last chunk of a
+        prefill, at its last match-unit boundary (where a later request extending this prompt can resume),
+        unless that prefix already has a saved state; while slots last (allocating may evict LRU states).
         """
         self._seq(seq_id)
         if not self.caching:
             return []
-        u = self.match_unit
-        first = start // u + 1
-        last = end // u
-        if last < first:
+        u, a = self.match_unit, self.config.alignment
+        points = list(range((start // a + 1) * a, end + 1, a))
+        tail = end // u * u
+        if last_chunk and tail > start and (not points or points[-1] != tail):
+            points.append(tail)
+        if not points:
             return []
-        path = self.index.walk(token_ids, last)
+        path = self.index.walk(token_ids, points[-1] // u)
         saves: list[tuple[int, int]] = []
-        for k in range(first, last + 1):
+        for p in points:
+            k = p // u
             if k <= len(path) and path[k - 1].state is not None:
                 continue
             slot = self.slots.allocate_save()
             if slot is None:
                 break
             self._pending_saves.add(slot)
-            saves.append((k * u, slot))
+            saves.append((p, slot))
         return saves
 
     def commit_prefill(self, seq_id: int, token_ids: Sequence[int], end: int, saves: Sequence[tuple[int, int]]) -> None:

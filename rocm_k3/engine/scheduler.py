@@ -147,7 +147,13 @@ class Scheduler:
 
         for item in scheduled:  # after all admissions, so saves never take a slot a new sequence needed
             if item.is_prefill:
-                item.saves = self.cache.plan_saves(item.seq.seq_id, item.seq.token_ids, item.start, item.end)
+                item.saves = self.cache.plan_saves(
+                    item.seq.seq_id,
+                    item.seq.token_ids,
+                    item.start,
+                    item.end,
+                    last_chunk=item.end == item.seq.prefill_len,
+                )
         return SchedulerOutput(scheduled=scheduled, copies=self.cache.take_copies(), preempted=preempted)
 
     def postprocess(self, out: SchedulerOutput) -> None:
