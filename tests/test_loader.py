@@ -54,7 +54,7 @@ def test_tiny_checkpoint_uses_released_k3_layout(tiny_dir) -> None:
         P + "model.layers.0.self_attention_res_proj.weight": ((1, 64), torch.bfloat16),
         P + "model.layers.0.mlp_res_norm.weight": ((64,), torch.bfloat16),
         P + "model.layers.0.self_attn.q_conv1d.weight": ((64, 1, 4), torch.bfloat16),
-        P + "model.layers.0.self_attn.A_log": ((1, 1, 2, 1), torch.float32),
+        P + "model.layers.0.self_attn.A_log": ((32,), torch.float32),  # [head_dim], zero-padded past H = 2
         P + "model.layers.0.self_attn.dt_bias": ((64,), torch.float32),
         P + "model.layers.0.self_attn.g_proj.weight": ((64, 64), torch.bfloat16),  # full-rank KDA gate
         P + "model.layers.2.self_attn.q_a_proj.weight": ((32, 64), torch.bfloat16),
@@ -97,6 +97,19 @@ def test_kimi_linear_checkpoint_loads_in_bf16(tmp_path) -> None:
     assert model.cfg.expert_format == "bf16" and not model.cfg.uses_attn_res
     logits = _last_logits(model, [5, 6, 7])
     assert logits.shape == (1, model.cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_a_log_layouts_load_alike(tiny_dir, tiny_copy) -> None:
+    """A_log as released in K3 ([D], padded) and as transformers writes it ([1, 1, H, 1]) give the same model."""
+    name = P + "model.layers.4.self_attn.A_log"
+    _edit(tiny_copy, lambda t: t.update({name: t[name][:2].reshape(1, 1, 2, 1).contiguous()}))
+    ids = list(b"A_log")
+    a = _last_logits(load_model(tiny_dir, dtype=torch.float32, progress=False), ids)
+    b = _last_logits(load_model(tiny_copy, dtype=torch.float32, progress=False), ids)
+    assert torch.equal(a, b)
+    _edit(tiny_copy, lambda t: t.update({name: torch.zeros(3)}))
+    with pytest.raises(TensorShapeError, match=r"A_log: expected shape \[1, 1, 2, 1\] or \[2\] or \[32\], got \[3\]"):
+        load_model(tiny_copy, progress=False)
 
 
 def test_vision_tensors_are_ignored(tiny_copy) -> None:

@@ -92,7 +92,7 @@ def naive_k3_logits(ckpt_dir, ids: list[int]) -> torch.Tensor:
         q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
         k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
         f = (x @ W(a + "f_a_proj.weight").T @ W(a + "f_b_proj.weight").T).view(T, H, D)
-        a_log = W(a + "A_log").view(H, 1)
+        a_log = W(a + "A_log")[:H].view(H, 1)  # released K3 layout: [D], the H real entries first
         g = lin["gate_lower_bound"] * torch.sigmoid(torch.exp(a_log) * (f + W(a + "dt_bias").view(H, D)))
         beta = torch.sigmoid(x @ W(a + "b_proj.weight").T)  # [T, H]
         S = torch.zeros(H, D, D)

@@ -7,7 +7,7 @@ tower (``vision_tower.*``, ``mm_projector.*``, not used by the text model). Insi
 
 - KDA: ``self_attn.{q,k,v}_proj``, ``self_attn.{q,k,v}_conv1d`` ``[H*D, 1, W]``, ``self_attn.f_a_proj``,
   ``self_attn.f_b_proj``, ``self_attn.b_proj``, output gate ``self_attn.g_proj`` (K3, full rank) or
-  ``self_attn.g_a_proj`` / ``self_attn.g_b_proj`` (Kimi Linear), ``self_attn.A_log`` ``[1, 1, H, 1]`` fp32,
+  ``self_attn.g_a_proj`` / ``self_attn.g_b_proj`` (Kimi Linear), ``self_attn.A_log`` fp32 (``[1, 1, H, 1]`` from transformers, ``[D]`` zero-padded in K3),
   ``self_attn.dt_bias`` ``[H*D]`` fp32, ``self_attn.o_norm``, ``self_attn.o_proj``.
 - MLA: ``self_attn.q_proj`` or ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
   ``self_attn.kv_a_proj_with_mqa``, ``self_attn.kv_a_layernorm``, ``self_attn.kv_b_proj``, optional output gate
@@ -40,15 +40,22 @@ _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor: canonical name (without the K3 ``language_model.`` prefix), shape and kind."""
+    """One checkpoint tensor: canonical name (without the K3 ``language_model.`` prefix), shape and kind.
+
+    ``alt_shapes``: other layouts of the same values that releases use (e.g. ``A_log``, see ``_kda_specs``).
+    """
 
     name: str
     shape: tuple[int, ...]
     kind: str = "float"
+    alt_shapes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        return shape == self.shape or shape in self.alt_shapes
 
 
 def layer_prefix(layer: int) -> str:
@@ -84,7 +91,10 @@ def _kda_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
     specs += [TensorSpec(a + f"{x}_conv1d.weight", (h * d, 1, w)) for x in "qkv"]
     specs += [TensorSpec(a + "f_a_proj.weight", (d, hid)), TensorSpec(a + "f_b_proj.weight", (h * d, d)),
               TensorSpec(a + "b_proj.weight", (h, hid)),
-              TensorSpec(a + "A_log", (1, 1, h, 1), "fp32"), TensorSpec(a + "dt_bias", (h * d,), "fp32"),
+              # A_log: [1, 1, H, 1] as transformers writes it, [H], or (the K3 release) [D] with the H real
+              # entries first and zero padding up to head_dim; the model keeps the first H values.
+              TensorSpec(a + "A_log", (1, 1, h, 1), "fp32", alt_shapes=((h,), (d,)) if d > h else ((h,),)),
+              TensorSpec(a + "dt_bias", (h * d,), "fp32"),
               TensorSpec(a + "o_norm.weight", (d,)), TensorSpec(a + "o_proj.weight", (hid, h * d))]
     if cfg.kda.full_rank_gate:
         specs.append(TensorSpec(a + "g_proj.weight", (h * d, hid)))

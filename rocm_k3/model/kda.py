@@ -52,7 +52,7 @@ class KDAWeights:
             conv=conv.contiguous(),
             f_b=t["f_b_proj.weight"],
             g_b=None if cfg.kda.full_rank_gate else t["g_b_proj.weight"],
-            A_log=t["A_log"].reshape(-1).float(),  # [1, 1, H, 1] -> [H]
+            A_log=t["A_log"].reshape(-1)[:cfg.kda.num_heads].float(),  # [1, 1, H, 1], [H] or padded [D] -> [H]
             dt_bias=t["dt_bias"].reshape(-1).float(),
             o_norm=t["o_norm.weight"],
             o_proj=t["o_proj.weight"],

@@ -101,8 +101,9 @@ def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, str,
                 continue
             if canon in found:
                 raise CorruptCheckpointError(f"tensor {name} appears in both {found[canon][0].name} and {file.name}")
-            if shape != spec.shape:
-                wrong.append(f"{name}: expected shape {list(spec.shape)}, got {list(shape)}")
+            if not spec.accepts(shape):
+                alts = "".join(f" or {list(a)}" for a in spec.alt_shapes)
+                wrong.append(f"{name}: expected shape {list(spec.shape)}{alts}, got {list(shape)}")
             elif spec.kind == "uint8" and st_dtype != "U8":
                 wrong.append(f"{name}: expected dtype uint8 (MXFP4 bytes), got {st_dtype}")
             elif spec.kind != "uint8" and st_dtype not in ("F32", "F16", "BF16", "F64"):

@@ -136,7 +136,9 @@ def random_tensors(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.T
         if name.endswith(("_norm.weight", "layernorm.weight", "o_norm.weight", "model.norm.weight")):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith("A_log"):
-            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()  # [1, 1, H, 1]
+            if cfg.is_k3:  # the K3 release stores A_log as [head_dim]: H real entries, then zero padding
+                t = torch.cat([t.reshape(-1), torch.zeros(cfg.kda.head_dim - cfg.kda.num_heads)])
         elif name.endswith("dt_bias"):
             dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
             t = dt + torch.log(-torch.expm1(-dt))
