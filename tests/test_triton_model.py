@@ -29,7 +29,8 @@ from rocm_k3.triton_kernels import backend as triton_backend  # noqa: E402
 from rocm_k3.triton_kernels.norm import _rms_norm_kernel  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 
-_INTERPRETED = interpreted(_rms_norm_kernel)
+# both ours and Triton's own standard library must be interpreted (see tests/test_triton_ops.py)
+_INTERPRETED = interpreted(_rms_norm_kernel) and interpreted(triton.language.sigmoid)
 PROMPTS = ["Hello, my name is", "The capital of France"]
 
 
