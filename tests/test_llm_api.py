@@ -97,6 +97,21 @@ def test_checkpoint_without_tokenizer(tiny_dir, tmp_path) -> None:
     assert len(out.token_ids) == 6 and out.text == ""
 
 
+def test_checkpoint_tokenizer_json(tiny_dir, tmp_path) -> None:
+    """A released checkpoint's tokenizer.json (read with the tokenizers package) encodes prompts and decodes output."""
+    tokenizers = pytest.importorskip("tokenizers")
+    ckpt = tmp_path / "hf_tok"
+    shutil.copytree(tiny_dir, ckpt)
+    (ckpt / TOKENIZER_FILE).unlink()
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["hello", "world"] + [f"w{i}" for i in range(260)])}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    out = LLM(ckpt, dtype="float32").generate("hello world", GREEDY)[0]
+    assert out.prompt_token_ids == [1, 2]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True) and out.text
+
+
 def test_invalid_arguments(tiny_dir, llm: LLM) -> None:
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_dir, dtype="int8")

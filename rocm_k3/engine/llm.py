@@ -18,7 +18,7 @@ from rocm_k3.engine.sampling import SamplingParams
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import ensure_embedded_model
-from rocm_k3.model.tokenizer import ByteTokenizer
+from rocm_k3.model.tokenizer import load_tokenizer
 from rocm_k3.settings import BACKEND_CHOICES
 
 Prompt = Union[str, Sequence[int]]
@@ -60,7 +60,7 @@ class LLM:
             raise ValueError(f"max_model_len: expected an int in [1, max_position_embeddings={limit}], "
                              f"got {max_model_len!r}")
         self.max_model_len = max_model_len
-        self.tokenizer = ByteTokenizer.from_dir(self.path)
+        self.tokenizer = load_tokenizer(self.path)  # None: token-id prompts only
         self.eos_token_ids = tuple(self.config.eos_token_id)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
