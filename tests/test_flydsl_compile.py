@@ -87,6 +87,22 @@ def _kda_decode_case(shape: str) -> Case:
     )
 
 
+def _kda_prefill_case(shape: str) -> Case:
+    from rocm_k3.flydsl_kernels.kda_prefill import KdaPrefillConfig, build_kda_prefill
+
+    H = SHAPES[shape]["heads"]
+    cfg = KdaPrefillConfig(H, HEAD, "bf16", "safe", -5.0)
+    T, N, S, M, G = 40, 2, 4, 2, 4
+
+    def args() -> tuple:
+        qkv = [z(T, H, HEAD) for _ in range(4)]
+        return (*qkv, z(T, H), z(N + 1, dtype=I32), z(S, H, HEAD, HEAD, dtype=F32), z(N, dtype=I32), z(N, dtype=I32),
+                z(N + 1, dtype=I32), z(G, dtype=I32), z(G, dtype=I32), z(G, dtype=I32),
+                z(M, H, HEAD, HEAD, dtype=F32), z(T, H, HEAD), z(H, dtype=F32), z(H * HEAD, dtype=F32), N, HEAD**-0.5)
+
+    return Case(f"kda_prefill_recurrent-{shape}-H{H}", lambda arch: build_kda_prefill(cfg), args, vgpr_budget=224)
+
+
 _MOE_MFMA = {
     ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
     ("bf16", "gfx950"): "v_mfma_f32_16x16x32_bf16",
@@ -153,6 +169,8 @@ def _cases() -> list[Case]:
         _attn_res_case(0, False, has_partial=False),
         _kda_decode_case("K3"),
         _kda_decode_case("TP8"),
+        _kda_prefill_case("K3"),
+        _kda_prefill_case("TP8"),
         _quant_case(LATENT, "bf16"),
         _quant_case(3072, "f32"),
         _quant_case(384, "f32"),

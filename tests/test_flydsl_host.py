@@ -242,7 +242,8 @@ def test_backend_available_only_on_rocm_gfx942_gfx950() -> None:
     assert available(DeviceInfo("rocm", "gfx950", "MI355X"))[0]
 
 
-FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "fused_moe"]
+FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "kda_prefill",
+              "fused_moe"]
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
@@ -276,6 +277,24 @@ def test_fused_moe_supports_explains_refusals() -> None:
     assert not ok and "float8_e4m3fnuz" in why
     ok, why = fused_moe_supports(x.float(), prepared, tw, ids)
     assert not ok and "bf16" in why
+
+
+def test_prefill_segments_split_sequences_at_requested_positions() -> None:
+    from rocm_k3.flydsl_kernels.ops_impl import _segments
+
+    cu = torch.tensor([0, 5, 12, 12], dtype=torch.int32)  # lengths 5, 7, 0
+    rows = torch.tensor([[1, 3], [0, 2], [1, 7], [1, 3]], dtype=torch.int32)
+    ptr, start, end, row = (t.tolist() for t in _segments(cu, rows, torch.device("cpu")))
+    assert ptr == [0, 2, 6, 7]
+    assert list(zip(start, end, row)) == [
+        (0, 2, 1), (2, 5, -1),  # seq 0: save after 2 tokens, then the final state
+        (0, 3, 0), (3, 3, 3), (3, 7, 2), (7, 7, -1),  # seq 1: p=3 requested twice, p=7 = its length
+        (0, 0, -1),  # empty seq 2: final state only
+    ]
+    for i in range(3):  # the segments of each sequence tile [0, len) in order
+        seq = list(zip(start, end))[ptr[i] : ptr[i + 1]]
+        assert seq[0][0] == 0 and seq[-1][1] == int(cu[i + 1] - cu[i])
+        assert all(a[1] == b[0] for a, b in zip(seq, seq[1:]))
 
 
 def test_row_kernel_supports_explain_refusals() -> None:

@@ -119,6 +119,40 @@ def test_kda_decode(N: int, H: int, lower: float | None) -> None:
     assert torch.equal(conv_state, cs_ref), "conv_state"
 
 
+PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)]), ([1, 33], None, []), ([70], "softplus", [(0, 70)])]
+
+
+@pytest.mark.parametrize("lens,gate,save", PREFILL, ids=["3seq-safe-save", "2seq-logdecay", "1seq-softplus-save"])
+def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]]) -> None:
+    from rocm_k3.ops.kda import KDAGateParams, kda_prefill
+
+    H, K = 4, 128
+    T, N, S = sum(lens), len(lens), len(lens) + 2
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32).to(DEV)
+    q, k, v = rnd(T, H, K, seed=30), rnd(T, H, K, seed=31), rnd(T, H, K, seed=32)
+    params = None
+    if gate is None:
+        g = -torch.rand(T, H, K, generator=seeded(33)).to(DEV) * 0.5  # fp32 log-decay
+    else:
+        g = rnd(T, H, K, seed=33)
+        params = KDAGateParams(rnd(H, dtype=torch.float32, seed=34, scale=0.3), rnd(H * K, dtype=torch.float32, seed=35),
+                               -5.0 if gate == "safe" else None)
+    beta = rnd(T, H, seed=36)
+    state = rnd(S, H, K, K, dtype=torch.float32, seed=37, scale=0.1)
+    slots = torch.arange(N, dtype=torch.int32, device=DEV) + 1
+    has_init = torch.tensor([i % 2 == 0 for i in range(N)], device=DEV)
+    pos = torch.tensor(save, dtype=torch.int32, device=DEV) if save else None
+    st_ref = state.clone()
+    out = kda_prefill(q, k, v, g, beta, cu, state, slots, has_init, gate_params=params, intermediate_positions=pos,
+                      backend="flydsl")
+    ref = kda_prefill(q, k, v, g, beta, cu, st_ref, slots, has_init, gate_params=params, intermediate_positions=pos,
+                      backend="reference")
+    assert_rel(out.o, ref.o, 1e-2, "o")
+    assert_rel(state, st_ref, 1e-4, "final states")
+    if save:
+        assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
+
+
 MOE = [(1, 4, 8), (37, 4, 8), (129, 8, 16)]
 
 

@@ -5,8 +5,8 @@ priority order of ``rocm_k3.ops.registry``). Every kernel is compile-verified fo
 ``compile`` test tier (ISA checks) and has host-tested index maps; none has been run on an AMD GPU by
 the authors yet — ``pytest -m rocm`` on an MI300X/MI355X is the parity check.
 
-Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, fused_moe (MXFP4 experts,
-A16W4 and A8W4). MoE weights must be prepared once at load time with :func:`prepare_weights`;
+Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, kda_prefill (recurrent form, not
+yet the chunked MFMA algorithm), fused_moe (MXFP4 experts, A16W4 and A8W4). MoE weights must be prepared once at load time with :func:`prepare_weights`;
 ``fused_moe`` declines unprepared weights (``supports`` says so) rather than re-laying them per call.
 """
 
@@ -27,6 +27,7 @@ def kernel_table() -> dict[str, tuple]:
         "gated_rms_norm": (ops_impl.gated_rms_norm, ops_impl.gated_rms_norm_supports),
         "attn_res_step": (ops_impl.attn_res_step, ops_impl.attn_res_step_supports),
         "kda_decode": (ops_impl.kda_decode, ops_impl.kda_decode_supports),
+        "kda_prefill": (ops_impl.kda_prefill, ops_impl.kda_prefill_supports),
         "fused_moe": (moe.fused_moe, moe.fused_moe_supports),
     }
 

@@ -199,3 +199,77 @@ def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, 
         state_indices.to(torch.int32).contiguous(), y, N, float(K**-0.5 if scale is None else scale), float(eps),
     )
     return y
+
+
+# --- kda_prefill (recurrent form, see kda_prefill.py) --------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _kda_prefill_launcher(cfg):
+    from rocm_k3.flydsl_kernels.kda_prefill import build_kda_prefill
+
+    return build_kda_prefill(cfg)
+
+
+def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_state, *, scale=None,
+                         gate_params=None, qk_l2norm=True, beta_logits=True, intermediate_positions=None):
+    K, V = q.shape[-1], v.shape[-1]
+    if K not in (64, 128) or V != K:
+        return False, f"head dims K={K}, V={V}: the kernel needs K == V in (64, 128)"
+    if v.dtype not in _ACT:
+        return False, f"v dtype {v.dtype} is not bf16/fp16/fp32"
+    if not state.is_contiguous():
+        return False, "state must be contiguous [S, H, K, V]"
+    return True, "flydsl recurrent-form prefill (no MFMA; exact, slow for long prompts)"
+
+
+def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: torch.device):
+    """Split every sequence at its requested positions: (SegPtr [N+1], SegStart, SegEnd, SegRow) int32.
+
+    Segments of sequence i cover [0, len_i) in order; a segment ending at a requested position p carries the
+    output row of (i, p) (repeated requests give zero-length segments), the last one row -1.
+    """
+    bounds = cu_seqlens.tolist()
+    wanted: dict[int, list[tuple[int, int]]] = {}
+    for row, (i, p) in enumerate([] if positions is None else positions.tolist()):
+        wanted.setdefault(int(i), []).append((int(p), row))
+    ptr, start, end, rows = [0], [], [], []
+    for i in range(len(bounds) - 1):
+        pos = 0
+        for p, row in sorted(wanted.get(i, [])):
+            start.append(pos), end.append(p), rows.append(row)
+            pos = p
+        start.append(pos), end.append(bounds[i + 1] - bounds[i]), rows.append(-1)
+        ptr.append(len(start))
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    return as_i32(ptr), as_i32(start), as_i32(end), as_i32(rows)
+
+
+def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_state, *, scale=None,
+                gate_params=None, qk_l2norm=True, beta_logits=True, intermediate_positions=None):
+    """FlyDSL ``kda_prefill`` (recurrent form): KDAPrefillOutput(o [T, H, V], intermediate states or None)."""
+    from rocm_k3.flydsl_kernels.kda_prefill import KdaPrefillConfig
+    from rocm_k3.ops.kda import KDAPrefillOutput
+
+    T, H, K = q.shape
+    N = cu_seqlens.numel() - 1
+    dev = q.device
+    o = torch.empty(T, H, v.shape[-1], dtype=v.dtype, device=dev)
+    M = 0 if intermediate_positions is None else intermediate_positions.shape[0]
+    inter = torch.empty(max(M, 1), H, K, K, dtype=torch.float32, device=dev)
+    if gate_params is None:
+        gate, lower, a_log, dt_bias = "logdecay", None, state, state  # the gate tensors are not read
+    else:
+        a_log, dt_bias, lower = gate_params
+        gate = "softplus" if lower is None else "safe"
+    cfg = KdaPrefillConfig(H, K, _name(v.dtype), gate, None if lower is None else float(lower), beta_logits,
+                           qk_l2norm)
+    if N:
+        seg_ptr, seg_start, seg_end, seg_row = _segments(cu_seqlens, intermediate_positions, dev)
+        _kda_prefill_launcher(cfg)(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            cu_seqlens.to(torch.int32).contiguous(), state, state_indices.to(torch.int32).contiguous(),
+            has_initial_state.to(torch.int32).contiguous(), seg_ptr, seg_start, seg_end, seg_row, inter, o,
+            a_log.contiguous(), dt_bias.contiguous(), N, float(K**-0.5 if scale is None else scale),
+        )
+    return KDAPrefillOutput(o, inter[:M] if M else None)

@@ -1,0 +1,176 @@
+"""FlyDSL KDA prefill, RECURRENT form (compile-verified for gfx942/gfx950; not yet run on an AMD GPU).
+
+This is not the chunked (C = 64, WY) algorithm of K3_SPEC section 2: it runs the token recurrence the
+chunked form is an exact rewrite of, sequentially over each sequence's tokens, with the state in registers:
+
+    per token t of sequence i, head h (q, k L2-normalised per head, q scaled; beta = sigmoid(b) if logits;
+    g = kda_gate(f) when gate parameters are given, else the fp32 log-decay):
+        S = diag(exp(g_t)) S;  u = v_t - S^T k_t;  S = S + beta_t k_t u^T;  o_t = S^T q_t
+
+It is exact up to fp32 summation order (the chunked reference agrees with it to ~1e-6), supports any
+intermediate position (not only chunk boundaries), and its cost is linear in T but with no MFMA and
+T sequential steps per (sequence, head): fine for short prompts and prefix-cache continuations, slow
+for long prompts. The chunked MFMA formulation (intra-chunk A and Aqk as 64x64 MFMA tiles, forward
+substitution, inter-chunk state passing) is the planned replacement; the Triton twin already has it.
+
+Tiling (the decode kernel's): one 256-lane workgroup per (sequence, head), grid (N, H); the lane pair
+(2c, 2c+1) owns key channel c (its q/k/g loads) and value column c of the [K, V] state, each lane 64 rows
+in registers. Per token: two 4-wave reductions (the L2 norms) and LDS broadcast of q, k, exp(g);
+the state is read once per sequence and written once per requested intermediate position plus at the end.
+Segments: the host splits each sequence at its intermediate positions (``SegStart/SegEnd/SegRow``); after
+a segment the state is stored to ``Inter[row]`` (row -1: the final segment, stored to ``state[slot]``).
+"""
+
+import dataclasses
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.expr import const_expr, gpu, range_constexpr
+from flydsl.expr import math as fmath
+
+from rocm_k3.flydsl_kernels import common
+from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN, kda_decode_lane, kda_decode_row
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaPrefillConfig:
+    """Static configuration: heads, head dim (K = V), dtype of q/k/v, gate and beta variants, l2 norm."""
+
+    num_heads: int
+    head_dim: int = 128
+    dtype: str = "bf16"
+    gate: str = "logdecay"  # "logdecay" (g is fp32 log-decay) | "safe" (lower_bound gate) | "softplus"
+    lower_bound: float | None = None
+    beta_logits: bool = True
+    qk_l2norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.gate not in ("logdecay", "safe", "softplus"):
+            raise ValueError(f"gate must be logdecay, safe or softplus, got {self.gate!r}")
+        if (self.gate == "safe") != (self.lower_bound is not None):
+            raise ValueError("lower_bound is required by (and only by) the safe gate")
+        if self.dtype not in ("bf16", "f16", "f32"):
+            raise ValueError(f"unsupported dtype {self.dtype}")
+
+
+def build_kda_prefill(config: KdaPrefillConfig):
+    """``launch(Q, Kt, V, G, Beta, CuSeq, State, Slots, HasInit, SegPtr, SegStart, SegEnd, SegRow, Inter, O,
+    ALog, DtBias, N, scale)``: shapes as ``rocm_k3.ops.kda.kda_prefill``; HasInit int32 [N]; SegPtr int32
+    [N+1] and SegStart/SegEnd/SegRow int32 [G] (token offsets inside the sequence; row -1 = final);
+    Inter fp32 [M, H, K, V]; O [T, H, V]; ALog/DtBias only read for the safe/softplus gates."""
+    H, K = config.num_heads, config.head_dim
+    lanes = KDA_LANES_PER_COLUMN * K
+    waves = lanes // common.WAVE
+    rows = K // KDA_LANES_PER_COLUMN
+    act = common.fx_dtype(config.dtype)
+
+    @fx.struct
+    class Shared:
+        q: fx.Array[fx.Float32, K, 16]
+        k: fx.Array[fx.Float32, K, 16]
+        eg: fx.Array[fx.Float32, K, 16]
+        red: fx.Array[fx.Float32, 8, 16]
+
+    @flyc.kernel
+    def kda_prefill_kernel(
+        Q: fx.Tensor, Kt: fx.Tensor, V: fx.Tensor, G: fx.Tensor, Beta: fx.Tensor, CuSeq: fx.Tensor,
+        State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, SegPtr: fx.Tensor, SegStart: fx.Tensor,
+        SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
+        scale: fx.Float32,
+    ):
+        tid = gpu.thread_idx.x
+        c, half = kda_decode_lane(tid)
+        lead = half == 0
+        n = gpu.block_idx.x
+        h = gpu.block_idx.y
+        bos = fx.Int32(CuSeq[n])
+        slot = fx.Int32(Slots[n])
+        lds = fx.SharedAllocator().allocate(Shared).peek()
+        sq = lds.q.view(fx.make_layout(K, 1))
+        sk = lds.k.view(fx.make_layout(K, 1))
+        seg = lds.eg.view(fx.make_layout(K, 1))
+        red = lds.red.view(fx.make_layout(8, 1))
+        f32 = common.copy_atom("f32", 1)
+        tile = common.flat_vectors(common.static_view(fx.slice(State, (slot, h, None, None)), K * K), 1)
+        if const_expr(config.gate != "logdecay"):
+            a_h = fmath.exp(fx.Float32(ALog[h]))
+            bias_c = fx.Float32(DtBias[h * K + c])
+
+        # the lane's 64 rows of column c, zero unless the sequence continues a cached state
+        keep = (fx.Int32(HasInit[n]) != 0).select(1.0, 0.0)
+        col = fx.make_rmem_tensor(rows, fx.Float32)
+        col.store(fx.Vector.from_elements(
+            [common.load_vec(f32, tile, kda_decode_row(half, i, K) * K + c, 1, "f32")[0] * keep
+             for i in range_constexpr(rows)], fx.Float32))
+
+        for sgi in range(fx.Int32(SegPtr[n]), fx.Int32(SegPtr[n + 1])):
+            for t in range(bos + fx.Int32(SegStart[sgi]), bos + fx.Int32(SegEnd[sgi])):
+                q = fx.Float32(Q[t, h, c])
+                k = fx.Float32(Kt[t, h, c])
+                v = fx.Float32(V[t, h, c])
+                graw = fx.Float32(G[t, h, c])
+                if const_expr(config.gate == "safe"):
+                    g = common.sigmoid(a_h * (graw + bias_c)) * float(config.lower_bound)
+                elif const_expr(config.gate == "softplus"):
+                    g = -a_h * common.softplus(graw + bias_c)
+                else:
+                    g = graw
+                beta = fx.Float32(Beta[t, h])
+                if const_expr(config.beta_logits):
+                    beta = common.sigmoid(beta)
+                if const_expr(config.qk_l2norm):
+                    qq, kk = common.block_sum2(lead.select(q * q, 0.0), lead.select(k * k, 0.0), red, tid, waves)
+                    q = q * fmath.rsqrt(qq + 1e-6)
+                    k = k * fmath.rsqrt(kk + 1e-6)
+                sq[c] = q * scale
+                sk[c] = k
+                seg[c] = fmath.exp(g)
+                gpu.barrier()
+                s = fx.memref_load_vec(col)
+                decayed = []
+                dot = fx.Float32(0.0)
+                for i in range_constexpr(rows):
+                    r = kda_decode_row(half, i, K)
+                    d_r = s[i] * seg[r]
+                    decayed.append(d_r)
+                    dot = dot + d_r * sk[r]
+                dot = dot + dot.shuffle_xor(1, common.WAVE)
+                u = (v - dot) * beta
+                new = []
+                o = fx.Float32(0.0)
+                for i in range_constexpr(rows):
+                    r = kda_decode_row(half, i, K)
+                    s_r = decayed[i] + sk[r] * u
+                    new.append(s_r)
+                    o = o + s_r * sq[r]
+                col.store(fx.Vector.from_elements(new, fx.Float32))
+                o = o + o.shuffle_xor(1, common.WAVE)
+                if lead:
+                    O[t, h, c] = o.to(act)
+                gpu.barrier()  # every lane has read sq/sk/seg before the next token overwrites them
+            row = fx.Int32(SegRow[sgi])
+            s = fx.memref_load_vec(col)
+            if row >= 0:
+                for i in range_constexpr(rows):
+                    Inter[row, h, kda_decode_row(half, i, K), c] = s[i]
+
+        s = fx.memref_load_vec(col)
+        for i in range_constexpr(rows):
+            r = kda_decode_row(half, i, K)
+            common.store_vec(f32, tile, r * K + c, fx.Vector.filled(1, s[i], fx.Float32), 1, "f32")
+
+    @flyc.jit
+    def launch(
+        Q: fx.Tensor, Kt: fx.Tensor, V: fx.Tensor, G: fx.Tensor, Beta: fx.Tensor, CuSeq: fx.Tensor,
+        State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, SegPtr: fx.Tensor, SegStart: fx.Tensor,
+        SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
+        num_seqs: fx.Int32, scale: fx.Float32, stream: fx.Stream = fx.Stream(None),
+    ):
+        kda_prefill_kernel(
+            Q, Kt, V, G, Beta, CuSeq, State, Slots, HasInit, SegPtr, SegStart, SegEnd, SegRow, Inter, O, ALog,
+            DtBias, scale,
+        ).launch(grid=(num_seqs, H), block=(lanes,), stream=stream)
+
+    return launch
