@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 from model_fixtures import one_thread  # noqa: F401 (autouse)
+
 from rocm_k3.cli import main
 from rocm_k3.model.tiny import EMBEDDED_NAME
 from rocm_k3.model.tokenizer import TOKENIZER_FILE
@@ -50,6 +49,6 @@ def test_readme_command_on_a_fresh_cache(tmp_path) -> None:
     """``rocm-k3 generate "Hello"`` with an empty cache directory: builds the embedded model and generates."""
     env = dict(os.environ, ROCM_K3_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "rocm_k3.cli", "generate", "Hello", "--max-tokens", "4"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "prompt: 'Hello'" in proc.stdout and "output: " in proc.stdout

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
+from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 import rocm_k3
-from model_fixtures import one_thread  # noqa: F401 (autouse)
 from rocm_k3.engine.llm import LLM, PromptTooLongError
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import EMBEDDED_NAME, write_tiny_checkpoint

@@ -7,12 +7,17 @@ import shutil
 
 import pytest
 import torch
+from model_fixtures import one_thread, write_kimi_linear_checkpoint  # noqa: F401 (autouse)
 from safetensors.torch import load_file, save_file
 
-from model_fixtures import write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
 from rocm_k3.model.config import UnsupportedModelError
-from rocm_k3.model.loader import (CorruptCheckpointError, MissingTensorError, TensorShapeError,
-                                  UnexpectedTensorError, load_model)
+from rocm_k3.model.loader import (
+    CorruptCheckpointError,
+    MissingTensorError,
+    TensorShapeError,
+    UnexpectedTensorError,
+    load_model,
+)
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 

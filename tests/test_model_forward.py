@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_rel, seeded
+from model_fixtures import KL_VOCAB, one_thread, write_kimi_linear_checkpoint  # noqa: F401 (autouse)
 from safetensors.torch import load_file
 
-from model_fixtures import KL_VOCAB, write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
-from helpers import assert_rel, seeded
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model_fixtures import write_kimi_linear_checkpoint, one_thread  # noqa: F401 (autouse)
 from helpers import assert_rel, seeded
+from model_fixtures import one_thread, write_kimi_linear_checkpoint  # noqa: F401 (autouse)
+
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint

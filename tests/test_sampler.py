@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import seeded
+
 from rocm_k3.engine.sampler import check_stop, make_generator, sample
 from rocm_k3.engine.sampling import SamplingParams
 

@@ -7,8 +7,8 @@ Requests currently run one at a time over a :class:`~rocm_k3.model.simple_cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.model.tokenizer import load_tokenizer
 from rocm_k3.settings import BACKEND_CHOICES
 
-Prompt = Union[str, Sequence[int]]
+Prompt = str | Sequence[int]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 

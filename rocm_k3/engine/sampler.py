@@ -10,7 +10,8 @@ requests share its batch. Log-probabilities are those of the unmodified distribu
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class AttnResSite:
     norm: torch.Tensor
 
     @classmethod
-    def from_checkpoint(cls, proj: torch.Tensor, norm: torch.Tensor) -> "AttnResSite":
+    def from_checkpoint(cls, proj: torch.Tensor, norm: torch.Tensor) -> AttnResSite:
         return cls(proj=proj.reshape(-1), norm=norm)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_linear")
 
@@ -238,7 +239,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
         """Build from a parsed HF ``config.json`` (K3 top-level or plain Kimi Linear)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config.json: expected a JSON object, got {type(raw).__name__}")
@@ -260,7 +261,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` from a checkpoint directory."""
         file = Path(path) / "config.json"
         if not file.is_file():

@@ -10,7 +10,7 @@ set, else the plain pre-norm residual (Kimi Linear). Weights are built once from
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ class KimiModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: MutableMapping[str, torch.Tensor],
-                     backend: str | None = None) -> "KimiModel":
+                     backend: str | None = None) -> KimiModel:
         """Build from canonical-name tensors (already validated, cast and placed); consumes ``tensors``."""
 
         def take(prefix: str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ live in the cache and are updated in place at the batch's KDA slots.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class KDAWeights:
     o_proj: torch.Tensor
 
     @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor]) -> "KDAWeights":
+    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor]) -> KDAWeights:
         """``t`` maps names inside ``self_attn.`` (e.g. ``"q_proj.weight"``) to loaded tensors."""
         gate_in = t["g_proj.weight"] if cfg.kda.full_rank_gate else t["g_a_proj.weight"]
         in_proj = torch.cat([t["q_proj.weight"], t["k_proj.weight"], t["v_proj.weight"], t["f_a_proj.weight"],

@@ -10,8 +10,8 @@ device, and build the model, which fuses what the ops want fused.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open

@@ -9,7 +9,7 @@ the absorbed 512-d latent space (``mla_decode``) with ``W_uk`` folded into q and
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ class MLAWeights:
     w_uv: torch.Tensor
 
     @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor]) -> "MLAWeights":
+    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor]) -> MLAWeights:
         """``t`` maps names inside ``self_attn.`` (e.g. ``"kv_b_proj.weight"``) to loaded tensors."""
         q_in = t["q_proj.weight"] if cfg.q_lora_rank is None else t["q_a_proj.weight"]
         parts = [q_in, t["kv_a_proj_with_mqa.weight"]]

@@ -8,7 +8,7 @@ routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose re
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class DenseMLP:
 
     @classmethod
     def from_checkpoint(cls, t: Mapping[str, torch.Tensor], activation: MoEActivation,
-                        backend: str | None) -> "DenseMLP":
+                        backend: str | None) -> DenseMLP:
         """``t`` maps ``gate_proj.weight`` / ``up_proj.weight`` / ``down_proj.weight`` to tensors."""
         gate_up = torch.cat([t["gate_proj.weight"], t["up_proj.weight"]], dim=0).contiguous()
         return cls(gate_up, t["down_proj.weight"], activation, backend)
@@ -72,7 +72,7 @@ class MoEBlock:
         self.backend = backend
 
     @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor], backend: str | None) -> "MoEBlock":
+    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor], backend: str | None) -> MoEBlock:
         """``t`` maps names inside ``block_sparse_moe.`` to tensors; per-expert tensors are stacked here."""
         e = cfg.num_experts
         if cfg.expert_format == "mxfp4":

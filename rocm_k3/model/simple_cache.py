@@ -9,7 +9,7 @@ so the model cannot tell them apart; :meth:`SimpleCache.prepare` builds the Forw
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

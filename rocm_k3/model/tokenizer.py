@@ -57,7 +57,7 @@ class ByteTokenizer:
         (Path(directory) / TOKENIZER_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> "ByteTokenizer | None":
+    def from_dir(cls, directory: str | Path) -> ByteTokenizer | None:
         """The tokenizer saved in ``directory``, or None when the checkpoint has none."""
         file = Path(directory) / TOKENIZER_FILE
         if not file.is_file():
@@ -87,7 +87,7 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def load_tokenizer(directory: str | Path) -> "ByteTokenizer | HFTokenizer | None":
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | None:
     """The checkpoint's tokenizer: rocm_k3's byte tokenizer, else ``tokenizer.json`` (needs the ``tokenizers``
     package), else None (the model then takes token ids only)."""
     byte = ByteTokenizer.from_dir(directory)
