@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (tiny matmuls: 1 is fastest)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     return p.parse_args(argv)
 
@@ -84,6 +85,7 @@ def run_once(model, args: argparse.Namespace, prompts: list[list[int]], caching:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     path = args.model if args.model is not None else ensure_embedded_model()
     model = load_model(path, dtype=torch.float32, device="cpu", progress=False)
     gen = torch.Generator().manual_seed(args.seed)
