@@ -73,6 +73,19 @@ def test_varlen_batch_matches_single_sequences(model) -> None:
         assert_rel(batched[:, row], wanted, TOL, f"sequence {row}")
 
 
+def test_mixed_prefill_and_decode_step(model) -> None:
+    """Continuous batching: one sequence decodes while another starts its prefill in the same (non-decode) step."""
+    a, b = _ids(model, 7, seed=8), _ids(model, 6, seed=9)
+    cache = SimpleCache(model.cfg, max_seqs=2, max_model_len=8, block_size=4, dtype=model.dtype)
+    model.forward(cache.prepare([(0, a[:6])]), cache)
+    batch = cache.prepare([(1, b), (0, a[6:])])
+    assert not batch.is_decode
+    mixed = model.forward(batch, cache)  # [2, vocab]: last token of b, then a's decode token
+    for row, seq in ((0, b), (1, a)):
+        single = _all_rows(SimpleCache(model.cfg, max_model_len=len(seq), dtype=model.dtype), [(0, seq)], model)
+        assert_rel(mixed[row], single[-1], TOL, f"row {row}")
+
+
 def test_saved_kda_states_equal_prefix_states(model) -> None:
     ids = _ids(model, 12, seed=6)
     cache = SimpleCache(model.cfg, max_model_len=12, spare_slots=2, dtype=model.dtype)
