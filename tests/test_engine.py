@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.errors import CacheBudgetError, RequestTooLargeError
 from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.engine import LLMEngine
@@ -191,3 +192,30 @@ def test_shared_1000_token_prefix_skips_prefill_with_mid_block_copy(model):
     assert stats["hit_tokens"] == 960 and stats["state_restores"] == 1  # 1002 // 64 * 64: one token left
     assert stats["cow_copies"] == 1  # 960 = 7.5 blocks of 128: the half block is copied
     assert stats["prefill_tokens"] - computed == 1003 - 960
+
+
+def test_seeded_sampling_is_the_same_with_and_without_prefix_caching(model):
+    vocab = model.cfg.vocab_size
+    base = _ids(40, 4, vocab)
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=123, max_tokens=5, ignore_eos=True)
+    outs = []
+    for caching in (True, False):
+        eng = _engine(model, caching)
+        eng.add_request("a", base + [3], params)
+        eng.step()  # "a" is prefilled (and, with caching, its states saved) before "b" arrives
+        eng.add_request("b", base + [4, 5], params)
+        outs.append({k: v.token_ids for k, v in eng.run_to_completion().items()})
+        if caching:
+            assert eng.stats()["hit_tokens"] == 40
+    assert outs[0] == outs[1]
+
+
+def test_named_errors_and_length_cap(model):
+    with pytest.raises(CacheBudgetError, match="KV budget"):
+        LLMEngine(model, EngineConfig(max_model_len=4096, cache=CacheConfig(kv_cache_bytes=10_000)))
+    eng = _engine(model, True, max_len=40)
+    with pytest.raises(RequestTooLargeError, match="max_model_len=40"):
+        eng.add_request("long", list(range(1, 42)), GREEDY)
+    eng.add_request("fits", list(range(1, 39)), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    out = eng.run_to_completion()["fits"]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"  # 38 + 3 - 1 = 40 positions

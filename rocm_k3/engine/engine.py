@@ -34,7 +34,6 @@ class _RequestState:
     params: SamplingParams
     generator: torch.Generator
     logprobs: list[dict[int, float]] | None
-    text: str = ""
 
 
 class LLMEngine:
@@ -142,7 +141,9 @@ class LLMEngine:
             if st.logprobs is not None:
                 st.logprobs.append(sampled.logprobs[k])
             generated = seq.output_token_ids
-            text = self.tokenizer.decode(generated) if self.tokenizer is not None else ""
+            # decoding every step is only needed to look for stop strings; otherwise once, at the end
+            watch_text = self.tokenizer is not None and bool(st.params.stop)
+            text = self.tokenizer.decode(generated) if watch_text else ""
             decision = check_stop(generated, text, st.params, self.eos_token_ids)
             reason = decision.finish_reason
             if reason is None and len(generated) >= seq.max_tokens:
@@ -152,7 +153,13 @@ class LLMEngine:
                 finished.append(
                     FinishedRequest(
                         seq.request_id,
-                        RequestOutput(list(seq.prompt_token_ids), generated, decision.text, st.logprobs, reason),
+                        RequestOutput(
+                            list(seq.prompt_token_ids),
+                            generated,
+                            self._final_text(generated, decision.text, watch_text),
+                            st.logprobs,
+                            reason,
+                        ),
                     )
                 )
                 self._forget(seq.request_id)
@@ -179,6 +186,11 @@ class LLMEngine:
             num_state_slots=self.cache_manager.slots.size,
         )
         return out
+
+    def _final_text(self, generated: list[int], checked_text: str, watched: bool) -> str:
+        if watched:
+            return checked_text  # already cut before a matched stop string
+        return self.tokenizer.decode(generated) if self.tokenizer is not None else ""
 
     def _forget(self, request_id: str) -> None:
         del self._seqs[request_id]
