@@ -106,7 +106,7 @@ def bench_moe(dev: str, quick: bool) -> None:
     ms = timed(lambda: fused_moe_with(x, weights, tw, ids), graph=False)
     nbytes = torch.unique(ids).numel() * per_expert
     record("moe_a16w4", f"T{t} prefill", ms, None, nbytes, 2 * t * k * 3 * n * hidden,
-           str(pick_config(t * k, e)[:3]))
+           str(pick_config(t * k, e)))
 
 
 def bench_attn_res(dev: str) -> None:

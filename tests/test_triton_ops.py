@@ -225,7 +225,7 @@ def test_fused_moe_bf16_experts_interpret() -> None:
     weights = prepare_weights(ExpertWeights("bf16", w13, None, w2, None))
     tw, ids = _routing(t, e, k, g)
     x = _randn(t, hidden, gen=g)
-    out = fused_moe_with(x, weights, tw, ids, activation=MoEActivation("silu"), config=MoEConfig(16, 32, 32, 4, 1))
+    out = fused_moe_with(x, weights, tw, ids, activation=MoEActivation("silu"), config=MoEConfig(16, 32, 64, 4, 1))
     ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation("silu"))
     assert_rel(out, ref, 1.5e-2, "fused_moe bf16 experts")
 
@@ -246,6 +246,13 @@ def test_prepare_weights_and_lazy_layout() -> None:
     assert prepare_weights(strided).w13.is_contiguous()
     with pytest.raises(TypeError, match="ExpertWeights"):
         prepare_weights(weights.w13)
+
+
+@pytest.mark.parametrize("bad", [(8, 32, 64, 4, 1), (16, 48, 64, 4, 1), (16, 32, 32, 4, 1), (16, 32, 64, 4, 0)],
+                         ids=["BM8", "BN48", "BK32", "stages0"])
+def test_moe_config_validation(bad: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="MoEConfig"):
+        MoEConfig(*bad)
 
 
 @pytest.mark.interpret

@@ -15,8 +15,6 @@ are already contiguous, which is what the loader produces).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
 import torch
 import triton
 
@@ -31,14 +29,27 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = {torch.float8_e4m3fn: (8, 7, 448.0), torch.float8_e4m3fnuz: (7, 8, 240.0)}
 
 
-class MoEConfig(NamedTuple):
-    """Tile sizes of both GEMMs: BM rows (tokens of one expert) x BN output columns x BK reduction."""
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of both GEMMs: BM rows (tokens of one expert) x BN output columns x BK reduction.
+
+    All are powers of two; BM >= 16 (the smallest MMA tile), BN and BK multiples of 32 (one E8M0 group; the
+    A8W4 epilogue quantises BN columns in groups of 32), BK >= 64 (32 packed bytes per row for dot_scaled).
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+
+    def __post_init__(self) -> None:
+        for name, low in (("block_m", 16), ("block_n", 32), ("block_k", 64), ("num_warps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or value & (value - 1):
+                raise ValueError(f"MoEConfig.{name} must be a power of two >= {low}, got {value!r}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"MoEConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
 # Keyed on how many rows each expert gets on average: decode (few) vs prefill (many). Measured on the H200
