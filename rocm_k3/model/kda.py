@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from rocm_k3 import ops
 from rocm_k3.model.config import ModelConfig
@@ -72,6 +73,10 @@ class KDALayer:
         self.split = (3 * h * d, d, h, gate_width)  # qkv | f_a | b | gate_in
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
+        with record_function("kda"):
+            return self._forward(x, batch, cache)
+
+    def _forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         h, d = cfg.kda.num_heads, cfg.kda.head_dim
         qkv, f_low, b, gate_in = F.linear(x, w.in_proj).split(self.split, dim=-1)

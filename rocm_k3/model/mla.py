@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from rocm_k3 import ops
 from rocm_k3.model.config import MLA_NORM_EPS, ModelConfig
@@ -74,6 +75,10 @@ class MLALayer:
         self.scale = cfg.q_head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
+        with record_function("mla"):
+            return self._forward(x, batch, cache)
+
+    def _forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         t, h = x.shape[0], cfg.num_attention_heads
         q_in, c_kv, k_pe, gate = F.linear(x, w.in_proj).split(self.split, dim=-1)

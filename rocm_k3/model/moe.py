@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from rocm_k3 import ops
 from rocm_k3.model.config import ModelConfig
@@ -42,6 +43,10 @@ class DenseMLP:
         return cls(gate_up, t["down_proj.weight"], activation, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function("mlp"):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.gate_up)  # [T, 2I]
         if self.activation.kind == "situ":
             a = ops.situ_and_mul(h, self.activation.beta, self.activation.linear_beta, backend=self.backend)
@@ -110,6 +115,10 @@ class MoEBlock:
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function("moe"):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x.float(), self.router)  # fp32 [T, E]
         routed = ops.route(logits, cfg.num_experts_per_token, correction_bias=self.bias,
