@@ -3,7 +3,8 @@
 Runs on a CPU machine (FlyDSL COMPILE_ONLY mode, Debian's lld-19 as the linker). For each kernel and target
 the final ISA must show: no scratch (no private segment, no spills, no scratch_* instruction), a VGPR count
 (arch VGPRs + AGPRs as allocated) within the budget stated here, the expected matrix instructions (bf16 or
-FNUZ-fp8 MFMA on gfx942, bf16 MFMA or v_mfma_scale_*_f8f6f4 on gfx950), and no LLVM error on stderr.
+FNUZ-fp8 MFMA on gfx942, bf16 MFMA or v_mfma_scale_*_f8f6f4 on gfx950), the vector width of the kernel's
+plan in its loads (e.g. buffer_load_dwordx4 for 128-bit row accesses), and no LLVM error on stderr.
 Each (kernel, target) compiles exactly once.
 """
 
@@ -45,6 +46,7 @@ class Case:
     args: Callable[[], tuple]
     vgpr_budget: int
     mfma: Callable[[str], str | None] = lambda arch: None  # expected mnemonic prefix per arch (None: no MFMA)
+    load: str | None = None  # the vector load its plan intends (e.g. 128-bit row accesses: buffer_load_dwordx4)
 
 
 def _norm_case(name: str, D: int, **kw: Any) -> Case:
@@ -54,7 +56,8 @@ def _norm_case(name: str, D: int, **kw: Any) -> Case:
     rows = 37
     wdt = F32 if cfg.weight_dtype == "f32" else BF16
     return Case(f"{name}-D{D}", lambda arch: build_norm(cfg),
-                lambda: (z(rows, D), z(rows, D), z(D, dtype=wdt), z(rows, D), rows, 1e-5), vgpr_budget=96)
+                lambda: (z(rows, D), z(rows, D), z(D, dtype=wdt), z(rows, D), rows, 1e-5), vgpr_budget=96,
+                load="buffer_load_dwordx4")
 
 
 def _attn_res_case(nb: int, write: bool, has_partial: bool = True) -> Case:
@@ -67,7 +70,7 @@ def _attn_res_case(nb: int, write: bool, has_partial: bool = True) -> Case:
         lambda arch: build_attn_res_step(cfg),
         lambda: (z(T, HIDDEN), z(T, HIDDEN), z(9, T, HIDDEN), z(HIDDEN), z(HIDDEN), z(HIDDEN), z(T, HIDDEN),
                  z(T, HIDDEN), T, 1e-5),
-        vgpr_budget=192,
+        vgpr_budget=192, load="buffer_load_dwordx2",
     )
 
 
@@ -83,7 +86,7 @@ def _kda_decode_case(shape: str) -> Case:
         lambda: (z(N, C), z(N, H * HEAD), z(N, H), z(N, H * HEAD), z(C, 4), z(S, C, 3), z(H, dtype=F32),
                  z(H * HEAD, dtype=F32), z(HEAD), z(S, H, HEAD, HEAD, dtype=F32), z(N, dtype=I32),
                  z(N, H * HEAD), N, HEAD**-0.5, 1e-5),
-        vgpr_budget=192,
+        vgpr_budget=192, load="buffer_load_dword",
     )
 
 
@@ -100,7 +103,8 @@ def _kda_prefill_case(shape: str) -> Case:
                 z(N + 1, dtype=I32), z(G, dtype=I32), z(G, dtype=I32), z(G, dtype=I32),
                 z(M, H, HEAD, HEAD, dtype=F32), z(T, H, HEAD), z(H, dtype=F32), z(H * HEAD, dtype=F32), N, HEAD**-0.5)
 
-    return Case(f"kda_prefill_recurrent-{shape}-H{H}", lambda arch: build_kda_prefill(cfg), args, vgpr_budget=224)
+    return Case(f"kda_prefill_recurrent-{shape}-H{H}", lambda arch: build_kda_prefill(cfg), args, vgpr_budget=224,
+                load="buffer_load_dword")
 
 
 _MOE_MFMA = {
@@ -132,7 +136,7 @@ def _moe_case(shape: str, stage: int, fmt: str) -> Case:
     return Case(
         f"moe_stage{stage}-{'A8W4' if fmt == 'fp8' else 'A16W4'}-{shape}-K{K}-N{N}",
         lambda arch: build_moe_gemm(MoeGemmConfig(arch, stage, fmt, K, N, TOP_K, out_dtype=out_dtype)),
-        args, vgpr_budget=128, mfma=lambda arch: _MOE_MFMA[(fmt, arch)],
+        args, vgpr_budget=128, mfma=lambda arch: _MOE_MFMA[(fmt, arch)], load="global_load_dwordx4",
     )
 
 
@@ -145,7 +149,7 @@ def _quant_case(K: int, dtype: str) -> Case:
         lambda arch: build_mxfp8_quant(Mxfp8QuantConfig(K, dtype, fnuz=arch == "gfx942")),
         lambda: (z(rows, K, dtype=F32 if dtype == "f32" else BF16), z(rows, K, dtype=U8), z(rows, K // 32, dtype=U8),
                  rows),
-        vgpr_budget=64,
+        vgpr_budget=64, load="global_load_dwordx4",
     )
 
 
@@ -154,7 +158,8 @@ def _reduce_case() -> Case:
 
     T = 3
     return Case(f"moe_reduce-top{TOP_K}-N{LATENT}", lambda arch: build_moe_reduce(MoeReduceConfig(LATENT, TOP_K)),
-                lambda: (z(T * TOP_K, LATENT, dtype=F32), z(T, LATENT), T), vgpr_budget=96)
+                lambda: (z(T * TOP_K, LATENT, dtype=F32), z(T, LATENT), T), vgpr_budget=96,
+                load="buffer_load_dwordx4")
 
 
 def _cases() -> list[Case]:
@@ -196,6 +201,8 @@ def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
     assert kernel.arch == arch
     assert not kernel.uses_scratch, f"scratch or spills: {kernel.summary()}"
     assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"
+    if case.load is not None:
+        assert case.load in kernel.mnemonics, f"expected {case.load} accesses: {sorted(kernel.mnemonics)}"
     expected = case.mfma(arch)
     if expected is None:
         assert not kernel.has("v_mfma"), f"unexpected matrix instructions: {kernel.summary()}"
