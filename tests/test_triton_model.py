@@ -5,7 +5,10 @@
   chosen tokens' log-probabilities within 0.05 nats (measured 0.023: the MoE kernel rounds its MMA operands to bf16,
   the reference does not).
 - ``cuda`` tier (H200): bf16 model, 32 greedy tokens identical, log-probabilities within 0.1 nats (bf16 operands on
-  both sides, rounded at different points).
+  both sides, rounded at different points); the same for a K3-shaped slice (``k3_slice_overrides``: hidden 7168,
+  KDA 96 x 128, MLA with TP-8's 12 heads and the 512 + 64 latent, LatentMoE 7168 -> 3584 with experts
+  3584 -> 2 x 3072, dense layer 0 of 33792; 4 layers, 32 of the 896 experts, AttnRes blocks of 2 so the slice
+  writes snapshots). Its plumbing is also run at reduced width in the interpret tier.
 Triton reads TRITON_INTERPRET at its import; see tests/test_triton_ops.py for the subprocess fallback.
 """
 
@@ -34,8 +37,21 @@ _INTERPRETED = interpreted(_rms_norm_kernel) and interpreted(triton.language.sig
 PROMPTS = ["Hello, my name is", "The capital of France"]
 
 
-def _greedy(backend: str, dtype: str, device: str, steps: int, prompts: list[str]):
-    llm = LLM(None, dtype=dtype, backend=backend, device=device)
+def k3_slice_overrides(width: int = 1) -> dict:
+    """``text_config`` overrides for a 4-layer slice of K3 (3 KDA + 1 MLA); ``width`` > 1 (a power of two <= 16) divides the widths."""
+    return {
+        "hidden_size": 7168 // width, "num_hidden_layers": 4, "num_attention_heads": 12,
+        "q_lora_rank": 1536 // width, "num_experts": 32, "num_experts_per_token": max(2, 16 // width),
+        "moe_intermediate_size": 3072 // width, "routed_expert_hidden_size": 3584 // width,
+        "intermediate_size": 33792 // width, "attn_res_block_size": 2,
+        "linear_attn_config": {"num_heads": 96 // width, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                               "full_attn_layers": [4], "kda_layers": [1, 2, 3]},
+    }
+
+
+def _greedy(backend: str, dtype: str, device: str, steps: int, prompts: list[str], path: Path | None = None):
+    llm = LLM(path, dtype=dtype, backend=backend, device=device)
     return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0))
 
 
@@ -59,6 +75,18 @@ def test_tiny_model_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.interpret
+@pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; see the subprocess test")
+def test_k3_slice_plumbing_interpret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K3-slice builder at 1/16 width: one greedy token through every layer kind on both backends."""
+    from rocm_k3.model.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides(16))
+    ref = _greedy("reference", "float32", "cpu", 1, ["K3"], path)
+    monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
+    _compare(ref, _greedy("triton", "float32", "cpu", 1, ["K3"], path), 0.05)
+
+
+@pytest.mark.interpret
 @pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(),
                     reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_tiny_model_interpret_in_subprocess() -> None:
@@ -72,3 +100,12 @@ def test_tiny_model_interpret_in_subprocess() -> None:
 def test_tiny_model_triton_matches_reference_cuda() -> None:
     _compare(_greedy("reference", "bfloat16", "cuda", 32, PROMPTS), _greedy("triton", "bfloat16", "cuda", 32, PROMPTS),
              0.1)
+
+
+@pytest.mark.cuda
+def test_k3_slice_triton_matches_reference_cuda(tmp_path: Path) -> None:
+    from rocm_k3.model.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides())
+    _compare(_greedy("reference", "bfloat16", "cuda", 32, PROMPTS, path),
+             _greedy("triton", "bfloat16", "cuda", 32, PROMPTS, path), 0.1)
