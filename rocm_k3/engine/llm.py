@@ -39,11 +39,13 @@ class LLM:
     max_model_len: the longest prompt + generation allowed; default and upper bound: max_position_embeddings.
     device:        torch device; default the first GPU if there is one, else the CPU.
     progress:      show a progress bar while the weights load.
+    moe_act_quant: routed-expert activations: "bf16" (A16W4, default) or "mxfp8" (A8W4, what K3 was trained with).
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
                  backend: str | None = None, max_model_len: int | None = None,
-                 device: str | torch.device | None = None, progress: bool = False) -> None:
+                 device: str | torch.device | None = None, progress: bool = False,
+                 moe_act_quant: str = "bf16") -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -51,7 +53,8 @@ class LLM:
         if backend is not None and backend not in BACKEND_CHOICES:
             raise ValueError(f"backend: expected one of {BACKEND_CHOICES} or None, got {backend!r}")
         self.path = Path(path) if path is not None else ensure_embedded_model()
-        self.model = load_model(self.path, dtype=self.dtype, device=self.device, backend=backend, progress=progress)
+        self.model = load_model(self.path, dtype=self.dtype, device=self.device, backend=backend, progress=progress,
+                                moe_act_quant=moe_act_quant)
         self.config = self.model.cfg
         limit = self.config.max_position_embeddings
         if max_model_len is None:

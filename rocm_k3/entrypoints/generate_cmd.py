@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--backend", default=None, help="op backend (reference, triton, flydsl, aiter; default auto)")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--moe-act-quant", default="bf16", choices=("bf16", "mxfp8"),
+                        help="routed-expert activations: bf16 (A16W4, default) or mxfp8 (A8W4)")
     parser.add_argument("--device", default=None, help="torch device (default: first GPU, else cpu)")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens)
         prompts = [_parse_ids(p) for p in args.prompt] if args.token_ids else list(args.prompt)
         llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_model_len=args.max_model_len,
-                  device=args.device, progress=True)
+                  device=args.device, progress=True, moe_act_quant=args.moe_act_quant)
         outputs = llm.generate(prompts, params)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rocm-k3 generate: error: {exc}", file=sys.stderr)

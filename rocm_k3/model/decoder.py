@@ -22,7 +22,7 @@ from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
 from rocm_k3.model.kda import KDALayer, KDAWeights
 from rocm_k3.model.mla import MLALayer, MLAWeights
-from rocm_k3.model.moe import DenseMLP, MoEBlock, activation_for
+from rocm_k3.model.moe import ActQuant, DenseMLP, MoEBlock, activation_for
 
 
 @dataclasses.dataclass
@@ -64,8 +64,12 @@ class KimiModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: MutableMapping[str, torch.Tensor],
-                     backend: str | None = None) -> KimiModel:
-        """Build from canonical-name tensors (already validated, cast and placed); consumes ``tensors``."""
+                     backend: str | None = None, moe_act_quant: str = "bf16") -> KimiModel:
+        """Build from canonical-name tensors (already validated, cast and placed); consumes ``tensors``.
+
+        moe_act_quant: "bf16" (A16W4) or "mxfp8" (A8W4, FP8 variant of the tensors' device) for routed experts.
+        """
+        act_quant = ActQuant.for_device(moe_act_quant, tensors["model.embed_tokens.weight"].device)
 
         def take(prefix: str) -> dict[str, torch.Tensor]:
             names = [n for n in tensors if n.startswith(prefix)]
@@ -81,7 +85,8 @@ class KimiModel:
             else:
                 attn = KDALayer(cfg, KDAWeights.from_checkpoint(cfg, attn_t), cfg.layer_slot(index), backend)
             if cfg.is_moe_layer(index):
-                ffn: DenseMLP | MoEBlock = MoEBlock.from_checkpoint(cfg, take(p + "block_sparse_moe."), backend)
+                ffn: DenseMLP | MoEBlock = MoEBlock.from_checkpoint(cfg, take(p + "block_sparse_moe."), backend,
+                                                                  act_quant)
             else:
                 ffn = DenseMLP.from_checkpoint(take(p + "mlp."), activation_for(cfg), backend)
             sites = [None, None]

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from rocm_k3.model.checkpoint_names import TensorSpec, canonical_name, expected_tensors
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.decoder import KimiModel
+from rocm_k3.model.moe import ACT_QUANT_MODES
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 12
@@ -141,15 +142,18 @@ def _stream(plan: dict[str, tuple[Path, str, TensorSpec]], progress: bool) -> It
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-               backend: str | None = None, progress: bool = True) -> KimiModel:
+               backend: str | None = None, progress: bool = True, moe_act_quant: str = "bf16") -> KimiModel:
     """Load the text model of a Kimi K3 or Kimi Linear checkpoint directory.
 
     dtype: activation/weight dtype (bfloat16 or float32); fp32 parameters (A_log, dt_bias, router) stay fp32.
+    moe_act_quant: routed-expert activations "bf16" (A16W4) or "mxfp8" (A8W4).
     Raises ConfigError/UnsupportedModelError for the config, and MissingTensorError, UnexpectedTensorError,
     TensorShapeError or CorruptCheckpointError for the weights, each naming the tensors or file concerned.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+    if moe_act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"moe_act_quant: expected one of {ACT_QUANT_MODES}, got {moe_act_quant!r}")
     cfg = ModelConfig.from_pretrained(path)
     plan = plan_load(cfg, checkpoint_files(path))
     device = torch.device(device)
@@ -158,4 +162,4 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
         kind = plan[canon][2].kind
         target = torch.uint8 if kind == "uint8" else torch.float32 if kind == "fp32" else dtype
         tensors[canon] = t.to(device=device, dtype=target)
-    return KimiModel.from_tensors(cfg, tensors, backend=backend)
+    return KimiModel.from_tensors(cfg, tensors, backend=backend, moe_act_quant=moe_act_quant)

@@ -8,6 +8,7 @@ routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -16,7 +17,34 @@ from torch.profiler import record_function
 
 from rocm_k3 import ops
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.ops.devices import device_info
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.quant import fp8_dtype_for_arch
+
+ACT_QUANT_MODES = ("bf16", "mxfp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActQuant:
+    """Activation format of the routed-expert GEMMs: "bf16" (A16W4, activations as they are) or "mxfp8" (A8W4:
+    activations quantised to MXFP8 in ``fp8_dtype``, the format K3's experts were trained for)."""
+
+    mode: str = "bf16"
+    fp8_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ACT_QUANT_MODES:
+            raise ValueError(f"moe_act_quant: expected one of {ACT_QUANT_MODES}, got {self.mode!r}")
+        if self.mode == "mxfp8" and self.fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            raise ValueError(f"fp8_dtype: A8W4 needs torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {self.fp8_dtype}")
+
+    @classmethod
+    def for_device(cls, mode: str, device: torch.device) -> ActQuant:
+        """``mode`` with the FP8 variant of ``device``'s arch (gfx942: e4m3fnuz; gfx950, NVIDIA, CPU: e4m3fn)."""
+        if mode != "mxfp8":
+            return cls(mode)
+        arch = device_info(device).arch
+        return cls(mode, fp8_dtype_for_arch(arch) if arch is not None else torch.float8_e4m3fn)
 
 
 def activation_for(cfg: ModelConfig) -> MoEActivation:
@@ -64,7 +92,7 @@ class MoEBlock:
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
                  shared: DenseMLP | None, latent_down: torch.Tensor | None, latent_up: torch.Tensor | None,
-                 latent_norm: torch.Tensor | None, backend: str | None) -> None:
+                 latent_norm: torch.Tensor | None, backend: str | None, act_quant: ActQuant = ActQuant()) -> None:
         self.cfg = cfg
         self.router = router
         self.bias = bias
@@ -75,9 +103,11 @@ class MoEBlock:
         self.latent_norm = latent_norm
         self.activation = activation_for(cfg)
         self.backend = backend
+        self.act_quant = act_quant
 
     @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor], backend: str | None) -> MoEBlock:
+    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor], backend: str | None,
+                        act_quant: ActQuant = ActQuant()) -> MoEBlock:
         """``t`` maps names inside ``block_sparse_moe.`` to tensors; per-expert tensors are stacked here."""
         e = cfg.num_experts
         if cfg.expert_format == "mxfp4":
@@ -111,7 +141,7 @@ class MoEBlock:
             t["routed_expert_down_proj.weight"] if latent else None,
             t["routed_expert_up_proj.weight"] if latent else None,
             t["routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None,
-            backend,
+            backend, act_quant,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +156,7 @@ class MoEBlock:
                            backend=self.backend)
         z = x if self.latent_down is None else F.linear(x, self.latent_down)  # [T, expert width]
         r = ops.fused_moe(z, self.experts, routed.weights, routed.ids, activation=self.activation,
+                          act_quant=self.act_quant.mode, fp8_dtype=self.act_quant.fp8_dtype,
                           backend=self.backend)  # [T, expert width]
         if self.latent_up is not None:
             if self.latent_norm is not None:
