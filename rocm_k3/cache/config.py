@@ -47,8 +47,8 @@ class CacheConfig:
     alignment: int = 256
     kda_save_grid: int = 64
     enable_prefix_caching: bool = True
-    kv_cache_bytes: int = 512 * _MiB
-    state_cache_bytes: int = 512 * _MiB
+    kv_cache_bytes: int = 256 * _MiB
+    state_cache_bytes: int = 256 * _MiB
     num_blocks: int | None = None
     num_state_slots: int | None = None
 
