@@ -264,6 +264,28 @@ def test_interpret_tier_in_subprocess() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
+def test_compile_kernel_argument_errors() -> None:
+    from rocm_k3.triton_kernels.compile_check import compile_kernel
+
+    kernel = tri_norm._rms_norm_kernel
+    with pytest.raises(ValueError, match="missing arguments"):
+        compile_kernel(kernel, {"x_ptr": "*fp32"}, {}, "sm_90")
+    with pytest.raises(ValueError, match="not arguments"):
+        compile_kernel(kernel, {"nope": "i32"}, {}, "sm_90")
+    with pytest.raises(TypeError, match="mapping"):
+        compile_kernel(kernel, ["x_ptr"], {}, "sm_90")
+
+
+@pytest.mark.interpret
+@needs_interp
+def test_compile_kernel_refuses_an_interpreted_process() -> None:
+    from rocm_k3.triton_kernels.compile_check import compile_kernel
+
+    sig = {a: "i32" for a in tri_norm._rms_norm_kernel.arg_names}
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        compile_kernel(tri_norm._rms_norm_kernel, sig, {}, "gfx942")
+
+
 # --------------------------------------------------------------------------------------------------- compile tier
 _COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4", "moe_w2_a8w4",
                     "moe_mxfp8_quant")

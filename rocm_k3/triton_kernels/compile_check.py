@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import types
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -109,29 +108,17 @@ def _cuda_resources(cubin: bytes) -> tuple[int | None, int, int, int]:
     return reg, stack, shared, local
 
 
-def _as_jit(fn: Any, memo: dict[int, Any]) -> Any:
-    """A ``JITFunction`` for ``fn``; kernels decorated under ``TRITON_INTERPRET=1`` are ``InterpretedFunction``s.
-
-    The Python function is re-created over a copy of its globals in which every interpreted callee is replaced
-    the same way, so one process can run the interpreter tier and the compile tier.
-    """
+def _require_compiled(fn: Any) -> None:
+    """Reject kernels decorated under ``TRITON_INTERPRET=1`` with the reason and the way out."""
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
-    if not isinstance(fn, InterpretedFunction):
-        return fn
-    if id(fn) in memo:
-        return memo[id(fn)]
-    py = fn.fn
-    scope = dict(py.__globals__)
-    clone = types.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, py.__closure__)
-    clone.__module__, clone.__qualname__, clone.__doc__ = py.__module__, py.__qualname__, py.__doc__
-    jit = JITFunction(clone, **fn.kwargs)
-    memo[id(fn)] = jit
-    for name, value in list(scope.items()):
-        if isinstance(value, InterpretedFunction):
-            scope[name] = _as_jit(value, memo)
-    return jit
+    if isinstance(fn, InterpretedFunction):
+        raise RuntimeError(
+            f"{fn.__name__} was decorated under TRITON_INTERPRET=1: Triton reads that variable when it is imported "
+            "and then interprets every @triton.jit, its own standard library included, so nothing can be "
+            "compiled in this process; call compile_kernel in a fresh interpreter without TRITON_INTERPRET "
+            "(tests/triton_compile_driver.py does)"
+        )
 
 
 def compile_kernel(
@@ -145,7 +132,7 @@ def compile_kernel(
 ) -> CompileResult:
     """Compile ``fn`` (a ``@triton.jit`` function) for ``target`` without a GPU and summarise the result.
 
-    ``fn`` may also have been decorated under ``TRITON_INTERPRET=1``; it is recompiled as a normal kernel.
+    Needs a process where triton was imported without ``TRITON_INTERPRET`` (RuntimeError otherwise).
 
     signature: argument name -> Triton type string for every runtime argument.
     constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing).
@@ -155,7 +142,6 @@ def compile_kernel(
 
     if not isinstance(signature, Mapping):
         raise TypeError(f"signature must be a mapping name -> type string, got {type(signature).__name__}")
-    fn = _as_jit(fn, {})
     constexprs = dict(constexprs or {})
     sig = dict(signature)
     for name in constexprs:
@@ -167,13 +153,12 @@ def compile_kernel(
     missing = [a for a in fn.arg_names if a not in sig]
     if missing:
         raise ValueError(f"signature is missing arguments {missing} of {fn.__name__}")
+    _require_compiled(fn)
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
     src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs)
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = False  # code generation differs under the interpreter flag
-        kernel = triton.compile(src, target=_gpu_target(target), options=options)
+    kernel = triton.compile(src, target=_gpu_target(target), options=options)
     shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     if target == "sm_90":
         asm = kernel.asm["ptx"]
