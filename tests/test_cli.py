@@ -27,6 +27,9 @@ def test_make_tiny_then_generate(tmp_path, capsys: pytest.CaptureFixture) -> Non
     out = capsys.readouterr().out
     assert out.count("output: ") == 2 and "prompt: 'World'" in out and "finish_reason=length" in out
     assert out.count("token ids: [") == 2
+    assert main(["make-tiny", str(ckpt)]) == 0  # rewriting as one file drops the shards and their index
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]
+    assert main(["generate", "--model", str(ckpt), "--max-tokens", "2", "Hello"]) == 0
 
 
 def test_generate_token_ids_without_tokenizer(tmp_path, capsys: pytest.CaptureFixture) -> None:

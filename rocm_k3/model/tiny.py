@@ -180,6 +180,8 @@ def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dic
         raise ValueError(f"shards: expected >= 1, got {shards}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob("*.safetensors"), root / INDEX_FILE]:  # a previous checkpoint's weights
+        stale.unlink(missing_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = sorted(tensors)
     stored = {n: _storage_dtype(n, tensors[n]) for n in names}
