@@ -47,6 +47,7 @@ class Case:
     vgpr_budget: int
     mfma: Callable[[str], str | None] = lambda arch: None  # expected mnemonic prefix per arch (None: no MFMA)
     load: str | None = None  # the vector load its plan intends (e.g. 128-bit row accesses: buffer_load_dwordx4)
+    also: Callable[[str], tuple[str, ...]] = lambda arch: ()  # further instructions the target must use
 
 
 def _norm_case(name: str, D: int, **kw: Any) -> Case:
@@ -137,6 +138,8 @@ def _moe_case(shape: str, stage: int, fmt: str) -> Case:
         f"moe_stage{stage}-{'A8W4' if fmt == 'fp8' else 'A16W4'}-{shape}-K{K}-N{N}",
         lambda arch: build_moe_gemm(MoeGemmConfig(arch, stage, fmt, K, N, TOP_K, out_dtype=out_dtype)),
         args, vgpr_budget=128, mfma=lambda arch: _MOE_MFMA[(fmt, arch)], load="global_load_dwordx4",
+        # gfx950 decodes FP4 x E8M0 to bf16 in hardware for A16W4
+        also=lambda arch: ("v_cvt_scalef32_pk_bf16_fp4",) if (fmt, arch) == ("bf16", "gfx950") else (),
     )
 
 
@@ -149,7 +152,7 @@ def _quant_case(K: int, dtype: str) -> Case:
         lambda arch: build_mxfp8_quant(Mxfp8QuantConfig(K, dtype, fnuz=arch == "gfx942")),
         lambda: (z(rows, K, dtype=F32 if dtype == "f32" else BF16), z(rows, K, dtype=U8), z(rows, K // 32, dtype=U8),
                  rows),
-        vgpr_budget=64, load="global_load_dwordx4",
+        vgpr_budget=64, load="global_load_dwordx4", also=lambda arch: ("v_cvt_pk_fp8_f32",),
     )
 
 
@@ -203,6 +206,8 @@ def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
     assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"
     if case.load is not None:
         assert case.load in kernel.mnemonics, f"expected {case.load} accesses: {sorted(kernel.mnemonics)}"
+    for mnemonic in case.also(arch):
+        assert mnemonic in kernel.mnemonics, f"expected {mnemonic}: {kernel.summary()}"
     expected = case.mfma(arch)
     if expected is None:
         assert not kernel.has("v_mfma"), f"unexpected matrix instructions: {kernel.summary()}"

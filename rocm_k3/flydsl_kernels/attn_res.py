@@ -10,16 +10,17 @@ One pass per token over the hidden row (K3_SPEC section 5, op ``attn_res_step``)
 
 Tiling: one 256-lane workgroup per token; the 7168-wide row is covered with 64-bit accesses (4 bf16 per
 lane access, ``plans.row_plan(7168, 4)``: 7 accesses per lane), so a lane holds 28 values of each live
-row: the partial sum p, the fp32 mix accumulator and the source being read (about 100 VGPRs).
+row: the partial sum p, the fp32 mix accumulator and the source being read (about 150 VGPRs with 8 blocks;
+the two [Hd] weight vectors are re-read per source from L1 rather than held, which would cost ~70 more).
 The softmax is online (running max m, running denominator s; acc and s are rescaled by exp(m_old - m_new)
 when a source raises the max), so each source row is read exactly once: global traffic is
 (num_blocks + 2) row reads and 2-3 row writes per token. Each source costs one two-value workgroup
 reduction (dot and sum of squares) through LDS.
 
-Mapping to the Triton twin: the Triton kernel is one program per token with the whole row in a block,
-looping over sources with the same online softmax and the same fp32 accumulation; here the row is
-split over 256 lanes. ``num_blocks``, ``write_block`` and which of partial/delta are present are
-compile-time (at most 9 x 2 x 3 variants, each compiled on first use).
+Mapping to the Triton twin (``triton_kernels/attn_res.py``): the same single pass with the same online
+softmax over the sources and fp32 accumulation; Triton gives a program ROWS tokens with whole hidden rows in
+registers, here a token's row is split over 256 lanes. ``num_blocks``, ``write_block`` and which of
+partial/delta are present are compile-time here (at most 9 x 2 x 3 variants, each compiled on first use).
 """
 
 import dataclasses

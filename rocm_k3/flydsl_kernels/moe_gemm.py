@@ -14,7 +14,8 @@ one 16-row block (one expert) and 4 waves x ``tiles`` 16-column MFMA tiles; the 
   Y [T*top_k, Kout] at the pair's row (padding rows skipped); ``moe_reduce`` sums the top-k rows.
 
 Per target and activation format (``a_format``):
-- "bf16" (A16W4): FP4 codes are decoded in registers to bf16 times their E8M0 scale (exact) and fed to
+- "bf16" (A16W4): FP4 codes are decoded in registers to bf16 times their E8M0 scale (exact; integer ops on
+  gfx942, ``v_cvt_scalef32_pk_bf16_fp4`` on gfx950) and fed to
   ``v_mfma_f32_16x16x16_bf16`` (gfx942, 4 K per lane, 8 steps per group) or ``v_mfma_f32_16x16x32_bf16``
   (gfx950, 8 K per lane, 4 steps).
 - "fp8" (A8W4), gfx942: A is MXFP8 in FNUZ e4m3 (``mxfp8_quant``), FP4 codes map exactly to FNUZ e4m3
@@ -23,9 +24,12 @@ Per target and activation format (``a_format``):
 - "fp8" (A8W4), gfx950: A is MXFP8 in OCP e4m3, B stays FP4, one ``v_mfma_scale_f32_16x16x128_f8f6f4``
   per group with per-lane E8M0 scales for A and B ("lane" layout: lane group q owns MX block q).
 
-Mapping to the Triton twin: the same expert-sorted 16-row blocks, the same MX block of 32 and fp32
-accumulation; the Triton kernel uses ``tl.dot_scaled``/``tl.dot`` over BLOCK_K = 128 with the same two
-stages and the same top-k reduction.
+Mapping to the Triton twin (``triton_kernels/moe``): the same expert-sorted, padded row blocks (Triton uses
+BM = 16 at decode and 64 at prefill; here always 16), the same E8M0 group of 32, fp32 accumulation, SiTU
+in the w13 epilogue and the routing weight in the w2 epilogue, then the same fp32 top-k reduction. Triton
+quantises h to MXFP8 inside the w13 epilogue; here a separate ``mxfp8_quant`` pass does it (h kept in fp32
+in between, the same values the reference quantises). On gfx950 the A16W4 path decodes FP4 to bf16 and
+uses the bf16 MFMA (activations are not MX data); only A8W4 uses the scaled MFMA.
 """
 
 import dataclasses
@@ -34,6 +38,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr.rocdl import cdna4
+from flydsl.expr.typing import T
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.plans import (
@@ -109,8 +114,16 @@ def _e8m0_to_f32(byte):
     return bits.bitcast(fx.Float32)
 
 
-def _fp4_to_bf16(word, scale):
-    """8 E2M1 codes of an int32 (low nibble first) -> 8 bf16 values times ``scale`` (exact)."""
+def _fp4_to_bf16(word, scale, arch: str):
+    """8 E2M1 codes of an int32 (low nibble first) -> 8 bf16 values times ``scale`` (exact).
+
+    gfx950 has the instruction (``v_cvt_scalef32_pk_bf16_fp4``: two codes per call); gfx942 builds the bf16
+    bit patterns with integer ops and multiplies by the scale in fp32.
+    """
+    if arch == "gfx950":
+        pairs = [fx.Vector(fx.rocdl.cvt_scalef32_pk_bf16_fp4(T.vec(2, T.bf16), word, scale, sel))
+                 for sel in range_constexpr(4)]
+        return fx.Vector.from_elements([pr[j] for pr in pairs for j in range_constexpr(2)], fx.BFloat16)
     vals = []
     for p in range_constexpr(8):
         nib = (word >> (4 * p)) & 15
@@ -267,7 +280,7 @@ def build_moe_gemm(cfg: MoeGemmConfig):
                     for s in range_constexpr(steps):
                         d, p0 = moe_dword_pos(s, 0, layout, kpl)
                         block_byte = sdw[d] if layout == "step" else _pick(sdw, q)
-                        wv = _fp4_to_bf16(words[d], _e8m0_to_f32(block_byte))
+                        wv = _fp4_to_bf16(words[d], _e8m0_to_f32(block_byte), cfg.arch)
                         bv = fx.Vector.from_elements([wv[p0 + j] for j in range_constexpr(kpl)], fx.BFloat16)
                         av = fx.Vector.from_elements([a_vals[d][p0 + j] for j in range_constexpr(kpl)], a_fx)
                         fx.gemm(atom, acc, frag(av.to(fx.BFloat16), fx.BFloat16, kpl), frag(bv, fx.BFloat16, kpl), acc)

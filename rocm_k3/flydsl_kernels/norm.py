@@ -12,9 +12,10 @@ row, 7 vectors per lane, kept in registers between the sum-of-squares pass and t
 D = 128 bf16 = 16 vectors) put 16 lanes on a row and 16 rows in a 256-lane workgroup; the sum is a
 4-step xor shuffle inside the 16-lane group.
 
-Mapping to the Triton twin: the same one-row-per-program reduction (the Triton kernel loads a
-BLOCK_D = D row, reduces with tl.sum in fp32, multiplies by rsqrt); here the row is split over lanes
-and the reduction is explicit.
+Mapping to the Triton twin (``triton_kernels/norm.py``): the same single kernel with compile-time switches
+for the residual add and the gate, the same fp32 sum of squares and rsqrt; Triton holds ROWS whole rows in a
+[ROWS, BLOCK_D] tile per program, here a row is split over the lanes of a workgroup (or a 16-lane group) and
+the reduction is an explicit shuffle / LDS tree. The rounded residual sum is normalised in both.
 """
 
 import dataclasses
