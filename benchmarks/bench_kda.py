@@ -25,6 +25,7 @@ import triton
 
 from rocm_k3.ops.kda.datatypes import KDAGateParams
 from rocm_k3.triton_kernels.kda import KERNELS
+from rocm_k3.triton_kernels.kda import decode as tri_decode
 from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
 D = 128
@@ -107,7 +108,7 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
     return row
 
 
-def decode_case(H: int, N: int, gen: torch.Generator, fla_rec) -> dict:
+def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> dict:
     dev, bf = "cuda", torch.bfloat16
     S = N
     args = [torch.randn(N, 3 * H * D, generator=gen).to(dev, bf), torch.randn(N, H * D, generator=gen).to(dev, bf),
@@ -121,6 +122,14 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec) -> dict:
     row = {"op": "kda_decode", "shape": f"H{H} N{N} D{D} bf16",
            "ms": _bench(lambda: run(*args, num_heads=H, lower_bound=LOWER))}
     row["state_bytes"] = 2 * N * H * D * D * 4
+    if sweep:
+        default = tri_decode.DECODE_WARPS
+        for warps in (4, 16):
+            tri_decode.DECODE_WARPS = warps
+            try:
+                row[f"ms_decode_w{warps}"] = _bench(lambda: run(*args, num_heads=H, lower_bound=LOWER))
+            finally:
+                tri_decode.DECODE_WARPS = default
     if fla_rec is not None:
         q, k, v = (torch.randn(1, N, H, D, generator=gen).to(dev, bf) for _ in range(3))
         g = torch.randn(1, N, H, D, generator=gen).to(dev, bf)
@@ -166,7 +175,7 @@ def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all rows to this file")
-    parser.add_argument("--sweep", action="store_true", help="also time the state phase's tile choices")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile/warp choices")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -175,7 +184,7 @@ def main() -> None:
     chunk_kda, fla_rec = _fla()
     rows = []
     for H, N in ((96, 64), (96, 256), (12, 256), (12, 1024)):
-        rows.append(decode_case(H, N, gen, fla_rec))
+        rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         print(rows[-1], flush=True)
     for H, lengths in ((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4)):
         rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep))
@@ -193,7 +202,7 @@ def main() -> None:
         sp = f"{fla / r['ms']:.2f}x" if fla else "n/a"
         print(f"{r['op']:<11} {r['shape']:<26} {r['ms']:8.3f} {fla if fla else float('nan'):8.3f} {sp:>8} "
               f"{floor:9.3f} {100 * floor / r['ms']:7.1f}%")
-        extra = {k: v for k, v in r.items() if k.startswith("ms_state") or k == "fla_error"}
+        extra = {k: v for k, v in r.items() if k.startswith(("ms_state", "ms_decode")) or k == "fla_error"}
         if extra:
             print("    ", extra)
     if args.json:

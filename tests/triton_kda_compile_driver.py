@@ -20,6 +20,7 @@ def _specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
     import triton.language as tl
 
+    from rocm_k3.triton_kernels.kda.decode import DECODE_WARPS
     from rocm_k3.triton_kernels.kda.prefill import state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
@@ -46,13 +47,13 @@ def _specs() -> dict:
                         "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
                         "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
                         "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32"},
-                       dict(H=H, K=K, BT=64, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True), 16, 1),
+                       dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True), 8, 1),
         "chunk_intra": (f"{pkg}.chunk_intra", "chunk_intra_kernel",
                         {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
                          "a_ptr": "*fp32", "aqk_ptr": "*bf16"}, dict(H=H, K=K, **dots), 4, 2),
         "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
                         {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
-                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots), 8, 1),
+                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots), 4, 1),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel",
                         {"w_ptr": "*bf16", "u_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
                          "aqk_ptr": "*bf16", "glast_ptr": "*fp32", "cu_seqlens_ptr": "*i32",
@@ -64,7 +65,7 @@ def _specs() -> dict:
                         "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "a_log_ptr": "*fp32",
                         "dt_bias_ptr": "*fp32", "norm_w_ptr": "*bf16", "state_ptr": "*fp32",
                         "state_indices_ptr": "*i32", "y_ptr": "*bf16", "scale": "fp32", "lower_bound": "fp32",
-                        "eps": "fp32"}, dict(H=H, K=K, W=W, WP=4, SAFE_GATE=True), 8, 2),
+                        "eps": "fp32"}, dict(H=H, K=K, W=W, WP=4, SAFE_GATE=True), DECODE_WARPS, 2),
     }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.common import gate, l2norm_rows, sigmoid_f32
+from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
 
 
 @triton.jit
@@ -25,42 +25,53 @@ def chunk_prep_kernel(
     qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
     qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
     scale, lower_bound,  # fp32 scalars
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
 ):
+    """Works on [BT, BK] column slices (BK divides K): the squared norms first, then everything else."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
     eos = tl.load(cu_seqlens_ptr + seq + 1)
     rows = tl.arange(0, BT)
-    cols = tl.arange(0, K)
+    cols = tl.arange(0, BK)
     mask_t = (t0 + rows) < eos  # [BT]
     mask = mask_t[:, None]
-    offs = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + cols[None, :]  # [BT, K]
+    base = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + cols[None, :]  # [BT, BK], slice 0
 
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, K]
-    if HAS_GATE:
-        a_log = tl.load(a_log_ptr + h)
-        dt_bias = tl.load(dt_bias_ptr + h * K + cols)  # [K]
-        g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE)
-    g = tl.where(mask, g, 0.0)
-    gc = tl.cumsum(g, axis=0)  # [BT, K]
-    tl.store(gcum_ptr + offs, gc, mask=mask)
-    glast = tl.sum(g, axis=0)  # [K] G at the last token (padding rows add 0)
-    tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + cols, tl.exp(glast))
-
-    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q_scale = tl.full([BT], 1.0, tl.float32) * scale  # per-row factor of q: scale (/ ||q||)
+    k_scale = tl.full([BT], 1.0, tl.float32)
     if QK_NORM:
-        q = l2norm_rows(q)
-        k = l2norm_rows(k)
-    q = q * scale
-    tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
-    tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
-    tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)
-    kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
-    tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
+        q_sq = tl.zeros([BT], dtype=tl.float32)
+        k_sq = tl.zeros([BT], dtype=tl.float32)
+        for j in range(0, K // BK):
+            qs = tl.load(q_ptr + base + j * BK, mask=mask, other=0.0).to(tl.float32)
+            ks = tl.load(k_ptr + base + j * BK, mask=mask, other=0.0).to(tl.float32)
+            q_sq += tl.sum(qs * qs, axis=1)
+            k_sq += tl.sum(ks * ks, axis=1)
+        q_scale = scale / tl.sqrt(q_sq + 1e-6)
+        k_scale = 1.0 / tl.sqrt(k_sq + 1e-6)
+
+    for j in range(0, K // BK):
+        offs = base + j * BK
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
+        if HAS_GATE:
+            a_log = tl.load(a_log_ptr + h)
+            dt_bias = tl.load(dt_bias_ptr + h * K + j * BK + cols)  # [BK]
+            g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE)
+        g = tl.where(mask, g, 0.0)
+        gc = tl.cumsum(g, axis=0)  # [BT, BK]
+        tl.store(gcum_ptr + offs, gc, mask=mask)
+        glast = tl.sum(g, axis=0)  # [BK] G at the last token (padding rows add 0)
+        tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + j * BK + cols, tl.exp(glast))
+        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * q_scale[:, None]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32) * k_scale[:, None]
+        tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
+        tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
+        tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)
+        kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
+        tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
 
     b_offs = (t0 + rows).to(tl.int64) * H + h
     b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]

@@ -21,6 +21,9 @@ import triton.language as tl
 
 from rocm_k3.triton_kernels.kda.common import gate, is_pow2, sigmoid_f32
 
+# Warps per (sequence, head) program: the [K, V] fp32 state tile is spread over them (64 KB at K = 128).
+DECODE_WARPS = 8
+
 
 @triton.jit
 def _conv_channels(x_row_ptr, w_ptr, state_row_ptr, ch, W: tl.constexpr, WP: tl.constexpr):
@@ -149,6 +152,6 @@ def kda_decode(
         conv_weight.contiguous(), conv_state, A_log.float().contiguous(), dt_bias.float().contiguous(),
         o_norm_weight.contiguous(), state, state_indices.to(torch.int32).contiguous(), y,
         scale, 0.0 if lower_bound is None else float(lower_bound), float(eps),
-        H=H, K=K, W=W, WP=triton.next_power_of_2(W - 1), SAFE_GATE=lower_bound is not None, num_warps=8,
+        H=H, K=K, W=W, WP=triton.next_power_of_2(W - 1), SAFE_GATE=lower_bound is not None, num_warps=DECODE_WARPS,
     )
     return y
