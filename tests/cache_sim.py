@@ -82,7 +82,7 @@ class SimEngine:
 
     def check(self) -> None:
         live = {s.seq_id: s.num_computed_tokens for s in self.sched.running}
-        check_invariants(self.cache, live)
+        check_invariants(self.cache, live, between_steps=True)
 
     def _run(self, out: SchedulerOutput) -> None:
         for src, dst, n in out.copies.block_copies:

@@ -107,7 +107,11 @@ def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
                 outputs[done.request_id] = done.output.token_ids
                 logprobs[done.request_id] = [next(iter(d.values())) for d in done.output.logprobs]
             _check_entries_unchanged(engine, before)
-            check_invariants(engine.cache_manager, {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running})
+            check_invariants(
+                engine.cache_manager,
+                {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running},
+                between_steps=True,
+            )
         step += 1
     engine.last_logprobs = logprobs
     return outputs
@@ -219,3 +223,45 @@ def test_named_errors_and_length_cap(model):
     eng.add_request("fits", list(range(1, 39)), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     out = eng.run_to_completion()["fits"]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"  # 38 + 3 - 1 = 40 positions
+
+
+class _FailOnce:
+    """Wraps the model; its n-th forward raises after running (a failure once cache state was already written)."""
+
+    def __init__(self, model, fail_at: int) -> None:
+        self.inner, self.calls, self.fail_at = model, 0, fail_at
+        self.cfg, self.dtype, self.device = model.cfg, model.dtype, model.device
+
+    def forward(self, batch, cache):
+        self.calls += 1
+        logits = self.inner.forward(batch, cache)
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return logits
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4], ids=["first-prefill", "second-step", "decode"])
+def test_failed_step_requeues_its_requests_and_outputs_are_unchanged(model, fail_at):
+    vocab = model.cfg.vocab_size
+    base = _ids(40, 9, vocab)
+    requests = [("a", base + [1], 0), ("b", base + [2, 3], 1), ("c", _ids(20, 10, vocab), 1)]
+    want = _run(_engine(model, False), requests)
+    flaky = _engine(model, True)
+    flaky.runner.model = _FailOnce(model, fail_at)
+    outputs, failures, step = {}, 0, 0
+    while step < 2 or flaky.has_unfinished():
+        for rid, prompt, arrival in requests:
+            if arrival == step:
+                flaky.add_request(rid, prompt, GREEDY)
+        try:
+            outputs.update((done.request_id, done.output.token_ids) for done in flaky.step())
+        except RuntimeError as err:
+            assert "injected failure" in str(err)
+            failures += 1
+        check_invariants(
+            flaky.cache_manager,
+            {s.seq_id: s.num_computed_tokens for s in flaky.scheduler.running},
+            between_steps=True,
+        )
+        step += 1
+    assert failures == 1 and outputs == want

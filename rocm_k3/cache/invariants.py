@@ -19,14 +19,22 @@ class CacheInvariantError(RuntimeError):
     """The cache bookkeeping is inconsistent; the message lists every violation found."""
 
 
-def check_invariants(manager: CacheManager, computed_tokens: Mapping[int, int] | None = None) -> None:
+def check_invariants(
+    manager: CacheManager, computed_tokens: Mapping[int, int] | None = None, *, between_steps: bool = False
+) -> None:
     """Raise :class:`CacheInvariantError` listing all violations.
 
     computed_tokens: seq_id -> tokens whose KV is already in the sequence's blocks (cached or computed). With it,
     the blocks a sequence will write next (from block ``computed // block_size`` on) must be in no other table.
+    between_steps: no step is in flight, so no copy may be pending and no save slot outstanding (a leak otherwise).
     """
     problems: list[str] = []
     unfinished = manager.unfinished_copies()
+    if between_steps:
+        if any(plan for plan in unfinished):
+            problems.append(f"copies still pinned between steps: {[p for p in unfinished if p]}")
+        if manager.pending_saves():
+            problems.append(f"save slots still outstanding between steps: {sorted(manager.pending_saves())}")
     pinned_blocks = collections.Counter(src for plan in unfinished for src, _, _ in plan.block_copies)
     pinned_slots = collections.Counter(src for plan in unfinished for src, _ in plan.state_copies)
 

@@ -124,7 +124,11 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
-        logits = self.runner.execute(out)  # [N, vocab]
+        try:
+            logits = self.runner.execute(out)  # [N, vocab]
+        except BaseException:
+            self.scheduler.abandon(out)  # the requests stay queued and are recomputed by the next step
+            raise
         self.scheduler.postprocess(out)
         self.num_steps += 1
         self.num_prefill_tokens += sum(item.num_new_tokens for item in out.scheduled if item.is_prefill)

@@ -164,6 +164,18 @@ class Scheduler:
                 self.cache.commit_prefill(item.seq.seq_id, item.seq.token_ids, item.end, item.saves)
             item.seq.num_computed_tokens = item.end
 
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step's forward failed: unpin its copy sources, give back its save slots, and send its sequences
+        back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published by
+        earlier steps are untouched (the failed step only wrote private blocks and slots)."""
+        self.cache.finish_copies(out.copies)
+        for item in out.scheduled:
+            self.cache.abandon_saves(item.saves)
+            item.saves = []
+        for item in reversed(out.scheduled):
+            if item.seq.status is SequenceStatus.RUNNING:
+                self._preempt(item.seq)
+
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of the next prefill chunk: the rest of the prefill if it fits, else up to the last aligned
