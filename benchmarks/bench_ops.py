@@ -96,8 +96,9 @@ def bench_moe(dev: str, quick: bool) -> None:
                 continue
             record("moe_a16w4", f"T{t} E{e} k{k} K{hidden} N{n} [{active} exp]", ms, base, nbytes, flops, label)
         if t in (1, 64):
-            ms = timed(lambda: fused_moe_with(x, weights, tw, ids, manual_w4=True))
-            record("moe_a16w4", f"T{t} manual E2M1 decode", ms, base, nbytes, flops, "manual")
+            for decode in ("manual", "bits"):
+                ms = timed(lambda: fused_moe_with(x, weights, tw, ids, w4_decode=decode))
+                record("moe_a16w4", f"T{t} {decode} E2M1 decode", ms, base, nbytes, flops, decode)
             ms = timed(lambda: fused_moe_with(x, weights, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn))
             record("moe_a8w4", f"T{t} E{e} k{k} OCP e4m3", ms, None, nbytes, flops, "auto")
     t = 2048

@@ -23,23 +23,25 @@ def main() -> None:
     s13 = torch.randint(118, 123, (e, 2 * n, hidden // 32), dtype=torch.uint8, device=dev, generator=g)
     s2 = torch.randint(118, 123, (e, hidden, n // 32), dtype=torch.uint8, device=dev, generator=g)
     weights = prepare_weights(ExpertWeights("mxfp4", w13, s13, w2, s2))
-    variants = [(MoEConfig(16, 64, 128, 8, 3), False), (MoEConfig(16, 32, 64, 4, 1), False),
-                (MoEConfig(16, 64, 128, 8, 1), False), (MoEConfig(16, 64, 128, 8, 3), True),
-                (MoEConfig(16, 32, 64, 4, 1), True), (MoEConfig(64, 128, 128, 8, 3), False)]
+    variants = [(MoEConfig(16, 32, 64, 4, 1), "dot_scaled"), (MoEConfig(16, 64, 128, 8, 1), "dot_scaled"),
+                (MoEConfig(16, 32, 64, 4, 1), "manual"), (MoEConfig(16, 64, 128, 8, 3), "manual"),
+                (MoEConfig(16, 32, 64, 4, 1), "bits"), (MoEConfig(16, 64, 128, 8, 3), "bits"),
+                (MoEConfig(16, 64, 256, 4, 3), "bits"), (MoEConfig(64, 128, 128, 8, 1), "dot_scaled")]
     for t in (1, 16):
         ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].to(torch.int32)
         tw = torch.softmax(torch.randn(t, k, device=dev), dim=1)
         x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
         ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()).float()
-        for cfg, manual in variants:
+        for cfg, decode in variants:
+            label = f"T{t} BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {decode}"
             try:
-                out = fused_moe_with(x, weights, tw, ids, config=cfg, manual_w4=manual).float()
+                out = fused_moe_with(x, weights, tw, ids, config=cfg, w4_decode=decode).float()
                 err = ((out - ref).norm() / ref.norm()).item()
                 ms = triton.testing.do_bench_cudagraph(lambda: fused_moe_with(x, weights, tw, ids, config=cfg,
-                                                                               manual_w4=manual), rep=50)
-                print(f"T{t} {tuple(cfg)} manual={manual}: rel_err {err:.3e}  {ms * 1e3:.1f} us", flush=True)
+                                                                               w4_decode=decode), rep=50)
+                print(f"{label}: rel_err {err:.3e}  {ms * 1e3:.1f} us", flush=True)
             except Exception as exc:  # report and continue with the next variant
-                print(f"T{t} {tuple(cfg)} manual={manual}: FAILED {exc!r}"[:400], flush=True)
+                print(f"{label}: FAILED {exc!r}"[:400], flush=True)
 
 
 if __name__ == "__main__":

@@ -187,32 +187,60 @@ def test_moe_align_kernel_matches_sort(t: int, k: int, e: int, bm: int) -> None:
 
 
 _MOE_CASES = [
-    ("situ", "bf16", None, False),
-    ("silu", "bf16", None, True),
-    ("situ", "mxfp8", "ocp", False),
-    ("situ", "mxfp8", "fnuz", True),
+    ("situ", "bf16", None, "dot_scaled"),
+    ("silu", "bf16", None, "manual"),
+    ("situ", "bf16", None, "bits"),
+    ("situ", "mxfp8", "ocp", "dot_scaled"),
+    ("situ", "mxfp8", "fnuz", "manual"),
+    ("silu", "mxfp8", "ocp", "bits"),
 ]
 
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("act,aq,fp8,manual", _MOE_CASES,
-                         ids=["situ-A16W4", "silu-A16W4-manualE2M1", "situ-A8W4-ocp", "situ-A8W4-fnuz-manualE2M1"])
-def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, manual: bool) -> None:
+@pytest.mark.parametrize("act,aq,fp8,decode", _MOE_CASES,
+                         ids=["situ-A16W4", "silu-A16W4-manualE2M1", "situ-A16W4-bitsE2M1", "situ-A8W4-ocp",
+                              "situ-A8W4-fnuz-manualE2M1", "silu-A8W4-ocp-bitsE2M1"])
+def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, decode: str) -> None:
     g = seeded(5)
-    t, k, e, hidden, n, kout = 5, 2, 4, 64, 64, 96
+    t, k, e, hidden, n, kout = 5, 2, 4, 96, 64, 96  # hidden 96: a partial K tile of 64
     weights = prepare_weights(_mxfp4_experts(e, n, hidden, kout, g))
     tw, ids = _routing(t, e, k, g)
     x = _randn(t, hidden, gen=g)
     kw = dict(activation=MoEActivation(act), act_quant=aq, fp8_dtype=FP8.get(fp8))
-    if manual:  # also exercise the lazy path: checkpoint-layout weights prepared on first use and cached
+    lazy = decode == "manual"
+    if lazy:  # also exercise the lazy path: checkpoint-layout weights prepared on first use and cached
         weights = ExpertWeights(weights.fmt, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale)
-    out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), manual_w4=manual, **kw)
-    if manual:
+    out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), w4_decode=decode, **kw)
+    if lazy:
         assert "triton" in weights.extras
     ref = fused_moe_reference(x, weights, tw, ids, **kw)
     # A8W4: both sides quantise x and the activation with the same MXFP8 rule, so only accumulation order differs.
     assert_rel(out, ref, 1e-5 if aq == "mxfp8" else 1.5e-2, "fused_moe")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("decode", ["dot_scaled", "manual", "bits"])
+def test_fused_moe_extreme_scales_interpret(decode: str) -> None:
+    """E8M0 bytes 0, 1, 130 and 200 (2^-127 .. 2^73) decode exactly: no overflow, no flush of subnormals.
+
+    Triton's own dot_scaled gives NaN under the interpreter once a w13 scale byte reaches ~140 (weights ~2^13),
+    so that path is checked up to byte 130; checkpoint scales stay below 127 (|w| <= 6).
+    """
+    g = seeded(16)
+    t, k, e, hidden, n, kout = 3, 2, 3, 64, 32, 64
+    weights = _mxfp4_experts(e, n, hidden, kout, g)
+    weights.w13_scale[0, :2] = 130 if decode == "dot_scaled" else 200
+    weights.w13_scale[1, 3:6] = 1
+    weights.w13_scale[2, 0] = 0
+    weights.w2_scale[1, :2] = 130
+    weights = prepare_weights(weights)
+    tw, ids = _routing(t, e, k, g)
+    x = _randn(t, hidden, gen=g)
+    kw = dict(activation=MoEActivation("silu"), act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)
+    out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), w4_decode=decode, **kw)
+    assert_rel(out, fused_moe_reference(x, weights, tw, ids, **kw), 1e-5, f"fused_moe extreme scales ({decode})")
 
 
 @pytest.mark.interpret
@@ -287,9 +315,10 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4", "moe_w2_a8w4",
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4",
+                    "moe_w13_bits", "moe_w2_a8w4",
                     "moe_mxfp8_quant")
-_MMA_KERNELS = ("mla_decode", "mla_prefill", "moe_w13_a16w4", "moe_w2_a8w4")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,7 @@ PREFILL_CONFIG = MoEConfig(64, 128, 128, 8, 1)
 # outputs were uncorrelated with the reference (rel. error 1.41) while num_stages=1 and the manual decode were
 # right (2.5e-3). The dot_scaled path is therefore always launched unpipelined.
 _DOT_SCALED_MAX_STAGES = 1
+_W4_DECODES = {"dot_scaled": K.W_MXFP4, "manual": K.W_MXFP4_MANUAL, "bits": K.W_MXFP4_BITS}
 
 
 def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
@@ -133,8 +134,19 @@ def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tenso
 
 
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
-                   fp8_dtype=None, config: MoEConfig | None = None, manual_w4: bool = False) -> torch.Tensor:
-    """:func:`fused_moe` with an explicit tile config and the hand-written E2M1 decode (benchmarks, tests)."""
+                   fp8_dtype=None, config: MoEConfig | None = None, manual_w4: bool = False,
+                   w4_decode: str = "dot_scaled") -> torch.Tensor:
+    """:func:`fused_moe` with an explicit tile config and MXFP4 decode (benchmarks, tests).
+
+    w4_decode: "dot_scaled" (default, measured), "manual" (arithmetic E2M1 decode + tl.dot) or "bits" (fp32
+    bit-pattern decode + even/odd split, experimental). ``manual_w4=True`` is the same as ``w4_decode="manual"``.
+    The manual and bits decodes are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
+    (interpreter) for scale bytes >= ~140, far above checkpoint scales (< 127).
+    """
+    if w4_decode not in _W4_DECODES:
+        raise ValueError(f"w4_decode must be one of {sorted(_W4_DECODES)}, got {w4_decode!r}")
+    if manual_w4:
+        w4_decode = "manual"
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
     out = torch.empty(tokens, kout, dtype=x.dtype, device=x.device)
@@ -146,7 +158,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     padded_rows = routing.sorted_pairs.numel()
     a8 = act_quant == "mxfp8"
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
-    w_fmt = K.W_BF16 if weights.fmt == "bf16" else (K.W_MXFP4_MANUAL if manual_w4 else K.W_MXFP4)
+    w_fmt = K.W_BF16 if weights.fmt == "bf16" else _W4_DECODES[w4_decode]
     x = x if x.stride(-1) == 1 else x.contiguous()
     if a8:
         xa, xs = _mxfp8_quantize(x, fp8_dtype)

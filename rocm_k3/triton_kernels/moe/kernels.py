@@ -4,7 +4,10 @@ Rows of both GEMMs follow the padded expert-sorted layout of :mod:`.align` (bloc
 MXFP4 weights are consumed by ``tl.dot_scaled(a_bf16, None, "bf16", w_e2m1, w_scale, "e2m1")``: Triton decodes
 E2M1 x E8M0 in registers on sm_90 / gfx942 (then wgmma / v_mfma on bf16) and gfx950 has a scaled MFMA.
 ``W_FMT == 2`` decodes the nibbles by hand (``mx.e2m1_decode``) and uses ``tl.dot``: a fallback and a
-cross-check of ``dot_scaled``. bf16 experts (``W_FMT == 1``) use a plain ``tl.dot``.
+cross-check of ``dot_scaled``. ``W_FMT == 3`` ("bits", experimental, not yet timed on a GPU) places each nibble's
+3 magnitude bits straight into an fp32 bit pattern (an fp32 subnormal/normal equal to E2M1 * 2^-126, see
+``_e2m1_bits_tile``) and multiplies by the E8M0 scale, and splits the activations into even and odd K columns
+instead of interleaving the decoded nibbles. bf16 experts (``W_FMT == 1``) use a plain ``tl.dot``.
 
 A8W4 activations are stored as E4M3 code bytes (uint8) + E8M0 bytes and decoded in registers with
 ``mx.fp8_e4m3_decode`` (exact), so OCP (bias 7) and FNUZ (bias 8) share one code path.
@@ -28,6 +31,7 @@ ACT_SILU = 1
 W_MXFP4 = 0
 W_BF16 = 1
 W_MXFP4_MANUAL = 2
+W_MXFP4_BITS = 3
 
 
 @triton.jit
@@ -110,6 +114,52 @@ def _weight_dot(acc, a, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
 
 
 @triton.jit
+def _load_a_cols(a_ptr, as_ptr, row_off, srow_off, rmask, kk, K, A_MX: tl.constexpr, BIAS: tl.constexpr):
+    """Activation columns ``kk`` [C] of the rows (offsets ``row_off`` [BM]) as bf16 [BM, C]."""
+    mask = rmask[:, None] & (kk < K)[None, :]
+    if A_MX:
+        codes = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.load(as_ptr + srow_off[:, None] + (kk // 32)[None, :], mask=mask, other=127).to(tl.int32)
+        return (fp8_e4m3_decode(codes, BIAS) * pow2(sc - 127)).to(tl.bfloat16)
+    return tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+
+
+@triton.jit
+def _e2m1_bits_tile(q, f1, f2):
+    """E2M1 codes (int32, 0..15) -> fp32 values times the block scale ``f1 * f2``.
+
+    ``(c & 7) << 22`` puts exponent bits e1 e0 and the mantissa bit of the code in fp32 bits 24..22, which is the
+    fp32 number ``E2M1(c) * 2^-126`` (code 1 is the subnormal 2^-127); the sign bit moves to bit 31. Multiplying by
+    ``f1 = 2^(min(s,128) - 1)`` then ``f2 = 2^(max(s,128) - 128)`` gives ``E2M1(c) * 2^(s - 127)`` exactly
+    (two factors so that neither overflows; denormals are preserved on sm_90 and gfx9, see the compile tier).
+    """
+    x = (((q & 7) << 22) | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+    return (x * f1) * f2
+
+
+@triton.jit
+def _bits_dot(acc, a_even, a_odd, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
+              DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += a[:, k0::2] @ W_even^T + a[:, k0+1::2] @ W_odd^T with the "bits" E2M1 decode."""
+    g = k0 // 32 + tl.arange(0, BK // 32)  # [G] scale groups of this K tile
+    j = tl.arange(0, 16)  # bytes per scale group
+    kh = (g * 16)[:, None, None] + j[None, :, None]  # [G, 16, 1] packed byte index along K/2
+    gmask = (g * 32 < K)[:, None, None] & nmask[None, None, :]
+    wq = tl.load(w_ptr + w_row_off[None, None, :] + kh, mask=gmask, other=0).to(tl.int32)  # [G, 16, BN]
+    s = tl.load(ws_ptr + ws_row_off[None, :] + g[:, None], mask=(g * 32 < K)[:, None] & nmask[None, :],
+                other=127).to(tl.int32)[:, None, :]  # [G, 1, BN]
+    f1 = pow2(tl.minimum(s, 128) - 1)
+    f2 = pow2(tl.maximum(s, 128) - 128)
+    lo = tl.reshape(_e2m1_bits_tile(wq & 15, f1, f2), (BK // 2, BN))  # even k
+    hi = tl.reshape(_e2m1_bits_tile(wq >> 4, f1, f2), (BK // 2, BN))  # odd k
+    if DOT_F32:
+        acc = tl.dot(a_even.to(tl.float32), lo, acc)
+        return tl.dot(a_odd.to(tl.float32), hi, acc)
+    acc = tl.dot(a_even, lo.to(tl.bfloat16), acc)
+    return tl.dot(a_odd, hi.to(tl.bfloat16), acc)
+
+
+@triton.jit
 def _tanh(z):
     return 2.0 * tl.sigmoid(2.0 * z) - 1.0
 
@@ -145,9 +195,16 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-        acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
-        acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+        if W_FMT == 3:
+            ke = k0 + 2 * tl.arange(0, BK // 2)
+            a_ev = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke, K, A_MX, BIAS)
+            a_od = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke + 1, K, A_MX, BIAS)
+            acc_g = _bits_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, DOT_F32, BN, BK)
+            acc_u = _bits_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, DOT_F32, BN, BK)
+        else:
+            a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
+            acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+            acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
     if ACT == 0:  # SiTU: beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)
         gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
         if HAS_LINEAR_BETA:
@@ -193,8 +250,14 @@ def w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
     r64 = rows.to(tl.int64)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-        acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+        if W_FMT == 3:
+            ke = k0 + 2 * tl.arange(0, BK // 2)
+            a_ev = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke, K, A_MX, BIAS)
+            a_od = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke + 1, K, A_MX, BIAS)
+            acc = _bits_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, DOT_F32, BN, BK)
+        else:
+            a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
+            acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
     rw = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0)  # [BM] routing weights
     tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], acc * rw[:, None], mask=rmask[:, None] & nmask[None, :])
 
