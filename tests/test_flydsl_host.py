@@ -306,3 +306,59 @@ def test_row_kernel_supports_explain_refusals() -> None:
                                                torch.zeros(2, 4, 128), torch.ones(128))
     assert not ok and "gate dtype" in why
     assert ops_impl.rms_norm_supports(torch.zeros(2, 7168, dtype=torch.bfloat16), torch.ones(7168))[0]
+
+
+# --- the bit formulas the MoE kernels trace (bitcodes), evaluated on Python ints -----------------------------
+
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # K3_SPEC section 6, codes 0..7; 8..15 negated
+
+
+def _e2m1(code: int) -> float:
+    return (-1.0 if code & 8 else 1.0) * E2M1_VALUES[code & 7]
+
+
+def test_e2m1_decodes_to_bf16_bits_exactly() -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1_to_bf16_bits, py_select
+
+    bits = torch.tensor([e2m1_to_bf16_bits(c, py_select) for c in range(16)], dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16).float().tolist()
+    assert values == [_e2m1(c) for c in range(16)]
+    assert bits[8].item() == -32768  # code 8 is -0.0, kept as a negative zero
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn], ids=["fnuz", "ocp"])
+def test_e2m1_maps_to_e4m3_bytes_exactly(fp8: torch.dtype) -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1_to_e4m3_byte, py_select
+
+    fnuz = fp8 == torch.float8_e4m3fnuz
+    codes = torch.tensor([e2m1_to_e4m3_byte(c, fnuz, py_select) for c in range(16)], dtype=torch.uint8)
+    values = codes.view(fp8).float()
+    assert torch.isfinite(values).all(), "FNUZ 0x80 is NaN: signed zeros must map to 0"
+    assert values.tolist() == [_e2m1(c) if _e2m1(c) != 0 else 0.0 for c in range(16)]
+
+
+def test_e8m0_bits_match_the_quant_decoder() -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import e8m0_to_f32_bits, py_select
+    from rocm_k3.quant.e8m0 import decode_e8m0
+
+    scales = torch.arange(255, dtype=torch.uint8)  # 0xFF is the NaN scale, never decoded by the kernels
+    bits = torch.tensor([e8m0_to_f32_bits(int(s), py_select) for s in scales], dtype=torch.int32)
+    assert torch.equal(bits.view(torch.float32), decode_e8m0(scales))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn], ids=["fnuz", "ocp"])
+def test_mx_scale_exponent_matches_the_quant_rule(fp8: torch.dtype) -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import mx_scale_exponent, pow2_neg_f32_bits, py_select
+    from rocm_k3.quant.e8m0 import scale_exponent
+    from rocm_k3.quant.mxfp8 import FP8_FORMATS
+
+    emax = FP8_FORMATS[fp8].emax
+    g = seeded(7)
+    amax = torch.cat([
+        torch.tensor([0.0, 1e-45, 1e-40, 1.0, 1.74999, 1.75, 1.9999, 2.0, 3.5, 7.0, 448.0, 3.0e38]),
+        torch.exp2(torch.empty(2000).uniform_(-140.0, 127.0, generator=g)),
+    ]).to(torch.float32)
+    mine = torch.tensor([mx_scale_exponent(int(b), emax, py_select) for b in amax.view(torch.int32)])
+    assert torch.equal(mine, scale_exponent(amax, emax, "ct").to(torch.int64))
+    inv = torch.tensor([pow2_neg_f32_bits(int(e)) for e in mine], dtype=torch.int32).view(torch.float32)
+    assert torch.equal(inv, torch.exp2(-mine.double()).float())

@@ -99,10 +99,11 @@ def build_kda_prefill(config: KdaPrefillConfig):
             bias_c = fx.Float32(DtBias[h * K + c])
 
         # the lane's 64 rows of column c, zero unless the sequence continues a cached state
-        keep = (fx.Int32(HasInit[n]) != 0).select(1.0, 0.0)
+        # (selected, not multiplied by 0/1: a never-written slot may hold NaN)
+        has_init = fx.Int32(HasInit[n]) != 0
         col = fx.make_rmem_tensor(rows, fx.Float32)
         col.store(fx.Vector.from_elements(
-            [common.load_vec(f32, tile, kda_decode_row(half, i, K) * K + c, 1, "f32")[0] * keep
+            [has_init.select(common.load_vec(f32, tile, kda_decode_row(half, i, K) * K + c, 1, "f32")[0], 0.0)
              for i in range_constexpr(rows)], fx.Float32))
 
         for sgi in range(fx.Int32(SegPtr[n]), fx.Int32(SegPtr[n + 1])):

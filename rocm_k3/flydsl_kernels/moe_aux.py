@@ -23,11 +23,10 @@ import flydsl.expr as fx
 from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr.typing import T
 
-from rocm_k3.flydsl_kernels import common
+from rocm_k3.flydsl_kernels import bitcodes, common
 from rocm_k3.flydsl_kernels.plans import RowPlan, row_plan
 
 QUANT_LANES = 64
-_CT_MANTISSA_BITS = 0x600000  # fp32 mantissa field of 1.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +67,8 @@ def build_mxfp8_quant(cfg: Mxfp8QuantConfig):
         amax = fx.Float32(0.0)
         for v in xs:
             amax = fx.max(amax, fx.math.absf(v))
-        bits = amax.bitcast(fx.Int32)
-        floor_log2 = ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) >= _CT_MANTISSA_BITS).select(1, 0)
-        e = fx.max(fx.min(floor_log2 - emax, 127), -127)
-        e = (amax == 0.0).select(fx.Int32(-127), e)
-        inv = ((127 - e) << 23).bitcast(fx.Float32)  # 2^-e, exact (e <= 119 for finite fp32 amax)
+        e = bitcodes.mx_scale_exponent(amax.bitcast(fx.Int32), emax, bitcodes.dsl_select)
+        inv = bitcodes.pow2_neg_f32_bits(e).bitcast(fx.Float32)  # 2^-e, exact
         if ok:
             S[row, b] = (e + 127).to(fx.Int8)
             ys = [fx.max(fx.min(v * inv, vmax), -vmax) for v in xs]

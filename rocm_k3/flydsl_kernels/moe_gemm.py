@@ -40,7 +40,7 @@ from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr.rocdl import cdna4
 from flydsl.expr.typing import T
 
-from rocm_k3.flydsl_kernels import common
+from rocm_k3.flydsl_kernels import bitcodes, common
 from rocm_k3.flydsl_kernels.plans import (
     MOE_BLOCK_M,
     MOE_K_GROUP,
@@ -110,8 +110,7 @@ class MoeGemmConfig:
 
 def _e8m0_to_f32(byte):
     """2^(byte - 127) as fp32 (byte 0 is the subnormal 2^-127), from an int32 holding the byte."""
-    bits = (byte == 0).select(fx.Int32(0x00400000), byte << 23)
-    return bits.bitcast(fx.Float32)
+    return bitcodes.e8m0_to_f32_bits(byte, bitcodes.dsl_select).bitcast(fx.Float32)
 
 
 def _fp4_to_bf16(word, scale, arch: str):
@@ -126,26 +125,19 @@ def _fp4_to_bf16(word, scale, arch: str):
         return fx.Vector.from_elements([pr[j] for pr in pairs for j in range_constexpr(2)], fx.BFloat16)
     vals = []
     for p in range_constexpr(8):
-        nib = (word >> (4 * p)) & 15
-        mag = nib & 7
-        bits = (mag < 2).select(mag * 0x3F00, (mag << 6) + 0x3F00)  # bf16 bits: 0, 0.5, 1, 1.5, ... 6
-        bits = bits | ((nib & 8) << 12)
+        bits = bitcodes.e2m1_to_bf16_bits((word >> (4 * p)) & 15, bitcodes.dsl_select)
         vals.append((bits << 16).bitcast(fx.Float32) * scale)
     return fx.Vector.from_elements(vals, fx.Float32).to(fx.BFloat16)
 
 
 def _fp4_to_fp8_words(word, fnuz: bool):
     """8 E2M1 codes -> 8 e4m3 bytes (FNUZ or OCP, exact) packed in two int32 (byte p = code p)."""
-    base = 0x38 if fnuz else 0x30  # e4m3 byte of 0.5 (exponent bias 8 for FNUZ, 7 for OCP)
     words = []
     for half in range_constexpr(2):
         acc = fx.Int32(0)
         for i in range_constexpr(4):
-            nib = (word >> (4 * (half * 4 + i))) & 15
-            mag = nib & 7
-            byte = (mag < 2).select(mag * base, (mag << 2) + (base - 8))
-            sign = (mag == 0).select(fx.Int32(0), (nib & 8) << 4)  # no -0: 0x80 is NaN in FNUZ
-            acc = acc | ((byte | sign) << (8 * i))
+            byte = bitcodes.e2m1_to_e4m3_byte((word >> (4 * (half * 4 + i))) & 15, fnuz, bitcodes.dsl_select)
+            acc = acc | (byte << (8 * i))
         words.append(acc)
     return words
 
