@@ -75,17 +75,23 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
     run = KERNELS["kda_prefill"][0]
     row = {"op": "kda_prefill", "shape": f"H{H} N{N} T{T} D{D} bf16",
            "ms": _bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))}
-    if sweep:
-        default = tri_prefill.state_tile
-        for tile in ((16, 4), (32, 4), (32, 8), (64, 8)):
+    if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
+        o_ref = run(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params).o.float()
+        default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
+        for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
+                            ((32, 4), True), ((64, 4), True), ((64, 8), True)):
             tri_prefill.state_tile = lambda n, v, tile=tile: tile
+            tri_prefill.SPLIT_OUTPUT = split
+            key = f"ms_state_bv{tile[0]}_w{tile[1]}" + ("_split" if split else "")
             try:
-                row[f"ms_state_bv{tile[0]}_w{tile[1]}"] = _bench(
-                    lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))
+                o = run(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params).o.float()
+                err = ((o - o_ref).norm() / o_ref.norm()).item()
+                row[key] = (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init,
+                                                     gate_params=params)), 4), f"rel {err:.1e}")
             except Exception as exc:
-                row[f"ms_state_bv{tile[0]}_w{tile[1]}"] = repr(exc)[:80]
+                row[key] = repr(exc)[:80]
             finally:
-                tri_prefill.state_tile = default
+                tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
     if chunk_kda is not None:
         cu64 = cu.long()
         h0 = pool.clone()

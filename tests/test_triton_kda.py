@@ -210,8 +210,13 @@ def test_kda_prefill_interpret(case) -> None:
 
 @pytest.mark.interpret
 @needs_interp
-def test_kda_prefill_matches_chunked_reference_interpret() -> None:
-    """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences)."""
+@pytest.mark.parametrize("split_output", [False, True], ids=["fused-output", "split-output"])
+def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
+    output computed inside the state walk or by the separate output launch."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    monkeypatch.setattr(tri_prefill, "SPLIT_OUTPUT", split_output)
     gen = seeded(5)
     q, k, v, f, beta, cu, params = _prefill_inputs([90, 41], torch.float32, -5.0, True, True, gen)
     pool = _randn(3, 2, 32, 32, gen=gen, scale=0.3)
@@ -276,11 +281,12 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_intra",
-                "chunk_solve", "chunk_state", "kda_decode")
+                "chunk_solve", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
-        "chunk_state": ("wgmma.mma_async", "v_mfma")}
+        "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
+        "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,10 @@ def _specs() -> dict:
     dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
     bv, state_warps = state_tile(H, V)  # one 4096-token sequence of K3: 96 heads
     pkg = "rocm_k3.triton_kernels.kda"
+    state_sig = {"w_ptr": "*bf16", "u_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "aqk_ptr": "*bf16",
+                 "glast_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "seq_first_chunk_ptr": "*i32", "state_ptr": "*fp32",
+                 "state_indices_ptr": "*i32", "has_init_ptr": "*i8", "o_ptr": "*bf16", "inter_ptr": "*fp32",
+                 "inter_map_ptr": "*i32", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16"}
     return {
         "kda_gate": (f"{pkg}.gate", "kda_gate_kernel",
                      {"f_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "g_ptr": "*fp32", "T": "i32",
@@ -54,12 +58,13 @@ def _specs() -> dict:
         "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
                         {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
                          "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots), 4, 1),
-        "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel",
-                        {"w_ptr": "*bf16", "u_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
-                         "aqk_ptr": "*bf16", "glast_ptr": "*fp32", "cu_seqlens_ptr": "*i32",
-                         "seq_first_chunk_ptr": "*i32", "state_ptr": "*fp32", "state_indices_ptr": "*i32",
-                         "has_init_ptr": "*i8", "o_ptr": "*bf16", "inter_ptr": "*fp32", "inter_map_ptr": "*i32"},
-                        dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, **dots), state_warps, 2),
+        "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
+                        dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots), state_warps, 2),
+        "chunk_state_split": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
+                              dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=False, **dots), state_warps, 2),
+        "chunk_output": (f"{pkg}.chunk_output", "chunk_output_kernel",
+                         {**plan, "qg_ptr": "*bf16", "aqk_ptr": "*bf16", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16",
+                          "o_ptr": "*bf16"}, dict(H=H, K=K, V=V, BV=64, **dots), 4, 2),
         "kda_decode": (f"{pkg}.decode", "kda_decode_kernel",
                        {"qkv_ptr": "*bf16", "f_ptr": "*bf16", "beta_ptr": "*bf16", "out_gate_ptr": "*bf16",
                         "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "a_log_ptr": "*fp32",

@@ -7,6 +7,10 @@ slice S [K, BV] in registers::
     O  = QG S + Aqk V'                 [C, BV]   (written in o's dtype)
     S  = diag(GL) S + KD^T V'          [K, BV]
 
+With ``WITH_OUTPUT`` false the loop skips the output and instead stores the state at each chunk's start
+(``hbuf`` [NC, H, K, V], dot dtype) and V' (``vbuf`` [T, H, V]) for :mod:`.chunk_output`, which computes O for
+all chunks in parallel: a shorter sequential step for more bytes moved.
+
 The initial state is read from ``state[state_indices[n]]`` when ``has_initial_state[n]`` (else 0); the final
 state is written back to the same slot, in place. ``inter_map[chunk]`` >= 0 asks for the state after that chunk
 to be written to row ``inter_map[chunk]`` of the intermediate-state buffer (prefix caching at chunk ends).
@@ -24,8 +28,9 @@ def chunk_state_kernel(
     cu_seqlens_ptr, seq_first_chunk_ptr,  # int32 [N+1] each
     state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
+    hbuf_ptr, vbuf_ptr,  # without WITH_OUTPUT: chunk-start states [NC, H, K, V] and V' [T, H, V]
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    HAS_INTER: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    HAS_INTER: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
 ):
     BT: tl.constexpr = 64
     iv = tl.program_id(0)
@@ -59,10 +64,15 @@ def chunk_state_kernel(
         u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
         v_new = u - tl.dot(w, s_dot, input_precision=PREC)  # [BT, BV]
         v_dot = v_new.to(DOT_T)
-        qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
-        aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
-        o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
-        tl.store(o_ptr + t0 * (H * V) + loc_v, o.to(o_ptr.dtype.element_ty), mask=m)
+        if WITH_OUTPUT:
+            qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+            aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
+            o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
+            tl.store(o_ptr + t0 * (H * V) + loc_v, o.to(o_ptr.dtype.element_ty), mask=m)
+        else:
+            h_c = hbuf_ptr + ((c_first + ci) * H + h).to(tl.int64) * (K * V)
+            tl.store(h_c + s_offs, s_dot.to(hbuf_ptr.dtype.element_ty))
+            tl.store(vbuf_ptr + t0 * (H * V) + loc_v, v_dot.to(vbuf_ptr.dtype.element_ty), mask=m)
         kd = tl.load(kd_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
         gl = tl.load(glast_ptr + ((c_first + ci) * H + h).to(tl.int64) * K + rk)  # [K]
         s = s * gl[:, None] + tl.dot(tl.trans(kd), v_dot, input_precision=PREC)

@@ -4,6 +4,7 @@
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
+             (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
@@ -16,13 +17,16 @@ import triton.language as tl
 
 from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
+from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 128  # the fused phase-2/phase-3 tiles hold whole [64, K] / [K, BV] blocks in registers
+MAX_HEAD_DIM = 128
+# Output inside the sequential state walk (False) or in a separate parallel launch (True); see chunk_output.
+SPLIT_OUTPUT = False  # the fused phase-2/phase-3 tiles hold whole [64, K] / [K, BV] blocks in registers
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -168,12 +172,22 @@ def kda_prefill(
     if has_inter:
         inter_map, copy_from = _inter_map(intermediate_positions, plan.seq_first_chunk, plan.num_chunks)
     bv, warps = state_tile(N * H, V)
+    split = SPLIT_OUTPUT
+    hbuf = buf(plan.num_chunks, H, K, V) if split else o  # o: an unread placeholder
+    vbuf = buf(T, H, V) if split else o
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
-        o, inter if has_inter else o, inter_map if has_inter else cu,
-        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec, num_warps=warps, num_stages=2,
+        o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
+        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec,
+        num_warps=warps, num_stages=2,
     )
+    if split:
+        bvo = min(64, V)
+        chunk_output_kernel[(plan.num_chunks, H, V // bvo)](
+            qg, aqk, hbuf, vbuf, plan.chunk_seq, plan.chunk_start, cu, o,
+            H=H, K=K, V=V, BV=bvo, DOT_T=dot_t, PREC=prec, num_warps=4,
+        )
     if copy_from is not None:
         inter = inter[copy_from]
     return KDAPrefillOutput(o, inter)
