@@ -2,8 +2,9 @@
 
 Run: ``PYTHONPATH=. python benchmarks/prefix_cache_cpu.py [--prefix-len 512] [--num-requests 8] [--json OUT]``.
 N requests share a ``prefix-len``-token system prompt and each adds ``suffix-len`` tokens of its own; one arrives
-every ``arrival-interval`` engine steps (requests admitted in the same step compute a common prefix side by side,
-so a shared prefix pays off from the next step on) and each generates ``max-tokens`` greedy tokens. The same workload runs on the engine with prefix caching off
+every ``arrival-interval`` engine steps (0: all at once, as from one ``LLM.generate`` call: the scheduler then
+prefills the shared prefix once and holds the others back until its states are saved) and each generates
+``max-tokens`` greedy tokens. The same workload runs on the engine with prefix caching off
 and on (same model, same granularities); the script reports prefill tokens computed and saved, wall time, the
 prefix-cache counters, and checks that both runs produced identical tokens.
 """
@@ -31,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=448)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=6)
-    p.add_argument("--arrival-interval", type=int, default=1, help="engine steps between arrivals")
+    p.add_argument("--arrival-interval", type=int, default=0, help="engine steps between arrivals")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--match-unit", type=int, default=64)

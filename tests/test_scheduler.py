@@ -139,3 +139,24 @@ def test_request_that_can_never_fit_is_rejected():
 def test_token_budget_too_small_is_a_named_error():
     with pytest.raises(TokenBudgetError, match="max_num_batched_tokens=10"):
         small_config(align=8, budget=10, max_seqs=4)
+
+
+def test_request_waits_for_a_shared_prefix_in_flight_instead_of_recomputing_it():
+    cfg = small_config(block=8, unit=4, align=8, budget=80, max_seqs=4, max_len=64)
+    shared = list(range(100, 140))
+    reqs = [Request("a", shared + [1, 2], 3), Request("b", shared + [3], 3), Request("c", [7] * 30, 3)]
+    eng = SimEngine(cfg, num_blocks=30, num_slots=12, vocab=50)
+    for r in reqs:
+        eng.add(r)
+    first = eng.step()
+    # "a" takes 42 tokens; "b" shares 40 with it and waits; "c" shares nothing and is not held back by "b"
+    assert [it.seq.request_id for it in first.scheduled] == ["a", "c"]
+    while eng.sched.has_unfinished():
+        eng.step()
+    assert {k: s.output_token_ids for k, s in eng.seqs.items()} == reference_outputs(reqs, vocab=50)
+    assert eng.seqs["b"].num_cached_tokens == 40 and eng.cache.stats.hit_requests == 1
+    # without prefix caching nothing waits
+    off = SimEngine(small_config(caching=False, block=8, unit=4, align=8, budget=80), 30, 12, vocab=50)
+    for r in reqs:
+        off.add(r)
+    assert [(it.seq.request_id, it.num_new_tokens) for it in off.step().scheduled] == [("a", 42), ("b", 32)]

@@ -177,6 +177,12 @@ class CacheManager:
             st.state_restores += sign
             st.cow_copies += sign * cow
 
+    def match_length(self, token_ids: Sequence[int]) -> int:
+        """Prefix tokens :meth:`admit` would serve from the cache right now (no side effects, no counters)."""
+        if not self.caching or len(token_ids) < 2:
+            return 0
+        return len(self.index.longest_state_match(token_ids, (len(token_ids) - 1) // self.match_unit)) * self.match_unit
+
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """New blocks the sequence needs so that its table covers ``num_tokens`` positions."""
         have = len(self._seq(seq_id).block_table)

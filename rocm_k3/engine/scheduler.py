@@ -134,12 +134,15 @@ class Scheduler:
                 taken.add(seq.seq_id)
                 budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):  # FIFO; only a sequence that chose to wait for a prefix is passed over
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._wait_for_prefix(seq):
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, is_prefill=True))
             taken.add(seq.seq_id)
@@ -187,6 +190,21 @@ class Scheduler:
         end = (start + budget) // self.alignment * self.alignment
         return max(0, end - start)
 
+    def _wait_for_prefix(self, seq: Sequence) -> bool:
+        """With prefix caching, a waiting sequence whose prompt shares at least one more aligned stretch with a
+        prefill in flight (running, or admitted earlier in this step) than the cache can serve now stays queued
+        until that prefill has saved its states, instead of computing the same prefix side by side. The prefill
+        it waits for is running and advances every step, so the wait is bounded."""
+        if not self.cache.caching:
+            return False
+        limit = seq.num_tokens - 1  # one token is always computed
+        shared = 0
+        for other in self.running:
+            if not other.is_decoding:
+                shared = max(shared, _common_prefix(seq.token_ids, other.token_ids, min(limit, other.prefill_len)))
+        reachable = shared // self.alignment * self.alignment
+        return reachable > 0 and reachable > self.cache.match_length(seq.token_ids)
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
         seq.prefill_len = seq.num_tokens
@@ -230,3 +248,16 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    step = 64
+    i = 0
+    while i < n and a[i : i + step] == b[i : i + step]:  # compare in slices: fast on long shared prefixes
+        i += step
+    i = min(i, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
