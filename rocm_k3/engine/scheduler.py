@@ -5,7 +5,9 @@ Each :meth:`Scheduler.schedule` builds one step under ``max_num_batched_tokens``
 1. every running sequence past its prefill gets one decode token (FIFO);
 2. running sequences still in prefill get the next chunk;
 3. waiting sequences are admitted in FIFO order (a KDA slot, the longest usable cached prefix, blocks for the
-   first chunk) while the budget, ``max_num_seqs`` and the cache allow; admission never preempts.
+   first chunk) while the budget, ``max_num_seqs`` and the cache allow; admission never preempts. With prefix
+   caching, a sequence that shares a longer aligned prefix with a prefill in flight than the cache holds waits
+   (and is passed over) until that prefill has saved its states, so a common prefix is computed once.
 
 A prefill chunk that is not the last one of its prompt ends on a multiple of ``alignment`` (chunks of one
 prefill therefore start on match-unit boundaries, where KDA states can be saved). When a running sequence needs a
