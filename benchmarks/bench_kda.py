@@ -92,6 +92,16 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
                 row[key] = repr(exc)[:80]
             finally:
                 tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
+        default_warps = dict(tri_prefill.PHASE_WARPS)
+        for phase, warps in (("prep", 4), ("prep", 16), ("intra", 2), ("intra", 8), ("solve", 2), ("solve", 8)):
+            tri_prefill.PHASE_WARPS[phase] = warps
+            try:
+                row[f"ms_{phase}_w{warps}"] = round(_bench(
+                    lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params)), 4)
+            except Exception as exc:
+                row[f"ms_{phase}_w{warps}"] = repr(exc)[:80]
+            finally:
+                tri_prefill.PHASE_WARPS.update(default_warps)
     if chunk_kda is not None:
         cu64 = cu.long()
         h0 = pool.clone()
@@ -192,8 +202,8 @@ def main() -> None:
     for H, N in ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         print(rows[-1], flush=True)
-    for H, lengths in ((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4)):
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep))
+    for i, (H, lengths) in enumerate(((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4))):
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and i < 2))
         print(rows[-1], flush=True)
     if args.profile:
         profile_prefill(96, 4096, gen)
@@ -208,7 +218,7 @@ def main() -> None:
         sp = f"{fla / r['ms']:.2f}x" if fla else "n/a"
         print(f"{r['op']:<11} {r['shape']:<26} {r['ms']:8.3f} {fla if fla else float('nan'):8.3f} {sp:>8} "
               f"{floor:9.3f} {100 * floor / r['ms']:7.1f}%")
-        extra = {k: v for k, v in r.items() if k.startswith(("ms_state", "ms_decode")) or k == "fla_error"}
+        extra = {k: v for k, v in r.items() if k.startswith("ms_") or k == "fla_error"}
         if extra:
             print("    ", extra)
     if args.json:

@@ -6,6 +6,7 @@ For sequence n (state slot s = state_indices[n]) and head h, with V = K::
     g       = kda_gate(f[n, h])                                       fp32 [K]
     q       = scale * q / sqrt(sum q^2 + 1e-6);  k = k / sqrt(sum k^2 + 1e-6);  b = sigmoid(beta[n, h])
     S       = diag(exp(g)) state[s, h];  u = v - S^T k;  S += b k u^T;  o = S^T q     state[s, h] <- S in place
+              (o is computed as S_decayed^T q + b (k . q) u, so both K-reductions read one tile side by side)
     y       = o * rsqrt(mean(o^2) + eps) * o_norm_weight * sigmoid(out_gate[n, h])
 
 The state slots are addressed by index inside the kernel: no gather or scatter copies. Everything except
@@ -76,11 +77,13 @@ def kda_decode_kernel(
     b = sigmoid_f32(tl.load(beta_ptr + n.to(tl.int64) * H + h).to(tl.float32))
 
     s_ptr = state_ptr + (slot * H + h) * (K * V) + rk[:, None] * V + rv[None, :]  # [K, V]
-    s = tl.load(s_ptr) * tl.exp(g)[:, None]
-    u = v - tl.sum(s * k[:, None], axis=0)  # v - S^T k      [V]
-    s = s + (b * k)[:, None] * u[None, :]
-    o = tl.sum(s * q[:, None], axis=0)  # S^T q            [V]
-    tl.store(s_ptr, s)
+    s = tl.load(s_ptr) * tl.exp(g)[:, None]  # decayed state
+    # both reductions over K read the decayed state, so they run side by side:
+    # o = S_new^T q = S^T q + b (k . q) u  with  u = v - S^T k
+    u = v - tl.sum(s * k[:, None], axis=0)  # [V]
+    sq = tl.sum(s * q[:, None], axis=0)  # [V]
+    tl.store(s_ptr, s + (b * k)[:, None] * u[None, :])
+    o = sq + (b * tl.sum(k * q, axis=0)) * u
 
     og = tl.load(out_gate_ptr + n.to(tl.int64) * (H * V) + h * V + rv).to(tl.float32)
     nw = tl.load(norm_w_ptr + rv).to(tl.float32)

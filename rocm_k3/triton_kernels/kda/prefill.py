@@ -24,9 +24,11 @@ from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 128  # the chunk tiles hold whole [16 or 64, K] rows and [K, BV] state slices in registers
 # Output inside the sequential state walk (False) or in a separate parallel launch (True); see chunk_output.
-SPLIT_OUTPUT = False  # the fused phase-2/phase-3 tiles hold whole [64, K] / [K, BV] blocks in registers
+SPLIT_OUTPUT = False
+# num_warps of the parallel phases (the state walk's come from state_tile).
+PHASE_WARPS = {"prep": 8, "intra": 4, "solve": 4}
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -155,17 +157,17 @@ def kda_prefill(
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, 0.0 if lower is None else float(lower),
         H=H, K=K, BT=CHUNK, BK=min(32, K), HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None,
-        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=8, num_stages=1,
+        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=PHASE_WARPS["prep"], num_stages=1,
     )
     a, aqk = buf(T, H, CHUNK, dtype=torch.float32), buf(T, H, CHUNK)
     chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=4,
+        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
     )
     w, u = buf(T, H, K), buf(T, H, V)
     chunk_solve_kernel[grid](
         a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
-        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=4, num_stages=1,
+        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
     )
 
     inter_map, copy_from = (None, None)
