@@ -136,10 +136,14 @@ class Scheduler:
                 taken.add(seq.seq_id)
                 budget -= n
 
+        passed_over = 0
         for seq in list(self.waiting):  # FIFO; only a sequence that chose to wait for a prefix is passed over
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._wait_for_prefix(seq):
+                passed_over += 1
+                if passed_over >= self.config.max_num_seqs:  # bound the scan of a long queue
+                    break
                 continue
             n = self._admit(seq, budget)
             if n == 0:
