@@ -362,3 +362,72 @@ def test_mx_scale_exponent_matches_the_quant_rule(fp8: torch.dtype) -> None:
     assert torch.equal(mine, scale_exponent(amax, emax, "ct").to(torch.int64))
     inv = torch.tensor([pow2_neg_f32_bits(int(e)) for e in mine], dtype=torch.int32).view(torch.float32)
     assert torch.equal(inv, torch.exp2(-mine.double()).float())
+
+
+# --- the MoE GEMM tile schedule, emulated lane by lane on the host ------------------------------------------
+# The emulation follows moe_gemm's K loop with the same plan functions (operand K map, dword positions, scale
+# slots) and the pre-shuffled weights, using the MFMA semantics C[i][j] = sum_q sum_t A[q*16+i][t] B[q*16+j][t]
+# (lane q*16+i supplies row/column i of lane group q); it is compared with dequantise-then-matmul.
+
+MOE_SCHEDULES = [("step", 4, "bf16"), ("lane", 8, "bf16"), ("step", 8, "fp8"), ("lane", 32, "fp8")]
+
+
+def _emulate_moe_tile(layout: str, kpl: int, fmt: str, a_val: torch.Tensor, a_scale: torch.Tensor,
+                      words: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """One 16x16 output tile (weight tile 0 of expert 0) of the GEMM A [16, K] x W^T, fp64."""
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1_to_bf16_bits, py_select
+
+    def e2m1(code: int) -> float:
+        bits = torch.tensor([e2m1_to_bf16_bits(code, py_select)], dtype=torch.int32).to(torch.int16)
+        return bits.view(torch.bfloat16).item()
+
+    def pow2(byte: int) -> float:
+        return 2.0 ** (int(byte) - 127)
+
+    groups = a_val.shape[1] // plans.MOE_K_GROUP
+    acc = torch.zeros(16, 16, dtype=torch.float64)
+    for g in range(groups):
+        for s in range(plans.moe_steps(kpl)):
+            a_frag = torch.zeros(64, kpl, dtype=torch.float64)
+            b_frag = torch.zeros(64, kpl, dtype=torch.float64)
+            a_sc = torch.ones(64, dtype=torch.float64)
+            b_sc = torch.ones(64, dtype=torch.float64)
+            for lane in range(64):
+                row = plans.mfma_ab_row(lane)
+                slot = plans.moe_scale_slot(lane, s, layout, kpl)
+                b_sc[lane] = pow2(w_scales[0, 0, g, row, slot])
+                a_sc[lane] = pow2(a_scale[row, g * 4 + slot])
+                for j in range(kpl):
+                    d, p = plans.moe_dword_pos(s, j, layout, kpl)
+                    a_frag[lane, j] = a_val[row, plans.moe_dword_k(lane, g, d, p, layout)]
+                    b_frag[lane, j] = e2m1((int(words[0, 0, g, lane, d]) >> (4 * p)) & 15)
+            if fmt == "bf16":  # weights scaled while decoding, activations as they are
+                acc += torch.einsum("qit,qjt->ij", a_frag.view(4, 16, kpl), (b_frag * b_sc[:, None]).view(4, 16, kpl))
+            elif layout == "step":  # gfx942 FP8: unscaled MFMA, both scales on the fp32 result of the step
+                tmp = torch.einsum("qit,qjt->ij", a_frag.view(4, 16, kpl), b_frag.view(4, 16, kpl))
+                acc += tmp * a_sc[:16, None] * b_sc[None, :16]  # one MX block per step: lane group 0 has it
+            else:  # gfx950 scaled MFMA: one E8M0 scale per lane and operand
+                acc += torch.einsum("qit,qjt->ij", (a_frag * a_sc[:, None]).view(4, 16, kpl),
+                                    (b_frag * b_sc[:, None]).view(4, 16, kpl))
+    return acc
+
+
+@pytest.mark.parametrize("layout,kpl,fmt", MOE_SCHEDULES, ids=[f"{lay}-kpl{k}-{f}" for lay, k, f in MOE_SCHEDULES])
+def test_moe_tile_schedule_reproduces_the_gemm(layout: str, kpl: int, fmt: str) -> None:
+    from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference
+    from rocm_k3.quant.mxfp8 import dequantize_mxfp8_reference, quantize_mxfp8_reference
+
+    K = 256
+    codes, scales = _random_mxfp4(1, 16, K, seed=11)
+    words, w_scales = preshuffle_codes(codes, scales, layout)
+    x = torch.randn(16, K, generator=seeded(12))
+    if fmt == "bf16":
+        a_val, a_scale = x.to(torch.bfloat16).double(), torch.full((16, K // 32), 127, dtype=torch.uint8)
+        a_ref = a_val
+    else:
+        q, a_scale = quantize_mxfp8_reference(x, torch.float8_e4m3fnuz)
+        a_val = q.double()  # the fp8 code values; their scales are applied by the schedule
+        a_ref = dequantize_mxfp8_reference(q, a_scale).double()
+    ref = a_ref @ dequantize_mxfp4_reference(codes[0], scales[0], torch.float64).T  # [16, 16]
+    out = _emulate_moe_tile(layout, kpl, fmt, a_val, a_scale, words, w_scales)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())

@@ -48,6 +48,7 @@ from rocm_k3.flydsl_kernels.plans import (
     mfma_c_coord,
     moe_dword_k,
     moe_dword_pos,
+    moe_scale_slot,
     moe_steps,
 )
 from rocm_k3.flydsl_kernels.weights import layout_for_arch
@@ -252,8 +253,9 @@ def build_moe_gemm(cfg: MoeGemmConfig):
                 if const_expr(scaled_mfma):
                     a_frag = frag(fx.Vector.from_elements(a_bytes, fx.Int32).bitcast(a_elem), a_elem, 32)
                     b_frag = frag(fx.Vector.from_elements(words, fx.Int32).bitcast(b_elem), b_elem, 32)
-                    sa = fx.Int32(AScale[a_row, g * 4 + q]) & 255
-                    call = atom.set_value("scale_a", sa).set_value("scale_b", _pick(sdw, q))
+                    sa = fx.Int32(AScale[a_row, g * 4 + moe_scale_slot(lane, 0, layout, kpl)]) & 255
+                    call = atom.set_value("scale_a", sa).set_value(
+                        "scale_b", _pick(sdw, moe_scale_slot(lane, 0, layout, kpl)))
                     fx.gemm(call, acc, a_frag, b_frag, acc)
                 elif const_expr(fp8):
                     for s in range_constexpr(steps):  # step s = MX block s of the group
@@ -263,15 +265,17 @@ def build_moe_gemm(cfg: MoeGemmConfig):
                         b_frag = frag(fx.Vector.from_elements(b8, fx.Int32).bitcast(b_elem), b_elem, 8)
                         tmp = common.fill_rmem(4, 0.0)
                         fx.gemm(atom, tmp, a_frag, b_frag, tmp)
-                        sb = _e8m0_to_f32(sdw[s])
-                        sc = [_e8m0_to_f32(fx.Int32(AScale[c_rows[i], g * 4 + s]) & 255) * sb
+                        sb = _e8m0_to_f32(sdw[moe_scale_slot(lane, s, layout, kpl)])
+                        blk = g * 4 + moe_scale_slot(lane, s, layout, kpl)  # the step's MX block
+                        sc = [_e8m0_to_f32(fx.Int32(AScale[c_rows[i], blk]) & 255) * sb
                               for i in range_constexpr(4)]
                         acc.store(fx.memref_load_vec(acc) + fx.memref_load_vec(tmp) * fx.Vector.from_elements(
                             sc, fx.Float32))
                 else:
                     for s in range_constexpr(steps):
                         d, p0 = moe_dword_pos(s, 0, layout, kpl)
-                        block_byte = sdw[d] if layout == "step" else _pick(sdw, q)
+                        slot = moe_scale_slot(lane, s, layout, kpl)
+                        block_byte = sdw[slot] if layout == "step" else _pick(sdw, slot)
                         wv = _fp4_to_bf16(words[d], _e8m0_to_f32(block_byte), cfg.arch)
                         bv = fx.Vector.from_elements([wv[p0 + j] for j in range_constexpr(kpl)], fx.BFloat16)
                         av = fx.Vector.from_elements([a_vals[d][p0 + j] for j in range_constexpr(kpl)], a_fx)

@@ -149,3 +149,11 @@ def moe_dword_k(lane, group, d, p, layout: str):
     if layout == "step":
         return group * MOE_K_GROUP + d * 32 + (lane // 16) * 8 + p
     return group * MOE_K_GROUP + (lane // 16) * 32 + d * 8 + p
+
+
+def moe_scale_slot(lane, step, layout: str, kpl: int):
+    """Which of the 4 scale bytes of a (row, K group) — MX blocks g*4 + 0..3 — applies to ``lane``'s fragment
+    in ``step``: the step's block in layout "step" (a compile-time int), the lane group's block in "lane"."""
+    if layout == "step":
+        return moe_dword_pos(step, 0, layout, kpl)[0]
+    return lane // 16
