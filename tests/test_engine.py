@@ -265,3 +265,18 @@ def test_failed_step_requeues_its_requests_and_outputs_are_unchanged(model, fail
         )
         step += 1
     assert failures == 1 and outputs == want
+
+
+def test_multi_turn_resumes_at_the_last_unit_of_the_previous_prompt(model):
+    vocab = model.cfg.vocab_size
+    turn1 = _ids(45, 12, vocab)
+    outs = {}
+    for caching in (True, False):
+        eng = _engine(model, caching)
+        eng.add_request("t1", turn1, GREEDY)
+        reply = eng.run_to_completion()["t1"].token_ids
+        eng.add_request("t2", turn1 + reply + _ids(6, 13, vocab), GREEDY)
+        outs[caching] = (reply, eng.run_to_completion()["t2"].token_ids)
+        if caching:  # states saved at 16, 32 (alignment) and 40 (turn 1's last 8-token unit)
+            assert eng.stats()["hit_tokens"] == 40 and eng.stats()["cow_copies"] == 1
+    assert outs[True] == outs[False]
