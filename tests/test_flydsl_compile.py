@@ -11,14 +11,15 @@ Each (kernel, target) compiles exactly once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("flydsl", reason="flydsl is not installed (pip install flydsl==0.5.0)")
 
-from rocm_k3.flydsl_kernels.toolchain import compile_launcher, find_lld  # noqa: E402
+from rocm_k3.flydsl_kernels.toolchain import compile_launcher, find_lld
 
 pytestmark = [
     pytest.mark.compile,

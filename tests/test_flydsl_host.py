@@ -14,12 +14,12 @@ import itertools
 import pytest
 import torch
 
-from tests.helpers import seeded
 from rocm_k3.flydsl_kernels import plans
 from rocm_k3.flydsl_kernels.isa import parse_isa
 from rocm_k3.flydsl_kernels.moe import align_pairs
 from rocm_k3.flydsl_kernels.weights import LAYOUTS, preshuffle_codes, unshuffle_codes
 from rocm_k3.ops.devices import DeviceInfo
+from tests.helpers import seeded
 
 # (D, vec) pairs the kernels use: norms (hidden, q/kv LoRA, head; 8 x bf16 or 4 x fp32 per access),
 # attn_res (64-bit accesses) and the MoE top-k reduction (4 x fp32).
@@ -294,7 +294,7 @@ def test_prefill_segments_split_sequences_at_requested_positions() -> None:
     for i in range(3):  # the segments of each sequence tile [0, len) in order
         seq = list(zip(start, end))[ptr[i] : ptr[i + 1]]
         assert seq[0][0] == 0 and seq[-1][1] == int(cu[i + 1] - cu[i])
-        assert all(a[1] == b[0] for a, b in zip(seq, seq[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(seq))
 
 
 def test_row_kernel_supports_explain_refusals() -> None:
@@ -348,7 +348,11 @@ def test_e8m0_bits_match_the_quant_decoder() -> None:
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn], ids=["fnuz", "ocp"])
 def test_mx_scale_exponent_matches_the_quant_rule(fp8: torch.dtype) -> None:
-    from rocm_k3.flydsl_kernels.bitcodes import mx_scale_exponent, pow2_neg_f32_bits, py_select
+    from rocm_k3.flydsl_kernels.bitcodes import (
+        mx_scale_exponent,
+        pow2_neg_f32_bits,
+        py_select,
+    )
     from rocm_k3.quant.e8m0 import scale_exponent
     from rocm_k3.quant.mxfp8 import FP8_FORMATS
 

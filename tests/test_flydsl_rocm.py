@@ -82,8 +82,8 @@ def test_attn_res_step(T: int, nb: int, write: bool, has_p: bool, has_d: bool) -
     partial = rnd(T, Hd, seed=7) if has_p else None
     delta = rnd(T, Hd, seed=8) if has_d else None
     blocks = rnd(9, T, Hd, seed=9)
-    kw = dict(write_block=write, proj_weight=rnd(Hd, seed=10, scale=0.05), norm_weight=rnd(Hd, seed=11),
-              rms_weight=rnd(Hd, seed=12))
+    kw = {"write_block": write, "proj_weight": rnd(Hd, seed=10, scale=0.05), "norm_weight": rnd(Hd, seed=11),
+          "rms_weight": rnd(Hd, seed=12)}
     bank_ref, bank = blocks.clone(), blocks.clone()
     if write:
         bank[nb] = float("nan")  # poisoned: the kernel must write the snapshot
@@ -101,11 +101,12 @@ def test_kda_decode(N: int, H: int, lower: float | None) -> None:
 
     K, W, S = 128, 4, N + 3
     C = 3 * H * K
-    args = dict(
-        qkv=rnd(N, C, seed=13), f=rnd(N, H * K, seed=14), beta=rnd(N, H, seed=15), out_gate=rnd(N, H * K, seed=16),
-        conv_weight=rnd(C, W, seed=17, scale=0.5), A_log=rnd(H, dtype=torch.float32, seed=18, scale=0.5),
-        dt_bias=rnd(H * K, dtype=torch.float32, seed=19), o_norm_weight=rnd(K, seed=20),
-    )
+    args = {
+        "qkv": rnd(N, C, seed=13), "f": rnd(N, H * K, seed=14), "beta": rnd(N, H, seed=15),
+        "out_gate": rnd(N, H * K, seed=16), "conv_weight": rnd(C, W, seed=17, scale=0.5),
+        "A_log": rnd(H, dtype=torch.float32, seed=18, scale=0.5), "dt_bias": rnd(H * K, dtype=torch.float32, seed=19),
+        "o_norm_weight": rnd(K, seed=20),
+    }
     conv_state = rnd(S, C, W - 1, seed=21)
     state = rnd(S, H, K, K, dtype=torch.float32, seed=22, scale=0.1)
     slots = torch.randperm(S, generator=seeded(23))[:N].to(torch.int32).to(DEV)
@@ -172,7 +173,7 @@ def test_fused_moe(T: int, top_k: int, E: int, act_quant: str) -> None:
     topk_weights, topk_ids = torch.topk(torch.sigmoid(logits), top_k, dim=-1)
     topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
     fp8 = fp8_dtype_for_arch(_arch()) if act_quant == "mxfp8" else None
-    kw = dict(act_quant=act_quant, fp8_dtype=fp8)
+    kw = {"act_quant": act_quant, "fp8_dtype": fp8}
     out = fused_moe(x, prepare_weights(weights), topk_weights, topk_ids.to(torch.int32), backend="flydsl", **kw)
     ref = fused_moe(x, weights, topk_weights, topk_ids.to(torch.int32), backend="reference", **kw)
     assert_rel(out, ref, 2e-2 if act_quant == "bf16" else 3e-2, f"fused_moe {act_quant}")

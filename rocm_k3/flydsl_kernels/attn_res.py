@@ -166,7 +166,7 @@ def build_attn_res_step(config: AttnResConfig):
     def launch(
         Partial: fx.Tensor, Delta: fx.Tensor, Blocks: fx.Tensor, ProjW: fx.Tensor, NormW: fx.Tensor,
         RmsW: fx.Tensor, Normed: fx.Tensor, POut: fx.Tensor, tokens: fx.Int32, eps: fx.Float32,
-        stream: fx.Stream = fx.Stream(None),
+        stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         attn_res_kernel(Partial, Delta, Blocks, ProjW, NormW, RmsW, Normed, POut, eps).launch(
             grid=(tokens,), block=(plan.threads,), stream=stream

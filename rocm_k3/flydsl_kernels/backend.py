@@ -48,7 +48,7 @@ def available(dev: DeviceInfo) -> tuple[bool, str]:
         return False, f"flydsl kernels target {AMD_ARCHES}; this GPU is {dev.arch}"
     try:
         import flydsl.compiler  # noqa: F401
-    except Exception as exc:  # broken ROCm installs raise more than ImportError
+    except Exception as exc:  # noqa: BLE001 - broken ROCm installs raise more than ImportError
         return False, f"flydsl is not importable: {exc}"
     return True, f"flydsl on {dev.describe()}"
 

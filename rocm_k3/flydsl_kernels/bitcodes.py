@@ -8,7 +8,8 @@ definition serves both. Nothing here imports FlyDSL.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Select = Callable[[Any, Any, Any], Any]
 

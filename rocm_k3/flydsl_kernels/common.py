@@ -8,13 +8,13 @@ Conventions: a wave is 64 lanes (CDNA3/CDNA4); all reductions accumulate in fp32
 
 from __future__ import annotations
 
-import torch
-
 import flydsl.expr as fx
+import torch
 from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 WAVE = 64
+DEFAULT_STREAM = fx.Stream(None)  # launcher default: the null stream (host wrappers pass torch's current one)
 
 _FX_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 _TORCH_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}

@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 _META_INT_FIELDS = {
     ".vgpr_count": "vgpr_count",

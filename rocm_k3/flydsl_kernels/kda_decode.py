@@ -30,7 +30,11 @@ from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN, kda_decode_lane, kda_decode_row
+from rocm_k3.flydsl_kernels.plans import (
+    KDA_LANES_PER_COLUMN,
+    kda_decode_lane,
+    kda_decode_row,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +161,7 @@ def build_kda_decode(config: KdaDecodeConfig):
     def launch(
         QKV: fx.Tensor, F: fx.Tensor, Beta: fx.Tensor, OutGate: fx.Tensor, ConvW: fx.Tensor, ConvState: fx.Tensor,
         ALog: fx.Tensor, DtBias: fx.Tensor, ONormW: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor, Y: fx.Tensor,
-        num_seqs: fx.Int32, scale: fx.Float32, eps: fx.Float32, stream: fx.Stream = fx.Stream(None),
+        num_seqs: fx.Int32, scale: fx.Float32, eps: fx.Float32, stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         kda_decode_kernel(
             QKV, F, Beta, OutGate, ConvW, ConvState, ALog, DtBias, ONormW, State, Slots, Y, scale, eps

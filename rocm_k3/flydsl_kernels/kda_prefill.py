@@ -29,7 +29,11 @@ from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN, kda_decode_lane, kda_decode_row
+from rocm_k3.flydsl_kernels.plans import (
+    KDA_LANES_PER_COLUMN,
+    kda_decode_lane,
+    kda_decode_row,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +171,7 @@ def build_kda_prefill(config: KdaPrefillConfig):
         Q: fx.Tensor, Kt: fx.Tensor, V: fx.Tensor, G: fx.Tensor, Beta: fx.Tensor, CuSeq: fx.Tensor,
         State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, SegPtr: fx.Tensor, SegStart: fx.Tensor,
         SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
-        num_seqs: fx.Int32, scale: fx.Float32, stream: fx.Stream = fx.Stream(None),
+        num_seqs: fx.Int32, scale: fx.Float32, stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         kda_prefill_kernel(
             Q, Kt, V, G, Beta, CuSeq, State, Slots, HasInit, SegPtr, SegStart, SegEnd, SegRow, Inter, O, ALog,

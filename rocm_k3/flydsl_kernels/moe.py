@@ -20,9 +20,15 @@ from typing import NamedTuple
 
 import torch
 
+from rocm_k3.flydsl_kernels.ops_impl import stream_of
 from rocm_k3.flydsl_kernels.plans import MOE_BLOCK_M, MOE_K_GROUP
-from rocm_k3.flydsl_kernels.weights import layout_for_arch, preshuffle_codes, unshuffle_codes
+from rocm_k3.flydsl_kernels.weights import (
+    layout_for_arch,
+    preshuffle_codes,
+    unshuffle_codes,
+)
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.ops.moe_types import DEFAULT_ACTIVATION
 
 LAYOUT = "flydsl"
 _FP8_FOR_ARCH = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
@@ -100,7 +106,7 @@ def _activation_tuple(activation: MoEActivation) -> tuple:
     return ("situ", float(activation.beta), None if activation.linear_beta is None else float(activation.linear_beta))
 
 
-def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
+def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=DEFAULT_ACTIVATION, act_quant="bf16",
                        fp8_dtype=None) -> tuple[bool, str]:
     """Whether the FlyDSL pipeline takes this call (the public op has already validated shapes)."""
     if weights.layout != LAYOUT or "arch" not in weights.extras:
@@ -122,21 +128,21 @@ def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=MoEActi
     return True, f"flydsl MXFP4 MoE ({'A8W4' if act_quant == 'mxfp8' else 'A16W4'}, {arch})"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gemm(cfg):
     from rocm_k3.flydsl_kernels.moe_gemm import build_moe_gemm
 
     return build_moe_gemm(cfg)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _quant(cfg):
     from rocm_k3.flydsl_kernels.moe_aux import build_mxfp8_quant
 
     return build_mxfp8_quant(cfg)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reduce(cfg):
     from rocm_k3.flydsl_kernels.moe_aux import build_moe_reduce
 
@@ -151,11 +157,11 @@ def _mx_quant(t: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(rows, k, dtype=torch.uint8, device=t.device)
     scales = torch.empty(rows, k // 32, dtype=torch.uint8, device=t.device)
     if rows:
-        _quant(Mxfp8QuantConfig(k, dtype_name(t.dtype), fnuz))(t, codes, scales, rows)
+        _quant(Mxfp8QuantConfig(k, dtype_name(t.dtype), fnuz))(t, codes, scales, rows, **stream_of(t))
     return codes, scales
 
 
-def fused_moe(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16", fp8_dtype=None):
+def fused_moe(x, weights, topk_weights, topk_ids, *, activation=DEFAULT_ACTIVATION, act_quant="bf16", fp8_dtype=None):
     """FlyDSL implementation of ``rocm_k3.ops.moe.fused_moe`` (same signature minus ``backend``)."""
     from rocm_k3.flydsl_kernels.common import dtype_name
     from rocm_k3.flydsl_kernels.moe_aux import MoeReduceConfig
@@ -186,12 +192,12 @@ def fused_moe(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(),
     cfg1 = MoeGemmConfig(arch, 1, fmt, K, N, top_k, a_dtype=dtype_name(x.dtype) if not fp8 else "bf16",
                          out_dtype=dtype_name(h_dtype), activation=act)
     _gemm(cfg1)(a1, a1_scale, blocks.sorted_pairs, blocks.block_expert, ex["w13_q"], ex["w13_s"], h, topw,
-                blocks.num_pairs, blocks.num_blocks)
+                blocks.num_pairs, blocks.num_blocks, **stream_of(x))
 
     a2, a2_scale = _mx_quant(h, fnuz) if fp8 else (h, h)
     y = torch.empty(blocks.num_pairs, Kout, dtype=torch.float32, device=x.device)
     cfg2 = MoeGemmConfig(arch, 2, fmt, N, Kout, top_k, a_dtype="bf16", activation=act)
     _gemm(cfg2)(a2, a2_scale, blocks.sorted_pairs, blocks.block_expert, ex["w2_q"], ex["w2_s"], y, topw,
-                blocks.num_pairs, blocks.num_blocks)
-    _reduce(MoeReduceConfig(Kout, top_k, dtype_name(x.dtype)))(y, out, T)
+                blocks.num_pairs, blocks.num_blocks, **stream_of(x))
+    _reduce(MoeReduceConfig(Kout, top_k, dtype_name(x.dtype)))(y, out, T, **stream_of(x))
     return out

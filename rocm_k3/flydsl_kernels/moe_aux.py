@@ -82,7 +82,7 @@ def build_mxfp8_quant(cfg: Mxfp8QuantConfig):
                     Q[row, b * 32 + 4 * w + i] = code.to(fx.Int8)
 
     @flyc.jit
-    def launch(X: fx.Tensor, Q: fx.Tensor, S: fx.Tensor, rows: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+    def launch(X: fx.Tensor, Q: fx.Tensor, S: fx.Tensor, rows: fx.Int32, stream: fx.Stream = common.DEFAULT_STREAM):
         mxfp8_quant_kernel(X, Q, S).launch(
             grid=(rows, (blocks + QUANT_LANES - 1) // QUANT_LANES), block=(QUANT_LANES,), stream=stream
         )
@@ -131,7 +131,7 @@ def build_moe_reduce(cfg: MoeReduceConfig):
             common.store_vec(out_atom, out_row, j, acc.to(act), 4, cfg.dtype)
 
     @flyc.jit
-    def launch(Y: fx.Tensor, Out: fx.Tensor, tokens: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+    def launch(Y: fx.Tensor, Out: fx.Tensor, tokens: fx.Int32, stream: fx.Stream = common.DEFAULT_STREAM):
         moe_reduce_kernel(Y, Out).launch(grid=(tokens,), block=(plan.threads,), stream=stream)
 
     return launch

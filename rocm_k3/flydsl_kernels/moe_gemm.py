@@ -202,7 +202,6 @@ def build_moe_gemm(cfg: MoeGemmConfig):
         wave = tid // 64
         block = gpu.block_idx.x
         e = fx.Int32(BlockExpert[block])
-        q = lane // 16
         m = mfma_ab_row(lane)
         # A row of this lane: the token of its pair (stage 1) or the block row itself (stage 2)
         pair = fx.Int32(Sorted[block * MOE_BLOCK_M + m])
@@ -303,7 +302,7 @@ def build_moe_gemm(cfg: MoeGemmConfig):
     def launch(
         A: fx.Tensor, AScale: fx.Tensor, Sorted: fx.Tensor, BlockExpert: fx.Tensor, Wq: fx.Tensor, Ws: fx.Tensor,
         Out: fx.Tensor, TopW: fx.Tensor, num_pairs: fx.Int32, num_blocks: fx.Int32,
-        stream: fx.Stream = fx.Stream(None),
+        stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         moe_gemm_kernel(A, AScale, Sorted, BlockExpert, Wq, Ws, Out, TopW, num_pairs).launch(
             grid=(num_blocks, N // cfg.block_n), block=(WAVES * 64,), stream=stream

@@ -127,7 +127,7 @@ def build_norm(config: NormConfig):
     @flyc.jit
     def launch(
         X: fx.Tensor, G: fx.Tensor, W: fx.Tensor, Y: fx.Tensor, rows: fx.Int32, eps: fx.Float32,
-        stream: fx.Stream = fx.Stream(None),
+        stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         blocks = (rows + (plan.rows_per_block - 1)) // plan.rows_per_block
         norm_kernel(X, G, W, Y, rows, eps).launch(grid=(blocks,), block=(plan.threads,), stream=stream)

@@ -24,21 +24,26 @@ def _name(dtype: torch.dtype) -> str:
     return _ACT[dtype]
 
 
-@functools.lru_cache(maxsize=None)
+def stream_of(t: torch.Tensor) -> dict:
+    """Launch on torch's current stream of ``t``'s device (FlyDSL's default would be the null stream)."""
+    return {"stream": torch.cuda.current_stream(t.device)} if t.is_cuda else {}
+
+
+@functools.cache
 def _norm_launcher(cfg):
     from rocm_k3.flydsl_kernels.norm import build_norm
 
     return build_norm(cfg)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _attn_res_launcher(cfg):
     from rocm_k3.flydsl_kernels.attn_res import build_attn_res_step
 
     return build_attn_res_step(cfg)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kda_decode_launcher(cfg):
     from rocm_k3.flydsl_kernels.kda_decode import build_kda_decode
 
@@ -80,7 +85,8 @@ def rms_norm(x, weight, eps=1e-5):
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [R, D]
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        _norm_launcher(_norm_config(x2, weight))(x2, x2, weight.contiguous(), y, x2.shape[0], float(eps))
+        _norm_launcher(_norm_config(x2, weight))(x2, x2, weight.contiguous(), y, x2.shape[0], float(eps),
+                                                  **stream_of(x2))
     return y.reshape(x.shape)
 
 
@@ -95,7 +101,7 @@ def add_rms_norm(x, residual, weight, eps=1e-5):
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _norm_launcher(_norm_config(x2, weight, residual=True))(
-            x2, res, weight.contiguous(), y, x2.shape[0], float(eps)
+            x2, res, weight.contiguous(), y, x2.shape[0], float(eps), **stream_of(x2)
         )
     return y.reshape(x.shape), res.reshape(x.shape)
 
@@ -112,7 +118,8 @@ def gated_rms_norm(x, gate, weight, eps=1e-5):
     g2 = gate.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        _norm_launcher(_norm_config(x2, weight, gated=True))(x2, g2, weight.contiguous(), y, x2.shape[0], float(eps))
+        _norm_launcher(_norm_config(x2, weight, gated=True))(x2, g2, weight.contiguous(), y, x2.shape[0], float(eps),
+                                                                   **stream_of(x2))
     return y.reshape(x.shape)
 
 
@@ -159,7 +166,7 @@ def attn_res_step(partial, delta, blocks, num_blocks, *, write_block, proj_weigh
         launch(
             (partial if partial is not None else ref).contiguous(), (delta if delta is not None else ref).contiguous(),
             blocks, proj_weight.contiguous(), norm_weight.contiguous(), rms_weight.contiguous(), normed, p, T,
-            float(eps),
+            float(eps), **stream_of(ref),
         )
     return AttnResStepOutput(normed, p)
 
@@ -197,6 +204,7 @@ def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, 
         qkv.contiguous(), f.contiguous(), beta.contiguous(), out_gate.contiguous(), conv_weight.contiguous(),
         conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_weight.contiguous(), state,
         state_indices.to(torch.int32).contiguous(), y, N, float(K**-0.5 if scale is None else scale), float(eps),
+        **stream_of(qkv),
     )
     return y
 
@@ -204,7 +212,7 @@ def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, 
 # --- kda_prefill (recurrent form, see kda_prefill.py) --------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kda_prefill_launcher(cfg):
     from rocm_k3.flydsl_kernels.kda_prefill import build_kda_prefill
 
@@ -241,7 +249,7 @@ def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: 
             pos = p
         start.append(pos), end.append(bounds[i + 1] - bounds[i]), rows.append(-1)
         ptr.append(len(start))
-    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
     return as_i32(ptr), as_i32(start), as_i32(end), as_i32(rows)
 
 
@@ -271,5 +279,6 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_
             cu_seqlens.to(torch.int32).contiguous(), state, state_indices.to(torch.int32).contiguous(),
             has_initial_state.to(torch.int32).contiguous(), seg_ptr, seg_start, seg_end, seg_row, inter, o,
             a_log.contiguous(), dt_bias.contiguous(), N, float(K**-0.5 if scale is None else scale),
+            **stream_of(q),
         )
     return KDAPrefillOutput(o, inter[:M] if M else None)

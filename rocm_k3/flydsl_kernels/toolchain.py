@@ -21,8 +21,9 @@ import dataclasses
 import os
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from rocm_k3.flydsl_kernels.isa import KernelIsa, read_isa_dir
 from rocm_k3.settings import get_settings
