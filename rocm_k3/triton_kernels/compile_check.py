@@ -129,6 +129,7 @@ def compile_kernel(
     *,
     num_warps: int = 4,
     num_stages: int | None = None,
+    divisible_by_16: tuple[str, ...] | None = None,
 ) -> CompileResult:
     """Compile ``fn`` (a ``@triton.jit`` function) for ``target`` without a GPU and summarise the result.
 
@@ -136,6 +137,9 @@ def compile_kernel(
 
     signature: argument name -> Triton type string for every runtime argument.
     constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing).
+    divisible_by_16: arguments Triton may assume divisible by 16, as its launcher specialises them at run time
+        (pointers of 16-byte aligned tensors, integer sizes and strides that are multiples of 16); without these
+        hints loads are not vectorised and the code is not what a real launch runs. None: every pointer argument.
     """
     import triton
     from triton.compiler import ASTSource
@@ -157,7 +161,13 @@ def compile_kernel(
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs)
+    if divisible_by_16 is None:
+        divisible_by_16 = tuple(a for a in fn.arg_names if sig[a].startswith("*"))
+    unknown_div = sorted(set(divisible_by_16) - known)
+    if unknown_div:
+        raise ValueError(f"divisible_by_16 names {unknown_div} are not arguments of {fn.__name__}")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
+    src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs, attrs)
     kernel = triton.compile(src, target=_gpu_target(target), options=options)
     shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     if target == "sm_90":
