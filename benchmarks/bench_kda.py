@@ -59,7 +59,8 @@ def _fla():
     return chunk_kda, fused_recurrent_kda_fwd
 
 
-def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool) -> dict:
+def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
+                 sweep_warps: bool = False) -> dict:
     T, N = sum(lengths), len(lengths)
     dev = "cuda"
     bf = torch.bfloat16
@@ -73,10 +74,11 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
     has_init = torch.ones(N, dtype=torch.bool, device=dev)
     params = KDAGateParams(a_log, dt_bias, LOWER)
     run = KERNELS["kda_prefill"][0]
+    pool0 = pool.clone()  # timing runs update pool in place; correctness checks start from this copy
     row = {"op": "kda_prefill", "shape": f"H{H} N{N} T{T} D{D} bf16",
            "ms": _bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))}
     if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
-        o_ref = run(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params).o.float()
+        o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
         default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
         for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
                             ((32, 4), True), ((64, 4), True), ((64, 8), True)):
@@ -84,7 +86,7 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
             tri_prefill.SPLIT_OUTPUT = split
             key = f"ms_state_bv{tile[0]}_w{tile[1]}" + ("_split" if split else "")
             try:
-                o = run(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params).o.float()
+                o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
                 err = ((o - o_ref).norm() / o_ref.norm()).item()
                 row[key] = (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init,
                                                      gate_params=params)), 4), f"rel {err:.1e}")
@@ -92,6 +94,7 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
                 row[key] = repr(exc)[:80]
             finally:
                 tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
+    if sweep_warps:
         default_warps = dict(tri_prefill.PHASE_WARPS)
         for phase, warps in (("prep", 4), ("prep", 16), ("intra", 2), ("intra", 8), ("solve", 2), ("solve", 8)):
             tri_prefill.PHASE_WARPS[phase] = warps
@@ -139,13 +142,16 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
            "ms": _bench(lambda: run(*args, num_heads=H, lower_bound=LOWER))}
     row["state_bytes"] = 2 * N * H * D * D * 4
     if sweep:
-        default = tri_decode.DECODE_WARPS
-        for warps in (4, 16):
-            tri_decode.DECODE_WARPS = warps
+        default = tri_decode.DECODE_WARPS, tri_decode.DECODE_PREFETCH
+        for warps, prefetch in ((4, True), (16, True), (4, False), (8, False), (16, False)):
+            tri_decode.DECODE_WARPS, tri_decode.DECODE_PREFETCH = warps, prefetch
+            key = f"ms_decode_w{warps}" + ("" if prefetch else "_late_load")
             try:
-                row[f"ms_decode_w{warps}"] = _bench(lambda: run(*args, num_heads=H, lower_bound=LOWER))
+                row[key] = round(_bench(lambda: run(*args, num_heads=H, lower_bound=LOWER)), 4)
+            except Exception as exc:
+                row[key] = repr(exc)[:80]
             finally:
-                tri_decode.DECODE_WARPS = default
+                tri_decode.DECODE_WARPS, tri_decode.DECODE_PREFETCH = default
     if fla_rec is not None:
         q, k, v = (torch.randn(1, N, H, D, generator=gen).to(dev, bf) for _ in range(3))
         g = torch.randn(1, N, H, D, generator=gen).to(dev, bf)
@@ -188,6 +194,14 @@ def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+def _progress(row: dict, path: str | None) -> None:
+    """Print a finished row and append it to ``path`` + '.rows' (so a run cut short keeps its numbers)."""
+    print(row, flush=True)
+    if path:
+        with open(path + ".rows", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all rows to this file")
@@ -201,10 +215,10 @@ def main() -> None:
     rows = []
     for H, N in ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
-        print(rows[-1], flush=True)
+        _progress(rows[-1], args.json)
     for i, (H, lengths) in enumerate(((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4))):
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and i < 2))
-        print(rows[-1], flush=True)
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and i < 2, args.sweep and i == 0))
+        _progress(rows[-1], args.json)
     if args.profile:
         profile_prefill(96, 4096, gen)
     print(f"\n{'op':<11} {'shape':<26} {'ours ms':>8} {'FLA ms':>8} {'speedup':>8} {'floor ms':>9} {'% floor':>8}")

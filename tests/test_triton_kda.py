@@ -248,9 +248,14 @@ def test_kda_prefill_supports_reasons() -> None:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe", "softplus"])
+@pytest.mark.parametrize("lower_bound,prefetch", [(-5.0, True), (None, True), (-5.0, False)],
+                         ids=["safe", "softplus", "safe-late-state-load"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
-def test_kda_decode_interpret(lower_bound: float | None, dtype: torch.dtype, tol: float) -> None:
+def test_kda_decode_interpret(lower_bound: float | None, prefetch: bool, dtype: torch.dtype, tol: float,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from rocm_k3.triton_kernels.kda import decode as tri_decode
+
+    monkeypatch.setattr(tri_decode, "DECODE_PREFETCH", prefetch)
     gen = seeded(7)
     N, H, K, S = 3, 2, 32, 5
     args = [_randn(N, 3 * H * K, gen=gen, dtype=dtype), _randn(N, H * K, gen=gen, dtype=dtype),

@@ -20,7 +20,7 @@ def _specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
     import triton.language as tl
 
-    from rocm_k3.triton_kernels.kda.decode import DECODE_WARPS
+    from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS
     from rocm_k3.triton_kernels.kda.prefill import state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
@@ -70,7 +70,8 @@ def _specs() -> dict:
                         "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "a_log_ptr": "*fp32",
                         "dt_bias_ptr": "*fp32", "norm_w_ptr": "*bf16", "state_ptr": "*fp32",
                         "state_indices_ptr": "*i32", "y_ptr": "*bf16", "scale": "fp32", "lower_bound": "fp32",
-                        "eps": "fp32"}, dict(H=H, K=K, W=W, WP=4, SAFE_GATE=True), DECODE_WARPS, 2),
+                        "eps": "fp32"}, dict(H=H, K=K, W=W, WP=4, SAFE_GATE=True, PREFETCH_STATE=DECODE_PREFETCH),
+                       DECODE_WARPS, 2),
     }
 
 

@@ -24,6 +24,8 @@ from rocm_k3.triton_kernels.kda.common import gate, is_pow2, sigmoid_f32
 
 # Warps per (sequence, head) program: the [K, V] fp32 state tile is spread over them (64 KB at K = 128).
 DECODE_WARPS = 8
+# Load the state tile before the conv/gate/norm prologue (latency overlap) or after it (fewer live registers).
+DECODE_PREFETCH = True
 
 
 @triton.jit
@@ -51,6 +53,7 @@ def kda_decode_kernel(
     state_ptr, state_indices_ptr, y_ptr,  # fp32 [S, H, K, V], int32 [N], [N, HV]
     scale, lower_bound, eps,
     H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SAFE_GATE: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr,
 ):
     V: tl.constexpr = K
     n = tl.program_id(0)
@@ -59,6 +62,15 @@ def kda_decode_kernel(
     slot = tl.load(state_indices_ptr + n).to(tl.int64)
     rk = tl.arange(0, K)
     rv = tl.arange(0, V)
+
+    s_ptr = state_ptr + (slot * H + h) * (K * V) + rk[:, None] * V + rv[None, :]  # [K, V]
+    if PREFETCH_STATE:  # issue the state load first: its DRAM latency overlaps the conv, gate and norm work
+        s = tl.load(s_ptr)  # (at the cost of holding the tile in registers meanwhile)
+    og = tl.load(out_gate_ptr + n.to(tl.int64) * (H * V) + h * V + rv).to(tl.float32)
+    nw = tl.load(norm_w_ptr + rv).to(tl.float32)
+    f = tl.load(f_ptr + n.to(tl.int64) * (H * K) + h * K + rk)
+    g = gate(f, tl.load(a_log_ptr + h), tl.load(dt_bias_ptr + h * K + rk), lower_bound, SAFE_GATE)  # [K]
+    b = sigmoid_f32(tl.load(beta_ptr + n.to(tl.int64) * H + h).to(tl.float32))
 
     x_row = qkv_ptr + n.to(tl.int64) * C
     hist_row = conv_state_ptr + slot * (C * (W - 1))
@@ -70,14 +82,12 @@ def kda_decode_kernel(
     tl.store(k_hptr, k_hist, mask=mj)
     tl.store(v_hptr, v_hist, mask=mj)
 
-    f = tl.load(f_ptr + n.to(tl.int64) * (H * K) + h * K + rk)
-    g = gate(f, tl.load(a_log_ptr + h), tl.load(dt_bias_ptr + h * K + rk), lower_bound, SAFE_GATE)  # [K]
     q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = sigmoid_f32(tl.load(beta_ptr + n.to(tl.int64) * H + h).to(tl.float32))
 
-    s_ptr = state_ptr + (slot * H + h) * (K * V) + rk[:, None] * V + rv[None, :]  # [K, V]
-    s = tl.load(s_ptr) * tl.exp(g)[:, None]  # decayed state
+    if not PREFETCH_STATE:
+        s = tl.load(s_ptr)
+    s = s * tl.exp(g)[:, None]  # decayed state
     # both reductions over K read the decayed state, so they run side by side:
     # o = S_new^T q = S^T q + b (k . q) u  with  u = v - S^T k
     u = v - tl.sum(s * k[:, None], axis=0)  # [V]
@@ -85,8 +95,6 @@ def kda_decode_kernel(
     tl.store(s_ptr, s + (b * k)[:, None] * u[None, :])
     o = sq + (b * tl.sum(k * q, axis=0)) * u
 
-    og = tl.load(out_gate_ptr + n.to(tl.int64) * (H * V) + h * V + rv).to(tl.float32)
-    nw = tl.load(norm_w_ptr + rv).to(tl.float32)
     y = o / tl.sqrt(tl.sum(o * o, axis=0) / V + eps) * nw * sigmoid_f32(og)
     tl.store(y_ptr + n.to(tl.int64) * (H * V) + h * V + rv, y.to(y_ptr.dtype.element_ty))
 
@@ -155,6 +163,7 @@ def kda_decode(
         conv_weight.contiguous(), conv_state, A_log.float().contiguous(), dt_bias.float().contiguous(),
         o_norm_weight.contiguous(), state, state_indices.to(torch.int32).contiguous(), y,
         scale, 0.0 if lower_bound is None else float(lower_bound), float(eps),
-        H=H, K=K, W=W, WP=triton.next_power_of_2(W - 1), SAFE_GATE=lower_bound is not None, num_warps=DECODE_WARPS,
+        H=H, K=K, W=W, WP=triton.next_power_of_2(W - 1), SAFE_GATE=lower_bound is not None,
+        PREFETCH_STATE=DECODE_PREFETCH, num_warps=DECODE_WARPS,
     )
     return y
