@@ -17,9 +17,10 @@ and written once, which is the whole cost of decode (64 KiB per head). q, k and 
 norms and the output RMSNorm are two-wave reductions through LDS. The conv output stays fp32 (it is
 not rounded to the activation dtype), like the reference.
 
-Mapping to the Triton twin: the Triton decode kernel is one program per (sequence, head) holding the
-[K, V] state tile in registers with the same order of operations and fp32 accumulation; here the tile
-is split by value column over 128 lanes, so the two reductions over K stay inside one lane.
+Mapping to the Triton twin (``triton_kernels/kda/decode.py``): the same single fused kernel, one program
+per (sequence, head), state slots addressed by index in place, the same order of operations and fp32
+math; here the [K, V] tile is split by value column over lane pairs, so the two reductions over K are
+64 FMAs inside a lane plus one xor shuffle.
 """
 
 import dataclasses

@@ -13,7 +13,8 @@ Tiling: one lane per MX block of 32 (read as 4 x 16-byte bf16 loads), 64 lanes p
 of each token, fp32 sum, cast to the activation dtype. ``plans.row_plan(Kout, 4)``: one workgroup per
 token, 16-byte fp32 loads.
 
-Mapping to the Triton twin: the same per-32 scale rule and the same fp32 top-k sum.
+Mapping to the Triton twin (``triton_kernels/moe``): the same per-32 compressed-tensors scale rule as its
+MXFP8 pre-pass (which Triton also applies to h, inside the w13 epilogue) and the same fp32 top-k sum.
 """
 
 import dataclasses
