@@ -283,6 +283,22 @@ def test_moe_config_validation(bad: tuple[int, ...]) -> None:
         MoEConfig(*bad)
 
 
+def test_launcher_argument_errors() -> None:
+    q = torch.zeros(1, 2, 512)
+    args = (q, torch.zeros(1, 2, 64), torch.zeros(1, 16, 576), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="splits"):
+        mla_decode_with(*args, scale=0.1, splits=0)
+    with pytest.raises(ValueError, match="block_h"):
+        mla_decode_with(*args, scale=0.1, block_h=12)
+    w = prepare_weights(_mxfp4_experts(2, 32, 32, 32, seeded(17)))
+    tw, ids = _routing(1, 2, 1, seeded(17))
+    with pytest.raises(TypeError, match="MoEConfig"):
+        fused_moe_with(torch.zeros(1, 32), w, tw, ids, config=(16, 32, 64, 4, 1))
+    with pytest.raises(ValueError, match="w4_decode"):
+        fused_moe_with(torch.zeros(1, 32), w, tw, ids, w4_decode="lut")
+
+
 @pytest.mark.interpret
 @pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(), reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_interpret_tier_in_subprocess() -> None:

@@ -103,7 +103,16 @@ def _num_splits(n: int, head_blocks: int, max_len: int) -> int:
 
 def mla_decode_with(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale: float, splits: int | None = None,
                     block_h: int = 16, block_n: int = 32) -> torch.Tensor:
-    """:func:`mla_decode` with explicit KV splits / tile sizes (tests and benchmarks)."""
+    """:func:`mla_decode` with explicit KV splits / tile sizes (tests and benchmarks).
+
+    splits: KV ranges per (sequence, head block), rounded up to a power of two; None picks by occupancy.
+    block_h (heads per program) and block_n (keys per step): powers of two >= 16 (the MMA tile).
+    """
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64):
+        raise ValueError(f"splits must be None or an int in [1, 64], got {splits!r}")
+    for name, value in (("block_h", block_h), ("block_n", block_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
     n, num_heads, _ = q_latent.shape
     out = torch.empty_like(q_latent)
     if n == 0:

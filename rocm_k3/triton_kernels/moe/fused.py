@@ -143,6 +143,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     The manual and bits decodes are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
     (interpreter) for scale bytes >= ~140, far above checkpoint scales (< 127).
     """
+    if config is not None and not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
     if w4_decode not in _W4_DECODES:
         raise ValueError(f"w4_decode must be one of {sorted(_W4_DECODES)}, got {w4_decode!r}")
     if manual_w4:
