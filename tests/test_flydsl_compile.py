@@ -4,7 +4,8 @@ Runs on a CPU machine (FlyDSL COMPILE_ONLY mode, Debian's lld-19 as the linker).
 the final ISA must show: no scratch (no private segment, no spills, no scratch_* instruction), a VGPR count
 (arch VGPRs + AGPRs as allocated) within the budget stated here, the expected matrix instructions (bf16 or
 FNUZ-fp8 MFMA on gfx942, bf16 MFMA or v_mfma_scale_*_f8f6f4 on gfx950), the vector width of the kernel's
-plan in its loads (e.g. buffer_load_dwordx4 for 128-bit row accesses), and no LLVM error on stderr.
+plan in its loads (e.g. buffer_load_dwordx4 for 128-bit row accesses), no waterfall loop (a buffer
+descriptor that differs across lanes), and no LLVM error on stderr.
 Each (kernel, target) compiles exactly once.
 """
 
@@ -157,6 +158,15 @@ def _quant_case(K: int, dtype: str) -> Case:
     )
 
 
+def _gated_act_case(N: int, kind: str) -> Case:
+    from rocm_k3.flydsl_kernels.gated_act import GatedActConfig, build_gated_act
+
+    act = ("situ", 4.0, 25.0) if kind == "situ" else ("silu", 0.0, None)
+    rows = 9
+    return Case(f"{kind}_and_mul-N{N}", lambda arch: build_gated_act(GatedActConfig(N, "bf16", act)),
+                lambda: (z(rows, 2 * N), z(rows, N), rows * N // 8), vgpr_budget=64, load="buffer_load_dwordx4")
+
+
 def _reduce_case() -> Case:
     from rocm_k3.flydsl_kernels.moe_aux import MoeReduceConfig, build_moe_reduce
 
@@ -184,6 +194,9 @@ def _cases() -> list[Case]:
         _quant_case(3072, "f32"),
         _quant_case(384, "f32"),
         _reduce_case(),
+        _gated_act_case(2 * 3072, "situ"),  # K3 shared experts (2 x 3072 intermediate)
+        _gated_act_case(2 * 3072 // 8, "situ"),  # ... TP-8 shard
+        _gated_act_case(33792 // 8, "silu"),  # dense layer 0 intermediate, TP-8 shard (Kimi Linear uses SiLU)
     ]
     for shape in SHAPES:
         for stage in (1, 2):
@@ -205,6 +218,8 @@ def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
     assert kernel.arch == arch
     assert not kernel.uses_scratch, f"scratch or spills: {kernel.summary()}"
     assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"
+    # a per-lane buffer descriptor (or any divergent loop) shows up as an exec-mask loop: none is intended
+    assert "s_cbranch_execnz" not in kernel.mnemonics, f"waterfall/divergent loop: {kernel.summary()}"
     if case.load is not None:
         assert case.load in kernel.mnemonics, f"expected {case.load} accesses: {sorted(kernel.mnemonics)}"
     for mnemonic in case.also(arch):

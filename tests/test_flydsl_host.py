@@ -42,6 +42,22 @@ def test_row_plan_covers_block_exactly_once(D: int, vec: int) -> None:
     assert plan.threads % 64 == 0 and plan.threads <= 256
 
 
+@pytest.mark.parametrize("rows,N,vec", [(9, 6144, 8), (5, 768, 8), (3, 4224, 8), (7, 24, 4)],
+                         ids=["R9-N6144", "R5-N768", "R3-N4224", "R7-N24-fp32"])
+def test_flat_vectors_cover_rows_once_within_block_span(rows: int, N: int, vec: int) -> None:
+    """The element-wise map of gated_act: each lane one vector, every block inside its descriptor's span."""
+    per_row, lanes = N // vec, 256
+    span = (lanes - 1) // per_row + 2
+    seen = collections.Counter()
+    total = rows * per_row
+    for idx in range(total):
+        r, c = plans.flat_vector_coord(idx, per_row, vec)
+        r0, _ = plans.flat_vector_coord(idx // lanes * lanes, per_row, vec)
+        assert 0 <= r - r0 < span
+        seen.update((r, c + e) for e in range(vec))
+    assert set(seen) == {(r, c) for r in range(rows) for c in range(N)} and set(seen.values()) == {1}
+
+
 def test_row_plan_rejects_untileable_rows() -> None:
     with pytest.raises(ValueError, match="multiple of the vector width"):
         plans.row_plan(100, 8)
@@ -243,7 +259,7 @@ def test_backend_available_only_on_rocm_gfx942_gfx950() -> None:
 
 
 FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "kda_prefill",
-              "fused_moe"]
+              "fused_moe", "situ_and_mul", "silu_and_mul"]
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])

@@ -120,6 +120,17 @@ def test_kda_decode(N: int, H: int, lower: float | None) -> None:
     assert torch.equal(conv_state, cs_ref), "conv_state"
 
 
+@pytest.mark.parametrize("shape", [(3, 2 * 6144), (17, 2 * 768), (1, 7, 2 * 4224)], ids=["T3-N6144", "T17-N768", "B1x7-N4224"])
+def test_situ_and_silu_and_mul(shape: tuple[int, ...]) -> None:
+    from rocm_k3.ops.moe import silu_and_mul, situ_and_mul
+
+    x = rnd(*shape, seed=40, scale=4.0)
+    assert_rel(situ_and_mul(x, backend="flydsl"), situ_and_mul(x, backend="reference"), 1e-2, "situ_and_mul")
+    assert_rel(situ_and_mul(x, 4.0, None, backend="flydsl"), situ_and_mul(x, 4.0, None, backend="reference"), 1e-2,
+               "situ_and_mul (no linear beta)")
+    assert_rel(silu_and_mul(x, backend="flydsl"), silu_and_mul(x, backend="reference"), 1e-2, "silu_and_mul")
+
+
 PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)]), ([1, 33], None, []), ([70], "softplus", [(0, 70)])]
 
 

@@ -83,6 +83,18 @@ def row_vectors(tensor, coord, n: int):
     return fx.logical_divide(fx.rocdl.make_buffer_tensor(row), fx.make_layout(n, 1))
 
 
+def rows_vectors(tensor, row0, rows: int, D: int, n: int):
+    """``rows`` contiguous rows of length ``D`` starting at the workgroup-uniform row ``row0``, as ONE buffer
+    view divided into n-element tiles: tile ``local_row * (D // n) + j`` is vector j of row row0 + local_row.
+
+    For kernels whose lanes work on different rows: the buffer descriptor must be uniform across the wave
+    (a per-lane descriptor makes LLVM emit a readfirstlane waterfall loop around every access), so the
+    base is the block's first row and the row offset goes into the per-lane voffset. The tensor must be
+    contiguous (the host wrappers make it so).
+    """
+    return flat_vectors(static_view(fx.slice(tensor, (row0, None)), rows * D), n)
+
+
 def static_view(tensor, size: int):
     """The contiguous memory of ``tensor`` as a 1-D view of static length ``size`` (stride 1).
 
@@ -167,6 +179,18 @@ def silu(x):
 def softplus(x):
     """log(1 + exp(x)) computed as max(x, 0) + log(1 + exp(-|x|))."""
     return fx.max(x, 0.0) + fmath.log(1.0 + fmath.exp(-fmath.absf(x)))
+
+
+def gated_activation(gate, up, activation: tuple):
+    """act(gate) * f(up) in fp32 for ``activation`` = ("situ", beta, linear_beta | None) or ("silu", _, _):
+    SiTU: beta*tanh(g/beta)*sigmoid(g) * (lb*tanh(u/lb) or u); SiLU: g*sigmoid(g)*u (K3_SPEC section 4)."""
+    kind, beta, linear_beta = activation
+    if kind == "silu":
+        return silu(gate) * up
+    g = tanh(gate * (1.0 / beta)) * beta * sigmoid(gate)
+    if linear_beta is None:
+        return g * up
+    return g * (tanh(up * (1.0 / linear_beta)) * linear_beta)
 
 
 def vector_of(values, dtype):

@@ -148,16 +148,6 @@ def _pick(values, index):
     return (index == 0).select(values[0], (index == 1).select(values[1], (index == 2).select(values[2], values[3])))
 
 
-def _activate(gate, up, activation):
-    kind, beta, linear_beta = activation
-    if kind == "silu":
-        return common.silu(gate) * up
-    g = common.tanh(gate * (1.0 / beta)) * beta * common.sigmoid(gate)
-    if linear_beta is None:
-        return g * up
-    return g * (common.tanh(up * (1.0 / linear_beta)) * linear_beta)
-
-
 def build_moe_gemm(cfg: MoeGemmConfig):
     """``launch(A, AScale, Sorted, BlockExpert, Wq, Ws, Out, TopW, num_pairs, num_blocks)``.
 
@@ -288,7 +278,7 @@ def build_moe_gemm(cfg: MoeGemmConfig):
                 up = fx.memref_load_vec(accs[2 * t + 1])
                 for i in range_constexpr(4):
                     r, _ = mfma_c_coord(lane, i)
-                    h = _activate(gate[i], up[i], cfg.activation)
+                    h = common.gated_activation(gate[i], up[i], cfg.activation)
                     Out[block * MOE_BLOCK_M + r, col] = h.to(out_fx)
             else:
                 acc = fx.memref_load_vec(accs[t])

@@ -10,7 +10,8 @@ Tiling (``plans.row_plan``): rows of D elements are read with 128-bit buffer loa
 row, 7 vectors per lane, kept in registers between the sum-of-squares pass and the scaling pass
 (one global read, one write); the sum crosses waves through 2 LDS slots. Narrow rows (a KDA head,
 D = 128 bf16 = 16 vectors) put 16 lanes on a row and 16 rows in a 256-lane workgroup; the sum is a
-4-step xor shuffle inside the 16-lane group.
+4-step xor shuffle inside the 16-lane group. Either way the workgroup addresses its rows through one
+buffer descriptor at its first row (``common.rows_vectors``), the lane's row going into the offset.
 
 Mapping to the Triton twin (``triton_kernels/norm.py``): the same single kernel with compile-time switches
 for the residual add and the gate, the same fp32 sum of squares and rsqrt; Triton holds ROWS whole rows in a
@@ -82,28 +83,31 @@ def build_norm(config: NormConfig):
     @flyc.kernel
     def norm_kernel(X: fx.Tensor, G: fx.Tensor, W: fx.Tensor, Y: fx.Tensor, rows: fx.Int32, eps: fx.Float32):
         tid = gpu.thread_idx.x
-        row = gpu.block_idx.x * plan.rows_per_block + plan.row_of(tid)
+        row0 = gpu.block_idx.x * plan.rows_per_block  # first row of the block (uniform)
+        row = row0 + plan.row_of(tid)
         in_range = row < rows
-        row = in_range.select(row, rows - 1)  # lanes past the last row redo it and skip the store
+        local = in_range.select(row, rows - 1) - row0  # lanes past the last row redo it and skip the store
         lds = fx.SharedAllocator().allocate(Scratch).peek()
         red = lds.red.view(fx.make_layout(4, 1))
         atom = common.copy_atom_128(dt)
         watom = common.copy_atom_128(wdt)
-        x_row = common.row_vectors(X, row, vec)
-        y_row = common.row_vectors(Y, row, vec)
+        span = plan.rows_per_block
+        x_rows = common.rows_vectors(X, row0, span, D, vec)
+        y_rows = common.rows_vectors(Y, row0, span, D, vec)
         w_all = common.flat_vectors(W, wvec)
         if const_expr(gated or residual):
-            g_row = common.row_vectors(G, row, vec)
+            g_rows = common.rows_vectors(G, row0, span, D, vec)
+        base = local * (D // vec)  # first vector of this lane's row in the block views
 
         xs = []
         sumsq = fx.Float32(0.0)
         for i in range_constexpr(plan.tiles):
-            v = common.load_vec(atom, x_row, plan.vector_of(tid, i), vec, dt).to(fx.Float32)
+            v = common.load_vec(atom, x_rows, base + plan.vector_of(tid, i), vec, dt).to(fx.Float32)
             if const_expr(residual):
-                r_sum = (v + common.load_vec(atom, g_row, plan.vector_of(tid, i), vec, dt).to(fx.Float32)).to(
+                r_sum = (v + common.load_vec(atom, g_rows, base + plan.vector_of(tid, i), vec, dt).to(fx.Float32)).to(
                     common.fx_dtype(dt))
                 if in_range:
-                    common.store_vec(atom, g_row, plan.vector_of(tid, i), r_sum, vec, dt)
+                    common.store_vec(atom, g_rows, base + plan.vector_of(tid, i), r_sum, vec, dt)
                 v = r_sum.to(fx.Float32)
             xs.append(v)
             sumsq = sumsq + (v * v).reduce(ReductionOp.ADD)
@@ -119,10 +123,10 @@ def build_norm(config: NormConfig):
             w = parts[0] if w_loads == 1 else common.vector_of([p[e] for p in parts for e in range(wvec)], fx.Float32)
             y = xs[i] * inv * w
             if const_expr(gated):
-                g = common.load_vec(atom, g_row, j, vec, dt).to(fx.Float32)
+                g = common.load_vec(atom, g_rows, base + j, vec, dt).to(fx.Float32)
                 y = y * common.sigmoid(g)
             if in_range:
-                common.store_vec(atom, y_row, j, y.to(common.fx_dtype(dt)), vec, dt)
+                common.store_vec(atom, y_rows, base + j, y.to(common.fx_dtype(dt)), vec, dt)
 
     @flyc.jit
     def launch(

@@ -282,3 +282,45 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_
             **stream_of(q),
         )
     return KDAPrefillOutput(o, inter[:M] if M else None)
+
+
+# --- situ_and_mul / silu_and_mul ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _gated_act_launcher(cfg):
+    from rocm_k3.flydsl_kernels.gated_act import build_gated_act
+
+    return build_gated_act(cfg)
+
+
+def _gated_act(x: torch.Tensor, activation: tuple) -> torch.Tensor:
+    from rocm_k3.flydsl_kernels.gated_act import GatedActConfig
+
+    N = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * N).contiguous()  # [R, 2N]
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    cfg = GatedActConfig(N, _name(x.dtype), activation)
+    total = x2.shape[0] * N // cfg.vec
+    if total:
+        _gated_act_launcher(cfg)(x2, y, total, **stream_of(x2))
+    return y.reshape(*x.shape[:-1], N)
+
+
+def gated_act_supports(x, *args, **kwargs):
+    if x.dtype not in _ACT:
+        return False, f"activation dtype {x.dtype} is not bf16/fp16/fp32"
+    vec = 16 // x.element_size()
+    if (x.shape[-1] // 2) % vec:
+        return False, f"half width {x.shape[-1] // 2} is not a multiple of {vec} (one 128-bit access per lane)"
+    return OK
+
+
+def situ_and_mul(x, beta=4.0, linear_beta=25.0):
+    """FlyDSL ``situ_and_mul``: x [..., 2N] -> [..., N]."""
+    return _gated_act(x, ("situ", float(beta), None if linear_beta is None else float(linear_beta)))
+
+
+def silu_and_mul(x):
+    """FlyDSL ``silu_and_mul``: x [..., 2N] -> [..., N]."""
+    return _gated_act(x, ("silu", 0.0, None))

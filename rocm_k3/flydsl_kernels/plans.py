@@ -68,6 +68,12 @@ def row_plan(D: int, vec: int) -> RowPlan:
     return RowPlan(D, vec, 256, vectors, 1, 256 // vectors)
 
 
+def flat_vector_coord(idx, vectors_per_row, vec: int):
+    """(row, first column) of flat vector ``idx`` when rows of ``vectors_per_row * vec`` elements are cut into
+    ``vec``-wide vectors and numbered row-major (the element-wise kernels: one vector per lane)."""
+    return idx // vectors_per_row, (idx % vectors_per_row) * vec
+
+
 # --- KDA decode: one workgroup per (sequence, head) ------------------------------------------------------
 
 
