@@ -21,7 +21,7 @@ def _specs() -> dict:
     import triton.language as tl
 
     from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS
-    from rocm_k3.triton_kernels.kda.prefill import state_tile
+    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
     dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
@@ -51,13 +51,15 @@ def _specs() -> dict:
                         "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
                         "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
                         "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32"},
-                       dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True), 8, 1),
+                       dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True),
+                       PHASE_WARPS["prep"], 1),
         "chunk_intra": (f"{pkg}.chunk_intra", "chunk_intra_kernel",
                         {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
-                         "a_ptr": "*fp32", "aqk_ptr": "*bf16"}, dict(H=H, K=K, **dots), 4, 2),
+                         "a_ptr": "*fp32", "aqk_ptr": "*bf16"}, dict(H=H, K=K, **dots), PHASE_WARPS["intra"], 2),
         "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
                         {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
-                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots), 4, 1),
+                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16"}, dict(H=H, K=K, V=V, **dots),
+                        PHASE_WARPS["solve"], 1),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
                         dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots), state_warps, 2),
         "chunk_state_split": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,

@@ -23,9 +23,11 @@ import triton.language as tl
 from rocm_k3.triton_kernels.kda.common import gate, is_pow2, sigmoid_f32
 
 # Warps per (sequence, head) program: the [K, V] fp32 state tile is spread over them (64 KB at K = 128).
-DECODE_WARPS = 8
 # Load the state tile before the conv/gate/norm prologue (latency overlap) or after it (fewer live registers).
-DECODE_PREFETCH = True
+# H200, K3 shapes, 2026-11-29: 4 warps with the late load ran at 76-83% of copy bandwidth; 8 warps 50-60%,
+# 16 warps 40-50%, and every warp count was slower with the early load (fewer programs fit per SM).
+DECODE_WARPS = 4
+DECODE_PREFETCH = False
 
 
 @triton.jit

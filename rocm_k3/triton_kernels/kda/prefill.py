@@ -27,8 +27,10 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 128  # the chunk tiles hold whole [16 or 64, K] rows and [K, BV] state slices in registers
 # Output inside the sequential state walk (False) or in a separate parallel launch (True); see chunk_output.
 SPLIT_OUTPUT = False
-# num_warps of the parallel phases (the state walk's come from state_tile).
-PHASE_WARPS = {"prep": 8, "intra": 4, "solve": 4}
+# num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
+# (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
+# each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
+PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2}
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
