@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("flydsl", reason="flydsl is not installed (pip install flydsl==0.5.0)")
 
+from rocm_k3.flydsl_kernels.isa import KernelIsa
 from rocm_k3.flydsl_kernels.toolchain import compile_launcher, find_lld
 
 pytestmark = [
@@ -50,6 +51,7 @@ class Case:
     mfma: Callable[[str], str | None] = lambda arch: None  # expected mnemonic prefix per arch (None: no MFMA)
     load: str | None = None  # the vector load its plan intends (e.g. 128-bit row accesses: buffer_load_dwordx4)
     also: Callable[[str], tuple[str, ...]] = lambda arch: ()  # further instructions the target must use
+    kernels: int = 1  # kernels one launcher compiles (each is checked)
 
 
 def _norm_case(name: str, D: int, **kw: Any) -> Case:
@@ -167,6 +169,19 @@ def _gated_act_case(N: int, kind: str) -> Case:
                 lambda: (z(rows, 2 * N), z(rows, N), rows * N // 8), vgpr_budget=64, load="buffer_load_dwordx4")
 
 
+def _short_conv_case(shape: str) -> Case:
+    from rocm_k3.flydsl_kernels.short_conv import ShortConvConfig, build_short_conv
+
+    C = 3 * SHAPES[shape]["heads"] * HEAD
+    T, N, S = 10, 2, 4
+    return Case(
+        f"short_conv-{shape}-C{C}", lambda arch: build_short_conv(ShortConvConfig(C)),
+        lambda: (z(T, C), z(C, 4), z(N + 1, dtype=I32), z(T, dtype=I32), z(S, C, 3), z(N, dtype=I32),
+                 z(N, dtype=I32), z(T, C), T, N),
+        vgpr_budget=64, kernels=2,
+    )
+
+
 def _reduce_case() -> Case:
     from rocm_k3.flydsl_kernels.moe_aux import MoeReduceConfig, build_moe_reduce
 
@@ -188,6 +203,8 @@ def _cases() -> list[Case]:
         _attn_res_case(0, False, has_partial=False),
         _kda_decode_case("K3"),
         _kda_decode_case("TP8"),
+        _short_conv_case("K3"),
+        _short_conv_case("TP8"),
         _kda_prefill_case("K3"),
         _kda_prefill_case("TP8"),
         _quant_case(LATENT, "bf16"),
@@ -213,8 +230,12 @@ CASES = _cases()
 def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
     result = compile_launcher(case.build(arch), case.args(), arch)
     assert not result.llvm_errors, f"{case.id} [{arch}]: LLVM reported errors: {result.llvm_errors[:3]}"
-    assert len(result.kernels) == 1, [k.name for k in result.kernels]
-    kernel = result.kernels[0]
+    assert len(result.kernels) == case.kernels, [k.name for k in result.kernels]
+    for kernel in result.kernels:
+        _check_kernel(case, arch, kernel)
+
+
+def _check_kernel(case: Case, arch: str, kernel: KernelIsa) -> None:
     assert kernel.arch == arch
     assert not kernel.uses_scratch, f"scratch or spills: {kernel.summary()}"
     assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"

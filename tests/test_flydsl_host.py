@@ -258,7 +258,7 @@ def test_backend_available_only_on_rocm_gfx942_gfx950() -> None:
     assert available(DeviceInfo("rocm", "gfx950", "MI355X"))[0]
 
 
-FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "kda_prefill",
+FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "short_conv", "kda_prefill",
               "fused_moe", "situ_and_mul", "silu_and_mul"]
 
 

@@ -131,6 +131,29 @@ def test_situ_and_silu_and_mul(shape: tuple[int, ...]) -> None:
     assert_rel(silu_and_mul(x, backend="flydsl"), silu_and_mul(x, backend="reference"), 1e-2, "silu_and_mul")
 
 
+CONV = [([1, 2, 70], True), ([5, 0, 3], True), ([40], False)]
+
+
+@pytest.mark.parametrize("lens,with_state", CONV, ids=["3seq-state", "short+empty-state", "1seq-nostate"])
+def test_short_conv(lens: list[int], with_state: bool) -> None:
+    from rocm_k3.ops.kda import short_conv
+
+    C, W = 3 * 4 * 128, 4
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32).to(DEV)
+    x, w = rnd(T, C, seed=41), rnd(C, W, seed=42, scale=0.5)
+    kw = {}
+    if with_state:
+        kw = {"state_indices": torch.arange(N, dtype=torch.int32, device=DEV) + 1,
+              "has_initial_state": torch.tensor([i % 2 == 1 for i in range(N)], device=DEV)}
+    state = rnd(N + 2, C, W - 1, seed=43)
+    st_ref = state.clone()
+    y = short_conv(x, w, cu, conv_state=state if with_state else None, backend="flydsl", **kw)
+    y_ref = short_conv(x, w, cu, conv_state=st_ref if with_state else None, backend="reference", **kw)
+    assert_rel(y, y_ref, 1e-2, "y")
+    assert torch.equal(state, st_ref), "conv_state"
+
+
 PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)]), ([1, 33], None, []), ([70], "softplus", [(0, 70)])]
 
 

@@ -6,7 +6,9 @@ tested on the host. None has been executed on an AMD GPU by its authors: ``pytes
 MI300X/MI355X runs the parity tests against the PyTorch references.
 
 Modules: ``backend`` (registration, availability, MoE weight preparation), ``ops_impl`` and ``moe`` (host
-wrappers), kernels ``norm``, ``attn_res``, ``kda_decode``, ``moe_gemm``, ``moe_aux``; ``plans`` (index maps,
-plain Python), ``weights`` (pre-shuffle), ``toolchain`` and ``isa`` (compile-only builds and ISA facts).
+wrappers), kernels ``norm``, ``attn_res``, ``kda_decode``, ``short_conv``, ``kda_prefill`` (recurrent form),
+``moe_gemm``, ``moe_aux``, ``gated_act``; ``plans`` and ``bitcodes`` (index maps and number-format bit
+formulas in plain Python, shared by the kernels and the host tests), ``weights`` (MoE pre-shuffle),
+``toolchain`` and ``isa`` (compile-only builds and ISA facts).
 Nothing is imported at package import time.
 """

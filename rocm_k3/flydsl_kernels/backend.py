@@ -5,7 +5,7 @@ priority order of ``rocm_k3.ops.registry``). Every kernel is compile-verified fo
 ``compile`` test tier (ISA checks) and has host-tested index maps; none has been run on an AMD GPU by
 the authors yet — ``pytest -m rocm`` on an MI300X/MI355X is the parity check.
 
-Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, kda_prefill (recurrent form, not
+Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, short_conv, kda_prefill (recurrent form, not
 yet the chunked MFMA algorithm), fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and silu_and_mul
 (shared experts, dense layer). MoE weights must be prepared once at load time with :func:`prepare_weights`;
 ``fused_moe`` declines unprepared weights (``supports`` says so) rather than re-laying them per call.
@@ -29,6 +29,7 @@ def kernel_table() -> dict[str, tuple]:
         "attn_res_step": (ops_impl.attn_res_step, ops_impl.attn_res_step_supports),
         "kda_decode": (ops_impl.kda_decode, ops_impl.kda_decode_supports),
         "kda_prefill": (ops_impl.kda_prefill, ops_impl.kda_prefill_supports),
+        "short_conv": (ops_impl.short_conv, ops_impl.short_conv_supports),
         "fused_moe": (moe.fused_moe, moe.fused_moe_supports),
         "situ_and_mul": (ops_impl.situ_and_mul, ops_impl.gated_act_supports),
         "silu_and_mul": (ops_impl.silu_and_mul, ops_impl.gated_act_supports),

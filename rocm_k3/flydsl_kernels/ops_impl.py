@@ -324,3 +324,51 @@ def situ_and_mul(x, beta=4.0, linear_beta=25.0):
 def silu_and_mul(x):
     """FlyDSL ``silu_and_mul``: x [..., 2N] -> [..., N]."""
     return _gated_act(x, ("silu", 0.0, None))
+
+
+# --- short_conv (prefill) ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _short_conv_launcher(cfg):
+    from rocm_k3.flydsl_kernels.short_conv import build_short_conv
+
+    return build_short_conv(cfg)
+
+
+def short_conv_supports(x, weight, cu_seqlens, *, conv_state=None, state_indices=None, has_initial_state=None,
+                        activation="silu"):
+    if x.dtype not in _ACT:
+        return False, f"activation dtype {x.dtype} is not bf16/fp16/fp32"
+    if activation not in ("silu", None):
+        return False, f"activation {activation!r} is not silu or None"
+    return OK
+
+
+def short_conv(x, weight, cu_seqlens, *, conv_state=None, state_indices=None, has_initial_state=None,
+               activation="silu"):
+    """FlyDSL ``short_conv``: y [T, C]; conv_state (if given) updated in place at state_indices."""
+    from rocm_k3.flydsl_kernels.short_conv import ShortConvConfig
+
+    T, C = x.shape
+    N = cu_seqlens.numel() - 1
+    dev = x.device
+    y = torch.empty_like(x)
+    has_state = conv_state is not None
+    cfg = ShortConvConfig(C, weight.shape[1], _name(x.dtype), activation == "silu", has_state)
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    seq_id = torch.repeat_interleave(torch.arange(N, dtype=torch.int32, device=dev), (cu[1:] - cu[:-1]).long())
+    if has_state:
+        slots = state_indices.to(torch.int32).contiguous()
+        init = (has_initial_state if has_initial_state is not None
+                else torch.zeros(N, dtype=torch.bool, device=dev)).to(torch.int32)
+        state = conv_state
+    else:
+        slots = init = torch.zeros(max(N, 1), dtype=torch.int32, device=dev)
+        state = x  # not read
+    if N and T:
+        _short_conv_launcher(cfg)(x.contiguous(), weight.contiguous(), cu, seq_id, state, slots, init, y, T, N,
+                                  **stream_of(x))
+    elif N and has_state:  # no tokens at all: a slot keeps its history, or becomes zeros without one
+        conv_state[slots[init == 0].long()] = 0
+    return y
