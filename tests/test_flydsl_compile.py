@@ -182,6 +182,15 @@ def _short_conv_case(shape: str) -> Case:
     )
 
 
+def _route_case(E: int, k: int, bias: bool) -> Case:
+    from rocm_k3.flydsl_kernels.route import RouteConfig, build_route
+
+    T = 3
+    return Case(f"route-E{E}-top{k}{'-bias' if bias else ''}", lambda arch: build_route(RouteConfig(E, k, bias)),
+                lambda: (z(T, E, dtype=F32), z(E, dtype=F32), z(T, k, dtype=F32), z(T, k, dtype=I32), T),
+                vgpr_budget=64)
+
+
 def _reduce_case() -> Case:
     from rocm_k3.flydsl_kernels.moe_aux import MoeReduceConfig, build_moe_reduce
 
@@ -211,6 +220,8 @@ def _cases() -> list[Case]:
         _quant_case(3072, "f32"),
         _quant_case(384, "f32"),
         _reduce_case(),
+        _route_case(896, TOP_K, True),  # K3 router
+        _route_case(256, 8, False),  # Kimi Linear shape, no bias
         _gated_act_case(2 * 3072, "situ"),  # K3 shared experts (2 x 3072 intermediate)
         _gated_act_case(2 * 3072 // 8, "situ"),  # ... TP-8 shard
         _gated_act_case(33792 // 8, "silu"),  # dense layer 0 intermediate, TP-8 shard (Kimi Linear uses SiLU)

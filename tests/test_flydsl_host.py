@@ -58,6 +58,31 @@ def test_flat_vectors_cover_rows_once_within_block_span(rows: int, N: int, vec: 
     assert set(seen) == {(r, c) for r in range(rows) for c in range(N)} and set(seen.values()) == {1}
 
 
+def test_route_lanes_hold_each_expert_once() -> None:
+    E, lanes = 896, 256
+    held = collections.Counter(plans.route_expert(lane, slot, lanes) for lane in range(lanes)
+                               for slot in range((E + lanes - 1) // lanes))
+    assert {e for e in held if e < E} == set(range(E)) and set(held.values()) == {1}
+
+
+def test_route_order_is_the_references_stable_descending_sort() -> None:
+    pytest.importorskip("flydsl")
+    from rocm_k3.flydsl_kernels.route import _better
+
+    g = seeded(21)
+    keys = (torch.randint(0, 6, (40,), generator=g).float() / 4).tolist()  # many ties
+    remaining = list(range(len(keys)))
+    order = []
+    while remaining:  # repeated arg-max under the kernel's comparison, any reduction order
+        best = remaining[0]
+        for i in remaining[1:]:
+            if _better(keys[best], best, keys[i], i):
+                best = i
+        order.append(best)
+        remaining.remove(best)
+    assert order == torch.sort(torch.tensor(keys), descending=True, stable=True).indices.tolist()
+
+
 def test_row_plan_rejects_untileable_rows() -> None:
     with pytest.raises(ValueError, match="multiple of the vector width"):
         plans.row_plan(100, 8)
@@ -259,7 +284,7 @@ def test_backend_available_only_on_rocm_gfx942_gfx950() -> None:
 
 
 FLYDSL_OPS = ["rms_norm", "add_rms_norm", "gated_rms_norm", "attn_res_step", "kda_decode", "short_conv", "kda_prefill",
-              "fused_moe", "situ_and_mul", "silu_and_mul"]
+              "fused_moe", "route", "situ_and_mul", "silu_and_mul"]
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])

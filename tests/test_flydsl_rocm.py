@@ -131,6 +131,21 @@ def test_situ_and_silu_and_mul(shape: tuple[int, ...]) -> None:
     assert_rel(silu_and_mul(x, backend="flydsl"), silu_and_mul(x, backend="reference"), 1e-2, "silu_and_mul")
 
 
+@pytest.mark.parametrize("T,E,k,bias,renorm,scale", [(1, 896, 16, True, True, 1.0), (33, 256, 8, False, True, 2.446),
+                                                    (5, 64, 6, True, False, 1.0)],
+                         ids=["T1-E896-k16", "T33-E256-k8-nobias", "T5-E64-k6-norenorm"])
+def test_route(T: int, E: int, k: int, bias: bool, renorm: bool, scale: float) -> None:
+    from rocm_k3.ops.moe import route
+
+    logits = rnd(T, E, dtype=torch.float32, seed=44)
+    logits[:, : E // 4] = 0.5  # ties: equal scores must go to the lower expert index
+    kw = {"correction_bias": rnd(E, dtype=torch.float32, seed=45, scale=0.01) if bias else None,
+          "renormalize": renorm, "scaling_factor": scale}
+    out, ref = route(logits, k, backend="flydsl", **kw), route(logits, k, backend="reference", **kw)
+    assert torch.equal(out.ids, ref.ids), "ids"
+    assert_rel(out.weights, ref.weights, 1e-6, "weights")
+
+
 CONV = [([1, 2, 70], True), ([5, 0, 3], True), ([40], False)]
 
 

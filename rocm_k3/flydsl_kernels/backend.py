@@ -6,8 +6,8 @@ priority order of ``rocm_k3.ops.registry``). Every kernel is compile-verified fo
 the authors yet — ``pytest -m rocm`` on an MI300X/MI355X is the parity check.
 
 Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, short_conv, kda_prefill (recurrent form, not
-yet the chunked MFMA algorithm), fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and silu_and_mul
-(shared experts, dense layer). MoE weights must be prepared once at load time with :func:`prepare_weights`;
+yet the chunked MFMA algorithm), route and fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and
+silu_and_mul (shared experts, dense layer). No MLA kernels yet: MLA ops fall through to the next backend. MoE weights must be prepared once at load time with :func:`prepare_weights`;
 ``fused_moe`` declines unprepared weights (``supports`` says so) rather than re-laying them per call.
 """
 
@@ -31,6 +31,7 @@ def kernel_table() -> dict[str, tuple]:
         "kda_prefill": (ops_impl.kda_prefill, ops_impl.kda_prefill_supports),
         "short_conv": (ops_impl.short_conv, ops_impl.short_conv_supports),
         "fused_moe": (moe.fused_moe, moe.fused_moe_supports),
+        "route": (ops_impl.route, ops_impl.route_supports),
         "situ_and_mul": (ops_impl.situ_and_mul, ops_impl.gated_act_supports),
         "silu_and_mul": (ops_impl.silu_and_mul, ops_impl.gated_act_supports),
     }

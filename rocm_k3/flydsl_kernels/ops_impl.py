@@ -372,3 +372,35 @@ def short_conv(x, weight, cu_seqlens, *, conv_state=None, state_indices=None, ha
     elif N and has_state:  # no tokens at all: a slot keeps its history, or becomes zeros without one
         conv_state[slots[init == 0].long()] = 0
     return y
+
+
+# --- route ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _route_launcher(cfg):
+    from rocm_k3.flydsl_kernels.route import build_route
+
+    return build_route(cfg)
+
+
+def route_supports(router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
+    if top_k > 256:
+        return False, f"top_k={top_k} > 256 (one winner slot per lane)"
+    return OK
+
+
+def route(router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
+    """FlyDSL ``route``: RouteResult(weights fp32 [T, k], ids int32 [T, k])."""
+    from rocm_k3.flydsl_kernels.route import RouteConfig
+    from rocm_k3.ops.moe import RouteResult
+
+    T, E = router_logits.shape
+    logits = router_logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        cfg = RouteConfig(E, top_k, correction_bias is not None, bool(renormalize), float(scaling_factor))
+        bias = correction_bias.contiguous() if correction_bias is not None else logits  # not read without a bias
+        _route_launcher(cfg)(logits, bias, weights, ids, T, **stream_of(logits))
+    return RouteResult(weights, ids)

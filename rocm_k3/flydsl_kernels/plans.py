@@ -163,3 +163,8 @@ def moe_scale_slot(lane, step, layout: str, kpl: int):
     if layout == "step":
         return moe_dword_pos(step, 0, layout, kpl)[0]
     return lane // 16
+
+
+def route_expert(lane, slot, lanes: int):
+    """Expert held by ``lane`` in register ``slot`` of the routing kernel (experts strided over the lanes)."""
+    return lane + slot * lanes
