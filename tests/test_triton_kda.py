@@ -5,7 +5,7 @@ Tiers:
   Triton 3.6-3.9 read that variable at decoration time, and triton's own standard library is decorated when
   triton is first imported, so this module sets it before importing triton (a monkeypatch fixture would come
   too late). If triton was already imported in this process without it, the tier re-runs this module in a
-  subprocess (``test_kda_interpret_tier_in_subprocess``).
+  subprocess (``test_kda_interpret_tier_in_subprocess``) and the in-process copies skip.
 - ``compile``: every KDA kernel cross-compiled for sm_90, gfx942 and gfx950 at K3 shapes in bf16
   (tests/triton_kda_compile_driver.py, fresh interpreter), asserting the matrix instructions of the dot kernels.
 - ``cuda``: K3 shapes (H = 96 and the TP-8 shard H = 12, D = 128, bf16, T = 4096) on an NVIDIA GPU.
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 _GPU = torch.cuda.is_available() and torch.version.hip is None
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: see the module docstring
 
 triton = pytest.importorskip("triton")
@@ -43,7 +43,8 @@ from rocm_k3.triton_kernels.kda.gate import kda_gate_kernel  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 from tests.helpers import assert_rel, seeded  # noqa: E402
 
-_INTERPRETED = interpreted(kda_gate_kernel)
+# in-process only when triton itself (its standard library) was imported under the interpreter too
+_INTERPRETED = interpreted(kda_gate_kernel) and interpreted(triton.language.standard.zeros_like)
 needs_interp = pytest.mark.skipif(
     not _INTERPRETED, reason="kernels are compiled in this process (GPU host, or triton imported before "
                              "TRITON_INTERPRET=1); the tier runs in test_kda_interpret_tier_in_subprocess")
@@ -163,8 +164,8 @@ def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="c
     beta = _randn(T, H, gen=gen, dtype=dtype, device=device)
     if not beta_logits:
         beta = torch.sigmoid(beta.float()).to(dtype)
-    if gate == "raw":  # the fp32 log-decay itself, in (-1.5, 0)
-        f = -torch.rand(T, H, D, generator=gen).mul(1.5).to(device)
+    if gate == "raw":  # the fp32 log-decay itself over K3's whole safe-gate range (-5, 0): the sub-block
+        f = -torch.rand(T, H, D, generator=gen).mul(5.0).to(device)  # decay factors reach exp(+-40)
         params = None
     else:
         f = _randn(T, H, D, gen=gen, dtype=dtype, device=device)
@@ -230,6 +231,21 @@ def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, mon
     assert_rel(out.o, want.o, 1e-5, "o")
     assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
     assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate state")
+
+
+@pytest.mark.parametrize("op", sorted(KERNELS))
+def test_kernel_signatures_match_the_contract(op: str) -> None:
+    """Implementation and supports() take exactly the reference op's parameters (names, kinds, defaults)."""
+    import inspect
+
+    from rocm_k3.ops.kda import REFERENCE_IMPLS
+
+    def params(fn) -> list[tuple]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    fn, supports = KERNELS[op]
+    assert params(fn) == params(REFERENCE_IMPLS[op])
+    assert params(supports) == params(REFERENCE_IMPLS[op])
 
 
 def test_kda_prefill_supports_reasons() -> None:

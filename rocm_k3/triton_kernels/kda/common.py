@@ -1,9 +1,8 @@
 """Pieces shared by the KDA Triton kernels: device-side math helpers and the host-side varlen chunk plan.
 
-Device helpers (``@triton.jit``, inlined into the kernels):
-    ``gate``        the KDA decay gate (safe gate ``L * sigmoid(exp(A_log) * (f + dt_bias))`` or softplus gate
-                    ``-exp(A_log) * softplus(f + dt_bias)``), fp32.
-    ``l2norm_rows`` ``x / sqrt(sum(x^2) + 1e-6)`` over the last axis of a 2-D tile.
+Device helpers (``@triton.jit``, inlined into the kernels): ``gate``, the KDA decay gate (safe gate
+``L * sigmoid(exp(A_log) * (f + dt_bias))`` or softplus gate ``-exp(A_log) * softplus(f + dt_bias)``) in fp32,
+and the fp32 ``sigmoid_f32`` / ``softplus_f32`` it is made of.
 
 Host helper :func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into
 (one host synchronisation per prefill call, like every varlen chunked kernel).
@@ -18,8 +17,6 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # chunk length C of the chunked prefill (K3_SPEC section 2)
-SUB = 16  # sub-block length inside a chunk (4 sub-blocks): the decay of one pair of sub-blocks stays in range
-L2NORM_EPS = 1e-6
 
 
 @triton.jit
@@ -46,12 +43,6 @@ def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
     return g
 
 
-@triton.jit
-def l2norm_rows(x):
-    """Each row of the fp32 tile x [R, D] divided by sqrt(sum of its squares + 1e-6)."""
-    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
 class ChunkPlan(NamedTuple):
     """The 64-token chunks of a varlen batch, sequences in order, chunks in order inside each sequence.
 
@@ -59,7 +50,6 @@ class ChunkPlan(NamedTuple):
     chunk_start:  int32 [NC]   first token (global row) of each chunk.
     seq_first_chunk: int32 [N+1] index of the first chunk of each sequence (last entry = NC).
     num_chunks:   NC (host int).
-    max_chunks:   most chunks in one sequence (host int).
     bounds:       cu_seqlens as a host list.
     """
 
@@ -67,7 +57,6 @@ class ChunkPlan(NamedTuple):
     chunk_start: torch.Tensor
     seq_first_chunk: torch.Tensor
     num_chunks: int
-    max_chunks: int
     bounds: list[int]
 
 
@@ -81,13 +70,11 @@ def plan_chunks(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> ChunkPlan:
         starts += [bounds[i] + j * chunk for j in range(n)]
         first.append(first[-1] + n)
     device = cu_seqlens.device
-    counts = [first[i + 1] - first[i] for i in range(len(first) - 1)]
     return ChunkPlan(
         torch.tensor(seqs, dtype=torch.int32, device=device),
         torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(first, dtype=torch.int32, device=device),
         len(seqs),
-        max(counts, default=0),
         bounds,
     )
 

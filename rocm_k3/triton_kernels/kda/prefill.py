@@ -8,6 +8,8 @@
 
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
+Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
+|g| < 5. A softplus gate or a raw g beyond that can overflow fp32 inside a 16-token sub-block.
 """
 
 from __future__ import annotations
