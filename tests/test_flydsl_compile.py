@@ -79,18 +79,18 @@ def _attn_res_case(nb: int, write: bool, has_partial: bool = True) -> Case:
     )
 
 
-def _kda_decode_case(shape: str) -> Case:
+def _kda_decode_case(shape: str, D: int = HEAD) -> Case:
     from rocm_k3.flydsl_kernels.kda_decode import KdaDecodeConfig, build_kda_decode
 
     H = SHAPES[shape]["heads"]
-    cfg = KdaDecodeConfig(H, HEAD, 4, "bf16", -5.0)
-    N, S, C = 4, 6, 3 * H * HEAD
+    cfg = KdaDecodeConfig(H, D, 4, "bf16", -5.0)
+    N, S, C = 4, 6, 3 * H * D
     return Case(
-        f"kda_decode-{shape}-H{H}",
+        f"kda_decode-{shape}-H{H}-D{D}",
         lambda arch: build_kda_decode(cfg),
-        lambda: (z(N, C), z(N, H * HEAD), z(N, H), z(N, H * HEAD), z(C, 4), z(S, C, 3), z(H, dtype=F32),
-                 z(H * HEAD, dtype=F32), z(HEAD), z(S, H, HEAD, HEAD, dtype=F32), z(N, dtype=I32),
-                 z(N, H * HEAD), N, HEAD**-0.5, 1e-5),
+        lambda: (z(N, C), z(N, H * D), z(N, H), z(N, H * D), z(C, 4), z(S, C, 3), z(H, dtype=F32),
+                 z(H * D, dtype=F32), z(D), z(S, H, D, D, dtype=F32), z(N, dtype=I32),
+                 z(N, H * D), N, D**-0.5, 1e-5),
         vgpr_budget=192, load="buffer_load_dword",
     )
 
@@ -212,6 +212,7 @@ def _cases() -> list[Case]:
         _attn_res_case(0, False, has_partial=False),
         _kda_decode_case("K3"),
         _kda_decode_case("TP8"),
+        _kda_decode_case("TP8", D=32),  # the embedded tiny model's head dim
         _short_conv_case("K3"),
         _short_conv_case("TP8"),
         _kda_prefill_case("K3"),

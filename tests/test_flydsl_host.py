@@ -90,8 +90,8 @@ def test_row_plan_rejects_untileable_rows() -> None:
         plans.row_plan(8 * 96, 8)  # 96 vectors: not a multiple of 64 lanes
 
 
-def test_kda_decode_lanes_cover_state_tile_once() -> None:
-    K = 128
+@pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)
+def test_kda_decode_lanes_cover_state_tile_once(K: int) -> None:
     seen = collections.Counter()
     for tid in range(plans.KDA_LANES_PER_COLUMN * K):
         c, half = plans.kda_decode_lane(tid)

@@ -94,12 +94,12 @@ def test_attn_res_step(T: int, nb: int, write: bool, has_p: bool, has_d: bool) -
     assert_rel(bank, bank_ref, 4e-3, "block bank")
 
 
-@pytest.mark.parametrize("N,H,lower", [(1, 96, -5.0), (5, 12, -5.0), (3, 4, None)],
-                         ids=["N1-H96-safe", "N5-H12-safe", "N3-H4-softplus"])
-def test_kda_decode(N: int, H: int, lower: float | None) -> None:
+@pytest.mark.parametrize("N,H,K,lower", [(1, 96, 128, -5.0), (5, 12, 128, -5.0), (3, 4, 128, None), (6, 2, 32, -5.0)],
+                         ids=["N1-H96-safe", "N5-H12-safe", "N3-H4-softplus", "N6-H2-D32-safe"])
+def test_kda_decode(N: int, H: int, K: int, lower: float | None) -> None:
     from rocm_k3.ops.kda import kda_decode
 
-    K, W, S = 128, 4, N + 3
+    W, S = 4, N + 3
     C = 3 * H * K
     args = {
         "qkv": rnd(N, C, seed=13), "f": rnd(N, H * K, seed=14), "beta": rnd(N, H, seed=15),
@@ -169,14 +169,16 @@ def test_short_conv(lens: list[int], with_state: bool) -> None:
     assert torch.equal(state, st_ref), "conv_state"
 
 
-PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)]), ([1, 33], None, []), ([70], "softplus", [(0, 70)])]
+PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)], 128), ([1, 33], None, [], 128),
+           ([70], "softplus", [(0, 70)], 128), ([9, 20], "safe", [(1, 5)], 32)]
 
 
-@pytest.mark.parametrize("lens,gate,save", PREFILL, ids=["3seq-safe-save", "2seq-logdecay", "1seq-softplus-save"])
-def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("lens,gate,save,K", PREFILL,
+                         ids=["3seq-safe-save", "2seq-logdecay", "1seq-softplus-save", "2seq-D32-save"])
+def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]], K: int) -> None:
     from rocm_k3.ops.kda import KDAGateParams, kda_prefill
 
-    H, K = 4, 128
+    H = 4
     T, N, S = sum(lens), len(lens), len(lens) + 2
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32).to(DEV)
     q, k, v = rnd(T, H, K, seed=30), rnd(T, H, K, seed=31), rnd(T, H, K, seed=32)

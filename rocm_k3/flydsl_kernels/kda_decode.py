@@ -32,6 +32,7 @@ from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.plans import (
+    KDA_HEAD_DIMS,
     KDA_LANES_PER_COLUMN,
     kda_decode_lane,
     kda_decode_row,
@@ -51,8 +52,8 @@ class KdaDecodeConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128 (one lane per channel), got {self.head_dim}")
+        if self.head_dim not in KDA_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {KDA_HEAD_DIMS}, got {self.head_dim}")
         if self.conv_width < 2:
             raise ValueError(f"conv_width must be >= 2, got {self.conv_width}")
         if self.dtype not in ("bf16", "f16", "f32"):

@@ -30,6 +30,7 @@ from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.plans import (
+    KDA_HEAD_DIMS,
     KDA_LANES_PER_COLUMN,
     kda_decode_lane,
     kda_decode_row,
@@ -49,8 +50,8 @@ class KdaPrefillConfig:
     qk_l2norm: bool = True
 
     def __post_init__(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.head_dim not in KDA_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {KDA_HEAD_DIMS}, got {self.head_dim}")
         if self.gate not in ("logdecay", "safe", "softplus"):
             raise ValueError(f"gate must be logdecay, safe or softplus, got {self.gate!r}")
         if (self.gate == "safe") != (self.lower_bound is not None):

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from rocm_k3.flydsl_kernels.plans import row_plan
+from rocm_k3.flydsl_kernels.plans import KDA_HEAD_DIMS, row_plan
 
 _ACT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 OK = (True, "flydsl kernel")
@@ -177,8 +177,8 @@ def attn_res_step(partial, delta, blocks, num_blocks, *, write_block, proj_weigh
 def kda_decode_supports(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, o_norm_weight, state,
                         state_indices, *, num_heads, lower_bound, scale=None, eps=1e-5):
     K = qkv.shape[1] // (3 * num_heads)
-    if K not in (64, 128):
-        return False, f"head dim {K} is not 64 or 128 (one lane pair per channel)"
+    if K not in KDA_HEAD_DIMS:
+        return False, f"head dim {K} is not one of {KDA_HEAD_DIMS} (one lane pair per channel)"
     if qkv.dtype not in _ACT:
         return False, f"activation dtype {qkv.dtype} is not bf16/fp16/fp32"
     if not state.is_contiguous():
@@ -222,8 +222,8 @@ def _kda_prefill_launcher(cfg):
 def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_state, *, scale=None,
                          gate_params=None, qk_l2norm=True, beta_logits=True, intermediate_positions=None):
     K, V = q.shape[-1], v.shape[-1]
-    if K not in (64, 128) or V != K:
-        return False, f"head dims K={K}, V={V}: the kernel needs K == V in (64, 128)"
+    if K not in KDA_HEAD_DIMS or V != K:
+        return False, f"head dims K={K}, V={V}: the kernel needs K == V in {KDA_HEAD_DIMS}"
     if v.dtype not in _ACT:
         return False, f"v dtype {v.dtype} is not bf16/fp16/fp32"
     if not state.is_contiguous():

@@ -78,6 +78,7 @@ def flat_vector_coord(idx, vectors_per_row, vec: int):
 
 
 KDA_LANES_PER_COLUMN = 2
+KDA_HEAD_DIMS = (32, 64, 128)  # 2K lanes per workgroup: one to four waves
 
 
 def kda_decode_lane(tid):
