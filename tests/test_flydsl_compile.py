@@ -106,7 +106,8 @@ def _kda_prefill_case(shape: str) -> Case:
         qkv = [z(T, H, HEAD) for _ in range(4)]
         return (*qkv, z(T, H), z(N + 1, dtype=I32), z(S, H, HEAD, HEAD, dtype=F32), z(N, dtype=I32), z(N, dtype=I32),
                 z(N + 1, dtype=I32), z(G, dtype=I32), z(G, dtype=I32), z(G, dtype=I32),
-                z(M, H, HEAD, HEAD, dtype=F32), z(T, H, HEAD), z(H, dtype=F32), z(H * HEAD, dtype=F32), N, HEAD**-0.5)
+                z(M, H, HEAD, HEAD, dtype=F32), z(T, H, HEAD), z(H, dtype=F32), z(H * HEAD, dtype=F32), N, T,
+                HEAD**-0.5)
 
     return Case(f"kda_prefill_recurrent-{shape}-H{H}", lambda arch: build_kda_prefill(cfg), args, vgpr_budget=224,
                 load="buffer_load_dword")

@@ -15,7 +15,8 @@ substitution, inter-chunk state passing) is the planned replacement; the Triton 
 
 Tiling (the decode kernel's): one 256-lane workgroup per (sequence, head), grid (N, H); the lane pair
 (2c, 2c+1) owns key channel c (its q/k/g loads) and value column c of the [K, V] state, each lane 64 rows
-in registers. Per token: two 4-wave reductions (the L2 norms) and LDS broadcast of q, k, exp(g);
+in registers. Per token: two 4-wave reductions (the L2 norms) and LDS broadcast of q, k, exp(g); the next token's inputs
+are loaded one iteration ahead;
 the state is read once per sequence and written once per requested intermediate position plus at the end.
 Segments: the host splits each sequence at its intermediate positions (``SegStart/SegEnd/SegRow``); after
 a segment the state is stored to ``Inter[row]`` (row -1: the final segment, stored to ``state[slot]``).
@@ -62,9 +63,9 @@ class KdaPrefillConfig:
 
 def build_kda_prefill(config: KdaPrefillConfig):
     """``launch(Q, Kt, V, G, Beta, CuSeq, State, Slots, HasInit, SegPtr, SegStart, SegEnd, SegRow, Inter, O,
-    ALog, DtBias, N, scale)``: shapes as ``rocm_k3.ops.kda.kda_prefill``; HasInit int32 [N]; SegPtr int32
+    ALog, DtBias, N, T, scale)``: shapes as ``rocm_k3.ops.kda.kda_prefill``; HasInit int32 [N]; SegPtr int32
     [N+1] and SegStart/SegEnd/SegRow int32 [G] (token offsets inside the sequence; row -1 = final);
-    Inter fp32 [M, H, K, V]; O [T, H, V]; ALog/DtBias only read for the safe/softplus gates."""
+    Inter fp32 [M, H, K, V]; O [T, H, V]; ALog/DtBias only read for the safe/softplus gates; T >= 1."""
     H, K = config.num_heads, config.head_dim
     lanes = KDA_LANES_PER_COLUMN * K
     waves = lanes // common.WAVE
@@ -83,7 +84,7 @@ def build_kda_prefill(config: KdaPrefillConfig):
         Q: fx.Tensor, Kt: fx.Tensor, V: fx.Tensor, G: fx.Tensor, Beta: fx.Tensor, CuSeq: fx.Tensor,
         State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, SegPtr: fx.Tensor, SegStart: fx.Tensor,
         SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
-        scale: fx.Float32,
+        tokens: fx.Int32, scale: fx.Float32,
     ):
         tid = gpu.thread_idx.x
         c, half = kda_decode_lane(tid)
@@ -111,19 +112,25 @@ def build_kda_prefill(config: KdaPrefillConfig):
             [has_init.select(common.load_vec(f32, tile, kda_decode_row(half, i, K) * K + c, 1, "f32")[0], 0.0)
              for i in range_constexpr(rows)], fx.Float32))
 
+        last = tokens - 1
         for sgi in range(fx.Int32(SegPtr[n]), fx.Int32(SegPtr[n + 1])):
-            for t in range(bos + fx.Int32(SegStart[sgi]), bos + fx.Int32(SegEnd[sgi])):
-                q = fx.Float32(Q[t, h, c])
-                k = fx.Float32(Kt[t, h, c])
-                v = fx.Float32(V[t, h, c])
-                graw = fx.Float32(G[t, h, c])
+            t_first = bos + fx.Int32(SegStart[sgi])
+            # the inputs of the next token are loaded one step ahead (loop-carried), so their global-memory
+            # latency overlaps the current token's reductions; indices are clamped into [0, T-1]
+            tp = fx.min(t_first, last)
+            nq, nk, nv = fx.Float32(Q[tp, h, c]), fx.Float32(Kt[tp, h, c]), fx.Float32(V[tp, h, c])
+            ng, nb = fx.Float32(G[tp, h, c]), fx.Float32(Beta[tp, h])
+            for t in range(t_first, bos + fx.Int32(SegEnd[sgi])):
+                q, k, v, graw, beta = nq, nk, nv, ng, nb
+                tp = fx.min(t + 1, last)
+                nq, nk, nv = fx.Float32(Q[tp, h, c]), fx.Float32(Kt[tp, h, c]), fx.Float32(V[tp, h, c])
+                ng, nb = fx.Float32(G[tp, h, c]), fx.Float32(Beta[tp, h])
                 if const_expr(config.gate == "safe"):
                     g = common.sigmoid(a_h * (graw + bias_c)) * float(config.lower_bound)
                 elif const_expr(config.gate == "softplus"):
                     g = -a_h * common.softplus(graw + bias_c)
                 else:
                     g = graw
-                beta = fx.Float32(Beta[t, h])
                 if const_expr(config.beta_logits):
                     beta = common.sigmoid(beta)
                 if const_expr(config.qk_l2norm):
@@ -172,11 +179,11 @@ def build_kda_prefill(config: KdaPrefillConfig):
         Q: fx.Tensor, Kt: fx.Tensor, V: fx.Tensor, G: fx.Tensor, Beta: fx.Tensor, CuSeq: fx.Tensor,
         State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, SegPtr: fx.Tensor, SegStart: fx.Tensor,
         SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
-        num_seqs: fx.Int32, scale: fx.Float32, stream: fx.Stream = common.DEFAULT_STREAM,
+        num_seqs: fx.Int32, tokens: fx.Int32, scale: fx.Float32, stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         kda_prefill_kernel(
             Q, Kt, V, G, Beta, CuSeq, State, Slots, HasInit, SegPtr, SegStart, SegEnd, SegRow, Inter, O, ALog,
-            DtBias, scale,
+            DtBias, tokens, scale,
         ).launch(grid=(num_seqs, H), block=(lanes,), stream=stream)
 
     return launch

@@ -272,15 +272,17 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_
         gate = "softplus" if lower is None else "safe"
     cfg = KdaPrefillConfig(H, K, _name(v.dtype), gate, None if lower is None else float(lower), beta_logits,
                            qk_l2norm)
-    if N:
+    if N and T:
         seg_ptr, seg_start, seg_end, seg_row = _segments(cu_seqlens, intermediate_positions, dev)
         _kda_prefill_launcher(cfg)(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             cu_seqlens.to(torch.int32).contiguous(), state, state_indices.to(torch.int32).contiguous(),
             has_initial_state.to(torch.int32).contiguous(), seg_ptr, seg_start, seg_end, seg_row, inter, o,
-            a_log.contiguous(), dt_bias.contiguous(), N, float(K**-0.5 if scale is None else scale),
+            a_log.contiguous(), dt_bias.contiguous(), N, T, float(K**-0.5 if scale is None else scale),
             **stream_of(q),
         )
+    elif N:  # no tokens at all: each final state is its initial state, or zeros without one
+        state[state_indices[~has_initial_state.bool()].long()] = 0.0
     return KDAPrefillOutput(o, inter[:M] if M else None)
 
 
