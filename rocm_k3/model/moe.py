@@ -129,6 +129,7 @@ class MoEBlock:
                 fmt="bf16", w13=torch.cat([stack_dense("w1"), stack_dense("w3")], dim=1),  # [E, 2N, K]
                 w13_scale=None, w2=stack_dense("w2"), w2_scale=None,
             )
+        experts = ops.prepare_expert_weights(experts, backend=backend)  # backend layout, once at load
         shared = None
         if cfg.num_shared_experts:
             shared = DenseMLP.from_checkpoint(

@@ -15,10 +15,10 @@ from typing import Any
 _EXPORTS = {
     "quantize_mxfp4": "quant", "dequantize_mxfp4": "quant", "quantize_mxfp8": "quant", "dequantize_mxfp8": "quant",
     "rms_norm": "norm", "add_rms_norm": "norm",
-    "route": "moe", "situ_and_mul": "moe", "silu_and_mul": "moe", "fused_moe": "moe",
+    "route": "moe", "situ_and_mul": "moe", "silu_and_mul": "moe", "fused_moe": "moe", "prepare_expert_weights": "moe",
     "ExpertWeights": "moe", "MoEActivation": "moe", "RouteResult": "moe",
     "kda_gate": "kda", "short_conv": "kda", "short_conv_update": "kda", "kda_prefill": "kda",
-    "kda_decode": "kda", "gated_rms_norm": "kda", "KDAPrefillOutput": "kda",
+    "kda_decode": "kda", "gated_rms_norm": "kda", "KDAPrefillOutput": "kda", "KDAGateParams": "kda",
     "attn_res_mix": "attn_res", "attn_res_step": "attn_res",
     "mla_write_cache": "mla", "mla_prefill": "mla", "mla_decode": "mla",
 }

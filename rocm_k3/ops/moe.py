@@ -46,6 +46,7 @@ __all__ = [
     "REFERENCE_IMPLS",
     "RouteResult",
     "fused_moe",
+    "prepare_expert_weights",
     "route",
     "silu_and_mul",
     "situ_and_mul",
@@ -198,6 +199,18 @@ def fused_moe(
         act_quant=act_quant,
         fp8_dtype=fp8_dtype,
     )
+
+
+def prepare_expert_weights(weights: ExpertWeights, *, backend: str | None = None) -> ExpertWeights:
+    """Re-lay routed experts once, at load time, for the backend that will run ``fused_moe`` on their device.
+
+    The backend is the one named (argument or settings) or the first available in the device's priority order;
+    its module's ``prepare_weights`` fills ``extras`` (the checkpoint tensors stay, so the reference can still
+    run the result). Backends without a ``prepare_weights`` hook, and the reference, return ``weights`` as is.
+    """
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"prepare_expert_weights: weights must be an ExpertWeights, got {type(weights).__name__}")
+    return registry.prepare_weights(weights, backend, weights.w13.device)
 
 
 REFERENCE_IMPLS = {

@@ -171,6 +171,24 @@ def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
     return resolve(op, backend, args, kwargs).fn(*args, **kwargs)
 
 
+def prepare_weights(weights: Any, backend: str | None, device: torch.device) -> Any:
+    """Run the ``prepare_weights`` hook of the backend that serves ``device`` (named, or first available)."""
+    requested = backend if backend is not None else get_settings().backend
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKEND_CHOICES}")
+    dev = device_info(device)
+    names = PRIORITY.get(dev.kind, ("reference",)) if requested == "auto" else (requested,)
+    for name in names:
+        ok, reason = backend_available(name, dev)
+        if not ok:
+            if requested != "auto":
+                raise BackendError(f"backend {name!r} cannot prepare weights on {dev.describe()}: {reason}")
+            continue
+        hook = getattr(importlib.import_module(BACKEND_MODULES[name]), "prepare_weights", None)
+        return weights if hook is None else hook(weights)
+    return weights
+
+
 def explain(op: str, dev: DeviceInfo) -> tuple[str | None, list[str]]:
     """For ``rocm-k3 ops``: which backend ``op`` resolves to on ``dev`` without arguments, and why.
 
