@@ -1,4 +1,4 @@
-"""Phase 3 of the chunked KDA prefill: the inter-chunk state recurrence and the output.
+"""Phase 4 of the chunked KDA prefill: the inter-chunk state recurrence and the output.
 
 One program per (value block, sequence, head) walks the sequence's chunks in order, holding the fp32 state
 slice S [K, BV] in registers::
@@ -24,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def chunk_state_kernel(
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, glast_ptr,  # phase-2 outputs
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, glast_ptr,  # outputs of phases 1-3 (see prefill.py)
     cu_seqlens_ptr, seq_first_chunk_ptr,  # int32 [N+1] each
     state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
