@@ -123,3 +123,11 @@ def test_ops_cli_lists_every_contract_op_on_reference(capsys):
     missing = [op for op in CONTRACT_OPS if op not in resolved]
     assert not missing, f"ops missing from `rocm-k3 ops`: {missing}\n{out}"
     assert {op: resolved[op] for op in CONTRACT_OPS} == {op: "reference" for op in CONTRACT_OPS}
+
+
+def test_ops_cli_explains_why_gpu_backends_are_not_used_on_cpu(capsys):
+    with override(backend="auto"):
+        cli.main(["ops", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "flydsl: not used: flydsl kernels need an AMD gfx942/gfx950 GPU" in out
+    assert "triton: not used: triton needs a GPU" in out

@@ -192,16 +192,27 @@ def prepare_weights(weights: Any, backend: str | None, device: torch.device) -> 
 def explain(op: str, dev: DeviceInfo) -> tuple[str | None, list[str]]:
     """For ``rocm-k3 ops``: which backend ``op`` resolves to on ``dev`` without arguments, and why.
 
+    Lists the backends tried in order (with the reason each was passed over), then the backends outside this
+    device's priority order with the reason they cannot serve it (e.g. why flydsl is not used on NVIDIA).
     Call-specific ``supports`` checks need real arguments, so this reports device-level availability only.
     """
     requested = get_settings().backend
     order = PRIORITY.get(dev.kind, ("reference",)) if requested == "auto" else (requested,)
-    lines = []
+    lines, chosen = [], None
     for name in order:
         ok, reason = backend_available(name, dev)
         if ok and name not in _impls.get(op, {}):
             ok, reason = False, f"no {op} kernel in this backend"
         lines.append(f"{name}: {'ok' if ok else reason}")
         if ok:
-            return name, lines
-    return None, lines
+            chosen = name
+            break
+    for name in BACKEND_MODULES:
+        if name not in order:
+            ok, reason = backend_available(name, dev)
+            if ok and name not in _impls.get(op, {}):
+                reason = f"no {op} kernel in this backend"
+            elif ok:
+                reason = f"available, but not in the {dev.kind} priority order {order}"
+            lines.append(f"{name}: not used: {reason}")
+    return chosen, lines
