@@ -209,7 +209,7 @@ def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, 
     return y
 
 
-# --- kda_prefill (recurrent form, see kda_prefill.py) --------------------------------------------------------
+# --- kda_prefill (chunked form; the recurrent kernel serves off-grid intermediate positions) -----------------
 
 
 @functools.cache
@@ -217,6 +217,16 @@ def _kda_prefill_launcher(cfg):
     from rocm_k3.flydsl_kernels.kda_prefill import build_kda_prefill
 
     return build_kda_prefill(cfg)
+
+
+@functools.cache
+def _kda_chunk_launchers(cfg):
+    """(prep, intra, state) launchers of the chunked prefill for one static configuration."""
+    from rocm_k3.flydsl_kernels.kda_chunk_intra import build_kda_chunk_intra
+    from rocm_k3.flydsl_kernels.kda_chunk_prep import build_kda_chunk_prep
+    from rocm_k3.flydsl_kernels.kda_chunk_state import build_kda_chunk_state
+
+    return build_kda_chunk_prep(cfg), build_kda_chunk_intra(cfg), build_kda_chunk_state(cfg)
 
 
 def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_state, *, scale=None,
@@ -228,7 +238,18 @@ def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has
         return False, f"v dtype {v.dtype} is not bf16/fp16/fp32"
     if not state.is_contiguous():
         return False, "state must be contiguous [S, H, K, V]"
-    return True, "flydsl recurrent-form prefill (no MFMA; exact, slow for long prompts)"
+    if _off_grid(cu_seqlens, intermediate_positions):
+        return True, "flydsl recurrent-form prefill (intermediate positions off the 64-token chunk grid)"
+    return True, "flydsl chunked prefill (C = 64, VALU, fp32 intermediates)"
+
+
+def _off_grid(cu_seqlens: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Requested (i, p) that are not chunk ends of sequence i (p % 64 != 0 and p != len_i)."""
+    from rocm_k3.flydsl_kernels.kda_prefill_plan import off_grid_positions
+
+    if positions is None or positions.shape[0] == 0:
+        return []
+    return off_grid_positions(cu_seqlens.tolist(), [tuple(r) for r in positions.tolist()])
 
 
 def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: torch.device):
@@ -253,16 +274,47 @@ def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: 
     return as_i32(ptr), as_i32(start), as_i32(end), as_i32(rows)
 
 
+def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inter, positions, a_log, dt_bias, scale):
+    """The three chunked launches (prep, intra + solve, state walk); fp32 intermediates. Returns ``inter``
+    with repeated requests filled in."""
+    from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, chunk_plan, inter_map
+
+    T, H, K = q.shape
+    N = cu.numel() - 1
+    dev = q.device
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=dev)
+    chunk_seq, chunk_start, first = chunk_plan(cu.tolist())
+    NC = len(chunk_seq)
+    rows = [] if positions is None else [tuple(r) for r in positions.tolist()]
+    imap, source = inter_map(first, rows, NC)
+    f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
+    qn, kn, gc, b = f32(T, H, K), f32(T, H, K), f32(T, H, K), f32(T, H)  # phase 1
+    aqk, wu = f32(T, H, CHUNK), f32(T, H, 2 * K)  # phases 2-3: Aqk [T, H, 64], [W | U] [T, H, K + V]
+    o = torch.empty(T, H, K, dtype=v.dtype, device=dev)
+    prep, intra, walk = _kda_chunk_launchers(cfg)
+    seqs, starts = as_i32(chunk_seq), as_i32(chunk_start)
+    stream = stream_of(q)
+    prep(q, k, g, beta, seqs, starts, cu, a_log, dt_bias, qn, kn, gc, b, NC, scale, **stream)
+    intra(qn, kn, gc, b, v, seqs, starts, cu, aqk, wu, NC, **stream)
+    walk(qn, kn, gc, wu, aqk, cu, as_i32(first), state, slots, has_init, o, inter, as_i32(imap), N, **stream)
+    if rows and source != list(range(len(rows))):
+        inter[: len(rows)] = inter[torch.tensor(source, device=dev)]
+    return o
+
+
 def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_state, *, scale=None,
                 gate_params=None, qk_l2norm=True, beta_logits=True, intermediate_positions=None):
-    """FlyDSL ``kda_prefill`` (recurrent form): KDAPrefillOutput(o [T, H, V], intermediate states or None)."""
+    """FlyDSL ``kda_prefill``: KDAPrefillOutput(o [T, H, V], intermediate states or None).
+
+    The chunked kernels (:mod:`.kda_chunk_prep`, :mod:`.kda_chunk_intra`, :mod:`.kda_chunk_state`) run unless
+    an intermediate position is off the chunk grid; then the recurrent kernel (:mod:`.kda_prefill`) does.
+    """
     from rocm_k3.flydsl_kernels.kda_prefill import KdaPrefillConfig
     from rocm_k3.ops.kda import KDAPrefillOutput
 
     T, H, K = q.shape
     N = cu_seqlens.numel() - 1
     dev = q.device
-    o = torch.empty(T, H, v.shape[-1], dtype=v.dtype, device=dev)
     M = 0 if intermediate_positions is None else intermediate_positions.shape[0]
     inter = torch.empty(max(M, 1), H, K, K, dtype=torch.float32, device=dev)
     if gate_params is None:
@@ -272,17 +324,27 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_
         gate = "softplus" if lower is None else "safe"
     cfg = KdaPrefillConfig(H, K, _name(v.dtype), gate, None if lower is None else float(lower), beta_logits,
                            qk_l2norm)
-    if N and T:
-        seg_ptr, seg_start, seg_end, seg_row = _segments(cu_seqlens, intermediate_positions, dev)
-        _kda_prefill_launcher(cfg)(
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            cu_seqlens.to(torch.int32).contiguous(), state, state_indices.to(torch.int32).contiguous(),
-            has_initial_state.to(torch.int32).contiguous(), seg_ptr, seg_start, seg_end, seg_row, inter, o,
-            a_log.contiguous(), dt_bias.contiguous(), N, T, float(K**-0.5 if scale is None else scale),
-            **stream_of(q),
-        )
-    elif N:  # no tokens at all: each final state is its initial state, or zeros without one
-        state[state_indices[~has_initial_state.bool()].long()] = 0.0
+    scale = float(K**-0.5 if scale is None else scale)
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    slots = state_indices.to(torch.int32).contiguous()
+    has_init = has_initial_state.to(torch.int32).contiguous()
+    if not (N and T):
+        o = torch.empty(T, H, v.shape[-1], dtype=v.dtype, device=dev)
+        if N:  # no tokens at all: each final state is its initial state, or zeros without one
+            state[state_indices[~has_initial_state.bool()].long()] = 0.0
+        return KDAPrefillOutput(o, inter[:M] if M else None)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+    if not _off_grid(cu_seqlens, intermediate_positions):
+        o = _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inter, intermediate_positions,
+                                 a_log, dt_bias, scale)
+        return KDAPrefillOutput(o, inter[:M] if M else None)
+    o = torch.empty(T, H, v.shape[-1], dtype=v.dtype, device=dev)
+    seg_ptr, seg_start, seg_end, seg_row = _segments(cu_seqlens, intermediate_positions, dev)
+    _kda_prefill_launcher(cfg)(
+        q, k, v, g, beta, cu, state, slots, has_init, seg_ptr, seg_start, seg_end, seg_row, inter, o, a_log, dt_bias,
+        N, T, scale, **stream_of(q),
+    )
     return KDAPrefillOutput(o, inter[:M] if M else None)
 
 

@@ -1,0 +1,97 @@
+"""Index maps and host-side chunk plan of the chunked FlyDSL KDA prefill, in plain Python (no FlyDSL import).
+
+The kernels (:mod:`.kda_chunk_prep`, :mod:`.kda_chunk_intra`, :mod:`.kda_chunk_state`) build their lane ->
+element arithmetic from these functions with DSL integers while tracing; the host tests call the same
+functions with Python ints and check that every tile element is covered exactly once. Only ``+ - * // %``
+are used inside the index maps.
+
+Tiles (C = 64 tokens per chunk, K = V head dims, 256-lane workgroups in the intra and state kernels):
+
+- intra pairs: lane ``tid`` owns row ``i = tid // 4`` of the chunk's 64 x 64 pair matrices and columns
+  ``j = (tid % 4) * 16 + r``, r < 16 (``intra_pair``).
+- intra slab: the chunk's [64, SLAB] slice of k' / q' / G is staged in LDS; element ``e`` of lane ``tid``
+  is slab position ``tid + e * 256`` (``intra_slab``), 64 * SLAB / 256 elements per lane.
+- solve: lane ``tid`` < 2K owns column ``tid`` of [W | U] (K + V = 2K columns), all 64 rows in registers.
+- state walk: a workgroup owns a [K, STATE_BV] slice of one head's state; lane ``tid`` holds column
+  ``v = tid // 16`` and rows ``kg * K/16 + r`` (kg = tid % 16, ``state_row``); the 16 lanes of one column
+  are adjacent, so sums over K are 16-lane xor shuffles. For the output the same lane owns chunk rows
+  ``kg * 4 + r``, r < 4 (``state_out_row``).
+"""
+
+from __future__ import annotations
+
+CHUNK = 64
+LANES = 256  # workgroup of the intra and state kernels
+INTRA_COLS = 16  # pair-matrix columns per lane
+INTRA_SLAB = 32  # key channels staged in LDS per step of the intra kernel
+SOLVE_COLS = 128  # [W | U] columns per solve pass (LDS holds their 64 solved rows)
+STATE_BV = 16  # value columns per state-walk workgroup
+STATE_KGROUPS = LANES // STATE_BV  # lanes sharing one value column (16)
+STATE_OUT_ROWS = CHUNK // STATE_KGROUPS  # output rows per lane (4)
+
+
+def intra_pair(tid, r):
+    """(row i, column j) of the 64 x 64 pair matrices held in accumulator ``r`` (< 16) by lane ``tid``."""
+    return tid // (LANES // CHUNK), (tid % (LANES // CHUNK)) * INTRA_COLS + r
+
+
+def intra_slab(tid, e):
+    """(chunk row, channel within the slab) that lane ``tid`` stages as its element ``e`` of a [64, SLAB] slab."""
+    idx = tid + e * LANES
+    return idx // INTRA_SLAB, idx % INTRA_SLAB
+
+
+def intra_slab_elems() -> int:
+    return CHUNK * INTRA_SLAB // LANES
+
+
+def state_lane(tid):
+    """(value column v within the workgroup's STATE_BV columns, key group kg) of lane ``tid``."""
+    return tid // STATE_KGROUPS, tid % STATE_KGROUPS
+
+
+def state_row(kg, r, K: int):
+    """State row (key channel) held in register ``r`` (< K / 16) by a lane of key group ``kg``."""
+    return kg * (K // STATE_KGROUPS) + r
+
+
+def state_out_row(kg, r):
+    """Chunk row whose output a lane of key group ``kg`` computes in slot ``r`` (< 4)."""
+    return kg * STATE_OUT_ROWS + r
+
+
+# --- host plan -------------------------------------------------------------------------------------------
+
+
+def chunk_plan(bounds: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(chunk_seq, chunk_start, seq_first_chunk) for cumulative sequence bounds ``bounds`` ([N+1] ints).
+
+    Sequence i is cut into ceil(len_i / 64) chunks starting at bounds[i] + 64 c; chunk_seq / chunk_start
+    list every chunk of the batch in order, seq_first_chunk [N+1] the index of each sequence's first chunk.
+    Empty sequences own no chunk.
+    """
+    chunk_seq, chunk_start, first = [], [], [0]
+    for i in range(len(bounds) - 1):
+        for t0 in range(bounds[i], bounds[i + 1], CHUNK):
+            chunk_seq.append(i)
+            chunk_start.append(t0)
+        first.append(len(chunk_seq))
+    return chunk_seq, chunk_start, first
+
+
+def off_grid_positions(bounds: list[int], positions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Requested (i, p) whose state is not at a chunk end of sequence i: p % 64 != 0 and p != len_i."""
+    return [(i, p) for i, p in positions if p % CHUNK and p != bounds[i + 1] - bounds[i]]
+
+
+def inter_map(seq_first_chunk: list[int], positions: list[tuple[int, int]], num_chunks: int):
+    """(map [num_chunks], source [M]): map[c] = the intermediate row written after chunk c (-1: none);
+    a row that asks for the same state as an earlier one copies it from ``source[row]`` afterwards."""
+    out = [-1] * num_chunks
+    source = []
+    for row, (i, p) in enumerate(positions):
+        c = seq_first_chunk[i] + (p + CHUNK - 1) // CHUNK - 1  # the chunk that ends at p
+        if out[c] < 0:
+            out[c] = row
+        source.append(out[c])
+    return out, source
