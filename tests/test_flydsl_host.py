@@ -19,7 +19,7 @@ from rocm_k3.flydsl_kernels.isa import parse_isa
 from rocm_k3.flydsl_kernels.moe import align_pairs
 from rocm_k3.flydsl_kernels.weights import LAYOUTS, preshuffle_codes, unshuffle_codes
 from rocm_k3.ops.devices import DeviceInfo
-from tests.helpers import seeded
+from tests.helpers import assert_rel, seeded
 
 # (D, vec) pairs the kernels use: norms (hidden, q/kv LoRA, head; 8 x bf16 or 4 x fp32 per access),
 # attn_res (64-bit accesses) and the MoE top-k reduction (4 x fp32).
@@ -476,3 +476,117 @@ def test_moe_tile_schedule_reproduces_the_gemm(layout: str, kpl: int, fmt: str) 
     ref = a_ref @ dequantize_mxfp4_reference(codes[0], scales[0], torch.float64).T  # [16, 16]
     out = _emulate_moe_tile(layout, kpl, fmt, a_val, a_scale, words, w_scales)
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())
+
+
+# --- chunked kda_prefill: index maps and a host emulation of its three phases ----------------------------
+
+
+def test_kda_chunk_intra_maps_cover_tiles_once() -> None:
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    pairs = collections.Counter(kp.intra_pair(t, r) for t in range(kp.LANES) for r in range(kp.INTRA_COLS))
+    assert set(pairs) == {(i, j) for i in range(kp.CHUNK) for j in range(kp.CHUNK)} and set(pairs.values()) == {1}
+    slab = collections.Counter(kp.intra_slab(t, e) for t in range(kp.LANES) for e in range(kp.intra_slab_elems()))
+    assert set(slab) == {(r, d) for r in range(kp.CHUNK) for d in range(kp.INTRA_SLAB)}
+    assert set(slab.values()) == {1}
+
+
+@pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)
+def test_kda_chunk_state_maps_cover_tiles_once(K: int) -> None:
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    state, out = collections.Counter(), collections.Counter()
+    for tid in range(kp.LANES):
+        v, kg = kp.state_lane(tid)
+        state.update((kp.state_row(kg, r, K), v) for r in range(K // kp.STATE_KGROUPS))
+        out.update((kp.state_out_row(kg, r), v) for r in range(kp.STATE_OUT_ROWS))
+        # the lanes of one column form an aligned group of 16 (their partial sums meet by xor shuffles)
+        assert all(kp.state_lane(tid ^ s)[0] == v for s in (1, 2, 4, 8))
+    assert set(state) == {(r, c) for r in range(K) for c in range(kp.STATE_BV)} and set(state.values()) == {1}
+    assert set(out) == {(r, c) for r in range(kp.CHUNK) for c in range(kp.STATE_BV)} and set(out.values()) == {1}
+
+
+def test_kda_chunk_plan_and_inter_map() -> None:
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    bounds = [0, 5, 69, 69, 199]  # lengths 5, 64, 0, 130
+    seq, start, first = kp.chunk_plan(bounds)
+    assert (seq, start, first) == ([0, 1, 3, 3, 3], [0, 5, 69, 133, 197], [0, 1, 2, 2, 5])
+    pos = [(1, 64), (3, 128), (0, 5), (3, 130), (1, 64)]
+    assert kp.off_grid_positions(bounds, pos) == []
+    assert kp.off_grid_positions(bounds, [(3, 7), (0, 5)]) == [(3, 7)]
+    imap, source = kp.inter_map(first, pos, len(seq))
+    assert imap == [2, 0, -1, 1, 3] and source == [0, 1, 2, 3, 0]
+
+
+def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale):
+    """The chunked FlyDSL prefill's phases in torch fp32, step for step (row-by-row forward substitution,
+    exp of fp32 differences, chunk walk with masked tails); logdecay gate, l2 norm, beta logits."""
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    T, H, K = q.shape
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale  # phase 1
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    b = torch.sigmoid(beta)
+    seq, start, first = kp.chunk_plan(bounds)
+    ends = [min(bounds[s + 1], t0 + kp.CHUNK) for s, t0 in zip(seq, start)]
+    gc = torch.empty_like(g)
+    for t0, te in zip(start, ends):
+        gc[t0:te] = torch.cumsum(g[t0:te], 0)
+    aqk, wu = torch.zeros(T, H, kp.CHUNK), torch.empty(T, H, 2 * K)
+    for t0, te in zip(start, ends):  # phases 2-3
+        n = te - t0
+        diff = gc[t0:te, None] - gc[None, t0:te]  # [i, j, H, K]: G_i - G_j
+        lower = torch.ones(n, n).tril()[:, :, None, None].bool()
+        e = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0) * kn[None, t0:te]
+        a = torch.einsum("ihd,ijhd->hij", kn[t0:te], e) * b[t0:te].T[:, :, None] * torch.ones(n, n).tril(-1)
+        aqk[t0:te, :, :n] = torch.einsum("ihd,ijhd->ihj", qn[t0:te], e)
+        x = torch.cat([b[t0:te, :, None] * torch.exp(gc[t0:te]) * kn[t0:te], b[t0:te, :, None] * v[t0:te]], -1)
+        w = []
+        for r in range(n):
+            w.append(x[r] - sum((a[:, r, j, None] * w[j] for j in range(r)), torch.zeros(H, 2 * K)))
+        wu[t0:te] = torch.stack(w)
+    imap, source = kp.inter_map(first, positions, len(seq))
+    inter = torch.zeros(len(positions), H, K, K)
+    o = torch.empty(T, H, K)
+    for i in range(len(bounds) - 1):  # phase 4
+        s = torch.where(has_init[i], state[slots[i]], torch.zeros(H, K, K))
+        for c in range(first[i], first[i + 1]):
+            t0, te = start[c], ends[c]
+            vp = wu[t0:te, :, K:] - torch.einsum("thk,hkv->thv", wu[t0:te, :, :K], s)
+            o[t0:te] = (torch.einsum("thk,hkv->thv", qn[t0:te] * torch.exp(gc[t0:te]), s)
+                        + torch.einsum("thj,jhv->thv", aqk[t0:te, :, : te - t0], vp))
+            glast = gc[te - 1]  # [H, K]
+            kd = kn[t0:te] * torch.exp(glast[None] - gc[t0:te])
+            s = torch.exp(glast)[:, :, None] * s + torch.einsum("thk,thv->hkv", kd, vp)
+            if imap[c] >= 0:
+                inter[imap[c]] = s
+        state[slots[i]] = s
+    return o, inter[source] if positions else inter
+
+
+@pytest.mark.parametrize("lens,save", [([5, 64, 0, 130], [(1, 64), (3, 128), (0, 5), (3, 130), (1, 64)]),
+                                       ([200], [(0, 192)])], ids=["4seq-save-dup", "1seq-T200"])
+def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save: list[tuple[int, int]]) -> None:
+    """The phase decomposition the chunked kernels implement (host emulation) against the float64 recurrence."""
+    from rocm_k3.ops.kda.naive import kda_prefill_naive
+
+    H, K = 2, 32
+    bounds = [0, *itertools.accumulate(lens)]
+    T, N = bounds[-1], len(lens)
+    gen = seeded(50)
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    g = -torch.rand(T, H, K, generator=gen) * 0.5
+    beta = torch.randn(T, H, generator=gen)
+    state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
+    slots = list(range(1, N + 1))
+    has_init = [i % 2 == 0 for i in range(N)]
+    st_emu, st_ref = state.clone(), state.clone()
+    o, inter = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_emu, slots, torch.tensor(has_init), save,
+                                        K**-0.5)
+    ref = kda_prefill_naive(q, k, v, g, beta, torch.tensor(bounds, dtype=torch.int32), st_ref,
+                            torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init),
+                            intermediate_positions=torch.tensor(save, dtype=torch.int32))
+    assert_rel(o, ref.o.float(), 1e-4, "o")
+    assert_rel(st_emu, st_ref, 1e-4, "final states")
+    assert_rel(inter, ref.intermediate_states.float(), 1e-4, "intermediate states")
