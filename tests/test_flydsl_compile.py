@@ -113,6 +113,34 @@ def _kda_prefill_case(shape: str) -> Case:
                 load="buffer_load_dword")
 
 
+def _kda_chunk_case(phase: str, shape: str) -> Case:
+    """One kernel of the chunked kda_prefill (VALU, fp32 intermediates: no MFMA expected)."""
+    from rocm_k3.flydsl_kernels.kda_chunk_intra import build_kda_chunk_intra
+    from rocm_k3.flydsl_kernels.kda_chunk_prep import build_kda_chunk_prep
+    from rocm_k3.flydsl_kernels.kda_chunk_state import build_kda_chunk_state
+    from rocm_k3.flydsl_kernels.kda_prefill import KdaPrefillConfig
+
+    H = SHAPES[shape]["heads"]
+    cfg = KdaPrefillConfig(H, HEAD, "bf16", "safe", -5.0)
+    T, N, S, M, NC = 200, 2, 4, 2, 5
+    f32 = lambda *shape: z(*shape, dtype=F32)  # noqa: E731
+    i32 = lambda n: z(n, dtype=I32)  # noqa: E731
+    plan = (i32(NC), i32(NC), i32(N + 1))  # ChunkSeq, ChunkStart, CuSeq
+    builds = {"prep": build_kda_chunk_prep, "intra": build_kda_chunk_intra, "state": build_kda_chunk_state}
+    args = {
+        "prep": lambda: (z(T, H, HEAD), z(T, H, HEAD), f32(T, H, HEAD), z(T, H), *plan, f32(H), f32(H * HEAD),
+                         f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), NC, HEAD**-0.5),
+        "intra": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), z(T, H, HEAD), *plan,
+                          f32(T, H, 64), f32(T, H, 2 * HEAD), NC),
+        "state": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, 2 * HEAD), f32(T, H, 64),
+                          i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD), i32(N), i32(N), z(T, H, HEAD),
+                          f32(M, H, HEAD, HEAD), i32(NC), N),
+    }[phase]
+    # budgets: prep ~31 VGPRs; intra 32 accumulators + 16 in-flight exps (~170); state K/16 = 8 state rows (~112)
+    budget = {"prep": 64, "intra": 192, "state": 128}[phase]
+    return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget)
+
+
 _MOE_MFMA = {
     ("bf16", "gfx942"): "v_mfma_f32_16x16x16_bf16",
     ("bf16", "gfx950"): "v_mfma_f32_16x16x32_bf16",
@@ -218,6 +246,7 @@ def _cases() -> list[Case]:
         _short_conv_case("TP8"),
         _kda_prefill_case("K3"),
         _kda_prefill_case("TP8"),
+        *(_kda_chunk_case(phase, shape) for phase in ("prep", "intra", "state") for shape in SHAPES),
         _quant_case(LATENT, "bf16"),
         _quant_case(3072, "f32"),
         _quant_case(384, "f32"),
