@@ -123,8 +123,8 @@ def _kda_chunk_case(phase: str, shape: str) -> Case:
     H = SHAPES[shape]["heads"]
     cfg = KdaPrefillConfig(H, HEAD, "bf16", "safe", -5.0)
     T, N, S, M, NC = 200, 2, 4, 2, 5
-    f32 = lambda *shape: z(*shape, dtype=F32)  # noqa: E731
-    i32 = lambda n: z(n, dtype=I32)  # noqa: E731
+    f32 = lambda *shape: z(*shape, dtype=F32)
+    i32 = lambda n: z(n, dtype=I32)
     plan = (i32(NC), i32(NC), i32(N + 1))  # ChunkSeq, ChunkStart, CuSeq
     builds = {"prep": build_kda_chunk_prep, "intra": build_kda_chunk_intra, "state": build_kda_chunk_state}
     args = {

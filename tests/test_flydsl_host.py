@@ -590,3 +590,18 @@ def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save:
     assert_rel(o, ref.o.float(), 1e-4, "o")
     assert_rel(st_emu, st_ref, 1e-4, "final states")
     assert_rel(inter, ref.intermediate_states.float(), 1e-4, "intermediate states")
+
+
+@pytest.mark.parametrize("save,path", [(None, "chunked"), ([(0, 64), (1, 70), (0, 130)], "chunked"),
+                                       ([(0, 64), (1, 7)], "recurrent")], ids=["nosave", "grid", "offgrid"])
+def test_kda_prefill_supports_names_the_kernel_path(save, path: str) -> None:
+    from rocm_k3.flydsl_kernels import ops_impl
+
+    T, H, K = 200, 2, 128
+    q = torch.zeros(T, H, K, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 130, 200], dtype=torch.int32)
+    pos = None if save is None else torch.tensor(save, dtype=torch.int32)
+    ok, why = ops_impl.kda_prefill_supports(q, q, q, q.float(), torch.zeros(T, H), cu, torch.zeros(3, H, K, K),
+                                            torch.arange(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool),
+                                            intermediate_positions=pos)
+    assert ok and path in why, why

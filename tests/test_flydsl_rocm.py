@@ -169,12 +169,16 @@ def test_short_conv(lens: list[int], with_state: bool) -> None:
     assert torch.equal(state, st_ref), "conv_state"
 
 
-PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 7)], 128), ([1, 33], None, [], 128),
-           ([70], "softplus", [(0, 70)], 128), ([9, 20], "safe", [(1, 5)], 32)]
+# (lens, gate, intermediate positions, K): positions on the 64-token grid (or at a sequence's end) run the
+# chunked kernels, any other position the recurrent kernel (ops_impl.kda_prefill_supports says which)
+PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 128), (2, 130), (1, 64)], 128), ([1, 33], None, [], 128),
+           ([70], "softplus", [(0, 70)], 128), ([9, 200], "safe", [(1, 64), (1, 192)], 32),
+           ([5, 64, 130], "safe", [(1, 64), (2, 7)], 128), ([9, 20], "safe", [(1, 5)], 32)]
 
 
 @pytest.mark.parametrize("lens,gate,save,K", PREFILL,
-                         ids=["3seq-safe-save", "2seq-logdecay", "1seq-softplus-save", "2seq-D32-save"])
+                         ids=["3seq-safe-grid-save", "2seq-logdecay", "1seq-softplus-save-end", "2seq-D32-grid-save",
+                              "3seq-safe-offgrid-recurrent", "2seq-D32-offgrid-recurrent"])
 def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]], K: int) -> None:
     from rocm_k3.ops.kda import KDAGateParams, kda_prefill
 
