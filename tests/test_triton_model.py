@@ -4,8 +4,8 @@
   backend's ``available`` is patched: it refuses the CPU for real use); 4 greedy tokens must be identical and the
   chosen tokens' log-probabilities within 0.05 nats (measured 0.023: the MoE kernel rounds its MMA operands to bf16,
   the reference does not).
-- ``cuda`` tier (H200): bf16 model, 32 greedy tokens identical, log-probabilities within 0.1 nats (bf16 operands on
-  both sides, rounded at different points); the same for a K3-shaped slice (``k3_slice_overrides``: hidden 7168,
+- ``cuda`` tier (H200): teacher-forced bf16 logits of the tiny model and of a K3-shaped slice against the fp32
+  reference (no worse than 2x the bf16 reference's own error), and 32 identical greedy tokens on the K3-shaped slice (``k3_slice_overrides``: hidden 7168,
   KDA 96 x 128, MLA with TP-8's 12 heads and the 512 + 64 latent, LatentMoE 7168 -> 3584 with experts
   3584 -> 2 x 3072, dense layer 0 of 33792; 4 layers, 32 of the 896 experts, AttnRes blocks of 2 so the slice
   writes snapshots). Its plumbing is also run at reduced width in the interpret tier.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import rel_err
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import
@@ -96,16 +97,50 @@ def test_tiny_model_interpret_in_subprocess() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.cuda
-def test_tiny_model_triton_matches_reference_cuda() -> None:
-    _compare(_greedy("reference", "bfloat16", "cuda", 32, PROMPTS), _greedy("triton", "bfloat16", "cuda", 32, PROMPTS),
-             0.1)
+def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` in one prefill (no sampling, so no divergence cascade)."""
+    from rocm_k3.model.loader import load_model
+    from rocm_k3.model.simple_cache import SimpleCache
+    from rocm_k3.model.tiny import ensure_embedded_model
+
+    model = load_model(path or ensure_embedded_model(), dtype=dtype, device="cuda", backend=backend, progress=False)
+    cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device="cuda")
+    batch = cache.prepare([(0, ids)])
+    batch.logits_indices = torch.arange(batch.num_tokens, device="cuda")
+    return model.forward(batch, cache).float()  # [T, vocab]
 
 
 @pytest.mark.cuda
-def test_k3_slice_triton_matches_reference_cuda(tmp_path: Path) -> None:
+def test_k3_slice_greedy_tokens_identical_cuda(tmp_path: Path) -> None:
+    """bf16 K3 slice: 32 greedy tokens identical on both backends (logit closeness: the teacher-forced test below).
+
+    The embedded tiny model is not used here: its random logits are near-tied, and on the H200 its fp32 greedy
+    path split at step 14 (the Triton MoE rounds MMA operands to bf16, ~0.02 nats), see benchmarks/RESULTS.md.
+    """
     from rocm_k3.model.tiny import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides())
-    _compare(_greedy("reference", "bfloat16", "cuda", 32, PROMPTS, path),
-             _greedy("triton", "bfloat16", "cuda", 32, PROMPTS, path), 0.1)
+    ref = _greedy("reference", "bfloat16", "cuda", 32, PROMPTS, path)
+    tri = _greedy("triton", "bfloat16", "cuda", 32, PROMPTS, path)
+    for r, t in zip(ref, tri):
+        assert t.token_ids == r.token_ids, f"greedy tokens differ:\nreference {r.token_ids}\ntriton    {t.token_ids}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["tiny", "k3-slice"])
+def test_bf16_triton_logits_as_close_to_fp32_truth_as_bf16_reference_cuda(which: str, tmp_path: Path) -> None:
+    """Teacher-forced logits over 48 tokens: the bf16 Triton model's relative error against the fp32 reference
+    model must be within 2x the bf16 reference backend's own error (both round to bf16 at different points).
+    Measured on the H200 (2026-11-29): tiny 3.36e-1 vs 1.84e-1 (the random tiny model amplifies rounding: MoE
+    routing flips), K3 slice 5.35e-2 vs 6.27e-2."""
+    from rocm_k3.model.tiny import write_tiny_checkpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = None if which == "tiny" else write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides())
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    truth = _teacher_forced_logits(path, "reference", torch.float32, ids)
+    ref16 = _teacher_forced_logits(path, "reference", torch.bfloat16, ids)
+    tri16 = _teacher_forced_logits(path, "triton", torch.bfloat16, ids)
+    e_ref, e_tri = rel_err(ref16, truth), rel_err(tri16, truth)
+    print(f"{which}: bf16 reference vs fp32 {e_ref:.3e}; bf16 triton vs fp32 {e_tri:.3e}")
+    assert e_tri <= max(2 * e_ref, 1e-3), f"triton {e_tri:.3e} vs reference {e_ref:.3e}"
