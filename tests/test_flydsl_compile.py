@@ -114,7 +114,8 @@ def _kda_prefill_case(shape: str) -> Case:
 
 
 def _kda_chunk_case(phase: str, shape: str) -> Case:
-    """One kernel of the chunked kda_prefill (VALU, fp32 intermediates: no MFMA expected)."""
+    """One kernel of the chunked kda_prefill (fp32 intermediates): prep and intra on VALU, the state walk on
+    fp32 MFMA (v_mfma_f32_16x16x4_f32 on both targets)."""
     from rocm_k3.flydsl_kernels.kda_chunk_intra import build_kda_chunk_intra
     from rocm_k3.flydsl_kernels.kda_chunk_prep import build_kda_chunk_prep
     from rocm_k3.flydsl_kernels.kda_chunk_state import build_kda_chunk_state
@@ -136,9 +137,12 @@ def _kda_chunk_case(phase: str, shape: str) -> Case:
                           i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD), i32(N), i32(N), z(T, H, HEAD),
                           f32(M, H, HEAD, HEAD), i32(NC), N),
     }[phase]
-    # budgets: prep ~31 VGPRs; intra 32 accumulators + 16 in-flight exps (~170); state K/16 = 8 state rows (~112)
-    budget = {"prep": 64, "intra": 192, "state": 128}[phase]
-    return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget)
+    # budgets (arch VGPRs + AGPRs): prep ~31; intra 32 accumulators + 16 in-flight exps (~170); state: 32 state +
+    # 16 V' + 16 output accumulator registers plus the hoisted A-operand loads of 448 MFMA steps (~334)
+    budget = {"prep": 64, "intra": 192, "state": 352}[phase]
+    mfma = (lambda arch: "v_mfma_f32_16x16x4_f32") if phase == "state" else (lambda arch: None)
+    return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget,
+                mfma=mfma)
 
 
 _MOE_MFMA = {

@@ -492,18 +492,16 @@ def test_kda_chunk_intra_maps_cover_tiles_once() -> None:
 
 
 @pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)
-def test_kda_chunk_state_maps_cover_tiles_once(K: int) -> None:
+def test_kda_chunk_state_mfma_steps_cover_rows_once_and_match_c_layout(K: int) -> None:
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    state, out = collections.Counter(), collections.Counter()
-    for tid in range(kp.LANES):
-        v, kg = kp.state_lane(tid)
-        state.update((kp.state_row(kg, r, K), v) for r in range(K // kp.STATE_KGROUPS))
-        out.update((kp.state_out_row(kg, r), v) for r in range(kp.STATE_OUT_ROWS))
-        # the lanes of one column form an aligned group of 16 (their partial sums meet by xor shuffles)
-        assert all(kp.state_lane(tid ^ s)[0] == v for s in (1, 2, 4, 8))
-    assert set(state) == {(r, c) for r in range(K) for c in range(kp.STATE_BV)} and set(state.values()) == {1}
-    assert set(out) == {(r, c) for r in range(kp.CHUNK) for c in range(kp.STATE_BV)} and set(out.values()) == {1}
+    # the K / 4 steps of a contraction over K rows take every row exactly once across the 4 lane groups
+    rows = collections.Counter(kp.mfma_krow(s, q) for s in range(K // 4) for q in range(4))
+    assert set(rows) == set(range(K)) and set(rows.values()) == {1}
+    # the state tiles' C fragments (the MoE kernels' 16x16 C layout) are the B operands of those steps
+    for lane, m, i in itertools.product(range(64), range(K // 16), range(4)):
+        r, c = plans.mfma_c_coord(lane, i)
+        assert (16 * m + r, c) == (kp.mfma_krow(4 * m + i, lane // 16), lane % 16)
 
 
 def test_kda_chunk_plan_and_inter_map() -> None:

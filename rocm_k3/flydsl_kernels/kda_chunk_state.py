@@ -1,5 +1,5 @@
-"""Phase 4 of the chunked FlyDSL KDA prefill: the inter-chunk state walk and the output, one workgroup per
-(value tile of 16 columns, sequence, head).
+"""Phase 4 of the chunked FlyDSL KDA prefill: the inter-chunk state walk and the output, one wave per
+(value tile of 16 columns, sequence, head), the chunk products on fp32 MFMA (``v_mfma_f32_16x16x4_f32``).
 
 Twin of ``rocm_k3.triton_kernels.kda.chunk_state`` (with the output fused, ``WITH_OUTPUT``). Walking the
 sequence's chunks in order with the fp32 state slice S [K, 16] in registers, for the n <= 64 rows of a chunk
@@ -13,10 +13,13 @@ The initial state is ``State[Slots[n]]`` when ``HasInit[n]`` (else 0, selected s
 cannot leak in); the final state is written back to the same slot. ``InterMap[chunk]`` >= 0 asks for the state
 after that chunk in row ``InterMap[chunk]`` of ``Inter``.
 
-Tiling (VALU; no MFMA): 256 lanes, ``kda_prefill_plan.state_lane``: lane (v, kg) holds rows kg*K/16 .. of
-column v; the 16 lanes of a column are adjacent, so the sums over K (W S and QG S, one row at a time) are
-16-lane xor shuffles. V' and the state part of O go through LDS ([64, 16] each); then lane (v, kg) finishes
-O for chunk rows kg*4 .. kg*4+3 (``state_out_row``) and the state update for its own rows.
+Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane) and V' as 4 of them;
+contractions step through their rows in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are
+used directly as the B operands of W S, (q' exp(G)) S, Aqk V' and KD^T V' (no LDS, no shuffles). The A
+operands (W, q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32 intermediates, one value per lane and
+step. Rows past the chunk's end read the chunk's last row (in range) and their V' is set to 0, so they add
+nothing; their outputs are not stored. All operands and accumulators are fp32 (exact fp32 products, fp32
+accumulation, as the reference).
 """
 
 import flydsl.compiler as flyc
@@ -25,16 +28,10 @@ from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.kda_prefill_plan import (
-    CHUNK,
-    LANES,
-    STATE_BV,
-    STATE_KGROUPS,
-    STATE_OUT_ROWS,
-    state_lane,
-    state_out_row,
-    state_row,
-)
+from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, STATE_BV, mfma_krow
+
+MFMA_K = 4  # contraction depth of v_mfma_f32_16x16x4_f32
+TILE = 16
 
 
 def build_kda_chunk_state(config):
@@ -45,13 +42,15 @@ def build_kda_chunk_state(config):
     [M, H, K, V]; InterMap int32 [NC]. ``config`` is a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig`.
     """
     H, K = config.num_heads, config.head_dim
-    rows = K // STATE_KGROUPS  # state rows per lane
+    k_tiles, k_steps = K // TILE, K // MFMA_K  # S row tiles; MFMA steps over K
+    c_tiles, c_steps = CHUNK // TILE, CHUNK // MFMA_K  # chunk row tiles; MFMA steps over the chunk
     act = common.fx_dtype(config.dtype)
 
-    @fx.struct
-    class Shared:
-        vp: fx.Array[fx.Float32, CHUNK * STATE_BV, 16]  # V' [64, 16]
-        os: fx.Array[fx.Float32, CHUNK * STATE_BV, 16]  # (q' exp(G)) S [64, 16]
+    def one(x):
+        """A one-element fp32 MFMA operand fragment."""
+        reg = fx.make_rmem_tensor(1, fx.Float32)
+        reg.store(fx.Vector.from_elements([x], fx.Float32))
+        return reg
 
     @flyc.kernel
     def kda_chunk_state_kernel(
@@ -59,85 +58,86 @@ def build_kda_chunk_state(config):
         SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, O: fx.Tensor,
         Inter: fx.Tensor, InterMap: fx.Tensor,
     ):
-        tid = gpu.thread_idx.x
-        v, kg = state_lane(tid)
-        lead = kg == 0
+        lane = gpu.thread_idx.x
+        q = lane // TILE  # lane group: C rows 4q .. 4q+3 of a tile, contraction index group of a step
+        a_row = lane % TILE  # A-operand row of a tile / C and B column
         vt = gpu.block_idx.x
         n = gpu.block_idx.y
         h = gpu.block_idx.z
-        col = vt * STATE_BV + v  # value column of the head
+        col = vt * STATE_BV + a_row  # value column of the head
         bos = fx.Int32(CuSeq[n])
         eos = fx.Int32(CuSeq[n + 1])
         first = fx.Int32(SeqFirstChunk[n])
         slot = fx.Int32(Slots[n])
-        lds = fx.SharedAllocator().allocate(Shared).peek()
-        svp = lds.vp.view(fx.make_layout(CHUNK * STATE_BV, 1))
-        sos = lds.os.view(fx.make_layout(CHUNK * STATE_BV, 1))
+        atom = fx.make_mma_atom(fx.rocdl.MFMA(16, 16, MFMA_K, fx.Float32))
 
         has_init = fx.Int32(HasInit[n]) != 0
-        st = fx.make_rmem_tensor(rows, fx.Float32)
-        st.store(common.vector_of(
-            [has_init.select(fx.Float32(State[slot, h, state_row(kg, i, K), col]), 0.0) for i in range_constexpr(rows)],
-            fx.Float32))
+        st = []  # S tile m, element i: row 16 m + 4 q + i (= mfma_krow(4 m + i, q)), column col
+        for m in range_constexpr(k_tiles):
+            reg = fx.make_rmem_tensor(4, fx.Float32)
+            reg.store(common.vector_of(
+                [has_init.select(fx.Float32(State[slot, h, mfma_krow(4 * m + i, q), col]), 0.0)
+                 for i in range_constexpr(4)], fx.Float32))
+            st.append(reg)
 
         for ci in range(first, fx.Int32(SeqFirstChunk[n + 1])):
             t0 = bos + (ci - first) * CHUNK
             cnt = fx.min(eos - t0, CHUNK)  # rows in this chunk
-            s = fx.memref_load_vec(st)
-            # V' and (q' exp(G)) S, one row at a time, summed over the 16 lanes of the column
-            for t in range(t0, t0 + cnt):
-                pw = fx.Float32(0.0)
-                po = fx.Float32(0.0)
-                for i in range_constexpr(rows):
-                    k_r = state_row(kg, i, K)
-                    pw = pw + fx.Float32(WU[t, h, k_r]) * s[i]
-                    po = po + fx.Float32(Qn[t, h, k_r]) * fmath.exp(fx.Float32(Gc[t, h, k_r])) * s[i]
-                pw = common.group_sum(pw, STATE_KGROUPS)
-                po = common.group_sum(po, STATE_KGROUPS)
-                if lead:
-                    svp[(t - t0) * STATE_BV + v] = fx.Float32(WU[t, h, K + col]) - pw
-                    sos[(t - t0) * STATE_BV + v] = po
-            gpu.barrier()
+            t_last = t0 + cnt - 1
+            s_frag = [fx.memref_load_vec(st[m]) for m in range_constexpr(k_tiles)]
 
-            # O rows kg*4 .. kg*4+3 of column v: (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal)
-            acc = common.fill_rmem(STATE_OUT_ROWS, 0.0)
-            for j in range(cnt):
-                a = fx.memref_load_vec(acc)
-                vpj = svp[j * STATE_BV + v]
-                new = []
-                for r in range_constexpr(STATE_OUT_ROWS):
-                    src = fx.min(t0 + state_out_row(kg, r), t0 + cnt - 1)  # rows past the chunk: not stored
-                    new.append(a[r] + fx.Float32(Aqk[src, h, j]) * vpj)
-                acc.store(common.vector_of(new, fx.Float32))
-            a = fx.memref_load_vec(acc)
-            for r in range_constexpr(STATE_OUT_ROWS):
-                orow = state_out_row(kg, r)
-                if orow < cnt:
-                    O[t0 + orow, h, col] = (a[r] + sos[orow * STATE_BV + v]).to(act)
+            # V' = U - W S and the state part of O, per 16-row tile of the chunk
+            vp, o_acc = [], []
+            for r in range_constexpr(c_tiles):
+                src = fx.min(t0 + r * TILE + a_row, t_last)
+                acc_w, acc_o = common.fill_rmem(4, 0.0), common.fill_rmem(4, 0.0)
+                for s in range_constexpr(k_steps):
+                    k = mfma_krow(s, q)
+                    b = one(s_frag[s // 4][s % 4])
+                    fx.gemm(atom, acc_w, one(fx.Float32(WU[src, h, k])), b, acc_w)
+                    qg = fx.Float32(Qn[src, h, k]) * fmath.exp(fx.Float32(Gc[src, h, k]))
+                    fx.gemm(atom, acc_o, one(qg), b, acc_o)
+                ws = fx.memref_load_vec(acc_w)
+                for i in range_constexpr(4):
+                    row = r * TILE + mfma_krow(i, q)  # chunk row of C element i
+                    u = fx.Float32(WU[fx.min(t0 + row, t_last), h, K + col])
+                    vp.append((row < cnt).select(u - ws[i], 0.0))  # vp[4 r + i] = B operand of step 4 r + i
+                o_acc.append(acc_o)
 
-            # S = diag(exp(G_last)) S + sum_t (k'_t exp(G_last - G_t)) V'_t
-            gl = [fx.Float32(Gc[t0 + cnt - 1, h, state_row(kg, i, K)]) for i in range_constexpr(rows)]
-            st.store(common.vector_of([s[i] * fmath.exp(gl[i]) for i in range_constexpr(rows)], fx.Float32))
-            for t in range(t0, t0 + cnt):
-                s = fx.memref_load_vec(st)
-                vpt = svp[(t - t0) * STATE_BV + v]
-                new = []
-                for i in range_constexpr(rows):
-                    k_r = state_row(kg, i, K)
-                    kd = fx.Float32(Kn[t, h, k_r]) * fmath.exp(gl[i] - fx.Float32(Gc[t, h, k_r]))
-                    new.append(s[i] + kd * vpt)
-                st.store(common.vector_of(new, fx.Float32))
-            gpu.barrier()  # V' and the O part are read by every lane before the next chunk overwrites them
+            # O = (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal)
+            for r in range_constexpr(c_tiles):
+                src = fx.min(t0 + r * TILE + a_row, t_last)
+                for s in range_constexpr(c_steps):
+                    fx.gemm(atom, o_acc[r], one(fx.Float32(Aqk[src, h, mfma_krow(s, q)])), one(vp[s]), o_acc[r])
+                o = fx.memref_load_vec(o_acc[r])
+                for i in range_constexpr(4):
+                    row = r * TILE + mfma_krow(i, q)
+                    if row < cnt:
+                        O[t0 + row, h, col] = o[i].to(act)
+
+            # S = diag(exp(G_last)) S + KD^T V', KD = k' exp(G_last - G)
+            for m in range_constexpr(k_tiles):
+                key = m * TILE + a_row  # A-operand row: a key channel
+                gl_key = fx.Float32(Gc[t_last, h, key])
+                st[m].store(common.vector_of(
+                    [s_frag[m][i] * fmath.exp(fx.Float32(Gc[t_last, h, mfma_krow(4 * m + i, q)]))
+                     for i in range_constexpr(4)], fx.Float32))
+                for s in range_constexpr(c_steps):
+                    t = fx.min(t0 + mfma_krow(s, q), t_last)
+                    kd = fx.Float32(Kn[t, h, key]) * fmath.exp(gl_key - fx.Float32(Gc[t, h, key]))
+                    fx.gemm(atom, st[m], one(kd), one(vp[s]), st[m])
 
             irow = fx.Int32(InterMap[ci])
             if irow >= 0:
-                s = fx.memref_load_vec(st)
-                for i in range_constexpr(rows):
-                    Inter[irow, h, state_row(kg, i, K), col] = s[i]
+                for m in range_constexpr(k_tiles):
+                    s_new = fx.memref_load_vec(st[m])
+                    for i in range_constexpr(4):
+                        Inter[irow, h, mfma_krow(4 * m + i, q), col] = s_new[i]
 
-        s = fx.memref_load_vec(st)
-        for i in range_constexpr(rows):
-            State[slot, h, state_row(kg, i, K), col] = s[i]
+        for m in range_constexpr(k_tiles):
+            s_new = fx.memref_load_vec(st[m])
+            for i in range_constexpr(4):
+                State[slot, h, mfma_krow(4 * m + i, q), col] = s_new[i]
 
     @flyc.jit
     def launch(
@@ -146,6 +146,6 @@ def build_kda_chunk_state(config):
         Inter: fx.Tensor, InterMap: fx.Tensor, num_seqs: fx.Int32, stream: fx.Stream = common.DEFAULT_STREAM,
     ):
         kda_chunk_state_kernel(Qn, Kn, Gc, WU, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter,
-                               InterMap).launch(grid=(K // STATE_BV, num_seqs, H), block=(LANES,), stream=stream)
+                               InterMap).launch(grid=(K // STATE_BV, num_seqs, H), block=(common.WAVE,), stream=stream)
 
     return launch

@@ -5,17 +5,15 @@ element arithmetic from these functions with DSL integers while tracing; the hos
 functions with Python ints and check that every tile element is covered exactly once. Only ``+ - * // %``
 are used inside the index maps.
 
-Tiles (C = 64 tokens per chunk, K = V head dims, 256-lane workgroups in the intra and state kernels):
+Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intra kernel):
 
 - intra pairs: lane ``tid`` owns row ``i = tid // 4`` of the chunk's 64 x 64 pair matrices and columns
   ``j = (tid % 4) * 16 + r``, r < 16 (``intra_pair``).
 - intra slab: the chunk's [64, SLAB] slice of k' / q' / G is staged in LDS; element ``e`` of lane ``tid``
   is slab position ``tid + e * 256`` (``intra_slab``), 64 * SLAB / 256 elements per lane.
 - solve: lane ``tid`` < 2K owns column ``tid`` of [W | U] (K + V = 2K columns), all 64 rows in registers.
-- state walk: a workgroup owns a [K, STATE_BV] slice of one head's state; lane ``tid`` holds column
-  ``v = tid // 16`` and rows ``kg * K/16 + r`` (kg = tid % 16, ``state_row``); the 16 lanes of one column
-  are adjacent, so sums over K are 16-lane xor shuffles. For the output the same lane owns chunk rows
-  ``kg * 4 + r``, r < 4 (``state_out_row``).
+- state walk: one wave owns a [K, STATE_BV] slice of one head's state as fp32 MFMA 16x16x4 C fragments;
+  contractions step through rows in the order ``mfma_krow`` (below), which makes C fragments B operands.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ LANES = 256  # workgroup of the intra and state kernels
 INTRA_COLS = 16  # pair-matrix columns per lane
 INTRA_SLAB = 32  # key channels staged in LDS per step of the intra kernel
 SOLVE_COLS = 128  # [W | U] columns per solve pass (LDS holds their 64 solved rows)
-STATE_BV = 16  # value columns per state-walk workgroup
-STATE_KGROUPS = LANES // STATE_BV  # lanes sharing one value column (16)
-STATE_OUT_ROWS = CHUNK // STATE_KGROUPS  # output rows per lane (4)
+STATE_BV = 16  # value columns per state-walk wave (one MFMA tile wide)
 
 
 def intra_pair(tid, r):
@@ -45,19 +41,17 @@ def intra_slab_elems() -> int:
     return CHUNK * INTRA_SLAB // LANES
 
 
-def state_lane(tid):
-    """(value column v within the workgroup's STATE_BV columns, key group kg) of lane ``tid``."""
-    return tid // STATE_KGROUPS, tid % STATE_KGROUPS
+# --- state walk on fp32 MFMA 16x16x4 (one wave per [K, 16] state slice) -----------------------------------
+# Lane l supplies A[l % 16][k] and B[k][l % 16] with k the contraction index of lane group q = l // 16, and
+# holds C[16 m + 4 q + i][l % 16] of 16-row output tile m in accumulator element i. Step s of a contraction
+# gives lane group q the index ``mfma_krow(s, q)``: then the C fragments of a [rows, 16] result (the state
+# S, the corrected values V') are, element for element, the B fragments of the next product that contracts
+# over those rows, with no data movement between the two.
 
 
-def state_row(kg, r, K: int):
-    """State row (key channel) held in register ``r`` (< K / 16) by a lane of key group ``kg``."""
-    return kg * (K // STATE_KGROUPS) + r
-
-
-def state_out_row(kg, r):
-    """Chunk row whose output a lane of key group ``kg`` computes in slot ``r`` (< 4)."""
-    return kg * STATE_OUT_ROWS + r
+def mfma_krow(s, q):
+    """Contraction index of MFMA step ``s`` for lane group ``q`` (= the row of C element s % 4 of tile s // 4)."""
+    return 16 * (s // 4) + 4 * q + s % 4
 
 
 # --- host plan -------------------------------------------------------------------------------------------
