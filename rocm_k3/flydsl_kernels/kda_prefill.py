@@ -1,25 +1,48 @@
-"""FlyDSL KDA prefill, RECURRENT form (compile-verified for gfx942/gfx950; not yet run on an AMD GPU).
+"""FlyDSL KDA prefill: the configuration shared by its kernels, and the RECURRENT-form kernel (the fallback).
 
-This is not the chunked (C = 64, WY) algorithm of K3_SPEC section 2: it runs the token recurrence the
-chunked form is an exact rewrite of, sequentially over each sequence's tokens, with the state in registers:
+Compile-verified for gfx942 and gfx950 only (the ``compile`` test tier: no scratch, VGPR budgets, MFMA
+mnemonics); none of these kernels has been run on an AMD GPU yet — ``pytest -m rocm`` is their parity check.
+
+Chunked form (the default path, ``ops_impl.kda_prefill``): K3_SPEC section 2 with C = 64, all intermediates
+fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
+
+    Triton phase             FlyDSL kernel (module)            grid / tiling
+    1 chunk_prep             kda_chunk_prep                    (chunk, head), 2K lanes: gate, in-chunk cumsum G,
+                                                               q/k L2 norm (+ scale), beta sigmoid -> fp32 q', k', G, b
+    2 chunk_intra            kda_chunk_intra (first half)      (chunk, head), 256 lanes: A (strictly lower, times b)
+                                                               and Aqk (lower incl. diagonal), 16 pair entries per lane,
+                                                               k'/q'/G staged in LDS slabs; VALU, exp(G_i - G_j) exact
+    3 chunk_solve            kda_chunk_intra (second half)     same workgroup: W = (I + A)^-1 (b exp(G) k'),
+                                                               U = (I + A)^-1 (b v) by forward substitution row by row
+                                                               (the Triton block substitution with 1 x 1 blocks), A in
+                                                               LDS, one [W | U] column per lane -> fp32 WU [T, H, 2K]
+    4 chunk_state (+output)  kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
+                                                               registers: V' = U - W S, O = (q' exp G) S + Aqk V',
+                                                               S = diag(exp G_last) S + (k' exp(G_last - G))^T V', all
+                                                               four products on fp32 MFMA v_mfma_f32_16x16x4_f32
+
+Differences from the Triton twin: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16
+activations), so products are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference
+G_i - G_j per element (no 16-row reference-row split, hence no per-token |g| range limit); phases 2 and 3 share a
+workgroup (A never leaves LDS). Index maps: ``kda_prefill_plan`` (host-tested). Intermediate states are taken at
+chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes ``ops_impl`` run the
+recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
+
+Recurrent form (this module's kernel): the token recurrence the chunked form is an exact rewrite of, sequentially
+over each sequence's tokens, with the state in registers::
 
     per token t of sequence i, head h (q, k L2-normalised per head, q scaled; beta = sigmoid(b) if logits;
     g = kda_gate(f) when gate parameters are given, else the fp32 log-decay):
         S = diag(exp(g_t)) S;  u = v_t - S^T k_t;  S = S + beta_t k_t u^T;  o_t = S^T q_t
 
-It is exact up to fp32 summation order (the chunked reference agrees with it to ~1e-6), supports any
-intermediate position (not only chunk boundaries), and its cost is linear in T but with no MFMA and
-T sequential steps per (sequence, head): fine for short prompts and prefix-cache continuations, slow
-for long prompts. The chunked MFMA formulation (intra-chunk A and Aqk as 64x64 MFMA tiles, forward
-substitution, inter-chunk state passing) is the planned replacement; the Triton twin already has it.
-
-Tiling (the decode kernel's): one 256-lane workgroup per (sequence, head), grid (N, H); the lane pair
-(2c, 2c+1) owns key channel c (its q/k/g loads) and value column c of the [K, V] state, each lane 64 rows
-in registers. Per token: two 4-wave reductions (the L2 norms) and LDS broadcast of q, k, exp(g); the next token's inputs
-are loaded one iteration ahead;
-the state is read once per sequence and written once per requested intermediate position plus at the end.
-Segments: the host splits each sequence at its intermediate positions (``SegStart/SegEnd/SegRow``); after
-a segment the state is stored to ``Inter[row]`` (row -1: the final segment, stored to ``state[slot]``).
+Exact up to fp32 summation order, any intermediate position, no MFMA, T sequential steps per (sequence, head).
+Tiling (the decode kernel's): one 2K-lane workgroup per (sequence, head), grid (N, H); the lane pair
+(2c, 2c+1) owns key channel c (its q/k/g loads) and value column c of the [K, V] state, each lane K/2 rows
+in registers. Per token: two workgroup reductions (the L2 norms) and LDS broadcast of q, k, exp(g); the next
+token's inputs are loaded one iteration ahead; the state is read once per sequence and written once per
+requested intermediate position plus at the end. Segments: the host splits each sequence at its intermediate
+positions (``SegStart/SegEnd/SegRow``); after a segment the state is stored to ``Inter[row]`` (row -1: the
+final segment, stored to ``state[slot]``).
 """
 
 import dataclasses
