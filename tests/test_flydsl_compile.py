@@ -138,8 +138,8 @@ def _kda_chunk_case(phase: str, shape: str) -> Case:
                           f32(M, H, HEAD, HEAD), i32(NC), N),
     }[phase]
     # budgets (arch VGPRs + AGPRs): prep ~31; intra 32 accumulators + 16 in-flight exps (~170); state: 32 state +
-    # 16 V' + 16 output accumulator registers plus the hoisted A-operand loads of 448 MFMA steps (~334)
-    budget = {"prep": 64, "intra": 192, "state": 352}[phase]
+    # 16 V' + 4 output accumulator registers plus the hoisted A-operand loads of a 48-MFMA row tile (~240)
+    budget = {"prep": 64, "intra": 192, "state": 256}[phase]
     mfma = (lambda arch: "v_mfma_f32_16x16x4_f32") if phase == "state" else (lambda arch: None)
     return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget,
                 mfma=mfma)

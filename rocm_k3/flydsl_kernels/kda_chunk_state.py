@@ -13,13 +13,15 @@ The initial state is ``State[Slots[n]]`` when ``HasInit[n]`` (else 0, selected s
 cannot leak in); the final state is written back to the same slot. ``InterMap[chunk]`` >= 0 asks for the state
 after that chunk in row ``InterMap[chunk]`` of ``Inter``.
 
-Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane) and V' as 4 of them;
-contractions step through their rows in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are
-used directly as the B operands of W S, (q' exp(G)) S, Aqk V' and KD^T V' (no LDS, no shuffles). The A
-operands (W, q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32 intermediates, one value per lane and
-step. Rows past the chunk's end read the chunk's last row (in range) and their V' is set to 0, so they add
-nothing; their outputs are not stored. All operands and accumulators are fp32 (exact fp32 products, fp32
-accumulation, as the reference).
+Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane); contractions step
+through rows in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are used directly as the B
+operands of W S and (q' exp(G)) S. V' is built one 16-row tile per iteration and goes through LDS ([64, 16]),
+from where each lane reads the B operands of Aqk V' and KD^T V' in the same step order. The A operands (W,
+q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32 intermediates, one value per lane and step. Rows
+past the chunk's end read the chunk's last row (in range) and their V' is set to 0, so they add nothing;
+their outputs are not stored. All operands and accumulators are fp32 (exact fp32 products, fp32
+accumulation, as the reference). Row tiles and the KD^T V' row groups are runtime loops (112 MFMAs in the
+code per chunk instead of 448), which keeps the register count near 240.
 """
 
 import flydsl.compiler as flyc
@@ -52,6 +54,10 @@ def build_kda_chunk_state(config):
         reg.store(fx.Vector.from_elements([x], fx.Float32))
         return reg
 
+    @fx.struct
+    class Shared:
+        vp: fx.Array[fx.Float32, CHUNK * STATE_BV, 16]  # V' of the chunk [64, 16]
+
     @flyc.kernel
     def kda_chunk_state_kernel(
         Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, WU: fx.Tensor, Aqk: fx.Tensor, CuSeq: fx.Tensor,
@@ -70,6 +76,7 @@ def build_kda_chunk_state(config):
         first = fx.Int32(SeqFirstChunk[n])
         slot = fx.Int32(Slots[n])
         atom = fx.make_mma_atom(fx.rocdl.MFMA(16, 16, MFMA_K, fx.Float32))
+        svp = fx.SharedAllocator().allocate(Shared).peek().vp.view(fx.make_layout(CHUNK * STATE_BV, 1))
 
         has_init = fx.Int32(HasInit[n]) != 0
         st = []  # S tile m, element i: row 16 m + 4 q + i (= mfma_krow(4 m + i, q)), column col
@@ -86,46 +93,54 @@ def build_kda_chunk_state(config):
             t_last = t0 + cnt - 1
             s_frag = [fx.memref_load_vec(st[m]) for m in range_constexpr(k_tiles)]
 
-            # V' = U - W S and the state part of O, per 16-row tile of the chunk
-            vp, o_acc = [], []
-            for r in range_constexpr(c_tiles):
+            # V' = U - W S, one 16-row tile of the chunk per iteration, into LDS ([64, 16], row-major)
+            for r in range(c_tiles):
                 src = fx.min(t0 + r * TILE + a_row, t_last)
-                acc_w, acc_o = common.fill_rmem(4, 0.0), common.fill_rmem(4, 0.0)
+                acc_w = common.fill_rmem(4, 0.0)
                 for s in range_constexpr(k_steps):
-                    k = mfma_krow(s, q)
-                    b = one(s_frag[s // 4][s % 4])
-                    fx.gemm(atom, acc_w, one(fx.Float32(WU[src, h, k])), b, acc_w)
-                    qg = fx.Float32(Qn[src, h, k]) * fmath.exp(fx.Float32(Gc[src, h, k]))
-                    fx.gemm(atom, acc_o, one(qg), b, acc_o)
+                    fx.gemm(atom, acc_w, one(fx.Float32(WU[src, h, mfma_krow(s, q)])), one(s_frag[s // 4][s % 4]),
+                            acc_w)
                 ws = fx.memref_load_vec(acc_w)
                 for i in range_constexpr(4):
                     row = r * TILE + mfma_krow(i, q)  # chunk row of C element i
                     u = fx.Float32(WU[fx.min(t0 + row, t_last), h, K + col])
-                    vp.append((row < cnt).select(u - ws[i], 0.0))  # vp[4 r + i] = B operand of step 4 r + i
-                o_acc.append(acc_o)
+                    svp[row * STATE_BV + a_row] = (row < cnt).select(u - ws[i], 0.0)  # rows past the end: 0
+            gpu.barrier()
+            vp = [svp[mfma_krow(s, q) * STATE_BV + a_row] for s in range_constexpr(c_steps)]  # B operands over rows
 
-            # O = (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal)
-            for r in range_constexpr(c_tiles):
+            # O = (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal), one 16-row tile per iteration
+            for r in range(c_tiles):
                 src = fx.min(t0 + r * TILE + a_row, t_last)
+                acc_o = common.fill_rmem(4, 0.0)
+                for s in range_constexpr(k_steps):
+                    k = mfma_krow(s, q)
+                    qg = fx.Float32(Qn[src, h, k]) * fmath.exp(fx.Float32(Gc[src, h, k]))
+                    fx.gemm(atom, acc_o, one(qg), one(s_frag[s // 4][s % 4]), acc_o)
                 for s in range_constexpr(c_steps):
-                    fx.gemm(atom, o_acc[r], one(fx.Float32(Aqk[src, h, mfma_krow(s, q)])), one(vp[s]), o_acc[r])
-                o = fx.memref_load_vec(o_acc[r])
+                    fx.gemm(atom, acc_o, one(fx.Float32(Aqk[src, h, mfma_krow(s, q)])), one(vp[s]), acc_o)
+                o = fx.memref_load_vec(acc_o)
                 for i in range_constexpr(4):
                     row = r * TILE + mfma_krow(i, q)
                     if row < cnt:
                         O[t0 + row, h, col] = o[i].to(act)
 
-            # S = diag(exp(G_last)) S + KD^T V', KD = k' exp(G_last - G)
+            # S = diag(exp(G_last)) S + KD^T V', KD = k' exp(G_last - G); the contraction over the chunk's rows
+            # runs one 16-row group (4 MFMA steps) per iteration
+            gl_key = [fx.Float32(Gc[t_last, h, m * TILE + a_row]) for m in range_constexpr(k_tiles)]
             for m in range_constexpr(k_tiles):
-                key = m * TILE + a_row  # A-operand row: a key channel
-                gl_key = fx.Float32(Gc[t_last, h, key])
                 st[m].store(common.vector_of(
                     [s_frag[m][i] * fmath.exp(fx.Float32(Gc[t_last, h, mfma_krow(4 * m + i, q)]))
                      for i in range_constexpr(4)], fx.Float32))
-                for s in range_constexpr(c_steps):
-                    t = fx.min(t0 + mfma_krow(s, q), t_last)
-                    kd = fx.Float32(Kn[t, h, key]) * fmath.exp(gl_key - fx.Float32(Gc[t, h, key]))
-                    fx.gemm(atom, st[m], one(kd), one(vp[s]), st[m])
+            for rg in range(c_tiles):
+                for i in range_constexpr(4):
+                    j = rg * TILE + mfma_krow(i, q)  # = mfma_krow(4 rg + i, q): chunk row of this step
+                    t = fx.min(t0 + j, t_last)
+                    b = one(svp[j * STATE_BV + a_row])
+                    for m in range_constexpr(k_tiles):
+                        key = m * TILE + a_row  # A-operand row: a key channel
+                        kd = fx.Float32(Kn[t, h, key]) * fmath.exp(gl_key[m] - fx.Float32(Gc[t, h, key]))
+                        fx.gemm(atom, st[m], one(kd), b, st[m])
+            gpu.barrier()  # every lane has read V' before the next chunk overwrites it
 
             irow = fx.Int32(InterMap[ci])
             if irow >= 0:
