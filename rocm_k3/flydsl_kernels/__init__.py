@@ -6,9 +6,11 @@ tested on the host. None has been executed on an AMD GPU by its authors: ``pytes
 MI300X/MI355X runs the parity tests against the PyTorch references.
 
 Modules: ``backend`` (registration, availability, MoE weight preparation), ``ops_impl`` and ``moe`` (host
-wrappers), kernels ``norm``, ``attn_res``, ``kda_decode``, ``short_conv``, ``kda_prefill`` (recurrent form),
-``moe_gemm``, ``moe_aux``, ``gated_act``; ``plans`` and ``bitcodes`` (index maps and number-format bit
-formulas in plain Python, shared by the kernels and the host tests), ``weights`` (MoE pre-shuffle),
+wrappers), kernels ``norm``, ``attn_res``, ``kda_decode``, ``short_conv``, ``kda_chunk_prep`` /
+``kda_chunk_intra`` / ``kda_chunk_state`` (chunked KDA prefill), ``kda_prefill`` (its config and the recurrent
+fallback), ``moe_gemm``, ``moe_aux``, ``gated_act``; ``plans``, ``kda_prefill_plan`` and ``bitcodes`` (index
+maps and number-format bit formulas in plain Python, shared by the kernels and the host tests), ``weights``
+(MoE pre-shuffle),
 ``toolchain`` and ``isa`` (compile-only builds and ISA facts).
 Nothing is imported at package import time.
 """
