@@ -19,7 +19,7 @@ from rocm_k3.flydsl_kernels.isa import parse_isa
 from rocm_k3.flydsl_kernels.moe import align_pairs
 from rocm_k3.flydsl_kernels.weights import LAYOUTS, preshuffle_codes, unshuffle_codes
 from rocm_k3.ops.devices import DeviceInfo
-from tests.helpers import assert_rel, seeded
+from tests.helpers import seeded
 
 # (D, vec) pairs the kernels use: norms (hidden, q/kv LoRA, head; 8 x bf16 or 4 x fp32 per access),
 # attn_res (64-bit accesses) and the MoE top-k reduction (4 x fp32).
@@ -517,80 +517,6 @@ def test_kda_chunk_plan_and_inter_map() -> None:
     assert imap == [2, 0, -1, 1, 3] and source == [0, 1, 2, 3, 0]
 
 
-def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale):
-    """The chunked FlyDSL prefill's phases in torch fp32, step for step (row-by-row forward substitution,
-    exp of fp32 differences, chunk walk with masked tails); logdecay gate, l2 norm, beta logits."""
-    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
-
-    T, H, K = q.shape
-    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale  # phase 1
-    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    b = torch.sigmoid(beta)
-    seq, start, first = kp.chunk_plan(bounds)
-    ends = [min(bounds[s + 1], t0 + kp.CHUNK) for s, t0 in zip(seq, start)]
-    gc = torch.empty_like(g)
-    for t0, te in zip(start, ends):
-        gc[t0:te] = torch.cumsum(g[t0:te], 0)
-    aqk, wu = torch.zeros(T, H, kp.CHUNK), torch.empty(T, H, 2 * K)
-    for t0, te in zip(start, ends):  # phases 2-3
-        n = te - t0
-        diff = gc[t0:te, None] - gc[None, t0:te]  # [i, j, H, K]: G_i - G_j
-        lower = torch.ones(n, n).tril()[:, :, None, None].bool()
-        e = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0) * kn[None, t0:te]
-        a = torch.einsum("ihd,ijhd->hij", kn[t0:te], e) * b[t0:te].T[:, :, None] * torch.ones(n, n).tril(-1)
-        aqk[t0:te, :, :n] = torch.einsum("ihd,ijhd->ihj", qn[t0:te], e)
-        x = torch.cat([b[t0:te, :, None] * torch.exp(gc[t0:te]) * kn[t0:te], b[t0:te, :, None] * v[t0:te]], -1)
-        w = []
-        for r in range(n):
-            w.append(x[r] - sum((a[:, r, j, None] * w[j] for j in range(r)), torch.zeros(H, 2 * K)))
-        wu[t0:te] = torch.stack(w)
-    imap, source = kp.inter_map(first, positions, len(seq))
-    inter = torch.zeros(len(positions), H, K, K)
-    o = torch.empty(T, H, K)
-    for i in range(len(bounds) - 1):  # phase 4
-        s = torch.where(has_init[i], state[slots[i]], torch.zeros(H, K, K))
-        for c in range(first[i], first[i + 1]):
-            t0, te = start[c], ends[c]
-            vp = wu[t0:te, :, K:] - torch.einsum("thk,hkv->thv", wu[t0:te, :, :K], s)
-            o[t0:te] = (torch.einsum("thk,hkv->thv", qn[t0:te] * torch.exp(gc[t0:te]), s)
-                        + torch.einsum("thj,jhv->thv", aqk[t0:te, :, : te - t0], vp))
-            glast = gc[te - 1]  # [H, K]
-            kd = kn[t0:te] * torch.exp(glast[None] - gc[t0:te])
-            s = torch.exp(glast)[:, :, None] * s + torch.einsum("thk,thv->hkv", kd, vp)
-            if imap[c] >= 0:
-                inter[imap[c]] = s
-        state[slots[i]] = s
-    mids = {"qn": qn, "kn": kn, "gc": gc, "wu": wu, "aqk": aqk}  # the intermediates phase 4 reads
-    return o, (inter[source] if positions else inter), mids
-
-
-@pytest.mark.parametrize("lens,save", [([5, 64, 0, 130], [(1, 64), (3, 128), (0, 5), (3, 130), (1, 64)]),
-                                       ([200], [(0, 192)])], ids=["4seq-save-dup", "1seq-T200"])
-def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save: list[tuple[int, int]]) -> None:
-    """The phase decomposition the chunked kernels implement (host emulation) against the float64 recurrence."""
-    from rocm_k3.ops.kda.naive import kda_prefill_naive
-
-    H, K = 2, 32
-    bounds = [0, *itertools.accumulate(lens)]
-    T, N = bounds[-1], len(lens)
-    gen = seeded(50)
-    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
-    g = -torch.rand(T, H, K, generator=gen) * 0.5
-    beta = torch.randn(T, H, generator=gen)
-    state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
-    slots = list(range(1, N + 1))
-    has_init = [i % 2 == 0 for i in range(N)]
-    st_emu, st_ref = state.clone(), state.clone()
-    o, inter, _ = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_emu, slots, torch.tensor(has_init), save,
-                                        K**-0.5)
-    ref = kda_prefill_naive(q, k, v, g, beta, torch.tensor(bounds, dtype=torch.int32), st_ref,
-                            torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init),
-                            intermediate_positions=torch.tensor(save, dtype=torch.int32))
-    assert_rel(o, ref.o.float(), 1e-4, "o")
-    assert_rel(st_emu, st_ref, 1e-4, "final states")
-    assert_rel(inter, ref.intermediate_states.float(), 1e-4, "intermediate states")
-
-
 @pytest.mark.parametrize("save,path", [(None, "chunked"), ([(0, 64), (1, 70), (0, 130)], "chunked"),
                                        ([(0, 64), (1, 7)], "recurrent")], ids=["nosave", "grid", "offgrid"])
 def test_kda_prefill_supports_names_the_kernel_path(save, path: str) -> None:
@@ -604,94 +530,3 @@ def test_kda_prefill_supports_names_the_kernel_path(save, path: str) -> None:
                                             torch.arange(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool),
                                             intermediate_positions=pos)
     assert ok and path in why, why
-
-
-def _mfma_16x16x4(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """v_mfma_f32_16x16x4_f32 on per-lane values: lane l gives A[l % 16, l // 16] and B[l // 16, l % 16]
-    and holds C[(l // 16) * 4 + i, l % 16] in acc[l, i] (the layout of ``plans.mfma_c_coord``)."""
-    lane = torch.arange(64)
-    A, B = torch.zeros(16, 4), torch.zeros(4, 16)
-    A[lane % 16, lane // 16] = a
-    B[lane // 16, lane % 16] = b
-    C = A @ B
-    rows = torch.tensor([[plans.mfma_c_coord(int(l), i)[0] for i in range(4)] for l in range(64)])
-    return acc + C[rows, (lane % 16)[:, None]]
-
-
-def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K, out, inter, imap):
-    """One wave of kda_chunk_state, step for step: the kernel's fragment index arithmetic (``mfma_krow``) with
-    the MFMA emulated per lane."""
-    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
-
-    qn, kn, gc, wu, aqk = (mids[x] for x in ("qn", "kn", "gc", "wu", "aqk"))
-    lane = torch.arange(64)
-    q, a_row = lane // 16, lane % 16
-    col = vt * kp.STATE_BV + a_row
-    krow = kp.mfma_krow
-    st = [torch.stack([state[slot, h, krow(4 * m + i, q), col] if has_init else torch.zeros(64)
-                       for i in range(4)], 1) for m in range(K // 16)]
-    for ci in range(first[n], first[n + 1]):
-        t0 = bounds[n] + (ci - first[n]) * kp.CHUNK
-        cnt = min(bounds[n + 1] - t0, kp.CHUNK)
-        t_last = t0 + cnt - 1
-        s_frag = [x.clone() for x in st]
-        vp, o_acc = [], []
-        for r in range(kp.CHUNK // 16):
-            src = (t0 + r * 16 + a_row).clamp(max=t_last)
-            acc_w, acc_o = torch.zeros(64, 4), torch.zeros(64, 4)
-            for s in range(K // 4):
-                k, b = krow(s, q), s_frag[s // 4][:, s % 4]
-                acc_w = _mfma_16x16x4(acc_w, wu[src, h, k], b)
-                acc_o = _mfma_16x16x4(acc_o, qn[src, h, k] * torch.exp(gc[src, h, k]), b)
-            for i in range(4):
-                row = r * 16 + krow(i, q)
-                u = wu[(t0 + row).clamp(max=t_last), h, K + col]
-                vp.append(torch.where(row < cnt, u - acc_w[:, i], 0.0))
-            o_acc.append(acc_o)
-        for r in range(kp.CHUNK // 16):
-            src = (t0 + r * 16 + a_row).clamp(max=t_last)
-            for s in range(kp.CHUNK // 4):
-                o_acc[r] = _mfma_16x16x4(o_acc[r], aqk[src, h, krow(s, q)], vp[s])
-            for i in range(4):
-                row = r * 16 + krow(i, q)
-                ok = row < cnt
-                out[t0 + row[ok], h, col[ok]] = o_acc[r][ok, i]
-        for m in range(K // 16):
-            key = m * 16 + a_row
-            st[m] = s_frag[m] * torch.exp(torch.stack([gc[t_last, h, krow(4 * m + i, q)] for i in range(4)], 1))
-            for s in range(kp.CHUNK // 4):
-                t = (t0 + krow(s, q)).clamp(max=t_last)
-                kd = kn[t, h, key] * torch.exp(gc[t_last, h, key] - gc[t, h, key])
-                st[m] = _mfma_16x16x4(st[m], kd, vp[s])
-        if imap[ci] >= 0:
-            for m, i in itertools.product(range(K // 16), range(4)):
-                inter[imap[ci], h, krow(4 * m + i, q), col] = st[m][:, i]
-    for m, i in itertools.product(range(K // 16), range(4)):
-        state[slot, h, krow(4 * m + i, q), col] = st[m][:, i]
-
-
-def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
-    """The state kernel's per-lane MFMA bookkeeping (emulated) against the matrix form of phase 4."""
-    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
-
-    H, K, lens, save = 1, 32, [70, 5], [(0, 64), (1, 5)]
-    bounds = [0, *itertools.accumulate(lens)]
-    T = bounds[-1]
-    gen = seeded(51)
-    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
-    g = -torch.rand(T, H, K, generator=gen) * 0.5
-    beta = torch.randn(T, H, generator=gen)
-    state = torch.randn(3, H, K, K, generator=gen) * 0.1
-    slots, has_init = [2, 0], [True, False]
-    st_mat, st_frag = state.clone(), state.clone()
-    o_mat, inter_mat, mids = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_mat, slots,
-                                                      torch.tensor(has_init), save, K**-0.5)
-    _, _, first = kp.chunk_plan(bounds)
-    imap, _ = kp.inter_map(first, save, first[-1])
-    o_frag, inter_frag = torch.full((T, H, K), float("nan")), torch.full((len(save), H, K, K), float("nan"))
-    for n, vt in itertools.product(range(len(lens)), range(K // kp.STATE_BV)):
-        _emulate_state_wave(mids, bounds, first, st_frag, slots[n], has_init[n], n, 0, vt, K, o_frag, inter_frag,
-                            imap)
-    assert_rel(o_frag, o_mat, 1e-5, "o")  # NaN (a row or column never written) fails
-    assert_rel(st_frag, st_mat, 1e-5, "final states")
-    assert_rel(inter_frag, inter_mat, 1e-5, "intermediate states")

@@ -275,8 +275,8 @@ def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: 
 
 
 def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inter, positions, a_log, dt_bias, scale):
-    """The three chunked launches (prep, intra + solve, state walk); fp32 intermediates. Returns ``inter``
-    with repeated requests filled in."""
+    """The three chunked launches (prep, intra + solve, state walk) with fp32 intermediates; returns o [T, H, V].
+    ``inter`` [max(M, 1), H, K, V] is filled in place (a repeated request copies the first one's state)."""
     from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, chunk_plan, inter_map
 
     T, H, K = q.shape
