@@ -15,10 +15,11 @@ W and U are written side by side as WU fp32 [T, H, K + V]. Numerics: every decay
 Tiling (VALU; no MFMA): 256 lanes. Pair matrices: lane ``tid`` owns row i and 16 columns
 (``kda_prefill_plan.intra_pair``); the chunk's k', q', G are staged through LDS in [64, 32] slabs
 (``intra_slab``), the 16 + 16 fp32 accumulators stay in registers. A goes to LDS (64 x 64 fp32), Aqk to global.
-Solve: lane ``tid`` < K + V owns one column of [X | Y] (X = b exp(G) k', Y = b v) and runs the forward
-substitution ``w_i = x_i - sum_{j<i} A[i, j] w_j`` over the 64 rows with the column in registers and the A
-rows read from LDS (uniform addresses, broadcast). This is the block forward substitution of the Triton twin
-with 1 x 1 blocks: the same (I + A)^-1, a different fp32 summation order.
+Solve: in passes of 128 columns of [X | Y] (X = b exp(G) k', Y = b v), lane ``tid`` < 128 owns one column
+and runs the forward substitution ``w_i = x_i - sum_{j<i} A[i, j] w_j`` over the chunk's rows, its solved
+rows kept in LDS (the slab space) and the A rows read from LDS (uniform addresses, broadcast); the sum over j
+runs as four interleaved partial sums (independent FMA chains). This is the block forward substitution of the
+Triton twin with 1 x 1 blocks: the same (I + A)^-1, a different fp32 summation order.
 """
 
 import flydsl.compiler as flyc
@@ -122,12 +123,22 @@ def build_kda_chunk_intra(config):
                 col = tid + p * pass_cols
                 cc = col % K
                 is_k = col < K
+                for zr in range_constexpr(CHUNK):  # unsolved rows read as 0 (the 4-wide steps below overrun)
+                    sb[zr * pass_cols + tid] = 0.0
                 for srow in range(t_end - t0):
                     st = t0 + srow
                     skx = fx.Float32(Kn[st, h, cc]) * fmath.exp(fx.Float32(Gc[st, h, cc]))
                     sx = is_k.select(skx, fx.Float32(V[st, h, cc])) * fx.Float32(B[st, h])
-                    for sj in range(srow):
-                        sx = sx - sa[srow * CHUNK + sj] * sb[sj * pass_cols + tid]
+                    # sum_{j < srow} A[srow, j] w_j as four interleaved partial sums, 4 j per step; j in
+                    # [srow, 4 ceil(srow / 4)) adds A[srow, j] = 0 (strictly lower) times 0 (unsolved)
+                    p0, p1, p2, p3 = fx.Float32(0.0), fx.Float32(0.0), fx.Float32(0.0), fx.Float32(0.0)
+                    for sj in range((srow + 3) // 4):
+                        jb = sj * 4
+                        p0 = p0 + sa[srow * CHUNK + jb] * sb[jb * pass_cols + tid]
+                        p1 = p1 + sa[srow * CHUNK + jb + 1] * sb[(jb + 1) * pass_cols + tid]
+                        p2 = p2 + sa[srow * CHUNK + jb + 2] * sb[(jb + 2) * pass_cols + tid]
+                        p3 = p3 + sa[srow * CHUNK + jb + 3] * sb[(jb + 3) * pass_cols + tid]
+                    sx = sx - ((p0 + p1) + (p2 + p3))
                     sb[srow * pass_cols + tid] = sx  # [64, pass_cols] solved rows
                     WU[st, h, col] = sx
 
