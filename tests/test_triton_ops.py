@@ -8,9 +8,10 @@
   fresh interpreter), asserting the matrix instructions (wgmma/mma, v_mfma) and no scratch spills on AMD.
 - ``cuda``: K3 shapes in bf16 on an NVIDIA GPU against the reference backend.
 
-Tolerances (relative L2 error, tests/helpers.rel_err): fp32 kernels 1e-5; MoE 1.5e-2 (the kernel feeds bf16 operands
-to the MMA, the fp32 reference does not: x and the fp32 activation are each rounded to bf16 once); bf16 outputs
-on the GPU 1e-2 (a few bf16 ulps, 2^-8 each).
+Tolerances (relative L2 error, tests/helpers.rel_err): fp32 kernels 1e-5, the fp32-activation MoE included (fp32
+operands, IEEE dots: only summation order and the kernel's tanh differ; measured <= 3e-6); MoE with bf16
+activations 1.5e-2 (bf16 MMA operands: the intermediate activation is rounded to bf16 once more than in the
+reference); bf16 outputs on the GPU 1e-2 (a few bf16 ulps, 2^-8 each).
 """
 
 from __future__ import annotations
@@ -202,11 +203,12 @@ _MOE_CASES = [
                          ids=["situ-A16W4", "silu-A16W4-manualE2M1", "situ-A16W4-bitsE2M1", "situ-A8W4-ocp",
                               "situ-A8W4-fnuz-manualE2M1", "silu-A8W4-ocp-bitsE2M1"])
 def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, decode: str) -> None:
+    """A16W4 with bf16 x (the bf16-operand path; fp32 x is the next test) and A8W4 with fp32 x."""
     g = seeded(5)
     t, k, e, hidden, n, kout = 5, 2, 4, 96, 64, 96  # hidden 96: a partial K tile of 64
     weights = prepare_weights(_mxfp4_experts(e, n, hidden, kout, g))
     tw, ids = _routing(t, e, k, g)
-    x = _randn(t, hidden, gen=g)
+    x = _randn(t, hidden, gen=g, dtype=torch.bfloat16 if aq == "bf16" else torch.float32)
     kw = dict(activation=MoEActivation(act), act_quant=aq, fp8_dtype=FP8.get(fp8))
     lazy = decode == "manual"
     if lazy:  # also exercise the lazy path: checkpoint-layout weights prepared on first use and cached
@@ -216,7 +218,36 @@ def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, decode: str) ->
         assert "triton" in weights.extras
     ref = fused_moe_reference(x, weights, tw, ids, **kw)
     # A8W4: both sides quantise x and the activation with the same MXFP8 rule, so only accumulation order differs.
+    assert out.dtype == x.dtype
     assert_rel(out, ref, 1e-5 if aq == "mxfp8" else 1.5e-2, "fused_moe")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("fmt,act,decode", [("mxfp4", "situ", "dot_scaled"), ("mxfp4", "silu", "dot_scaled"),
+                                            ("mxfp4", "situ", "bits"), ("bf16", "situ", None),
+                                            ("bf16", "silu", None)],
+                         ids=["mxfp4-situ", "mxfp4-silu", "mxfp4-situ-bitsE2M1", "bf16experts-situ",
+                              "bf16experts-silu"])
+def test_fused_moe_fp32_operands_interpret(fmt: str, act: str, decode: str | None) -> None:
+    """fp32 x, A16W4 / bf16 experts: both GEMMs on fp32 operands (IEEE dots, fp32 intermediate) vs the fp32
+    reference (per-expert dequantise + torch matmul). Tolerance 1e-5 relative (measured <= 3e-6, mostly the
+    kernel's tanh = 2 sigmoid(2z) - 1 near 0); the bf16-operand path needed 1.5e-2."""
+    g = seeded(18)
+    t, k, e, hidden, n, kout = 5, 2, 4, 96, 64, 96  # hidden 96: a partial K tile of 64
+    if fmt == "mxfp4":
+        weights = _mxfp4_experts(e, n, hidden, kout, g)
+    else:
+        weights = ExpertWeights("bf16", _randn(e, 2 * n, hidden, gen=g, scale=0.1, dtype=torch.bfloat16), None,
+                                _randn(e, kout, n, gen=g, scale=0.1, dtype=torch.bfloat16), None)
+    weights = prepare_weights(weights)
+    tw, ids = _routing(t, e, k, g)
+    x = _randn(t, hidden, gen=g)
+    kw = dict(activation=MoEActivation(act))
+    out = fused_moe_with(x, weights, tw, ids, config=MoEConfig(16, 32, 64, 4, 1), w4_decode=decode or "dot_scaled",
+                         **kw)
+    assert out.dtype == torch.float32
+    assert_rel(out, fused_moe_reference(x, weights, tw, ids, **kw), 1e-5, f"fused_moe fp32 {fmt} {act}")
 
 
 @pytest.mark.interpret
@@ -252,7 +283,7 @@ def test_fused_moe_bf16_experts_interpret() -> None:
     w2 = _randn(e, hidden, n, gen=g, scale=0.1)
     weights = prepare_weights(ExpertWeights("bf16", w13, None, w2, None))
     tw, ids = _routing(t, e, k, g)
-    x = _randn(t, hidden, gen=g)
+    x = _randn(t, hidden, gen=g, dtype=torch.bfloat16)  # the bf16-operand path (fp32 x: the fp32-operand test)
     out = fused_moe_with(x, weights, tw, ids, activation=MoEActivation("silu"), config=MoEConfig(16, 32, 64, 4, 1))
     ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation("silu"))
     assert_rel(out, ref, 1.5e-2, "fused_moe bf16 experts")
@@ -332,9 +363,11 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 # --------------------------------------------------------------------------------------------------- compile tier
 _COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4",
-                    "moe_w13_bits", "moe_w2_a8w4",
+                    "moe_w13_bits", "moe_w2_a8w4", "moe_w13_f32", "moe_w2_f32_bf16experts",
                     "moe_mxfp8_quant")
 _MMA_KERNELS = ("mla_decode", "mla_prefill", "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
+# fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
+_F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +393,12 @@ def test_kernels_compile(compiled: dict, kernel: str, target: str) -> None:
             assert any(m.startswith(("wgmma.mma_async", "mma.sync")) for m in mnemonics), mnemonics
         else:
             assert any(m.startswith("v_mfma") for m in mnemonics), [m for m in mnemonics if "mfma" in m]
+    if kernel in _F32_DOT_KERNELS:
+        if target == "sm_90":
+            assert not any("mma" in m for m in mnemonics) and "fma.rn.f32" in mnemonics, mnemonics
+        else:
+            mfma = [m for m in mnemonics if m.startswith("v_mfma")]
+            assert mfma and all(m.endswith("_f32") and "xf32" not in m for m in mfma), mfma
     if target != "sm_90":
         assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
 

@@ -27,7 +27,11 @@ def _specs() -> dict:
     w2_sig = {**moe_ptrs, "a_ptr": "*u8", "y_ptr": "*fp32", "topk_w_ptr": "*fp32", "K": "i32", "N": "i32",
               "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
               "stride_wsn": "i32", "stride_y": "i32"}
-    moe_ce = dict(W_FMT=0, DOT_F32=False, BIAS=7, BM=16, BN=32, BK=64)
+    moe_ce = dict(W_FMT=0, OP_F32=False, DOT_F32=False, BIAS=7, BM=16, BN=32, BK=64)
+    # fp32 activations: fp32 operands, IEEE dots (manual E2M1 decode for MXFP4; bf16 experts widened to fp32)
+    f32_ce = dict(moe_ce, OP_F32=True, A_MX=False)
+    w13_f32_sig = {**w13_sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}
+    w2_f32_sig = {**w2_sig, "a_ptr": "*fp32", "w_ptr": "*bf16"}
     return {
         "rms_norm": ("rocm_k3.triton_kernels.norm", "_rms_norm_kernel",
                      {"x_ptr": "*bf16", "res_ptr": "*bf16", "gate_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -71,6 +75,10 @@ def _specs() -> dict:
                          dict(moe_ce, W_FMT=3, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8,
                               FP8_MAX=448.0), 4),
         "moe_w2_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig, dict(moe_ce, A_MX=True), 4),
+        "moe_w13_f32": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_f32_sig,
+                        dict(f32_ce, W_FMT=2, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
+        "moe_w2_f32_bf16experts": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_f32_sig,
+                                   dict(f32_ce, W_FMT=1), 4),
         "moe_mxfp8_quant": ("rocm_k3.triton_kernels.moe.kernels", "mxfp8_quant_kernel",
                             {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "n_rows": "i32", "K": "i32",
                              "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"},

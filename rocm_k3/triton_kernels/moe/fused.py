@@ -10,6 +10,12 @@ contiguous tensors. :func:`prepare_weights` does that at load time and tags ``la
 other layout (``ExpertWeights`` always keeps valid checkpoint-layout tensors) are accepted too, and their
 contiguous view is made on the first call and cached in ``weights.extras["triton"]`` (no copy when the tensors
 are already contiguous, which is what the loader produces).
+
+Precision: bf16/fp16 x feeds bf16 operands to the MMA (fp32 accumulation). fp32 x with ``act_quant="bf16"``
+takes the fp32-operand path (``OP_F32`` in :mod:`.kernels`): x, the decoded weights and the fp32 intermediate
+activation enter IEEE fp32 dots, so the result matches the fp32 reference up to summation order (an fp32 model
+on this backend then follows the reference backend's greedy path). MXFP4 experts use the manual E2M1 decode
+there (``dot_scaled`` only takes low-precision operands). A8W4 keeps its MXFP8 operands, which bf16 holds exactly.
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
 
     w4_decode: "dot_scaled" (default, measured), "manual" (arithmetic E2M1 decode + tl.dot) or "bits" (fp32
     bit-pattern decode + even/odd split, experimental). ``manual_w4=True`` is the same as ``w4_decode="manual"``.
+    With fp32 x and ``act_quant="bf16"`` the fp32-operand path is taken and "dot_scaled" becomes "manual".
     The manual and bits decodes are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
     (interpreter) for scale bytes >= ~140, far above checkpoint scales (< 127).
     """
@@ -161,6 +168,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     a8 = act_quant == "mxfp8"
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
     w_fmt = K.W_BF16 if weights.fmt == "bf16" else _W4_DECODES[w4_decode]
+    op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc)
+    if op_f32 and w_fmt == K.W_MXFP4:
+        w_fmt = K.W_MXFP4_MANUAL
     x = x if x.stride(-1) == 1 else x.contiguous()
     if a8:
         xa, xs = _mxfp8_quantize(x, fp8_dtype)
@@ -175,7 +185,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     w2s = w2s if w2s is not None else w2
     linear_beta = activation.linear_beta
     stages = min(cfg.num_stages, _DOT_SCALED_MAX_STAGES) if w_fmt == K.W_MXFP4 else cfg.num_stages
-    common = dict(A_MX=a8, W_FMT=w_fmt, DOT_F32=interpreted(K.w13_kernel), BIAS=bias, BM=cfg.block_m, BN=cfg.block_n,
+    common = dict(A_MX=a8, W_FMT=w_fmt, OP_F32=op_f32, DOT_F32=interpreted(K.w13_kernel), BIAS=bias, BM=cfg.block_m, BN=cfg.block_n,
                   BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=stages)
     K.w13_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
         xa, xs, w13, w13s, inter, inter_s,

@@ -9,6 +9,13 @@ cross-check of ``dot_scaled``. ``W_FMT == 3`` ("bits", experimental, not yet tim
 ``_e2m1_bits_tile``) and multiplies by the E8M0 scale, and splits the activations into even and odd K columns
 instead of interleaving the decoded nibbles. bf16 experts (``W_FMT == 1``) use a plain ``tl.dot``.
 
+Operand precision (``OP_F32``): with bf16/fp16 activations the MMA operands are bf16 (the fast path). With fp32
+activations (A16W4 or bf16 experts; not A8W4, whose MXFP8 operands are exact in bf16 anyway) the launcher sets
+``OP_F32``: x and the intermediate activation stay fp32, the weights are decoded to fp32 (E2M1 x E8M0 and bf16
+values are exact in fp32) and every ``tl.dot`` runs with ``input_precision="ieee"`` (no TF32), so both GEMMs
+compute what the fp32 reference computes up to summation order. ``dot_scaled`` has no fp32-operand form, so the
+launcher maps ``W_FMT == 0`` to the manual decode in that mode.
+
 A8W4 activations are stored as E4M3 code bytes (uint8) + E8M0 bytes and decoded in registers with
 ``mx.fp8_e4m3_decode`` (exact), so OCP (bias 7) and FNUZ (bias 8) share one code path.
 """
@@ -71,9 +78,28 @@ def mxfp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, K, stride_x, stride_q, strid
 
 
 @triton.jit
+def _dot_ieee(a, b, acc):
+    """acc + a @ b with fp32 operands and full fp32 products (no TF32 / xf32 rounding of the inputs).
+
+    ``input_precision`` has been ``tl.dot``'s keyword since Triton 3.0 (3.6 and 3.9 both take it).
+    """
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _operand(a, OP_F32: tl.constexpr):
+    """An activation tile as MMA operand: fp32 (OP_F32) or bf16 (MXFP8-decoded values are exact in bf16)."""
+    if OP_F32:
+        a = a.to(tl.float32)
+    else:
+        a = a.to(tl.bfloat16)
+    return a
+
+
+@triton.jit
 def _load_a_tile(a_ptr, as_ptr, row_off, srow_off, rmask, k0, K,
-                 A_MX: tl.constexpr, BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Activation tile [BM, BK] as bf16: plain rows, or MXFP8 codes + scales decoded in registers."""
+                 A_MX: tl.constexpr, OP_F32: tl.constexpr, BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile [BM, BK]: bf16 (fp32 if OP_F32): plain rows, or MXFP8 codes + scales decoded in registers."""
     kk = k0 + tl.arange(0, BK)
     mask = rmask[:, None] & (kk < K)[None, :]
     if A_MX:
@@ -81,47 +107,66 @@ def _load_a_tile(a_ptr, as_ptr, row_off, srow_off, rmask, k0, K,
         g = k0 // 32 + tl.arange(0, BK // 32)
         sc = tl.load(as_ptr + srow_off[:, None] + g[None, :], mask=rmask[:, None] & (g * 32 < K)[None, :],
                      other=127).to(tl.int32)
-        return _mx_dequantize_tile(codes, sc, BM, BK, BIAS).to(tl.bfloat16)
-    return tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+        a = _mx_dequantize_tile(codes, sc, BM, BK, BIAS)
+    else:
+        a = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0)
+    return _operand(a, OP_F32)
 
 
 @triton.jit
 def _weight_dot(acc, a, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
-                W_FMT: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BM, BN] += a [BM, BK] @ W[n, k0:k0+BK]^T for one expert's weight rows (offsets per n)."""
+                W_FMT: tl.constexpr, OP_F32: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += a [BM, BK] @ W[n, k0:k0+BK]^T for one expert's weight rows (offsets per n).
+
+    OP_F32: ``a`` is fp32, W is decoded to fp32 exactly and the dot is IEEE fp32. Otherwise ``a`` is bf16 and so
+    is W (DOT_F32, the interpreter: the same bf16 values, multiplied as fp32).
+    """
+    # (constexpr branches are if/else chains: Triton compiles the statements after a constexpr-taken return too)
     if W_FMT == 1:
         kk = k0 + tl.arange(0, BK)
         w = tl.load(w_ptr + w_row_off[None, :] + kk[:, None], mask=nmask[None, :] & (kk < K)[:, None], other=0.0)
-        if DOT_F32:  # interpreter: its bf16 tl.dot is wrong
-            return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-        return tl.dot(a, w.to(tl.bfloat16), acc)  # [BK, BN]
-    kh = k0 // 2 + tl.arange(0, BK // 2)
-    wq = tl.load(w_ptr + w_row_off[None, :] + kh[:, None], mask=nmask[None, :] & (kh * 2 < K)[:, None], other=0)
-    g = k0 // 32 + tl.arange(0, BK // 32)
-    ws = tl.load(ws_ptr + ws_row_off[:, None] + g[None, :], mask=nmask[:, None] & (g * 32 < K)[None, :], other=127)
-    if W_FMT == 0:
-        return tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)  # wq [BK/2, BN] packed along K, ws [BN, BK/32]
-    # manual decode: low nibble = even k, high nibble = odd k
-    q = wq.to(tl.int32)
-    scale = tl.reshape(tl.broadcast_to(pow2(tl.trans(ws).to(tl.int32) - 127)[:, None, :], (BK // 32, 16, BN)),
-                       (BK // 2, BN))  # [BK/2, BN]
-    lo = (e2m1_decode(q & 15) * scale).to(tl.bfloat16)
-    hi = (e2m1_decode(q >> 4) * scale).to(tl.bfloat16)
-    w = tl.reshape(tl.trans(tl.join(lo, hi), 0, 2, 1), (BK, BN))  # [BK, BN] interleaved back
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-    return tl.dot(a, w, acc)
+        if OP_F32:
+            acc = _dot_ieee(a, w.to(tl.float32), acc)  # w [BK, BN]
+        elif DOT_F32:  # interpreter: its bf16 tl.dot is wrong
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, w.to(tl.bfloat16), acc)
+    else:
+        kh = k0 // 2 + tl.arange(0, BK // 2)
+        wq = tl.load(w_ptr + w_row_off[None, :] + kh[:, None], mask=nmask[None, :] & (kh * 2 < K)[:, None], other=0)
+        g = k0 // 32 + tl.arange(0, BK // 32)
+        ws = tl.load(ws_ptr + ws_row_off[:, None] + g[None, :], mask=nmask[:, None] & (g * 32 < K)[None, :],
+                     other=127)
+        if W_FMT == 0:  # wq [BK/2, BN] packed along K, ws [BN, BK/32]
+            acc = tl.dot_scaled(a, None, "bf16", wq, ws, "e2m1", acc)
+        else:  # manual decode: low nibble = even k, high nibble = odd k
+            q = wq.to(tl.int32)
+            scale = tl.reshape(tl.broadcast_to(pow2(tl.trans(ws).to(tl.int32) - 127)[:, None, :],
+                                               (BK // 32, 16, BN)), (BK // 2, BN))  # [BK/2, BN]
+            lo = e2m1_decode(q & 15) * scale  # [BK/2, BN] fp32, exact
+            hi = e2m1_decode(q >> 4) * scale
+            w = tl.reshape(tl.trans(tl.join(lo, hi), 0, 2, 1), (BK, BN))  # [BK, BN] interleaved back
+            if OP_F32:
+                acc = _dot_ieee(a, w, acc)
+            elif DOT_F32:  # the bf16 values (E2M1 x E8M0 is exact in bf16), multiplied as fp32
+                acc = tl.dot(a.to(tl.float32), w.to(tl.bfloat16).to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, w.to(tl.bfloat16), acc)
+    return acc
 
 
 @triton.jit
-def _load_a_cols(a_ptr, as_ptr, row_off, srow_off, rmask, kk, K, A_MX: tl.constexpr, BIAS: tl.constexpr):
-    """Activation columns ``kk`` [C] of the rows (offsets ``row_off`` [BM]) as bf16 [BM, C]."""
+def _load_a_cols(a_ptr, as_ptr, row_off, srow_off, rmask, kk, K, A_MX: tl.constexpr, OP_F32: tl.constexpr,
+                 BIAS: tl.constexpr):
+    """Activation columns ``kk`` [C] of the rows (offsets ``row_off`` [BM]) as bf16 [BM, C] (fp32 if OP_F32)."""
     mask = rmask[:, None] & (kk < K)[None, :]
     if A_MX:
         codes = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0).to(tl.int32)
         sc = tl.load(as_ptr + srow_off[:, None] + (kk // 32)[None, :], mask=mask, other=127).to(tl.int32)
-        return (fp8_e4m3_decode(codes, BIAS) * pow2(sc - 127)).to(tl.bfloat16)
-    return tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+        a = fp8_e4m3_decode(codes, BIAS) * pow2(sc - 127)
+    else:
+        a = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0)
+    return _operand(a, OP_F32)
 
 
 @triton.jit
@@ -139,7 +184,7 @@ def _e2m1_bits_tile(q, f1, f2):
 
 @triton.jit
 def _bits_dot(acc, a_even, a_odd, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
-              DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              OP_F32: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """acc [BM, BN] += a[:, k0::2] @ W_even^T + a[:, k0+1::2] @ W_odd^T with the "bits" E2M1 decode."""
     g = k0 // 32 + tl.arange(0, BK // 32)  # [G] scale groups of this K tile
     j = tl.arange(0, 16)  # bytes per scale group
@@ -152,11 +197,16 @@ def _bits_dot(acc, a_even, a_odd, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k
     f2 = pow2(tl.maximum(s, 128) - 128)
     lo = tl.reshape(_e2m1_bits_tile(wq & 15, f1, f2), (BK // 2, BN))  # even k
     hi = tl.reshape(_e2m1_bits_tile(wq >> 4, f1, f2), (BK // 2, BN))  # odd k
-    if DOT_F32:
+    if OP_F32:  # a_even / a_odd are fp32
+        acc = _dot_ieee(a_even, lo, acc)
+        acc = _dot_ieee(a_odd, hi, acc)
+    elif DOT_F32:
         acc = tl.dot(a_even.to(tl.float32), lo, acc)
-        return tl.dot(a_odd.to(tl.float32), hi, acc)
-    acc = tl.dot(a_even, lo.to(tl.bfloat16), acc)
-    return tl.dot(a_odd, hi.to(tl.bfloat16), acc)
+        acc = tl.dot(a_odd.to(tl.float32), hi, acc)
+    else:
+        acc = tl.dot(a_even, lo.to(tl.bfloat16), acc)
+        acc = tl.dot(a_odd, hi.to(tl.bfloat16), acc)
+    return acc
 
 
 @triton.jit
@@ -169,7 +219,8 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
                sorted_ptr, block_expert_ptr, start_ptr, count_ptr,
                K, N, top_k, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
                stride_out, stride_out_s, beta, linear_beta,
-               A_MX: tl.constexpr, W_FMT: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+               A_MX: tl.constexpr, W_FMT: tl.constexpr, OP_F32: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
+               HAS_LINEAR_BETA: tl.constexpr,
                OUT_MX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """inter[p, n] = act(x[tok(p)] @ W1_e[n]^T, x[tok(p)] @ W3_e[n]^T) for the BM rows p of block pid_m.
@@ -197,14 +248,14 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     for k0 in range(0, K, BK):
         if W_FMT == 3:
             ke = k0 + 2 * tl.arange(0, BK // 2)
-            a_ev = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke, K, A_MX, BIAS)
-            a_od = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke + 1, K, A_MX, BIAS)
-            acc_g = _bits_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, DOT_F32, BN, BK)
-            acc_u = _bits_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, DOT_F32, BN, BK)
+            a_ev = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke, K, A_MX, OP_F32, BIAS)
+            a_od = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
+            acc_g = _bits_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
+            acc_u = _bits_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
         else:
-            a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-            acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
-            acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+            a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
+            acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
+            acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
     if ACT == 0:  # SiTU: beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)
         gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
         if HAS_LINEAR_BETA:
@@ -231,7 +282,7 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
 def w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
               sorted_ptr, block_expert_ptr, start_ptr, count_ptr,
               K, N, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_y,
-              A_MX: tl.constexpr, W_FMT: tl.constexpr, DOT_F32: tl.constexpr, BIAS: tl.constexpr,
+              A_MX: tl.constexpr, W_FMT: tl.constexpr, OP_F32: tl.constexpr, DOT_F32: tl.constexpr, BIAS: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[pair(p), n] = topk_w[pair(p)] * inter[p] @ W2_e[n]^T for the rows p of block pid_m (K = intermediate)."""
     pid_m = tl.program_id(0)
@@ -252,12 +303,12 @@ def w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
     for k0 in range(0, K, BK):
         if W_FMT == 3:
             ke = k0 + 2 * tl.arange(0, BK // 2)
-            a_ev = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke, K, A_MX, BIAS)
-            a_od = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke + 1, K, A_MX, BIAS)
-            acc = _bits_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, DOT_F32, BN, BK)
+            a_ev = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke, K, A_MX, OP_F32, BIAS)
+            a_od = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
+            acc = _bits_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
         else:
-            a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-            acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, DOT_F32, BN, BK)
+            a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
+            acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
     rw = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0)  # [BM] routing weights
     tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], acc * rw[:, None], mask=rmask[:, None] & nmask[None, :])
 
