@@ -1,10 +1,10 @@
 """The tiny K3 model (``rocm_k3.LLM(None)``) on the Triton backend against the reference backend.
 
 - ``interpret`` tier (CPU): fp32 model, every op through the Triton kernels under ``TRITON_INTERPRET=1`` (the
-  backend's ``available`` is patched: it refuses the CPU for real use); 4 greedy tokens must be identical and the
-  chosen tokens' log-probabilities within 0.05 nats (measured 0.023: the MoE kernel rounds its MMA operands to bf16,
-  the reference does not).
-- ``cuda`` tier (H200): teacher-forced bf16 logits of the tiny model and of a K3-shaped slice against the fp32
+  backend's ``available`` is patched: it refuses the CPU for real use); 32 greedy tokens must be identical and the
+  chosen tokens' log-probabilities within 1e-4 nats (measured 2.1e-5 at worst; fp32 activations run the MoE GEMMs on
+  fp32 operands, see rocm_k3/triton_kernels/moe/fused.py; with the earlier bf16 operands this was 0.023 nats).
+- ``cuda`` tier (H200): 32 identical fp32 greedy tokens of the tiny model (TF32 off), teacher-forced bf16 logits of the tiny model and of a K3-shaped slice against the fp32
   reference (no worse than 2x the bf16 reference's own error), and 32 identical greedy tokens on the K3-shaped slice (``k3_slice_overrides``: hidden 7168,
   KDA 96 x 128, MLA with TP-8's 12 heads and the 512 + 64 latent, LatentMoE 7168 -> 3584 with experts
   3584 -> 2 x 3072, dense layer 0 of 33792; 4 layers, 32 of the 896 experts, AttnRes blocks of 2 so the slice
@@ -69,10 +69,16 @@ def _compare(ref, tri, tol: float) -> None:
 @pytest.mark.interpret
 @pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; see the subprocess test")
 def test_tiny_model_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    ref = _greedy("reference", "float32", "cpu", 4, PROMPTS[:1])
+    """fp32 tiny model, 32 greedy tokens: identical, chosen-token log-probs within 1e-4 nats (measured 2.1e-5).
+
+    ~70 s of interpreter time on 2 cores (about 14 s of prefill and set-up, then ~1.8 s per decode step), more than
+    the ~60 s aimed at, kept at 32 steps because that is the length the issue requires and the H200 run split from
+    the reference at step 14 with bf16 MoE operands (24 steps would fit in ~60 s).
+    """
+    ref = _greedy("reference", "float32", "cpu", 32, PROMPTS[:1])
     monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
-    tri = _greedy("triton", "float32", "cpu", 4, PROMPTS[:1])
-    _compare(ref, tri, 0.05)
+    tri = _greedy("triton", "float32", "cpu", 32, PROMPTS[:1])
+    _compare(ref, tri, 1e-4)
 
 
 @pytest.mark.interpret
@@ -111,11 +117,29 @@ def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, 
 
 
 @pytest.mark.cuda
+def test_tiny_model_fp32_greedy_identical_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 tiny model on the GPU, TF32 off for torch: 32 greedy tokens identical to the reference backend for both
+    prompts, chosen-token log-probs within 1e-3 nats.
+
+    Written 2026-11-29 after the H200 showed the bf16-operand divergence (step 14, ~0.02 nats at a near-tie); not
+    yet executed on a GPU. The MoE now runs fp32 operands with IEEE dots (the interpret tier measures 2.1e-5 nats
+    over 32 steps); 1e-3 leaves room for GPU summation orders. Known risk: ``mla_decode`` / ``mla_prefill`` call
+    ``tl.dot`` without ``input_precision``, which for fp32 operands on NVIDIA means TF32 (their sm_90 code has
+    ``mma...tf32``), so a failure here that is not in the MoE should be looked for there first.
+    """
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    ref = _greedy("reference", "float32", "cuda", 32, PROMPTS)
+    tri = _greedy("triton", "float32", "cuda", 32, PROMPTS)
+    _compare(ref, tri, 1e-3)
+
+
+@pytest.mark.cuda
 def test_k3_slice_greedy_tokens_identical_cuda(tmp_path: Path) -> None:
     """bf16 K3 slice: 32 greedy tokens identical on both backends (logit closeness: the teacher-forced test below).
 
-    The embedded tiny model is not used here: its random logits are near-tied, and on the H200 its fp32 greedy
-    path split at step 14 (the Triton MoE rounds MMA operands to bf16, ~0.02 nats), see benchmarks/RESULTS.md.
+    The embedded tiny model is not used here in bf16: its random logits are near-tied (its fp32 greedy path split
+    at step 14 on the H200 while the Triton MoE rounded fp32 operands to bf16, see benchmarks/RESULTS.md; the fp32
+    path is now checked by test_tiny_model_fp32_greedy_identical_cuda).
     """
     from rocm_k3.model.tiny import write_tiny_checkpoint
 
