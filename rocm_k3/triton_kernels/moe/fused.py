@@ -185,8 +185,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     w2s = w2s if w2s is not None else w2
     linear_beta = activation.linear_beta
     stages = min(cfg.num_stages, _DOT_SCALED_MAX_STAGES) if w_fmt == K.W_MXFP4 else cfg.num_stages
-    common = dict(A_MX=a8, W_FMT=w_fmt, OP_F32=op_f32, DOT_F32=interpreted(K.w13_kernel), BIAS=bias, BM=cfg.block_m, BN=cfg.block_n,
-                  BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=stages)
+    common = dict(A_MX=a8, W_FMT=w_fmt, OP_F32=op_f32, DOT_F32=interpreted(K.w13_kernel), BIAS=bias,
+                  BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=stages)
     K.w13_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
         xa, xs, w13, w13s, inter, inter_s,
         routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,

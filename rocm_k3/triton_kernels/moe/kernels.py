@@ -145,13 +145,16 @@ def _weight_dot(acc, a, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k0, K,
                                                (BK // 32, 16, BN)), (BK // 2, BN))  # [BK/2, BN]
             lo = e2m1_decode(q & 15) * scale  # [BK/2, BN] fp32, exact
             hi = e2m1_decode(q >> 4) * scale
+            if not OP_F32:  # exact too: E2M1 x E8M0 has 2 significant bits
+                lo = lo.to(tl.bfloat16)
+                hi = hi.to(tl.bfloat16)
             w = tl.reshape(tl.trans(tl.join(lo, hi), 0, 2, 1), (BK, BN))  # [BK, BN] interleaved back
             if OP_F32:
                 acc = _dot_ieee(a, w, acc)
-            elif DOT_F32:  # the bf16 values (E2M1 x E8M0 is exact in bf16), multiplied as fp32
-                acc = tl.dot(a.to(tl.float32), w.to(tl.bfloat16).to(tl.float32), acc)
+            elif DOT_F32:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
             else:
-                acc = tl.dot(a, w.to(tl.bfloat16), acc)
+                acc = tl.dot(a, w, acc)
     return acc
 
 
