@@ -32,6 +32,7 @@ from rocm_k3.triton_kernels.moe.mx import (
     mx_scale_exponent,
     pow2,
 )
+from rocm_k3.triton_kernels.moe.pointwise import tanh_f32
 
 ACT_SITU = 0
 ACT_SILU = 1
@@ -213,11 +214,6 @@ def _bits_dot(acc, a_even, a_odd, w_ptr, ws_ptr, w_row_off, ws_row_off, nmask, k
 
 
 @triton.jit
-def _tanh(z):
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
-
-
-@triton.jit
 def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
                sorted_ptr, block_expert_ptr, start_ptr, count_ptr,
                K, N, top_k, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
@@ -260,9 +256,9 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
             acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
             acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
     if ACT == 0:  # SiTU: beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)
-        gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
+        gate = beta * tanh_f32(acc_g / beta) * tl.sigmoid(acc_g)
         if HAS_LINEAR_BETA:
-            up = linear_beta * _tanh(acc_u / linear_beta)
+            up = linear_beta * tanh_f32(acc_u / linear_beta)
         else:
             up = acc_u
     else:  # SiLU(g) * u
