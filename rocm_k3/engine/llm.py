@@ -1,22 +1,25 @@
 """The Python API: ``rocm_k3.LLM(path).generate(prompts, rocm_k3.SamplingParams(...))``.
 
 ``LLM()`` with no path serves the embedded tiny K3 model (built on first use into ``settings.cache_dir``).
-Requests currently run one at a time over a :class:`~rocm_k3.model.simple_cache.SimpleCache`, in
-:meth:`LLM._run_requests`; the continuous-batching engine replaces that one method.
+Requests run on the continuous-batching engine (:class:`~rocm_k3.engine.engine.LLMEngine`: chunked prefill,
+paged hybrid cache, prefix caching on by default); the engine and its prefix cache live as long as the LLM, so a
+later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the prefix-cache counters.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from rocm_k3.cache.config import CacheConfig
+from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.engine import LLMEngine
 from rocm_k3.engine.outputs import RequestOutput
-from rocm_k3.engine.sampler import check_stop, make_generator, sample
 from rocm_k3.engine.sampling import SamplingParams
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.model.tokenizer import load_tokenizer
 from rocm_k3.settings import BACKEND_CHOICES
@@ -40,12 +43,22 @@ class LLM:
     device:        torch device; default the first GPU if there is one, else the CPU.
     progress:      show a progress bar while the weights load.
     moe_act_quant: routed-expert activations: "bf16" (A16W4, default) or "mxfp8" (A8W4, what K3 was trained with).
+
+    Engine and cache (see :mod:`rocm_k3.cache.config`; invalid combinations raise its named errors):
+    enable_prefix_caching: reuse cached prefixes (KV pages + saved KDA states); outputs are the same either way.
+    block_size / match_unit / alignment: KV page size, prefix hash granularity, prefill chunk grid (tokens).
+    max_num_batched_tokens / max_num_seqs: new tokens and running requests per engine step.
+    kv_cache_bytes / state_cache_bytes: memory budgets of the MLA pages and of the KDA state slots (None:
+                   CacheConfig's defaults); CacheBudgetError if one max_model_len request cannot fit.
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
                  backend: str | None = None, max_model_len: int | None = None,
                  device: str | torch.device | None = None, progress: bool = False,
-                 moe_act_quant: str = "bf16") -> None:
+                 moe_act_quant: str = "bf16", *, enable_prefix_caching: bool = True, block_size: int = 128,
+                 match_unit: int = 64, alignment: int = 256, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 32, kv_cache_bytes: int | None = None,
+                 state_cache_bytes: int | None = None) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -65,6 +78,14 @@ class LLM:
         self.max_model_len = max_model_len
         self.tokenizer = load_tokenizer(self.path)  # None: token-id prompts only
         self.eos_token_ids = tuple(self.config.eos_token_id)
+        budgets = {name: value for name, value in (("kv_cache_bytes", kv_cache_bytes),
+                                                   ("state_cache_bytes", state_cache_bytes)) if value is not None}
+        cache = CacheConfig(block_size=block_size, match_unit=match_unit, alignment=alignment,
+                            enable_prefix_caching=enable_prefix_caching, **budgets)
+        engine_config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len, cache=cache)
+        self.engine = LLMEngine(self.model, engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
+        self._request_ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -107,31 +128,23 @@ class LLM:
             )
         return ids
 
-    def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
-        """Run every request to completion (one at a time for now); outputs in prompt order."""
-        return [self._run_one(ids, p) for ids, p in zip(prompt_ids, params)]
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache and engine counters: queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
+        cow_copies, state_restores, block/state evictions, steps, prefill_tokens, preemptions, cache sizes."""
+        return self.engine.stats()
 
-    def _run_one(self, prompt: list[int], params: SamplingParams) -> RequestOutput:
-        capacity = min(self.max_model_len, len(prompt) + params.max_tokens)
-        cache = SimpleCache(self.config, max_model_len=capacity, dtype=self.dtype, device=self.device)
-        gen = make_generator(params.seed, self.device)
-        logits = self.model.forward(cache.prepare([(0, prompt)]), cache)  # [1, vocab]
-        tokens: list[int] = []
-        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        while True:
-            out = sample(logits, [params], [gen])
-            token = int(out.token_ids[0])
-            tokens.append(token)
-            if logprobs is not None:
-                logprobs.append(out.logprobs[0])
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-            decision = check_stop(tokens, text, params, self.eos_token_ids)
-            reason = decision.finish_reason
-            if reason is None and cache.lengths[0] >= capacity:
-                reason = "length"  # no room to feed the token back
-            if reason is not None:
-                return RequestOutput(list(prompt), tokens, decision.text, logprobs, reason)
-            logits = self.model.forward(cache.prepare([(0, [token])]), cache)
+    def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Run every request to completion on the engine (batched); outputs in prompt order."""
+        request_ids = [str(next(self._request_ids)) for _ in prompt_ids]
+        try:
+            for rid, ids, p in zip(request_ids, prompt_ids, params):
+                self.engine.add_request(rid, ids, p)
+            done = self.engine.run_to_completion()
+        except BaseException:
+            for rid in request_ids:  # leave the engine empty for the next call
+                self.engine.abort(rid)
+            raise
+        return [done[rid] for rid in request_ids]
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
