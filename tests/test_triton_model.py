@@ -87,13 +87,14 @@ def test_tiny_model_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.interpret
 @pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; see the subprocess test")
 def test_k3_slice_plumbing_interpret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The K3-slice builder at 1/16 width: one greedy token through every layer kind on both backends."""
+    """The K3-slice builder at 1/16 width: one greedy token through every layer kind on both backends, its
+    log-prob within 1e-4 nats (measured 1.8e-6 with the fp32-operand MoE; 0.05 was allowed for bf16 operands)."""
     from rocm_k3.model.tiny import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides(16))
     ref = _greedy("reference", "float32", "cpu", 1, ["K3"], path)
     monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
-    _compare(ref, _greedy("triton", "float32", "cpu", 1, ["K3"], path), 0.05)
+    _compare(ref, _greedy("triton", "float32", "cpu", 1, ["K3"], path), 1e-4)
 
 
 @pytest.mark.interpret
