@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from rocm_k3.cache.hybrid_cache import CacheGeometry, HybridCache
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.forward_batch import MLA_LATENT_WIDTH, ForwardBatch
+from rocm_k3.model.forward_batch import ForwardBatch
 
 
 class SimpleCache:
@@ -35,30 +36,27 @@ class SimpleCache:
         self.cfg = cfg
         self.max_seqs = max_seqs
         self.max_model_len = max_model_len
-        self._block_size = block_size
         self.pages_per_seq = math.ceil(max_model_len / block_size)
         self.device = torch.device(device)
-        h, d, w = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size
-        slots = max_seqs + spare_slots
-        self._mla = [torch.zeros(max_seqs * self.pages_per_seq, block_size, MLA_LATENT_WIDTH, dtype=dtype,
-                                 device=self.device) for _ in cfg.mla_layers]
-        self._kda = [torch.zeros(slots, h, d, d, dtype=torch.float32, device=self.device) for _ in cfg.kda_layers]
-        self._conv = [torch.zeros(slots, 3 * h * d, w - 1, dtype=dtype, device=self.device) for _ in cfg.kda_layers]
+        # the engine's tensor pools, laid out contiguously: pages of sequence s, then KDA slot s
+        self._pools = HybridCache(CacheGeometry.from_model_config(cfg, dtype), block_size=block_size,
+                                  num_blocks=max_seqs * self.pages_per_seq, num_slots=max_seqs + spare_slots,
+                                  device=self.device)
         self.lengths = [0] * max_seqs  # tokens already cached per sequence
 
     # ------------------------------------------------------------------ HybridCacheView
     @property
     def block_size(self) -> int:
-        return self._block_size
+        return self._pools.block_size
 
     def mla_kv(self, mla_layer_idx: int) -> torch.Tensor:
-        return self._mla[mla_layer_idx]
+        return self._pools.mla_kv(mla_layer_idx)
 
     def kda_state(self, kda_layer_idx: int) -> torch.Tensor:
-        return self._kda[kda_layer_idx]
+        return self._pools.kda_state(kda_layer_idx)
 
     def conv_state(self, kda_layer_idx: int) -> torch.Tensor:
-        return self._conv[kda_layer_idx]
+        return self._pools.conv_state(kda_layer_idx)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self, seq: int) -> None:
@@ -93,7 +91,7 @@ class SimpleCache:
             pos = range(start, start + n)
             positions.extend(pos)
             first_page = seq * self.pages_per_seq
-            slots.extend(first_page * self._block_size + p for p in pos)
+            slots.extend(first_page * self.block_size + p for p in pos)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             rows.append(list(range(first_page, first_page + self.pages_per_seq)))
