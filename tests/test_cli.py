@@ -55,3 +55,14 @@ def test_readme_command_on_a_fresh_cache(tmp_path) -> None:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "prompt: 'Hello'" in proc.stdout and "output: " in proc.stdout
+
+
+def test_generate_engine_flags(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """Engine knobs reach the LLM: caching off gives the same greedy text as on; a bad block size is named."""
+    with override(cache_dir=tmp_path):
+        assert main(["generate", "--max-tokens", "4", "--max-num-seqs", "4", "Hi", "Hello"]) == 0
+        cached = capsys.readouterr().out
+        assert main(["generate", "--max-tokens", "4", "--no-prefix-caching", "Hi", "Hello"]) == 0
+        assert capsys.readouterr().out == cached
+        assert main(["generate", "--block-size", "48", "Hi"]) == 2
+    assert "match_unit=64 must divide block_size=48" in capsys.readouterr().err

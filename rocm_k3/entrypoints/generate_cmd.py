@@ -7,7 +7,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="+", help="prompt text (several prompts are generated one after another)")
+    parser.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched by the engine)")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny K3 model)")
     parser.add_argument("--token-ids", action="store_true",
                         help="read each prompt as comma-separated token ids (for checkpoints without a tokenizer)")
@@ -24,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routed-expert activations: bf16 (A16W4, default) or mxfp8 (A8W4)")
     parser.add_argument("--device", default=None, help="torch device (default: first GPU, else cpu)")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    engine = parser.add_argument_group("engine and cache")
+    engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="turn KDA-aware prefix caching off (on by default; outputs are identical either way)")
+    engine.add_argument("--block-size", type=int, default=None, help="MLA KV page size in tokens")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="new tokens per engine step")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -41,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 max_tokens=args.max_tokens)
         prompts = [_parse_ids(p) for p in args.prompt] if args.token_ids else list(args.prompt)
+        knobs = {name: getattr(args, name) for name in ("block_size", "max_num_seqs", "max_num_batched_tokens")
+                 if getattr(args, name) is not None}
         llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_model_len=args.max_model_len,
-                  device=args.device, progress=True, moe_act_quant=args.moe_act_quant)
+                  device=args.device, progress=True, moe_act_quant=args.moe_act_quant,
+                  enable_prefix_caching=args.prefix_caching, **knobs)
         outputs = llm.generate(prompts, params)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rocm-k3 generate: error: {exc}", file=sys.stderr)

@@ -59,13 +59,14 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_p
         if DOT_F32:
             c_kv = c_kv.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q, tl.trans(c_kv)) + tl.dot(qpe, tl.trans(k_pe))  # [BH, BLOCK_N]
+        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [BH, BLOCK_N]; IEEE: no TF32 for fp32 operands
+        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
         s = tl.where(pmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
         m = m_new
     if SPLITS == 1:
         o = acc / l_sum[:, None]

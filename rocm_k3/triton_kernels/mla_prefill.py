@@ -94,7 +94,8 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
         else:
             c_kv = c_kv.to(q.dtype)
             k_pe = k_pe.to(q.dtype)
-        s = tl.dot(q, tl.trans(c_kv)) + tl.dot(qpe, tl.trans(k_pe))  # [BT, BLOCK_N]
+        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [BT, BLOCK_N]; IEEE: no TF32 for fp32 operands
+        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
         causal = (pos[None, :] <= pos_q[:, None]) & kmask[None, :]
         s = tl.where(causal, s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -102,7 +103,7 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
         m = m_new
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + t64[:, None] * stride_o_t + h * stride_o_h + d[None, :], o, mask=rmask[:, None])
