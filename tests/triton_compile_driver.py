@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 TARGETS = ("sm_90", "gfx942", "gfx950")
 
 
 def _specs() -> dict:
+    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
+    # dot_scaled is launched unpipelined (moe/fused.py: num_stages > 1 miscompiles it on Triton 3.6 / sm_90)
+    return {name: (*spec, 1 if name.startswith("moe_w") else 2) for name, spec in _launch_specs().items()}
+
+
+def _launch_specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps); MoE tiles as launched at decode."""
     moe_ptrs = {"a_ptr": "*bf16", "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "sorted_ptr": "*i32",
                 "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32"}
@@ -86,28 +91,10 @@ def _specs() -> dict:
     }
 
 
-def _compile_one(job: tuple[str, str]) -> tuple[str, dict]:
-    import importlib
-
-    from rocm_k3.triton_kernels.compile_check import compile_kernel
-
-    name, target = job
-    module, attr, sig, constexprs, warps = _specs()[name]
-    fn = getattr(importlib.import_module(module), attr)
-    try:
-        stages = 1 if name.startswith("moe_w") else 2  # dot_scaled is launched unpipelined (moe/fused.py)
-        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages)
-    except Exception as exc:  # reported per kernel/target; the test fails with this message
-        return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
-    return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
-                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
-
-
 def main(names: list[str]) -> None:
-    jobs = [(n, t) for n in (names or list(_specs())) for t in TARGETS]
-    with ProcessPoolExecutor(max_workers=2) as pool:
-        results = dict(pool.map(_compile_one, jobs))
-    json.dump(results, sys.stdout)
+    from rocm_k3.triton_kernels.compile_check import compile_specs
+
+    json.dump(compile_specs(_specs, names, TARGETS), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 TARGETS = ("sm_90", "gfx942", "gfx950")
 H, K, V, W = 96, 128, 128, 4
@@ -77,27 +76,10 @@ def _specs() -> dict:
     }
 
 
-def _compile_one(job: tuple[str, str]) -> tuple[str, dict]:
-    import importlib
-
-    from rocm_k3.triton_kernels.compile_check import compile_kernel
-
-    name, target = job
-    module, attr, sig, constexprs, warps, stages = _specs()[name]
-    fn = getattr(importlib.import_module(module), attr)
-    try:
-        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages)
-    except Exception as exc:  # reported per kernel/target; the test fails with this message
-        return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
-    return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
-                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
-
-
 def main(names: list[str]) -> None:
-    jobs = [(n, t) for n in (names or list(_specs())) for t in TARGETS]
-    with ProcessPoolExecutor(max_workers=2) as pool:
-        results = dict(pool.map(_compile_one, jobs))
-    json.dump(results, sys.stdout)
+    from rocm_k3.triton_kernels.compile_check import compile_specs
+
+    json.dump(compile_specs(_specs, names, TARGETS), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,32 @@ def compile_kernel(
         shared,
         meta,
     )
+
+
+KernelSpec = tuple  # (module, attribute, signature, constexprs, num_warps, num_stages)
+
+
+def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
+    """Worker of :func:`compile_specs`: compile one (kernel, target) and summarise it as plain JSON values."""
+    import importlib
+
+    specs_fn, name, target = job
+    module, attr, sig, constexprs, warps, stages = specs_fn()[name]
+    fn = getattr(importlib.import_module(module), attr)
+    try:
+        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages)
+    except Exception as exc:  # reported per kernel/target; the calling test fails with this message
+        return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
+    return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
+                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
+
+
+def compile_specs(specs_fn: Any, names: list[str], targets: tuple[str, ...], workers: int = 2) -> dict:
+    """Compile the named kernels of ``specs_fn() -> {name: KernelSpec}`` (all when ``names`` is empty) for every
+    target in ``workers`` processes; returns ``{"<name>/<target>": summary}``. ``specs_fn`` must be a module-level
+    function (it is sent to the workers by reference)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(specs_fn, n, t) for n in (names or list(specs_fn())) for t in targets]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return dict(pool.map(_summarize_job, jobs))
