@@ -35,3 +35,22 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
 
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def run_compile_driver(script: str) -> dict:
+    """Run ``tests/<script>`` in a fresh interpreter without TRITON_INTERPRET (Triton decides at import whether
+    kernels are interpreted) and return its JSON ``{"<kernel>/<target>": summary}``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(root / "tests" / script)],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)

@@ -20,7 +20,6 @@ Tolerances (relative L2 error, tests/helpers.rel_err):
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from rocm_k3.ops.kda.naive import kda_recurrent_naive  # noqa: E402
 from rocm_k3.triton_kernels.kda import KERNELS  # noqa: E402
 from rocm_k3.triton_kernels.kda.gate import kda_gate_kernel  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
-from tests.helpers import assert_rel, seeded  # noqa: E402
+from tests.helpers import assert_rel, run_compile_driver, seeded  # noqa: E402
 
 # in-process only when triton itself (its standard library) was imported under the interpreter too
 _INTERPRETED = interpreted(kda_gate_kernel) and interpreted(triton.language.standard.zeros_like)
@@ -312,13 +311,7 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
 
 @pytest.fixture(scope="module")
 def kda_compiled() -> dict:
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_kda_compile_driver.py")],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_compile_driver("triton_kda_compile_driver.py")
 
 
 @pytest.mark.compile

@@ -16,7 +16,6 @@ reference); bf16 outputs on the GPU 1e-2 (a few bf16 ulps, 2^-8 each).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from rocm_k3.triton_kernels.moe.align import align_routing  # noqa: E402
 from rocm_k3.triton_kernels.moe import pointwise as tri_pointwise  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_supports, fused_moe_with, prepare_weights  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
-from tests.helpers import assert_rel, poisoned_like, seeded  # noqa: E402
+from tests.helpers import assert_rel, poisoned_like, run_compile_driver, seeded  # noqa: E402
 
 # both ours and Triton's own standard library must be interpreted (see the module docstring)
 _INTERPRETED = interpreted(tri_norm._rms_norm_kernel) and interpreted(triton.language.sigmoid)
@@ -372,13 +371,7 @@ _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_compile_driver.py")],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_compile_driver("triton_compile_driver.py")
 
 
 @pytest.mark.compile
