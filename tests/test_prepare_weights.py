@@ -39,3 +39,27 @@ def test_unknown_backend_and_wrong_type_are_named() -> None:
         ops.prepare_expert_weights(_experts(), backend="cuda-magic")
     with pytest.raises(TypeError, match="ExpertWeights"):
         ops.prepare_expert_weights(torch.zeros(3))
+
+
+def test_auto_passes_over_a_backend_whose_hook_rejects_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook's ValueError (weights its kernels cannot take) moves auto mode to the next backend; a named
+    backend reports it as a BackendError."""
+    import importlib
+
+    from rocm_k3.ops import registry
+
+    def reject(weights):
+        raise ValueError("the FlyDSL MoE kernels take MXFP4 experts, got fmt='bf16'")
+
+    def tag(weights):
+        weights.extras["seen_by"] = "triton"
+        return weights
+
+    fly, tri = (importlib.import_module(registry.BACKEND_MODULES[n]) for n in ("flydsl", "triton"))
+    monkeypatch.setattr(fly, "prepare_weights", reject)
+    monkeypatch.setattr(tri, "prepare_weights", tag)
+    monkeypatch.setattr(registry, "backend_available", lambda name, dev: (True, "test"))
+    monkeypatch.setitem(registry.PRIORITY, "cpu", ("flydsl", "triton", "reference"))
+    assert ops.prepare_expert_weights(_experts()).extras["seen_by"] == "triton"
+    with pytest.raises(BackendError, match="flydsl.*cannot prepare these weights.*MXFP4"):
+        ops.prepare_expert_weights(_experts(), backend="flydsl")

@@ -172,7 +172,11 @@ def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
 
 
 def prepare_weights(weights: Any, backend: str | None, device: torch.device) -> Any:
-    """Run the ``prepare_weights`` hook of the backend that serves ``device`` (named, or first available)."""
+    """Run the ``prepare_weights`` hook of the backend that serves ``device`` (named, or first available).
+
+    In auto mode a backend whose hook rejects the weights (ValueError: e.g. FlyDSL's MoE takes MXFP4 experts with
+    K, N multiples of 128 only) is passed over, so its ``fused_moe`` declines them and the next backend serves them.
+    """
     requested = backend if backend is not None else get_settings().backend
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown backend {requested!r}; choose one of {BACKEND_CHOICES}")
@@ -185,7 +189,14 @@ def prepare_weights(weights: Any, backend: str | None, device: torch.device) -> 
                 raise BackendError(f"backend {name!r} cannot prepare weights on {dev.describe()}: {reason}")
             continue
         hook = getattr(importlib.import_module(BACKEND_MODULES[name]), "prepare_weights", None)
-        return weights if hook is None else hook(weights)
+        if hook is None:
+            return weights
+        try:
+            return hook(weights)
+        except ValueError as exc:  # weights this backend's kernels cannot take (format, shape)
+            if requested != "auto":
+                raise BackendError(f"backend {name!r} cannot prepare these weights: {exc}") from exc
+            _log_fallback("prepare_weights", f"the next backend after {name}", str(exc))
     return weights
 
 
