@@ -20,20 +20,11 @@ from rocm_k3.ops import kda
 from rocm_k3.ops.kda import KDAGateParams
 from rocm_k3.ops.kda.naive import kda_prefill_naive, kda_recurrent_naive
 from tests.helpers import assert_rel, seeded
+from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 FP32_TOL = 1e-5
 BF16_OUT_TOL = 1e-2
 LENGTHS = (1, 63, 64, 65, 130, 200)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The references run many small ops; on the shared 2-core CI box one intra-op thread is several times
-    faster than two contending ones. Restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _cu(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:

@@ -15,18 +15,9 @@ import torch.nn.functional as F
 
 from rocm_k3.ops import kda
 from tests.helpers import assert_rel, seeded
+from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 CONV_TOL = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The references run many small ops; on the shared 2-core CI box one intra-op thread is several times
-    faster than two contending ones. Restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _cu(lengths):
