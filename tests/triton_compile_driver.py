@@ -32,7 +32,8 @@ def _launch_specs() -> dict:
     w2_sig = {**moe_ptrs, "a_ptr": "*u8", "y_ptr": "*fp32", "topk_w_ptr": "*fp32", "K": "i32", "N": "i32",
               "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
               "stride_wsn": "i32", "stride_y": "i32"}
-    moe_ce = dict(W_FMT=0, OP_F32=False, DOT_F32=False, BIAS=7, BM=16, BN=32, BK=64)
+    moe_ce = dict(W_FMT=0, OP_F32=False, DOT_F32=False, BIAS=7, F16_DECODE=False, BM=16, BN=32, BK=64)
+    fma_ce = dict(moe_ce, W_FMT=4, BM=1, BK=128)  # the decode GEMV on fp32 multiply-adds
     # fp32 activations: fp32 operands, IEEE dots (manual E2M1 decode for MXFP4; bf16 experts widened to fp32)
     f32_ce = dict(moe_ce, OP_F32=True, A_MX=False)
     w13_f32_sig = {**w13_sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}
@@ -51,7 +52,7 @@ def _launch_specs() -> dict:
                            "stride_part": "i32", "stride_delta": "i32", "stride_bb": "i64", "stride_bt": "i32",
                            "stride_p": "i32", "stride_out": "i32", "eps": "fp32"},
                           dict(HAS_PARTIAL=True, HAS_DELTA=True, WRITE_P=True, WRITE_BLOCK=True, NORM=True, ROWS=1,
-                               BLOCK_D=8192), 16),
+                               BLOCK_D=8192, PREFETCH=True), 16),
         "mla_decode": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel",
                        {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
                         "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
@@ -80,6 +81,15 @@ def _launch_specs() -> dict:
                          dict(moe_ce, W_FMT=3, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8,
                               FP8_MAX=448.0), 4),
         "moe_w2_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig, dict(moe_ce, A_MX=True), 4),
+        "moe_w13_fma": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
+                        dict(fma_ce, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
+        "moe_w2_fma_f16": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig,
+                           dict(fma_ce, F16_DECODE=True, A_MX=False), 4),
+        "moe_w13_gemv_f16": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
+                             dict(fma_ce, W_FMT=5, BN=64, F16_DECODE=True, A_MX=False, ACT=0, HAS_LINEAR_BETA=True,
+                                  OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
+        "moe_w2_gemv_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig,
+                             dict(fma_ce, W_FMT=5, BN=64, A_MX=True), 4),
         "moe_w13_f32": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_f32_sig,
                         dict(f32_ce, W_FMT=2, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
         "moe_w2_f32_bf16experts": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_f32_sig,

@@ -16,6 +16,8 @@ Bytes per token: (num_blocks + #given partial/delta) * Hd reads, plus p, the opt
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,7 @@ def _attn_res_kernel(
     partial_ptr, delta_ptr, blocks_ptr, proj_ptr, normw_ptr, rmsw_ptr, p_out_ptr, out_ptr,
     n_rows, hd, num_blocks, write_offset, stride_part, stride_delta, stride_bb, stride_bt, stride_p, stride_out, eps,
     HAS_PARTIAL: tl.constexpr, HAS_DELTA: tl.constexpr, WRITE_P: tl.constexpr, WRITE_BLOCK: tl.constexpr,
-    NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -39,6 +41,10 @@ def _attn_res_kernel(
     mask = (rows < n_rows)[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     c2 = cols[None, :]
+    src = blocks_ptr + r64 * stride_bt + c2  # [ROWS, BLOCK_D] pointers into blocks[0]; advanced per source
+    left = tl.zeros((ROWS, 1), tl.int32) + num_blocks  # [ROWS, 1] sources still to read from the bank
+    if PREFETCH:  # blocks[0] in flight while p is formed: one source ahead of the softmax throughout
+        nxt = tl.load(src, mask=mask & (left > 0), other=0.0)
     # p = partial + delta, rounded to the activation dtype.
     if HAS_PARTIAL:
         part = tl.load(partial_ptr + r64 * stride_part + c2, mask=mask, other=0.0)  # [ROWS, BLOCK_D]
@@ -60,10 +66,14 @@ def _attn_res_kernel(
     m = tl.sum(pf * w, axis=1) / tl.sqrt(tl.sum(pf * pf, axis=1) / hd + eps)  # [ROWS]
     den = tl.full((ROWS,), 1.0, tl.float32)
     acc = pf  # [ROWS, BLOCK_D]
-    src = blocks_ptr + r64 * stride_bt + c2  # [ROWS, BLOCK_D] pointers into blocks[0]; advanced per source
-    for _ in range(0, num_blocks):
-        v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        src += stride_bb
+    for i in range(0, num_blocks):
+        if PREFETCH:
+            v = nxt.to(tl.float32)
+            src += stride_bb
+            nxt = tl.load(src, mask=mask & (left > i + 1), other=0.0)  # the next source, before the sums
+        else:
+            v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            src += stride_bb
         logit = tl.sum(v * w, axis=1) / tl.sqrt(tl.sum(v * v, axis=1) / hd + eps)  # [ROWS]
         m_new = tl.maximum(m, logit)
         alpha = tl.exp(m - m_new)
@@ -79,21 +89,41 @@ def _attn_res_kernel(
     tl.store(out_ptr + r64 * stride_out + c2, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(hd: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps) for a hidden size: one row per program for wide rows."""
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Launch shape: ``rows`` tokens per program, ``num_warps``, and whether the next source is prefetched."""
+
+    rows: int
+    num_warps: int
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"AttnResConfig.{name} must be a power of two >= 1, got {value!r}")
+
+
+def default_config(hd: int) -> AttnResConfig:
+    """One row per program for wide rows, several for narrow ones; 4 warps up to 8192 lanes, prefetching.
+
+    H200, Hd 7168 (8192 lanes), 8 blocks + write, T 4096 (benchmarks/RESULTS.md): 4 warps with prefetch 214 us
+    (84 % of HBM), 8 warps 249-290 us, 16 warps 299 us with prefetch and 418 us without (the previous default).
+    """
     block_d = triton.next_power_of_2(hd)
     rows = max(1, min(16, 1024 // block_d))
-    num_warps = 4 if block_d <= 2048 else 8 if block_d <= 4096 else 16
-    return block_d, rows, num_warps
+    return AttnResConfig(rows, max(4, block_d // 2048))
 
 
 def _launch(partial, delta, blocks, num_blocks, write_block, write_p, proj_weight, norm_weight, rms_weight,
-            p_out, out, eps, norm):
+            p_out, out, eps, norm, config: AttnResConfig | None = None):
     ref = partial if partial is not None else delta
     n_rows, hd = ref.shape
     if n_rows == 0:
         return
-    block_d, rows, num_warps = _config(hd)
+    block_d = triton.next_power_of_2(hd)
+    cfg = config or default_config(hd)
+    rows, num_warps = cfg.rows, cfg.num_warps
     _attn_res_kernel[(triton.cdiv(n_rows, rows),)](
         partial if partial is not None else ref, delta if delta is not None else ref, blocks,
         proj_weight, norm_weight, rms_weight if rms_weight is not None else proj_weight,
@@ -102,7 +132,7 @@ def _launch(partial, delta, blocks, num_blocks, write_block, write_p, proj_weigh
         partial.stride(0) if partial is not None else 0, delta.stride(0) if delta is not None else 0,
         blocks.stride(0), blocks.stride(1), p_out.stride(0) if p_out is not None else 0, out.stride(0), float(eps),
         HAS_PARTIAL=partial is not None, HAS_DELTA=delta is not None, WRITE_P=write_p, WRITE_BLOCK=write_block,
-        NORM=norm, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+        NORM=norm, ROWS=rows, BLOCK_D=block_d, PREFETCH=cfg.prefetch, num_warps=num_warps,
     )
 
 
@@ -124,12 +154,21 @@ def attn_res_step(partial: torch.Tensor | None, delta: torch.Tensor | None, bloc
                   *, write_block: bool, proj_weight: torch.Tensor, norm_weight: torch.Tensor,
                   rms_weight: torch.Tensor, eps: float = 1e-5) -> AttnResStepOutput:
     """Fused ``p = partial + delta``, optional ``blocks[num_blocks] = p``, mix, RMSNorm; returns (normed, p)."""
+    return attn_res_step_with(partial, delta, blocks, num_blocks, write_block=write_block, proj_weight=proj_weight,
+                              norm_weight=norm_weight, rms_weight=rms_weight, eps=eps)
+
+
+def attn_res_step_with(partial, delta, blocks, num_blocks, *, write_block, proj_weight, norm_weight, rms_weight,
+                       eps=1e-5, config: AttnResConfig | None = None) -> AttnResStepOutput:
+    """:func:`attn_res_step` with an explicit launch shape (benchmarks, tests)."""
+    if config is not None and not isinstance(config, AttnResConfig):
+        raise TypeError(f"config must be an AttnResConfig or None, got {type(config).__name__}")
     partial, delta = _last_contig(partial), _last_contig(delta)
     ref = partial if partial is not None else delta
     p_out = torch.empty_like(ref)  # a fresh p even when only one term is given (never an alias of an input)
     out = torch.empty_like(ref)
     _launch(partial, delta, blocks, num_blocks, write_block, True, proj_weight.contiguous(),
-            norm_weight.contiguous(), rms_weight.contiguous(), p_out, out, eps, norm=True)
+            norm_weight.contiguous(), rms_weight.contiguous(), p_out, out, eps, norm=True, config=config)
     return AttnResStepOutput(out, p_out)
 
 

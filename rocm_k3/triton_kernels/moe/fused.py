@@ -4,6 +4,11 @@ Launches (decode, A16W4): the single-program align, the w13 GEMM, the w2 GEMM an
 A8W4 adds the x pre-pass). Every expert weight tile is read once per block of BM rows routed to it, so at
 decode (T <= 64) the bytes moved are the active experts' weights.
 
+Two GEMM families (:func:`pick_config`): at decode (T * top_k <= 1.5 E; K3: T <= 84) MXFP4 experts take the
+FMA decode GEMV ("gemv_f16": one routed row per block, E2M1 pairs decoded through fp16 bit patterns, fp32
+multiply-adds, no MMA, 1.7x faster than the MMA path at T = 1 on the H200); above that, and for bf16 experts,
+the expert-sorted MMA tiles ("dot_scaled"). Both read the same weight bytes.
+
 Weight layout (the choice: prepare lazily, once, and cache): the kernels read the checkpoint byte order
 ([E, 2N, K/2] packed along K, low nibble first, E8M0 [E, 2N, K/32]) directly, so "preparing" only means
 contiguous tensors. :func:`prepare_weights` does that at load time and tags ``layout="triton"``; weights in any
@@ -39,8 +44,10 @@ _FP8 = {torch.float8_e4m3fn: (8, 7, 448.0), torch.float8_e4m3fnuz: (7, 8, 240.0)
 class MoEConfig:
     """Tile sizes of both GEMMs: BM rows (tokens of one expert) x BN output columns x BK reduction.
 
-    All are powers of two; BM >= 16 (the smallest MMA tile), BN and BK multiples of 32 (one E8M0 group; the
-    A8W4 epilogue quantises BN columns in groups of 32), BK >= 64 (32 packed bytes per row for dot_scaled).
+    All are powers of two; BK >= 32 (one E8M0 group) and BN >= 32 (the A8W4 epilogue quantises BN columns in
+    groups of 32). The MMA decodes ("dot_scaled", "manual", "bits") and bf16 experts further need BM >= 16 (the
+    smallest MMA tile) and BK >= 64 (32 packed bytes per row for dot_scaled); the launcher checks that. The FMA
+    decodes ("fma", "fma_f16") take any BM >= 1.
     """
 
     block_m: int
@@ -50,27 +57,65 @@ class MoEConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        for name, low in (("block_m", 16), ("block_n", 32), ("block_k", 64), ("num_warps", 1)):
+        for name, low in (("block_m", 1), ("block_n", 32), ("block_k", 32), ("num_warps", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low or value & (value - 1):
                 raise ValueError(f"MoEConfig.{name} must be a power of two >= {low}, got {value!r}")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"MoEConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
 
+    @property
+    def mma_ok(self) -> bool:
+        return self.block_m >= 16 and self.block_k >= 64
 
-# Keyed on how many rows each expert gets on average: decode (few) vs prefill (many). Measured on the H200
-# (Triton 3.6, 2026-11-29): (16, 32, 64, 4, 1) was the fastest correct decode tile (benchmarks/RESULTS.md).
+
+# MMA tiles keyed on how many rows each expert gets on average (bf16 experts, and MXFP4 past the FMA range).
+# Measured on the H200 (Triton 3.6, 2026-11-29): (16, 32, 64, 4, 1) was the fastest correct MMA decode tile.
 DECODE_CONFIG = MoEConfig(16, 32, 64, 4, 1)
 PREFILL_CONFIG = MoEConfig(64, 128, 128, 8, 1)
+# MXFP4 decode GEMV on fp32 multiply-adds: one routed row per block, 64 output columns x 128 K per step.
+# H200, K3 experts (E 896, top-16), 2026-11-29: gemv_f16 1x64x128 w4 368 us at T = 1 vs 631 us for the MMA
+# (dot_scaled) path, 5.3 ms vs 8.0 ms at T = 16; at T = 64 (1.14 pairs per expert) the GEMV tiles were still
+# 1.1x faster, at T = 256 (4.6) the first FMA kernel was 2.5-3x slower than MMA. Crossover set at 1.5.
+FMA_CONFIG = MoEConfig(1, 64, 128, 4, 1)
+FMA_DECODE = "gemv_f16"
+FMA_MAX_PAIRS_PER_EXPERT = 1.5  # FMA path while T * top_k <= this * E (decode); MMA above
+# A8W4: the GEMV decodes each MXFP8 activation per weight word (no bf16 pair loads), so the first FMA kernel is
+# faster there: T = 1 486 us ("fma", 1x32x128) vs 842 us (gemv_f16); T = 64 MMA 32 ms vs gemv_f16 48 ms.
+FMA_A8_CONFIG = MoEConfig(1, 32, 128, 4, 1)
+FMA_A8_DECODE = "fma"
+FMA_A8_MAX_PAIRS_PER_EXPERT = 1.0
 # Triton 3.6 on sm_90 miscompiles a software-pipelined (num_stages > 1) tl.dot_scaled with this packed-rhs layout:
 # outputs were uncorrelated with the reference (rel. error 1.41) while num_stages=1 and the manual decode were
 # right (2.5e-3). The dot_scaled path is therefore always launched unpipelined.
 _DOT_SCALED_MAX_STAGES = 1
-_W4_DECODES = {"dot_scaled": K.W_MXFP4, "manual": K.W_MXFP4_MANUAL, "bits": K.W_MXFP4_BITS}
+_W4_DECODES = {"dot_scaled": K.W_MXFP4, "manual": K.W_MXFP4_MANUAL, "bits": K.W_MXFP4_BITS,
+               "fma": K.W_MXFP4_FMA, "fma_f16": K.W_MXFP4_FMA, "gemv": K.W_MXFP4_GEMV,
+               "gemv_f16": K.W_MXFP4_GEMV}
+_FMA_DECODES = ("fma", "fma_f16", "gemv", "gemv_f16")
 
 
-def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
-    return DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG
+def pick_config(num_pairs: int, num_experts: int, fmt: str = "mxfp4",
+                act_quant: str = "bf16") -> tuple[MoEConfig, str]:
+    """(tiles, MXFP4 decode) for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts."""
+    if fmt == "mxfp4" and act_quant == "mxfp8" and num_pairs <= FMA_A8_MAX_PAIRS_PER_EXPERT * num_experts:
+        return FMA_A8_CONFIG, FMA_A8_DECODE
+    if fmt == "mxfp4" and act_quant != "mxfp8" and num_pairs <= FMA_MAX_PAIRS_PER_EXPERT * num_experts:
+        return FMA_CONFIG, FMA_DECODE
+    return (DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG), "dot_scaled"
+
+
+def _resolve(config: MoEConfig | None, w4_decode: str | None, num_pairs: int, num_experts: int,
+             fmt: str, act_quant: str) -> tuple[MoEConfig, str]:
+    """The (tiles, decode) a call runs with: what was asked for, the rest from :func:`pick_config`."""
+    if config is not None:
+        return config, w4_decode or ("dot_scaled" if config.mma_ok else FMA_DECODE)
+    if w4_decode in _FMA_DECODES:
+        return (FMA_CONFIG if w4_decode.startswith("gemv") else FMA_A8_CONFIG), w4_decode
+    picked, decode = pick_config(num_pairs, num_experts, fmt, act_quant)
+    if w4_decode is None:
+        return picked, decode
+    return (picked if picked.mma_ok else pick_config(num_pairs, num_experts, "bf16")[0]), w4_decode
 
 
 def _contiguous(weights: ExpertWeights) -> tuple[torch.Tensor | None, ...]:
@@ -141,18 +186,20 @@ def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tenso
 
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
                    fp8_dtype=None, config: MoEConfig | None = None, manual_w4: bool = False,
-                   w4_decode: str = "dot_scaled") -> torch.Tensor:
+                   w4_decode: str | None = None) -> torch.Tensor:
     """:func:`fused_moe` with an explicit tile config and MXFP4 decode (benchmarks, tests).
 
-    w4_decode: "dot_scaled" (default, measured), "manual" (arithmetic E2M1 decode + tl.dot) or "bits" (fp32
-    bit-pattern decode + even/odd split, experimental). ``manual_w4=True`` is the same as ``w4_decode="manual"``.
-    With fp32 x and ``act_quant="bf16"`` the fp32-operand path is taken and "dot_scaled" becomes "manual".
-    The manual and bits decodes are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
+    w4_decode (None: :func:`pick_config`'s choice): "dot_scaled" (Triton's scaled dot), "manual" (arithmetic
+    E2M1 decode + tl.dot), "bits" (fp32 bit-pattern decode + even/odd split + tl.dot), "fma" (the bits decode
+    on fp32 multiply-adds, no MMA: the decode GEMV) or "fma_f16" (the same with an fp16 bit-pattern decode).
+    ``manual_w4=True`` is the same as ``w4_decode="manual"``. With fp32 x and ``act_quant="bf16"`` the MMA
+    paths take fp32 operands and "dot_scaled" becomes "manual"; the FMA paths are fp32 throughout anyway.
+    All decodes but dot_scaled are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
     (interpreter) for scale bytes >= ~140, far above checkpoint scales (< 127).
     """
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
-    if w4_decode not in _W4_DECODES:
+    if w4_decode is not None and w4_decode not in _W4_DECODES:
         raise ValueError(f"w4_decode must be one of {sorted(_W4_DECODES)}, got {w4_decode!r}")
     if manual_w4:
         w4_decode = "manual"
@@ -161,7 +208,13 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     out = torch.empty(tokens, kout, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    cfg = config or pick_config(tokens * top_k, num_experts)
+    cfg, w4_decode = _resolve(config, w4_decode, tokens * top_k, num_experts, weights.fmt, act_quant)
+    fma = weights.fmt == "mxfp4" and w4_decode in _FMA_DECODES
+    if not fma and not cfg.mma_ok:
+        raise ValueError(f"MoEConfig{dataclasses.astuple(cfg)}: the MMA paths need block_m >= 16 and block_k >= 64 "
+                         f"(only the 'fma' decodes of MXFP4 experts take smaller tiles)")
+    if w4_decode in ("gemv", "gemv_f16") and cfg.block_m != 1:
+        raise ValueError(f"the '{w4_decode}' decode runs one routed row per block: block_m must be 1, got {cfg.block_m}")
     routing = align_routing(topk_ids, num_experts, cfg.block_m)
     num_blocks = routing.block_expert.numel()
     padded_rows = routing.sorted_pairs.numel()
@@ -186,6 +239,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     linear_beta = activation.linear_beta
     stages = min(cfg.num_stages, _DOT_SCALED_MAX_STAGES) if w_fmt == K.W_MXFP4 else cfg.num_stages
     common = dict(A_MX=a8, W_FMT=w_fmt, OP_F32=op_f32, DOT_F32=interpreted(K.w13_kernel), BIAS=bias,
+                  F16_DECODE=w4_decode in ("fma_f16", "gemv_f16"),
                   BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=stages)
     K.w13_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
         xa, xs, w13, w13s, inter, inter_s,
