@@ -9,6 +9,7 @@ shared/PLATFORM.md) expressed as % of the measured time.
   + activations; baseline = torch dequantise-then-matmul of the same experts (rocm_k3's reference path).
 - MoE prefill (T = 2048): FLOPs = 2 * T * k * (2N*K + Kout*N).
 - AttnRes step: bytes = (num_blocks + 2) reads + 3 writes of [T, Hd] bf16; baseline = the unfused torch reference.
+  Without ``--quick`` both MoE and AttnRes sweep their launch variants (tile shapes, decodes, prefetch, warps).
 - MLA decode: bytes = N * L * 576 * 2 (latent cache) + q/out; baseline = torch reference (gather + softmax).
 """
 
@@ -71,46 +72,66 @@ def random_routing(t: int, e: int, k: int, dev: str) -> tuple[torch.Tensor, torc
     return w, ids
 
 
+# (label, tiles, decode): None = what fused_moe picks. The sweep covers the FMA GEMV tiles and the MMA path.
+MOE_SWEEP = [
+    ("auto", None, None),
+    ("mma dot_scaled", MoEConfig(16, 32, 64, 4, 1), "dot_scaled"),
+    ("fma_f16 1x32x128 w4", MoEConfig(1, 32, 128, 4, 1), "fma_f16"),
+    ("gemv_f16 1x32x128 w4", MoEConfig(1, 32, 128, 4, 1), "gemv_f16"),
+    ("gemv_f16 1x64x64 w2", MoEConfig(1, 64, 64, 2, 1), "gemv_f16"),
+    ("gemv_f16 1x64x64 w1", MoEConfig(1, 64, 64, 1, 1), "gemv_f16"),
+    ("gemv_f16 1x128x128 w8", MoEConfig(1, 128, 128, 8, 1), "gemv_f16"),
+    ("gemv_f16 1x32x256 w4", MoEConfig(1, 32, 256, 4, 1), "gemv_f16"),
+    ("gemv 1x64x128 w4", MoEConfig(1, 64, 128, 4, 1), "gemv"),
+]
+
+
 def bench_moe(dev: str, quick: bool) -> None:
     e, k, hidden, n = 896, 16, 3584, 3072
     weights = random_mxfp4_experts(e, n, hidden, hidden, dev)
     per_expert = (2 * n * hidden // 2 + 2 * n * hidden // 32) + (hidden * n // 2 + hidden * n // 32)
-    # dot_scaled runs unpipelined (see moe/fused.py), so the sweep varies tile shape and warps only
-    configs = [None] if quick else [None, MoEConfig(16, 64, 128, 8, 1), MoEConfig(16, 32, 128, 4, 1),
-                                    MoEConfig(16, 128, 64, 4, 1)]
+    variants = MOE_SWEEP[:1] if quick else MOE_SWEEP
     for t in (1, 4, 16, 64):
         tw, ids = random_routing(t, e, k, dev)
         x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
         active = torch.unique(ids).numel()
         nbytes = active * per_expert + t * hidden * 2 * 2
         flops = 2 * t * k * (2 * n * hidden + hidden * n)
-        base = None
-        if t in (1, 16):
-            base = timed(lambda: fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()), graph=False)
-        for cfg in configs:
-            label = "auto" if cfg is None else f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} s{cfg.num_stages}"
-            try:
-                ms = timed(lambda: fused_moe_with(x, weights, tw, ids, config=cfg))
-            except Exception as exc:  # a config that does not compile on this Triton is reported, not fatal
-                print(f"moe config {label} failed: {exc!r}"[:300])
-                continue
-            record("moe_a16w4", f"T{t} E{e} k{k} K{hidden} N{n} [{active} exp]", ms, base, nbytes, flops, label)
+        base = ref = None
         if t in (1, 64):
-            for decode in ("manual", "bits"):
-                ms = timed(lambda: fused_moe_with(x, weights, tw, ids, w4_decode=decode))
-                record("moe_a16w4", f"T{t} {decode} E2M1 decode", ms, base, nbytes, flops, decode)
-            ms = timed(lambda: fused_moe_with(x, weights, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn))
-            record("moe_a8w4", f"T{t} E{e} k{k} OCP e4m3", ms, None, nbytes, flops, "auto")
+            ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()).float()
+        if t == 1:
+            base = timed(lambda: fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()), graph=False)
+        for label, cfg, decode in variants:
+            try:
+                run = lambda: fused_moe_with(x, weights, tw, ids, config=cfg, w4_decode=decode)  # noqa: E731
+                err = "" if ref is None else f" rel_err {((run().float() - ref).norm() / ref.norm()).item():.1e}"
+                ms = timed(run)
+            except Exception as exc:  # a config that does not compile on this Triton is reported, not fatal
+                print(f"moe {label} failed: {exc!r}"[:300])
+                continue
+            if label == "auto":
+                label = "auto: " + " ".join(map(str, pick_config(t * k, e)))
+            record("moe_a16w4", f"T{t} E{e} k{k} K{hidden} N{n} [{active} exp]", ms, base, nbytes, flops,
+                   label + err)
+        if t in (1, 64):
+            run = lambda: fused_moe_with(x, weights, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)  # noqa: E731
+            record("moe_a8w4", f"T{t} E{e} k{k} OCP e4m3", timed(run), None, nbytes, flops, "auto")
     t = 2048
     tw, ids = random_routing(t, e, k, dev)
     x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
     ms = timed(lambda: fused_moe_with(x, weights, tw, ids), graph=False)
     nbytes = torch.unique(ids).numel() * per_expert
     record("moe_a16w4", f"T{t} prefill", ms, None, nbytes, 2 * t * k * 3 * n * hidden,
-           str(pick_config(t * k, e)))
+           " ".join(map(str, pick_config(t * k, e))))
 
 
-def bench_attn_res(dev: str) -> None:
+ATTN_RES_SWEEP = [None, tri_attn_res.AttnResConfig(1, 16, False), tri_attn_res.AttnResConfig(1, 8, True),
+                  tri_attn_res.AttnResConfig(1, 8, False), tri_attn_res.AttnResConfig(1, 32, True),
+                  tri_attn_res.AttnResConfig(2, 16, True), tri_attn_res.AttnResConfig(1, 4, True)]
+
+
+def bench_attn_res(dev: str, quick: bool) -> None:
     hd, b_max, nb = 7168, 9, 8
     for t in (1, 64, 4096):
         p = torch.randn(t, hd, device=dev, dtype=torch.bfloat16)
@@ -120,8 +141,10 @@ def bench_attn_res(dev: str) -> None:
         kw = dict(write_block=True, proj_weight=w[0], norm_weight=w[1], rms_weight=w[2])
         nbytes = (nb + 2) * t * hd * 2 + 3 * t * hd * 2
         base = timed(lambda: ref_attn_res._attn_res_step_reference(p, d, blocks, nb, **kw), graph=False)
-        ms = timed(lambda: tri_attn_res.attn_res_step(p, d, blocks, nb, **kw))
-        record("attn_res_step", f"T{t} Hd{hd} blocks{nb} +write", ms, base, nbytes, 0.0)
+        for cfg in ATTN_RES_SWEEP[:1] if quick else ATTN_RES_SWEEP:
+            ms = timed(lambda: tri_attn_res.attn_res_step_with(p, d, blocks, nb, config=cfg, **kw))
+            label = str(cfg or f"default {tri_attn_res.default_config(hd)}")
+            record("attn_res_step", f"T{t} Hd{hd} blocks{nb} +write", ms, base, nbytes, 0.0, label)
 
 
 def bench_mla(dev: str) -> None:
@@ -144,14 +167,17 @@ def bench_mla(dev: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write bench_ops.json here")
-    parser.add_argument("--quick", action="store_true", help="skip the MoE tile-config sweep")
+    parser.add_argument("--quick", action="store_true", help="defaults only: skip the MoE and AttnRes sweeps")
+    parser.add_argument("--only", choices=("attn_res", "mla", "moe"), action="append", help="run these sections")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ops.py needs a CUDA GPU")
     dev = "cuda"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    for name, fn in (("attn_res", lambda: bench_attn_res(dev)), ("mla", lambda: bench_mla(dev)),
+    for name, fn in (("attn_res", lambda: bench_attn_res(dev, args.quick)), ("mla", lambda: bench_mla(dev)),
                      ("moe", lambda: bench_moe(dev, args.quick))):
+        if args.only and name not in args.only:
+            continue
         try:
             fn()
         except Exception as exc:  # keep the other sections' numbers
