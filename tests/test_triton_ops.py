@@ -49,6 +49,7 @@ from rocm_k3.triton_kernels.moe.align import align_routing  # noqa: E402
 from rocm_k3.triton_kernels.moe import pointwise as tri_pointwise  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import (  # noqa: E402
     FMA_CONFIG,
+    FMA_WIDE_CONFIG,
     MoEConfig,
     fused_moe_supports,
     fused_moe_with,
@@ -344,6 +345,7 @@ def test_moe_small_tiles_only_for_fma() -> None:
         with pytest.raises(ValueError, match="block_m >= 16"):
             fused_moe_with(torch.zeros(1, 32), w, tw, ids, config=MoEConfig(1, 32, 64, 4, 1), w4_decode=decode)
     assert pick_config(16, 896) == (FMA_CONFIG, "gemv_f16")  # K3 decode: the GEMV
+    assert pick_config(16 * 16, 896) == (FMA_WIDE_CONFIG, "gemv_f16")  # T = 16: 2-warp 64x64 steps
     assert pick_config(16, 896, act_quant="mxfp8")[1] == "fma"  # A8W4 decode: the first FMA kernel
     assert pick_config(16 * 64, 896, act_quant="mxfp8")[1] == "dot_scaled"
     with pytest.raises(ValueError, match="block_m must be 1"):

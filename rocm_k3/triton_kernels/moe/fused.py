@@ -79,6 +79,10 @@ PREFILL_CONFIG = MoEConfig(64, 128, 128, 8, 1)
 # 1.1x faster, at T = 256 (4.6) the first FMA kernel was 2.5-3x slower than MMA. Crossover set at 1.5.
 FMA_CONFIG = MoEConfig(1, 64, 128, 4, 1)
 FMA_DECODE = "gemv_f16"
+# from 1/4 pair per expert up (K3: T >= 14) 2-warp 64x64 steps were faster: T = 16 4.99 vs 5.34 ms, T = 64 19.2 vs
+# 21.2 ms; at T = 1 / 4 they were slower (497 vs 368 us, 1.45 vs 1.38 ms). Same kernel, same sums per column.
+FMA_WIDE_CONFIG = MoEConfig(1, 64, 64, 2, 1)
+FMA_WIDE_MIN_PAIRS_PER_EXPERT = 0.25
 FMA_MAX_PAIRS_PER_EXPERT = 1.5  # FMA path while T * top_k <= this * E (decode); MMA above
 # A8W4: the GEMV decodes each MXFP8 activation per weight word (no bf16 pair loads), so the first FMA kernel is
 # faster there: T = 1 486 us ("fma", 1x32x128) vs 842 us (gemv_f16); T = 64 MMA 32 ms vs gemv_f16 48 ms.
@@ -101,7 +105,8 @@ def pick_config(num_pairs: int, num_experts: int, fmt: str = "mxfp4",
     if fmt == "mxfp4" and act_quant == "mxfp8" and num_pairs <= FMA_A8_MAX_PAIRS_PER_EXPERT * num_experts:
         return FMA_A8_CONFIG, FMA_A8_DECODE
     if fmt == "mxfp4" and act_quant != "mxfp8" and num_pairs <= FMA_MAX_PAIRS_PER_EXPERT * num_experts:
-        return FMA_CONFIG, FMA_DECODE
+        wide = num_pairs >= FMA_WIDE_MIN_PAIRS_PER_EXPERT * num_experts
+        return (FMA_WIDE_CONFIG if wide else FMA_CONFIG), FMA_DECODE
     return (DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG), "dot_scaled"
 
 
