@@ -53,9 +53,10 @@ def k3_slice_overrides(width: int = 1) -> dict:
     }
 
 
-def _greedy(backend: str, dtype: str, device: str, steps: int, prompts: list[str], path: Path | None = None):
+def _greedy(backend: str, dtype: str, device: str, steps: int, prompts: list[str], path: Path | None = None,
+            logprobs: int = 0):
     llm = LLM(path, dtype=dtype, backend=backend, device=device)
-    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0))
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=logprobs))
 
 
 def _compare(ref, tri, tol: float) -> None:
@@ -164,9 +165,8 @@ def test_k3_slice_bf16_greedy_agrees_up_to_near_ties_cuda(tmp_path: Path, monkey
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides())
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
-    ref = LLM(path, dtype="bfloat16", backend="reference", device="cuda").generate(PROMPTS, params)
-    tri = LLM(path, dtype="bfloat16", backend="triton", device="cuda").generate(PROMPTS, params)
+    ref = _greedy("reference", "bfloat16", "cuda", 32, PROMPTS, path, logprobs=5)
+    tri = _greedy("triton", "bfloat16", "cuda", 32, PROMPTS, path, logprobs=5)
     for r, t in zip(ref, tri):
         step = next((i for i, (a, b) in enumerate(zip(r.token_ids, t.token_ids)) if a != b), None)
         print(f"prompt {r.prompt_token_ids[:4]}...: first divergence at step {step}")

@@ -172,12 +172,7 @@ def _load_a_cols(a_ptr, as_ptr, row_off, srow_off, rmask, kk, K, A_MX: tl.conste
                  BIAS: tl.constexpr):
     """Activation columns ``kk`` [C] of the rows (offsets ``row_off`` [BM]) as bf16 [BM, C] (fp32 if OP_F32)."""
     mask = rmask[:, None] & (kk < K)[None, :]
-    if A_MX:
-        codes = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0).to(tl.int32)
-        sc = tl.load(as_ptr + srow_off[:, None] + (kk // 32)[None, :], mask=mask, other=127).to(tl.int32)
-        a = fp8_e4m3_decode(codes, BIAS) * pow2(sc - 127)
-    else:
-        a = tl.load(a_ptr + row_off[:, None] + kk[None, :], mask=mask, other=0.0)
+    a = _x_at(a_ptr, as_ptr, row_off[:, None], srow_off[:, None], kk[None, :], mask, A_MX, BIAS)  # fp32, exact
     return _operand(a, OP_F32)
 
 
@@ -450,21 +445,27 @@ def w13_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
         tok0 = tl.sum(tok, axis=0)
         acc_g, acc_u = _gemv_rows(a_ptr, as_ptr, tok0 * stride_a, tok0 * stride_as, w_ptr, ws_ptr, wg_off, sg_off,
                                   wu_off, su_off, nmask, K, True, A_MX, BIAS, F16_DECODE, BN, BK // 32)
-    for k0 in range(0, K if W_FMT != 5 else 0, BK):
-        if W_FMT == 4:
-            a_ev, a_od = _load_a_split(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-            acc_g = _fma_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
-            acc_u = _fma_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
-        elif W_FMT == 3:
-            ke = k0 + 2 * tl.arange(0, BK // 2)
-            a_ev = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke, K, A_MX, OP_F32, BIAS)
-            a_od = _load_a_cols(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
-            acc_g = _bits_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
-            acc_u = _bits_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
-        else:
-            a = _load_a_tile(a_ptr, as_ptr, tok * stride_a, tok * stride_as, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
-            acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
-            acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
+    else:
+        ra, rs = tok * stride_a, tok * stride_as  # [BM] activation / scale row offsets
+        for k0 in range(0, K, BK):
+            if W_FMT == 4:
+                a_ev, a_od = _load_a_split(a_ptr, as_ptr, ra, rs, rmask, k0, K, A_MX, BIAS, BM, BK)
+                acc_g = _fma_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
+                acc_u = _fma_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
+            elif W_FMT == 3:
+                ke = k0 + 2 * tl.arange(0, BK // 2)
+                a_ev = _load_a_cols(a_ptr, as_ptr, ra, rs, rmask, ke, K, A_MX, OP_F32, BIAS)
+                a_od = _load_a_cols(a_ptr, as_ptr, ra, rs, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
+                acc_g = _bits_dot(acc_g, a_ev, a_od, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, OP_F32, DOT_F32,
+                                  BN, BK)
+                acc_u = _bits_dot(acc_u, a_ev, a_od, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, OP_F32, DOT_F32,
+                                  BN, BK)
+            else:
+                a = _load_a_tile(a_ptr, as_ptr, ra, rs, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
+                acc_g = _weight_dot(acc_g, a, w_ptr, ws_ptr, wg_off, sg_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32,
+                                    BN, BK)
+                acc_u = _weight_dot(acc_u, a, w_ptr, ws_ptr, wu_off, su_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32,
+                                    BN, BK)
     if ACT == 0:  # SiTU: beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)
         gate = beta * tanh_f32(acc_g / beta) * tl.sigmoid(acc_g)
         if HAS_LINEAR_BETA:
@@ -513,18 +514,20 @@ def w2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
         row0 = tl.sum(r64, axis=0)
         acc, _ = _gemv_rows(a_ptr, as_ptr, row0 * stride_a, row0 * stride_as, w_ptr, ws_ptr, w_off, s_off, w_off,
                             s_off, nmask, K, False, A_MX, BIAS, F16_DECODE, BN, BK // 32)
-    for k0 in range(0, K if W_FMT != 5 else 0, BK):
-        if W_FMT == 4:
-            a_ev, a_od = _load_a_split(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, BIAS, BM, BK)
-            acc = _fma_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
-        elif W_FMT == 3:
-            ke = k0 + 2 * tl.arange(0, BK // 2)
-            a_ev = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke, K, A_MX, OP_F32, BIAS)
-            a_od = _load_a_cols(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
-            acc = _bits_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
-        else:
-            a = _load_a_tile(a_ptr, as_ptr, r64 * stride_a, r64 * stride_as, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
-            acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
+    else:
+        ra, rs = r64 * stride_a, r64 * stride_as  # [BM] activation / scale row offsets
+        for k0 in range(0, K, BK):
+            if W_FMT == 4:
+                a_ev, a_od = _load_a_split(a_ptr, as_ptr, ra, rs, rmask, k0, K, A_MX, BIAS, BM, BK)
+                acc = _fma_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, F16_DECODE, BM, BN, BK)
+            elif W_FMT == 3:
+                ke = k0 + 2 * tl.arange(0, BK // 2)
+                a_ev = _load_a_cols(a_ptr, as_ptr, ra, rs, rmask, ke, K, A_MX, OP_F32, BIAS)
+                a_od = _load_a_cols(a_ptr, as_ptr, ra, rs, rmask, ke + 1, K, A_MX, OP_F32, BIAS)
+                acc = _bits_dot(acc, a_ev, a_od, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, OP_F32, DOT_F32, BN, BK)
+            else:
+                a = _load_a_tile(a_ptr, as_ptr, ra, rs, rmask, k0, K, A_MX, OP_F32, BIAS, BM, BK)
+                acc = _weight_dot(acc, a, w_ptr, ws_ptr, w_off, s_off, nmask, k0, K, W_FMT, OP_F32, DOT_F32, BN, BK)
     rw = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0)  # [BM] routing weights
     tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], acc * rw[:, None], mask=rmask[:, None] & nmask[None, :])
 
