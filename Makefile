@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU machines take the pinned CPU wheel; a GPU host keeps the ROCm/CUDA torch already in the venv.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels]'
+	$(BIN)/pip install -q -e '.[test,kernels,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)
