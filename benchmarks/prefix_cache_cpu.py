@@ -21,7 +21,7 @@ import torch
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.engine import LLMEngine
-from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import ensure_embedded_model
 

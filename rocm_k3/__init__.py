@@ -10,7 +10,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "rocm_k3.engine.llm", "SamplingParams": "rocm_k3.engine.sampling"}
+_EXPORTS = {"LLM": "rocm_k3.engine.llm", "SamplingParams": "rocm_k3.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,8 @@ class Settings:
     flydsl_arch:    ARCH                FlyDSL target arch in compile-only mode (gfx942 or gfx950).
     rocm_path:      ROCM_PATH           ROCm root (FlyDSL links with ``$ROCM_PATH/llvm/bin/ld.lld``).
     triton_interpret: TRITON_INTERPRET  Triton's CPU interpreter (read so tests can tell which tier runs).
+    check_values:   ROCM_K3_CHECK_VALUES  validate device-resident index values on every op call, also inside
+                                        the model (a host read per call: debugging only).
     """
 
     backend: str = "auto"
@@ -36,6 +38,7 @@ class Settings:
     flydsl_arch: str | None = None
     rocm_path: Path | None = None
     triton_interpret: bool = False
+    check_values: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -62,6 +65,7 @@ class Settings:
             flydsl_arch=env.get("ARCH") or None,
             rocm_path=Path(rocm) if rocm else None,
             triton_interpret=flag("TRITON_INTERPRET"),
+            check_values=flag("ROCM_K3_CHECK_VALUES"),
         )
 
 

@@ -1,4 +1,5 @@
-"""A tensor-free engine simulator for scheduler/cache tests (test support, not part of the package).
+"""A tensor-free engine simulator for scheduler/cache tests (test support, not part of the package): the real
+EngineCore driving a simulated worker through the step contract.
 
 The shadow "KV cache" stores the token id written at each (block, offset) and each shadow "KDA slot" stores the
 token prefix its state summarises. Before every simulated forward the simulator checks that each scheduled
@@ -12,10 +13,12 @@ import dataclasses
 
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.invariants import check_invariants
-from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.scheduler import Scheduler, SchedulerOutput
+from rocm_k3.engine.core import EngineCore
+from rocm_k3.engine.scheduler import SchedulerOutput
 from rocm_k3.engine.sequence import Sequence
+from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import SampledToken, StepInput, StepOutput
 
 
 def next_token(prefix: tuple[int, ...], vocab: int) -> int:
@@ -35,47 +38,115 @@ class Request:
     abort_step: int | None = None
 
 
+class SimExecutor:
+    """A worker that keeps shadow pools and checks every read against the true prefix (see the module docstring).
+
+    It sees only the step contract (StepInput in, StepOutput out), exactly like a real worker; the true token
+    prefix of each request is the prompt it was registered with plus the tokens this worker sampled for it.
+    """
+
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, vocab: int) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.state: list[tuple[int, ...] | None] = [None] * num_slots
+        self.truth: dict[str, list[int]] = {}  # request id -> prompt + sampled tokens
+        self.tables: dict[str, list[int]] = {}
+        self.slots: dict[str, int] = {}
+        self.on_execute = None  # called with each StepInput before it runs (the engine's view of the step)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if self.on_execute is not None:
+            self.on_execute(step)
+        for rid in step.finished_request_ids:
+            self.tables.pop(rid, None)
+            self.slots.pop(rid, None)
+        for src, dst, n in step.block_copies:
+            self.kv[dst][:n] = self.kv[src][:n]
+        for src, dst in step.state_copies:
+            self.state[dst] = self.state[src]
+        sampled = []
+        for chunk in step.chunks:
+            rid = chunk.request_id
+            if chunk.admitted:
+                self.tables[rid] = list(chunk.block_ids)
+                self.slots[rid] = chunk.kda_slot
+            else:
+                self.tables[rid] += chunk.block_ids
+            table, slot, truth = self.tables[rid], self.slots[rid], self.truth[rid]
+            start, end = chunk.start, chunk.end
+            if list(chunk.token_ids) != truth[start:end]:
+                raise AssertionError(f"{rid}: step sends tokens {chunk.token_ids}, expected {truth[start:end]}")
+            if len(table) * self.block_size < end:
+                raise AssertionError(f"{rid}: table of {len(table)} blocks cannot hold {end} tokens")
+            for pos in range(start):  # the context the model reads
+                got = self.kv[table[pos // self.block_size]][pos % self.block_size]
+                if got != truth[pos]:
+                    raise AssertionError(f"{rid}: KV at position {pos} holds {got}, expected {truth[pos]}")
+            if start > 0 and self.state[slot] != tuple(truth[:start]):
+                raise AssertionError(f"{rid}: KDA slot {slot} does not hold the state after {start} tokens")
+            for pos in range(start, end):
+                self.kv[table[pos // self.block_size]][pos % self.block_size] = truth[pos]
+            self.state[slot] = tuple(truth[:end])
+            for pos, save_slot in chunk.saves:
+                if not start < pos <= end:
+                    raise AssertionError(f"save position {pos} outside chunk ({start}, {end}]")
+                self.state[save_slot] = tuple(truth[:pos])
+            if chunk.sample:
+                if end != len(truth):
+                    raise AssertionError(f"{rid}: samples after {end} tokens but {len(truth)} are known")
+                tok = next_token(tuple(truth), self.vocab)
+                truth.append(tok)
+                sampled.append(SampledToken(rid, tok))
+        return StepOutput(step.step_id, tuple(sampled))
+
+
 class SimEngine:
+    """EngineCore (the real scheduler, cache manager, stop checks and recovery) over a :class:`SimExecutor`."""
+
     def __init__(
         self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None
     ):
-        self.cache = CacheManager(config.cache, num_blocks, num_slots)
-        self.sched = Scheduler(config, self.cache)
+        self.executor = SimExecutor(num_blocks, num_slots, config.cache.block_size, vocab)
+        self.core = EngineCore(config, self.executor, num_blocks=num_blocks, num_slots=num_slots,
+                               vocab_size=10**9)
         self.block_size = config.cache.block_size
         self.vocab = vocab
         self.stop_token = stop_token
-        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(num_blocks)]
-        self.state: list[tuple[int, ...] | None] = [None] * num_slots
         self.seqs: dict[str, Sequence] = {}
         self.computed_prefill_tokens = 0
         self.steps = 0
+        self._last: SchedulerOutput | None = None
+        self.executor.on_execute = self._record
+
+    @property
+    def sched(self):
+        return self.core.scheduler
+
+    @property
+    def cache(self):
+        return self.core.cache_manager
+
+    def _record(self, step: StepInput) -> None:
+        self._last = self.core.scheduler.in_flight
 
     def add(self, req: Request) -> Sequence:
-        seq = Sequence(
-            seq_id=len(self.seqs), request_id=req.request_id, prompt_token_ids=req.prompt, max_tokens=req.max_tokens
-        )
-        self.sched.add(seq)
+        stops = () if self.stop_token is None else (self.stop_token,)
+        params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, stop_token_ids=stops, ignore_eos=True)
+        self.executor.truth[req.request_id] = list(req.prompt)
+        self.core.add_request(req.request_id, req.prompt, params)
+        seq = self.core._seqs[req.request_id]
         self.seqs[req.request_id] = seq
         return seq
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs[request_id]
-        if not seq.is_finished:
-            self.sched.abort(seq)
+        self.core.abort(request_id)
 
     def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
-        self._run(out)
-        self.sched.postprocess(out)
-        for item in out.scheduled:
-            seq = item.seq
-            if item.is_prefill:
-                self.computed_prefill_tokens += item.num_new_tokens
-            if item.samples:
-                tok = next_token(tuple(seq.token_ids), self.vocab)
-                seq.token_ids.append(tok)
-                if len(seq.output_token_ids) >= seq.max_tokens or tok == self.stop_token:
-                    self.sched.finish(seq, "length" if tok != self.stop_token else "stop")
+        self._last = None
+        self.core.step()
+        out = self._last
+        self.computed_prefill_tokens += sum(it.num_new_tokens for it in out.scheduled if it.is_prefill)
         self.check()
         self.steps += 1
         return out
@@ -83,33 +154,6 @@ class SimEngine:
     def check(self) -> None:
         live = {s.seq_id: s.num_computed_tokens for s in self.sched.running}
         check_invariants(self.cache, live, between_steps=True)
-
-    def _run(self, out: SchedulerOutput) -> None:
-        for src, dst, n in out.copies.block_copies:
-            self.kv[dst][:n] = self.kv[src][:n]
-        for src, dst in out.copies.state_copies:
-            self.state[dst] = self.state[src]
-        for item in out.scheduled:
-            seq, start, end = item.seq, item.start, item.end
-            table = self.cache.table(seq.seq_id)
-            slot = self.cache.slot(seq.seq_id)
-            if len(table) * self.block_size < end:
-                raise AssertionError(f"{seq.request_id}: table of {len(table)} blocks cannot hold {end} tokens")
-            for pos in range(start):  # the context the model reads
-                got = self.kv[table[pos // self.block_size]][pos % self.block_size]
-                if got != seq.token_ids[pos]:
-                    raise AssertionError(
-                        f"{seq.request_id}: KV at position {pos} holds {got}, expected {seq.token_ids[pos]}"
-                    )
-            if start > 0 and self.state[slot] != tuple(seq.token_ids[:start]):
-                raise AssertionError(f"{seq.request_id}: KDA slot {slot} does not hold the state after {start} tokens")
-            for pos in range(start, end):
-                self.kv[table[pos // self.block_size]][pos % self.block_size] = seq.token_ids[pos]
-            self.state[slot] = tuple(seq.token_ids[:end])
-            for pos, save_slot in item.saves:
-                if not start < pos <= end:
-                    raise AssertionError(f"save position {pos} outside chunk ({start}, {end}]")
-                self.state[save_slot] = tuple(seq.token_ids[:pos])
 
     def run(self, requests: list[Request], max_steps: int = 10_000) -> dict[str, list[int]]:
         pending = sorted(requests, key=lambda r: r.arrival_step)

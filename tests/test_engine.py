@@ -1,4 +1,4 @@
-"""LLMEngine on the tiny K3 model (fp32, reference ops): prefix caching changes no output, the hit path runs
+"""EngineCore on the tiny K3 model (fp32, reference ops): prefix caching changes no output, the hit path runs
 (saved KDA state restored, mid-block copy-on-write), cache invariants hold after every step, and cached
 entries (saved states, indexed KV rows) are never written in place."""
 
@@ -13,10 +13,11 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import CacheBudgetError, RequestTooLargeError
 from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.engine import LLMEngine
-from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.engine.core import EngineCore
+from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import write_tiny_checkpoint
+from tests.engine_fixtures import core_for, pools_of
 from tests.helpers import seeded
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -54,12 +55,12 @@ def _engine(
         num_state_slots=num_slots,
     )
     cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, cache=cache)
-    return LLMEngine(model, cfg)
+    return core_for(model, cfg)
 
 
-def _snapshot_cache_entries(engine: LLMEngine):
+def _snapshot_cache_entries(engine: EngineCore):
     """Saved KDA states and indexed KV rows as they are now (to check nothing writes them in place)."""
-    mgr, cache = engine.cache_manager, engine.cache
+    mgr, cache = engine.cache_manager, pools_of(engine)
     states = {s: (cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone()) for s in mgr.index.saved_states()}
     u, bs = mgr.match_unit, mgr.block_size
     rows = {}
@@ -69,9 +70,9 @@ def _snapshot_cache_entries(engine: LLMEngine):
     return states, rows
 
 
-def _check_entries_unchanged(engine: LLMEngine, before) -> None:
+def _check_entries_unchanged(engine: EngineCore, before) -> None:
     states, rows = before
-    mgr, cache = engine.cache_manager, engine.cache
+    mgr, cache = engine.cache_manager, pools_of(engine)
     still_saved = mgr.index.saved_states()
     for s, (rec, conv) in states.items():
         if s in still_saved:
@@ -84,7 +85,7 @@ def _check_entries_unchanged(engine: LLMEngine, before) -> None:
             assert torch.equal(cache.mla_kv(0)[key[0], key[1] : key[1] + u], value), f"cached KV rows {key} changed"
 
 
-def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
+def _run(engine: EngineCore, requests, aborts=None) -> dict[str, list[int]]:
     """requests: (request_id, prompt, arrival step); aborts: request_id -> step. Checks invariants every step."""
     aborts = aborts or {}
     pending = sorted(requests, key=lambda r: r[2])
@@ -104,8 +105,9 @@ def _run(engine: LLMEngine, requests, aborts=None) -> dict[str, list[int]]:
         if engine.has_unfinished():
             before = _snapshot_cache_entries(engine)
             for done in engine.step():
-                outputs[done.request_id] = done.output.token_ids
-                logprobs[done.request_id] = [next(iter(d.values())) for d in done.output.logprobs]
+                if done.finished:
+                    outputs[done.request_id] = done.output.token_ids
+                    logprobs[done.request_id] = [next(iter(d.values())) for d in done.output.logprobs]
             _check_entries_unchanged(engine, before)
             check_invariants(
                 engine.cache_manager,
@@ -216,7 +218,7 @@ def test_seeded_sampling_is_the_same_with_and_without_prefix_caching(model):
 
 def test_named_errors_and_length_cap(model):
     with pytest.raises(CacheBudgetError, match="KV budget"):
-        LLMEngine(model, EngineConfig(max_model_len=4096, cache=CacheConfig(kv_cache_bytes=10_000)))
+        core_for(model, EngineConfig(max_model_len=4096, cache=CacheConfig(kv_cache_bytes=10_000)))
     eng = _engine(model, True, max_len=40)
     with pytest.raises(RequestTooLargeError, match="max_model_len=40"):
         eng.add_request("long", list(range(1, 42)), GREEDY)
@@ -247,14 +249,14 @@ def test_failed_step_requeues_its_requests_and_outputs_are_unchanged(model, fail
     requests = [("a", base + [1], 0), ("b", base + [2, 3], 1), ("c", _ids(20, 10, vocab), 1)]
     want = _run(_engine(model, False), requests)
     flaky = _engine(model, True)
-    flaky.runner.model = _FailOnce(model, fail_at)
+    flaky.executor.worker.runner.model = _FailOnce(model, fail_at)
     outputs, failures, step = {}, 0, 0
     while step < 2 or flaky.has_unfinished():
         for rid, prompt, arrival in requests:
             if arrival == step:
                 flaky.add_request(rid, prompt, GREEDY)
         try:
-            outputs.update((done.request_id, done.output.token_ids) for done in flaky.step())
+            outputs.update((done.request_id, done.output.token_ids) for done in flaky.step() if done.finished)
         except RuntimeError as err:
             assert "injected failure" in str(err)
             failures += 1

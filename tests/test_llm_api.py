@@ -128,7 +128,7 @@ def test_invalid_arguments(tiny_dir, llm: LLM) -> None:
 
 def test_dtype_and_backend_choice(tiny_dir) -> None:
     llm = LLM(tiny_dir, dtype="bfloat16", backend="reference")
-    assert llm.model.dtype == torch.bfloat16 and llm.model.backend == "reference"
+    assert llm.model.dtype == torch.bfloat16 and llm.model.backend.backend == "reference"
     out = llm.generate("bf16", GREEDY)[0]
     assert len(out.token_ids) == 6
 

@@ -21,11 +21,11 @@ def cfg() -> ModelConfig:
 def test_simple_cache_implements_the_view(cfg: ModelConfig) -> None:
     cache = SimpleCache(cfg, max_seqs=2, max_model_len=10, block_size=4, spare_slots=1, dtype=torch.float32)
     assert isinstance(cache, HybridCacheView)
-    pages = 2 * 3  # 2 sequences x ceil(10 / 4) pages
-    assert cache.mla_kv(1).shape == (pages, 4, MLA_LATENT_WIDTH)
+    pages = 2 * 3  # 2 sequences x ceil(10 / 4) pages, + the pools' scratch page for padded graph rows
+    assert cache.mla_kv(1).shape == (pages + 1, 4, MLA_LATENT_WIDTH)
     h, d, w = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size
-    assert cache.kda_state(3).shape == (3, h, d, d) and cache.kda_state(3).dtype == torch.float32
-    assert cache.conv_state(0).shape == (3, 3 * h * d, w - 1)
+    assert cache.kda_state(3).shape == (4, h, d, d) and cache.kda_state(3).dtype == torch.float32
+    assert cache.conv_state(0).shape == (4, 3 * h * d, w - 1)
 
 
 def test_prepare_builds_the_step(cfg: ModelConfig) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import seeded
 
-from rocm_k3.engine.sampler import check_stop, make_generator, sample
-from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.worker.sampler import make_generator, sample
+from rocm_k3.sampling_params import SamplingParams
 
 
 def _logits(n: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -80,15 +80,20 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
             assert math.isclose(lp, float(ref[row, tok]), rel_tol=1e-5, abs_tol=1e-5)
 
 
-def test_check_stop() -> None:
-    p = SamplingParams(max_tokens=4, stop_token_ids=[9], stop=["END"])
-    assert check_stop([1, 2], "ab", p, eos_token_ids=[0]).finish_reason is None
-    assert check_stop([1, 0], "a", p, eos_token_ids=[0]).finish_reason == "stop"
-    assert check_stop([1, 0], "a", SamplingParams(ignore_eos=True), eos_token_ids=[0]).finish_reason is None
-    assert check_stop([1, 9], "a", p).finish_reason == "stop"
-    d = check_stop([1, 2, 3], "xyENDz", p)
-    assert (d.finish_reason, d.text) == ("stop", "xy")
-    assert check_stop([1, 2, 3, 4], "abcd", p).finish_reason == "length"
+def test_non_finite_rows_are_flagged_and_leave_other_rows_alone() -> None:
+    logits = _logits(n=3)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    params = [SamplingParams(temperature=0.0)] * 3
+    out = sample(logits, params, [make_generator(0)] * 3)
+    assert out.finite.tolist() == [True, False, False]
+    assert int(out.token_ids[0]) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, True])
+def test_generator_seed_out_of_range_is_named(seed) -> None:
+    with pytest.raises(ValueError, match="seed"):
+        make_generator(seed)
 
 
 @pytest.mark.parametrize(

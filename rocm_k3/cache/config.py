@@ -88,6 +88,18 @@ class CacheConfig:
         """KDA slots one request needs: its running slot, plus a pinned saved state to copy from when caching."""
         return 2 if self.enable_prefix_caching else 1
 
+    def max_len_for(self, num_blocks: int) -> int:
+        """The longest request ``num_blocks`` blocks can hold (inverse of :meth:`blocks_per_request`)."""
+        return max(0, num_blocks - (1 if self.enable_prefix_caching else 0)) * self.block_size
+
+    def counts(self, *, bytes_per_block: int, bytes_per_slot: int) -> tuple[int, int]:
+        """(num_blocks, num_state_slots) the budgets (or the explicit counts) give, without a fit check."""
+        num_blocks = self.num_blocks if self.num_blocks is not None else self.kv_cache_bytes // bytes_per_block
+        num_slots = (
+            self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
+        )
+        return num_blocks, num_slots
+
     def resolve(self, *, bytes_per_block: int, bytes_per_slot: int, max_model_len: int) -> tuple[int, int]:
         """(num_blocks, num_state_slots) from the byte budgets (or the explicit counts).
 
@@ -102,10 +114,7 @@ class CacheConfig:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        num_blocks = self.num_blocks if self.num_blocks is not None else self.kv_cache_bytes // bytes_per_block
-        num_slots = (
-            self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
-        )
+        num_blocks, num_slots = self.counts(bytes_per_block=bytes_per_block, bytes_per_slot=bytes_per_slot)
         need_blocks = self.blocks_per_request(max_model_len)
         if num_blocks < need_blocks:
             raise CacheBudgetError(

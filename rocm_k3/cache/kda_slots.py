@@ -1,6 +1,6 @@
 """KDA state slots (one recurrent fp32 state + one conv state per KDA layer each), as integer ids.
 
-A slot is in one of these roles (the tensors live in :class:`rocm_k3.cache.hybrid_cache.HybridCache`):
+A slot is in one of these roles (the tensors live in :class:`rocm_k3.worker.kv_pools.KVPools`):
 
 - **running**: the private, in-place-updated state of one running sequence (refcount 1, owner recorded);
 - **pending save**: allocated for a ``save_positions`` row of the current step; private until the step ran;

@@ -2,7 +2,7 @@
 
 No tensors here: the manager decides which block ids and slot ids each sequence uses, which copies must run
 before a step (copy-on-write of a partially matched block and of a saved KDA state), and which saved states a
-prefill step should produce. :class:`rocm_k3.cache.hybrid_cache.HybridCache` holds the tensors and executes
+prefill step should produce. :class:`rocm_k3.worker.kv_pools.KVPools` (worker side) holds the tensors and executes
 the copies. See :mod:`rocm_k3.cache.config` for the match rule.
 """
 

@@ -1,28 +1,33 @@
 """The Python API: ``rocm_k3.LLM(path).generate(prompts, rocm_k3.SamplingParams(...))``.
 
 ``LLM()`` with no path serves the embedded tiny K3 model (built on first use into ``settings.cache_dir``).
-Requests run on the continuous-batching engine (:class:`~rocm_k3.engine.engine.LLMEngine`: chunked prefill,
-paged hybrid cache, prefix caching on by default); the engine and its prefix cache live as long as the LLM, so a
-later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the prefix-cache counters.
+The request path is ``LLM -> EngineCore (scheduler + cache manager) -> executor -> worker -> model -> ops``:
+chunked prefill, paged hybrid cache, prefix caching on by default; the engine and its prefix cache live as long
+as the LLM, so a later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the counters.
+Calls from several threads are serialised (each gets exactly the tokens it would get alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from rocm_k3.args import EngineArgs
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.engine import LLMEngine
+from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
-from rocm_k3.engine.sampling import SamplingParams
-from rocm_k3.model.loader import load_model
+from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.model.tokenizer import load_tokenizer
-from rocm_k3.settings import BACKEND_CHOICES
+from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.worker import WorkerConfig
 
 Prompt = str | Sequence[int]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -32,6 +37,65 @@ class PromptTooLongError(ValueError):
     """A prompt with more tokens than the model's ``max_model_len``."""
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device to serve on: default the current GPU if there is one, else the CPU; a bare "cuda" gets
+    the current index."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from exc
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) -> tuple[EngineCore, Path, Any]:
+    """(EngineCore over an in-process executor, checkpoint path, tokenizer) for ``args``.
+
+    model: an already loaded model to serve (tests); tokenizer: overrides the checkpoint's.
+    """
+    args.validated()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    path = Path(args.model) if args.model is not None else ensure_embedded_model()
+    worker_config = WorkerConfig(
+        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
+        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+    )
+    executor = UniprocExecutor(worker_config, model=model)
+    info = executor.info()
+    budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
+                                               ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
+    cache = CacheConfig(block_size=args.block_size, match_unit=args.match_unit, alignment=args.alignment,
+                        enable_prefix_caching=args.enable_prefix_caching, **budgets)
+    explicit = args.kv_cache_bytes is not None, args.state_cache_bytes is not None
+    measured = None if all(explicit) else executor.cache_budget()
+    cache, num_blocks, num_slots, max_model_len = plan_cache(cache, info, measured, args.max_model_len, *explicit)
+    config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          max_model_len=max_model_len, cache=cache)
+    executor.init_cache(num_blocks, num_slots, max_model_len)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path)
+    core = EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
+                      eos_token_ids=info.eos_token_ids, tokenizer=tokenizer)
+    return core, path, tokenizer
+
+
 class LLM:
     """A loaded model plus its tokenizer, generating from text prompts or token-id lists.
 
@@ -39,53 +103,50 @@ class LLM:
     dtype:         "bfloat16" (default), "float32", "float16", a torch dtype, or "auto" (bfloat16 on a GPU, float32
                    on the CPU, where bfloat16 matmuls are slow).
     backend:       op backend for every op ("reference", "triton", "flydsl", "aiter"); None = settings / auto.
-    max_model_len: the longest prompt + generation allowed; default and upper bound: max_position_embeddings.
+    max_model_len: the longest prompt + generation allowed; default: what one request can hold in the cache, at
+                   most max_position_embeddings.
     device:        torch device; default the first GPU if there is one, else the CPU.
-    progress:      show a progress bar while the weights load.
-    moe_act_quant: routed-expert activations: "bf16" (A16W4, default) or "mxfp8" (A8W4, what K3 was trained with).
-
-    Engine and cache (see :mod:`rocm_k3.cache.config`; invalid combinations raise its named errors):
-    enable_prefix_caching: reuse cached prefixes (KV pages + saved KDA states); outputs are the same either way.
-    block_size / match_unit / alignment: KV page size, prefix hash granularity, prefill chunk grid (tokens).
-    max_num_batched_tokens / max_num_seqs: new tokens and running requests per engine step.
-    kv_cache_bytes / state_cache_bytes: memory budgets of the MLA pages and of the KDA state slots (None:
-                   CacheConfig's defaults); CacheBudgetError if one max_model_len request cannot fit.
+    Every other keyword is an :class:`~rocm_k3.args.EngineArgs` field: enable_prefix_caching, block_size,
+    match_unit, alignment, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization (GPU sizing of the
+    cache, default 0.9), kv_cache_bytes / state_cache_bytes (explicit budgets win), enforce_eager (no decode
+    graphs), moe_act_quant ("bf16" A16W4 or "mxfp8" A8W4), progress.
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
                  backend: str | None = None, max_model_len: int | None = None,
                  device: str | torch.device | None = None, progress: bool = False,
-                 moe_act_quant: str = "bf16", *, enable_prefix_caching: bool = True, block_size: int = 128,
-                 match_unit: int = 64, alignment: int = 256, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 32, kv_cache_bytes: int | None = None,
-                 state_cache_bytes: int | None = None) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.dtype = _resolve_dtype(dtype, self.device)
-        if backend is not None and backend not in BACKEND_CHOICES:
-            raise ValueError(f"backend: expected one of {BACKEND_CHOICES} or None, got {backend!r}")
-        self.path = Path(path) if path is not None else ensure_embedded_model()
-        self.model = load_model(self.path, dtype=self.dtype, device=self.device, backend=backend, progress=progress,
-                                moe_act_quant=moe_act_quant)
-        self.config = self.model.cfg
-        limit = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len: expected an int in [1, max_position_embeddings={limit}], "
-                             f"got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        self.tokenizer = load_tokenizer(self.path)  # None: token-id prompts only
-        self.eos_token_ids = tuple(self.config.eos_token_id)
-        budgets = {name: value for name, value in (("kv_cache_bytes", kv_cache_bytes),
-                                                   ("state_cache_bytes", state_cache_bytes)) if value is not None}
-        cache = CacheConfig(block_size=block_size, match_unit=match_unit, alignment=alignment,
-                            enable_prefix_caching=enable_prefix_caching, **budgets)
-        engine_config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, cache=cache)
-        self.engine = LLMEngine(self.model, engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
+                 moe_act_quant: str = "bf16", **engine_kwargs: Any) -> None:
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}; engine knobs are {sorted(known)}")
+        args = EngineArgs(model=None if path is None else str(path), dtype=dtype, backend=backend,
+                          max_model_len=max_model_len, device=None if device is None else str(device),
+                          progress=progress, moe_act_quant=moe_act_quant, **engine_kwargs)
+        self.engine, self.path, self.tokenizer = build_engine(args)
+        self.args = args
+        self.max_model_len = self.engine.config.max_model_len
+        self.eos_token_ids = self.engine.eos_token_ids
+        self.vocab_size = self.engine.vocab_size
         self._request_ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def model(self):
+        """The in-process worker's model (single-process executor only)."""
+        return self.engine.executor.worker.model
+
+    @property
+    def config(self):
+        return self.model.cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -106,7 +167,15 @@ class LLM:
                 raise ValueError(f"sampling_params: expected one SamplingParams or {len(batch)} of them, "
                                  f"got {len(params)} items")
         prompt_ids = [self._encode(p, i) for i, p in enumerate(batch)]
-        return self._run_requests(prompt_ids, params)
+        with self._lock:
+            return self._run_requests(prompt_ids, params)
+
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache and engine counters: queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
+        cow_copies, state_restores, block/state evictions, steps, prefill_tokens, preemptions, cache sizes and
+        free_blocks / free_state_slots."""
+        with self._lock:
+            return self.engine.stats()
 
     # ------------------------------------------------------------------ internals
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
@@ -118,45 +187,32 @@ class LLM:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError(f"prompt {index}: empty prompt")
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt {index}: token ids {bad[:8]} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"prompt {index}: token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt {index}: {len(ids)} tokens exceed max_model_len={self.max_model_len}"
             )
         return ids
 
-    def stats(self) -> dict[str, float]:
-        """Prefix-cache and engine counters: queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
-        cow_copies, state_restores, block/state evictions, steps, prefill_tokens, preemptions, cache sizes."""
-        return self.engine.stats()
-
     def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         """Run every request to completion on the engine (batched); outputs in prompt order."""
-        request_ids = [str(next(self._request_ids)) for _ in prompt_ids]
+        request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_ids]
+        done: dict[str, RequestOutput] = {}
         try:
             for rid, ids, p in zip(request_ids, prompt_ids, params):
                 self.engine.add_request(rid, ids, p)
-            done = self.engine.run_to_completion()
+            while len(done) < len(request_ids):
+                for delta in self.engine.step():
+                    if delta.finished:
+                        done[delta.request_id] = delta.output
         except BaseException:
             for rid in request_ids:  # leave the engine empty for the next call
-                self.engine.abort(rid)
+                if rid not in done:
+                    self.engine.abort(rid)
             raise
         return [done[rid] for rid in request_ids]
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""What ``rocm_k3.LLM.generate`` returns per prompt."""
+"""What the engine returns: the final :class:`RequestOutput` of a request and the per-step :class:`RequestDelta`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import dataclasses
 class RequestOutput:
     """The result of one prompt.
 
-    prompt_token_ids: the prompt as token ids (encoded when a text prompt was given).
-    token_ids:        the generated token ids (a stop token is included; nothing after it).
-    text:             the generated ids decoded (cut before a matched stop string; "" without a tokenizer).
-    logprobs:         per generated token ``{token_id: logprob}`` (chosen token first, then the top
-                      alternatives) when SamplingParams.logprobs is set, else None.
-    finish_reason:    "stop" (eos, stop token or stop string) or "length" (max_tokens or max_model_len).
+    prompt_token_ids:  the prompt as token ids (encoded when a text prompt was given).
+    token_ids:         the generated token ids (a stop token is included; nothing after it).
+    text:              the generated ids decoded (cut before a matched stop string; "" without a tokenizer).
+    logprobs:          per generated token ``{token_id: logprob}`` (chosen token first, then the top
+                       alternatives) when SamplingParams.logprobs is set, else None.
+    finish_reason:     "stop" (eos, stop token or stop string), "length" (max_tokens or max_model_len),
+                       "abort", or "error" (see ``error``).
+    error:             why the request failed (finish_reason "error"), e.g. non-finite logits; else None.
+    num_cached_tokens: prompt tokens served from the prefix cache at the request's last admission.
     """
 
     prompt_token_ids: list[int]
@@ -22,3 +25,22 @@ class RequestOutput:
     text: str
     logprobs: list[dict[int, float]] | None
     finish_reason: str
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one step added to a request (for streaming): new token ids and text, and the final output once done.
+
+    new_text holds back a tail that could still become a stop string; it is released when the request finishes.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    output: RequestOutput | None = None

@@ -13,8 +13,10 @@ A prefill chunk that is not the last one of its prompt ends on a multiple of ``a
 prefill therefore start on match-unit boundaries, where KDA states can be saved). When a running sequence needs a
 block and none is free or evictable, the most recently admitted unscheduled running sequence is preempted: its
 cache is released (its indexed prefix stays cached) and it returns to the front of the queue to be recomputed
-from its prompt + outputs. After the step ran, :meth:`Scheduler.postprocess` advances the sequences and
-publishes their prefix-cache entries.
+from its prompt + outputs. The step leaves as a picklable :class:`~rocm_k3.worker.step_io.StepInput` (decodes first, new requests once,
+block-table deltas, KDA slots, saves, copy-on-write copies); :meth:`Scheduler.update` takes the workers'
+:class:`~rocm_k3.worker.step_io.StepOutput`, advances the sequences, publishes their prefix-cache entries,
+appends the sampled tokens, checks the stop conditions and finishes requests.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import dataclasses
 from rocm_k3.cache.errors import RequestTooLargeError
 from rocm_k3.cache.manager import CacheManager, CopyPlan
 from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.outputs import RequestDelta, RequestOutput
 from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput, StepOutput
 
 
 @dataclasses.dataclass
@@ -54,9 +58,12 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class SchedulerOutput:
+    """The scheduler's own view of a step in flight (``step`` is what the workers get)."""
+
     scheduled: list[ScheduledSeq]
     copies: CopyPlan
     preempted: list[Sequence]
+    step: StepInput
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +84,9 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_id = 0
+        self.in_flight: SchedulerOutput | None = None
+        self._finished_ids: list[str] = []
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -111,7 +121,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepInput:
+        """Build the next step (see the module docstring); kept as ``in_flight`` until :meth:`update`."""
+        if self.in_flight is not None:
+            raise RuntimeError(f"schedule: step {self.in_flight.step.step_id} is still in flight")
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         taken: set[int] = set()
@@ -163,27 +176,131 @@ class Scheduler:
                     item.end,
                     last_chunk=item.end == item.seq.prefill_len,
                 )
-        return SchedulerOutput(scheduled=scheduled, copies=self.cache.take_copies(), preempted=preempted)
+        copies = self.cache.take_copies()
+        step = self._step_input(scheduled, copies)
+        self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
+        return step
 
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """After the step's forward ran (copies included): advance each sequence and index what it computed."""
+    def update(self, output: StepOutput) -> list[RequestDelta]:
+        """After the step ran on the workers: advance each sequence, index what it computed, append the sampled
+        tokens, check the stop conditions and finish requests. Returns one delta per request that sampled."""
+        out = self._take_in_flight(output.step_id)
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
             if item.is_prefill:
                 self.cache.commit_prefill(item.seq.seq_id, item.seq.token_ids, item.end, item.saves)
             item.seq.num_computed_tokens = item.end
+        samplers = [item.seq for item in out.scheduled if item.samples]
+        if len(samplers) != len(output.sampled):
+            raise RuntimeError(f"step {output.step_id}: {len(output.sampled)} sampled tokens for "
+                               f"{len(samplers)} sampling requests")
+        deltas = []
+        for seq, token in zip(samplers, output.sampled):
+            if token.request_id != seq.request_id:
+                raise RuntimeError(f"step {output.step_id}: sampled token of {token.request_id!r} where "
+                                   f"{seq.request_id!r} was expected")
+            deltas.append(self._append(seq, token.token_id, token.logprobs, token.error))
+        return deltas
 
-    def abandon(self, out: SchedulerOutput) -> None:
-        """The step's forward failed: unpin its copy sources, give back its save slots, and send its sequences
-        back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published by
-        earlier steps are untouched (the failed step only wrote private blocks and slots)."""
+    def abandon(self) -> None:
+        """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
+        sequences back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published
+        by earlier steps are untouched (the failed step only wrote private blocks and slots). Not a preemption."""
+        out = self.in_flight
+        if out is None:
+            return
+        self.in_flight = None
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
             self.cache.abandon_saves(item.saves)
             item.saves = []
         for item in reversed(out.scheduled):
+            item.seq.registered = False  # told again next time (a worker keeps a request it already knows)
             if item.seq.status is SequenceStatus.RUNNING:
-                self._preempt(item.seq)
+                self._preempt(item.seq, count=False)
+
+    def restore(self, seqs: list[Sequence], *, num_preemptions: int, step_id: int, finished_ids: list[str]) -> None:
+        """Queue ``seqs`` (unfinished requests of a previous scheduler, in order) on this fresh scheduler, to be
+        recomputed from their prompts and outputs; the workers are told about them again (they keep known ones)."""
+        if self.running or self.waiting or self.in_flight is not None:
+            raise RuntimeError("restore: the scheduler is not fresh")
+        self.num_preemptions, self.step_id, self._finished_ids = num_preemptions, step_id, list(finished_ids)
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+            seq.admitted_this_step = False
+            seq.blocks_sent = 0
+            seq.registered = False
+            self.waiting.append(seq)
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests the workers know of that ended since the last step (their worker state can be dropped)."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    # ---- step contract -------------------------------------------------------------------------------------
+    def _step_input(self, scheduled: list[ScheduledSeq], copies: CopyPlan) -> StepInput:
+        """The workers' view of the step: decodes first, new requests once, block-table deltas."""
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].is_prefill)  # stable: decodes first
+        scheduled[:] = [scheduled[i] for i in order]
+        new_requests, chunks = [], []
+        for item in scheduled:
+            seq = item.seq
+            if not seq.registered:
+                new_requests.append(NewRequest(seq.request_id, seq.sampling))
+                seq.registered = True
+            table = self.cache.table(seq.seq_id)
+            admitted = seq.admitted_this_step
+            sent = 0 if admitted else seq.blocks_sent
+            chunks.append(ScheduledChunk(
+                request_id=seq.request_id, token_ids=tuple(seq.token_ids[item.start : item.end]), start=item.start,
+                admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
+                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves),
+            ))
+            seq.blocks_sent = len(table)
+            seq.admitted_this_step = False
+        self.step_id += 1
+        return StepInput(
+            step_id=self.step_id, new_requests=tuple(new_requests), chunks=tuple(chunks),
+            num_decodes=sum(not item.is_prefill for item in scheduled),
+            block_copies=tuple(copies.block_copies), state_copies=tuple(copies.state_copies),
+            finished_request_ids=tuple(self.take_finished_ids()),
+        )
+
+    def _take_in_flight(self, step_id: int) -> SchedulerOutput:
+        out = self.in_flight
+        if out is None or out.step.step_id != step_id:
+            expected = None if out is None else out.step.step_id
+            raise RuntimeError(f"update: step {step_id} is not the step in flight ({expected})")
+        self.in_flight = None
+        return out
+
+    def _append(self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None,
+                error: str) -> RequestDelta:
+        """One sampled token of a running sequence: append it, check stops, finish when done."""
+        if error:
+            self.finish(seq, "error")
+            seq.error = error
+            return RequestDelta(seq.request_id, [], "", None, True, "error", error,
+                                self._output(seq))
+        seq.token_ids.append(token)
+        entry = None
+        if logprobs is not None:
+            entry = dict(logprobs)
+            if seq.logprobs is not None:
+                seq.logprobs.append(entry)
+        decision = seq.stop.push(token)
+        if decision.finish_reason is not None:
+            self.finish(seq, decision.finish_reason)
+        finished = seq.is_finished
+        return RequestDelta(seq.request_id, [token], seq.stop.take_text_delta(),
+                            None if entry is None else [entry], finished, seq.finish_reason, None,
+                            self._output(seq) if finished else None)
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(list(seq.prompt_token_ids), seq.output_token_ids, seq.stop.text, seq.logprobs,
+                             seq.finish_reason or "abort", seq.error, seq.num_cached_tokens)
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -220,12 +337,14 @@ class Scheduler:
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
         seq.status = SequenceStatus.RUNNING
+        seq.admitted_this_step = True
         n = self._chunk(seq, budget)
         if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + n):
             self.cache.cancel_admission(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.WAITING
+            seq.admitted_this_step = False
             return 0
         return n
 
@@ -242,18 +361,21 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, count: bool = True) -> None:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.registered:
+            self._finished_ids.append(seq.request_id)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from rocm_k3.sampling_params import SamplingParams
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no cache (new, or preempted and to be recomputed)
@@ -22,15 +24,17 @@ class Sequence:
     prefill_len:          tokens to (re)compute as a prefill since the last admission: the prompt, or prompt +
                           outputs after a preemption; past it the sequence decodes one token per step.
     num_cached_tokens:    tokens of the last admission served from the prefix cache.
-    max_tokens:           generation limit, used to reject requests that can never fit.
-    sampling:             the request's sampling parameters (opaque to the scheduler).
+    max_tokens:           generation limit (SamplingParams.max_tokens capped by max_model_len).
+    sampling:             the request's sampling parameters.
+    stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
+    admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
     """
 
     seq_id: int
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
-    sampling: Any = None
+    sampling: SamplingParams | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -38,14 +42,19 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
-    output_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    stop: Any = None
+    logprobs: list[dict[int, float]] | None = None
+    registered: bool = False
+    admitted_this_step: bool = False
+    blocks_sent: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
-        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.prompt_token_ids):
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids must be non-negative ints")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"request {self.request_id!r}: max_tokens must be a positive int, got {self.max_tokens!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.token_ids:

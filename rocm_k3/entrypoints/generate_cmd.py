@@ -41,7 +41,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from rocm_k3.engine.llm import LLM
-    from rocm_k3.engine.sampling import SamplingParams
+    from rocm_k3.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rocm_k3 import ops
+from rocm_k3.ops.registry import OpTable, bind
 from rocm_k3.model.attn_res import AttnResLayer, AttnResSite, attn_res_stack
 from rocm_k3.model.checkpoint_names import layer_prefix
 from rocm_k3.model.config import ModelConfig
@@ -39,10 +40,11 @@ class DecoderLayer:
 
 
 class KimiModel:
-    """The text model. ``dtype`` is the activation/weight dtype; ``backend`` is passed to every op call."""
+    """The text model. ``dtype`` is the activation/weight dtype; ``backend`` (the bound :class:`OpTable`) is
+    passed to every op call."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, output_site: AttnResSite | None, backend: str | None) -> None:
+                 lm_head: torch.Tensor, output_site: AttnResSite | None, backend: OpTable | str | None) -> None:
         if len(layers) != cfg.num_hidden_layers:
             raise ValueError(f"layers: expected {cfg.num_hidden_layers}, got {len(layers)}")
         self.cfg = cfg
@@ -64,12 +66,17 @@ class KimiModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: MutableMapping[str, torch.Tensor],
-                     backend: str | None = None, moe_act_quant: str = "bf16") -> KimiModel:
+                     backend: OpTable | str | None = None, moe_act_quant: str = "bf16") -> KimiModel:
         """Build from canonical-name tensors (already validated, cast and placed); consumes ``tensors``.
 
         moe_act_quant: "bf16" (A16W4) or "mxfp8" (A8W4, FP8 variant of the tensors' device) for routed experts.
+        backend: a backend name (None: settings / auto); the ops are bound once for the tensors' device
+        (:func:`rocm_k3.ops.registry.bind`) and every layer calls the bound table.
         """
-        act_quant = ActQuant.for_device(moe_act_quant, tensors["model.embed_tokens.weight"].device)
+        device = tensors["model.embed_tokens.weight"].device
+        act_quant = ActQuant.for_device(moe_act_quant, device)
+        table = backend if isinstance(backend, OpTable) else bind(device, backend)
+        backend = table
 
         def take(prefix: str) -> dict[str, torch.Tensor]:
             names = [n for n in tensors if n.startswith(prefix)]

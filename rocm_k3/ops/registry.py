@@ -8,6 +8,13 @@ per (op, backend, reason).
 
 Backends other than ``reference`` live in their own packages and are imported lazily, the first time an op
 asks for them; importing this module imports no kernel toolchain.
+
+The model resolves its ops once: :func:`bind` returns an :class:`OpTable` holding, per op, the implementations
+that can run on the model's device (backend availability, imports and the priority order decided once), and
+the model passes that table as ``backend=`` to every op call. A table call only runs the candidates'
+``supports`` checks (host-side shape tests) and skips the validation that would read index values back from
+the device (the runner's host-side plan is built from validated integers); ``ROCM_K3_CHECK_VALUES=1`` turns
+those reads back on for debugging.
 """
 
 from __future__ import annotations
@@ -166,17 +173,85 @@ def _log_fallback(op: str, chosen: str, why: str) -> None:
         log.info("%s: using %s backend (%s)", op, chosen, why)
 
 
-def dispatch(op: str, backend: str | None, *args: Any, **kwargs: Any) -> Any:
-    """Run ``op`` on the backend chosen by :func:`resolve`."""
+def dispatch(op: str, backend: "str | OpTable | None", *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on the backend chosen by :func:`resolve` (or by a bound :class:`OpTable`)."""
+    if isinstance(backend, OpTable):
+        return backend.run(op, args, kwargs)
     return resolve(op, backend, args, kwargs).fn(*args, **kwargs)
 
 
-def prepare_weights(weights: Any, backend: str | None, device: torch.device) -> Any:
+@dataclasses.dataclass(frozen=True)
+class OpTable:
+    """The ops of one model, bound to one device (see the module docstring).
+
+    device: where the model runs; backend: the requested backend ("auto" or a name); candidates: per op, the
+    implementations that may serve it here, in priority order (one for an explicitly named backend).
+    """
+
+    device: torch.device
+    backend: str
+    candidates: dict[str, tuple[OpImpl, ...]]
+
+    def run(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        impls = self.candidates.get(op)
+        if not impls:
+            raise BackendError(f"no backend can run {op} on {self.device}: none was bound for it "
+                               f"(backend {self.backend!r})")
+        reasons = []
+        for impl in impls:
+            ok, reason = impl.check(*args, **kwargs)
+            if ok:
+                if reasons:
+                    _log_fallback(op, impl.backend, "; ".join(reasons))
+                return impl.fn(*args, **kwargs)
+            reasons.append(f"{impl.backend}: {reason}")
+        if self.backend != "auto":
+            raise BackendError(f"backend {self.backend!r} cannot run this {op} call: {'; '.join(reasons)}")
+        raise BackendError(f"no backend can run {op} on {self.device}: " + "; ".join(reasons))
+
+    def chosen(self, op: str) -> str | None:
+        """The first candidate backend of ``op`` (the one used unless its ``supports`` declines a call)."""
+        impls = self.candidates.get(op)
+        return impls[0].backend if impls else None
+
+
+def bind(device: torch.device | str, backend: str | None = None) -> OpTable:
+    """Resolve every declared op for ``device`` once. A named backend that cannot run here raises BackendError
+    with its reason; in auto mode the device's priority order keeps the backends that load and have the op."""
+    import rocm_k3.ops as ops_pkg  # every family module declares its ops on import
+
+    for family in ("quant", "norm", "moe", "kda", "attn_res", "mla"):
+        importlib.import_module(f"{ops_pkg.__name__}.{family}")
+    requested = backend if backend is not None else get_settings().backend
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKEND_CHOICES}")
+    device = torch.device(device)
+    dev = device_info(device)
+    if requested != "auto":
+        ok, reason = backend_available(requested, dev)
+        if not ok:
+            raise BackendError(f"backend {requested!r} cannot run on {dev.describe()}: {reason}")
+        names: tuple[str, ...] = (requested,)
+    else:
+        names = tuple(n for n in PRIORITY.get(dev.kind, ("reference",)) if backend_available(n, dev)[0])
+    candidates = {op: tuple(_impls[op][n] for n in names if n in _impls.get(op, {})) for op in declared_ops()}
+    return OpTable(device, requested, candidates)
+
+
+def checks_values(backend: "str | OpTable | None") -> bool:
+    """Whether an op call should validate index values that live on the device (a host read): yes for direct
+    calls, no for calls through a bound table (unless ``ROCM_K3_CHECK_VALUES`` is set)."""
+    return not isinstance(backend, OpTable) or get_settings().check_values
+
+
+def prepare_weights(weights: Any, backend: "str | OpTable | None", device: torch.device) -> Any:
     """Run the ``prepare_weights`` hook of the backend that serves ``device`` (named, or first available).
 
     In auto mode a backend whose hook rejects the weights (ValueError: e.g. FlyDSL's MoE takes MXFP4 experts with
     K, N multiples of 128 only) is passed over, so its ``fused_moe`` declines them and the next backend serves them.
     """
+    if isinstance(backend, OpTable):
+        backend = backend.backend
     requested = backend if backend is not None else get_settings().backend
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown backend {requested!r}; choose one of {BACKEND_CHOICES}")

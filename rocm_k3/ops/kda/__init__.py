@@ -92,7 +92,7 @@ def short_conv(
     W = weight.shape[1]
     check.shape(op, "weight", weight, (C, W), "[C, W]")
     check.activation_dtype(op, "weight", weight)
-    N = check.cu_seqlens(op, cu_seqlens, T)
+    N = check.cu_seqlens(op, cu_seqlens, T, values=registry.checks_values(backend))
     if conv_state is None:
         for name, value in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
             if value is not None:
@@ -103,7 +103,7 @@ def short_conv(
         check.activation_dtype(op, "conv_state", conv_state)
         if state_indices is None:
             raise ValueError(f"{op}: conv_state needs state_indices int32 [N] (N={N}), got None")
-        check.state_indices(op, state_indices, N, conv_state.shape[0])
+        check.state_indices(op, state_indices, N, conv_state.shape[0], values=registry.checks_values(backend))
         if has_initial_state is not None:
             check.has_initial_state(op, has_initial_state, N)
     check.conv_activation(op, activation)
@@ -144,7 +144,7 @@ def short_conv_update(
     conv_state = check.rank(op, "conv_state", conv_state, 3, "[S, C, W-1]")
     check.shape(op, "conv_state", conv_state, (conv_state.shape[0], C, W - 1), "[S, C, W-1]")
     check.activation_dtype(op, "conv_state", conv_state)
-    check.state_indices(op, state_indices, N, conv_state.shape[0])
+    check.state_indices(op, state_indices, N, conv_state.shape[0], values=registry.checks_values(backend))
     check.conv_activation(op, activation)
     check.same_device(op, {"x": x, "weight": weight, "conv_state": conv_state, "state_indices": state_indices})
     return registry.dispatch(op, backend, x, weight, conv_state, state_indices, activation)
@@ -202,11 +202,11 @@ def kda_prefill(
             raise TypeError(f"{op}: gate_params must be a KDAGateParams, got {type(gate_params).__name__}")
         check.activation_dtype(op, "g (the raw gate input, as gate_params is given)", g)
         _check_gate_params(op, *gate_params, H, K)
-    N = check.cu_seqlens(op, cu_seqlens, T)
+    N = check.cu_seqlens(op, cu_seqlens, T, values=registry.checks_values(backend))
     state = check.rank(op, "state", state, 4, "[S, H, K, V]")
     check.shape(op, "state", state, (state.shape[0], H, K, V), "[S, H, K, V]")
     check.dtype(op, "state", state, FP32)
-    check.state_indices(op, state_indices, N, state.shape[0])
+    check.state_indices(op, state_indices, N, state.shape[0], values=registry.checks_values(backend))
     check.has_initial_state(op, has_initial_state, N)
     if scale is not None:
         check.finite_float(op, "scale", scale, positive=True)
@@ -214,7 +214,7 @@ def kda_prefill(
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
     if intermediate_positions is not None:
-        check.intermediate_positions(op, intermediate_positions, cu_seqlens)
+        check.intermediate_positions(op, intermediate_positions, cu_seqlens, values=registry.checks_values(backend))
     check.same_device(
         op,
         {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "state": state,
@@ -283,7 +283,7 @@ def kda_decode(
                     ("conv_state", conv_state), ("o_norm_weight", o_norm_weight)):
         check.activation_dtype(op, name, t)
     _check_gate_params(op, A_log, dt_bias, lower_bound, H, K)
-    check.state_indices(op, state_indices, N, S)
+    check.state_indices(op, state_indices, N, S, values=registry.checks_values(backend))
     if scale is not None:
         check.finite_float(op, "scale", scale, positive=True)
     check.finite_float(op, "eps", eps, positive=True)

@@ -85,20 +85,21 @@ def conv_activation(op: str, value: object) -> None:
         raise ValueError(f"{op}: activation must be 'silu' or None, got {value!r}")
 
 
-def _host_values(t: torch.Tensor) -> list | None:
-    """The tensor's values on the host, or None while a CUDA graph is being captured (no host reads then)."""
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+def _host_values(t: torch.Tensor, values: bool = True) -> list | None:
+    """The tensor's values on the host, or None when value checks are off (calls through a bound op table) or
+    while a CUDA graph is being captured (no host reads then)."""
+    if not values or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     return t.tolist()
 
 
-def cu_seqlens(op: str, t: object, total_tokens: int) -> int:
+def cu_seqlens(op: str, t: object, total_tokens: int, values: bool = True) -> int:
     """Check cu_seqlens int32 [N+1] (starts at 0, nondecreasing, ends at T); returns N."""
     t = rank(op, "cu_seqlens", t, 1, "[N+1]")
     dtype(op, "cu_seqlens", t, (torch.int32,))
     if t.numel() < 2:
         raise ValueError(f"{op}: cu_seqlens must hold N+1 >= 2 offsets, got shape {_dims(t.shape)}")
-    values = _host_values(t)
+    values = _host_values(t, values)
     if values is not None:
         if values[0] != 0:
             raise ValueError(f"{op}: cu_seqlens must start at 0, got {values[0]}")
@@ -114,11 +115,12 @@ def cu_seqlens(op: str, t: object, total_tokens: int) -> int:
     return t.numel() - 1
 
 
-def state_indices(op: str, t: object, num_seqs: int, num_slots: int, name: str = "state_indices") -> None:
+def state_indices(op: str, t: object, num_seqs: int, num_slots: int, name: str = "state_indices",
+                  values: bool = True) -> None:
     """int32 [N], every value in [0, S), no slot twice (each call writes each slot at most once)."""
     t = shape(op, name, t, (num_seqs,), "[N]")
     dtype(op, name, t, (torch.int32,))
-    values = _host_values(t)
+    values = _host_values(t, values)
     if values is None:
         return
     out_of_range = [x for x in values if not 0 <= x < num_slots]
@@ -134,13 +136,13 @@ def has_initial_state(op: str, t: object, num_seqs: int) -> None:
     dtype(op, "has_initial_state", t, (torch.bool,))
 
 
-def intermediate_positions(op: str, t: object, cu: torch.Tensor) -> None:
+def intermediate_positions(op: str, t: object, cu: torch.Tensor, values: bool = True) -> None:
     """int32 [M, 2] rows (i, p) with 0 <= i < N and 1 <= p <= len_i."""
     t = tensor(op, "intermediate_positions", t)
     if t.dim() != 2 or t.shape[1] != 2:
         raise ValueError(f"{op}: intermediate_positions must have shape [M, 2], got {_dims(t.shape)}")
     dtype(op, "intermediate_positions", t, (torch.int32,))
-    rows, bounds = _host_values(t), _host_values(cu)
+    rows, bounds = _host_values(t, values), _host_values(cu, values)
     if rows is None or bounds is None:
         return
     num_seqs = len(bounds) - 1

@@ -1,17 +1,24 @@
-"""HybridCache tensors (sizes vs the byte budget, copy-on-write execution) and the runner's ForwardBatch."""
+"""The worker side of the step contract: KVPools (sizes vs the byte budget, scratch block/slot, copy-on-write
+execution), the StepInput the scheduler sends (decodes first, new requests once, block-table deltas, it pickles)
+and the ModelRunner's host plan / ForwardBatch built from it."""
 
 from __future__ import annotations
 
 import torch
 
+import pickle
+
 from rocm_k3.cache.config import CacheConfig
-from rocm_k3.cache.hybrid_cache import CacheGeometry, HybridCache
-from rocm_k3.cache.manager import CacheManager, CopyPlan
+from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.runner import ModelRunner
 from rocm_k3.engine.scheduler import Scheduler
 from rocm_k3.engine.sequence import Sequence
+from rocm_k3.engine.stop import StopChecker
 from rocm_k3.model.forward_batch import HybridCacheView
+from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.model_runner import ModelRunner
+from rocm_k3.worker.step_io import SampledToken, StepOutput
 from tests.helpers import seeded
 
 GEOM = CacheGeometry(
@@ -19,8 +26,8 @@ GEOM = CacheGeometry(
 )
 
 
-def _filled_cache(num_blocks: int = 6, num_slots: int = 4, block_size: int = 4) -> HybridCache:
-    cache = HybridCache(GEOM, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots)
+def _filled_cache(num_blocks: int = 6, num_slots: int = 4, block_size: int = 4) -> KVPools:
+    cache = KVPools(GEOM, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots)
     gen = seeded(0)
     for i in range(GEOM.num_mla_layers):
         cache.mla_kv(i).copy_(torch.randn(cache.mla_kv(i).shape, generator=gen))
@@ -31,13 +38,16 @@ def _filled_cache(num_blocks: int = 6, num_slots: int = 4, block_size: int = 4) 
 
 
 def test_tensor_sizes_match_byte_accounting():
-    cache = HybridCache(GEOM, block_size=16, num_blocks=5, num_slots=3)
+    cache = KVPools(GEOM, block_size=16, num_blocks=5, num_slots=3)
     assert isinstance(cache, HybridCacheView)
     kv = sum(cache.mla_kv(i).nbytes for i in range(2))
     states = sum(cache.kda_state(i).nbytes + cache.conv_state(i).nbytes for i in range(3))
-    assert kv == 5 * GEOM.bytes_per_block(16) and states == 3 * GEOM.bytes_per_slot()
-    assert cache.mla_kv(0).shape == (5, 16, 576) and cache.kda_state(2).shape == (3, 2, 8, 8)
-    assert cache.kda_state(0).dtype == torch.float32 and cache.conv_state(0).shape == (3, 48, 3)
+    # + one scratch block and one scratch slot for padded decode-graph rows
+    assert kv == 6 * GEOM.bytes_per_block(16) and states == 4 * GEOM.bytes_per_slot()
+    assert cache.mla_kv(0).shape == (6, 16, 576) and cache.kda_state(2).shape == (4, 2, 8, 8)
+    assert cache.kda_state(0).dtype == torch.float32 and cache.conv_state(0).shape == (4, 48, 3)
+    assert (cache.pad_block, cache.pad_slot) == (5, 3)
+    kv, states = 5 * GEOM.bytes_per_block(16), 3 * GEOM.bytes_per_slot()
     num_blocks, num_slots = CacheConfig(
         block_size=16, match_unit=16, alignment=16, kda_save_grid=16, kv_cache_bytes=kv, state_cache_bytes=states
     ).resolve(bytes_per_block=GEOM.bytes_per_block(16), bytes_per_slot=GEOM.bytes_per_slot(), max_model_len=64)
@@ -48,7 +58,7 @@ def test_apply_copies_copies_prefix_rows_and_whole_states():
     cache = _filled_cache()
     before_kv = [cache.mla_kv(i).clone() for i in range(2)]
     before_st = [(cache.kda_state(i).clone(), cache.conv_state(i).clone()) for i in range(3)]
-    cache.apply_copies(CopyPlan(block_copies=[(1, 4, 3)], state_copies=[(0, 2), (0, 3)]))
+    cache.apply_copies([(1, 4, 3)], [(0, 2), (0, 3)])
     for i in range(2):
         kv = cache.mla_kv(i)
         assert torch.equal(kv[4, :3], before_kv[i][1, :3])  # copied rows
@@ -60,7 +70,13 @@ def test_apply_copies_copies_prefix_rows_and_whole_states():
             assert torch.equal(pool[0], old[0]) and torch.equal(pool[1], old[1])
 
 
-def test_runner_builds_mixed_prefill_decode_batch():
+def _seq(seq_id: int, rid: str, prompt: list[int]) -> Sequence:
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    return Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=prompt, max_tokens=4, sampling=params,
+                    stop=StopChecker(params, (), None, 4))
+
+
+def test_step_input_and_runner_plan_for_a_mixed_prefill_decode_step():
     cfg = EngineConfig(
         max_num_batched_tokens=16,
         max_num_seqs=4,
@@ -69,17 +85,26 @@ def test_runner_builds_mixed_prefill_decode_batch():
     )
     mgr = CacheManager(cfg.cache, num_blocks=20, num_slots=8)
     sched = Scheduler(cfg, mgr)
-    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=4)
+    runner = ModelRunner(model=None, pools=_filled_cache(num_blocks=20, num_slots=8), max_blocks_per_seq=8)
+    a = _seq(0, "a", [3, 1, 4, 1, 5])
     sched.add(a)
-    out = sched.schedule()
-    sched.postprocess(out)
-    a.token_ids.append(9)  # a sampled token: a decodes next
-    b = Sequence(seq_id=1, request_id="b", prompt_token_ids=[2, 7, 1, 8, 2, 8, 1], max_tokens=4)
+    first = sched.schedule()
+    assert [r.request_id for r in first.new_requests] == ["a"] and first.chunks[0].admitted
+    runner.apply_deltas(first)
+    sched.update(StepOutput(first.step_id, (SampledToken("a", 9),)))  # a decodes next
+    b = _seq(1, "b", [2, 7, 1, 8, 2, 8, 1])
     sched.add(b)
-    out = sched.schedule()
-    runner = ModelRunner(model=None, cache=_filled_cache(num_blocks=20, num_slots=8), manager=mgr)
-    batch = runner.build_batch(out)
+    step = sched.schedule()
+    assert pickle.loads(pickle.dumps(step)) == step  # the contract is plain data
+    assert [r.request_id for r in step.new_requests] == ["b"]  # "a" was sent once, in the first step
+    assert step.num_decodes == 1 and [c.request_id for c in step.chunks] == ["a", "b"]  # decodes first
+    ca, cb = step.chunks
     ta, tb = mgr.table(0), mgr.table(1)
+    assert not ca.admitted and ca.block_ids == tuple(ta[len(first.chunks[0].block_ids):])  # only the new blocks
+    assert cb.admitted and cb.block_ids == tuple(tb)
+    runner.apply_deltas(step)
+    plan = runner.plan(step)
+    batch = runner.batch(plan)
     assert batch.input_ids.tolist() == [9, 2, 7, 1, 8, 2, 8, 1]
     assert batch.positions.tolist() == [5, 0, 1, 2, 3, 4, 5, 6]
     assert batch.cu_seqlens.tolist() == [0, 1, 8] and batch.seq_lens.tolist() == [6, 7]
@@ -91,7 +116,12 @@ def test_runner_builds_mixed_prefill_decode_batch():
     assert batch.logits_indices.tolist() == [0, 7]
     assert not batch.is_decode
     # b's saves: the alignment point 4 and its last match-unit boundary 6, rows relative to the chunk start
-    saves = out.scheduled[1].saves
-    assert [p for p, _ in saves] == [4, 6]
+    assert [p for p, _ in cb.saves] == [4, 6]
     assert batch.save_positions.tolist() == [[1, 4], [1, 6]]
-    assert batch.save_slots.tolist() == [s for _, s in saves]
+    assert batch.save_slots.tolist() == [s for _, s in cb.saves]
+    # a chunk that does not end at the sequence's last token asks for no logits
+    deltas = sched.update(StepOutput(step.step_id, (SampledToken("a", 4), SampledToken("b", 6))))
+    assert [d.new_token_ids for d in deltas] == [[4], [6]]
+    sched.abort(a)
+    nxt = sched.schedule()
+    assert nxt.finished_request_ids == ("a",) and [c.request_id for c in nxt.chunks] == ["b"]

@@ -1,32 +1,39 @@
-"""Batched next-token sampling from fp32 logits, one seeded generator per request, plus the stop check.
+"""Batched next-token sampling from fp32 logits (worker side), one seeded generator per request.
 
 For each row: temperature 0 = argmax of the logits; otherwise the logits are divided by the temperature,
 restricted to the top-k tokens and then to the smallest most-likely set whose probability reaches top-p, and a
 token is drawn from the softmax with the request's own ``torch.Generator`` (the exponential-race form of a
 categorical draw, ``argmax(p / E)`` with ``E ~ Exp(1)``), so a request's tokens do not depend on which other
 requests share its batch. Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
+A row with a NaN or infinite logit is flagged (``finite[i]`` False); its token is meaningless and the engine
+finishes that request with an error, leaving its batch mates alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from rocm_k3.engine.sampling import SamplingParams
+from rocm_k3.sampling_params import SamplingParams
+
+MAX_SEED = (1 << 63) - 1
 
 
 class SampleOutput(NamedTuple):
-    """token_ids int64 [N]; logprobs[i] = {token: logprob} (chosen token first, then the top alternatives) or None."""
+    """token_ids int64 [N]; logprobs[i] = {token: logprob} (chosen token first, then the top alternatives) or None;
+    finite bool [N]: the row's logits were all finite."""
 
     token_ids: torch.Tensor
     logprobs: list[dict[int, float] | None]
+    finite: torch.Tensor
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A request's generator: seeded with ``seed``, or from fresh OS entropy when None."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed: expected an int in [0, 2**63 - 1] or None, got {seed!r}")
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
@@ -45,10 +52,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     if len(params) != n or len(generators) != n:
         raise ValueError(f"params/generators: expected {n} each (one per row), got {len(params)} and {len(generators)}")
     dev = logits.device
-    temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
-    greedy = temps == 0
+    finite = torch.isfinite(logits).all(dim=-1)  # [N]
     chosen = logits.argmax(dim=-1)  # [N]
-    if not bool(greedy.all()):
+    if not all(p.temperature == 0 for p in params):
+        temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
         scaled = logits / temps.clamp_min(1e-6)[:, None]  # [N, V]
         scaled = _apply_top_k(scaled, [p.top_k for p in params])
         scaled = _apply_top_p(scaled, [float(p.top_p) for p in params])
@@ -58,7 +65,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
                 continue
             race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
             chosen[i] = torch.argmax(probs[i] / race)
-    return SampleOutput(chosen, _logprobs(logits, chosen, params))
+    return SampleOutput(chosen, _logprobs(logits, chosen, params), finite)
 
 
 def _apply_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -101,27 +108,3 @@ def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[Sampl
                 entry.setdefault(t, v)
         out.append(entry)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class StopDecision:
-    """finish_reason: "stop" (eos, a stop token or a stop string), "length" (max_tokens) or None (continue).
-    text: the output text, cut before a matched stop string."""
-
-    finish_reason: str | None
-    text: str
-
-
-def check_stop(token_ids: Sequence[int], text: str, params: SamplingParams,
-               eos_token_ids: Sequence[int] = ()) -> StopDecision:
-    """Whether a request is finished after its latest token (``token_ids`` = generated ids so far)."""
-    if token_ids:
-        last = token_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
-            return StopDecision("stop", text)
-    cut = min((pos for pos in (text.find(s) for s in params.stop) if pos >= 0), default=-1)
-    if cut >= 0:
-        return StopDecision("stop", text[:cut])
-    if len(token_ids) >= params.max_tokens:
-        return StopDecision("length", text)
-    return StopDecision(None, text)

@@ -1,20 +1,22 @@
-"""The hybrid cache's tensors: paged MLA latent KV per MLA layer and KDA state/conv slots per KDA layer.
+"""The hybrid cache's tensors (worker side): paged MLA latent KV per MLA layer, KDA state/conv slots per KDA layer.
 
 Implements :class:`rocm_k3.model.forward_batch.HybridCacheView`. Block ids and slot ids are shared by all
 layers: block ``b`` is page ``b`` of every MLA layer's pool and slot ``s`` is entry ``s`` of every KDA layer's
-state and conv pools, so the integer bookkeeping of :class:`rocm_k3.cache.manager.CacheManager` applies to all
-layers at once. Memory is allocated once, up front; :meth:`apply_copies` executes a copy-on-write plan.
+state and conv pools, so the integer bookkeeping of :class:`rocm_k3.cache.manager.CacheManager` (which hands out
+ids ``0 .. num_blocks - 1`` and ``0 .. num_slots - 1``) applies to all layers at once. One extra block and one
+extra slot past those ids are scratch space for the padded rows of a captured decode graph
+(:attr:`KVPools.pad_block`, :attr:`KVPools.pad_slot`). Memory is allocated once, up front;
+:meth:`KVPools.apply_copies` executes a copy-on-write plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
-from rocm_k3.cache.manager import CopyPlan
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.forward_batch import MLA_LATENT_WIDTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +24,7 @@ class CacheGeometry:
     """Per-layer cache shapes of a model.
 
     num_mla_layers / num_kda_layers: layers of each kind; kda_heads (H), kda_head_dim (K = V), conv_width (W);
+    mla_latent_width: values cached per token per MLA layer (kv_lora_rank + qk_rope_head_dim; 576 for K3);
     dtype: MLA latent and conv state dtype (the model's activation dtype); the KDA recurrent state is fp32.
     """
 
@@ -31,6 +34,7 @@ class CacheGeometry:
     kda_head_dim: int
     conv_width: int
     dtype: torch.dtype
+    mla_latent_width: int = 576
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> CacheGeometry:
@@ -41,6 +45,7 @@ class CacheGeometry:
             cfg.kda.head_dim,
             cfg.kda.conv_kernel_size,
             dtype,
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim,
         )
 
     @property
@@ -48,9 +53,9 @@ class CacheGeometry:
         return 3 * self.kda_heads * self.kda_head_dim  # q | k | v
 
     def bytes_per_block(self, block_size: int) -> int:
-        """One page of every MLA layer: num_mla_layers * block_size * 576 * itemsize (at least 1)."""
+        """One page of every MLA layer: num_mla_layers * block_size * latent width * itemsize (at least 1)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return max(1, self.num_mla_layers * block_size * MLA_LATENT_WIDTH * itemsize)
+        return max(1, self.num_mla_layers * block_size * self.mla_latent_width * itemsize)
 
     def bytes_per_slot(self) -> int:
         """One slot of every KDA layer: fp32 [H, K, V] state + [3*H*K, W-1] conv state (at least 1)."""
@@ -60,8 +65,8 @@ class CacheGeometry:
         return max(1, self.num_kda_layers * per_layer)
 
 
-class HybridCache:
-    """Tensor pools behind the cache manager's ids (a :class:`HybridCacheView`)."""
+class KVPools:
+    """Tensor pools behind the cache manager's ids (a :class:`HybridCacheView`), plus one scratch block and slot."""
 
     def __init__(
         self,
@@ -81,18 +86,29 @@ class HybridCache:
         self.num_slots = num_slots
         self.device = torch.device(device)
         g = geometry
+        nb, ns = num_blocks + 1, num_slots + 1  # + the scratch block / slot of padded graph rows
         self._mla = [
-            torch.zeros(num_blocks, block_size, MLA_LATENT_WIDTH, dtype=g.dtype, device=self.device)
+            torch.zeros(nb, block_size, g.mla_latent_width, dtype=g.dtype, device=self.device)
             for _ in range(g.num_mla_layers)
-        ]  # [num_blocks, block_size, 576] each
+        ]  # [num_blocks + 1, block_size, latent] each
         self._kda = [
-            torch.zeros(num_slots, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32, device=self.device)
+            torch.zeros(ns, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32, device=self.device)
             for _ in range(g.num_kda_layers)
-        ]  # [S, H, K, V] each
+        ]  # [S + 1, H, K, V] each
         self._conv = [
-            torch.zeros(num_slots, g.conv_channels, g.conv_width - 1, dtype=g.dtype, device=self.device)
+            torch.zeros(ns, g.conv_channels, g.conv_width - 1, dtype=g.dtype, device=self.device)
             for _ in range(g.num_kda_layers)
-        ]  # [S, 3*H*K, W-1] each
+        ]  # [S + 1, 3*H*K, W-1] each
+
+    @property
+    def pad_block(self) -> int:
+        """A block no request owns: padded rows of a captured decode graph read and write it."""
+        return self.num_blocks
+
+    @property
+    def pad_slot(self) -> int:
+        """A KDA slot no request owns, for padded graph rows."""
+        return self.num_slots
 
     # ---- HybridCacheView -----------------------------------------------------------------------------------
     @property
@@ -109,16 +125,17 @@ class HybridCache:
         return self._conv[kda_layer_idx]
 
     # ---- copy-on-write -------------------------------------------------------------------------------------
-    def apply_copies(self, plan: CopyPlan) -> None:
+    def apply_copies(self, block_copies: Sequence[tuple[int, int, int]],
+                     state_copies: Sequence[tuple[int, int]]) -> None:
         """Copy the first n latent rows of each (src, dst, n) block in every MLA layer, and the recurrent and
         conv state of each (src, dst) slot in every KDA layer. Sources are never written."""
-        for src, dst, n in plan.block_copies:
+        for src, dst, n in block_copies:
             if src == dst:
                 raise ValueError(f"block copy {src} -> {dst}: source and destination must differ")
             for pages in self._mla:
                 pages[dst, :n].copy_(pages[src, :n])
-        if plan.state_copies:
-            src = torch.tensor([s for s, _ in plan.state_copies], dtype=torch.long, device=self.device)
-            dst = torch.tensor([d for _, d in plan.state_copies], dtype=torch.long, device=self.device)
+        if state_copies:
+            src = torch.tensor([s for s, _ in state_copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in state_copies], dtype=torch.long, device=self.device)
             for pool in (*self._kda, *self._conv):
                 pool[dst] = pool[src]

@@ -1,0 +1,238 @@
+"""EngineCore: the control plane of one model = Scheduler + CacheManager + an Executor. No tensors, no model code.
+
+``step()`` = ``schedule() -> StepInput`` -> ``executor.execute`` -> ``update(StepOutput)`` -> request deltas.
+
+Robustness (each a tested promise):
+
+- **Transactional bookkeeping.** Every scheduler/cache section runs under an :class:`InterruptGuard`, so a
+  Ctrl-C lands between sections, never inside one. A step whose execution fails (or is interrupted) is
+  abandoned: its requests go back to the queue to be recomputed (not counted as preemptions). Any exception
+  that escapes a bookkeeping section anyway (a bug, or an exception injected by a test at an arbitrary line)
+  triggers :meth:`EngineCore.recover`: the integer bookkeeping is rebuilt from scratch (the prefix cache is
+  dropped) and every unfinished request is re-queued to be recomputed from its prompt and outputs. Either way
+  the engine is usable afterwards and, once its requests are done or aborted, every block and slot is free.
+- **Validation before registration.** Prompt ids, length, sampling parameters, stop strings without a tokenizer
+  and duplicate ids raise a ValueError/TypeError naming the problem before anything is queued.
+- **Non-finite logits** finish only the affected request, with finish reason "error" and a message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.manager import CacheManager
+from rocm_k3.engine.config import EngineConfig
+from rocm_k3.engine.guard import InterruptGuard
+from rocm_k3.engine.outputs import RequestDelta, RequestOutput
+from rocm_k3.engine.scheduler import Scheduler
+from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.engine.stop import StopChecker
+from rocm_k3.executor.base import Executor
+from rocm_k3.sampling_params import SamplingParams
+
+log = logging.getLogger("rocm_k3.engine")
+
+
+def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, max_model_len: int | None,
+               explicit_kv: bool, explicit_state: bool) -> tuple[CacheConfig, int, int, int]:
+    """Resolve the cache size and ``max_model_len``: (cache config, num_blocks, num_slots, max_model_len).
+
+    ``budget`` = bytes measured on the device (None on the CPU: the configured budgets apply); explicit budgets
+    win over measured ones. ``max_model_len`` None = what one request can hold, at most max_position_embeddings
+    (logged when that is less); an explicit value that cannot fit raises CacheBudgetError.
+    """
+    if budget is not None:
+        kv, state = budget
+        changes = {}
+        if not explicit_kv and cache.num_blocks is None:
+            changes["kv_cache_bytes"] = max(1, kv)
+        if not explicit_state and cache.num_state_slots is None:
+            changes["state_cache_bytes"] = max(1, state)
+        if changes:
+            cache = _replace(cache, **changes)
+    limit = info.max_position_embeddings
+    if max_model_len is None:
+        blocks, _ = cache.counts(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot)
+        fits = cache.max_len_for(blocks)
+        max_model_len = min(limit, fits) if fits > 0 else limit  # limit then fails below with the named error
+        if max_model_len < limit:
+            log.warning("max_model_len defaults to %d tokens: what one request can hold in the KV cache "
+                        "(max_position_embeddings is %d)", max_model_len, limit)
+    elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        raise ValueError(f"max_model_len: expected an int in [1, max_position_embeddings={limit}], "
+                         f"got {max_model_len!r}")
+    num_blocks, num_slots = cache.resolve(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot,
+                                          max_model_len=max_model_len)
+    return cache, num_blocks, num_slots, max_model_len
+
+
+def _replace(cache: CacheConfig, **changes: Any) -> CacheConfig:
+    import dataclasses
+
+    return dataclasses.replace(cache, **changes)
+
+
+class EngineCore:
+    """Requests in, deltas out (see the module docstring).
+
+    config: the engine config (its cache sizes already resolved, see :func:`plan_cache`); num_blocks / num_slots:
+    the pools the executor allocated; tokenizer: optional ``decode(ids) -> str`` (text outputs, stop strings).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor, *, num_blocks: int, num_slots: int,
+                 vocab_size: int, eos_token_ids: Seq[int] = (), tokenizer: Any = None) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.guard = InterruptGuard()
+        self._seq_ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_recoveries = 0
+        self._new_bookkeeping()
+
+    def _new_bookkeeping(self) -> None:
+        self.cache_manager = CacheManager(self.config.cache, self.num_blocks, self.num_slots)
+        self.scheduler = Scheduler(self.config, self.cache_manager)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request; every check runs before anything is registered.
+
+        RequestTooLargeError if the prompt exceeds max_model_len; generation is capped so that prompt +
+        generated tokens fit (finish reason "length").
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id: expected a non-empty str, got {request_id!r}")
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise TypeError(f"request {request_id!r}: prompt token ids must be ints")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(prompt) > limit:
+            raise RequestTooLargeError(
+                f"request {request_id!r}: {len(prompt)} prompt tokens exceed max_model_len={limit}"
+            )
+        # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
+        max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
+        stop = StopChecker(params, self.eos_token_ids, self.tokenizer, max_tokens)  # ValueError: stop w/o tokenizer
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt,
+                       max_tokens=max_tokens, sampling=params, stop=stop,
+                       logprobs=[] if params.logprobs is not None else None)
+        with self.guard.section():
+            self.scheduler.add(seq)
+            self._seqs[request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its cache; False if it is unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        with self.guard.section():
+            self._seqs.pop(request_id, None)
+            if seq.is_finished:
+                return False
+            self._bookkeeping(lambda: self.scheduler.abort(seq))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
+        with self.guard.section():
+            step = self._bookkeeping(self.scheduler.schedule)
+        if not step.chunks:
+            with self.guard.section():
+                self._bookkeeping(self.scheduler.abandon)
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending")
+            return []
+        try:
+            output = self.executor.execute(step)
+        except BaseException:
+            with self.guard.section():
+                self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
+            raise
+        with self.guard.section():
+            deltas = self._bookkeeping(lambda: self.scheduler.update(output))
+            self.num_steps += 1
+            self.num_prefill_tokens += sum(c.num_tokens for c in step.chunks if c.is_prefill)
+            for d in deltas:
+                if d.finished:
+                    self._seqs.pop(d.request_id, None)
+        return deltas
+
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until every queued request finished; outputs by request id."""
+        done = {}
+        while self.has_unfinished():
+            for delta in self.step():
+                if delta.finished:
+                    done[delta.request_id] = delta.output
+        return done
+
+    def _bookkeeping(self, fn):
+        """Run a scheduler/cache section; on any exception rebuild the bookkeeping (see :meth:`recover`)."""
+        try:
+            return fn()
+        except BaseException:
+            self.recover()
+            raise
+
+    def recover(self) -> None:
+        """Rebuild the integer bookkeeping after an exception escaped it: a fresh cache manager (all blocks and
+        slots free, prefix cache empty) and scheduler; every unfinished request is re-queued to be recomputed
+        from its prompt and outputs, in its old order. Not counted as preemptions."""
+        with self.guard.section():
+            old = self.scheduler
+            order = [s for s in old.running] + [s for s in old.waiting if s not in old.running]
+            known = set(map(id, order))
+            order += [s for s in self._seqs.values() if not s.is_finished and id(s) not in known]
+            finished_ids = list(old.take_finished_ids())
+            preemptions = old.num_preemptions
+            step_id = old.step_id
+            self._new_bookkeeping()
+            self.scheduler.restore(order, num_preemptions=preemptions, step_id=step_id, finished_ids=finished_ids)
+            self.num_recoveries += 1
+            log.warning("engine bookkeeping rebuilt after an exception; %d requests re-queued", len(order))
+
+    # ---- counters ------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache counters (queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
+        cow_copies, state_restores, block/state evictions) plus steps, computed prefill tokens, preemptions,
+        cache sizes and what is free now (free_blocks / free_state_slots count free and evictable ids)."""
+        mgr = self.cache_manager
+        out = mgr.stats.as_dict()
+        out.update(
+            steps=self.num_steps,
+            prefill_tokens=self.num_prefill_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            recoveries=self.num_recoveries,
+            num_blocks=mgr.blocks.size,
+            num_state_slots=mgr.slots.size,
+            free_blocks=mgr.blocks.num_available,
+            free_state_slots=mgr.slots.pool.num_available,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+        )
+        return out

@@ -1,0 +1,128 @@
+"""Per-request output text and stop conditions, checked incrementally (engine side, plain Python).
+
+:class:`IncrementalDetokenizer` decodes only a short window around the newest tokens (so a step costs O(1) in
+the output length) and holds back a character whose UTF-8 bytes are still split across tokens.
+:class:`StopChecker` appends each sampled token, decides whether the request is finished (eos / stop token,
+stop string, max_tokens) and keeps the text: stop strings are searched only in the new text plus the
+``len(longest stop) - 1`` characters before it, and text that could still become a stop string is held back
+from streamed deltas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from rocm_k3.sampling_params import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+_MAX_PENDING = 8  # a character is never split over more tokens than this (UTF-8 is at most 4 bytes)
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """``push(token_id) -> new text`` over any tokenizer with ``decode(ids) -> str``."""
+
+    def __init__(self, tokenizer: Decoder) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens whose text has been emitted
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Text of tokens still held back (an incomplete character at the end decodes as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        done = self._tok.decode(self._ids[self._prefix : self._read])
+        full = self._tok.decode(self._ids[self._prefix :])
+        pending = len(self._ids) - self._read
+        if not final and (len(full) <= len(done) or full.endswith(_REPLACEMENT)) and pending < _MAX_PENDING:
+            return ""  # wait for the rest of a split character
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(done) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class StopDecision:
+    """finish_reason: "stop" (eos, a stop token or a stop string), "length" (max_tokens) or None (continue)."""
+
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class StopChecker:
+    """The output of one request, token by token.
+
+    tokenizer: needed for text and stop strings (a request with ``stop`` strings and no tokenizer is refused);
+    max_tokens: the generation cap (SamplingParams.max_tokens, capped by max_model_len).
+    """
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Decoder | None,
+                 max_tokens: int) -> None:
+        if params.stop and tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)!r}: stop strings need a tokenizer, and this checkpoint has "
+                             "none (use stop_token_ids)")
+        self.params = params
+        self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._max_tokens = max_tokens
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.num_tokens = 0
+        self.text = ""
+        self.finished = False
+        self._emitted = 0
+
+    def push(self, token_id: int) -> StopDecision:
+        """Append one generated token; the decision after it (the text is cut before a matched stop string)."""
+        if self.finished:
+            raise ValueError("push: the request has already finished")
+        self.num_tokens += 1
+        if self._detok is not None:
+            old = len(self.text)
+            self.text += self._detok.push(token_id)
+            decision = self._check_stop_strings(old)
+            if decision is not None:
+                return self._finish(decision)
+        if token_id in self._stop_ids:
+            return self._finish(StopDecision("stop", token_id), flush=True)
+        if token_id in self._eos:
+            return self._finish(StopDecision("stop", None), flush=True)
+        if self.num_tokens >= self._max_tokens:
+            return self._finish(StopDecision("length"), flush=True)
+        return StopDecision(None)
+
+    def take_text_delta(self) -> str:
+        """Text not yet returned, minus a tail that could still grow into a stop string (all of it once finished)."""
+        end = len(self.text) if self.finished else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _check_stop_strings(self, old_len: int) -> StopDecision | None:
+        if not self.params.stop or len(self.text) == old_len:
+            return None
+        start = max(0, old_len - self._holdback)
+        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)
+        self.text = self.text[:pos]
+        return StopDecision("stop", s)
+
+    def _finish(self, decision: StopDecision, flush: bool = False) -> StopDecision:
+        if flush and self._detok is not None:
+            self.text += self._detok.flush()
+        self.finished = True
+        return decision

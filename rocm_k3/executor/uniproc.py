@@ -1,0 +1,28 @@
+"""The in-process executor: one :class:`~rocm_k3.worker.worker.Worker` in this process (``LLM`` and the tests)."""
+
+from __future__ import annotations
+
+from rocm_k3.worker.step_io import StepInput, StepOutput
+from rocm_k3.worker.worker import Worker, WorkerConfig, WorkerInfo
+
+
+class UniprocExecutor:
+    """See :class:`rocm_k3.executor.base.Executor`. ``model``: an already loaded model to serve (tests)."""
+
+    def __init__(self, config: WorkerConfig, model=None) -> None:
+        self.worker = Worker(config, model=model)
+
+    def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    def cache_budget(self) -> tuple[int, int] | None:
+        return self.worker.cache_budget()
+
+    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
+        self.worker.init_cache(num_blocks, num_slots, max_model_len)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)
+
+    def shutdown(self) -> None:
+        self.worker = None

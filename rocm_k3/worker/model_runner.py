@@ -1,0 +1,166 @@
+"""Builds each step's :class:`ForwardBatch` from a :class:`StepInput` and runs the model (eager or a decode graph).
+
+The runner keeps what the step contract sends only once or as deltas: each request's block table (a growing
+int32 numpy row) and KDA slot. Per step it builds the host-side plan (token ids, positions, cu_seqlens, slot
+mapping, block-table rows at a fixed width) in one pass, moves it to the device in a handful of copies, and
+asks for logits only at the last token of the chunks that sample. Decode-only steps replay a captured graph
+when :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.kv_pools import KVPools
+from rocm_k3.worker.step_io import ScheduledChunk, StepInput
+
+
+class StepModel(Protocol):
+    def forward(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass
+class _Row:
+    """One request's cache view on the worker: block table (first ``num_blocks`` entries used) and KDA slot."""
+
+    table: np.ndarray
+    num_blocks: int
+    kda_slot: int
+
+    def extend(self, block_ids: tuple[int, ...]) -> None:
+        need = self.num_blocks + len(block_ids)
+        if need > self.table.shape[0]:
+            grown = np.zeros(max(need, 2 * self.table.shape[0]), dtype=np.int32)
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
+            self.table = grown
+        self.table[self.num_blocks : need] = block_ids
+        self.num_blocks = need
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """The host-side arrays of one step (chunks in step order; decodes first)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    cu_seqlens: np.ndarray  # int32 [N+1]
+    seq_lens: np.ndarray  # int32 [N]
+    block_table: np.ndarray  # int32 [N, width]
+    kda_slots: np.ndarray  # int32 [N]
+    has_initial_state: np.ndarray  # bool [N]
+    logits_indices: np.ndarray  # int64 [S] rows of the sampling chunks' last tokens
+    save_positions: np.ndarray | None  # int32 [M, 2]
+    save_slots: np.ndarray | None  # int32 [M]
+    is_decode: bool
+
+
+class ModelRunner:
+    """Owns a step's device tensors: per-request cache rows, copies, the ForwardBatch, the forward itself.
+
+    max_blocks_per_seq: the fixed width of block-table rows (blocks of one max_model_len request).
+    """
+
+    def __init__(self, model: StepModel, pools: KVPools, max_blocks_per_seq: int) -> None:
+        self.model = model
+        self.pools = pools
+        self.device = pools.device
+        self.block_size = pools.block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.rows: dict[str, _Row] = {}
+        self.graphs = None  # DecodeGraphs, set by the worker once captured
+
+    # ---- per-request state ---------------------------------------------------------------------------------
+    def apply_deltas(self, step: StepInput) -> None:
+        """Drop finished requests, then (re)set or extend the rows of the scheduled ones."""
+        for rid in step.finished_request_ids:
+            self.rows.pop(rid, None)
+        for chunk in step.chunks:
+            if chunk.admitted:
+                row = _Row(np.zeros(max(4, len(chunk.block_ids)), dtype=np.int32), 0, chunk.kda_slot)
+                self.rows[chunk.request_id] = row
+            else:
+                row = self.rows.get(chunk.request_id)
+                if row is None:
+                    raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} was never admitted")
+                if row.kda_slot != chunk.kda_slot:
+                    raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} changed KDA slot "
+                                       f"{row.kda_slot} -> {chunk.kda_slot} without re-admission")
+            row.extend(chunk.block_ids)
+            if row.num_blocks * self.block_size < chunk.end:
+                raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} has {row.num_blocks} blocks "
+                                   f"for {chunk.end} tokens")
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def plan(self, step: StepInput) -> HostPlan:
+        """The host arrays of a step whose deltas were applied (see :meth:`apply_deltas`)."""
+        chunks = step.chunks
+        if not chunks:
+            raise ValueError(f"step {step.step_id}: no chunk to run")
+        n = len(chunks)
+        lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)  # [T]
+        seq_lens = (starts + lens).astype(np.int32)
+        used = int((seq_lens.max() + self.block_size - 1) // self.block_size)
+        table = np.zeros((n, used), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            row = self.rows[c.request_id]
+            k = min(used, row.num_blocks)
+            table[i, :k] = row.table[:k]
+        seq_of_token = np.repeat(np.arange(n), lens)  # [T]
+        blocks = table[seq_of_token, positions // self.block_size].astype(np.int64)
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        saves = [(i, pos - c.start, slot) for i, c in enumerate(chunks) for pos, slot in c.saves]
+        return HostPlan(
+            input_ids=ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens=cu.astype(np.int32),
+            seq_lens=seq_lens, block_table=table,
+            kda_slots=np.fromiter((self.rows[c.request_id].kda_slot for c in chunks), dtype=np.int32, count=n),
+            has_initial_state=starts > 0,
+            logits_indices=(cu[1:] - 1)[sampling],
+            save_positions=np.array([[i, p] for i, p, _ in saves], dtype=np.int32).reshape(-1, 2) if saves else None,
+            save_slots=np.array([s for _, _, s in saves], dtype=np.int32) if saves else None,
+            is_decode=step.is_decode_only and bool((starts > 0).all()),
+        )
+
+    def batch(self, plan: HostPlan) -> ForwardBatch:
+        """The plan's arrays on the device."""
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=dev(plan.input_ids), positions=dev(plan.positions), cu_seqlens=dev(plan.cu_seqlens),
+            seq_lens=dev(plan.seq_lens), block_table=dev(plan.block_table), slot_mapping=dev(plan.slot_mapping),
+            kda_slots=dev(plan.kda_slots), has_initial_state=dev(plan.has_initial_state),
+            logits_indices=dev(plan.logits_indices),
+            save_positions=None if plan.save_positions is None else dev(plan.save_positions),
+            save_slots=None if plan.save_slots is None else dev(plan.save_slots),
+            is_decode=plan.is_decode,
+        )
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Apply the step's deltas and copies, run the model; logits fp32 [S, vocab] for the sampling chunks."""
+        self.apply_deltas(step)
+        if step.block_copies or step.state_copies:
+            self.pools.apply_copies(step.block_copies, step.state_copies)
+        plan = self.plan(step)
+        if plan.is_decode and self.graphs is not None:
+            logits = self.graphs.run(plan)
+            if logits is not None:
+                return logits
+        return self.model.forward(self.batch(plan), self.pools)
+
+
+def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:
+    """The chunks whose next token the step samples, in the order of the logits rows."""
+    return [c for c in step.chunks if c.sample]

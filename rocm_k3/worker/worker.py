@@ -1,0 +1,197 @@
+"""The worker: one per device. Owns the model, the KV/state pools, the runner, decode graphs and the sampler.
+
+Life cycle (driven by an executor): ``Worker(config)`` loads the model onto the device; :meth:`Worker.info`
+reports what the control plane needs (vocabulary, eos ids, cache bytes per block/slot, position limit);
+:meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
+for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and captures the
+decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from rocm_k3.model.loader import load_model
+from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
+from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
+from rocm_k3.worker.sampler import make_generator, sample
+from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, StepInput, StepOutput
+
+log = logging.getLogger("rocm_k3.worker")
+
+
+class DeviceError(ValueError):
+    """A device that does not exist or cannot be used here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker needs to load and serve its model (validated)."""
+
+    model_path: Path
+    dtype: torch.dtype
+    device: torch.device
+    backend: str | None = None
+    moe_act_quant: str = "bf16"
+    progress: bool = False
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 32
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
+        check_device(self.device)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise DeviceError naming ``device`` when it cannot be used on this machine."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":  # NVIDIA, and ROCm builds of torch (HIP devices are "cuda" in torch)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index if device.index is not None else 0
+        if index >= count:
+            raise DeviceError(f"device {str(device)!r}: this machine has {count} GPU(s) visible to torch"
+                              + ("" if count else " (is this a CPU build of torch?)"))
+        return
+    raise DeviceError(f"device {str(device)!r}: expected 'cpu' or 'cuda[:N]' (ROCm GPUs are 'cuda' in torch)")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """Model facts for the control plane (which imports no model code)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    bytes_per_block: int
+    bytes_per_slot: int
+    device: str
+    dtype: str
+
+
+class Worker:
+    """See the module docstring."""
+
+    def __init__(self, config: WorkerConfig, model=None) -> None:
+        self.config = config
+        self.device = config.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if model is None:
+            model = load_model(config.model_path, dtype=config.dtype, device=self.device, backend=config.backend,
+                               progress=config.progress, moe_act_quant=config.moe_act_quant)
+        elif model.device != self.device or model.dtype != config.dtype:
+            raise ValueError(f"model: loaded on {model.device} as {model.dtype}, the worker serves {self.device} "
+                             f"as {config.dtype}")
+        self.model = model
+        self.geometry = CacheGeometry.from_model_config(self.model.cfg, config.dtype)
+        self.runner: ModelRunner | None = None
+        self._requests: dict[str, tuple[SamplingParams, torch.Generator]] = {}
+
+    def info(self) -> WorkerInfo:
+        cfg = self.model.cfg
+        return WorkerInfo(
+            vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
+            bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+        )
+
+    # ---- memory sizing -------------------------------------------------------------------------------------
+    def cache_budget(self) -> tuple[int, int] | None:
+        """(kv_cache_bytes, state_cache_bytes) that fit in ``gpu_memory_utilization`` of the GPU after a profiled
+        forward of ``max_num_batched_tokens`` tokens; None on the CPU (the configured budgets apply).
+
+        Split: the KDA state slots get room for two per running request (running + one saved state for the
+        prefix cache) plus one, but at most half of what is free; the MLA pages get the rest.
+        """
+        if self.device.type != "cuda":
+            return None
+        cfg = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        pools, peak = self._profile_forward()
+        activation_peak = peak - before - pools
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        available = int(total * cfg.gpu_memory_utilization) - before - activation_peak - max(0, non_torch)
+        if available <= 0:
+            raise MemoryError(
+                f"no GPU memory left for the cache: {total / 2**30:.1f} GiB x gpu_memory_utilization="
+                f"{cfg.gpu_memory_utilization} holds weights {before / 2**30:.2f} GiB + activations "
+                f"{activation_peak / 2**30:.2f} GiB + other {max(0, non_torch) / 2**30:.2f} GiB")
+        slot = self.geometry.bytes_per_slot()
+        state = min(available // 2, slot * (2 * cfg.max_num_seqs + 1))
+        log.info("GPU cache budget: %.2f GiB (KV %.2f GiB, KDA states %.2f GiB) after %.2f GiB weights and "
+                 "%.2f GiB activations", available / 2**30, (available - state) / 2**30, state / 2**30,
+                 before / 2**30, activation_peak / 2**30)
+        return available - state, state
+
+    def _profile_forward(self) -> tuple[int, int]:
+        """Run one prefill of ``max_num_batched_tokens`` dummy tokens on scratch pools; (pool bytes, peak bytes)."""
+        tokens = self.config.max_num_batched_tokens
+        bs = self.config.block_size
+        blocks = math.ceil(tokens / bs)
+        pools = KVPools(self.geometry, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
+        runner = ModelRunner(self.model, pools, blocks)
+        chunk = ScheduledChunk(request_id="profile", token_ids=(0,) * tokens, start=0, admitted=True,
+                               block_ids=tuple(range(blocks)), kda_slot=0, is_prefill=True, sample=True)
+        runner.execute(StepInput(step_id=0, chunks=(chunk,)))
+        torch.cuda.synchronize(self.device)
+        pool_bytes = (blocks + 1) * self.geometry.bytes_per_block(bs) + 2 * self.geometry.bytes_per_slot()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del runner, pools
+        torch.cuda.empty_cache()
+        return pool_bytes, peak
+
+    # ---- cache and graphs ----------------------------------------------------------------------------------
+    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
+        """Allocate the pools (plus the scratch block and slot) and capture the decode graphs (GPU, not eager)."""
+        bs = self.config.block_size
+        pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
+        width = math.ceil(max_model_len / bs) + 1
+        self.runner = ModelRunner(self.model, pools, width)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            graphs = DecodeGraphs(self.model, pools, width, graph_buckets(self.config.max_num_seqs))
+            graphs.capture()
+            self.runner.graphs = graphs
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def execute(self, step: StepInput) -> StepOutput:
+        if self.runner is None:
+            raise RuntimeError("execute: init_cache() has not run")
+        for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
+            self._requests.pop(rid, None)
+        for req in step.new_requests:
+            self._register(req)
+        if not step.chunks:
+            return StepOutput(step.step_id)
+        logits = self.runner.execute(step)  # [S, vocab] fp32
+        chunks = sampling_chunks(step)
+        if not chunks:
+            return StepOutput(step.step_id)
+        states = [self._requests[c.request_id] for c in chunks]
+        out = sample(logits, [p for p, _ in states], [g for _, g in states])
+        tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+        sampled = []
+        for c, tok, ok, lp in zip(chunks, tokens, finite, out.logprobs):
+            error = "" if ok else "the model produced non-finite logits (NaN or Inf) for this request"
+            sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
+        return StepOutput(step.step_id, tuple(sampled))
+
+    def _register(self, req: NewRequest) -> None:
+        """Keep a new request's sampling state; a request sent again (after a failed step) keeps its generator."""
+        if req.request_id not in self._requests:
+            self._requests[req.request_id] = (req.sampling, make_generator(req.sampling.seed, self.device))
