@@ -44,8 +44,9 @@ class SamplingParams:
             raise ValueError(f"top_k: expected an int >= -1 (0 or -1 = disabled), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= 2**63 - 1):
+            raise ValueError(f"seed: expected an int in [0, 2**63 - 1] or None, got {self.seed!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
         for tok in self.stop_token_ids:

@@ -82,7 +82,7 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
                                                ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
     cache = CacheConfig(block_size=args.block_size, match_unit=args.match_unit, alignment=args.alignment,
-                        enable_prefix_caching=args.enable_prefix_caching, **budgets)
+                        kda_save_grid=info.kda_save_grid, enable_prefix_caching=args.enable_prefix_caching, **budgets)
     explicit = args.kv_cache_bytes is not None, args.state_cache_bytes is not None
     measured = None if all(explicit) else executor.cache_budget()
     cache, num_blocks, num_slots, max_model_len = plan_cache(cache, info, measured, args.max_model_len, *explicit)
@@ -208,9 +208,10 @@ class LLM:
                     if delta.finished:
                         done[delta.request_id] = delta.output
         except BaseException:
-            for rid in request_ids:  # leave the engine empty for the next call
-                if rid not in done:
-                    self.engine.abort(rid)
+            with self.engine.guard.section():  # a second Ctrl-C waits until the engine is clean
+                for rid in request_ids:  # leave the engine empty for the next call
+                    if rid not in done:
+                        self.engine.abort(rid)
             raise
         return [done[rid] for rid in request_ids]
 

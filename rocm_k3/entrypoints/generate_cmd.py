@@ -56,9 +56,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rocm-k3 generate: error: {exc}", file=sys.stderr)
         return 2
+    failed = 0
     for prompt, out in zip(args.prompt, outputs):
         print(f"prompt: {prompt!r}")
         print(f"output: {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
         if args.show_ids or llm.tokenizer is None:
             print(f"token ids: {out.token_ids}")
-    return 0
+        if out.finish_reason == "error":
+            failed += 1
+            print(f"rocm-k3 generate: error: prompt {prompt!r} failed: {out.error}", file=sys.stderr)
+    return 1 if failed else 0

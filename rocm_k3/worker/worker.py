@@ -26,6 +26,8 @@ from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, Ste
 
 log = logging.getLogger("rocm_k3.worker")
 
+KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
+
 
 class DeviceError(ValueError):
     """A device that does not exist or cannot be used here."""
@@ -78,6 +80,7 @@ class WorkerInfo:
     bytes_per_slot: int
     device: str
     dtype: str
+    kda_save_grid: int = 64
 
 
 class Worker:
@@ -105,7 +108,15 @@ class Worker:
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
             eos_token_ids=tuple(cfg.eos_token_id), bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
             bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+            kda_save_grid=self._kda_save_grid(),
         )
+
+    def _kda_save_grid(self) -> int:
+        """Where the bound kda_prefill can save intermediate states: anywhere (reference: 1) or at chunk ends (the
+        GPU kernels: 64 tokens)."""
+        table = getattr(self.model, "backend", None)
+        chosen = table.chosen("kda_prefill") if hasattr(table, "chosen") else None
+        return 1 if chosen == "reference" else KDA_KERNEL_SAVE_GRID
 
     # ---- memory sizing -------------------------------------------------------------------------------------
     def cache_budget(self) -> tuple[int, int] | None:
