@@ -21,8 +21,8 @@ from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.engine.sampling import SamplingParams
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import ensure_embedded_model
-from rocm_k3.model.tokenizer import load_tokenizer
 from rocm_k3.settings import BACKEND_CHOICES
+from rocm_k3.tokenizers import load_tokenizer
 
 Prompt = str | Sequence[int]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
