@@ -12,8 +12,8 @@ from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 from rocm_k3.cli import main
 from rocm_k3.model.tiny import EMBEDDED_NAME
-from rocm_k3.model.tokenizer import TOKENIZER_FILE
 from rocm_k3.settings import override
+from rocm_k3.tokenizers import TOKENIZER_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import rocm_k3
 from rocm_k3.engine.llm import LLM, PromptTooLongError
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import EMBEDDED_NAME, write_tiny_checkpoint
-from rocm_k3.model.tokenizer import TOKENIZER_FILE
 from rocm_k3.settings import override
+from rocm_k3.tokenizers import TOKENIZER_FILE
 
 GREEDY = rocm_k3.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

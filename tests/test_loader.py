@@ -20,6 +20,7 @@ from rocm_k3.model.loader import (
 )
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
+from rocm_k3.tokenizers.byte import EMBEDDED_VOCAB_SIZE
 
 P = "language_model."
 
@@ -52,8 +53,8 @@ def test_tiny_checkpoint_uses_released_k3_layout(tiny_dir) -> None:
     """Names and shapes as the public K3 loaders read them (language_model. prefix, compressed-tensors experts)."""
     tensors = load_file(str(tiny_dir / "model.safetensors"))
     expected = {
-        P + "model.embed_tokens.weight": ((264, 64), torch.bfloat16),
-        P + "lm_head.weight": ((264, 64), torch.bfloat16),
+        P + "model.embed_tokens.weight": ((EMBEDDED_VOCAB_SIZE, 64), torch.bfloat16),
+        P + "lm_head.weight": ((EMBEDDED_VOCAB_SIZE, 64), torch.bfloat16),
         P + "model.output_attn_res_proj.weight": ((1, 64), torch.bfloat16),
         P + "model.layers.0.mlp.gate_proj.weight": ((128, 64), torch.bfloat16),
         P + "model.layers.0.self_attention_res_proj.weight": ((1, 64), torch.bfloat16),

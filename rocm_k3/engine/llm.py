@@ -25,8 +25,8 @@ from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.tiny import ensure_embedded_model
-from rocm_k3.model.tokenizer import load_tokenizer
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.tokenizers import load_tokenizer
 from rocm_k3.worker.worker import WorkerConfig
 
 Prompt = str | Sequence[int]
@@ -91,8 +91,10 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     executor.init_cache(num_blocks, num_slots, max_model_len)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)
+    # stop ids: the config's eos ids and the tokenizer's generation stop ids (K3: <|end_of_msg|> and [EOS])
+    eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
     core = EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=info.eos_token_ids, tokenizer=tokenizer)
+                      eos_token_ids=eos, tokenizer=tokenizer)
     return core, path, tokenizer
 
 

@@ -3,7 +3,7 @@
 ``write_tiny_checkpoint(dir)`` writes ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a
 compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``) with ``language_model.``-prefixed names and MXFP4 routed experts
-(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer. Six layers: KDA at 1, 2, 4, 5 and MLA at
+(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at
 3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
 (top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
 output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128), which the MLA ops
@@ -30,13 +30,13 @@ from rocm_k3 import ops
 from rocm_k3.model.checkpoint_names import expected_tensors
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.loader import INDEX_FILE
-from rocm_k3.model.tokenizer import ByteTokenizer
 from rocm_k3.settings import get_settings
+from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
 
-EMBEDDED_NAME = "tiny-k3-v1"
+EMBEDDED_NAME = "tiny-k3-v2"  # v2: the byte tokenizer with K3's control specials (vocab 272)
 TINY_SEED = 0
 
-_TOKENIZER = ByteTokenizer()
+_TOKENIZER = embedded_byte_tokenizer()
 
 TINY_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "kimi_linear",
@@ -75,7 +75,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
     "bos_token_id": _TOKENIZER.bos_token_id,
-    "eos_token_id": _TOKENIZER.eos_token_id,
+    "eos_token_id": list(_TOKENIZER.eos_token_ids),  # <|end_of_msg|>, [EOS]
     "pad_token_id": _TOKENIZER.pad_token_id,
     "linear_attn_config": {
         "num_heads": 2,
@@ -222,7 +222,7 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: 
     tensors = random_tensors(cfg, seed)
     _favour_printable(tensors, cfg)
     root = write_checkpoint(directory, config, tensors, shards)
-    ByteTokenizer(vocab_size=cfg.vocab_size).save(root)
+    embedded_byte_tokenizer(cfg.vocab_size).save(root)
     return root
 
 

@@ -1,0 +1,51 @@
+"""Incremental detokenization: feed the new ids of a request each step, get the text they complete.
+
+Bytes of a UTF-8 character split across tokens are held until the character is whole, so a stream never shows
+U+FFFD for an incomplete character; bytes that can never form a character come out as U+FFFD, as ``decode`` gives
+them. Specials come out as their text with nothing added around them (``skip_special_tokens=False``,
+``spaces_between_special_tokens=False``). For the byte, tiktoken and byte-level ``tokenizer.json`` tokenizers the
+pieces joined equal ``tokenizer.decode`` of all ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from rocm_k3.tokenizers.base import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """One request's output text, built piece by piece from its token ids (``tokenizer.token_bytes``)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_tokens = 0
+        self._text: list[str] = []
+
+    @property
+    def num_tokens(self) -> int:
+        """How many ids were fed so far."""
+        return self._num_tokens
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._text)
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """The text completed by ``ids`` (possibly ""); an id outside the vocabulary is a ValueError."""
+        data = b"".join(self._tokenizer.token_bytes(t) for t in ids)
+        self._num_tokens += len(ids)
+        piece = self._decoder.decode(data)
+        if piece:
+            self._text.append(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The end of the stream: bytes still waiting for the rest of their character come out as U+FFFD."""
+        piece = self._decoder.decode(b"", final=True)
+        if piece:
+            self._text.append(piece)
+        return piece
