@@ -19,6 +19,7 @@ class SamplingParams:
     logprobs:       None, or the number of most likely alternatives to report per generated token (0 = only
                     the chosen token's log-probability); log-probabilities are of the model's distribution.
     ignore_eos:     keep generating past the model's end-of-sequence token.
+    skip_special_tokens: leave special tokens (e.g. ``<|end_of_msg|>``) out of the output text (the ids stay).
     """
 
     temperature: float = 1.0
@@ -30,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # accept lists (and a single stop string) for convenience; store tuples so the params stay hashable
@@ -60,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"logprobs: expected None or an int >= 0, got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens: expected a bool, got {self.skip_special_tokens!r}")
 
     @property
     def greedy(self) -> bool:

@@ -5,34 +5,42 @@ from __future__ import annotations
 
 import pytest
 
-from rocm_k3.engine.stop import IncrementalDetokenizer, StopChecker
+from rocm_k3.engine.stop import StopChecker
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.tokenizers import embedded_byte_tokenizer
+
+TOK = embedded_byte_tokenizer()
+EOM = TOK.special_tokens["<|end_of_msg|>"]
 
 
-class Bytes:
-    """A byte-level tokenizer: id = UTF-8 byte; ids >= 256 are specials that decode to nothing."""
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+def Bytes():  # noqa: N802 (kept short: the tokenizer every test here uses)
+    return TOK
 
 
 def _ids(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def test_detokenizer_emits_split_characters_whole() -> None:
+def test_split_characters_come_out_whole_and_specials_are_skipped_or_kept() -> None:
     text = "a€b中文🙂z"
-    detok = IncrementalDetokenizer(Bytes())
-    pieces = [detok.push(t) for t in _ids(text)]
-    assert "".join(pieces) + detok.flush() == text
-    assert all("\ufffd" not in p for p in pieces)
-    assert pieces[1:4] == ["", "", "€"]  # the 3 bytes of the euro sign come out together
+    chk = StopChecker(SamplingParams(max_tokens=99), (), TOK, 99)
+    pieces = []
+    for t in _ids(text)[:2] + [EOM] + _ids(text)[2:]:
+        chk.push(t)
+        pieces.append(chk.take_text_delta())
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    assert pieces[1:5] == ["", "", "", "€"]  # the euro sign's 3 bytes come out together (the special is skipped)
+    keep = StopChecker(SamplingParams(max_tokens=99, skip_special_tokens=False), (), TOK, 99)
+    for t in [ord("a"), EOM, ord("b")]:
+        keep.push(t)
+    assert keep.text == "a<|end_of_msg|>b"
 
 
-def test_detokenizer_flushes_a_truncated_character() -> None:
-    detok = IncrementalDetokenizer(Bytes())
-    assert detok.push(0xE2) == "" and detok.push(0x82) == ""
-    assert detok.flush() == "\ufffd"
+def test_a_truncated_character_is_flushed_at_the_end() -> None:
+    chk = StopChecker(SamplingParams(max_tokens=2), (), TOK, 2)
+    chk.push(0xE2)
+    assert chk.push(0x82).finish_reason == "length"
+    assert chk.text == "\ufffd"
 
 
 def test_stop_string_split_across_tokens_cuts_the_text() -> None:
@@ -82,13 +90,15 @@ def test_stop_strings_need_a_tokenizer() -> None:
 def test_stop_check_cost_does_not_grow_with_the_output() -> None:
     calls = []
 
-    class Counting(Bytes):
-        def decode(self, ids):
-            calls.append(len(ids))
-            return super().decode(ids)
+    class Counting:
+        special_tokens = TOK.special_tokens
+
+        def token_bytes(self, token_id):
+            calls.append(token_id)
+            return TOK.token_bytes(token_id)
 
     chk = StopChecker(SamplingParams(max_tokens=10_000, stop=["never"]), (), Counting(), 10_000)
     for t in _ids("abc" * 1000):
         chk.push(t)
-    assert max(calls) <= 8  # a short window per token, never the whole output
+    assert len(calls) == 3000  # each token is decoded once, never the whole output again
     assert chk.text == "abc" * 1000

@@ -11,46 +11,16 @@ from streamed deltas.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.tokenizers.detokenizer import IncrementalDetokenizer
 
-_REPLACEMENT = "\ufffd"
-_MAX_PENDING = 8  # a character is never split over more tokens than this (UTF-8 is at most 4 bytes)
+class Detokenizable(Protocol):
+    special_tokens: Mapping[str, int]
 
-
-class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class IncrementalDetokenizer:
-    """``push(token_id) -> new text`` over any tokenizer with ``decode(ids) -> str``."""
-
-    def __init__(self, tokenizer: Decoder) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens whose text has been emitted
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """Text of tokens still held back (an incomplete character at the end decodes as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        if self._read == len(self._ids):
-            return ""
-        done = self._tok.decode(self._ids[self._prefix : self._read])
-        full = self._tok.decode(self._ids[self._prefix :])
-        pending = len(self._ids) - self._read
-        if not final and (len(full) <= len(done) or full.endswith(_REPLACEMENT)) and pending < _MAX_PENDING:
-            return ""  # wait for the rest of a split character
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(done) :]
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +35,11 @@ class StopChecker:
     """The output of one request, token by token.
 
     tokenizer: needed for text and stop strings (a request with ``stop`` strings and no tokenizer is refused);
+    special tokens are left out of the text when ``params.skip_special_tokens``;
     max_tokens: the generation cap (SamplingParams.max_tokens, capped by max_model_len).
     """
 
-    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Decoder | None,
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Detokenizable | None,
                  max_tokens: int) -> None:
         if params.stop and tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r}: stop strings need a tokenizer, and this checkpoint has "
@@ -77,6 +48,8 @@ class StopChecker:
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        skip = params.skip_special_tokens and tokenizer is not None
+        self._hidden = frozenset(tokenizer.special_tokens.values()) if skip else frozenset()
         self._max_tokens = max_tokens
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self.num_tokens = 0
@@ -89,9 +62,9 @@ class StopChecker:
         if self.finished:
             raise ValueError("push: the request has already finished")
         self.num_tokens += 1
-        if self._detok is not None:
+        if self._detok is not None and token_id not in self._hidden:
             old = len(self.text)
-            self.text += self._detok.push(token_id)
+            self.text += self._detok.feed((token_id,))
             decision = self._check_stop_strings(old)
             if decision is not None:
                 return self._finish(decision)
@@ -123,6 +96,6 @@ class StopChecker:
 
     def _finish(self, decision: StopDecision, flush: bool = False) -> StopDecision:
         if flush and self._detok is not None:
-            self.text += self._detok.flush()
+            self.text += self._detok.finish()
         self.finished = True
         return decision

@@ -69,6 +69,8 @@ class HFTokenizer(SpecialIds):
         self._byte_fallback = "ByteFallback" in decoder_types
         self._metaspace = bool({"Metaspace", "Replace"} & decoder_types)
         self._alphabet = byte_level_alphabet() if self._byte_level else {}
+        # whether joining token_bytes gives the decoded text (the incremental detokenizer's fast path)
+        self.concatenates_bytes = self._byte_level or self._byte_fallback
 
     @classmethod
     def from_dir(cls, directory: str | Path, *, extra_eos_ids: Sequence[int] = ()) -> HFTokenizer | None:
