@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from rocm_k3 import LLM, SamplingParams  # noqa: E402
+from rocm_k3.model.tiny import k3_slice_overrides  # noqa: E402
 from rocm_k3.triton_kernels import backend as triton_backend  # noqa: E402
 from rocm_k3.triton_kernels.norm import _rms_norm_kernel  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
@@ -40,22 +41,10 @@ _INTERPRETED = interpreted(_rms_norm_kernel) and interpreted(triton.language.sig
 PROMPTS = ["Hello, my name is", "The capital of France"]
 
 
-def k3_slice_overrides(width: int = 1) -> dict:
-    """``text_config`` overrides for a 4-layer slice of K3 (3 KDA + 1 MLA); ``width`` > 1 (a power of two <= 16) divides the widths."""
-    return {
-        "hidden_size": 7168 // width, "num_hidden_layers": 4, "num_attention_heads": 12,
-        "q_lora_rank": 1536 // width, "num_experts": 32, "num_experts_per_token": max(2, 16 // width),
-        "moe_intermediate_size": 3072 // width, "routed_expert_hidden_size": 3584 // width,
-        "intermediate_size": 33792 // width, "attn_res_block_size": 2,
-        "linear_attn_config": {"num_heads": 96 // width, "head_dim": 128, "short_conv_kernel_size": 4,
-                               "gate_lower_bound": -5.0, "use_full_rank_gate": True,
-                               "full_attn_layers": [4], "kda_layers": [1, 2, 3]},
-    }
-
-
 def _greedy(backend: str, dtype: str, device: str, steps: int, prompts: list[str], path: Path | None = None,
             logprobs: int = 0):
-    llm = LLM(path, dtype=dtype, backend=backend, device=device)
+    budgets = {"kv_cache_bytes": 1 << 30, "state_cache_bytes": 1 << 30} if device == "cuda" else {}
+    llm = LLM(path, dtype=dtype, backend=backend, device=device, max_model_len=4096, **budgets)
     return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=logprobs))
 
 

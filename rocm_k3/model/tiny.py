@@ -119,6 +119,22 @@ def tiny_config(text_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
+def k3_slice_overrides(width: int = 1) -> dict:
+    """``text_config`` overrides for a 4-layer slice of K3 (3 KDA + 1 MLA) at K3 width: hidden 7168, KDA 96 x 128,
+    MLA with TP-8's 12 heads and the 512 + 64 latent, LatentMoE 7168 -> 3584 with experts 3584 -> 2 x 3072 (32 of
+    the 896, top-16), dense layer 0 of 33792, AttnRes blocks of 2. ``width`` > 1 (a power of two <= 16) divides
+    the widths (tests of the plumbing)."""
+    return {
+        "hidden_size": 7168 // width, "num_hidden_layers": 4, "num_attention_heads": 12,
+        "q_lora_rank": 1536 // width, "num_experts": 32, "num_experts_per_token": max(2, 16 // width),
+        "moe_intermediate_size": 3072 // width, "routed_expert_hidden_size": 3584 // width,
+        "intermediate_size": 33792 // width, "attn_res_block_size": 2,
+        "linear_attn_config": {"num_heads": 96 // width, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                               "full_attn_layers": [4], "kda_layers": [1, 2, 3]},
+    }
+
+
 def random_tensors(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
     """Seeded random weights for every tensor of ``cfg``, by checkpoint name, in fp32 (experts: see below).
 

@@ -26,6 +26,8 @@ from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, Ste
 
 log = logging.getLogger("rocm_k3.worker")
 
+DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
+              "situ_and_mul")
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -175,9 +177,23 @@ class Worker:
         width = math.ceil(max_model_len / bs) + 1
         self.runner = ModelRunner(self.model, pools, width)
         if self.device.type == "cuda" and not self.config.enforce_eager:
+            safe, why = self._graph_safe()
+            if not safe:
+                log.warning("decode graphs off: %s", why)
+                return
             graphs = DecodeGraphs(self.model, pools, width, graph_buckets(self.config.max_num_seqs))
             graphs.capture()
             self.runner.graphs = graphs
+
+    def _graph_safe(self) -> tuple[bool, str]:
+        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)."""
+        table = getattr(self.model, "backend", None)
+        if not hasattr(table, "chosen"):
+            return False, "the model's ops are not bound to a table"
+        on_reference = [op for op in DECODE_OPS if table.chosen(op) in (None, "reference")]
+        if on_reference:
+            return False, f"ops {on_reference} run on the reference backend, which cannot be captured"
+        return True, "ok"
 
     # ---- one step ------------------------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepOutput:

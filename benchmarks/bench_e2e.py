@@ -1,0 +1,130 @@
+"""End-to-end decode on the K3-shaped slice (Triton backend): step time and tokens/s per batch size, eager vs
+decode graphs, beside the weight-streaming floor and the GPU kernel time of a step.
+
+    PYTHONPATH=. python3 benchmarks/bench_e2e.py [--batch 1 8 32 128] [--steps 24] [--width 1] [--dtype bfloat16]
+
+Per batch size B: B requests with 64-token prompts are prefilled, then ``--steps`` decode steps are timed
+(wall time per step, synchronised by the sampler's read of the tokens). ``kernels`` is the summed CUDA kernel
+time of one eager decode step (torch.profiler), so ``step / kernels`` is how much host time is *not* hidden.
+floor = (every non-expert weight + the routed experts the batch touches) / 4.27 TB/s, with touched experts per
+MoE layer E * (1 - (1 - k/E)^B) for random routing. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rocm_k3.engine.llm import LLM
+from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
+from rocm_k3.sampling_params import SamplingParams
+
+HBM = 4.27e12
+
+
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(non-expert bytes, bytes of one routed expert in one layer, MoE layers) of a loaded model."""
+    cfg = model.cfg
+    expert_elems = 3 * cfg.moe_intermediate_size * (cfg.routed_expert_hidden_size or cfg.hidden_size)
+    per_expert = expert_elems // 2 + expert_elems // 32  # MXFP4 codes + E8M0 scales
+    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    experts = {t.data_ptr() for layer in model.layers if hasattr(layer.ffn, "experts")
+               for t in _tensors(layer.ffn.experts)}
+    dense = sum(t.numel() * t.element_size() for t in _tensors(model) if t.data_ptr() not in experts)
+    return dense, per_expert, moe_layers
+
+
+def _tensors(obj, seen=None):
+    """Every tensor reachable from the model's attributes (weights; each storage once)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if obj.data_ptr() not in seen:
+            seen.add(obj.data_ptr())
+            yield obj
+        return
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, seen)
+        return
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("rocm_k3"):
+        for v in vars(obj).values():
+            yield from _tensors(v, seen)
+
+
+def floor_us(model, batch: int) -> float:
+    dense, per_expert, layers = weight_bytes(model)
+    cfg = model.cfg
+    e, k = cfg.num_experts, cfg.num_experts_per_token
+    touched = e * (1 - (1 - k / e) ** batch)
+    return (dense + layers * touched * per_expert) / HBM * 1e6
+
+
+def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str) -> dict:
+    llm = LLM(path, dtype=dtype, backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=batch,
+              max_model_len=64 + steps + 8, max_num_batched_tokens=max(2048, 64 * batch))
+    core = llm.engine
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(1, llm.vocab_size, (64,), generator=gen).tolist()
+        core.add_request(f"b{i}", prompt, params)
+    while any(not s.is_decoding for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill every request
+    for _ in range(2):
+        core.step()  # warm-up decode steps
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    step_s = (time.perf_counter() - start) / steps
+    kernels_us = kernel_time_us(core) if eager else float("nan")
+    graphs = core.executor.worker.runner.graphs
+    out = {"step_us": step_s * 1e6, "tok_s": batch / step_s, "kernels_us": kernels_us,
+           "floor_us": floor_us(llm.model, batch), "replays": graphs.replays if graphs else 0}
+    del llm, core
+    torch.cuda.empty_cache()
+    return out
+
+
+def kernel_time_us(core) -> float:
+    """Summed CUDA kernel time of one eager decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        core.step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--width", type=int, default=1, help="divide the slice's widths (1 = K3 width)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="reuse a written slice checkpoint")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e needs a GPU")
+    path = args.checkpoint
+    if path is None or not (path / "config.json").is_file():
+        path = path or Path(tempfile.mkdtemp()) / "k3-slice"
+        write_tiny_checkpoint(path, text_overrides=k3_slice_overrides(args.width))
+    print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}")
+    print(f"{'B':>4} | {'eager step':>11} | {'graph step':>11} | {'kernels':>9} | {'graph/kernels':>13} | "
+          f"{'floor':>9} | {'graph tok/s':>11} | {'eager tok/s':>11}")
+    for b in args.batch:
+        eager = run_batch(path, b, args.steps, True, args.dtype)
+        graph = run_batch(path, b, args.steps, False, args.dtype)
+        ratio = graph["step_us"] / eager["kernels_us"]
+        print(f"{b:>4} | {eager['step_us']:>8.0f} us | {graph['step_us']:>8.0f} us | {eager['kernels_us']:>6.0f} us | "
+              f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | {graph['tok_s']:>11.0f} | {eager['tok_s']:>11.0f}"
+              f"  (replays {graph['replays']})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
