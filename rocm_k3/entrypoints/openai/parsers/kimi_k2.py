@@ -1,0 +1,80 @@
+"""Kimi K2 / K2.5 / Kimi Linear output: single-token markers (SERVING_SPEC §2.3, §3.3, §4.2).
+
+``[reasoning </think>] content [<|tool_calls_section_begin|> (<|tool_call_begin|>functions.NAME:IDX
+<|tool_call_argument_begin|>{json}<|tool_call_end|>)+ <|tool_calls_section_end|>] <|im_end|>``.
+
+- ``</think>`` ends reasoning, and so does a tool section (or a bare call) start seen inside think (the K2
+  model sometimes starts a tool section without ``</think>``: vLLM #32216, #33646);
+- the call header is kept verbatim as the OpenAI id when it has the canonical ``NAME:IDX`` shape (the name is
+  the part before the last ``:`` without a ``functions.`` prefix); otherwise the header is the name and the
+  id is generated like K3's; empty arguments become ``{}``, other argument text is passed on as written;
+- ``<|im_end|>`` ends the turn and never reaches the content.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rocm_k3.entrypoints.openai.parsers.types import (
+    FamilySpec,
+    MarkerTable,
+    ParseOptions,
+    State,
+    ToolCall,
+    Transition,
+)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+IM_END = "<|im_end|>"
+FUNCTIONS_PREFIX = "functions."
+
+_CANONICAL_ID = re.compile(r"(.+):(\d+)", re.DOTALL)
+
+
+def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
+    """One call: ``body`` = ``'functions.NAME:IDX<|tool_call_argument_begin|>{json}'``."""
+    header, _, arguments = body.partition(ARGUMENT_BEGIN)
+    header = header.strip()
+    m = _CANONICAL_ID.fullmatch(header)
+    name = m.group(1) if m else header
+    if name.startswith(FUNCTIONS_PREFIX):
+        name = name[len(FUNCTIONS_PREFIX):]
+    if not name:
+        return None
+    call_id = header if m else f"{opts.call_id_prefix}{index}"
+    return ToolCall(id=call_id, name=name, arguments_json=arguments.strip() or "{}", index=index)
+
+
+def tables(opts: ParseOptions) -> MarkerTable:
+    stay = Transition(State.CONTENT)
+    end = Transition(State.END)
+    reasoning = {
+        THINK_CLOSE: Transition(State.CONTENT),
+        THINK_OPEN: Transition(State.REASONING),
+        SECTION_BEGIN: Transition(State.TOOLS) if opts.parse_tools else Transition(State.CONTENT, keep=True),
+        IM_END: end,
+    }
+    content = {
+        THINK_OPEN: Transition(State.REASONING) if opts.thinking else stay,
+        THINK_CLOSE: stay,
+        IM_END: end,
+    }
+    if opts.parse_tools:
+        reasoning[CALL_BEGIN] = Transition(State.CALL)
+        content.update({SECTION_BEGIN: Transition(State.TOOLS), CALL_BEGIN: Transition(State.CALL), SECTION_END: stay})
+    tools = {CALL_BEGIN: Transition(State.CALL), SECTION_END: Transition(State.CONTENT), IM_END: end}
+    call = {CALL_END: Transition(None, closes_call=True), CALL_BEGIN: Transition(State.CALL),
+            SECTION_END: Transition(State.CONTENT), IM_END: end}
+    return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
+            State.END: {}}
+
+
+KIMI_K2 = FamilySpec(
+    name="kimi_k2",
+    special_texts=(THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END,
+                   IM_END),
+    tables=tables,
+    parse_call=parse_call,
+)
