@@ -36,7 +36,7 @@ def test_random_splits_equal_whole(data):
     ' tool="get_weather" index="1"', "argument", ' key="city" type="string"', "json", "message",
     "<|end_of_msg|>", "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
     "functions.search:0", "<|tool_call_argument_begin|>", "{}", "<|tool_call_end|>", "<|tool_calls_section_end|>",
-    "<|im_end|>"]), max_size=40), family=st.sampled_from(["kimi_k3", "kimi_k2"]),
+    "<|im_end|>", "[EOS]", "[EO"]), max_size=40), family=st.sampled_from(["kimi_k3", "kimi_k2"]),
     thinking=st.booleans(), none=st.booleans(), data=st.data())
 def test_random_marker_soup_split_invariant(pieces, family, thinking, none, data):
     # arbitrary (mostly malformed) marker sequences: any split still gives the whole-text result

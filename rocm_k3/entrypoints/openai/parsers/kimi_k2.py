@@ -8,7 +8,8 @@
 - the call header is kept verbatim as the OpenAI id when it has the canonical ``NAME:IDX`` shape (the name is
   the part before the last ``:`` without a ``functions.`` prefix); otherwise the header is the name and the
   id is generated like K3's; empty arguments become ``{}``, other argument text is passed on as written;
-- ``<|im_end|>`` ends the turn and never reaches the content.
+- ``<|im_end|>`` and the tokenizer eos ``[EOS]`` end the turn and never reach the content; text after them
+  is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 IM_END = "<|im_end|>"
+EOS = "[EOS]"  # the tokenizer eos, also a stop token
 FUNCTIONS_PREFIX = "functions."
 
 _CANONICAL_ID = re.compile(r"(.+):(\d+)", re.DOTALL)
@@ -50,23 +52,24 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
 def tables(opts: ParseOptions) -> MarkerTable:
     stay = Transition(State.CONTENT)
     end = Transition(State.END)
+    ends = {IM_END: end, EOS: end}
     reasoning = {
         THINK_CLOSE: Transition(State.CONTENT),
         THINK_OPEN: Transition(State.REASONING),
         SECTION_BEGIN: Transition(State.TOOLS) if opts.parse_tools else Transition(State.CONTENT, keep=True),
-        IM_END: end,
+        **ends,
     }
     content = {
         THINK_OPEN: Transition(State.REASONING) if opts.thinking else stay,
         THINK_CLOSE: stay,
-        IM_END: end,
+        **ends,
     }
     if opts.parse_tools:
         reasoning[CALL_BEGIN] = Transition(State.CALL)
         content.update({SECTION_BEGIN: Transition(State.TOOLS), CALL_BEGIN: Transition(State.CALL), SECTION_END: stay})
-    tools = {CALL_BEGIN: Transition(State.CALL), SECTION_END: Transition(State.CONTENT), IM_END: end}
+    tools = {CALL_BEGIN: Transition(State.CALL), SECTION_END: Transition(State.CONTENT), **ends}
     call = {CALL_END: Transition(None, closes_call=True), CALL_BEGIN: Transition(State.CALL),
-            SECTION_END: Transition(State.CONTENT), IM_END: end}
+            SECTION_END: Transition(State.CONTENT), **ends}
     return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
             State.END: {}}
 
@@ -74,7 +77,7 @@ def tables(opts: ParseOptions) -> MarkerTable:
 KIMI_K2 = FamilySpec(
     name="kimi_k2",
     special_texts=(THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END,
-                   IM_END),
+                   IM_END, EOS),
     tables=tables,
     parse_call=parse_call,
 )

@@ -8,7 +8,8 @@ opener of the first channel. Rules beyond the happy path:
   seen inside think ends it too (vLLM #53246: the model sometimes never closes think);
 - after think-close the text may be raw JSON with no response wrapper, or have a response-close without an
   open (vllm-ascend #13204): it is all content, never an error;
-- the message close and ``<|end_of_msg|>`` end the turn and never reach the content (vLLM #51412);
+- the message close, ``<|end_of_msg|>`` and the tokenizer eos ``[EOS]`` end the turn and never reach the
+  content (vLLM #51412); text after them is not part of this message and is dropped;
 - a call is ``<|open|>call tool="NAME" index="k"<|sep|>`` + argument blocks (or one ``json`` block) +
   ``<|close|>call<|sep|>``; typed argument values become JSON (``string`` raw, other types parsed with
   ``json``, unparsable values kept as strings); attribute values are unescaped (``&quot;`` then ``&amp;``); a
@@ -32,6 +33,7 @@ from rocm_k3.entrypoints.openai.parsers.types import (
 )
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+EOS = "[EOS]"  # the tokenizer eos, also a stop token
 
 
 def open_tag(name: str) -> str:
@@ -114,36 +116,34 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
 def tables(opts: ParseOptions) -> MarkerTable:
     stay = Transition(State.CONTENT)  # a wrapper marker in the content: dropped, nothing else changes
     end = Transition(State.END)
+    ends = {MESSAGE_CLOSE: end, END_OF_MSG: end, EOS: end}
     reasoning = {
         THINK_CLOSE: Transition(State.CONTENT),
         THINK_OPEN: Transition(State.REASONING),
         RESPONSE_OPEN: Transition(State.CONTENT),
         RESPONSE_CLOSE: Transition(State.CONTENT),
         TOOLS_OPEN: Transition(State.TOOLS) if opts.parse_tools else Transition(State.CONTENT, keep=True),
-        MESSAGE_CLOSE: end,
-        END_OF_MSG: end,
+        **ends,
     }
     content = {
         THINK_OPEN: Transition(State.REASONING) if opts.thinking else stay,
         THINK_CLOSE: stay,
         RESPONSE_OPEN: stay,
         RESPONSE_CLOSE: stay,
-        MESSAGE_CLOSE: end,
-        END_OF_MSG: end,
+        **ends,
     }
     if opts.parse_tools:
         content.update({TOOLS_OPEN: Transition(State.TOOLS), CALL_OPEN: Transition(State.CALL), TOOLS_CLOSE: stay})
-    tools = {CALL_OPEN: Transition(State.CALL), TOOLS_CLOSE: Transition(State.CONTENT), MESSAGE_CLOSE: end,
-             END_OF_MSG: end}
+    tools = {CALL_OPEN: Transition(State.CALL), TOOLS_CLOSE: Transition(State.CONTENT), **ends}
     call = {CALL_CLOSE: Transition(None, closes_call=True), CALL_OPEN: Transition(State.CALL),
-            TOOLS_CLOSE: Transition(State.CONTENT), MESSAGE_CLOSE: end, END_OF_MSG: end}
+            TOOLS_CLOSE: Transition(State.CONTENT), **ends}
     return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
             State.END: {}}
 
 
 KIMI_K3 = FamilySpec(
     name="kimi_k3",
-    special_texts=(OPEN, CLOSE, SEP, END_OF_MSG),
+    special_texts=(OPEN, CLOSE, SEP, END_OF_MSG, EOS),
     tables=tables,
     parse_call=parse_call,
 )
