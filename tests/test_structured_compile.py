@@ -70,6 +70,8 @@ def test_rejected_token_raises(compiler):
 @pytest.mark.parametrize("spec, message", [
     (StructuredOutputs(json={"type": "objx"}), r"json: .*objx"),
     (StructuredOutputs(json={"type": "string", "maxLength": -1}), "maxLength"),
+    (StructuredOutputs(json=False), "json: .*cannot accept any value"),
+    (StructuredOutputs(json={"type": "array", "minItems": 3, "maxItems": 1}), "json: minItems"),
     (StructuredOutputs(regex="a("), "regex: .*parenthesis"),
     (StructuredOutputs(grammar="root ::= undefined_rule"), "grammar: .*undefined_rule"),
     (StructuredOutputs(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}), "structural_tag: "),

@@ -42,6 +42,24 @@ def test_field_validation():
     assert StructuredOutputs(choice=["a", "b", "a"]).choice == ("a", "b")
 
 
+def test_constraints_are_copies_of_the_request():
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    spec = StructuredOutputs(json=schema)
+    key = spec.cache_key()
+    schema["properties"]["y"] = {"type": "integer"}  # the caller mutates its dict afterwards
+    assert spec.cache_key() == key and "y" not in spec.json["properties"]
+    with pytest.raises(ValueError, match="json: not valid JSON"):
+        StructuredOutputs(json={"type": object()})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    constraint = tool_call_constraint(tools, "required")
+    tools[0]["function"]["parameters"]["type"] = "array"
+    assert constraint.tools[0].parameters == {"type": "object"}
+    with pytest.raises(ValueError, match="tool name"):
+        ToolSchema("", None)
+    with pytest.raises(ValueError, match="parallel"):
+        ToolCallConstraint((ToolSchema("a", None),), "required", parallel="yes")
+
+
 def test_cache_key_is_canonical():
     a = StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "string"}}})
     b = StructuredOutputs(json='{"properties": {"x": {"type": "string"}}, "type": "object"}')

@@ -26,6 +26,15 @@ class ToolSchema:
     name: str
     parameters: Mapping[str, Any] | None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tool name: expected a non-empty string, got {self.name!r}")
+        if self.parameters is not None:
+            params = _as_json_value(f"tools[{self.name!r}].function.parameters", self.parameters)
+            if not isinstance(params, dict):
+                raise ValueError(f"tools[{self.name!r}].function.parameters: expected a JSON-schema object")
+            object.__setattr__(self, "parameters", params)
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallConstraint:
@@ -37,6 +46,11 @@ class ToolCallConstraint:
     parallel: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tools", tuple(self.tools))
+        if not all(isinstance(t, ToolSchema) for t in self.tools):
+            raise ValueError("tools: expected ToolSchema entries")
+        if not isinstance(self.parallel, bool):
+            raise ValueError(f"parallel: expected a bool, got {self.parallel!r}")
         if self.mode not in ("required", "named"):
             raise ValueError(f"mode: expected 'required' or 'named', got {self.mode!r}")
         if not self.tools:
@@ -57,11 +71,8 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, tool_choice:
         raise ValueError(f"parallel_tool_calls: expected a bool, got {parallel_tool_calls!r}")
     schemas = []
     for name, tool in zip(names, tools or ()):
-        params = tool["function"].get("parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise ValueError(f"tools[{name!r}].function.parameters: expected a JSON-schema object")
         if forced is None or name == forced:
-            schemas.append(ToolSchema(name, params))
+            schemas.append(ToolSchema(name, tool["function"].get("parameters")))
     if forced is not None and not schemas:
         raise ValueError(f"tool_choice: function {forced!r} is not in tools {list(names)}")
     if not schemas:
@@ -70,12 +81,21 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, tool_choice:
 
 
 def _as_json_value(name: str, value: Any) -> Any:
-    if isinstance(value, (str, bytes)):
-        try:
+    """``value`` parsed when it is JSON text, else a plain-JSON deep copy of it (dicts, lists, scalars)."""
+    try:
+        if isinstance(value, (str, bytes)):
             return _json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{name}: not valid JSON ({e})") from None
-    return value
+        return _json.loads(_json.dumps(value, default=_plain))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: not valid JSON ({e})") from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,4 +149,4 @@ class StructuredOutputs:
         if isinstance(value, ToolCallConstraint):
             value = {"mode": value.mode, "parallel": value.parallel,
                      "tools": [[t.name, t.parameters] for t in value.tools]}
-        return self.kind + ":" + _json.dumps(value, sort_keys=True, ensure_ascii=False, default=list)
+        return self.kind + ":" + _json.dumps(value, sort_keys=True, ensure_ascii=False)
