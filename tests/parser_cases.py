@@ -103,6 +103,8 @@ K3_CASES = [
          WITH_TOOLS),
     Case("53246_tools_open_in_think", "kimi_k3", "Need the tool." + k3_tools(PARIS) + MSG_END,
          out("Need the tool.", None, [call(0, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
+    Case("bare_call_open_in_think", "kimi_k3", "Calling." + PARIS + MSG_END,
+         out("Calling.", None, [call(0, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
     Case("53246_orphan_response_close_no_tools", "kimi_k3", "Thinking.<|close|>response<|sep|>" + MSG_END,
          out("Thinking.")),
     Case("cut_off_inside_think_is_reasoning", "kimi_k3", "I am still thinking about the", out("I am still thinking about the")),

@@ -78,6 +78,17 @@ def test_k3_lookalikes_keep_the_gate_closed(k3, text):
     assert state.is_gated, text
 
 
+def test_padding_ids_while_gated(k3):
+    tok, _ = k3
+    c = StructuredCompiler(tok, "kimi_k3", vocab_size=tok.vocab_size + 32)  # logits wider than the tokenizer
+    state = json_state(c)
+    close, sep = tok.special_tokens["<|close|>"], tok.special_tokens["<|sep|>"]
+    feed(state, [close, *tok.encode("think"), tok.vocab_size + 5, sep])  # a padding id breaks the marker
+    assert state.is_gated
+    feed(state, [close, *tok.encode("think"), sep])
+    assert not state.is_gated
+
+
 def test_k3_spelled_out_marker_keeps_the_gate_closed(k3):
     tok, c = k3
     state = json_state(c)

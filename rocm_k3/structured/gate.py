@@ -20,7 +20,7 @@ import collections
 from rocm_k3.entrypoints.openai.parsers import kimi_k2, kimi_k3
 from rocm_k3.structured.vocab import FamilyTokens, GrammarTokenizer
 
-_OTHER = -1  # a symbol standing for any special token that is no marker part
+_OTHER = -1  # a symbol standing for any special (or padding) token that is no marker part
 
 
 def opener_texts(family: str, tool_calls: bool) -> tuple[str, ...]:
@@ -37,6 +37,7 @@ class ReasoningGate:
         self._tokenizer = tokenizer
         self._marker_ids = {tid: text for text, tid in tokens.ids.items()}
         self._special_ids = frozenset(int(t) for t in tokenizer.special_tokens.values())
+        self._vocab_size = int(tokenizer.vocab_size)
         self._patterns: list[tuple[object, ...]] = []
         for text in opener_texts(tokens.family, tool_calls):
             pattern = self._symbols(text, tokens)
@@ -72,7 +73,7 @@ class ReasoningGate:
             tail = tuple(self._tail)
             if any(tail[len(tail) - len(p):] == p for p in self._patterns if len(p) <= len(tail)):
                 self.is_open = True
-        elif token_id in self._special_ids:
+        elif token_id in self._special_ids or not 0 <= token_id < self._vocab_size:  # padding ids too
             self._tail.append(_OTHER)
         else:
             self._tail.extend(self._tokenizer.token_bytes(token_id))

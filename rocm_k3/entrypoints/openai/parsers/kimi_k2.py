@@ -16,14 +16,7 @@ from __future__ import annotations
 
 import re
 
-from rocm_k3.entrypoints.openai.parsers.types import (
-    FamilySpec,
-    MarkerTable,
-    ParseOptions,
-    State,
-    ToolCall,
-    Transition,
-)
+from rocm_k3.entrypoints.openai.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -49,35 +42,12 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     return ToolCall(id=call_id, name=name, arguments_json=arguments.strip() or "{}", index=index)
 
 
-def tables(opts: ParseOptions) -> MarkerTable:
-    stay = Transition(State.CONTENT)
-    end = Transition(State.END)
-    ends = {IM_END: end, EOS: end}
-    reasoning = {
-        THINK_CLOSE: Transition(State.CONTENT),
-        THINK_OPEN: Transition(State.REASONING),
-        SECTION_BEGIN: Transition(State.TOOLS) if opts.parse_tools else Transition(State.CONTENT, keep=True),
-        **ends,
-    }
-    content = {
-        THINK_OPEN: Transition(State.REASONING) if opts.thinking else stay,
-        THINK_CLOSE: stay,
-        **ends,
-    }
-    if opts.parse_tools:
-        reasoning[CALL_BEGIN] = Transition(State.CALL)
-        content.update({SECTION_BEGIN: Transition(State.TOOLS), CALL_BEGIN: Transition(State.CALL), SECTION_END: stay})
-    tools = {CALL_BEGIN: Transition(State.CALL), SECTION_END: Transition(State.CONTENT), **ends}
-    call = {CALL_END: Transition(None, closes_call=True), CALL_BEGIN: Transition(State.CALL),
-            SECTION_END: Transition(State.CONTENT), **ends}
-    return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
-            State.END: {}}
-
-
 KIMI_K2 = FamilySpec(
     name="kimi_k2",
+    markers=FamilyMarkers(think_open=THINK_OPEN, think_close=THINK_CLOSE, tools_open=SECTION_BEGIN,
+                          tools_close=SECTION_END, call_open=CALL_BEGIN, call_close=CALL_END, wrappers=(),
+                          ends=(IM_END, EOS)),
     special_texts=(THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END,
                    IM_END, EOS),
-    tables=tables,
     parse_call=parse_call,
 )

@@ -5,7 +5,7 @@ An assistant turn is ``[think-body <|close|>think<|sep|>] [<|open|>response<|sep
 opener of the first channel. Rules beyond the happy path:
 
 - reasoning ends only when the newest think marker is a close; a response-open, response-close or tools-open
-  seen inside think ends it too (vLLM #53246: the model sometimes never closes think);
+  (or a call-open) seen inside think ends it too (vLLM #53246: the model sometimes never closes think);
 - after think-close the text may be raw JSON with no response wrapper, or have a response-close without an
   open (vllm-ascend #13204): it is all content, never an error;
 - the message close, ``<|end_of_msg|>`` and the tokenizer eos ``[EOS]`` end the turn and never reach the
@@ -23,14 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from rocm_k3.entrypoints.openai.parsers.types import (
-    FamilySpec,
-    MarkerTable,
-    ParseOptions,
-    State,
-    ToolCall,
-    Transition,
-)
+from rocm_k3.entrypoints.openai.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EOS = "[EOS]"  # the tokenizer eos, also a stop token
@@ -113,37 +106,11 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=args_json, index=index)
 
 
-def tables(opts: ParseOptions) -> MarkerTable:
-    stay = Transition(State.CONTENT)  # a wrapper marker in the content: dropped, nothing else changes
-    end = Transition(State.END)
-    ends = {MESSAGE_CLOSE: end, END_OF_MSG: end, EOS: end}
-    reasoning = {
-        THINK_CLOSE: Transition(State.CONTENT),
-        THINK_OPEN: Transition(State.REASONING),
-        RESPONSE_OPEN: Transition(State.CONTENT),
-        RESPONSE_CLOSE: Transition(State.CONTENT),
-        TOOLS_OPEN: Transition(State.TOOLS) if opts.parse_tools else Transition(State.CONTENT, keep=True),
-        **ends,
-    }
-    content = {
-        THINK_OPEN: Transition(State.REASONING) if opts.thinking else stay,
-        THINK_CLOSE: stay,
-        RESPONSE_OPEN: stay,
-        RESPONSE_CLOSE: stay,
-        **ends,
-    }
-    if opts.parse_tools:
-        content.update({TOOLS_OPEN: Transition(State.TOOLS), CALL_OPEN: Transition(State.CALL), TOOLS_CLOSE: stay})
-    tools = {CALL_OPEN: Transition(State.CALL), TOOLS_CLOSE: Transition(State.CONTENT), **ends}
-    call = {CALL_CLOSE: Transition(None, closes_call=True), CALL_OPEN: Transition(State.CALL),
-            TOOLS_CLOSE: Transition(State.CONTENT), **ends}
-    return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
-            State.END: {}}
-
-
 KIMI_K3 = FamilySpec(
     name="kimi_k3",
+    markers=FamilyMarkers(think_open=THINK_OPEN, think_close=THINK_CLOSE, tools_open=TOOLS_OPEN,
+                          tools_close=TOOLS_CLOSE, call_open=CALL_OPEN, call_close=CALL_CLOSE,
+                          wrappers=(RESPONSE_OPEN, RESPONSE_CLOSE), ends=(MESSAGE_CLOSE, END_OF_MSG, EOS)),
     special_texts=(OPEN, CLOSE, SEP, END_OF_MSG, EOS),
-    tables=tables,
     parse_call=parse_call,
 )

@@ -64,7 +64,7 @@ class StreamParser:
         self._spec = family if isinstance(family, FamilySpec) else get_family(family)
         self._opts = ParseOptions(tools=tools, tool_choice=tool_choice, thinking=thinking,
                                   prompt_in_think=prompt_in_think, call_id_prefix=call_id_prefix)
-        self._tables = {state: _CompiledTable(m) for state, m in self._spec.tables(self._opts).items()}
+        self._tables = {state: _CompiledTable(m) for state, m in self._spec.markers.tables(self._opts).items()}
         self._state = State.REASONING if self._opts.prompt_in_think else State.CONTENT
         self._buf = ""
         self._call: list[str] | None = None  # body of the open call

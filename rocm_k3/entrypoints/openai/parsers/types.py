@@ -1,8 +1,8 @@
 """Common types of the output parsers: results, request options, and the marker tables a family declares.
 
-A family (``kimi_k3``, ``kimi_k2``) is a :class:`FamilySpec`: for each parser :class:`State` a table from marker
-text to :class:`Transition`, the texts of its single special tokens, and a function turning the text of one
-closed tool call into a :class:`ToolCall`. The scanner in ``stream.py`` runs those tables over decoded text
+A family (``kimi_k3``, ``kimi_k2``) is a :class:`FamilySpec`: its :class:`FamilyMarkers` (which give, for each
+parser :class:`State`, a table from marker text to :class:`Transition`), the texts of its special tokens, and a
+function turning the text of one closed tool call into a :class:`ToolCall`. The scanner in ``stream.py`` runs those tables over decoded text
 (special tokens arrive as their literal text).
 """
 
@@ -166,19 +166,60 @@ MarkerTable = Mapping[State, Mapping[str, Transition]]
 
 
 @dataclasses.dataclass(frozen=True)
+class FamilyMarkers:
+    """The marker texts of a family's output format.
+
+    wrappers: channel wrappers that carry no text (K3's response open/close): inside think they end it (the
+    vLLM #53246 rule), in the content they are dropped. ends: end-of-turn markers (message close, end of
+    message, the tokenizer eos): the text after them is not part of this message.
+    """
+
+    think_open: str
+    think_close: str
+    tools_open: str
+    tools_close: str
+    call_open: str
+    call_close: str
+    wrappers: tuple[str, ...]
+    ends: tuple[str, ...]
+
+    def tables(self, opts: ParseOptions) -> MarkerTable:
+        """The scanner's table for every state. Tool markup is only recognised when ``opts.parse_tools``; a
+        tools-open (or call-open) inside think ends the reasoning either way."""
+        stay = Transition(State.CONTENT)  # a marker dropped from the content
+        end = Transition(State.END)
+        ends = {m: end for m in self.ends}
+        reasoning = {self.think_close: Transition(State.CONTENT), self.think_open: Transition(State.REASONING),
+                     **{m: Transition(State.CONTENT) for m in self.wrappers}, **ends}
+        content = {self.think_open: Transition(State.REASONING) if opts.thinking else stay, self.think_close: stay,
+                   **{m: stay for m in self.wrappers}, **ends}
+        if opts.parse_tools:
+            reasoning.update({self.tools_open: Transition(State.TOOLS), self.call_open: Transition(State.CALL)})
+            content.update({self.tools_open: Transition(State.TOOLS), self.call_open: Transition(State.CALL),
+                            self.tools_close: stay})
+        else:
+            reasoning[self.tools_open] = Transition(State.CONTENT, keep=True)
+        tools = {self.call_open: Transition(State.CALL), self.tools_close: Transition(State.CONTENT), **ends}
+        call = {self.call_close: Transition(None, closes_call=True), self.call_open: Transition(State.CALL),
+                self.tools_close: Transition(State.CONTENT), **ends}
+        return {State.REASONING: reasoning, State.CONTENT: content, State.TOOLS: tools, State.CALL: call,
+                State.END: {}}
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """A model family's output format.
 
     name:          registry name ("kimi_k3", "kimi_k2").
+    markers:       its marker texts (they define the scanner's tables).
     special_texts: literal texts of its special tokens that start markers; a held-back partial marker that
                    already contains one at the end of a completion is a truncated marker and is dropped (any
                    other partial, e.g. a lone ``<``, was ordinary text and is kept).
-    tables:        ``tables(opts)`` -> marker table for every State.
     parse_call:    ``parse_call(body, index, opts)`` -> the call, or None (dropped: no name, malformed header);
                    ``body`` is the text between the call-open marker and the call-close marker.
     """
 
     name: str
+    markers: FamilyMarkers
     special_texts: tuple[str, ...]
-    tables: Callable[[ParseOptions], MarkerTable]
     parse_call: Callable[[str, int, ParseOptions], ToolCall | None]
