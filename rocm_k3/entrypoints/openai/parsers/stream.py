@@ -1,0 +1,174 @@
+"""The marker scanner behind both entry points: :class:`StreamParser` (incremental) and :func:`parse_output`.
+
+The scanner keeps only unprocessed text. At each step it looks for the earliest marker of the current state's
+table; text before it goes to the state's channel, the marker applies its transition. With no complete marker
+left, the longest tail that could still grow into a marker is held back and the rest is emitted. Because no
+marker of a table contains another (checked), the markers found, and so every channel's text, do not depend
+on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` whole, and feeding any split of
+``text`` yields deltas that add up to it (tests check this for every case).
+
+Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
+whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
+has arrived; a call still open at the end is dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rocm_k3.entrypoints.openai.parsers.registry import get_family
+from rocm_k3.entrypoints.openai.parsers.types import (
+    FamilySpec,
+    ParsedDelta,
+    ParsedOutput,
+    ParseOptions,
+    State,
+    Transition,
+    merge_deltas,
+)
+
+
+class _CompiledTable:
+    """One state's markers: a leftmost-match regex and every proper prefix (for the hold-back)."""
+
+    def __init__(self, markers: Mapping[str, Transition]) -> None:
+        for a in markers:
+            for b in markers:
+                if a != b and a in b:
+                    raise ValueError(f"marker {a!r} occurs inside marker {b!r}: streaming would depend on splits")
+        self.transitions = dict(markers)
+        self.pattern = re.compile("|".join(re.escape(m) for m in markers)) if markers else None
+        self.prefixes = frozenset(m[:i] for m in markers for i in range(1, len(m)))
+        self.max_len = max((len(m) for m in markers), default=0)
+
+    def held_len(self, buf: str) -> int:
+        """Length of the longest tail of ``buf`` that is a proper prefix of a marker."""
+        for start in range(max(0, len(buf) - self.max_len + 1), len(buf)):
+            if buf[start:] in self.prefixes:
+                return len(buf) - start
+        return 0
+
+
+class StreamParser:
+    """Incremental parser of one completion: ``feed(delta_text) -> ParsedDelta``, then ``finish()``.
+
+    family: "kimi_k3" or "kimi_k2" (or an alias, see ``registry``); the keyword options are those of
+    :class:`ParseOptions`.
+    """
+
+    def __init__(self, family: str | FamilySpec, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                 tool_choice: Any = None, thinking: bool = True, prompt_in_think: bool | None = None,
+                 call_id_prefix: str = "call_") -> None:
+        self._spec = family if isinstance(family, FamilySpec) else get_family(family)
+        self._opts = ParseOptions(tools=tools, tool_choice=tool_choice, thinking=thinking,
+                                  prompt_in_think=prompt_in_think, call_id_prefix=call_id_prefix)
+        self._tables = {state: _CompiledTable(m) for state, m in self._spec.markers.tables(self._opts).items()}
+        self._state = State.REASONING if self._opts.prompt_in_think else State.CONTENT
+        self._buf = ""
+        self._call: list[str] | None = None  # body of the open call
+        self._call_return = State.TOOLS
+        self._n_calls = 0
+        self._content_started = False  # a non-space content character has been emitted
+        self._pending_space = ""
+        self._finished = False
+        self._out = ParsedDelta()
+
+    @property
+    def options(self) -> ParseOptions:
+        return self._opts
+
+    def feed(self, delta_text: str) -> ParsedDelta:
+        if self._finished:
+            raise ValueError("feed: the parser has finished")
+        if not isinstance(delta_text, str):
+            raise TypeError(f"delta_text: expected str, got {type(delta_text).__name__}")
+        self._buf += delta_text
+        self._drain(final=False)
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        """Flush the held-back tail (a truncated marker is dropped) and end; unclosed calls are dropped."""
+        if self._finished:
+            raise ValueError("finish: the parser has already finished")
+        self._drain(final=True)
+        self._finished = True
+        self._pending_space = ""
+        self._call = None
+        return self._take()
+
+    # -- scanning --------------------------------------------------------------------------------------------
+
+    def _drain(self, final: bool) -> None:
+        while True:
+            table = self._tables[self._state]
+            m = table.pattern.search(self._buf) if table.pattern is not None else None
+            if m is not None:
+                self._emit(self._buf[:m.start()])
+                self._buf = self._buf[m.end():]
+                self._apply(table.transitions[m.group()], m.group())
+                continue
+            held = table.held_len(self._buf)
+            cut = len(self._buf) - held
+            self._emit(self._buf[:cut])
+            tail = self._buf[cut:]
+            if final:
+                if not any(s in tail for s in self._spec.special_texts):
+                    self._emit(tail)  # ordinary text that merely looked like a marker start
+                tail = ""
+            self._buf = tail
+            return
+
+    def _apply(self, tr: Transition, marker: str) -> None:
+        leaving = self._state
+        nxt = tr.next if tr.next is not None else self._call_return
+        if leaving is State.CALL:
+            body, self._call = self._call, None
+            if tr.closes_call and body is not None:
+                call = self._spec.parse_call("".join(body), self._n_calls, self._opts)
+                if call is not None:
+                    self._out.tool_calls.append(call)
+                    self._n_calls += 1
+        if nxt is State.CALL:
+            self._call = []
+            if leaving is not State.CALL:
+                self._call_return = State.TOOLS if leaving is State.TOOLS else State.CONTENT
+        self._state = nxt
+        if tr.keep:
+            self._emit(marker)
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        state = self._state
+        if state is State.REASONING:
+            self._out.reasoning = (self._out.reasoning or "") + text
+        elif state is State.CONTENT:
+            if not self._content_started:
+                text = self._pending_space + text
+                if not text.strip():
+                    self._pending_space = text
+                    return
+                self._pending_space = ""
+                self._content_started = True
+            self._out.content = (self._out.content or "") + text
+        elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
+            self._call.append(text)
+        # TOOLS (text between calls) and END (after the turn) drop their text
+
+    def _take(self) -> ParsedDelta:
+        out, self._out = self._out, ParsedDelta()
+        return out
+
+
+def parse_output(family: str | FamilySpec, text: str, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                 tool_choice: Any = None, thinking: bool = True, prompt_in_think: bool | None = None,
+                 call_id_prefix: str = "call_") -> ParsedOutput:
+    """Split a whole completion ``text`` (decoded with special tokens as their literal text) into reasoning,
+    content and tool calls; the same as streaming it through :class:`StreamParser` in any split."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected str, got {type(text).__name__}")
+    parser = StreamParser(family, tools=tools, tool_choice=tool_choice, thinking=thinking,
+                          prompt_in_think=prompt_in_think, call_id_prefix=call_id_prefix)
+    return merge_deltas([parser.feed(text), parser.finish()])
