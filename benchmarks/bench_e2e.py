@@ -13,6 +13,7 @@ MoE layer E * (1 - (1 - k/E)^B) for random routing. Prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -65,7 +66,8 @@ def floor_us(model, batch: int) -> float:
 
 def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str) -> dict:
     llm = LLM(path, dtype=dtype, backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=batch,
-              max_model_len=64 + steps + 8, max_num_batched_tokens=max(2048, 64 * batch))
+              max_model_len=64 + steps + 8, max_num_batched_tokens=max(2048, 64 * batch),
+              kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30)
     core = llm.engine
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
@@ -85,7 +87,8 @@ def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str) -> di
     graphs = core.executor.worker.runner.graphs
     out = {"step_us": step_s * 1e6, "tok_s": batch / step_s, "kernels_us": kernels_us,
            "floor_us": floor_us(llm.model, batch), "replays": graphs.replays if graphs else 0}
-    del llm, core
+    del llm, core, graphs
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 

@@ -10,6 +10,7 @@ decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and retur
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 from pathlib import Path
@@ -132,6 +133,7 @@ class Worker:
             return None
         cfg = self.config
         torch.cuda.synchronize(self.device)
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -173,6 +175,9 @@ class Worker:
     def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
         """Allocate the pools (plus the scratch block and slot) and capture the decode graphs (GPU, not eager)."""
         bs = self.config.block_size
+        if self.device.type == "cuda":  # memory a dropped engine still caches would fragment a pool this large
+            gc.collect()
+            torch.cuda.empty_cache()
         pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
         width = math.ceil(max_model_len / bs) + 1
         self.runner = ModelRunner(self.model, pools, width)
