@@ -33,23 +33,30 @@ def tiny_vision_config(text_hidden_size: int) -> dict[str, Any]:
     return {**K3_VISION_CONFIG, **TINY_VISION_OVERRIDES, "text_hidden_size": text_hidden_size}
 
 
-def tiny_vision_tensors_and_config(text_hidden_size: int, seed: int = 0) -> tuple[dict[str, torch.Tensor],
-                                                                                   dict[str, Any]]:
-    """(checkpoint name -> fp32 tensor, ``vision_config``) of the tiny tower for an LM of ``text_hidden_size``.
+def seeded_vision_tensors(cfg: VisionConfig, seed: int, bias_scale: float = 0.1) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> seeded fp32 tensor for every tensor ``cfg`` implies.
 
-    Linear and conv weights ~ N(0, 1/fan_in); norm weights ~ 1 + N(0, 0.1^2); the position table ~ N(0, 0.1^2).
+    Linear and conv weights ~ N(0, 1/fan_in); norm weights ~ 1 + N(0, 0.1^2); biases ~ N(0, bias_scale^2); the
+    position table ~ N(0, 0.5^2) (large enough that its interpolation shows in the output).
     """
-    raw = tiny_vision_config(text_hidden_size)
-    cfg = VisionConfig.from_hf_dict(raw)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in expected_vision_tensors(cfg).items():
         noise = torch.randn(shape, generator=gen)
-        if "norm" in name.rsplit(".", 2)[-2]:  # norm0 / norm1 / final_layernorm / post_norm weights
+        module, kind = name.rsplit(".", 2)[-2:]
+        if "norm" in module and kind == "weight":  # norm0 / norm1 / final_layernorm / pre_norm / post_norm
             tensors[name] = 1.0 + 0.1 * noise
+        elif kind == "bias":
+            tensors[name] = bias_scale * noise
         elif name.endswith("pos_emb.weight"):
-            tensors[name] = 0.1 * noise
+            tensors[name] = 0.5 * noise
         else:
-            fan_in = math.prod(shape[1:])
-            tensors[name] = noise / math.sqrt(fan_in)
-    return tensors, raw
+            tensors[name] = noise / math.sqrt(math.prod(shape[1:]))
+    return tensors
+
+
+def tiny_vision_tensors_and_config(text_hidden_size: int, seed: int = 0) -> tuple[dict[str, torch.Tensor],
+                                                                                   dict[str, Any]]:
+    """(checkpoint name -> fp32 tensor, ``vision_config``) of the tiny tower for an LM of ``text_hidden_size``."""
+    raw = tiny_vision_config(text_hidden_size)
+    return seeded_vision_tensors(VisionConfig.from_hf_dict(raw), seed), raw
