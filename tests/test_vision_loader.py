@@ -70,9 +70,13 @@ def test_loads_k25_layout(tmp_path: Path) -> None:
 def test_released_tensor_counts() -> None:
     k3 = expected_vision_tensors(VisionConfig.from_hf_dict(K3_VISION_CONFIG))
     k25 = expected_vision_tensors(VisionConfig.from_hf_dict(K25_VISION_CONFIG))
-    count = lambda names, prefix: sum(n.startswith(prefix) for n in names)  # noqa: E731
+    def count(names: dict, prefix: str) -> int:
+        return sum(n.startswith(prefix) for n in names)
+
+    def params(names: dict, prefix: str) -> int:
+        return sum(torch.Size(s).numel() for n, s in names.items() if n.startswith(prefix))
+
     assert (count(k25, "vision_tower."), count(k25, "mm_projector.")) == (329, 6)  # SERVING_SPEC 6.1
-    params = lambda names, prefix: sum(torch.Size(s).numel() for n, s in names.items() if n.startswith(prefix))  # noqa: E731
     assert (params(k3, "vision_tower."), params(k3, "mm_projector.")) == (401_214_464, 46_144_512)
     assert k3["vision_tower.encoder.blocks.26.wqkv.weight"] == (4608, 1024)
     assert k3["vision_tower.encoder.blocks.0.wo.weight"] == (1024, 1536)

@@ -56,7 +56,7 @@ def test_expand_prompt_positions_and_pads() -> None:
     sa, sb = out.slots
     assert (sa.block_start, sa.block_end, sa.num_tokens) == (6, 6 + len(block_a), 4)
     assert [out.token_ids[p] for p in out.pad_positions] == [303] * 16
-    assert out.pad_positions == list(range(sa.pad_start, sa.pad_start + 4)) + list(range(sb.pad_start, sb.pad_start + 12))
+    assert out.pad_positions == [*range(sa.pad_start, sa.pad_start + 4), *range(sb.pad_start, sb.pad_start + 12)]
     assert out.token_ids[sa.pad_start - 1] == 301 and out.token_ids[sb.pad_start + 12] == 302
     # two images at one position keep their order; an image at 0 comes before all text
     both = expand_prompt(prompt, [0, 0], [b, a], MEDIA, _enc)

@@ -8,7 +8,8 @@ RMSNorm / LayerNorm / GELU written out; the 2x2 merge by index loops; the projec
 
 Variants (one field flipped from the tiny K3 config each): norm type, biases, qkv width = hidden, projector type
 (merger v1 pre-norm vs v2 post-norm), interpolation mode; plus the whole K2.5 combination. Tolerance 1e-5 relative
-in fp32 against fp64 (measured 4.6e-7 to 5.1e-7 over the variants, 2026-12-01). A second test checks each flip changes the output (none is a no-op).
+in fp32 against fp64 (measured 4.6e-7 to 5.1e-7 over the variants, 2026-12-01). A second test checks that each
+flip changes the output (none is a no-op).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def naive_vision(raw: dict, tensors: dict, pixels: torch.Tensor, grids: list) ->
         y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
         y = _lin(y, w, "mm_projector.proj.2")
         if raw.get("mm_projector_type") == "patchmergerv2":
-            y = y / torch.sqrt((y * y).mean(-1, keepdim=True) + raw["projector_ln_eps"]) * w["mm_projector.post_norm.weight"]
+            rms = torch.sqrt((y * y).mean(-1, keepdim=True) + raw["projector_ln_eps"])
+            y = y / rms * w["mm_projector.post_norm.weight"]
         outputs.append(y)
     return outputs
 

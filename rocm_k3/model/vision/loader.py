@@ -10,7 +10,6 @@ bias in a bias-free K3 tower), ``TensorShapeError`` (shape, or a non-float dtype
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rocm_k3.model.config import read_config_json
 from rocm_k3.model.loader import (
     CorruptCheckpointError,
     MissingTensorError,
@@ -40,14 +40,7 @@ def _listed(items: list[str]) -> str:
 
 def vision_config_of(checkpoint_dir: str | Path) -> VisionConfig | None:
     """The ``vision_config`` of a checkpoint's ``config.json`` (None when the model has no tower)."""
-    file = Path(checkpoint_dir) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"no config.json in {checkpoint_dir}")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise VisionConfigError(f"{file}: not valid JSON ({exc})") from exc
-    return VisionConfig.from_checkpoint_config(raw)
+    return VisionConfig.from_checkpoint_config(read_config_json(checkpoint_dir))
 
 
 def plan_vision_load(cfg: VisionConfig, files: list[Path]) -> dict[str, Path]:
@@ -62,7 +55,9 @@ def plan_vision_load(cfg: VisionConfig, files: list[Path]) -> dict[str, Path]:
                     if not name.startswith(VISION_PREFIXES):
                         continue
                     if name in found:
-                        raise CorruptCheckpointError(f"tensor {name} appears in both {found[name].name} and {file.name}")
+                        raise CorruptCheckpointError(
+                            f"tensor {name} appears in both {found[name].name} and {file.name}"
+                        )
                     found[name] = file
                     if name not in expected:
                         unexpected.append(name)

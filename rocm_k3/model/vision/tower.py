@@ -17,6 +17,7 @@ so any subset of images can run on a rank and the results be gathered (:mod:`roc
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -43,9 +44,12 @@ def as_grids(grid_thws: Sequence[Sequence[int]] | torch.Tensor, cfg: VisionConfi
     kh, kw = cfg.merge_kernel_size
     grids = []
     for i, row in enumerate(rows):
-        if len(row) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
-            raise VisionInputError(f"grid_thws[{i}]: expected three integers (t, h, w), got {row!r}")
-        t, h, w = row
+        try:
+            if len(row) != 3 or any(isinstance(v, bool) for v in row):
+                raise TypeError
+            t, h, w = (operator.index(v) for v in row)  # ints, numpy ints, 0-d int tensors
+        except TypeError:
+            raise VisionInputError(f"grid_thws[{i}]: expected three integers (t, h, w), got {row!r}") from None
         if t != 1:
             raise VisionInputError(f"grid_thws[{i}]: t = {t}; rocm-k3 serves images (t = 1) only, not video")
         if h < 1 or w < 1 or h % kh or w % kw:
