@@ -22,7 +22,9 @@ from rocm_k3.model.vision.config import K3_VISION_CONFIG, K25_VISION_CONFIG, Vis
 from rocm_k3.model.vision.loader import load_vision_model
 from rocm_k3.model.vision.model import expected_vision_tensors
 from rocm_k3.model.vision.preprocess import PreprocessConfig, preprocess_image
+from rocm_k3.model.vision.prompt import MediaTokens
 from rocm_k3.model.vision.tiny import tiny_vision_tensors_and_config
+from rocm_k3.tokenizers.byte import ByteTokenizer
 from tests.vision_fixtures import random_vision_tensors, write_vision_checkpoint
 
 SMALL_K3 = {**K3_VISION_CONFIG, "vt_hidden_size": 16, "vt_intermediate_size": 32, "vt_num_hidden_layers": 1,
@@ -138,6 +140,9 @@ def test_make_tiny_vision(tmp_path: Path, capsys: pytest.CaptureFixture) -> None
     config = json.loads((root / "config.json").read_text())
     assert config["vision_config"]["text_hidden_size"] == config["text_config"]["hidden_size"] == 64
     assert config["image_placeholder"] == "<|kimi_image_placeholder|>"
+    tokenizer = ByteTokenizer.from_dir(root)
+    media = MediaTokens.from_lookup(tokenizer.special_tokens.get)  # the tiny tokenizer names K3's media tokens
+    assert config["media_placeholder_token_id"] == media.pad
     load_model(root, dtype=torch.float32, progress=False)  # the text loader skips the vision tensors
     vision = load_vision_model(root, dtype=torch.float32)
     cfg = PreprocessConfig.from_dir(root)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rocm_k3.model.tokenizer import ByteTokenizer
 from rocm_k3.model.vision.preprocess import preprocess_image
+from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
 from rocm_k3.model.vision.prompt import (
     IMAGE_PLACEHOLDER,
     K3_MEDIA_TOKENS,
@@ -23,8 +23,9 @@ from rocm_k3.model.vision.prompt import (
     scatter_image_embeddings,
 )
 
-TOK = ByteTokenizer()
-MEDIA = MediaTokens(begin=300, content=301, end=302, pad=303)  # a tokenizer whose media ids follow its bytes
+TOK = embedded_byte_tokenizer()  # the embedded tiny model's: bytes, then K3's specials (media 262..265)
+MEDIA = MediaTokens.from_lookup(TOK.special_tokens.get)
+B, C, E, P = MEDIA.begin, MEDIA.content, MEDIA.end, MEDIA.pad
 
 
 def _enc(text: str) -> list[int]:
@@ -50,14 +51,14 @@ def test_expand_prompt_positions_and_pads() -> None:
     a, b = _image(30, 45), _image(100, 60, (200, 0, 0))  # 4 and 12 tokens
     prompt = _enc("Look: and then")
     out = expand_prompt(prompt, [6, len(prompt)], [a, b], MEDIA, _enc)
-    block_a = [300, *b"image 30x45", 301, *[303] * 4, 302]
-    block_b = [300, *b"image 100x60", 301, *[303] * 12, 302]
+    block_a = [B, *b"image 30x45", C, *[P] * 4, E]
+    block_b = [B, *b"image 100x60", C, *[P] * 12, E]
     assert out.token_ids == [*b"Look: ", *block_a, *b"and then", *block_b]
     sa, sb = out.slots
     assert (sa.block_start, sa.block_end, sa.num_tokens) == (6, 6 + len(block_a), 4)
-    assert [out.token_ids[p] for p in out.pad_positions] == [303] * 16
+    assert [out.token_ids[p] for p in out.pad_positions] == [P] * 16
     assert out.pad_positions == [*range(sa.pad_start, sa.pad_start + 4), *range(sb.pad_start, sb.pad_start + 12)]
-    assert out.token_ids[sa.pad_start - 1] == 301 and out.token_ids[sb.pad_start + 12] == 302
+    assert out.token_ids[sa.pad_start - 1] == C and out.token_ids[sb.pad_start + 12] == E
     # two images at one position keep their order; an image at 0 comes before all text
     both = expand_prompt(prompt, [0, 0], [b, a], MEDIA, _enc)
     assert both.token_ids[:len(block_b)] == block_b and both.slots[1].block_start == len(block_b)
@@ -73,10 +74,12 @@ def test_placement_errors() -> None:
         expand_prompt(prompt, [3], [a], MEDIA, _enc)
     with pytest.raises(ImagePlacementError, match="non-decreasing"):
         expand_prompt(prompt, [2, 1], [a, a], MEDIA, _enc)
-    with pytest.raises(MediaTokenInPromptError, match="positions \\[1\\]"):  # a typed <|media_pad|> as its id
-        expand_prompt([104, 303, 105], [0], [a], MEDIA, _enc)
+    typed = TOK.encode("h<|media_pad|>i", allow_special=True)  # a tokenizer that maps typed specials to ids
+    assert typed == [ord("h"), P, ord("i")]
+    with pytest.raises(MediaTokenInPromptError, match="positions \\[1\\]"):
+        expand_prompt(typed, [0], [a], MEDIA, _enc)
     with pytest.raises(MediaTokenInPromptError):  # even without images
-        expand_prompt([300], [], [], MEDIA, _enc)
+        expand_prompt([B], [], [], MEDIA, _enc)
 
 
 def test_typed_placeholder_text_gets_no_slot() -> None:
@@ -113,7 +116,7 @@ def test_content_hash_and_cache_key() -> None:
     assert ka == ka2 and ka != kb  # ... the cache key does
     pads = set(pa.pad_positions)
     assert all(ka[i] == t for i, t in enumerate(pa.token_ids) if i not in pads)
-    assert all(ka[i] >= MEDIA_KEY_BASE for i in pads) and ka[pa.slots[0].block_start] == 300
+    assert all(ka[i] >= MEDIA_KEY_BASE for i in pads) and ka[pa.slots[0].block_start] == B
 
 
 def test_media_tokens_from_lookup() -> None:

@@ -233,6 +233,7 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: 
 
         vision_tensors, config["vision_config"] = tiny_vision_tensors_and_config(cfg.hidden_size, seed)
         config["image_placeholder"] = IMAGE_PLACEHOLDER
+        config["media_placeholder_token_id"] = _TOKENIZER.special_tokens["<|media_pad|>"]
         tensors.update(vision_tensors)
     root = write_checkpoint(directory, config, tensors, shards)
     preprocessor = root / PREPROCESSOR_FILE
