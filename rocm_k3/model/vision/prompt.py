@@ -30,9 +30,10 @@ from typing import Protocol
 
 import torch
 
+from rocm_k3.tokenizers.k3_chat import IMAGE_PLACEHOLDER  # K3 config.json ``image_placeholder``
+
 MEDIA_TOKEN_NAMES = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 PROMPT_STYLES = ("k3", "k25")
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # K3 config.json ``image_placeholder``
 MEDIA_KEY_BASE = 1 << 32  # prefix-cache key ids for image pads start here: above every token id
 _HASH_TAG = b"rocm-k3/image/v1"
 
