@@ -401,10 +401,10 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "moe_route", "moe_align", "moe_w13_a16w4",
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "varlen_attention", "moe_route", "moe_align", "moe_w13_a16w4",
                     "moe_w13_bits", "moe_w2_a8w4", "moe_w13_f32", "moe_w2_f32_bf16experts",
                     "moe_mxfp8_quant", "moe_w13_fma", "moe_w2_fma_f16", "moe_w13_gemv_f16", "moe_w2_gemv_a8w4")
-_MMA_KERNELS = ("mla_decode", "mla_prefill", "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "varlen_attention", "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
 _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # the MXFP4 decode GEMV: fp32 multiply-adds only, no matrix instruction on any target

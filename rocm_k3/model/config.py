@@ -263,14 +263,18 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` from a checkpoint directory."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in {path}")
-        try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_config_json(path))
+
+
+def read_config_json(path: str | Path) -> Any:
+    """The parsed ``config.json`` of a checkpoint directory (FileNotFoundError, or ConfigError if not JSON)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
 
 
 def _from_text_config(model_type: str, t: Mapping[str, Any], quant: Any, weight_prefix: str) -> ModelConfig:

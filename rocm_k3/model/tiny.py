@@ -231,13 +231,32 @@ def _favour_printable(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> Non
 
 
 def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: int = 1,
-                          text_overrides: dict[str, Any] | None = None) -> Path:
-    """Write the tiny K3 checkpoint (config, weights, byte tokenizer) into ``directory``; returns it."""
+                          text_overrides: dict[str, Any] | None = None, vision: bool = False) -> Path:
+    """Write the tiny K3 checkpoint (config, weights, byte tokenizer) into ``directory``; returns it.
+
+    vision: also write a tiny K3 vision tower + projector (``vision_tower.*``, ``mm_projector.*``, see
+    :mod:`rocm_k3.model.vision.tiny`), its ``vision_config`` and a ``preprocessor_config.json``.
+    """
     config = tiny_config(text_overrides)
     cfg = ModelConfig.from_hf_dict(config)
     tensors = random_tensors(cfg, seed)
     _favour_printable(tensors, cfg)
+    from rocm_k3.model.vision.preprocess import PREPROCESSOR_FILE
+
+    if vision:
+        from rocm_k3.model.vision.prompt import IMAGE_PLACEHOLDER
+        from rocm_k3.model.vision.tiny import TINY_PREPROCESSOR_CONFIG, tiny_vision_tensors_and_config
+
+        vision_tensors, config["vision_config"] = tiny_vision_tensors_and_config(cfg.hidden_size, seed)
+        config["image_placeholder"] = IMAGE_PLACEHOLDER
+        config["media_placeholder_token_id"] = _TOKENIZER.special_tokens["<|media_pad|>"]
+        tensors.update(vision_tensors)
     root = write_checkpoint(directory, config, tensors, shards)
+    preprocessor = root / PREPROCESSOR_FILE
+    if vision:
+        preprocessor.write_text(json.dumps(TINY_PREPROCESSOR_CONFIG, indent=2) + "\n")
+    else:
+        preprocessor.unlink(missing_ok=True)  # a previous --vision checkpoint's
     embedded_byte_tokenizer(cfg.vocab_size).save(root)
     return root
 

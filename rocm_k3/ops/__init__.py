@@ -4,7 +4,8 @@ The model calls ``rocm_k3.ops.<op>(..., backend=None)``; each op validates its i
 backend chosen per call (see :mod:`rocm_k3.ops.registry`). Families:
 ``quant`` (MXFP4/MXFP8), ``norm`` (rms_norm, add_rms_norm), ``moe`` (route, situ_and_mul, silu_and_mul, fused_moe),
 ``kda`` (kda_gate, short_conv, short_conv_update, kda_prefill, kda_decode, gated_rms_norm),
-``attn_res`` (attn_res_mix, attn_res_step), ``mla`` (mla_write_cache, mla_prefill, mla_decode).
+``attn_res`` (attn_res_mix, attn_res_step), ``mla`` (mla_write_cache, mla_prefill, mla_decode),
+``vision_attention`` (varlen_attention: the vision tower's per-image bidirectional attention).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _EXPORTS = {
     "kda_decode": "kda", "gated_rms_norm": "kda", "KDAPrefillOutput": "kda", "KDAGateParams": "kda",
     "attn_res_mix": "attn_res", "attn_res_step": "attn_res",
     "mla_write_cache": "mla", "mla_prefill": "mla", "mla_decode": "mla",
+    "varlen_attention": "vision_attention",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,7 @@ Each kernel module exposes ``KERNELS = {op_name: (fn, supports_fn)}`` with ``fn`
 minus ``backend``. Modules (imported by :func:`register`, never at import time):
 ``norm`` (rms_norm, add_rms_norm, gated_rms_norm), ``attn_res`` (attn_res_mix, attn_res_step), ``moe``
 (fused_moe, route, situ_and_mul, silu_and_mul), ``mla_decode`` (mla_decode), ``mla_prefill`` (mla_prefill,
-mla_write_cache) and ``kda`` (the KDA kernels). The quant ops have no Triton kernel (they run at load time). When two modules offer the same op the
+mla_write_cache), ``kda`` (the KDA kernels) and ``vision_attention`` (varlen_attention, the vision tower's attention). The quant ops have no Triton kernel (they run at load time). When two modules offer the same op the
 first in ``KERNEL_MODULES`` wins (so ``gated_rms_norm`` comes from ``norm``).
 
 MoE weights: the kernels read the checkpoint byte layout, so :func:`prepare_weights` (call it once at load) only
@@ -27,6 +27,7 @@ KERNEL_MODULES = (
     "rocm_k3.triton_kernels.mla_decode",
     "rocm_k3.triton_kernels.mla_prefill",
     "rocm_k3.triton_kernels.kda",
+    "rocm_k3.triton_kernels.vision_attention",
 )
 
 
