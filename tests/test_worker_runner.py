@@ -110,7 +110,8 @@ def test_step_input_and_runner_plan_for_a_mixed_prefill_decode_step():
     assert batch.cu_seqlens.tolist() == [0, 1, 8] and batch.seq_lens.tolist() == [6, 7]
     expected_slots = [ta[1] * 4 + 1] + [tb[p // 4] * 4 + p % 4 for p in range(7)]
     assert batch.slot_mapping.tolist() == expected_slots
-    assert batch.block_table.tolist() == [ta + [0] * (len(tb) - len(ta)), tb]
+    width = 8  # max_blocks_per_seq: small tables are sent at the fixed width a decode graph sees
+    assert batch.block_table.tolist() == [ta + [0] * (width - len(ta)), tb + [0] * (width - len(tb))]
     assert batch.kda_slots.tolist() == [mgr.slot(0), mgr.slot(1)]
     assert batch.has_initial_state.tolist() == [True, False]
     assert batch.logits_indices.tolist() == [0, 7]

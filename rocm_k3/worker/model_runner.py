@@ -20,6 +20,12 @@ from rocm_k3.worker.kv_pools import KVPools
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 
 
+# Block tables are sent at the fixed width (blocks of one max_model_len request) while a step's table stays under
+# this many entries, else at the width the step needs: kernels that size their work by the table width (the MLA
+# decode's KV splits) then run identically with and without decode graphs.
+FIXED_WIDTH_LIMIT = 1 << 16
+
+
 class StepModel(Protocol):
     def forward(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor: ...
 
@@ -112,6 +118,8 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)  # [T]
         seq_lens = (starts + lens).astype(np.int32)
         used = int((seq_lens.max() + self.block_size - 1) // self.block_size)
+        if n * self.max_blocks_per_seq <= FIXED_WIDTH_LIMIT:
+            used = self.max_blocks_per_seq  # the width a decode graph sees, so eager steps run the same kernels
         table = np.zeros((n, used), dtype=np.int32)
         for i, c in enumerate(chunks):
             row = self.rows[c.request_id]
