@@ -52,6 +52,29 @@ class EngineArgs:
         "help": "KDA state slot budget in bytes (overrides gpu_memory_utilization sizing)"})
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture decode graphs"})
     progress: bool = dataclasses.field(default=False, metadata={"help": "show a progress bar while loading"})
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata={
+        "help": "tensor-parallel ranks (GPUs of one node; heads and expert intermediate dims must divide)",
+        "aliases": ("-tp",)})
+    pipeline_parallel_size: int = dataclasses.field(default=1, metadata={
+        "help": "pipeline stages (contiguous layer ranges, usually one node each)", "aliases": ("-pp",)})
+    enable_expert_parallel: bool = dataclasses.field(default=False, metadata={
+        "help": "split the routed experts whole over the tensor-parallel ranks instead of per expert"})
+    nnodes: int = dataclasses.field(default=1, metadata={"help": "nodes of the run (node 0 serves)"})
+    node_rank: int = dataclasses.field(default=0, metadata={"help": "this node's rank (> 0 runs headless)"})
+    master_addr: str = dataclasses.field(default="127.0.0.1", metadata={"help": "node 0's address for the "
+                                                                         "process group"})
+    master_port: int = dataclasses.field(default=29517, metadata={"help": "node 0's port for the process group"})
+    distributed_timeout: float = dataclasses.field(default=300.0, metadata={
+        "help": "seconds a step or collective may take before the run is ended with an error"})
+
+    def parallel_config(self):
+        from rocm_k3.distributed.context import ParallelConfig
+
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              enable_expert_parallel=self.enable_expert_parallel, nnodes=self.nnodes,
+                              node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
+                              timeout_s=self.distributed_timeout)
 
     def validated(self) -> EngineArgs:
         """Type checks that no config covers (the configs built from these args check the rest)."""
@@ -63,7 +86,7 @@ class EngineArgs:
             raise ValueError(f"backend: expected one of {BACKEND_CHOICES} or None, got {self.backend!r}")
         if self.moe_act_quant not in MOE_ACT_QUANT_CHOICES:
             raise ValueError(f"moe_act_quant: expected one of {MOE_ACT_QUANT_CHOICES}, got {self.moe_act_quant!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "progress"):
+        for name in ("enable_prefix_caching", "enforce_eager", "progress", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         util = self.gpu_memory_utilization
@@ -85,8 +108,8 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
                 continue
             kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
-            group.add_argument(flag, type=kind, default=f.default, help=meta.get("help"),
-                               choices=meta.get("choices"))
+            group.add_argument(flag, *meta.get("aliases", ()), type=kind, default=f.default, help=meta.get("help"),
+                               choices=meta.get("choices"), dest=f.name)
         if "enable_prefix_caching" not in skip:  # the flag name older versions of rocm-k3 documented
             group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                                help=argparse.SUPPRESS)

@@ -23,6 +23,7 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
+from rocm_k3.executor.multiproc import MultiprocExecutor
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
@@ -63,6 +64,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def worker_config_for(args: EngineArgs, path: Path, device: torch.device, dtype: torch.dtype) -> WorkerConfig:
+    parallel = args.parallel_config()
+    if device.type == "cuda" and parallel.gpus_per_node > 1 and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if parallel.gpus_per_node > count:
+            from rocm_k3.distributed.context import LayoutError
+
+            raise LayoutError(f"{parallel.gpus_per_node} ranks per node (tensor x pipeline parallel / nnodes) but "
+                              f"this node has {count} GPU(s)")
+    return WorkerConfig(
+        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
+        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        parallel=parallel,
+    )
+
+
 def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) -> tuple[EngineCore, Path, Any]:
     """(EngineCore over an in-process executor, checkpoint path, tokenizer) for ``args``.
 
@@ -72,12 +90,13 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = Path(args.model) if args.model is not None else ensure_embedded_model()
-    worker_config = WorkerConfig(
-        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
-        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-    )
-    executor = UniprocExecutor(worker_config, model=model)
+    worker_config = worker_config_for(args, path, device, dtype)
+    if worker_config.parallel.is_single:
+        executor = UniprocExecutor(worker_config, model=model)
+    else:
+        if model is not None:
+            raise ValueError("model: a loaded model can only be served by one process (tensor_parallel_size 1)")
+        executor = MultiprocExecutor(worker_config)
     info = executor.info()
     budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
                                                ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
@@ -136,7 +155,14 @@ class LLM:
     @property
     def model(self):
         """The in-process worker's model (single-process executor only)."""
-        return self.engine.executor.worker.model
+        worker = getattr(self.engine.executor, "worker", None)
+        if worker is None:
+            raise AttributeError("model: the model lives in the worker processes (tensor/pipeline parallelism)")
+        return worker.model
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (tensor/pipeline parallelism); the LLM cannot generate afterwards."""
+        self.engine.executor.shutdown()
 
     @property
     def config(self):
@@ -144,11 +170,11 @@ class LLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return resolve_dtype(self.args.dtype, self.device)
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return resolve_device(self.args.device)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

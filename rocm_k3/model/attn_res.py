@@ -1,7 +1,8 @@
-"""The Attention Residuals dataflow (K3_SPEC section 5) over the decoder stack.
+"""The residual dataflow over the decoder stack: Attention Residuals (K3_SPEC section 5) or the plain pre-norm
+residual, run over any contiguous range of layers so a pipeline stage can continue where the previous one ended.
 
-Per token the stack keeps a bank of block snapshots ``blocks [B_max, T, hidden]`` (b_0 = the embedding, one
-snapshot at every layer l with ``l % B == 0``) and the running partial sum ``p`` of the current block. Each
+AttnRes: per token the stack keeps a bank of block snapshots ``blocks [B_max, T, hidden]`` (b_0 = the embedding,
+one snapshot at every layer l with ``l % B == 0``) and the running partial sum ``p`` of the current block. Each
 sublayer input is a learned softmax mix over ``[b_0 .. b_{n-1}, p]`` followed by that sublayer's RMSNorm; the
 fused op :func:`rocm_k3.ops.attn_res_step` does ``p += delta``, the optional snapshot, the mix and the norm::
 
@@ -13,65 +14,116 @@ fused op :func:`rocm_k3.ops.attn_res_step` does ``p += delta``, the optional sna
               m = MLP(x)
     final:    h, _ = step(p, m_last, blocks, B_max, write = False, output site, final norm)
 
-The bank lives for one forward pass only; it is not part of the cache.
+Plain residual (Kimi Linear): ``h += Attn(norm_in(h)); h += MLP(norm_post(h))``, the adds fused into the next
+norm. Between layers (and across a pipeline boundary) the state is :class:`StackState`: the running sum
+(AttnRes partial / plain residual), the last MLP output not yet added, and the AttnRes bank. The bank lives for
+one forward pass only; it is not part of the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from rocm_k3 import ops
+from rocm_k3.model.layers.weights import Read, Target, WeightTargets, new_param
 
 
-@dataclasses.dataclass
-class AttnResSite:
-    """The weights of one mixing site: ``proj [hidden]`` (the checkpoint's ``[1, hidden]`` row) and ``norm [hidden]``."""
+class AttnResSite(WeightTargets):
+    """The weights of one mixing site: ``proj [hidden]`` (the checkpoint's ``[1, hidden]`` row), ``norm [hidden]``."""
 
-    proj: torch.Tensor
-    norm: torch.Tensor
+    def __init__(self, hidden: int, proj_name: str, norm_name: str, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.names = (proj_name, norm_name)
+        self.proj = new_param((hidden,), dtype, device)
+        self.norm = new_param((hidden,), dtype, device)
 
-    @classmethod
-    def from_checkpoint(cls, proj: torch.Tensor, norm: torch.Tensor) -> AttnResSite:
-        return cls(proj=proj.reshape(-1), norm=norm)
+    def own_targets(self) -> dict[str, Target]:
+        return {self.names[0]: Target(self.proj, Read(transform=lambda t: t.reshape(-1))),
+                self.names[1]: Target(self.norm)}
 
 
-@dataclasses.dataclass
-class AttnResLayer:
-    """What the dataflow needs from one decoder layer."""
+class StackLayer(Protocol):
+    """What the dataflow needs from one decoder layer (``index`` is its global depth)."""
 
-    attn_site: AttnResSite
-    mlp_site: AttnResSite
+    index: int
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    attn: Callable[[torch.Tensor], torch.Tensor]  # x [T, hidden] -> [T, hidden]
-    mlp: Callable[[torch.Tensor], torch.Tensor]
+    attn_site: AttnResSite | None
+    mlp_site: AttnResSite | None
+
+    def attn_forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def attn_res_stack(h0: torch.Tensor, layers: Sequence[AttnResLayer], block_size: int, output_site: AttnResSite,
-                   final_norm: torch.Tensor, eps: float, backend: str | None) -> torch.Tensor:
-    """Run the stack with Attention Residuals: ``h0 [T, hidden]`` (embeddings) -> final-normed hidden [T, hidden]."""
-    if block_size <= 0:
-        raise ValueError(f"block_size: expected a positive int, got {block_size}")
-    max_blocks = math.ceil(len(layers) / block_size)
-    blocks = h0.new_empty(max_blocks, *h0.shape)  # [B_max, T, hidden], filled as blocks complete
-    partial: torch.Tensor | None = h0
+@dataclasses.dataclass
+class StackState:
+    """The stream between two layers: ``running`` (AttnRes partial p, or the plain residual h), ``delta`` (the
+    last MLP output, not yet added; None before layer 0) and ``blocks`` (the AttnRes bank, None without)."""
+
+    running: torch.Tensor
     delta: torch.Tensor | None = None
-    for index, layer in enumerate(layers):
-        num_blocks = math.ceil(index / block_size)
-        write = index % block_size == 0
+    blocks: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, h0: torch.Tensor, num_layers: int, block_size: int | None) -> StackState:
+        """The state before layer 0 from the embeddings ``h0 [T, hidden]``."""
+        if block_size is None:
+            return cls(h0)
+        if block_size <= 0:
+            raise ValueError(f"attn_res_block_size: expected a positive int, got {block_size}")
+        blocks = h0.new_empty(math.ceil(num_layers / block_size), *h0.shape)  # [B_max, T, hidden]
+        return cls(h0, None, blocks)
+
+
+def run_layers(state: StackState, layers: Sequence[StackLayer], block_size: int | None, eps: float,
+               table) -> StackState:
+    """Run ``layers`` (consecutive depths) from ``state``; returns the state after the last of them."""
+    if block_size is None:
+        return _plain_layers(state, layers, eps, table)
+    partial: torch.Tensor | None = state.running
+    delta, blocks = state.delta, state.blocks
+    for layer in layers:
+        num_blocks = math.ceil(layer.index / block_size)
+        write = layer.index % block_size == 0
         x, p = ops.attn_res_step(partial, delta, blocks, num_blocks, write_block=write,
                                  proj_weight=layer.attn_site.proj, norm_weight=layer.attn_site.norm,
-                                 rms_weight=layer.input_norm, eps=eps, backend=backend)
+                                 rms_weight=layer.input_norm, eps=eps, backend=table)
         partial = None if write else p
-        a = layer.attn(x)
+        a = layer.attn_forward(x)
         x, partial = ops.attn_res_step(partial, a, blocks, num_blocks + int(write), write_block=False,
                                        proj_weight=layer.mlp_site.proj, norm_weight=layer.mlp_site.norm,
-                                       rms_weight=layer.post_norm, eps=eps, backend=backend)
-        delta = layer.mlp(x)
-    h, _ = ops.attn_res_step(partial, delta, blocks, max_blocks, write_block=False, proj_weight=output_site.proj,
-                             norm_weight=output_site.norm, rms_weight=final_norm, eps=eps, backend=backend)
+                                       rms_weight=layer.post_norm, eps=eps, backend=table)
+        delta = layer.mlp_forward(x)
+    return StackState(partial, delta, blocks)
+
+
+def finish(state: StackState, output_site: AttnResSite | None, final_norm: torch.Tensor, eps: float,
+           table) -> torch.Tensor:
+    """The final-normed hidden states ``[T, hidden]`` after the last layer."""
+    if state.blocks is None:
+        h, _ = ops.add_rms_norm(state.delta, state.running, final_norm, eps, backend=table)
+        return h
+    h, _ = ops.attn_res_step(state.running, state.delta, state.blocks, state.blocks.shape[0], write_block=False,
+                             proj_weight=output_site.proj, norm_weight=output_site.norm, rms_weight=final_norm,
+                             eps=eps, backend=table)
     return h
+
+
+def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, table) -> StackState:
+    residual, delta = state.running, state.delta
+    for layer in layers:
+        if delta is None:  # layer 0: nothing to add yet
+            x = ops.rms_norm(residual, layer.input_norm, eps, backend=table)
+        else:
+            x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, eps, backend=table)
+        a = layer.attn_forward(x)
+        x, residual = ops.add_rms_norm(a, residual, layer.post_norm, eps, backend=table)
+        delta = layer.mlp_forward(x)
+    return StackState(residual, delta)

@@ -1,153 +1,177 @@
-"""The Kimi K3 / Kimi Linear text model: embedding, the hybrid KDA/MLA decoder stack, final norm, LM head.
+"""The Kimi K3 / Kimi Linear text model as ``nn.Module`` s built from ``(config, ParallelContext, OpTable)``.
 
 ``KimiModel.forward(batch, cache) -> logits fp32 [N, vocab]`` runs one engine step described by a
 :class:`~rocm_k3.model.forward_batch.ForwardBatch` over any :class:`~rocm_k3.model.forward_batch.HybridCacheView`.
-The residual stream is Attention Residuals (K3, :mod:`rocm_k3.model.attn_res`) when ``attn_res_block_size`` is
-set, else the plain pre-norm residual (Kimi Linear). Weights are built once from canonical checkpoint tensors
-(see :mod:`rocm_k3.model.checkpoint_names`) with the fusions the ops want.
+Under pipeline parallelism the model holds one stage: a contiguous range of layers (:func:`stage_layers`), the
+embedding on the first stage, the final norm and LM head on the last; :meth:`KimiModel.forward_stage` takes the
+previous stage's :class:`~rocm_k3.model.attn_res.StackState` and returns the state for the next (or the logits).
+The residual stream is Attention Residuals (K3) when ``attn_res_block_size`` is set, else the plain pre-norm
+residual (Kimi Linear), replicated on every TP rank. Each checkpoint tensor lands in its parameter through the
+layers' shard rules (``weight_targets``); see :mod:`rocm_k3.model.loader`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, MutableMapping
+import math
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from rocm_k3 import ops
-from rocm_k3.ops.registry import OpTable, bind
-from rocm_k3.model.attn_res import AttnResLayer, AttnResSite, attn_res_stack
+from rocm_k3.distributed.context import LayoutError, ParallelContext
+from rocm_k3.model.attn_res import AttnResSite, StackState, finish, run_layers
 from rocm_k3.model.checkpoint_names import layer_prefix
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
-from rocm_k3.model.kda import KDALayer, KDAWeights
-from rocm_k3.model.mla import MLALayer, MLAWeights
+from rocm_k3.model.kda import KDALayer
+from rocm_k3.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rocm_k3.model.layers.weights import Target, WeightTargets, new_param
+from rocm_k3.model.mla import MLALayer
 from rocm_k3.model.moe import ActQuant, DenseMLP, MoEBlock, activation_for
+from rocm_k3.ops.registry import OpTable
 
 
-@dataclasses.dataclass
-class DecoderLayer:
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, block_size: int | None) -> range:
+    """The layers of pipeline stage ``pp_rank``: contiguous, near-equal, with boundaries moved to a multiple of
+    the AttnRes block size when that keeps every stage non-empty (the bank then crosses with whole blocks)."""
+    if pp_size > num_layers:
+        raise LayoutError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    bounds = [round(num_layers * s / pp_size) for s in range(pp_size + 1)]
+    if block_size:
+        snapped = [bounds[0]] + [round(b / block_size) * block_size for b in bounds[1:-1]] + [bounds[-1]]
+        if all(a < b for a, b in zip(snapped, snapped[1:])):
+            bounds = snapped
+    return range(bounds[pp_rank], bounds[pp_rank + 1])
+
+
+class DecoderLayer(WeightTargets):
     """One layer: token mixer (KDA or MLA), feed-forward (dense MLP or MoE), norms, optional AttnRes sites."""
 
-    index: int
-    attn: KDALayer | MLALayer
-    ffn: DenseMLP | MoEBlock
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn_site: AttnResSite | None
-    mlp_site: AttnResSite | None
+    def __init__(self, cfg: ModelConfig, index: int, cache_index: int, ctx: ParallelContext, table: OpTable,
+                 act_quant: ActQuant, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.index = index
+        p = layer_prefix(index)
+        kw = {"dtype": dtype, "device": device}
+        mixer = MLALayer if cfg.is_mla_layer(index) else KDALayer
+        self.attn = mixer(cfg, ctx, table, p + "self_attn.", cache_index, **kw)
+        if cfg.is_moe_layer(index):
+            self.ffn: DenseMLP | MoEBlock = MoEBlock(cfg, p + "block_sparse_moe.", ctx, table, act_quant, **kw)
+        else:
+            self.ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, p + "mlp.", activation_for(cfg), ctx, table,
+                                **kw)
+        hid = cfg.hidden_size
+        self.input_norm = new_param((hid,), dtype, device)
+        self.post_norm = new_param((hid,), dtype, device)
+        self.names = (p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+        self.attn_site = self.mlp_site = None
+        if cfg.uses_attn_res:
+            self.attn_site = AttnResSite(hid, p + "self_attention_res_proj.weight",
+                                         p + "self_attention_res_norm.weight", **kw)
+            self.mlp_site = AttnResSite(hid, p + "mlp_res_proj.weight", p + "mlp_res_norm.weight", **kw)
+        self._batch: ForwardBatch | None = None
+        self._cache: HybridCacheView | None = None
+
+    def own_targets(self) -> dict[str, Target]:
+        return {self.names[0]: Target(self.input_norm), self.names[1]: Target(self.post_norm)}
+
+    def bind_step(self, batch: ForwardBatch, cache: HybridCacheView) -> None:
+        self._batch, self._cache = batch, cache
+
+    def attn_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, self._batch, self._cache)
+
+    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(x)
 
 
-class KimiModel:
-    """The text model. ``dtype`` is the activation/weight dtype; ``backend`` (the bound :class:`OpTable`) is
-    passed to every op call."""
+class KimiModel(WeightTargets):
+    """The text model, or one pipeline stage of it (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, output_site: AttnResSite | None, backend: OpTable | str | None) -> None:
-        if len(layers) != cfg.num_hidden_layers:
-            raise ValueError(f"layers: expected {cfg.num_hidden_layers}, got {len(layers)}")
-        self.cfg = cfg
-        self.embed = embed  # [vocab, hidden]
-        self.layers = layers
-        self.final_norm = final_norm
-        self.lm_head = lm_head  # [vocab, hidden]
-        self.output_site = output_site
-        self.backend = backend
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, table: OpTable, *, dtype: torch.dtype,
+                 device: torch.device, moe_act_quant: str = "bf16") -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.backend = cfg, ctx, table
+        self._dtype, self._device = dtype, torch.device(device)
+        self.layer_range = stage_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank, cfg.attn_res_block_size)
+        act_quant = ActQuant.for_device(moe_act_quant, self._device)
+        kw = {"dtype": dtype, "device": self._device}
+        mla_seen = kda_seen = 0
+        layers = []
+        for index in self.layer_range:
+            if cfg.is_mla_layer(index):
+                cache_index, mla_seen = mla_seen, mla_seen + 1
+            else:
+                cache_index, kda_seen = kda_seen, kda_seen + 1
+            layers.append(DecoderLayer(cfg, index, cache_index, ctx, table, act_quant, **kw))
+        self.layers = nn.ModuleList(layers)
+        self.num_mla_layers, self.num_kda_layers = mla_seen, kda_seen
+        self.embed = None
+        if ctx.is_first_stage or cfg.tie_word_embeddings:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", ctx,
+                                                table, **kw)
+        self.final_norm = self.lm_head = self.output_site = None
+        if ctx.is_last_stage:
+            self.final_norm = new_param((cfg.hidden_size,), dtype, self._device)
+            tied = self.embed if cfg.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, "lm_head.weight", ctx, table, tied=tied,
+                                          **kw)
+            if cfg.uses_attn_res:
+                self.output_site = AttnResSite(cfg.hidden_size, "model.output_attn_res_proj.weight",
+                                               "model.output_attn_res_norm.weight", **kw)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self._device
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensors: MutableMapping[str, torch.Tensor],
-                     backend: OpTable | str | None = None, moe_act_quant: str = "bf16") -> KimiModel:
-        """Build from canonical-name tensors (already validated, cast and placed); consumes ``tensors``.
-
-        moe_act_quant: "bf16" (A16W4) or "mxfp8" (A8W4, FP8 variant of the tensors' device) for routed experts.
-        backend: a backend name (None: settings / auto); the ops are bound once for the tensors' device
-        (:func:`rocm_k3.ops.registry.bind`) and every layer calls the bound table.
-        """
-        device = tensors["model.embed_tokens.weight"].device
-        act_quant = ActQuant.for_device(moe_act_quant, device)
-        table = backend if isinstance(backend, OpTable) else bind(device, backend)
-        backend = table
-
-        def take(prefix: str) -> dict[str, torch.Tensor]:
-            names = [n for n in tensors if n.startswith(prefix)]
-            return {n[len(prefix):]: tensors.pop(n) for n in names}
-
-        layers = []
-        for index in range(cfg.num_hidden_layers):
-            p = layer_prefix(index)
-            attn_t = take(p + "self_attn.")
-            if cfg.is_mla_layer(index):
-                attn: KDALayer | MLALayer = MLALayer(cfg, MLAWeights.from_checkpoint(cfg, attn_t),
-                                                     cfg.layer_slot(index), backend)
-            else:
-                attn = KDALayer(cfg, KDAWeights.from_checkpoint(cfg, attn_t), cfg.layer_slot(index), backend)
-            if cfg.is_moe_layer(index):
-                ffn: DenseMLP | MoEBlock = MoEBlock.from_checkpoint(cfg, take(p + "block_sparse_moe."), backend,
-                                                                  act_quant)
-            else:
-                ffn = DenseMLP.from_checkpoint(take(p + "mlp."), activation_for(cfg), backend)
-            sites = [None, None]
-            if cfg.uses_attn_res:
-                sites = [AttnResSite.from_checkpoint(tensors.pop(p + f"{s}_proj.weight"),
-                                                     tensors.pop(p + f"{s}_norm.weight"))
-                         for s in ("self_attention_res", "mlp_res")]
-            layers.append(DecoderLayer(index, attn, ffn, tensors.pop(p + "input_layernorm.weight"),
-                                       tensors.pop(p + "post_attention_layernorm.weight"), *sites))
-        embed = tensors.pop("model.embed_tokens.weight")
-        lm_head = embed if cfg.tie_word_embeddings else tensors.pop("lm_head.weight")
-        output_site = None
-        if cfg.uses_attn_res:
-            output_site = AttnResSite.from_checkpoint(tensors.pop("model.output_attn_res_proj.weight"),
-                                                      tensors.pop("model.output_attn_res_norm.weight"))
-        model = cls(cfg, embed, layers, tensors.pop("model.norm.weight"), lm_head, output_site, backend)
-        if tensors:
-            raise ValueError(f"tensors not used by the model: {sorted(tensors)[:10]}")
-        return model
+    def own_targets(self) -> dict[str, Target]:
+        return {"model.norm.weight": Target(self.final_norm)} if self.final_norm is not None else {}
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        """One step: logits fp32 [N, vocab] at ``batch.logits_indices``."""
-        hidden = self.hidden_states(batch, cache)  # [T, hidden], final-normed
-        return F.linear(hidden[batch.logits_indices], self.lm_head).float()  # [N, vocab]
+        """One step of a single-stage model: logits fp32 [N, vocab] at ``batch.logits_indices``."""
+        if not (self.ctx.is_first_stage and self.ctx.is_last_stage):
+            raise RuntimeError("forward: this model is one pipeline stage; use forward_stage")
+        return self.forward_stage(batch, cache, None)
 
-    def hidden_states(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        """Final-normed hidden states of every new token, [T, hidden]."""
+    def forward_stage(self, batch: ForwardBatch, cache: HybridCacheView,
+                      state: StackState | None) -> torch.Tensor | StackState:
+        """Run this stage: from the embeddings (first stage, ``state`` None) or the previous stage's state; the
+        last stage returns logits fp32 [N, vocab], the others the state to send on."""
         if batch.input_ids.device != self.device:
             raise ValueError(f"batch tensors are on {batch.input_ids.device}, the model on {self.device}")
-        h0 = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
-        cfg = self.cfg
-        if cfg.uses_attn_res:
-            stack = [AttnResLayer(layer.attn_site, layer.mlp_site, layer.input_norm, layer.post_norm,
-                                  self._attn_fn(layer, batch, cache), layer.ffn.forward) for layer in self.layers]
-            return attn_res_stack(h0, stack, cfg.attn_res_block_size, self.output_site, self.final_norm,
-                                  cfg.rms_norm_eps, self.backend)
-        return self._residual_stack(h0, batch, cache)
+        with torch.inference_mode():
+            cfg = self.cfg
+            if state is None:
+                if self.embed is None or not self.ctx.is_first_stage:
+                    raise RuntimeError("forward_stage: a stage after the first needs the previous stage's state")
+                state = StackState.start(self.embed(batch.input_ids), cfg.num_hidden_layers, cfg.attn_res_block_size)
+            for layer in self.layers:
+                layer.bind_step(batch, cache)
+            state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend)
+            if not self.ctx.is_last_stage:
+                return state
+            hidden = finish(state, self.output_site, self.final_norm, cfg.rms_norm_eps, self.backend)  # [T, hidden]
+            return self.lm_head(hidden[batch.logits_indices])  # [N, vocab]
 
-    def _residual_stack(self, h0: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        """Plain pre-norm residual: ``h += Attn(norm_in(h)); h += MLP(norm_post(h))``; then the final norm."""
-        eps, backend = self.cfg.rms_norm_eps, self.backend
-        residual = h0
-        x = ops.rms_norm(h0, self.layers[0].input_norm, eps, backend=backend)
-        for i, layer in enumerate(self.layers):
-            a = layer.attn.forward(x, batch, cache)
-            x, residual = ops.add_rms_norm(a, residual, layer.post_norm, eps, backend=backend)
-            m = layer.ffn.forward(x)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, residual = ops.add_rms_norm(m, residual, next_norm, eps, backend=backend)
-        return x
+    def hidden_states(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
+        """Final-normed hidden states of every new token, [T, hidden] (single-stage model)."""
+        with torch.inference_mode():
+            cfg = self.cfg
+            state = StackState.start(self.embed(batch.input_ids), cfg.num_hidden_layers, cfg.attn_res_block_size)
+            for layer in self.layers:
+                layer.bind_step(batch, cache)
+            state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend)
+            return finish(state, self.output_site, self.final_norm, cfg.rms_norm_eps, self.backend)
 
-    @staticmethod
-    def _attn_fn(layer: DecoderLayer, batch: ForwardBatch,
-                 cache: HybridCacheView) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda x: layer.attn.forward(x, batch, cache)
+    def state_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        """Shapes of the tensors a stage boundary carries for a step of ``num_tokens`` tokens."""
+        hid = self.cfg.hidden_size
+        if self.cfg.uses_attn_res:
+            blocks = math.ceil(self.cfg.num_hidden_layers / self.cfg.attn_res_block_size)
+            return [(num_tokens, hid), (num_tokens, hid), (blocks, num_tokens, hid)]
+        return [(num_tokens, hid), (num_tokens, hid)]

@@ -1,117 +1,116 @@
-"""The Kimi Delta Attention layer (K3_SPEC section 2) over the hybrid cache.
+"""The Kimi Delta Attention layer (K3_SPEC section 2) over the hybrid cache, split by head under tensor parallelism.
 
-One fused input GEMM gives ``q | k | v | f_a | b | gate_in`` (gate_in: the full-rank output gate of K3, or the
-rank-D ``g_a`` projection of Kimi Linear); the short conv, decay gate, chunked/recurrent delta rule and the gated
-RMSNorm run through :mod:`rocm_k3.ops`. Recurrent state fp32 ``[S, H, K, V]`` and conv state ``[S, 3*H*D, W-1]``
-live in the cache and are updated in place at the batch's KDA slots.
+One merged input GEMM gives ``q | k | v | f_a | b | gate_in`` (gate_in: the full-rank output gate of K3, or the
+rank-D ``g_a`` projection of Kimi Linear). Under TP each rank owns ``H / tp`` heads: the q/k/v/b/gate rows, conv
+channels, ``A_log``, ``dt_bias`` and ``f_b`` / ``g_b`` rows of its heads; ``f_a`` (and Kimi Linear's ``g_a``) is
+replicated; ``o_proj`` is row-parallel and all-reduces (the layer's one collective). The short conv, decay
+gate, chunked/recurrent delta rule and the gated RMSNorm run through the ops with the local head count; the
+recurrent state fp32 ``[S, H/tp, K, V]`` and conv state ``[S, 3*(H/tp)*D, W-1]`` live in the cache.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from rocm_k3 import ops
+from rocm_k3.distributed.context import ParallelContext
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, Shard
+from rocm_k3.model.layers.weights import Read, Target, WeightTargets, column, new_param
 from rocm_k3.ops.kda import KDAGateParams
 
 
-@dataclasses.dataclass
-class KDAWeights:
-    """Load-time fused weights of one KDA layer (H heads of dim D, rank-D low-rank gates).
+class KDALayer(WeightTargets):
+    """``forward(x [T, hidden], batch, cache) -> [T, hidden]``: the KDA sublayer of one decoder layer.
 
-    in_proj   [3HD + D + H + G, hidden]  rows q | k | v | f_a | b | gate_in (G = HD full rank, else D)
-    conv      [3HD, W]                   depthwise conv taps of q | k | v
-    f_b       [HD, D]                    decay-gate up-projection
-    g_b       [HD, D] or None            low-rank output-gate up-projection (Kimi Linear)
-    A_log     fp32 [H];  dt_bias fp32 [HD];  o_norm [D];  o_proj [hidden, HD]
+    prefix: the checkpoint prefix of the layer's ``self_attn.`` tensors; cache_index: the layer's index among
+    this stage's KDA layers (its slot pools in the cache).
     """
 
-    in_proj: torch.Tensor
-    conv: torch.Tensor
-    f_b: torch.Tensor
-    g_b: torch.Tensor | None
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    o_norm: torch.Tensor
-    o_proj: torch.Tensor
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, table, prefix: str, cache_index: int, *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.table = cfg, ctx, table
+        self.cache_index = cache_index
+        h, d, w, hid = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size, cfg.hidden_size
+        self.prefix = prefix
+        _, self.heads = ctx.shard(h, f"{prefix} KDA heads")
+        hl = self.heads
+        full = cfg.kda.full_rank_gate
+        gate = Shard(prefix + "g_proj.weight", h * d) if full else Shard(prefix + "g_a_proj.weight", d, split=False)
+        self.in_proj = MergedColumnParallelLinear(hid, [
+            Shard(prefix + "q_proj.weight", h * d), Shard(prefix + "k_proj.weight", h * d),
+            Shard(prefix + "v_proj.weight", h * d), Shard(prefix + "f_a_proj.weight", d, split=False),
+            Shard(prefix + "b_proj.weight", h), gate,
+        ], ctx, dtype=dtype, device=device)  # [3 HlD + D + Hl + G, hidden]
+        self.split = (3 * hl * d, d, hl, hl * d if full else d)  # qkv | f_a | b | gate_in (local widths)
+        self.f_b = ColumnParallelLinear(d, h * d, prefix + "f_b_proj.weight", ctx, dtype=dtype, device=device)
+        self.g_b = None if full else ColumnParallelLinear(d, h * d, prefix + "g_b_proj.weight", ctx, dtype=dtype,
+                                                          device=device)
+        self.conv = new_param((3 * hl * d, w), dtype, device)  # [3 Hl D, W] depthwise taps of q | k | v
+        self.A_log = new_param((hl,), torch.float32, device)  # [Hl]
+        self.dt_bias = new_param((hl * d,), torch.float32, device)  # [Hl D]
+        self.o_norm = new_param((d,), dtype, device)  # [D]
+        self.o_proj = RowParallelLinear(h * d, hid, prefix + "o_proj.weight", ctx, table, dtype=dtype, device=device)
 
-    @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor]) -> KDAWeights:
-        """``t`` maps names inside ``self_attn.`` (e.g. ``"q_proj.weight"``) to loaded tensors."""
-        gate_in = t["g_proj.weight"] if cfg.kda.full_rank_gate else t["g_a_proj.weight"]
-        in_proj = torch.cat([t["q_proj.weight"], t["k_proj.weight"], t["v_proj.weight"], t["f_a_proj.weight"],
-                             t["b_proj.weight"], gate_in], dim=0)
-        conv = torch.cat([t[f"{x}_conv1d.weight"] for x in "qkv"], dim=0).squeeze(1)  # [3HD, 1, W] -> [3HD, W]
-        return cls(
-            in_proj=in_proj.contiguous(),
-            conv=conv.contiguous(),
-            f_b=t["f_b_proj.weight"],
-            g_b=None if cfg.kda.full_rank_gate else t["g_b_proj.weight"],
-            A_log=t["A_log"].reshape(-1)[:cfg.kda.num_heads].float(),  # [1, 1, H, 1], [H] or padded [D] -> [H]
-            dt_bias=t["dt_bias"].reshape(-1).float(),
-            o_norm=t["o_norm.weight"],
-            o_proj=t["o_proj.weight"],
-        )
+    def own_targets(self) -> dict[str, Target]:
+        p, d, hl, r = self.prefix, self.cfg.kda.head_dim, self.heads, self.ctx.tp_rank
+        h = self.cfg.kda.num_heads
+        out = {p + f"{x}_conv1d.weight": Target(self.conv[i * hl * d : (i + 1) * hl * d],
+                                                column(r, hl * d, _squeeze_conv))
+               for i, x in enumerate("qkv")}  # [H D, 1, W] -> this rank's rows [Hl D, W]
 
+        def a_log(t: torch.Tensor) -> torch.Tensor:  # [1, 1, H, 1], [H] or K3's zero-padded [D] -> [Hl]
+            return t.reshape(-1)[:h][r * hl : (r + 1) * hl]
 
-class KDALayer:
-    """``forward(x [T, hidden]) -> [T, hidden]``: the KDA sublayer of one decoder layer (before the residual)."""
-
-    def __init__(self, cfg: ModelConfig, weights: KDAWeights, kda_index: int, backend: str | None) -> None:
-        self.cfg = cfg
-        self.w = weights
-        self.kda_index = kda_index  # index among KDA layers: the cache's kda layer index
-        self.backend = backend
-        h, d = cfg.kda.num_heads, cfg.kda.head_dim
-        gate_width = h * d if cfg.kda.full_rank_gate else d
-        self.split = (3 * h * d, d, h, gate_width)  # qkv | f_a | b | gate_in
+        out[p + "A_log"] = Target(self.A_log, Read(transform=a_log))
+        out[p + "dt_bias"] = Target(self.dt_bias, column(r, hl * d))
+        out[p + "o_norm.weight"] = Target(self.o_norm)
+        return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
         with record_function("kda"):
             return self._forward(x, batch, cache)
 
     def _forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        cfg, w = self.cfg, self.w
-        h, d = cfg.kda.num_heads, cfg.kda.head_dim
-        qkv, f_low, b, gate_in = F.linear(x, w.in_proj).split(self.split, dim=-1)
-        f = F.linear(f_low, w.f_b)  # [T, HD] raw decay-gate input
-        gate = gate_in if w.g_b is None else F.linear(gate_in, w.g_b)  # [T, HD] output-gate logits
-        state = cache.kda_state(self.kda_index)  # fp32 [S, H, D, D]
-        conv_state = cache.conv_state(self.kda_index)  # [S, 3HD, W-1]
+        cfg, table = self.cfg, self.table
+        h, d = self.heads, cfg.kda.head_dim
+        qkv, f_low, b, gate_in = self.in_proj(x).split(self.split, dim=-1)
+        f = self.f_b(f_low)  # [T, Hl D] raw decay-gate input
+        gate = gate_in if self.g_b is None else self.g_b(gate_in)  # [T, Hl D] output-gate logits
+        state = cache.kda_state(self.cache_index)  # fp32 [S, Hl, D, D]
+        conv_state = cache.conv_state(self.cache_index)  # [S, 3 Hl D, W-1]
         if batch.is_decode:
             y = ops.kda_decode(
-                qkv.contiguous(), f, b.contiguous(), gate.contiguous(), w.conv, conv_state, w.A_log, w.dt_bias,
-                w.o_norm, state, batch.kda_slots, num_heads=h, lower_bound=cfg.kda.gate_lower_bound,
-                eps=cfg.rms_norm_eps, backend=self.backend,
-            )  # [N, HD]
+                qkv.contiguous(), f, b.contiguous(), gate.contiguous(), self.conv, conv_state, self.A_log,
+                self.dt_bias, self.o_norm, state, batch.kda_slots, num_heads=h, lower_bound=cfg.kda.gate_lower_bound,
+                eps=cfg.rms_norm_eps, backend=table,
+            )  # [N, Hl D]
             if batch.save_positions is not None:
                 self._save_after_decode(batch, state, conv_state)
-            return F.linear(y, w.o_proj)
+            return self.o_proj(y)
 
         conv_saves = self._conv_snapshots(qkv, batch, conv_state) if batch.save_positions is not None else None
         mixed = ops.short_conv(
-            qkv.contiguous(), w.conv, batch.cu_seqlens, conv_state=conv_state, state_indices=batch.kda_slots,
-            has_initial_state=batch.has_initial_state, activation="silu", backend=self.backend,
-        )  # [T, 3HD]
+            qkv.contiguous(), self.conv, batch.cu_seqlens, conv_state=conv_state, state_indices=batch.kda_slots,
+            has_initial_state=batch.has_initial_state, activation="silu", backend=table,
+        )  # [T, 3 Hl D]
         t = x.shape[0]
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
         out = ops.kda_prefill(
             q, k, v, f.reshape(t, h, d), b.contiguous(), batch.cu_seqlens, state, batch.kda_slots,
-            batch.has_initial_state, gate_params=KDAGateParams(w.A_log, w.dt_bias, cfg.kda.gate_lower_bound),
-            qk_l2norm=True, beta_logits=True, intermediate_positions=batch.save_positions, backend=self.backend,
+            batch.has_initial_state, gate_params=KDAGateParams(self.A_log, self.dt_bias, cfg.kda.gate_lower_bound),
+            qk_l2norm=True, beta_logits=True, intermediate_positions=batch.save_positions, backend=table,
         )
         if batch.save_positions is not None:
             slots = batch.save_slots.long()
             state[slots] = out.intermediate_states
             conv_state[slots] = conv_saves
-        y = ops.gated_rms_norm(out.o, gate.reshape(t, h, d), w.o_norm, cfg.rms_norm_eps, backend=self.backend)
-        return F.linear(y.reshape(t, h * d), w.o_proj)
+        y = ops.gated_rms_norm(out.o, gate.reshape(t, h, d), self.o_norm, cfg.rms_norm_eps, backend=table)
+        return self.o_proj(y.reshape(t, h * d))
 
     @staticmethod
     def _conv_snapshots(qkv: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
@@ -142,3 +141,7 @@ class KDALayer:
         dst = batch.save_slots.long()
         state[dst] = state[src]
         conv_state[dst] = conv_state[src]
+
+
+def _squeeze_conv(t: torch.Tensor) -> torch.Tensor:
+    return t.squeeze(1)  # [rows, 1, W] -> [rows, W]

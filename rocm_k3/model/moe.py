@@ -1,27 +1,45 @@
-"""Feed-forward blocks (K3_SPEC section 4): the dense MLP of the first layers and the MoE block.
+"""Feed-forward blocks (K3_SPEC section 4): the dense MLP of the first layers and the MoE block, shardable.
 
 MoE: ``s = sigmoid(x W_gate^T)`` (fp32), top-k of ``s + bias`` (noaux_tc), weights renormalised and scaled;
 routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose result is RMS-normalised and
 ``up_proj``-ed back to the hidden size; shared experts (one MLP of width ``moe_intermediate * n_shared``) run on
 ``x`` and are added. Activation everywhere: SiTU-and-mul (K3) or SiLU-and-mul (Kimi Linear).
+
+Tensor parallelism (PARALLEL_SPEC 1.1-1.2): router, bias and the latent down-projection are replicated; every
+routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2), or, with expert
+parallelism, whole experts are split over the TP ranks (``E / tp`` each; picks of other ranks' experts get weight
+0 on this rank). Either way each rank's expert output is a partial sum. LatentMoE then all-reduces the
+``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
+``up_proj(norm(r))`` into its unreduced shared-expert output before one ``[T, hidden]`` all-reduce: two
+collectives per MoE layer. Without a latent (Kimi Linear) routed and shared partials are summed by one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from rocm_k3 import ops
+from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Shard,
+    all_reduce,
+)
+from rocm_k3.model.layers.weights import Read, Target, WeightTargets, new_param
 from rocm_k3.ops.devices import device_info
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.quant import fp8_dtype_for_arch
 
 ACT_QUANT_MODES = ("bf16", "mxfp8")
+MXFP4_GROUP = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,116 +71,166 @@ def activation_for(cfg: ModelConfig) -> MoEActivation:
     return MoEActivation("silu")
 
 
-class DenseMLP:
-    """``down(act(gate(x)) * up(x))`` with gate|up fused: ``gate_up [2I, hidden]``, ``down [hidden, I]``."""
+def act_and_mul(h: torch.Tensor, activation: MoEActivation, table) -> torch.Tensor:
+    if activation.kind == "situ":
+        return ops.situ_and_mul(h, activation.beta, activation.linear_beta, backend=table)
+    return ops.silu_and_mul(h, backend=table)
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation: MoEActivation,
-                 backend: str | None) -> None:
-        self.gate_up = gate_up
-        self.down = down
-        self.activation = activation
-        self.backend = backend
 
-    @classmethod
-    def from_checkpoint(cls, t: Mapping[str, torch.Tensor], activation: MoEActivation,
-                        backend: str | None) -> DenseMLP:
-        """``t`` maps ``gate_proj.weight`` / ``up_proj.weight`` / ``down_proj.weight`` to tensors."""
-        gate_up = torch.cat([t["gate_proj.weight"], t["up_proj.weight"]], dim=0).contiguous()
-        return cls(gate_up, t["down_proj.weight"], activation, backend)
+class DenseMLP(WeightTargets):
+    """``down(act(gate(x)) * up(x))``: gate|up merged and column-split, down row-parallel (all-reduced unless
+    ``reduce`` is False: the MoE block sums shared experts with its own reduction)."""
+
+    def __init__(self, hidden: int, inter: int, prefix: str, activation: MoEActivation, ctx: ParallelContext, table,
+                 *, dtype: torch.dtype, device: torch.device, reduce: bool = True) -> None:
+        super().__init__()
+        self.activation, self.table = activation, table
+        self.gate_up = MergedColumnParallelLinear(hidden, [Shard(prefix + "gate_proj.weight", inter),
+                                                           Shard(prefix + "up_proj.weight", inter)],
+                                                  ctx, dtype=dtype, device=device)  # [2 I/tp, hidden]
+        self.down = RowParallelLinear(inter, hidden, prefix + "down_proj.weight", ctx, table, dtype=dtype,
+                                      device=device, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with record_function("mlp"):
-            return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.gate_up)  # [T, 2I]
-        if self.activation.kind == "situ":
-            a = ops.situ_and_mul(h, self.activation.beta, self.activation.linear_beta, backend=self.backend)
-        else:
-            a = ops.silu_and_mul(h, backend=self.backend)
-        return F.linear(a, self.down)  # [T, hidden]
+            return self.down(act_and_mul(self.gate_up(x), self.activation, self.table))  # [T, hidden]
 
 
-class MoEBlock:
-    """Router + routed experts (optionally LatentMoE) + shared experts; ``forward(x [T, hidden]) -> [T, hidden]``.
+class RoutedExperts(WeightTargets):
+    """This rank's routed experts, stacked as the ops want them (checkpoint layout, then re-laid once by the
+    serving backend's ``prepare_weights`` after loading: the checkpoint copy is not kept).
 
-    router fp32 [E, hidden]; bias fp32 [E]; experts: ExpertWeights over the expert width (latent or hidden);
-    latent_down [latent, hidden], latent_up [hidden, latent], latent_norm [latent] or None.
+    Without EP: all E experts, intermediate rows ``[r N/tp, (r+1) N/tp)``; with EP: experts ``[r E/tp, ...)``, whole.
     """
 
-    def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
-                 shared: DenseMLP | None, latent_down: torch.Tensor | None, latent_up: torch.Tensor | None,
-                 latent_norm: torch.Tensor | None, backend: str | None, act_quant: ActQuant = ActQuant()) -> None:
-        self.cfg = cfg
-        self.router = router
-        self.bias = bias
-        self.experts = experts
-        self.shared = shared
-        self.latent_down = latent_down
-        self.latent_up = latent_up
-        self.latent_norm = latent_norm
-        self.activation = activation_for(cfg)
-        self.backend = backend
-        self.act_quant = act_quant
-
-    @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, t: Mapping[str, torch.Tensor], backend: str | None,
-                        act_quant: ActQuant = ActQuant()) -> MoEBlock:
-        """``t`` maps names inside ``block_sparse_moe.`` to tensors; per-expert tensors are stacked here."""
-        e = cfg.num_experts
-        if cfg.expert_format == "mxfp4":
-            def stack(w: str, kind: str) -> torch.Tensor:
-                return torch.stack([t[f"experts.{i}.{w}.{kind}"] for i in range(e)])  # [E, out, in/2 or in/32]
-
-            experts = ExpertWeights(
-                fmt="mxfp4",
-                w13=torch.cat([stack("w1", "weight_packed"), stack("w3", "weight_packed")], dim=1),  # [E, 2N, K/2]
-                w13_scale=torch.cat([stack("w1", "weight_scale"), stack("w3", "weight_scale")], dim=1),
-                w2=stack("w2", "weight_packed"),  # [E, Kout, N/2]
-                w2_scale=stack("w2", "weight_scale"),
-            )
+    def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.table, self.prefix = cfg, ctx, table, prefix
+        e, n, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_hidden_size
+        if ctx.ep_enabled:
+            self.first, self.count = ctx.shard(e, f"{prefix} num_experts (expert parallelism)")
+            self.n_local, self.n_start = n, 0
         else:
-            def stack_dense(w: str) -> torch.Tensor:
-                return torch.stack([t[f"experts.{i}.{w}.weight"] for i in range(e)])  # [E, out, in]
+            self.first, self.count = 0, e
+            self.n_start, self.n_local = ctx.shard(n, f"{prefix} moe_intermediate_size")
+        self.fmt = cfg.expert_format
+        if self.fmt == "mxfp4" and self.n_local % MXFP4_GROUP:
+            raise LayoutError(f"{prefix}: the per-rank expert intermediate size {self.n_local} must be a multiple "
+                              f"of the MXFP4 group {MXFP4_GROUP} (moe_intermediate_size {n} / tp {ctx.tp_size})")
+        nl, el = self.n_local, self.count
+        if self.fmt == "mxfp4":
+            u8 = torch.uint8
+            self.w13 = new_param((el, 2 * nl, k // 2), u8, device)  # [E_l, 2 N_l, K/2] gate rows then up rows
+            self.w13_scale = new_param((el, 2 * nl, k // 32), u8, device)  # [E_l, 2 N_l, K/32]
+            self.w2 = new_param((el, k, nl // 2), u8, device)  # [E_l, Kout, N_l/2]
+            self.w2_scale = new_param((el, k, nl // 32), u8, device)  # [E_l, Kout, N_l/32]
+        else:
+            self.w13 = new_param((el, 2 * nl, k), dtype, device)  # [E_l, 2 N_l, K]
+            self.w13_scale = self.w2_scale = None
+            self.w2 = new_param((el, k, nl), dtype, device)  # [E_l, Kout, N_l]
+        self.weights: ExpertWeights | None = None
 
-            experts = ExpertWeights(
-                fmt="bf16", w13=torch.cat([stack_dense("w1"), stack_dense("w3")], dim=1),  # [E, 2N, K]
-                w13_scale=None, w2=stack_dense("w2"), w2_scale=None,
-            )
-        experts = ops.prepare_expert_weights(experts, backend=backend)  # backend layout, once at load
-        shared = None
+    def own_targets(self) -> dict[str, Target]:
+        out: dict[str, Target] = {}
+        nl, n0 = self.n_local, self.n_start
+        for j in range(self.count):
+            x = f"{self.prefix}experts.{self.first + j}."
+            if self.fmt == "mxfp4":
+                for w, rows in (("w1", slice(0, nl)), ("w3", slice(nl, 2 * nl))):
+                    out[x + f"{w}.weight_packed"] = Target(self.w13[j, rows], Read(0, n0, nl))
+                    out[x + f"{w}.weight_scale"] = Target(self.w13_scale[j, rows], Read(0, n0, nl))
+                out[x + "w2.weight_packed"] = Target(self.w2[j], Read(1, n0 // 2, nl // 2))
+                out[x + "w2.weight_scale"] = Target(self.w2_scale[j], Read(1, n0 // 32, nl // 32))
+            else:
+                out[x + "w1.weight"] = Target(self.w13[j, :nl], Read(0, n0, nl))
+                out[x + "w3.weight"] = Target(self.w13[j, nl:], Read(0, n0, nl))
+                out[x + "w2.weight"] = Target(self.w2[j], Read(1, n0, nl))
+        return out
+
+    def finish_load(self) -> None:
+        def data(p):
+            return None if p is None else p.data
+
+        raw = ExpertWeights(fmt=self.fmt, w13=data(self.w13), w13_scale=data(self.w13_scale), w2=data(self.w2),
+                            w2_scale=data(self.w2_scale))
+        self.weights = ops.prepare_expert_weights(raw, backend=self.table)  # backend layout, once
+        if self.weights.layout != "checkpoint":  # re-laid: the backend's tensors are the only copy kept
+            for name in ("w13", "w13_scale", "w2", "w2_scale"):
+                setattr(self, name, None)
+
+    def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed (weights, ids) for this rank's experts: with EP, ids become local and other ranks' picks get
+        weight 0 (on local expert 0, contributing exactly nothing)."""
+        if not self.ctx.ep_enabled or self.ctx.tp_size == 1:
+            return weights, ids
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.count)  # [T, k]
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+
+
+class MoEBlock(WeightTargets):
+    """Router + routed experts (optionally LatentMoE) + shared experts; ``forward(x [T, hidden]) -> [T, hidden]``."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, act_quant: ActQuant, *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.table, self.act_quant = cfg, ctx, table, act_quant
+        self.activation = activation_for(cfg)
+        hid, e = cfg.hidden_size, cfg.num_experts
+        self.router = ReplicatedLinear(hid, e, prefix + "gate.weight", dtype=torch.float32, device=device)
+        self.bias = new_param((e,), torch.float32, device)  # [E]
+        self.prefix = prefix
+        self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device)
+        self.shared = None
         if cfg.num_shared_experts:
-            shared = DenseMLP.from_checkpoint(
-                {k[len("shared_experts."):]: v for k, v in t.items() if k.startswith("shared_experts.")},
-                activation_for(cfg), backend,
-            )
-        latent = cfg.routed_expert_hidden_size is not None
-        return cls(
-            cfg, t["gate.weight"].float(), t["gate.e_score_correction_bias"].float(), experts, shared,
-            t["routed_expert_down_proj.weight"] if latent else None,
-            t["routed_expert_up_proj.weight"] if latent else None,
-            t["routed_expert_norm.weight"] if latent and cfg.latent_moe_use_norm else None,
-            backend, act_quant,
-        )
+            self.shared = DenseMLP(hid, cfg.moe_intermediate_size * cfg.num_shared_experts, prefix + "shared_experts.",
+                                   self.activation, ctx, table, dtype=dtype, device=device, reduce=False)
+        self.latent = cfg.routed_expert_hidden_size is not None
+        self.latent_down = self.latent_up = None
+        self.latent_norm = None
+        if self.latent:
+            lat = cfg.routed_expert_hidden_size
+            self.latent_down = ReplicatedLinear(hid, lat, prefix + "routed_expert_down_proj.weight", dtype=dtype,
+                                                device=device)
+            # the up-projection's output columns are split: each rank writes its hidden/tp slice (see module doc)
+            self.latent_up = ColumnParallelLinear(lat, hid, prefix + "routed_expert_up_proj.weight", ctx,
+                                                  dtype=dtype, device=device)
+            if cfg.latent_moe_use_norm:
+                self.latent_norm = new_param((lat,), dtype, device)  # [latent]
+
+    def own_targets(self) -> dict[str, Target]:
+        out = {self.prefix + "gate.e_score_correction_bias": Target(self.bias)}
+        if self.latent_norm is not None:
+            out[self.prefix + "routed_expert_norm.weight"] = Target(self.latent_norm)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with record_function("moe"):
             return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        logits = F.linear(x.float(), self.router)  # fp32 [T, E]
+        cfg, ctx, table = self.cfg, self.ctx, self.table
+        logits = self.router(x.float())  # fp32 [T, E]
         routed = ops.route(logits, cfg.num_experts_per_token, correction_bias=self.bias,
-                           renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor,
-                           backend=self.backend)
-        z = x if self.latent_down is None else F.linear(x, self.latent_down)  # [T, expert width]
-        r = ops.fused_moe(z, self.experts, routed.weights, routed.ids, activation=self.activation,
+                           renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor, backend=table)
+        weights, ids = self.experts.local_routes(routed.weights, routed.ids)
+        z = x if self.latent_down is None else self.latent_down(x)  # [T, expert width]
+        r = ops.fused_moe(z, self.experts.weights, weights, ids, activation=self.activation,
                           act_quant=self.act_quant.mode, fp8_dtype=self.act_quant.fp8_dtype,
-                          backend=self.backend)  # [T, expert width]
-        if self.latent_up is not None:
-            if self.latent_norm is not None:
-                r = ops.rms_norm(r, self.latent_norm, cfg.rms_norm_eps, backend=self.backend)
-            r = F.linear(r, self.latent_up)  # [T, hidden]
-        if self.shared is not None:
-            r = r + self.shared.forward(x)
-        return r
+                          backend=table)  # [T, expert width]; a partial sum under TP / EP
+        shared = self.shared(x) if self.shared is not None else None  # [T, hidden]; partial under TP
+        if not self.latent:
+            y = r if shared is None else r + shared
+            return all_reduce(y, ctx, table, "moe_all_reduce")
+        r = all_reduce(r, ctx, table, "moe_latent_all_reduce")  # the norm needs the full latent sum
+        if self.latent_norm is not None:
+            r = ops.rms_norm(r, self.latent_norm, cfg.rms_norm_eps, backend=table)
+        up = self.latent_up(r)  # [T, hidden / tp]: this rank's columns
+        if ctx.tp_size == 1:
+            return up if shared is None else up + shared
+        out = shared if shared is not None else torch.zeros_like(x)
+        start = ctx.tp_rank * up.shape[1]
+        out = out.clone()
+        out[:, start : start + up.shape[1]] += up
+        return all_reduce(out, ctx, table, "moe_all_reduce")

@@ -22,6 +22,7 @@ _EXPORTS = {
     "kda_decode": "kda", "gated_rms_norm": "kda", "KDAPrefillOutput": "kda", "KDAGateParams": "kda",
     "attn_res_mix": "attn_res", "attn_res_step": "attn_res",
     "mla_write_cache": "mla", "mla_prefill": "mla", "mla_decode": "mla",
+    "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm", "all_to_all": "comm",
     "varlen_attention": "vision_attention",
 }
 

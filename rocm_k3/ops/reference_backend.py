@@ -18,6 +18,7 @@ FAMILY_MODULES = (
     "rocm_k3.ops.attn_res",
     "rocm_k3.ops.mla",
     "rocm_k3.ops.vision_attention",
+    "rocm_k3.ops.comm",
 )
 
 

@@ -220,7 +220,7 @@ def bind(device: torch.device | str, backend: str | None = None) -> OpTable:
     with its reason; in auto mode the device's priority order keeps the backends that load and have the op."""
     import rocm_k3.ops as ops_pkg  # every family module declares its ops on import
 
-    for family in ("quant", "norm", "moe", "kda", "attn_res", "mla"):
+    for family in ("quant", "norm", "moe", "kda", "attn_res", "mla", "vision_attention", "comm"):
         importlib.import_module(f"{ops_pkg.__name__}.{family}")
     requested = backend if backend is not None else get_settings().backend
     if requested not in BACKEND_CHOICES:

@@ -48,6 +48,13 @@ class CacheGeometry:
             cfg.kv_lora_rank + cfg.qk_rope_head_dim,
         )
 
+    @classmethod
+    def from_model(cls, model, dtype: torch.dtype) -> CacheGeometry:
+        """The pools of one rank: its stage's layers and its share of the KDA heads."""
+        cfg = model.cfg
+        return cls(model.num_mla_layers, model.num_kda_layers, cfg.kda.num_heads // model.ctx.tp_size,
+                   cfg.kda.head_dim, cfg.kda.conv_kernel_size, dtype, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
     @property
     def conv_channels(self) -> int:
         return 3 * self.kda_heads * self.kda_head_dim  # q | k | v

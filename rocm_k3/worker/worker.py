@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.model.loader import load_model
+from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
@@ -51,11 +53,21 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
     block_size: int = 128
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
-        check_device(self.device)
+        if not isinstance(self.parallel, ParallelConfig):
+            raise TypeError(f"parallel: expected ParallelConfig, got {type(self.parallel).__name__}")
+        if self.parallel.is_single:
+            check_device(self.device)
+
+    def for_rank(self, rank: int) -> WorkerConfig:
+        """This config on global ``rank``: GPU ranks use their node-local GPU."""
+        if self.device.type != "cuda":
+            return self
+        return dataclasses.replace(self, device=torch.device("cuda", rank % self.parallel.gpus_per_node))
 
 
 def check_device(device: torch.device) -> None:
@@ -89,19 +101,21 @@ class WorkerInfo:
 class Worker:
     """See the module docstring."""
 
-    def __init__(self, config: WorkerConfig, model=None) -> None:
+    def __init__(self, config: WorkerConfig, model=None, ctx: ParallelContext | None = None) -> None:
         self.config = config
         self.device = config.device
+        self.ctx = ParallelContext.single() if ctx is None else ctx
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if model is None:
             model = load_model(config.model_path, dtype=config.dtype, device=self.device, backend=config.backend,
-                               progress=config.progress, moe_act_quant=config.moe_act_quant)
+                               progress=config.progress, moe_act_quant=config.moe_act_quant, ctx=self.ctx)
         elif model.device != self.device or model.dtype != config.dtype:
             raise ValueError(f"model: loaded on {model.device} as {model.dtype}, the worker serves {self.device} "
                              f"as {config.dtype}")
         self.model = model
-        self.geometry = CacheGeometry.from_model_config(self.model.cfg, config.dtype)
+        self.geometry = CacheGeometry.from_model(self.model, config.dtype)
+        self.stage = StageLink(self.model, self.ctx)
         self.runner: ModelRunner | None = None
         self._requests: dict[str, tuple[SamplingParams, torch.Generator]] = {}
 
@@ -160,7 +174,7 @@ class Worker:
         bs = self.config.block_size
         blocks = math.ceil(tokens / bs)
         pools = KVPools(self.geometry, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
-        runner = ModelRunner(self.model, pools, blocks)
+        runner = ModelRunner(self.stage, pools, blocks)
         chunk = ScheduledChunk(request_id="profile", token_ids=(0,) * tokens, start=0, admitted=True,
                                block_ids=tuple(range(blocks)), kda_slot=0, is_prefill=True, sample=True)
         runner.execute(StepInput(step_id=0, chunks=(chunk,)))
@@ -180,13 +194,15 @@ class Worker:
             torch.cuda.empty_cache()
         pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
         width = math.ceil(max_model_len / bs) + 1
-        self.runner = ModelRunner(self.model, pools, width)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        self.runner = ModelRunner(self.stage, pools, width)
+        if self.ctx.pp_size > 1 and not self.config.enforce_eager:
+            log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
+        elif self.device.type == "cuda" and not self.config.enforce_eager:
             safe, why = self._graph_safe()
             if not safe:
                 log.warning("decode graphs off: %s", why)
                 return
-            graphs = DecodeGraphs(self.model, pools, width, graph_buckets(self.config.max_num_seqs))
+            graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs))
             graphs.capture()
             self.runner.graphs = graphs
 
@@ -210,9 +226,9 @@ class Worker:
             self._register(req)
         if not step.chunks:
             return StepOutput(step.step_id)
-        logits = self.runner.execute(step)  # [S, vocab] fp32
+        logits = self.runner.execute(step)  # [S, vocab] fp32 on the last stage (None on the others)
         chunks = sampling_chunks(step)
-        if not chunks:
+        if not chunks or not self.ctx.is_sampling_rank:
             return StepOutput(step.step_id)
         states = [self._requests[c.request_id] for c in chunks]
         out = sample(logits, [p for p, _ in states], [g for _, g in states])

@@ -1,0 +1,138 @@
+"""ParallelContext: where one rank sits in the tensor / expert / pipeline layout, and its process groups.
+
+Ranks are laid out node-major: global rank = node_rank * gpus_per_node + local_rank. Tensor-parallel groups are
+``tp_size`` consecutive ranks (inside a node); pipeline stage ``s`` holds the TP groups ``s`` of every stage
+position, i.e. ``world = pp_size * tp_size`` and rank ``r`` has ``tp_rank = r % tp_size``, ``pp_rank = r //
+tp_size``. With expert parallelism the routed experts are split whole over the TP group of a stage (EP over
+TP x DP ranks; rocm-k3 runs DP = 1, so EP = TP), everything else keeps its TP sharding.
+
+The context is passed into every layer, never read from a global. :meth:`ParallelContext.single` is the
+one-process layout and needs no process group (every collective is then the identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work (sizes that do not divide, more ranks than GPUs, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The requested layout (validated). ``nnodes`` nodes of ``gpus_per_node`` ranks each run
+    ``tensor_parallel_size x pipeline_parallel_size`` ranks in all."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29517
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{name}: expected a positive int, got {v!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise LayoutError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise LayoutError(f"node_rank: expected an int in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise LayoutError(f"master_port: expected a port number, got {self.master_port!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise LayoutError(f"master_addr: expected a host name or address, got {self.master_addr!r}")
+        if not self.timeout_s > 0:
+            raise LayoutError(f"timeout_s: expected > 0, got {self.timeout_s!r}")
+        if self.world_size % self.nnodes:
+            raise LayoutError(f"world size tp x pp = {self.world_size} is not a multiple of nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.gpus_per_node % self.tensor_parallel_size and \
+                self.tensor_parallel_size % self.gpus_per_node:
+            raise LayoutError(f"tensor_parallel_size={self.tensor_parallel_size} neither fits in nor spans whole "
+                              f"nodes of {self.gpus_per_node} ranks")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    def node_ranks(self) -> range:
+        """Global ranks of this node's processes."""
+        start = self.node_rank * self.gpus_per_node
+        return range(start, start + self.gpus_per_node)
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """One rank's view of the layout plus its groups (None in the single-process context).
+
+    tp_group / pp_group / world_group: device groups (NCCL on GPUs, gloo on the CPU); *_cpu_group: gloo twins
+    for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_enabled: bool = False
+    tp_group: Any = None
+    tp_cpu_group: Any = None
+    pp_group: Any = None
+    world_cpu_group: Any = None
+    pp_ranks: tuple[int, ...] = (0,)
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def single(cls) -> ParallelContext:
+        return cls()
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size if self.ep_enabled else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank if self.ep_enabled else 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_sampling_rank(self) -> bool:
+        """TP rank 0 of the last pipeline stage samples and replies to the scheduler."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @property
+    def sampling_rank(self) -> int:
+        return (self.pp_size - 1) * self.tp_size
+
+    def count(self, name: str) -> None:
+        self.stats[name] = self.stats.get(name, 0) + 1
+
+    def shard(self, size: int, what: str, parts: int | None = None, index: int | None = None) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of ``size`` along a TP-split dim; LayoutError if uneven."""
+        parts = self.tp_size if parts is None else parts
+        index = self.tp_rank if index is None else index
+        if size % parts:
+            raise LayoutError(f"{what} = {size} is not divisible by the {parts} tensor-parallel ranks")
+        length = size // parts
+        return index * length, length

@@ -1,0 +1,228 @@
+"""The multi-process executor: one worker process per rank over torch.distributed (one per GPU, or per CPU rank).
+
+The driver (the engine core's process) spawns this node's ranks and talks to global rank 0 through a pipe. Each
+command (info, cache_budget, init_cache, execute, shutdown) is broadcast by rank 0 to every rank over the gloo
+world group, so all ranks run the same step in the same order and issue the same collectives; the sampling rank
+(TP rank 0 of the last stage) broadcasts its StepOutput back, and every rank reports ok / its error so that a
+failure anywhere is named. Nodes other than 0 run headless (:func:`run_headless`): their ranks join the same
+group over TCP (``--master-addr`` / ``--master-port``) and follow rank 0's broadcasts.
+
+No hang: the driver watches its ranks' processes while it waits; a rank that dies ends the whole group with
+:class:`WorkerDiedError` naming it, a rank that raises ends it with :class:`WorkerError` naming it, and a step that
+takes longer than ``timeout_s`` (a collective stuck on a lost remote rank) ends it with :class:`WorkerTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import time
+import traceback
+from typing import Any
+
+from rocm_k3.distributed.context import ParallelConfig
+from rocm_k3.worker.step_io import StepInput, StepOutput
+from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
+
+_POLL_S = 0.2
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message names the rank and carries its error."""
+
+
+class WorkerDiedError(WorkerError):
+    """A rank's process ended unexpectedly (killed, crashed)."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """No answer from the ranks within the timeout (e.g. a collective waiting on a lost rank)."""
+
+
+def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
+    """One rank: join the group, load this rank's shard, then follow rank 0's commands until shutdown."""
+    import torch.distributed as dist
+
+    from rocm_k3.distributed.groups import destroy_parallel, init_parallel, rank_env
+    from rocm_k3.worker.worker import Worker
+
+    par = config.parallel
+    try:
+        cfg = config.for_rank(rank)
+        ctx = init_parallel(par, rank_env(par, rank), cfg.device.type)
+        worker = Worker(cfg, ctx=ctx)
+    except BaseException as exc:  # report a failed start to the driver (rank 0) or just exit non-zero
+        if conn is not None:
+            conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
+        raise
+    group = ctx.world_cpu_group
+    status = _gather_status(dist, group, rank, None)
+    if conn is not None:
+        conn.send(("ready", status))
+    while True:
+        box = [conn.recv() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        name, args = box[0]
+        if name == "shutdown":
+            break
+        result, error = None, None
+        try:
+            result = _run(worker, name, args)
+        except BaseException as exc:
+            error = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        errors = _gather_status(dist, group, rank, error)
+        if not errors and name == "execute":
+            box = [result if ctx.is_sampling_rank else None]
+            dist.broadcast_object_list(box, src=ctx.sampling_rank, group=group)
+            result = box[0]
+        if not errors and name == "cache_budget" and result is not None:
+            result = _min_over_ranks(dist, group, result)
+        if rank == 0:
+            conn.send(("error", "; ".join(errors)) if errors else ("ok", result))
+    destroy_parallel()
+
+
+def _run(worker, name: str, args: tuple) -> Any:
+    if name == "info":
+        return worker.info()
+    if name == "cache_budget":
+        return worker.cache_budget()
+    if name == "init_cache":
+        return worker.init_cache(*args)
+    if name == "execute":
+        return worker.execute(*args)
+    raise ValueError(f"unknown worker command {name!r}")
+
+
+def _gather_status(dist, group, rank: int, error: str | None) -> list[str]:
+    """Every rank's error (or None), collected on all ranks; returns the errors."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, error, group=group)
+    return [e for e in everyone if e]
+
+
+def _min_over_ranks(dist, group, budget: tuple[int, int]) -> tuple[int, int]:
+    import torch
+
+    t = torch.tensor(budget, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t[0]), int(t[1])
+
+
+class MultiprocExecutor:
+    """See the module docstring. ``config.parallel`` gives the layout; this process is node 0's driver."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ValueError("MultiprocExecutor runs on node 0; nodes > 0 run rocm_k3.executor.multiproc.run_headless")
+        self.config = config
+        self.timeout_s = par.timeout_s
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._procs = []
+        for rank in par.node_ranks():
+            proc = ctx.Process(target=_rank_main, args=(rank, config, child if rank == 0 else None),
+                               name=f"rocm-k3-rank{rank}", daemon=True)
+            proc.start()
+            self._procs.append((rank, proc))
+        self._closed = False
+        self._wait("ready", startup=True)
+
+    # ---- the executor interface ----------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return self._call("info")
+
+    def cache_budget(self) -> tuple[int, int] | None:
+        return self._call("cache_budget")
+
+    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
+        self._call("init_cache", num_blocks, num_slots, max_model_len)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self._call("execute", step)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.is_alive() for _, p in self._procs):
+                self._conn.send(("shutdown", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        deadline = time.monotonic() + 10
+        for _, proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+        self._kill_all()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # ---- plumbing ------------------------------------------------------------------------------------------
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._closed:
+            raise WorkerError("the worker group has shut down (an earlier error ended it)")
+        self._conn.send((name, args))
+        return self._wait("ok")
+
+    def _wait(self, expected: str, startup: bool = False) -> Any:
+        """Wait for rank 0's reply while watching every local rank; on any failure end the whole group."""
+        deadline = time.monotonic() + (max(self.timeout_s, 600.0) if startup else self.timeout_s)
+        sentinels = {proc.sentinel: (rank, proc) for rank, proc in self._procs}
+        while True:
+            ready = mpc.wait([self._conn, *sentinels], timeout=_POLL_S)
+            if self._conn in ready:
+                try:
+                    kind, payload = self._conn.recv()
+                except EOFError:
+                    kind, payload = "died", None
+                if kind == expected:
+                    return payload
+                if kind == "error":
+                    self._fail(WorkerError(payload))
+            for sentinel in ready:
+                if sentinel in sentinels:
+                    rank, proc = sentinels[sentinel]
+                    proc.join(0.1)
+                    self._fail(WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"))
+            if time.monotonic() > deadline:
+                self._fail(WorkerTimeoutError(f"no answer from the ranks within {self.timeout_s:.0f} s"))
+
+    def _fail(self, error: WorkerError) -> None:
+        self._closed = True
+        self._kill_all()
+        raise error
+
+    def _kill_all(self) -> None:
+        for _, proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for _, proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def run_headless(config: WorkerConfig) -> int:
+    """Node ``node_rank > 0``: run this node's ranks until rank 0 shuts the group down; exit code 0 if all ranks
+    ended cleanly, else the first non-zero code (a lost group ends the ranks through their collectives)."""
+    par: ParallelConfig = config.parallel
+    if par.node_rank == 0:
+        raise ValueError("run_headless is for nodes > 0; node 0 runs the engine (MultiprocExecutor)")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(rank, config, None), name=f"rocm-k3-rank{rank}")
+             for rank in par.node_ranks()]
+    for proc in procs:
+        proc.start()
+    code = 0
+    for proc in procs:
+        proc.join()
+        if proc.exitcode and not code:
+            code = proc.exitcode
+    return code
+
