@@ -3,7 +3,9 @@
 Byte-level: token id = UTF-8 byte (0..255) plus a few specials, saved next to a checkpoint as
 ``rocm_k3_tokenizer.json``; decoding skips special and out-of-range ids and replaces invalid UTF-8 with U+FFFD,
 so any generated id sequence decodes. A released checkpoint's ``tokenizer.json`` is read with the optional
-``tokenizers`` package when it is installed. :func:`load_tokenizer` picks whichever the checkpoint has.
+``tokenizers`` package when it is installed. :func:`load_tokenizer` picks whichever the checkpoint has. Both
+files are read through :mod:`rocm_k3.model.checkpoint_io` (inside the checkpoint, regular files only); an
+unreadable one raises :class:`TokenizerError` naming it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,15 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from rocm_k3.model import checkpoint_io
+
 TOKENIZER_FILE = "rocm_k3_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
 NUM_BYTES = 256
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file of the checkpoint that cannot be read; the message names the file."""
 
 
 class Tokenizer(Protocol):
@@ -59,13 +67,25 @@ class ByteTokenizer:
     @classmethod
     def from_dir(cls, directory: str | Path) -> ByteTokenizer | None:
         """The tokenizer saved in ``directory``, or None when the checkpoint has none."""
-        file = Path(directory) / TOKENIZER_FILE
-        if not file.is_file():
+        file = checkpoint_io.member(Path(directory), TOKENIZER_FILE)
+        if not checkpoint_io.require_regular(file, TokenizerError):
             return None
-        data = json.loads(file.read_text())
+        data = checkpoint_io.read_json(file, TokenizerError)
+        if not isinstance(data, dict):
+            raise TokenizerError(f"{file}: expected a JSON object, got {type(data).__name__}")
         if data.pop("type", None) != "byte":
-            raise ValueError(f"{file}: expected a byte tokenizer ('type': 'byte')")
-        return cls(**data)
+            raise TokenizerError(f"{file}: expected a byte tokenizer ('type': 'byte')")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise TokenizerError(f"{file}: unknown keys {unknown}; expected some of {sorted(fields)}")
+        for key, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TokenizerError(f"{file}: {key}: expected an integer, got {value!r}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise TokenizerError(f"{file}: {exc}") from exc
 
 
 class HFTokenizer:
@@ -93,11 +113,15 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | None:
     byte = ByteTokenizer.from_dir(directory)
     if byte is not None:
         return byte
-    file = Path(directory) / HF_TOKENIZER_FILE
-    if not file.is_file():
+    file = checkpoint_io.member(Path(directory), HF_TOKENIZER_FILE)
+    if not checkpoint_io.require_regular(file, TokenizerError):
         return None
     try:
         tokenizers = importlib.import_module("tokenizers")
     except ImportError:
         return None
-    return HFTokenizer(tokenizers.Tokenizer.from_file(str(file)))
+    text = checkpoint_io.read_text(file, TokenizerError)
+    try:
+        return HFTokenizer(tokenizers.Tokenizer.from_str(text))
+    except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise TokenizerError(f"{file}: not a tokenizer.json the tokenizers package can read ({exc})") from exc
