@@ -49,7 +49,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     ({"stop": [b"END"]}, r"stop: expected non-empty strings, got \[b'END'\]"),
     ({"stop_token_ids": 7}, r"stop_token_ids: expected a list of ints or None, got 7 \(int\)"),
     ({"stop_token_ids": [1.0]}, r"stop_token_ids: expected non-negative ints, got \[1.0\]"),
-], ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None)
+], ids=lambda v: ",".join(f"{k}={val!r}" for k, val in v.items()) if isinstance(v, dict) else "")
 def test_bad_sampling_params_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
