@@ -14,7 +14,6 @@ import torch
 
 from rocm_k3.cache.manager import CopyPlan
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.forward_batch import MLA_LATENT_WIDTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +21,8 @@ class CacheGeometry:
     """Per-layer cache shapes of a model.
 
     num_mla_layers / num_kda_layers: layers of each kind; kda_heads (H), kda_head_dim (K = V), conv_width (W);
-    dtype: MLA latent and conv state dtype (the model's activation dtype); the KDA recurrent state is fp32.
+    dtype: MLA latent and conv state dtype (the model's activation dtype); the KDA recurrent state is fp32;
+    mla_latent_width: values cached per token per MLA layer, kv_lora_rank + qk_rope_head_dim (K3: 512 + 64).
     """
 
     num_mla_layers: int
@@ -31,6 +31,7 @@ class CacheGeometry:
     kda_head_dim: int
     conv_width: int
     dtype: torch.dtype
+    mla_latent_width: int
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> CacheGeometry:
@@ -41,6 +42,7 @@ class CacheGeometry:
             cfg.kda.head_dim,
             cfg.kda.conv_kernel_size,
             dtype,
+            cfg.mla_latent_width,
         )
 
     @property
@@ -48,9 +50,9 @@ class CacheGeometry:
         return 3 * self.kda_heads * self.kda_head_dim  # q | k | v
 
     def bytes_per_block(self, block_size: int) -> int:
-        """One page of every MLA layer: num_mla_layers * block_size * 576 * itemsize (at least 1)."""
+        """One page of every MLA layer: num_mla_layers * block_size * mla_latent_width * itemsize (at least 1)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return max(1, self.num_mla_layers * block_size * MLA_LATENT_WIDTH * itemsize)
+        return max(1, self.num_mla_layers * block_size * self.mla_latent_width * itemsize)
 
     def bytes_per_slot(self) -> int:
         """One slot of every KDA layer: fp32 [H, K, V] state + [3*H*K, W-1] conv state (at least 1)."""
@@ -82,9 +84,9 @@ class HybridCache:
         self.device = torch.device(device)
         g = geometry
         self._mla = [
-            torch.zeros(num_blocks, block_size, MLA_LATENT_WIDTH, dtype=g.dtype, device=self.device)
+            torch.zeros(num_blocks, block_size, g.mla_latent_width, dtype=g.dtype, device=self.device)
             for _ in range(g.num_mla_layers)
-        ]  # [num_blocks, block_size, 576] each
+        ]  # [num_blocks, block_size, kv_lora_rank + rope] each
         self._kda = [
             torch.zeros(num_slots, g.kda_heads, g.kda_head_dim, g.kda_head_dim, dtype=torch.float32, device=self.device)
             for _ in range(g.num_kda_layers)

@@ -6,8 +6,8 @@ compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safete
 (``weight_packed`` + ``weight_scale``), and a byte-level tokenizer. Six layers: KDA at 1, 2, 4, 5 and MLA at
 3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
 (top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
-output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128), which the MLA ops
-assume. About 2 MB. The weights are random: the model exercises every code path, it does not speak.
+output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128; ``text_overrides`` can
+change it: the model and ops take the widths from the config). About 2 MB. The weights are random: the model exercises every code path, it does not speak.
 
 :func:`ensure_embedded_model` builds it once into ``settings.cache_dir`` for ``rocm-k3 generate`` and
 ``rocm_k3.LLM()`` with no path.
