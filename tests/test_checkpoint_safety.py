@@ -304,3 +304,14 @@ def test_unreadable_hf_tokenizer_names_the_file(single: Path) -> None:
     (single / HF_TOKENIZER_FILE).write_text('{"version": "1.0", "model": 42}')
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_tokenizer(single)
+
+
+def test_config_implying_a_billion_experts_fails_fast(single: Path) -> None:
+    """The tensor list a config implies is checked against what the shards hold as it is built, so a hostile
+    num_experts cannot make the loader enumerate 10**9 experts."""
+    config = json.loads((single / "config.json").read_text())
+    config["text_config"]["num_experts"] = 10**9
+    (single / "config.json").write_text(json.dumps(config))
+    exc = _finishes(lambda: load_model(single, progress=False))
+    assert exc is not None and exc[0] == "MissingTensorError", exc
+    assert "the config implies more than" in exc[1] and "1000000000 experts" in exc[1], exc

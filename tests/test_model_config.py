@@ -171,9 +171,11 @@ def test_config_value_of_the_wrong_type(changes: dict, match: str) -> None:
         ({"num_shared_experts": -1}, r"num_shared_experts: expected >= 0, got -1"),
         ({"kv_lora_rank": 0}, r"kv_lora_rank: expected a positive integer, got 0"),
         ({"v_head_dim": -128}, r"v_head_dim: expected a positive integer, got -128"),
+        ({"num_hidden_layers": 10**12}, r"num_hidden_layers: expected at most 4096, got 1000000000000"),
+        ({"rms_norm_eps": 10**400}, r"rms_norm_eps: expected a finite number, got 1000"),
     ],
     ids=["scale-neg", "scale-zero", "scale-nan", "scale-inf", "eps-nan", "bound-inf", "situ-zero", "lin-beta-neg",
-         "shared-neg", "lora-zero", "v-neg"],
+         "shared-neg", "lora-zero", "v-neg", "layers-huge", "eps-huge-int"],
 )
 def test_config_value_out_of_range(changes: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

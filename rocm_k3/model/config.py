@@ -35,6 +35,7 @@ MLA_V_HEAD_DIM = 128
 # Moonshot's modeling code build them with the RMSNorm default eps 1e-6, whatever rms_norm_eps says (every other
 # norm uses rms_norm_eps). tests/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
 MLA_NORM_EPS = 1e-6
+MAX_LAYERS = 4096  # a sane bound (K3: 93): layer counts drive Python loops over range(num_hidden_layers)
 
 
 class ConfigError(ValueError):
@@ -152,7 +153,7 @@ class ModelConfig:
                 raise ConfigError(f"bos/eos token id {tok} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_layers(self) -> None:
-        n = self.num_hidden_layers
+        n = _layer_count(self.num_hidden_layers)
         for name in ("mla_layers", "kda_layers"):
             layers = getattr(self, name)
             bad = [i for i in layers if not 0 <= i < n]
@@ -331,9 +332,13 @@ def _typed(raw: Mapping[str, Any], table: Mapping[str, str], prefix: str = "") -
             ok = _is_int(value)
         elif base == "number":
             ok = _is_int(value) or isinstance(value, float)
-            if ok and not math.isfinite(value):
-                raise ConfigError(f"{prefix}{key}: expected a finite number, got {value!r}")
-            value = float(value) if ok else value
+            if ok:
+                try:
+                    value = float(value)
+                except OverflowError:  # an int beyond float range
+                    value = math.inf
+                if not math.isfinite(value):
+                    raise ConfigError(f"{prefix}{key}: expected a finite number, got {raw[key]!r}")
         elif base == "bool":
             ok = isinstance(value, bool)
         elif base == "str":
@@ -365,6 +370,7 @@ def _from_text_config(model_type: str, raw: Mapping[str, Any], quant: Any, weigh
         return default
 
     n_layers = _int_field("num_hidden_layers", get("num_hidden_layers"))
+    _layer_count(n_layers)
     lin = _typed(t.get("linear_attn_config") or {}, LINEAR_ATTN_TYPES, "linear_attn_config.")
     kda = KDAConfig(
         num_heads=_int_field("linear_attn_config.num_heads", lin.get("num_heads", t.get("linear_num_heads"))),
@@ -481,6 +487,12 @@ def _one_based(name: str, layers: Any) -> tuple[int, ...]:
     if any(i < 1 for i in layers):
         raise ConfigError(f"{name}: layer numbers are 1-based, got {sorted(i for i in layers if i < 1)}")
     return tuple(i - 1 for i in layers)
+
+
+def _layer_count(n: int) -> int:
+    if n > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers: expected at most {MAX_LAYERS}, got {n}")
+    return n
 
 
 def _int_field(name: str, value: Any) -> int:

@@ -159,7 +159,8 @@ def plan_load(cfg: ModelConfig, ckpt: CheckpointFiles) -> dict[str, tuple[Path, 
     name, spec)."""
     headers = {file: _header(file) for file in ckpt.files}
     _check_index(ckpt, headers)
-    expected = expected_tensors(cfg)
+    # a config implying far more tensors than the shards hold is refused before it is enumerated in full
+    expected = expected_tensors(cfg, limit=2 * sum(len(h) for h in headers.values()) + 1024)
     found: dict[str, tuple[Path, str, TensorSpec]] = {}
     unexpected, wrong = [], []
     for file, header in headers.items():
