@@ -24,12 +24,12 @@ class SamplingParams:
     stop_token_ids: generation stops after emitting one of these (it is kept in the output ids); None = none.
     stop:           generation stops when the text contains one of these strings (the text is cut before it);
                     a single string or None are accepted.
-
-    Numbers may be Python or numpy / other ``numbers`` scalars (stored as int / float); a value of the wrong type
-    or range raises ValueError naming the field.
     logprobs:       None, or the number of most likely alternatives to report per generated token (0 = only
                     the chosen token's log-probability); log-probabilities are of the model's distribution.
     ignore_eos:     keep generating past the model's end-of-sequence token.
+
+    Numbers may be Python or numpy / other ``numbers`` scalars (stored as int / float); a value of the wrong type
+    or range raises ValueError naming the field.
     """
 
     temperature: float = 1.0
