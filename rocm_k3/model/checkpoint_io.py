@@ -90,6 +90,15 @@ def require_regular(path: Path, error: type[Exception]) -> bool:
 
 def read_text(path: Path, error: type[Exception]) -> str:
     """The UTF-8 text of a regular file, read without ever blocking on a pipe; ``error`` names the path."""
+    data = read_bytes(path, error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+
+
+def read_bytes(path: Path, error: type[Exception]) -> bytes:
+    """The bytes of a regular file, read without ever blocking on a pipe; ``error`` names the path."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -104,10 +113,7 @@ def read_text(path: Path, error: type[Exception]) -> str:
         raise error(f"{path}: cannot read ({exc.strerror or exc})") from exc
     finally:
         os.close(fd)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    return data
 
 
 def read_json(path: Path, error: type[Exception]) -> Any:
