@@ -19,12 +19,19 @@ KL_VOCAB = 300
 KL_LAYERS = 5  # KDA at 1, 3, 4 and MLA at 2, 5 (1-based): two KDA/MLA boundaries
 
 
-def kimi_linear_hf_model(seed: int = 0):
-    """A tiny transformers KimiLinearForCausalLM in eval mode, fp32, with seeded O(1) weights."""
+# A latent geometry no release uses (K3 and Kimi Linear: kv_lora_rank 512, nope 128, rope 64, v 128)
+SMALL_MLA_GEOMETRY = {"kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
+
+
+def kimi_linear_hf_model(seed: int = 0, **overrides):
+    """A tiny transformers KimiLinearForCausalLM in eval mode, fp32, with seeded O(1) weights.
+
+    ``overrides`` replace KimiLinearConfig arguments (e.g. ``SMALL_MLA_GEOMETRY`` or ``rms_norm_eps``).
+    """
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "KimiLinearForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM")
-    cfg = transformers.KimiLinearConfig(
+    args = dict(
         vocab_size=KL_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=KL_LAYERS, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
         routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
@@ -34,6 +41,8 @@ def kimi_linear_hf_model(seed: int = 0):
         first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
+    args.update(overrides)
+    cfg = transformers.KimiLinearConfig(**args)
     torch.manual_seed(seed)
     model = transformers.KimiLinearForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -51,11 +60,20 @@ def kimi_linear_hf_model(seed: int = 0):
     return model
 
 
-def write_kimi_linear_checkpoint(directory: Path, seed: int = 0):
+def write_kimi_linear_checkpoint(directory: Path, seed: int = 0, **overrides):
     """Save the tiny model with ``save_pretrained`` (released Kimi Linear tensor names); returns the HF model."""
-    model = kimi_linear_hf_model(seed)
+    model = kimi_linear_hf_model(seed, **overrides)
     model.save_pretrained(str(directory))
     return model
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens from transformers' own forward pass (full recompute each step, no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 @pytest.fixture(autouse=True, scope="module")

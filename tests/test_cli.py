@@ -1,13 +1,18 @@
-"""The ``rocm-k3 make-tiny`` and ``rocm-k3 generate`` commands (in process, and README's command end to end)."""
+"""The ``rocm-k3 make-tiny`` and ``rocm-k3 generate`` commands (in process, and README's command end to end), and
+every expected error as a user sees it: ``python -m rocm_k3.cli`` in a subprocess, one line on stderr naming the
+problem and a fix, exit status 2, no traceback unless ``--debug`` / ``ROCM_K3_LOG_LEVEL=debug``."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 from rocm_k3.cli import main
@@ -66,3 +71,138 @@ def test_generate_engine_flags(tmp_path, capsys: pytest.CaptureFixture) -> None:
         assert capsys.readouterr().out == cached
         assert main(["generate", "--block-size", "48", "Hi"]) == 2
     assert "match_unit=64 must divide block_size=48" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- errors, as a user
+def _cli(*args: str, cache: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m rocm_k3.cli ARGS`` in a fresh interpreter with ROCM_K3_CACHE_DIR = ``cache``."""
+    full = dict(os.environ, ROCM_K3_CACHE_DIR=str(cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    full.pop("ROCM_K3_LOG_LEVEL", None)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "rocm_k3.cli", *args], cwd=cache.parent, env=full,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
+    """The run failed with status 2 and one error line (the last line of stderr), no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("rocm-k3 ")]
+    assert len(errors) == 1 and errors[0] == lines[-1], proc.stderr[-2000:]
+    assert errors[0].startswith(f"rocm-k3 {command}: error: "), errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rocm_k3.model.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+@pytest.mark.parametrize("backend", ["triton", "aiter"])
+def test_backend_that_cannot_run_here(tiny_ckpt: Path, tmp_path: Path, backend: str) -> None:
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("triton runs on this machine")
+    line = _one_error_line(_cli("generate", "--model", str(tiny_ckpt), "--backend", backend, "Hi", cache=tmp_path),
+                           "generate")
+    assert f"backend '{backend}' cannot" in line and "--backend" in line and "rocm-k3 ops" in line
+
+
+@pytest.mark.parametrize("how", ["--debug", "--debug-after", "ROCM_K3_LOG_LEVEL=debug"])
+def test_debug_shows_the_traceback(tiny_ckpt: Path, tmp_path: Path, how: str) -> None:
+    args = ["generate", "--model", str(tiny_ckpt), "--backend", "aiter", "Hi"]
+    env = {}
+    if how == "--debug":
+        args = ["--debug", *args]
+    elif how == "--debug-after":
+        args = [*args[:1], "--debug", *args[1:]]
+    else:
+        env["ROCM_K3_LOG_LEVEL"] = "debug"
+    proc = _cli(*args, cache=tmp_path, env=env)
+    assert proc.returncode != 0 and "Traceback (most recent call last)" in proc.stderr
+    assert "BackendError: backend 'aiter' cannot" in proc.stderr
+
+
+def test_bad_setting_is_one_line(tmp_path: Path) -> None:
+    line = _one_error_line(_cli("generate", "Hi", cache=tmp_path, env={"ROCM_K3_LOG_LEVEL": "loud"}), "generate")
+    assert "ROCM_K3_LOG_LEVEL='LOUD'" in line
+
+
+def test_cache_dir_that_is_a_file(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory")
+    line = _one_error_line(_cli("generate", "Hi", cache=cache), "generate")
+    assert f"cache directory {cache}" in line and "ROCM_K3_CACHE_DIR" in line
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A directory nobody can create files in: chmod 0o555, or (root ignores modes) the immutable attribute."""
+    ro = tmp_path / "ro-cache"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(ro)], check=False).returncode:
+        pytest.skip("running as root without a working chattr: no way to make a directory read-only")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["chattr", "-i", str(ro)], check=False)
+
+
+def test_cache_dir_that_is_read_only(read_only_dir: Path) -> None:
+    line = _one_error_line(_cli("generate", "Hi", cache=read_only_dir), "generate")
+    assert f"cache directory {read_only_dir}" in line and "ROCM_K3_CACHE_DIR" in line
+
+
+@pytest.mark.parametrize("damage", ["config-only", "truncated-weights", "no-tokenizer"])
+def test_stale_partial_embedded_model_is_rebuilt(tmp_path: Path, damage: str) -> None:
+    """A build without its completion marker (interrupted, or damaged later) is rebuilt, not loaded."""
+    from rocm_k3.model.tiny import COMPLETE_MARKER, write_tiny_checkpoint
+
+    cache = tmp_path / "cache"
+    stale = cache / EMBEDDED_NAME
+    if damage == "config-only":
+        stale.mkdir(parents=True)
+        (stale / "config.json").write_text((write_tiny_checkpoint(tmp_path / "ref") / "config.json").read_text())
+    else:
+        write_tiny_checkpoint(stale)  # what an interrupted or older build left: no marker
+        if damage == "truncated-weights":
+            data = (stale / "model.safetensors").read_bytes()
+            (stale / "model.safetensors").write_bytes(data[: len(data) // 3])
+        else:
+            (stale / TOKENIZER_FILE).unlink()
+    proc = _cli("generate", "Hi", "--max-tokens", "2", cache=cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prompt: 'Hi'" in proc.stdout and "token ids" not in proc.stdout  # decoded text: the tokenizer is back
+    assert (stale / COMPLETE_MARKER).is_file() and (stale / "model.safetensors").stat().st_size > 1_000_000
+    assert sorted(p.name for p in cache.iterdir()) == [EMBEDDED_NAME]  # no temporary or stale leftovers
+
+
+def test_make_tiny_shards_bounded(tmp_path: Path) -> None:
+    out = tmp_path / "many"
+    line = _one_error_line(_cli("make-tiny", str(out), "--shards", "100000", cache=tmp_path), "make-tiny")
+    assert "shards: expected an int in [1, " in line and "100000" in line
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_make_tiny_into_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    line = _one_error_line(_cli("make-tiny", str(target / "sub"), cache=tmp_path), "make-tiny")
+    assert str(target) in line
+
+
+def test_bad_checkpoint_config_is_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"]["num_shared_experts"] = "2"
+    (bad / "config.json").write_text(json.dumps(config))
+    line = _one_error_line(_cli("generate", "--model", str(bad), "Hi", cache=tmp_path), "generate")
+    assert "num_shared_experts: expected an integer, got '2' (str)" in line

@@ -118,6 +118,15 @@ def test_a_log_layouts_load_alike(tiny_dir, tiny_copy) -> None:
         load_model(tiny_copy, progress=False)
 
 
+def test_a_log_padding_must_be_zero(tiny_copy) -> None:
+    """The [D] layout carries H values then zeros; a non-zero tail is another layout and is refused, not dropped."""
+    name = P + "model.layers.4.self_attn.A_log"
+    _edit(tiny_copy, lambda t: t.update({name: torch.cat([t[name][:2], torch.full((30,), 0.5)])}))
+    with pytest.raises(TensorShapeError, match=r"layers\.4\.self_attn\.A_log: a \[32\] A_log must hold the 2 "
+                                               r"per-head values followed by zero padding .* 30 of the 30"):
+        load_model(tiny_copy, progress=False)
+
+
 def test_vision_tensors_are_ignored(tiny_copy) -> None:
     _edit(tiny_copy, lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3)}))
     load_model(tiny_copy, dtype=torch.float32, progress=False)

@@ -1,4 +1,5 @@
-"""MLA ops (reference backend) against independent dense formulations written here.
+"""MLA ops (reference backend) against independent dense formulations written here, at the released latent
+geometry (kv_lora_rank 512, rope 64, nope 128, v 128) and at others (the ops read the widths from the shapes).
 
 - prefill: a per-head expanded attention (k = [c_kv W_uk^T | k_pe], v = c_kv W_uv^T) in fp64 over the dense
   context, with a bottom-right-aligned causal mask, never reading the paged cache;
@@ -20,6 +21,9 @@ from tests.helpers import assert_rel, seeded
 
 NOPE, ROPE, LORA, VD = 128, 64, 512, 128
 SCALE = (NOPE + ROPE) ** -0.5
+# (kv_lora_rank, rope, nope, v): no release uses these; odd sizes and v != nope included
+OTHER_GEOMETRIES = {"R32-P16-N32-V32": (32, 16, 32, 32), "R48-P24-N40-V24": (48, 24, 40, 24),
+                    "R64-P8-N16-V48": (64, 8, 16, 48)}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -27,14 +31,15 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # ------------------------------------------------------------------------------------------------------------
 # test-side builders and the independent formulation
 # ------------------------------------------------------------------------------------------------------------
-def random_latents(lengths: list[int], gen: torch.Generator) -> list[torch.Tensor]:
-    """Per-sequence dense latents [L, 576]: c_kv ~ N(0, 1) (as after its RMSNorm), k_pe ~ N(0, 1)."""
-    return [torch.randn(length, LORA + ROPE, generator=gen) for length in lengths]
+def random_latents(lengths: list[int], gen: torch.Generator, width: int = LORA + ROPE) -> list[torch.Tensor]:
+    """Per-sequence dense latents [L, R + P]: c_kv ~ N(0, 1) (as after its RMSNorm), k_pe ~ N(0, 1)."""
+    return [torch.randn(length, width, generator=gen) for length in lengths]
 
 
-def random_kv_b(num_heads: int, gen: torch.Generator) -> torch.Tensor:
-    """[H * 256, 512] with unit-variance k_nope / v outputs for unit-variance c_kv."""
-    return torch.randn(num_heads * (NOPE + VD), LORA, generator=gen) / LORA**0.5
+def random_kv_b(num_heads: int, gen: torch.Generator, lora: int = LORA, nope: int = NOPE,
+                vd: int = VD) -> torch.Tensor:
+    """[H * (Dn + Dv), R] with unit-variance k_nope / v outputs for unit-variance c_kv."""
+    return torch.randn(num_heads * (nope + vd), lora, generator=gen) / lora**0.5
 
 
 def build_paged(latents: list[torch.Tensor], block_size: int, dtype: torch.dtype, gen: torch.Generator,
@@ -47,7 +52,7 @@ def build_paged(latents: list[torch.Tensor], block_size: int, dtype: torch.dtype
     need = [-(-lat.shape[0] // block_size) for lat in latents]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    cache = torch.full((num_blocks, block_size, LORA + ROPE), float("nan"), dtype=dtype)
+    cache = torch.full((num_blocks, block_size, latents[0].shape[1]), float("nan"), dtype=dtype)
     max_blocks = max(need) + 1
     table = torch.full((len(latents), max_blocks), perm[-1], dtype=torch.int32)  # perm[-1]: a spare NaN block
     cursor = 0
@@ -62,18 +67,24 @@ def build_paged(latents: list[torch.Tensor], block_size: int, dtype: torch.dtype
 
 
 def expanded_attention(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain causal softmax attention in fp64; q [n, H, 192] are the last n of L positions; returns [n, H, 128]."""
+    """Plain causal softmax attention in fp64; q [n, H, Dn + P] are the last n of L positions; returns [n, H, Dv].
+
+    The widths come from the shapes: R = kv_b columns, P = latent width - R, Dn = q width - P.
+    """
     q, latent, kv_b = q.double(), latent.double(), kv_b.double()
-    n, num_heads, _ = q.shape
+    n, num_heads, q_width = q.shape
     length = latent.shape[0]
-    c_kv, k_pe = latent[:, :LORA], latent[:, LORA:]
+    lora = kv_b.shape[1]
+    nope = q_width - (latent.shape[1] - lora)
+    per_head = kv_b.shape[0] // num_heads
+    c_kv, k_pe = latent[:, :lora], latent[:, lora:]
     allowed = torch.ones(n, length, dtype=torch.bool).tril(diagonal=length - n)  # query j sees keys <= L-n+j
     heads = []
     for h in range(num_heads):
-        w_uk = kv_b[h * (NOPE + VD):h * (NOPE + VD) + NOPE]  # [128, 512]
-        w_uv = kv_b[h * (NOPE + VD) + NOPE:(h + 1) * (NOPE + VD)]  # [128, 512]
-        k = torch.cat([c_kv @ w_uk.T, k_pe], dim=-1)  # [L, 192]
-        v = c_kv @ w_uv.T  # [L, 128]
+        w_uk = kv_b[h * per_head:h * per_head + nope]  # [Dn, R]
+        w_uv = kv_b[h * per_head + nope:(h + 1) * per_head]  # [Dv, R]
+        k = torch.cat([c_kv @ w_uk.T, k_pe], dim=-1)  # [L, Dn + P]
+        v = c_kv @ w_uv.T  # [L, Dv]
         s = (q[:, h] @ k.T) * scale  # [n, L]
         s = s.masked_fill(~allowed, float("-inf"))
         heads.append(torch.softmax(s, dim=-1) @ v)
@@ -190,6 +201,49 @@ def test_decode_nope_uses_pe_dims_unrotated() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# other latent geometries
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("geo", list(OTHER_GEOMETRIES), ids=str)
+def test_any_geometry_prefill_and_decode(geo: str, dtype: torch.dtype) -> None:
+    """Prefill (chunked, varlen) and absorbed decode at a non-released geometry against the dense formulation."""
+    lora, rope, nope, vd = OTHER_GEOMETRIES[geo]
+    gen = seeded(5000 + lora)
+    num_heads, block_size = 3, 16
+    seqs = [(57, 20), (9, 9), (33, 1)]  # (context after the step, new tokens)
+    lengths, counts = [s[0] for s in seqs], [s[1] for s in seqs]
+    latents = [lat.to(dtype) for lat in random_latents(lengths, gen, lora + rope)]
+    kv_b = random_kv_b(num_heads, gen, lora, nope, vd).to(dtype)
+    cache, table = build_paged(latents, block_size, dtype, gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = (nope + rope) ** -0.5
+    q = torch.randn(sum(counts), num_heads, nope + rope, generator=gen).to(dtype)
+    cu = cu_from_counts(counts)
+    out = mla.mla_prefill(q, cache, table, cu, seq_lens, kv_b)  # default scale (Dn + P)^-0.5
+    assert out.shape == (sum(counts), num_heads, vd) and out.dtype == dtype
+    for i in range(len(seqs)):
+        q0, q1 = int(cu[i]), int(cu[i + 1])
+        assert_rel(out[q0:q1], expanded_attention(q[q0:q1], latents[i], kv_b, scale), TOL[dtype], f"{geo} seq{i}")
+    qd = torch.randn(len(lengths), num_heads, nope + rope, generator=gen).to(dtype)  # one new token each
+    w = kv_b.float().view(num_heads, nope + vd, lora)
+    q_latent = torch.einsum("nhd,hdc->nhc", qd[..., :nope].float(), w[:, :nope]).to(dtype)
+    out_latent = mla.mla_decode(q_latent, qd[..., nope:].contiguous(), cache, table, seq_lens, scale=scale)
+    assert out_latent.shape == (len(lengths), num_heads, lora)
+    dec = torch.einsum("nhc,hvc->nhv", out_latent.float(), w[:, nope:])  # [N, H, Dv]
+    for i in range(len(lengths)):
+        ref = expanded_attention(qd[i:i + 1], latents[i], kv_b, scale)[0]
+        assert_rel(dec[i], ref, TOL[dtype], f"{geo} decode seq{i}")
+
+
+def test_any_geometry_write_cache() -> None:
+    gen = seeded(6)
+    cache = torch.full((3, 4, 40), float("nan"))
+    latent = torch.randn(5, 40, generator=gen)
+    mla.mla_write_cache(latent, cache, torch.tensor([0, 11, -1, 5, 2]))
+    assert torch.equal(cache.view(-1, 40)[[0, 11, 5, 2]], latent[[0, 1, 3, 4]])
+
+
+# ------------------------------------------------------------------------------------------------------------
 # write_cache
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
@@ -254,7 +308,8 @@ def _prefill_args(**over: object) -> dict[str, object]:
 
 @pytest.mark.parametrize("over, exc, match", [
     (dict(kv_cache=torch.zeros(4, 16, 512)), ValueError, r"kv_cache must have shape \[num_blocks, block_size, 576\]"),
-    (dict(q_latent=torch.zeros(2, 2, 256)), ValueError, r"q_latent must have shape \[N, H, 512\], got \[2, 2, 256\]"),
+    (dict(q_latent=torch.zeros(2, 2, 256)), ValueError, r"kv_cache must have shape \[num_blocks, block_size, 320\] "
+                                                        r"\(kv_lora_rank 256 of q_latent \+ rope 64 of q_pe\)"),
     (dict(q_pe=torch.zeros(2, 3, ROPE)), ValueError, r"q_pe must have shape"),
     (dict(q_pe=torch.zeros(2, 2, ROPE, dtype=torch.bfloat16)), TypeError, r"q_pe dtype torch.bfloat16 must match"),
     (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), TypeError, r"block_table must have dtype torch.int32"),
@@ -276,9 +331,14 @@ def test_decode_named_errors(over: dict[str, object], exc: type[Exception], matc
 
 
 @pytest.mark.parametrize("over, exc, match", [
-    (dict(q=torch.zeros(7, 2, 128)), ValueError, r"q must have shape \[T, H, 192\], got \[7, 2, 128\]"),
-    (dict(kv_cache=torch.zeros(4, 16, 577)), ValueError, r"kv_cache must have shape"),
-    (dict(kv_b_weight=torch.zeros(3 * 256, LORA)), ValueError, r"kv_b_weight must have shape .* = \[512, 512\]"),
+    (dict(q=torch.zeros(7, 2, 64)), ValueError, r"q must have shape \[T, H, qk_nope \+ 64\] with qk_nope >= 1 "
+                                                r"\(rope 64 from kv_cache\), got \[7, 2, 64\]"),
+    (dict(q=torch.zeros(7, 2)), ValueError, r"q must have shape \[T, H, qk_nope \+ rope\], got \[7, 2\]"),
+    (dict(kv_cache=torch.zeros(4, 16, 512)), ValueError, r"kv_cache must have shape \[num_blocks, block_size, 512 "
+                                                         r"\+ rope\] with rope >= 1"),
+    (dict(kv_b_weight=torch.zeros(2 * 100, LORA)), ValueError, r"kv_b_weight must have shape \[H \* \(128 \+ "
+                                                               r"v_head_dim\), 512\] with v_head_dim >= 1 for H = 2"),
+    (dict(kv_b_weight=torch.zeros(3 * 171, LORA)), ValueError, r"kv_b_weight must have shape"),
     (dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int64)), TypeError, r"cu_seqlens_q must have dtype torch.int32"),
     (dict(cu_seqlens_q=cu_from_counts([3, 3])), ValueError, r"end at T = 7"),
     (dict(cu_seqlens_q=cu_from_counts([6, 1])), ValueError, r"sequence 0 has 6 query tokens but seq_lens\[0\] = 5"),
@@ -287,7 +347,7 @@ def test_decode_named_errors(over: dict[str, object], exc: type[Exception], matc
     (dict(seq_lens=torch.tensor([5, 20], dtype=torch.int32, device="meta")), ValueError,
      r"seq_lens is on meta but q is on cpu"),
     (dict(scale="0.1"), TypeError, r"scale must be a float or None, got str"),
-], ids=["q-dim", "cache-last-dim", "kv_b-shape", "cu-dtype", "cu-total", "more-q-than-ctx", "table-too-small",
+], ids=["q-dim", "q-2d", "cache-last-dim", "kv_b-rows", "kv_b-heads", "cu-dtype", "cu-total", "more-q-than-ctx", "table-too-small",
         "cache-dtype", "device-mismatch", "scale-str"])
 def test_prefill_named_errors(over: dict[str, object], exc: type[Exception], match: str) -> None:
     args = _prefill_args(**over)
@@ -303,12 +363,14 @@ def test_prefill_named_errors(over: dict[str, object], exc: type[Exception], mat
      r"slot_mapping must have dtype torch.int64"),
     (torch.zeros(3, 576), torch.zeros(2, 16, 576), torch.tensor([0, 1]), ValueError, r"slot_mapping must have shape \[T\]"),
     (torch.zeros(3, 512), torch.zeros(2, 16, 576), torch.tensor([0, 1, 2]), ValueError, r"latent must have shape \[T, 576\]"),
-    (torch.zeros(3, 576), torch.zeros(2, 16, 64), torch.tensor([0, 1, 2]), ValueError, r"kv_cache must have shape"),
+    (torch.zeros(3, 576), torch.zeros(2, 16, 64), torch.tensor([0, 1, 2]), ValueError,
+     r"latent must have shape \[T, 64\] to match kv_cache \[num_blocks, block_size, 64\]"),
+    (torch.zeros(3, 576), torch.zeros(32, 576), torch.tensor([0, 1, 2]), ValueError, r"kv_cache must have shape"),
     (torch.zeros(3, 576, dtype=torch.bfloat16), torch.zeros(2, 16, 576), torch.tensor([0, 1, 2]), TypeError,
      r"latent dtype torch.bfloat16 must match kv_cache dtype torch.float32"),
     (torch.zeros(3, 576), torch.zeros(16, 2, 576).transpose(0, 1), torch.tensor([0, 1, 2]), ValueError,
      r"kv_cache must be contiguous"),
-], ids=["slot-too-big", "slot-below-minus-one", "slot-dtype", "slot-shape", "latent-dim", "cache-last-dim",
+], ids=["slot-too-big", "slot-below-minus-one", "slot-dtype", "slot-shape", "latent-dim", "cache-last-dim", "cache-2d",
         "dtype-mismatch", "non-contiguous"])
 def test_write_cache_named_errors(latent: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
                                   exc: type[Exception], match: str) -> None:

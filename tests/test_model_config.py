@@ -89,15 +89,13 @@ def _k3_with(**text_changes: object) -> dict:
         ({"lin_kda_layers": [1, 2, 3, 4] + [i for i in range(5, 94) if i not in K3_MLA_1BASED]},
          r"both MLA and KDA"),
         ({"num_experts_per_token": 897}, r"num_experts_per_token.*1\.\.num_experts \(896\).*897"),
-        ({"kv_lora_rank": 256}, r"kv_lora_rank.*512.*256"),
-        ({"qk_rope_head_dim": 32}, r"qk_rope_head_dim"),
         ({"lin_head_dim": 0}, r"linear_attn_config.head_dim"),
         ({"hidden_act": "gelu"}, r"hidden_act"),
         ({"lin_gate_lower_bound": 1.0}, r"gate_lower_bound"),
         ({"routed_expert_hidden_size": 3580}, r"multiple of 32"),
     ],
     ids=["mla-layer-out-of-range", "zero-based-list", "uncovered-layers", "overlap", "topk-gt-experts",
-         "kv-lora-rank", "rope-dim", "kda-head-dim", "activation", "gate-bound", "latent-not-mxfp4-aligned"],
+         "kda-head-dim", "activation", "gate-bound", "latent-not-mxfp4-aligned"],
 )
 def test_config_errors(changes: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -121,3 +119,89 @@ def test_unsupported_quantization() -> None:
     raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int4-pack-quantized"}
     with pytest.raises(ConfigError, match="mxfp4-pack-quantized"):
         ModelConfig.from_hf_dict(raw)
+
+
+# ------------------------------------------------------------------------------- value types (one table)
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"num_shared_experts": "2"}, r"num_shared_experts: expected an integer, got '2' \(str\)"),
+        ({"lin_gate_lower_bound": "-5"}, r"linear_attn_config.gate_lower_bound: expected a number or null, got '-5' \(str\)"),
+        ({"hidden_size": True}, r"hidden_size: expected an integer, got True \(bool\)"),
+        ({"num_experts": 896.0}, r"num_experts: expected an integer, got 896.0 \(float\)"),
+        ({"routed_scaling_factor": "1.0"}, r"routed_scaling_factor: expected a number, got '1.0' \(str\)"),
+        ({"routed_scaling_factor": False}, r"routed_scaling_factor: expected a number, got False \(bool\)"),
+        ({"mla_use_output_gate": "false"}, r"mla_use_output_gate: expected true or false, got 'false' \(str\)"),
+        ({"mla_use_output_gate": 1}, r"mla_use_output_gate: expected true or false, got 1 \(int\)"),
+        ({"lin_use_full_rank_gate": "yes"}, r"linear_attn_config.use_full_rank_gate: expected true or false"),
+        ({"hidden_act": 3}, r"hidden_act: expected a string, got 3 \(int\)"),
+        ({"q_lora_rank": "1536"}, r"q_lora_rank: expected an integer or null, got '1536' \(str\)"),
+        ({"lin_num_heads": 96.5}, r"linear_attn_config.num_heads: expected an integer, got 96.5"),
+        ({"lin_short_conv_kernel_size": "4"}, r"linear_attn_config.short_conv_kernel_size: expected an integer"),
+        ({"eos_token_id": "2"}, r"eos_token_id: expected an integer or a list of integers, got '2' \(str\)"),
+        ({"eos_token_id": [1, "2"]}, r"eos_token_id: expected an integer or a list of integers, got \[1, '2'\]"),
+        ({"num_expert_group": "1"}, r"num_expert_group: expected an integer, got '1' \(str\)"),
+        ({"mla_use_nope": "true"}, r"mla_use_nope: expected true or false, got 'true' \(str\)"),
+        ({"rms_norm_eps": "1e-5"}, r"rms_norm_eps: expected a number, got '1e-5' \(str\)"),
+        ({"lin_full_attn_layers": "4, 8"}, r"full_attn_layers: expected a list of 1-based layer numbers"),
+        ({"activation_situ_linear_beta": [25.0]}, r"activation_situ_linear_beta: expected a number or null"),
+        ({"max_position_embeddings": "1M"}, r"max_position_embeddings: expected an integer, got '1M'"),
+        ({"linear_attn_config": [1, 2]}, r"linear_attn_config: expected an object, got \[1, 2\] \(list\)"),
+    ],
+    ids=["shared-str", "gate-bound-str", "bool-for-int", "float-for-int", "scale-str", "scale-bool", "bool-str",
+         "bool-int", "full-rank-str", "act-int", "q-lora-str", "heads-float", "conv-str", "eos-str", "eos-list-str",
+         "groups-str", "nope-str", "eps-str", "layers-str", "linear-beta-list", "max-pos-str", "lin-cfg-list"],
+)
+def test_config_value_of_the_wrong_type(changes: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict(_k3_with(**changes))
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"routed_scaling_factor": -1.0}, r"routed_scaling_factor: expected a finite number > 0, got -1.0"),
+        ({"routed_scaling_factor": 0}, r"routed_scaling_factor: expected a finite number > 0, got 0"),
+        ({"routed_scaling_factor": float("nan")}, r"routed_scaling_factor: expected a finite number, got nan"),
+        ({"routed_scaling_factor": float("inf")}, r"routed_scaling_factor: expected a finite number, got inf"),
+        ({"rms_norm_eps": float("nan")}, r"rms_norm_eps: expected a finite number, got nan"),
+        ({"lin_gate_lower_bound": float("-inf")}, r"gate_lower_bound: expected a finite number, got -inf"),
+        ({"activation_situ_beta": 0.0}, r"activation_situ_beta: expected a finite number > 0, got 0.0"),
+        ({"activation_situ_linear_beta": -25.0}, r"activation_situ_linear_beta: expected .*> 0.*-25.0"),
+        ({"num_shared_experts": -1}, r"num_shared_experts: expected >= 0, got -1"),
+        ({"kv_lora_rank": 0}, r"kv_lora_rank: expected a positive integer, got 0"),
+        ({"v_head_dim": -128}, r"v_head_dim: expected a positive integer, got -128"),
+        ({"num_hidden_layers": 10**12}, r"num_hidden_layers: expected at most 4096, got 1000000000000"),
+        ({"rms_norm_eps": 10**400}, r"rms_norm_eps: expected a finite number, got 1000"),
+    ],
+    ids=["scale-neg", "scale-zero", "scale-nan", "scale-inf", "eps-nan", "bound-inf", "situ-zero", "lin-beta-neg",
+         "shared-neg", "lora-zero", "v-neg", "layers-huge", "eps-huge-int"],
+)
+def test_config_value_out_of_range(changes: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict(_k3_with(**changes))
+
+
+def test_config_nan_in_the_file_is_refused_at_load(tmp_path) -> None:
+    """Python's json reads NaN / Infinity; the config must refuse them before any request runs."""
+    import json
+
+    for bad in ("NaN", "Infinity", "-1"):
+        raw = json.dumps(_k3_with()).replace('"routed_scaling_factor": 1.0', f'"routed_scaling_factor": {bad}')
+        (tmp_path / "config.json").write_text(raw)
+        with pytest.raises(ConfigError, match="routed_scaling_factor"):
+            ModelConfig.from_pretrained(tmp_path)
+
+
+def test_ints_are_accepted_for_number_fields() -> None:
+    cfg = ModelConfig.from_hf_dict(_k3_with(routed_scaling_factor=2, lin_gate_lower_bound=-5, rms_norm_eps=1))
+    assert cfg.routed_scaling_factor == 2.0 and isinstance(cfg.routed_scaling_factor, float)
+    assert cfg.kda.gate_lower_bound == -5.0 and isinstance(cfg.kda.gate_lower_bound, float)
+
+
+def test_any_mla_latent_geometry_is_accepted() -> None:
+    """The MLA widths come from the config (the ops take them from the tensor shapes)."""
+    cfg = ModelConfig.from_hf_dict(_k3_with(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                            v_head_dim=24))
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_head_dim, cfg.v_head_dim) == (32, 16, 48, 24)
+    assert cfg.mla_latent_width == 48

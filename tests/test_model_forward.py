@@ -108,16 +108,17 @@ def naive_k3_logits(ckpt_dir, ids: list[int]) -> torch.Tensor:
 
     def mla(l: int, x: torch.Tensor) -> torch.Tensor:
         a = f"model.layers.{l}.self_attn."
-        nh = text["num_attention_heads"]
+        nh, r, pe = text["num_attention_heads"], text["kv_lora_rank"], text["qk_rope_head_dim"]
+        dn, dv = text["qk_nope_head_dim"], text["v_head_dim"]
         q = _rms(x @ W(a + "q_a_proj.weight").T, W(a + "q_a_layernorm.weight"), 1e-6) @ W(a + "q_b_proj.weight").T
-        q = q.view(T, nh, 192)
+        q = q.view(T, nh, dn + pe)
         kv = x @ W(a + "kv_a_proj_with_mqa.weight").T
-        c, k_pe = _rms(kv[:, :512], W(a + "kv_a_layernorm.weight"), 1e-6), kv[:, 512:]
-        kvb = (c @ W(a + "kv_b_proj.weight").T).view(T, nh, 256)
-        k = torch.cat([kvb[..., :128], k_pe[:, None].expand(T, nh, 64)], dim=-1)
-        scores = torch.einsum("thd,shd->hts", q, k) * 192 ** -0.5
+        c, k_pe = _rms(kv[:, :r], W(a + "kv_a_layernorm.weight"), 1e-6), kv[:, r:]
+        kvb = (c @ W(a + "kv_b_proj.weight").T).view(T, nh, dn + dv)
+        k = torch.cat([kvb[..., :dn], k_pe[:, None].expand(T, nh, pe)], dim=-1)
+        scores = torch.einsum("thd,shd->hts", q, k) * (dn + pe) ** -0.5
         scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-        out = torch.einsum("hts,shd->thd", scores.softmax(-1), kvb[..., 128:]).reshape(T, nh * 128)
+        out = torch.einsum("hts,shd->thd", scores.softmax(-1), kvb[..., dn:]).reshape(T, nh * dv)
         out = out * torch.sigmoid(x @ W(a + "g_proj.weight").T)
         return out @ W(a + "o_proj.weight").T
 
@@ -168,6 +169,16 @@ def test_k3_matches_naive_reference(k3_dir) -> None:
     model = load_model(k3_dir, dtype=torch.float32, progress=False)
     ids = torch.randint(0, model.cfg.vocab_size, (11,), generator=seeded(11)).tolist()
     assert_rel(full_logits(model, ids), naive_k3_logits(k3_dir, ids), LOGITS_TOL, "K3 logits")
+
+
+def test_k3_other_mla_geometry_matches_naive_reference(tmp_path) -> None:
+    """The tiny K3 (q_lora, MLA output gate) with kv_lora_rank 48, rope 24, nope 40, v 24: widths from the config."""
+    geometry = {"kv_lora_rank": 48, "qk_rope_head_dim": 24, "qk_nope_head_dim": 40, "v_head_dim": 24}
+    root = write_tiny_checkpoint(tmp_path, seed=5, text_overrides=geometry)
+    model = load_model(root, dtype=torch.float32, progress=False)
+    assert model.cfg.mla_latent_width == 72
+    ids = torch.randint(0, model.cfg.vocab_size, (11,), generator=seeded(12)).tolist()
+    assert_rel(full_logits(model, ids), naive_k3_logits(root, ids), LOGITS_TOL, "K3 logits, other MLA geometry")
 
 
 def test_kimi_linear_matches_transformers(tmp_path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.forward_batch import MLA_LATENT_WIDTH, ForwardBatch, HybridCacheView
+from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
 from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import tiny_config
 
@@ -22,10 +22,17 @@ def test_simple_cache_implements_the_view(cfg: ModelConfig) -> None:
     cache = SimpleCache(cfg, max_seqs=2, max_model_len=10, block_size=4, spare_slots=1, dtype=torch.float32)
     assert isinstance(cache, HybridCacheView)
     pages = 2 * 3  # 2 sequences x ceil(10 / 4) pages, + the pools' scratch page for padded graph rows
-    assert cache.mla_kv(1).shape == (pages + 1, 4, MLA_LATENT_WIDTH)
+    assert cache.mla_kv(1).shape == (pages + 1, 4, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     h, d, w = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size
     assert cache.kda_state(3).shape == (4, h, d, d) and cache.kda_state(3).dtype == torch.float32
     assert cache.conv_state(0).shape == (4, 3 * h * d, w - 1)
+
+
+def test_cache_latent_width_follows_the_config() -> None:
+    small = ModelConfig.from_hf_dict(tiny_config({"kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+                                                  "v_head_dim": 32}))
+    cache = SimpleCache(small, max_model_len=5, block_size=4, dtype=torch.float32)
+    assert small.mla_latent_width == 48 and cache.mla_kv(0).shape[-1] == 48
 
 
 def test_prepare_builds_the_step(cfg: ModelConfig) -> None:

@@ -1,5 +1,7 @@
 """The tiny K3 model (``rocm_k3.LLM(None)``) on the Triton backend against the reference backend.
 
+- the MLA kernels at a latent geometry no release uses (transformers-written Kimi Linear checkpoint, kv_lora_rank
+  32, nope 32, rope 16, v 32): greedy tokens identical to transformers' own, 8 in the interpret tier, 32 on CUDA.
 - ``interpret`` tier (CPU): fp32 model, every op through the Triton kernels under ``TRITON_INTERPRET=1`` (the
   backend's ``available`` is patched: it refuses the CPU for real use); 32 greedy tokens must be identical and the
   chosen tokens' log-probabilities within 1e-4 nats (measured 1.0e-5 at worst, 2026-11-29; fp32 activations run the
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import rel_err
+from model_fixtures import SMALL_MLA_GEOMETRY, hf_greedy, write_kimi_linear_checkpoint
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import
@@ -85,6 +88,60 @@ def test_k3_slice_plumbing_interpret(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ref = _greedy("reference", "float32", "cpu", 1, ["K3"], path)
     monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
     _compare(ref, _greedy("triton", "float32", "cpu", 1, ["K3"], path), 1e-4)
+
+
+GEOMETRY_PROMPT = [5, 17, 42, 99, 250, 7, 7, 131]
+
+
+def _small_mla_checkpoint(path: Path, steps: int) -> list[int]:
+    """A transformers-written Kimi Linear checkpoint with kv_lora_rank 32, nope 32, rope 16, v 32 (no release uses
+    it); returns transformers' own ``steps`` greedy tokens after GEOMETRY_PROMPT (fp32, CPU)."""
+    hf = write_kimi_linear_checkpoint(path, seed=4, **SMALL_MLA_GEOMETRY)
+    return hf_greedy(hf, GEOMETRY_PROMPT, steps)
+
+
+def _count_triton_mla_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Wrap the registered Triton MLA kernels so the test can tell they ran (no silent fallback)."""
+    from rocm_k3.ops import registry
+
+    registry.backend_available("triton", registry.device_info("cpu"))  # loads and registers the backend
+    calls = {op: 0 for op in ("mla_write_cache", "mla_prefill", "mla_decode")}
+    for op in calls:
+        impl = registry._impls[op]["triton"]
+
+        def counted(*args, _fn=impl.fn, _op=op, **kwargs):
+            calls[_op] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setitem(registry._impls[op], "triton", registry.OpImpl(op, "triton", counted, impl.supports))
+    return calls
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; see the subprocess test")
+def test_small_mla_geometry_triton_interpret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The non-released latent through the Triton MLA kernels (padded 32 / 16 tiles): 8 greedy tokens identical to
+    transformers' (8, not 32, to bound interpreter time)."""
+    want = _small_mla_checkpoint(tmp_path / "kl-small-mla", 8)
+    monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
+    calls = _count_triton_mla_calls(monkeypatch)
+    llm = LLM(tmp_path / "kl-small-mla", dtype="float32", backend="triton", device="cpu")
+    out = llm.generate(GEOMETRY_PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == want, f"triton {out.token_ids}\ntransformers {want}"
+    assert calls["mla_prefill"] >= 2 and calls["mla_decode"] >= 2 * 7 and calls["mla_write_cache"] >= 2, calls
+
+
+@pytest.mark.cuda
+def test_small_mla_geometry_triton_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The non-released latent on the H200 through the Triton MLA kernels, fp32, TF32 off: 32 greedy tokens
+    identical to transformers' (computed on the CPU in fp32)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    want = _small_mla_checkpoint(tmp_path / "kl-small-mla", 32)
+    calls = _count_triton_mla_calls(monkeypatch)
+    llm = LLM(tmp_path / "kl-small-mla", dtype="float32", backend="triton", device="cuda")
+    out = llm.generate(GEOMETRY_PROMPT, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == want, f"triton {out.token_ids}\ntransformers {want}"
+    assert calls["mla_prefill"] >= 2 and calls["mla_decode"] >= 2 * 31, calls
 
 
 @pytest.mark.interpret

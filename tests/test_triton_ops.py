@@ -127,39 +127,81 @@ def test_attn_res_interpret(has_partial: bool, has_delta: bool, num_blocks: int,
         assert_rel(mix, ref_attn_res._attn_res_mix_reference(partial, blocks, num_blocks, pw, nw), 1e-5, "mix")
 
 
+# (kv_lora_rank, rope, nope, v): the released latent and two no release uses (one needs padded, masked tiles)
+MLA_GEOMETRIES = {"released": (512, 64, 128, 128), "R32-P16": (32, 16, 32, 32), "R48-P24-N40-V24": (48, 24, 40, 24)}
+
+
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("geo", list(MLA_GEOMETRIES), ids=str)
 @pytest.mark.parametrize("splits", [1, 4], ids=["splits1", "splits4"])
-def test_mla_decode_interpret(splits: int) -> None:
+def test_mla_decode_interpret(splits: int, geo: str) -> None:
+    lora, rope, _, _ = MLA_GEOMETRIES[geo]
     g = seeded(3)
     n, h, bs, pages = 3, 5, 16, 12
-    cache = _randn(pages, bs, 576, gen=g)
+    cache = _randn(pages, bs, lora + rope, gen=g)
     table = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(n)]).to(torch.int32)
     lens = torch.tensor([1, 37, 70], dtype=torch.int32)
-    q, qpe = _randn(n, h, 512, gen=g), _randn(n, h, 64, gen=g)
+    q, qpe = _randn(n, h, lora, gen=g), _randn(n, h, rope, gen=g)
     out = mla_decode_with(q, qpe, cache, table, lens, scale=0.07, splits=splits)
     assert_rel(out, ref_mla._mla_decode_reference(q, qpe, cache, table, lens, scale=0.07), 1e-5, "out_latent")
 
 
 @pytest.mark.interpret
 @needs_interp
-def test_mla_prefill_and_cache_write_interpret() -> None:
+@pytest.mark.parametrize("geo", list(MLA_GEOMETRIES), ids=str)
+def test_mla_prefill_and_cache_write_interpret(geo: str) -> None:
+    lora, rope, nope, vd = MLA_GEOMETRIES[geo]
     g = seeded(8)
     h, bs, pages = 3, 16, 12
-    cache = _randn(pages, bs, 576, gen=g)
+    cache = _randn(pages, bs, lora + rope, gen=g)
     table = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(3)]).to(torch.int32)
     lens = torch.tensor([20, 5, 40], dtype=torch.int32)  # context after the step; new tokens 3, 5 (all), 18
     cu = torch.tensor([0, 3, 8, 26], dtype=torch.int32)
-    q = _randn(26, h, 192, gen=g)
-    w = _randn(h * 256, 512, gen=g, scale=0.05)
+    q = _randn(26, h, nope + rope, gen=g)
+    w = _randn(h * (nope + vd), lora, gen=g, scale=lora ** -0.5)
     out = tri_mla_prefill.mla_prefill(q, cache, table, cu, lens, w)
+    assert out.shape == (26, h, vd)
     assert_rel(out, ref_mla._mla_prefill_reference(q, cache, table, cu, lens, w), 1e-5, "mla_prefill")
-    latent = _randn(4, 576, gen=g)
+    latent = _randn(4, lora + rope, gen=g)
     slots = torch.tensor([3, -1, 17, 100], dtype=torch.int64)
     got, want = cache.clone(), cache.clone()
     tri_mla_prefill.mla_write_cache(latent, got, slots)
     ref_mla._mla_write_cache_reference(latent, want, slots)
     assert torch.equal(got, want)
+
+
+def test_mla_kernels_decline_latents_they_were_not_sized_for(caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_lora_rank 1024 (tile 1024 > 512) or rope 96 (tile 128 > 64): supports() says why, and automatic
+    dispatch falls back to the reference, logging the reason."""
+    from rocm_k3.ops import registry
+    from rocm_k3.triton_kernels import backend as triton_backend
+    from rocm_k3.triton_kernels.mla_decode import mla_decode_supports
+    from rocm_k3.triton_kernels.mla_prefill import mla_prefill_supports
+
+    g = seeded(4)
+    for lora, rope in ((1024, 64), (512, 96)):
+        cache = _randn(2, 16, lora + rope, gen=g)
+        args = (_randn(1, 2, lora, gen=g), _randn(1, 2, rope, gen=g), cache, torch.zeros(1, 1, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int32))
+        ok, why = mla_decode_supports(*args, scale=0.1)
+        assert not ok and f"kv_lora_rank {lora} / rope {rope}" in why and "at most 512 / 64" in why
+        q, w = _randn(1, 2, 128 + rope, gen=g), _randn(2 * 256, lora, gen=g)
+        pargs = (q, cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                 torch.ones(1, dtype=torch.int32), w)
+        ok, why = mla_prefill_supports(*pargs)
+        assert not ok and "Triton MLA kernels take at most" in why
+    small = (_randn(1, 2, 48, gen=g), _randn(1, 2, 24, gen=g), _randn(2, 16, 72, gen=g),
+             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    assert mla_decode_supports(*small, scale=0.1) == (True, "supported")  # padded to 64 / 32 tiles
+    monkeypatch.setitem(registry.PRIORITY, "cpu", ("triton", "reference"))
+    monkeypatch.setattr(triton_backend, "available", lambda dev: (True, "interpreter test"))
+    with caplog.at_level("INFO", logger="rocm_k3.ops"):
+        out = ref_mla.mla_decode(*args, scale=0.1, backend="auto")
+    assert_rel(out, ref_mla._mla_decode_reference(*args, scale=0.1), 0.0, "fallback output")
+    assert any("mla_decode: using reference backend" in r.getMessage() and "kv_lora_rank 512 / rope 96" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.interpret
@@ -401,10 +443,12 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "varlen_attention", "moe_route", "moe_align", "moe_w13_a16w4",
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_decode_r48_p24",
+                    "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_w13_a16w4",
                     "moe_w13_bits", "moe_w2_a8w4", "moe_w13_f32", "moe_w2_f32_bf16experts",
                     "moe_mxfp8_quant", "moe_w13_fma", "moe_w2_fma_f16", "moe_w13_gemv_f16", "moe_w2_gemv_a8w4")
-_MMA_KERNELS = ("mla_decode", "mla_prefill", "varlen_attention", "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
+                "moe_w13_a16w4", "moe_w13_bits", "moe_w2_a8w4")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
 _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # the MXFP4 decode GEMV: fp32 multiply-adds only, no matrix instruction on any target

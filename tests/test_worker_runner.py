@@ -22,7 +22,8 @@ from rocm_k3.worker.step_io import SampledToken, StepOutput
 from tests.helpers import seeded
 
 GEOM = CacheGeometry(
-    num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4, dtype=torch.bfloat16
+    num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4, dtype=torch.bfloat16,
+    mla_latent_width=576,
 )
 
 

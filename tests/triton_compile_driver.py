@@ -38,6 +38,16 @@ def _launch_specs() -> dict:
     f32_ce = dict(moe_ce, OP_F32=True, A_MX=False)
     w13_f32_sig = {**w13_sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}
     w2_f32_sig = {**w2_sig, "a_ptr": "*fp32", "w_ptr": "*bf16"}
+    mla_decode_sig = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
+                      "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
+                      "block_size": "i32", "scale": "fp32", "stride_qn": "i32", "stride_qh": "i32",
+                      "stride_pn": "i32", "stride_ph": "i32", "stride_kvb": "i64", "stride_kvt": "i32",
+                      "stride_btn": "i32", "stride_on": "i32", "stride_oh": "i32"}
+    mla_prefill_sig = {"qlat_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "cu_ptr": "*i32",
+                       "lens_ptr": "*i32", "blocks_ptr": "*i32", "out_ptr": "*fp32", "block_size": "i32",
+                       "scale": "fp32", "stride_ql_t": "i32", "stride_ql_h": "i32", "stride_q_t": "i32",
+                       "stride_q_h": "i32", "stride_kvb": "i64", "stride_kvt": "i32", "stride_btn": "i32",
+                       "stride_o_t": "i32", "stride_o_h": "i32"}
     return {
         "rms_norm": ("rocm_k3.triton_kernels.norm", "_rms_norm_kernel",
                      {"x_ptr": "*bf16", "res_ptr": "*bf16", "gate_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -53,20 +63,15 @@ def _launch_specs() -> dict:
                            "stride_p": "i32", "stride_out": "i32", "eps": "fp32"},
                           dict(HAS_PARTIAL=True, HAS_DELTA=True, WRITE_P=True, WRITE_BLOCK=True, NORM=True, ROWS=1,
                                BLOCK_D=8192, PREFETCH=True), 16),
-        "mla_decode": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel",
-                       {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
-                        "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
-                        "block_size": "i32", "scale": "fp32", "stride_qn": "i32", "stride_qh": "i32",
-                        "stride_pn": "i32", "stride_ph": "i32", "stride_kvb": "i64", "stride_kvt": "i32",
-                        "stride_btn": "i32", "stride_on": "i32", "stride_oh": "i32"},
-                       dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=512, DR=64), 4),
-        "mla_prefill": ("rocm_k3.triton_kernels.mla_prefill", "_mla_prefill_kernel",
-                        {"qlat_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "cu_ptr": "*i32",
-                         "lens_ptr": "*i32", "blocks_ptr": "*i32", "out_ptr": "*fp32", "block_size": "i32",
-                         "scale": "fp32", "stride_ql_t": "i32", "stride_ql_h": "i32", "stride_q_t": "i32",
-                         "stride_q_h": "i32", "stride_kvb": "i64", "stride_kvt": "i32", "stride_btn": "i32",
-                         "stride_o_t": "i32", "stride_o_h": "i32"},
-                        dict(DOT_F32=False, BT=16, BLOCK_N=32, D=512, DR=64, NOPE_DIM=128), 4),
+        "mla_decode": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel", mla_decode_sig,
+                       dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=512, DR=64, LORA=512, ROPE=64), 4),
+        "mla_prefill": ("rocm_k3.triton_kernels.mla_prefill", "_mla_prefill_kernel", mla_prefill_sig,
+                        dict(DOT_F32=False, BT=16, BLOCK_N=32, D=512, DR=64, NOPE_DIM=128, LORA=512, ROPE=64), 4),
+        # a latent no release uses (kv_lora_rank 48, rope 24, nope 40): padded 64 / 32 tiles with masked columns
+        "mla_decode_r48_p24": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel", mla_decode_sig,
+                               dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=64, DR=32, LORA=48, ROPE=24), 4),
+        "mla_prefill_r48_p24": ("rocm_k3.triton_kernels.mla_prefill", "_mla_prefill_kernel", mla_prefill_sig,
+                                dict(DOT_F32=False, BT=16, BLOCK_N=32, D=64, DR=32, NOPE_DIM=40, LORA=48, ROPE=24), 4),
         "varlen_attention": ("rocm_k3.triton_kernels.vision_attention", "_varlen_attention_kernel",
                              {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
                               "cu_ptr": "*i32", "scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32",

@@ -103,7 +103,7 @@ class CacheConfig:
     def resolve(self, *, bytes_per_block: int, bytes_per_slot: int, max_model_len: int) -> tuple[int, int]:
         """(num_blocks, num_state_slots) from the byte budgets (or the explicit counts).
 
-        bytes_per_block: one page of all MLA layers (num_mla_layers * block_size * 576 * itemsize);
+        bytes_per_block: one page of all MLA layers (num_mla_layers * block_size * latent width * itemsize);
         bytes_per_slot: one slot of all KDA layers (recurrent fp32 [H, K, V] + conv [3*H*K, W-1] per layer).
         Raises CacheBudgetError when one request of ``max_model_len`` tokens could not fit.
         """

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rocm_k3.args import EngineArgs
@@ -30,7 +32,7 @@ from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers import load_tokenizer
 from rocm_k3.worker.worker import WorkerConfig
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int]  # also a 1-d integer numpy array / torch tensor
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -178,7 +180,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt: a str, a list of token ids, or a list of either. Returns one output per prompt.
+        """Generate for each prompt: a str, token ids (a list of ints, numpy / torch integer scalars included, or a
+        1-d integer numpy array / torch tensor), or a list of those; a 2-d integer array / tensor is one prompt per
+        row. Returns one output per prompt. A ``bytes`` prompt is refused (TypeError): decode it to a str.
 
         sampling_params: one SamplingParams for all prompts, one per prompt, or None (defaults).
         Raises PromptTooLongError for a prompt longer than ``max_model_len``, ValueError for an empty prompt,
@@ -244,22 +248,68 @@ class LLM:
         return [done[rid] for rid in request_ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """str -> [str]; [int, ...] -> [[int, ...]]; a list of str / id lists stays as it is."""
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """str -> [str]; token ids -> [[int, ...]]; a 2-d array -> one prompt per row; a list of str / ids stays a list.
+
+    Token ids come out as Python ints. Raises TypeError naming the prompt for bytes, non-integer ids or arrays of
+    another dtype or rank, ValueError for an empty batch.
+    """
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
+    _refuse_bytes("prompts", prompts)
+    if _is_array(prompts):
+        ids = _array_ids("prompts", prompts, rows=True)
+        if ids and isinstance(ids[0], list):
+            return ids
+        return [ids]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts: expected a str, a list of token ids, or a non-empty list of those, got {prompts!r}")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [list(prompts)]
-    out: list[Prompt] = []
+    if all(_is_token_id(p) for p in prompts):
+        return [[int(p) for p in prompts]]
+    out: list[str | list[int]] = []
     for i, p in enumerate(prompts):
+        name = f"prompts[{i}]"
+        _refuse_bytes(name, p)
         if isinstance(p, str):
             out.append(p)
-        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            out.append(list(p))
+        elif _is_array(p):
+            out.append(_array_ids(name, p, rows=False))
+        elif isinstance(p, Sequence):
+            for j, t in enumerate(p):
+                if not _is_token_id(t):
+                    raise TypeError(f"{name}: token ids must be ints, got {t!r} ({type(t).__name__}) at position {j}")
+            out.append([int(t) for t in p])
         else:
-            raise TypeError(f"prompts[{i}]: expected a str or a list of int token ids, got {type(p).__name__}")
+            raise TypeError(f"{name}: expected a str or a list of int token ids, got {type(p).__name__}")
     return out
+
+
+def _refuse_bytes(name: str, prompt: Any) -> None:
+    if isinstance(prompt, _BYTES):
+        raise TypeError(f"{name}: got {type(prompt).__name__}; a bytes prompt is neither text nor token ids: decode "
+                        "it to a str or pass a list of token ids")
+
+
+def _is_token_id(t: Any) -> bool:
+    """Python / numpy integers; never bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray))
+
+
+def _array_ids(name: str, x: torch.Tensor | np.ndarray, rows: bool) -> list[int] | list[list[int]]:
+    """The token ids of an integer array: 1-d -> one prompt; 2-d (when ``rows``) -> one prompt per row."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name}: expected integer token ids, got a torch tensor of dtype {x.dtype}")
+    elif x.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer token ids, got a numpy array of dtype {x.dtype}")
+    if x.ndim == 1 or (rows and x.ndim == 2):
+        return x.tolist()
+    what = "a 1-d (one prompt) or 2-d (a prompt per row)" if rows else "a 1-d"
+    raise TypeError(f"{name}: expected {what} array of token ids, got shape {tuple(x.shape)}")

@@ -43,19 +43,16 @@ def run(args: argparse.Namespace) -> int:
     from rocm_k3.engine.llm import LLM
     from rocm_k3.sampling_params import SamplingParams
 
-    try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                max_tokens=args.max_tokens)
-        prompts = [_parse_ids(p) for p in args.prompt] if args.token_ids else list(args.prompt)
-        knobs = {name: getattr(args, name) for name in ("block_size", "max_num_seqs", "max_num_batched_tokens")
-                 if getattr(args, name) is not None}
-        llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_model_len=args.max_model_len,
-                  device=args.device, progress=True, moe_act_quant=args.moe_act_quant,
-                  enable_prefix_caching=args.prefix_caching, **knobs)
-        outputs = llm.generate(prompts, params)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"rocm-k3 generate: error: {exc}", file=sys.stderr)
-        return 2
+    # errors propagate to rocm_k3.cli.main, which prints one line (or the traceback with --debug)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    prompts = [_parse_ids(p) for p in args.prompt] if args.token_ids else list(args.prompt)
+    knobs = {name: getattr(args, name) for name in ("block_size", "max_num_seqs", "max_num_batched_tokens")
+             if getattr(args, name) is not None}
+    llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_model_len=args.max_model_len,
+              device=args.device, progress=True, moe_act_quant=args.moe_act_quant,
+              enable_prefix_caching=args.prefix_caching, **knobs)
+    outputs = llm.generate(prompts, params)
     failed = 0
     for prompt, out in zip(args.prompt, outputs):
         print(f"prompt: {prompt!r}")

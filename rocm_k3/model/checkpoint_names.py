@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator
 
+from rocm_k3.checkpoint_errors import MissingTensorError
 from rocm_k3.model.config import ModelConfig
 
 # storage kinds: "float" = any float dtype, cast to the model dtype; "fp32" = kept in float32; "uint8" = raw bytes
@@ -62,26 +64,41 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor the checkpoint of ``cfg`` must hold, by canonical name."""
-    specs: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-                               TensorSpec("model.norm.weight", (cfg.hidden_size,))]
+def expected_tensors(cfg: ModelConfig, limit: int | None = None) -> dict[str, TensorSpec]:
+    """Every tensor the checkpoint of ``cfg`` must hold, by canonical name.
+
+    ``limit``: a bound derived from the tensors the checkpoint holds. A config that implies more (e.g. a hostile
+    ``num_experts`` of 10**9) raises MissingTensorError as soon as the count passes it, instead of listing them all.
+    """
+    out: dict[str, TensorSpec] = {}
+    for spec in _iter_specs(cfg):
+        out[spec.name] = spec
+        if limit is not None and len(out) > limit:
+            raise MissingTensorError(
+                f"the config implies more than {limit} tensors ({cfg.num_hidden_layers} layers, {cfg.num_experts} "
+                "experts per MoE layer), far more than the checkpoint holds"
+            )
+    return out
+
+
+def _iter_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
+    yield TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    yield TensorSpec("model.norm.weight", (cfg.hidden_size,))
     if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)))
+        yield TensorSpec("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     if cfg.uses_attn_res:
-        specs += [TensorSpec("model.output_attn_res_norm.weight", (cfg.hidden_size,)),
-                  TensorSpec("model.output_attn_res_proj.weight", (1, cfg.hidden_size))]
+        yield TensorSpec("model.output_attn_res_norm.weight", (cfg.hidden_size,))
+        yield TensorSpec("model.output_attn_res_proj.weight", (1, cfg.hidden_size))
     for layer in range(cfg.num_hidden_layers):
         p = layer_prefix(layer)
-        specs += [TensorSpec(p + "input_layernorm.weight", (cfg.hidden_size,)),
-                  TensorSpec(p + "post_attention_layernorm.weight", (cfg.hidden_size,))]
+        yield TensorSpec(p + "input_layernorm.weight", (cfg.hidden_size,))
+        yield TensorSpec(p + "post_attention_layernorm.weight", (cfg.hidden_size,))
         if cfg.uses_attn_res:
             for site in ("self_attention_res", "mlp_res"):
-                specs += [TensorSpec(p + f"{site}_norm.weight", (cfg.hidden_size,)),
-                          TensorSpec(p + f"{site}_proj.weight", (1, cfg.hidden_size))]
-        specs += _mla_specs(cfg, p) if cfg.is_mla_layer(layer) else _kda_specs(cfg, p)
-        specs += _moe_specs(cfg, p) if cfg.is_moe_layer(layer) else _dense_specs(cfg, p)
-    return {s.name: s for s in specs}
+                yield TensorSpec(p + f"{site}_norm.weight", (cfg.hidden_size,))
+                yield TensorSpec(p + f"{site}_proj.weight", (1, cfg.hidden_size))
+        yield from _mla_specs(cfg, p) if cfg.is_mla_layer(layer) else _kda_specs(cfg, p)
+        yield from _moe_specs(cfg, p) if cfg.is_moe_layer(layer) else _dense_specs(cfg, p)
 
 
 def _kda_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
@@ -133,27 +150,27 @@ def _dense_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
     return _mlp_specs(p + "mlp.", cfg.hidden_size, cfg.intermediate_size)
 
 
-def _moe_specs(cfg: ModelConfig, p: str) -> list[TensorSpec]:
+def _moe_specs(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
+    """Generated one by one: ``num_experts`` comes from the (untrusted) config."""
     m = p + "block_sparse_moe."
     hid, e_dim, inter = cfg.hidden_size, cfg.expert_hidden_size, cfg.moe_intermediate_size
-    specs = [TensorSpec(m + "gate.weight", (cfg.num_experts, hid), "fp32"),
-             TensorSpec(m + "gate.e_score_correction_bias", (cfg.num_experts,), "fp32")]
+    yield TensorSpec(m + "gate.weight", (cfg.num_experts, hid), "fp32")
+    yield TensorSpec(m + "gate.e_score_correction_bias", (cfg.num_experts,), "fp32")
     if cfg.num_shared_experts:
-        specs += _mlp_specs(m + "shared_experts.", hid, inter * cfg.num_shared_experts)
+        yield from _mlp_specs(m + "shared_experts.", hid, inter * cfg.num_shared_experts)
     if cfg.routed_expert_hidden_size is not None:
-        specs += [TensorSpec(m + "routed_expert_down_proj.weight", (e_dim, hid)),
-                  TensorSpec(m + "routed_expert_up_proj.weight", (hid, e_dim))]
+        yield TensorSpec(m + "routed_expert_down_proj.weight", (e_dim, hid))
+        yield TensorSpec(m + "routed_expert_up_proj.weight", (hid, e_dim))
         if cfg.latent_moe_use_norm:
-            specs.append(TensorSpec(m + "routed_expert_norm.weight", (e_dim,)))
+            yield TensorSpec(m + "routed_expert_norm.weight", (e_dim,))
     for e in range(cfg.num_experts):
         x = f"{m}experts.{e}."
         for w, (out_f, in_f) in (("w1", (inter, e_dim)), ("w3", (inter, e_dim)), ("w2", (e_dim, inter))):
             if cfg.expert_format == "mxfp4":
-                specs += [TensorSpec(x + f"{w}.weight_packed", (out_f, in_f // 2), "uint8"),
-                          TensorSpec(x + f"{w}.weight_scale", (out_f, in_f // 32), "uint8")]
+                yield TensorSpec(x + f"{w}.weight_packed", (out_f, in_f // 2), "uint8")
+                yield TensorSpec(x + f"{w}.weight_scale", (out_f, in_f // 32), "uint8")
             else:
-                specs.append(TensorSpec(x + f"{w}.weight", (out_f, in_f)))
-    return specs
+                yield TensorSpec(x + f"{w}.weight", (out_f, in_f))
 
 
 def canonical_name(cfg: ModelConfig, checkpoint_name: str) -> str | None:

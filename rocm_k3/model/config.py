@@ -6,27 +6,36 @@ Two layouts are accepted (K3_SPEC section 1):
 - Kimi Linear: a plain ``model_type: kimi_linear`` config.
 
 Layer lists in the HF config are 1-based; they are converted to 0-based exactly once, here. Every check raises
-:class:`ConfigError` (a ``ValueError``) naming the field, the expected and the given value.
+:class:`ConfigError` (a ``ValueError``) naming the field, the expected and the given value. The JSON type of
+every key that is read is checked in one place, against :data:`TEXT_CONFIG_TYPES` / :data:`LINEAR_ATTN_TYPES`,
+before any value is used (``"2"`` is not 2, ``"false"`` is not False, NaN and infinities are not numbers); the
+ranges are checked by the dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rocm_k3 import checkpoint_io
+
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_linear")
 
-# The MLA ops (rocm_k3/ops/mla.py) are written for the released latent geometry: 512 c_kv + 64 k_pe per token,
-# 128 nope + 64 rope query dims and 128 value dims per head. Both released checkpoints use exactly these.
+# The released MLA latent geometry (both K3 and Kimi Linear): 512 c_kv + 64 k_pe per cached token, 128 nope +
+# 64 rope query dims and 128 value dims per head. Only defaults for a config that omits the keys: the model, the
+# ops and the cache take the widths from the config and the tensor shapes.
 MLA_KV_LORA_RANK = 512
 MLA_QK_NOPE_HEAD_DIM = 128
 MLA_QK_ROPE_HEAD_DIM = 64
 MLA_V_HEAD_DIM = 128
-MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps in the HF model, not rms_norm_eps
+# q_a_layernorm / kv_a_layernorm: transformers' Kimi Linear (KimiLinearRMSNorm(q_lora_rank / kv_lora_rank)) and
+# Moonshot's modeling code build them with the RMSNorm default eps 1e-6, whatever rms_norm_eps says (every other
+# norm uses rms_norm_eps). tests/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
+MLA_NORM_EPS = 1e-6
+MAX_LAYERS = 4096  # a sane bound (K3: 93): layer counts drive Python loops over range(num_hidden_layers)
 
 
 class ConfigError(ValueError):
@@ -59,9 +68,11 @@ class KDAConfig:
             raise ConfigError(
                 f"linear_attn_config.short_conv_kernel_size: expected an int >= 2, got {self.conv_kernel_size!r}"
             )
-        if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
+        if self.gate_lower_bound is not None and not (math.isfinite(self.gate_lower_bound)
+                                                       and self.gate_lower_bound < 0):
             raise ConfigError(
-                f"linear_attn_config.gate_lower_bound: expected a negative number or null, got {self.gate_lower_bound!r}"
+                f"linear_attn_config.gate_lower_bound: expected a finite negative number or null, got "
+                f"{self.gate_lower_bound!r}"
             )
 
     @property
@@ -130,8 +141,11 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: expected 'silu' or 'situ', got {self.hidden_act!r}")
         if self.attn_res_block_size is not None:
             _positive("attn_res_block_size", self.attn_res_block_size)
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps: expected > 0, got {self.rms_norm_eps!r}")
+        for key, value in (("rms_norm_eps", self.rms_norm_eps), ("routed_scaling_factor", self.routed_scaling_factor),
+                           ("activation_situ_beta", self.situ_beta),
+                           ("activation_situ_linear_beta", self.situ_linear_beta)):
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{key}: expected a finite number > 0, got {value!r}")
         if self.expert_format not in ("mxfp4", "bf16"):
             raise ConfigError(f"expert_format: expected 'mxfp4' or 'bf16', got {self.expert_format!r}")
         for tok in ((self.bos_token_id,) if self.bos_token_id is not None else ()) + self.eos_token_id:
@@ -139,7 +153,7 @@ class ModelConfig:
                 raise ConfigError(f"bos/eos token id {tok} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_layers(self) -> None:
-        n = self.num_hidden_layers
+        n = _layer_count(self.num_hidden_layers)
         for name in ("mla_layers", "kda_layers"):
             layers = getattr(self, name)
             bad = [i for i in layers if not 0 <= i < n]
@@ -158,16 +172,10 @@ class ModelConfig:
             raise ConfigError(f"layers {[i + 1 for i in missing]} (1-based) are neither MLA nor KDA layers")
 
     def _check_mla(self) -> None:
-        expected = {
-            "kv_lora_rank": MLA_KV_LORA_RANK, "qk_nope_head_dim": MLA_QK_NOPE_HEAD_DIM,
-            "qk_rope_head_dim": MLA_QK_ROPE_HEAD_DIM, "v_head_dim": MLA_V_HEAD_DIM,
-        }
-        for name, value in expected.items():
-            if getattr(self, name) != value:
-                raise ConfigError(
-                    f"{name}: the MLA ops support the released latent geometry ({name} = {value}), got "
-                    f"{getattr(self, name)!r}"
-                )
+        """Any latent geometry: the ops take their widths from the tensor shapes (kernels decline what they
+        cannot run through ``supports``)."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
 
@@ -222,6 +230,11 @@ class ModelConfig:
     def q_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def mla_latent_width(self) -> int:
+        """Values cached per token per MLA layer: the normalised c_kv (kv_lora_rank) then k_pe (rope dims)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def is_mla_layer(self, layer: int) -> bool:
         return layer in self._mla_set
 
@@ -267,17 +280,95 @@ class ModelConfig:
 
 
 def read_config_json(path: str | Path) -> Any:
-    """The parsed ``config.json`` of a checkpoint directory (FileNotFoundError, or ConfigError if not JSON)."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
+    """The parsed ``config.json`` of a checkpoint directory, read as untrusted input (FileNotFoundError when
+    absent; ConfigError for a non-regular file, invalid UTF-8 or JSON, naming the file)."""
+    file = checkpoint_io.member(Path(path), "config.json")
+    if not checkpoint_io.require_regular(file, ConfigError):
         raise FileNotFoundError(f"no config.json in {path}")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
+    return checkpoint_io.read_json(file, ConfigError)
 
 
-def _from_text_config(model_type: str, t: Mapping[str, Any], quant: Any, weight_prefix: str) -> ModelConfig:
+# ------------------------------------------------------------------------------------------ value types
+# The JSON type of every key read from ``text_config`` (or a plain Kimi Linear config) and from its
+# ``linear_attn_config``. A "?" kind also accepts null; for every key null counts as absent (the default).
+TEXT_CONFIG_TYPES: dict[str, str] = {
+    "vocab_size": "int", "hidden_size": "int", "num_hidden_layers": "int", "num_attention_heads": "int",
+    "kv_lora_rank": "int", "q_lora_rank": "int?", "qk_nope_head_dim": "int", "qk_rope_head_dim": "int",
+    "v_head_dim": "int", "mla_use_nope": "bool", "mla_use_output_gate": "bool",
+    "num_experts": "int", "num_local_experts": "int", "n_routed_experts": "int",
+    "num_experts_per_token": "int", "num_experts_per_tok": "int", "num_shared_experts": "int",
+    "n_shared_experts": "int", "moe_intermediate_size": "int", "routed_expert_hidden_size": "int?",
+    "latent_moe_use_norm": "bool", "first_k_dense_replace": "int", "moe_layer_freq": "int",
+    "intermediate_size": "int", "moe_router_activation_func": "str", "topk_method": "str",
+    "num_expert_group": "int", "n_group": "int", "topk_group": "int", "routed_scaling_factor": "number",
+    "moe_renormalize": "bool", "norm_topk_prob": "bool", "hidden_act": "str", "activation_situ_beta": "number",
+    "activation_situ_linear_beta": "number?", "attn_res_block_size": "int?", "rms_norm_eps": "number",
+    "max_position_embeddings": "int", "model_max_length": "int", "tie_word_embeddings": "bool",
+    "bos_token_id": "int?", "eos_token_id": "token_ids", "linear_attn_config": "object",
+    "layer_types": "str_list", "mlp_layer_types": "str_list", "linear_num_heads": "int", "linear_head_dim": "int",
+    "linear_conv_kernel_dim": "int",
+}
+LINEAR_ATTN_TYPES: dict[str, str] = {
+    "num_heads": "int", "head_dim": "int", "short_conv_kernel_size": "int", "gate_lower_bound": "number?",
+    "use_full_rank_gate": "bool", "full_attn_layers": "layers", "kda_layers": "layers",
+}
+_EXPECTED = {
+    "int": "an integer", "number": "a number", "bool": "true or false", "str": "a string", "object": "an object",
+    "token_ids": "an integer or a list of integers", "str_list": "a list of strings",
+    "layers": "a list of 1-based layer numbers",
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _typed(raw: Mapping[str, Any], table: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
+    """A copy of ``raw`` whose keys in ``table`` hold values of their kind (numbers become floats).
+
+    Raises ConfigError naming ``prefix + key``, the expected kind and the value with its JSON type.
+    """
+    out = dict(raw)
+    for key, kind in table.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        base = kind.rstrip("?")
+        if base == "int":
+            ok = _is_int(value)
+        elif base == "number":
+            ok = _is_int(value) or isinstance(value, float)
+            if ok:
+                try:
+                    value = float(value)
+                except OverflowError:  # an int beyond float range
+                    value = math.inf
+                if not math.isfinite(value):
+                    raise ConfigError(f"{prefix}{key}: expected a finite number, got {raw[key]!r}")
+        elif base == "bool":
+            ok = isinstance(value, bool)
+        elif base == "str":
+            ok = isinstance(value, str)
+        elif base == "object":
+            ok = isinstance(value, Mapping)
+        elif base == "token_ids":
+            ok = _is_int(value) or (isinstance(value, list) and all(_is_int(v) for v in value))
+        elif base == "str_list":
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:  # layers
+            ok = isinstance(value, list) and all(_is_int(v) for v in value)
+        if not ok:
+            null = " or null" if kind.endswith("?") else ""
+            raise ConfigError(
+                f"{prefix}{key}: expected {_EXPECTED[base]}{null}, got {value!r} ({type(value).__name__})"
+            )
+        out[key] = value
+    return out
+
+
+def _from_text_config(model_type: str, raw: Mapping[str, Any], quant: Any, weight_prefix: str) -> ModelConfig:
+    t = _typed(raw, TEXT_CONFIG_TYPES)
+
     def get(name: str, default: Any = None, *aliases: str) -> Any:
         for key in (name, *aliases):
             if key in t and t[key] is not None:
@@ -285,15 +376,14 @@ def _from_text_config(model_type: str, t: Mapping[str, Any], quant: Any, weight_
         return default
 
     n_layers = _int_field("num_hidden_layers", get("num_hidden_layers"))
-    lin = t.get("linear_attn_config") or {}
-    if not isinstance(lin, Mapping):
-        raise ConfigError(f"linear_attn_config: expected an object, got {type(lin).__name__}")
+    _layer_count(n_layers)
+    lin = _typed(t.get("linear_attn_config") or {}, LINEAR_ATTN_TYPES, "linear_attn_config.")
     kda = KDAConfig(
         num_heads=_int_field("linear_attn_config.num_heads", lin.get("num_heads", t.get("linear_num_heads"))),
         head_dim=_int_field("linear_attn_config.head_dim", lin.get("head_dim", t.get("linear_head_dim"))),
         conv_kernel_size=lin.get("short_conv_kernel_size", t.get("linear_conv_kernel_dim", 4)),
         gate_lower_bound=lin.get("gate_lower_bound"),
-        full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
+        full_rank_gate=lin.get("use_full_rank_gate") or False,
     )
     if "full_attn_layers" in lin:
         mla = _one_based("linear_attn_config.full_attn_layers", lin["full_attn_layers"])
@@ -326,7 +416,7 @@ def _from_text_config(model_type: str, t: Mapping[str, Any], quant: Any, weight_
         kinds = t["mlp_layer_types"]
         first_dense = kinds.index("sparse") if "sparse" in kinds else len(kinds)
     eos = get("eos_token_id", ())
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if _is_int(eos) else ()
     return ModelConfig(
         model_type=model_type,
         vocab_size=_int_field("vocab_size", get("vocab_size")),
@@ -341,26 +431,26 @@ def _from_text_config(model_type: str, t: Mapping[str, Any], quant: Any, weight_
         qk_nope_head_dim=get("qk_nope_head_dim", MLA_QK_NOPE_HEAD_DIM),
         qk_rope_head_dim=get("qk_rope_head_dim", MLA_QK_ROPE_HEAD_DIM),
         v_head_dim=get("v_head_dim", MLA_V_HEAD_DIM),
-        mla_use_output_gate=bool(get("mla_use_output_gate", False)),
+        mla_use_output_gate=get("mla_use_output_gate", False),
         num_experts=get("num_experts", 0, "num_local_experts", "n_routed_experts"),
         num_experts_per_token=get("num_experts_per_token", 0, "num_experts_per_tok"),
         num_shared_experts=get("num_shared_experts", 0, "n_shared_experts"),
         moe_intermediate_size=get("moe_intermediate_size", 0),
         routed_expert_hidden_size=get("routed_expert_hidden_size"),
-        latent_moe_use_norm=bool(get("latent_moe_use_norm", True)),
+        latent_moe_use_norm=get("latent_moe_use_norm", True),
         first_k_dense_replace=first_dense if first_dense is not None else 1,
         intermediate_size=get("intermediate_size", 0),
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        moe_renormalize=bool(get("moe_renormalize", True, "norm_topk_prob")),
+        routed_scaling_factor=get("routed_scaling_factor", 1.0),
+        moe_renormalize=get("moe_renormalize", True, "norm_topk_prob"),
         hidden_act=get("hidden_act", "silu"),
-        situ_beta=float(get("activation_situ_beta", 4.0)),
+        situ_beta=get("activation_situ_beta", 4.0),
         situ_linear_beta=t.get("activation_situ_linear_beta", 25.0),
         attn_res_block_size=get("attn_res_block_size"),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=get("rms_norm_eps", 1e-5),
         max_position_embeddings=get("max_position_embeddings", 1048576, "model_max_length"),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        tie_word_embeddings=get("tie_word_embeddings", False),
         bos_token_id=get("bos_token_id"),
-        eos_token_id=tuple(int(e) for e in eos_ids if e is not None),
+        eos_token_id=eos_ids,
         expert_format=_expert_format(quant),
         weight_prefix=weight_prefix,
     )
@@ -376,7 +466,12 @@ def _expert_format(quant: Any) -> str:
     if method != "compressed-tensors":
         raise ConfigError(f"quantization_config.quant_method: expected 'compressed-tensors', got {method!r}")
     formats = {quant.get("format")}
-    for group in (quant.get("config_groups") or {}).values():
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ConfigError(f"quantization_config.config_groups: expected an object, got {type(groups).__name__}")
+    for key, group in groups.items():
+        if not isinstance(group, Mapping) or not isinstance(group.get("weights") or {}, Mapping):
+            raise ConfigError(f"quantization_config.config_groups.{key}: expected an object with a 'weights' object")
         formats.add(group.get("format"))
         weights = group.get("weights") or {}
         if weights.get("num_bits", 4) != 4 or weights.get("group_size", 32) != 32:
@@ -386,7 +481,9 @@ def _expert_format(quant: Any) -> str:
             )
     formats.discard(None)
     if formats != {"mxfp4-pack-quantized"}:
-        raise ConfigError(f"quantization_config.format: expected 'mxfp4-pack-quantized', got {sorted(formats)}")
+        raise ConfigError(
+            f"quantization_config.format: expected 'mxfp4-pack-quantized', got {sorted(map(repr, formats))}"
+        )
     return "mxfp4"
 
 
@@ -396,6 +493,12 @@ def _one_based(name: str, layers: Any) -> tuple[int, ...]:
     if any(i < 1 for i in layers):
         raise ConfigError(f"{name}: layer numbers are 1-based, got {sorted(i for i in layers if i < 1)}")
     return tuple(i - 1 for i in layers)
+
+
+def _layer_count(n: int) -> int:
+    if n > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers: expected at most {MAX_LAYERS}, got {n}")
+    return n
 
 
 def _int_field(name: str, value: Any) -> int:

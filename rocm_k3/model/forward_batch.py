@@ -17,9 +17,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-MLA_LATENT_WIDTH = 576  # 512 normalised c_kv | 64 k_pe per token per MLA layer (K3 and Kimi Linear)
-
-
 @dataclasses.dataclass
 class ForwardBatch:
     """One engine step; every tensor lives on the model's device.
@@ -99,7 +96,8 @@ class ForwardBatch:
 class HybridCacheView(Protocol):
     """What the model needs from a cache (layer indices count MLA layers and KDA layers separately, 0-based).
 
-    mla_kv(i):     [num_blocks, block_size, 576] latent pages of the i-th MLA layer (model activation dtype)
+    mla_kv(i):     [num_blocks, block_size, cfg.mla_latent_width] latent pages of the i-th MLA layer (normalised
+                   c_kv | k_pe, kv_lora_rank + qk_rope_head_dim values; 576 in K3), model activation dtype
     kda_state(i):  fp32 [S, H, K, V] recurrent state pool of the i-th KDA layer
     conv_state(i): [S, 3*H*K, W-1] short-conv state pool of the i-th KDA layer (oldest input first)
     block_size:    tokens per MLA page

@@ -6,8 +6,8 @@ compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safete
 (``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at
 3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
 (top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
-output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128), which the MLA ops
-assume. About 2 MB. The weights are random: the model exercises every code path, it does not speak.
+output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128; ``text_overrides`` can
+change it: the model and ops take the widths from the config). About 2 MB. The weights are random: the model exercises every code path, it does not speak.
 
 :func:`ensure_embedded_model` builds it once into ``settings.cache_dir`` for ``rocm-k3 generate`` and
 ``rocm_k3.LLM()`` with no path.
@@ -35,6 +35,11 @@ from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
 
 EMBEDDED_NAME = "tiny-k3-v2"  # v2: the byte tokenizer with K3's control specials (vocab 272)
 TINY_SEED = 0
+COMPLETE_MARKER = ".rocm_k3_complete"  # written last into a finished embedded model
+
+
+class EmbeddedModelError(OSError):
+    """The embedded model cannot be built in the cache directory; the message names it and the fix."""
 
 _TOKENIZER = embedded_byte_tokenizer()
 
@@ -191,9 +196,14 @@ def _storage_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                      shards: int = 1) -> Path:
-    """Write ``config.json`` and the tensors (bf16 except fp32/uint8 ones) as 1 or more safetensors shards."""
-    if shards < 1:
-        raise ValueError(f"shards: expected >= 1, got {shards}")
+    """Write ``config.json`` and the tensors (bf16 except fp32/uint8 ones) as 1 or more safetensors shards.
+
+    ``shards`` is between 1 and the number of tensors (every shard holds at least one; checked before anything
+    is written).
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= max(1, len(tensors)):
+        raise ValueError(f"shards: expected an int in [1, {len(tensors)}] (the checkpoint has {len(tensors)} "
+                         f"tensors, at least one per shard), got {shards!r}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     for stale in [*root.glob("*.safetensors"), root / INDEX_FILE]:  # a previous checkpoint's weights
@@ -205,11 +215,13 @@ def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dic
     if shards == 1:
         save_file(stored, str(root / "model.safetensors"), metadata=meta)
         return root
-    per = math.ceil(len(names) / shards)
+    per, extra = divmod(len(names), shards)  # the first `extra` shards hold one tensor more
     weight_map = {}
+    start = 0
     for i in range(shards):
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        chunk = names[i * per:(i + 1) * per]
+        stop = start + per + (1 if i < extra else 0)
+        chunk, start = names[start:stop], stop
         save_file({n: stored[n] for n in chunk}, str(root / file), metadata=meta)
         weight_map.update({n: file for n in chunk})
     total = sum(t.numel() * t.element_size() for t in stored.values())
@@ -264,22 +276,56 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: 
 def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
     """The embedded tiny model's directory under ``cache_dir`` (default: settings.cache_dir), built on first use.
 
-    Built in a temporary sibling directory and renamed into place, so a crash never leaves a half-written model.
+    Built in a temporary sibling directory whose completion marker is written last, then renamed into place, so
+    a crash never leaves a half-written model that looks finished. A directory without the marker (an
+    interrupted build, a deleted file, an older rocm-k3's build) is moved aside and rebuilt. Raises
+    EmbeddedModelError naming the directory when the cache directory cannot be written.
     """
     base = Path(cache_dir) if cache_dir is not None else get_settings().cache_dir
     target = base / EMBEDDED_NAME
-    if (target / "config.json").is_file():
+    if _is_complete(target):
         return target
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".", dir=base))
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".", dir=base))
+    except OSError as exc:
+        raise EmbeddedModelError(
+            f"cannot build the embedded model in the cache directory {base}: {exc.strerror or exc}; set "
+            "ROCM_K3_CACHE_DIR to a writable directory, or pass --model / LLM(path) to use a checkpoint"
+        ) from exc
     try:
         write_tiny_checkpoint(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent builder that won the race
-                raise
+        (tmp / COMPLETE_MARKER).write_text(EMBEDDED_NAME + "\n")
+        _install(tmp, target)
+    except OSError as exc:
+        raise EmbeddedModelError(
+            f"cannot write the embedded model to {target}: {exc.strerror or exc}; free space or set "
+            "ROCM_K3_CACHE_DIR to another writable directory"
+        ) from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / COMPLETE_MARKER).is_file() and (target / "config.json").is_file()
+
+
+def _install(tmp: Path, target: Path) -> None:
+    """Rename the finished build ``tmp`` to ``target``, moving a stale (unmarked) ``target`` aside first."""
+    if target.exists() or target.is_symlink():
+        if _is_complete(target):  # a concurrent builder finished first
+            return
+        stale = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".stale.", dir=target.parent))
+        try:
+            os.replace(target, stale / "old")
+        except FileNotFoundError:  # a concurrent builder moved it first
+            pass
+        finally:
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not _is_complete(target):  # not a concurrent builder that won the race
+            raise

@@ -1,22 +1,26 @@
-"""MLA (multi-head latent attention, DeepSeek-V3 style, NoPE) over a paged latent cache.
+"""MLA (multi-head latent attention, DeepSeek-V3 style, NoPE) over a paged latent cache, of any latent geometry.
+
+Widths (the released K3 / Kimi Linear values in brackets): R = kv_lora_rank [512], P = qk_rope_head_dim [64],
+Dn = qk_nope_head_dim [128], Dv = v_head_dim [128]. No op takes them as arguments: they are read from the
+tensor shapes (:func:`prefill_geometry` for the prefill, whose shapes determine all four).
 
 Cache layout (one tensor per MLA layer)::
 
-    kv_cache     [num_blocks, block_size, 576]   576 = 512 c_kv (already RMS-normed) | 64 k_pe
-    block_table  int32 [N, max_blocks]           physical block of each logical block of sequence i
-    slot_mapping int64 [T]                       slot = block * block_size + offset; -1 = do not write
+    kv_cache     [num_blocks, block_size, R + P]   c_kv (already RMS-normed, R) | k_pe (P)   [576]
+    block_table  int32 [N, max_blocks]             physical block of each logical block of sequence i
+    slot_mapping int64 [T]                         slot = block * block_size + offset; -1 = do not write
 
 Token ``p`` of sequence ``i`` lives at ``kv_cache[block_table[i, p // block_size], p % block_size]``.
 
-K3 uses no rotary embedding: the 64 "rope" dims of q and the shared k_pe are used exactly as given, never
-rotated, so no op takes positions. The per-head up-projection ``kv_b_weight [H * (128 + 128), 512]`` holds, for
-head h, rows ``h*256 : h*256+128`` = W_uk (c_kv -> k_nope) and rows ``h*256+128 : (h+1)*256`` = W_uv (c_kv -> v).
+K3 uses no rotary embedding: the P "rope" dims of q and the shared k_pe are used exactly as given, never
+rotated, so no op takes positions. The per-head up-projection ``kv_b_weight [H * (Dn + Dv), R]`` holds, for
+head h, rows ``h*(Dn+Dv) : h*(Dn+Dv)+Dn`` = W_uk (c_kv -> k_nope) and the next Dv rows = W_uv (c_kv -> v).
 
 Ops:
 - :func:`mla_write_cache` stores the latents of new tokens (in place).
 - :func:`mla_prefill` expands k/v from the cached latents and runs causal attention (q = new tokens, which are the
   last ones of each sequence's context: chunked prefill and prefix hits read earlier context from the cache).
-- :func:`mla_decode` attends in the absorbed 512-d latent space (the caller folds W_uk into q and applies W_uv to
+- :func:`mla_decode` attends in the absorbed R-d latent space (the caller folds W_uk into q and applies W_uv to
   the output).
 
 Public functions check shapes, dtypes and devices only (no device syncs, so they stay graph-capturable). The
@@ -27,18 +31,11 @@ block table capacity, cu_seqlens_q consistency) and raise ValueError; kernel bac
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from rocm_k3.ops import registry
-
-KV_LORA_RANK = 512  # c_kv width
-ROPE_DIM = 64  # k_pe / q_pe width (NoPE in K3: never rotated)
-LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576 values per cached token
-QK_NOPE_DIM = 128
-QK_DIM = QK_NOPE_DIM + ROPE_DIM  # 192; default softmax scale 192^-0.5
-V_DIM = 128
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PREFILL_Q_CHUNK = 256  # reference prefill: queries per score block
@@ -80,11 +77,54 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> No
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all must share a device")
 
 
+class MLAGeometry(NamedTuple):
+    """The latent widths of one MLA call (see the module docstring)."""
+
+    kv_lora_rank: int  # R: c_kv width
+    rope: int  # P: k_pe / q_pe width
+    nope: int  # Dn: per-head no-position query / key width
+    v: int  # Dv: per-head value width
+
+    @property
+    def latent(self) -> int:
+        return self.kv_lora_rank + self.rope
+
+
+def prefill_geometry(q: torch.Tensor, kv_cache: torch.Tensor, kv_b_weight: torch.Tensor) -> MLAGeometry:
+    """The widths of a prefill from ``q [T, H, Dn + P]``, ``kv_cache [.., .., R + P]``, ``kv_b [H * (Dn + Dv), R]``.
+
+    R = kv_b's columns, P = cache width - R, Dn = q width - P, Dv = kv_b rows / H - Dn; each must be >= 1
+    (ValueError naming the tensor otherwise).
+    """
+    num_heads, q_width = q.shape[1], q.shape[2]
+    rows, lora = kv_b_weight.shape
+    rope = kv_cache.shape[2] - lora
+    if rope < 1:
+        raise ValueError(
+            f"kv_cache must have shape [num_blocks, block_size, {lora} + rope] with rope >= 1 (kv_lora_rank {lora} "
+            f"from kv_b_weight's columns), got {list(kv_cache.shape)}"
+        )
+    nope = q_width - rope
+    if nope < 1:
+        raise ValueError(
+            f"q must have shape [T, H, qk_nope + {rope}] with qk_nope >= 1 (rope {rope} from kv_cache), got "
+            f"{list(q.shape)}"
+        )
+    if rows % num_heads or rows // num_heads <= nope:
+        raise ValueError(
+            f"kv_b_weight must have shape [H * ({nope} + v_head_dim), {lora}] with v_head_dim >= 1 for H = "
+            f"{num_heads} (qk_nope {nope} from q), got {list(kv_b_weight.shape)}"
+        )
+    return MLAGeometry(lora, rope, nope, rows // num_heads - nope)
+
+
 def _check_cache(kv_cache: object) -> torch.Tensor:
     kv_cache = _float("kv_cache", kv_cache)
-    _shape("kv_cache", kv_cache, (None, None, LATENT_DIM), f"[num_blocks, block_size, {LATENT_DIM}]")
+    _shape("kv_cache", kv_cache, (None, None, None), "[num_blocks, block_size, kv_lora_rank + rope]")
     if kv_cache.shape[1] == 0:
         raise ValueError("kv_cache block_size (dim 1) must be >= 1, got 0")
+    if kv_cache.shape[2] < 2:
+        raise ValueError(f"kv_cache must hold c_kv and k_pe (width >= 2) per token, got {list(kv_cache.shape)}")
     return kv_cache
 
 
@@ -153,11 +193,11 @@ def _check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, total: int, lens: list[
 
 
 def _gather_latents(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached latents of one sequence, fp32 [length, 576]."""
+    """The first ``length`` cached latents of one sequence, fp32 [length, R + P]."""
     block_size = kv_cache.shape[1]
     pos = torch.arange(length, device=kv_cache.device)
     blocks = table_row.to(kv_cache.device)[pos // block_size].long()  # [length]
-    return kv_cache[blocks, pos % block_size].float()  # [length, 576]
+    return kv_cache[blocks, pos % block_size].float()  # [length, R + P]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -173,7 +213,7 @@ def _mla_write_cache_reference(latent: torch.Tensor, kv_cache: torch.Tensor, slo
                 f"{list(kv_cache.shape)}, got range [{lo}, {hi}]"
             )
     keep = slot_mapping >= 0  # [T]
-    flat = kv_cache.view(-1, LATENT_DIM)  # [num_blocks * block_size, 576], shares storage
+    flat = kv_cache.view(-1, kv_cache.shape[2])  # [num_blocks * block_size, R + P], shares storage
     flat[slot_mapping[keep]] = latent[keep].to(kv_cache.dtype)
 
 
@@ -182,41 +222,44 @@ def _mla_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
                            scale: float | None = None) -> torch.Tensor:
     lens = _check_paged_values(kv_cache, block_table, seq_lens)
     cu = _check_cu_seqlens_values(cu_seqlens_q, q.shape[0], lens)
-    scale = QK_DIM**-0.5 if scale is None else float(scale)
+    geo = prefill_geometry(q, kv_cache, kv_b_weight)
+    lora, nope = geo.kv_lora_rank, geo.nope
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     num_heads = q.shape[1]
-    w = kv_b_weight.float().view(num_heads, QK_NOPE_DIM + V_DIM, KV_LORA_RANK)  # [H, 256, 512]
-    w_uk, w_uv = w[:, :QK_NOPE_DIM], w[:, QK_NOPE_DIM:]  # [H, 128, 512] each
-    out = torch.zeros(q.shape[0], num_heads, V_DIM, dtype=q.dtype, device=q.device)
+    w = kv_b_weight.float().view(num_heads, nope + geo.v, lora)  # [H, Dn + Dv, R]
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, Dn, R], [H, Dv, R]
+    out = torch.zeros(q.shape[0], num_heads, geo.v, dtype=q.dtype, device=q.device)
     for i, length in enumerate(lens):
         q0, q1 = cu[i], cu[i + 1]  # new tokens: the last q1 - q0 of the L context positions
         if q0 == q1:
             continue
-        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, 576]
-        c_kv, k_pe = latent[:, :KV_LORA_RANK], latent[:, KV_LORA_RANK:]  # [L, 512], [L, 64]
-        k_nope = torch.einsum("lc,hdc->hld", c_kv, w_uk)  # [H, L, 128]
-        v = torch.einsum("lc,hdc->hld", c_kv, w_uv)  # [H, L, 128]
+        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, R + P]
+        c_kv, k_pe = latent[:, :lora], latent[:, lora:]  # [L, R], [L, P]
+        k_nope = torch.einsum("lc,hdc->hld", c_kv, w_uk)  # [H, L, Dn]
+        v = torch.einsum("lc,hdc->hld", c_kv, w_uv)  # [H, L, Dv]
         k_pos = torch.arange(length, device=q.device)
         for c0 in range(q0, q1, _PREFILL_Q_CHUNK):  # bounds the [H, chunk, L] score tensor on long prompts
             c1 = min(c0 + _PREFILL_Q_CHUNK, q1)
-            qc = q[c0:c1].float().transpose(0, 1)  # [H, c, 192]
-            scores = qc[..., :QK_NOPE_DIM] @ k_nope.transpose(1, 2) + qc[..., QK_NOPE_DIM:] @ k_pe.T  # [H, c, L]
+            qc = q[c0:c1].float().transpose(0, 1)  # [H, c, Dn + P]
+            scores = qc[..., :nope] @ k_nope.transpose(1, 2) + qc[..., nope:] @ k_pe.T  # [H, c, L]
             q_pos = torch.arange(c0 - q1 + length, c1 - q1 + length, device=q.device)  # absolute positions
             future = k_pos[None, :] > q_pos[:, None]  # [c, L]
             probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, c, L]
-            out[c0:c1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [c, H, 128]
+            out[c0:c1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [c, H, Dv]
     return out
 
 
 def _mla_decode_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
     lens = _check_paged_values(kv_cache, block_table, seq_lens, min_len=1)
-    out = torch.empty_like(q_latent)  # [N, H, 512]
+    lora = q_latent.shape[2]
+    out = torch.empty_like(q_latent)  # [N, H, R]
     for i, length in enumerate(lens):
-        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, 576]
-        c_kv, k_pe = latent[:, :KV_LORA_RANK], latent[:, KV_LORA_RANK:]  # [L, 512], [L, 64]
+        latent = _gather_latents(kv_cache, block_table[i], length)  # [L, R + P]
+        c_kv, k_pe = latent[:, :lora], latent[:, lora:]  # [L, R], [L, P]
         scores = q_latent[i].float() @ c_kv.T + q_pe[i].float() @ k_pe.T  # [H, L]
         probs = torch.softmax(scores * float(scale), dim=-1)  # [H, L]
-        out[i] = (probs @ c_kv).to(q_latent.dtype)  # [H, 512]
+        out[i] = (probs @ c_kv).to(q_latent.dtype)  # [H, R]
     return out
 
 
@@ -235,15 +278,16 @@ def mla_write_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     """Store the latents of new tokens in the paged cache, in place.
 
     Args:
-        latent: [T, 576] (512 normed c_kv | 64 k_pe), same dtype as ``kv_cache``.
-        kv_cache: [num_blocks, block_size, 576], contiguous; updated in place.
+        latent: [T, R + P] (normed c_kv | k_pe), same dtype as ``kv_cache``.
+        kv_cache: [num_blocks, block_size, R + P], contiguous; updated in place.
         slot_mapping: int64 [T]; token t goes to flat slot ``slot_mapping[t]`` (= block * block_size + offset),
             -1 skips the token (e.g. padding or a prefix-cache hit).
     """
     latent = _float("latent", latent)
     kv_cache = _check_cache(kv_cache)
     slot_mapping = _int("slot_mapping", slot_mapping, torch.int64)
-    _shape("latent", latent, (None, LATENT_DIM), f"[T, {LATENT_DIM}]")
+    width = kv_cache.shape[2]
+    _shape("latent", latent, (None, width), f"[T, {width}] to match kv_cache [num_blocks, block_size, {width}]")
     _shape("slot_mapping", slot_mapping, (latent.shape[0],), f"[T] with T = {latent.shape[0]}")
     if latent.dtype != kv_cache.dtype:
         raise TypeError(f"latent dtype {latent.dtype} must match kv_cache dtype {kv_cache.dtype}")
@@ -259,35 +303,34 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     """Causal MLA attention of new tokens over their sequence's cached context, with expanded k/v.
 
     Args:
-        q: [T, H, 192] (128 nope | 64 pe), new tokens of N sequences concatenated.
-        kv_cache: [num_blocks, block_size, 576]; must already hold every context token INCLUDING the new ones.
+        q: [T, H, Dn + P] (nope | pe), new tokens of N sequences concatenated.
+        kv_cache: [num_blocks, block_size, R + P]; must already hold every context token INCLUDING the new ones.
         block_table: int32 [N, max_blocks].
         cu_seqlens_q: int32 [N + 1]; sequence i's queries are rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]``.
         seq_lens: int32 [N]; context length of sequence i after this step (cached + new).
-        kv_b_weight: [H * 256, 512]; per head, 128 rows W_uk then 128 rows W_uv.
-        scale: softmax scale, default 192^-0.5.
+        kv_b_weight: [H * (Dn + Dv), R]; per head, Dn rows W_uk then Dv rows W_uv.
+        scale: softmax scale, default (Dn + P)^-0.5.
 
-    Math (fp32), for sequence i with L = seq_lens[i] and n new tokens, query j at position ``L - n + j``::
+    The widths are read from the shapes (:func:`prefill_geometry`). Math (fp32), for sequence i with
+    L = seq_lens[i] and n new tokens, query j at position ``L - n + j``::
 
-        c_kv, k_pe = cache[:L, :512], cache[:L, 512:]
-        k_nope[h] = c_kv @ W_uk[h]^T;  v[h] = c_kv @ W_uv[h]^T            # [L, 128]
+        c_kv, k_pe = cache[:L, :R], cache[:L, R:]
+        k_nope[h] = c_kv @ W_uk[h]^T  [L, Dn];  v[h] = c_kv @ W_uv[h]^T  [L, Dv]
         s[h, j, l] = scale * (q_nope[j, h] . k_nope[h, l] + q_pe[j, h] . k_pe[l]),  l <= L - n + j
         out[j, h] = softmax_l(s[h, j]) @ v[h]
 
-    Returns: [T, H, 128] in q's dtype.
+    Returns: [T, H, Dv] in q's dtype.
     """
     q = _float("q", q)
-    _shape("q", q, (None, None, QK_DIM), f"[T, H, {QK_DIM}]")
-    num_heads = q.shape[1]
+    _shape("q", q, (None, None, None), "[T, H, qk_nope + rope]")
     cu_seqlens_q = _int("cu_seqlens_q", cu_seqlens_q, torch.int32)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q must have shape [N + 1] with N >= 1, got {list(cu_seqlens_q.shape)}")
     n = cu_seqlens_q.shape[0] - 1
     _check_paged(kv_cache, block_table, seq_lens, n)
     kv_b_weight = _float("kv_b_weight", kv_b_weight)
-    rows = num_heads * (QK_NOPE_DIM + V_DIM)
-    _shape("kv_b_weight", kv_b_weight, (rows, KV_LORA_RANK),
-           f"[H * ({QK_NOPE_DIM} + {V_DIM}), {KV_LORA_RANK}] = [{rows}, {KV_LORA_RANK}] for H = {num_heads}")
+    _shape("kv_b_weight", kv_b_weight, (None, None), "[H * (qk_nope + v_head_dim), kv_lora_rank]")
+    prefill_geometry(q, kv_cache, kv_b_weight)
     if kv_cache.dtype != q.dtype:
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype}")
     _check_scale(scale, required=False)
@@ -299,27 +342,33 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *, scale: float, backend: str | None = None) -> torch.Tensor:
-    """One-token-per-sequence MLA attention in the absorbed 512-d latent space.
+    """One-token-per-sequence MLA attention in the absorbed R-d latent space.
 
     Args:
-        q_latent: [N, H, 512] = q_nope[h] @ W_uk[h] (W_uk absorbed by the caller).
-        q_pe: [N, H, 64], same dtype as q_latent.
-        kv_cache: [num_blocks, block_size, 576], same dtype as q_latent.
+        q_latent: [N, H, R] = q_nope[h] @ W_uk[h] (W_uk absorbed by the caller).
+        q_pe: [N, H, P], same dtype as q_latent.
+        kv_cache: [num_blocks, block_size, R + P], same dtype as q_latent.
         block_table: int32 [N, max_blocks].
         seq_lens: int32 [N], each >= 1 (the new token is already cached).
-        scale: softmax scale (K3: 192^-0.5, the scale of the unabsorbed attention).
+        scale: softmax scale (K3: (Dn + P)^-0.5, the scale of the unabsorbed attention).
 
     Math (fp32): ``s[h, l] = scale * (q_latent[h] . c_kv[l] + q_pe[h] . k_pe[l])`` over the seq_lens[i] cached
     tokens, ``out[h] = softmax_l(s[h]) @ c_kv``. The caller applies W_uv: ``o[h] = out[h] @ W_uv[h]^T``.
 
-    Returns: [N, H, 512] in q_latent's dtype.
+    Returns: [N, H, R] in q_latent's dtype.
     """
     q_latent = _float("q_latent", q_latent)
-    _shape("q_latent", q_latent, (None, None, KV_LORA_RANK), f"[N, H, {KV_LORA_RANK}]")
-    n, num_heads = q_latent.shape[0], q_latent.shape[1]
+    _shape("q_latent", q_latent, (None, None, None), "[N, H, kv_lora_rank]")
+    n, num_heads, lora = q_latent.shape
     q_pe = _float("q_pe", q_pe)
-    _shape("q_pe", q_pe, (n, num_heads, ROPE_DIM), f"[N, H, {ROPE_DIM}] = [{n}, {num_heads}, {ROPE_DIM}]")
+    _shape("q_pe", q_pe, (n, num_heads, None), f"[N, H, rope] = [{n}, {num_heads}, rope]")
     _check_paged(kv_cache, block_table, seq_lens, n)
+    width = lora + q_pe.shape[2]
+    if kv_cache.shape[2] != width:
+        raise ValueError(
+            f"kv_cache must have shape [num_blocks, block_size, {width}] (kv_lora_rank {lora} of q_latent + rope "
+            f"{q_pe.shape[2]} of q_pe), got {list(kv_cache.shape)}"
+        )
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache)):
         if t.dtype != q_latent.dtype:
             raise TypeError(f"{name} dtype {t.dtype} must match q_latent dtype {q_latent.dtype}")

@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used (not a regular file, bad UTF-8 / JSON, wrong fields); names the file."""
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """What the engine and the server need from a tokenizer (see the module docstring)."""

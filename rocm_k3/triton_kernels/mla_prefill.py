@@ -1,17 +1,21 @@
 """MLA prefill and the paged-cache write on Triton (K3_SPEC §3, NoPE).
 
-``mla_write_cache``: one program per token copies its 576-value latent to flat slot ``slot_mapping[t]``
+``mla_write_cache``: one program per token copies its R + P latent values to flat slot ``slot_mapping[t]``
 (-1 skips; slots outside the cache are dropped: the reference raises on them, the kernel cannot without a sync).
 
 ``mla_prefill`` computes the expanded attention of the contract in the absorbed latent space, which is the same
-function (associativity): with ``W_uk[h], W_uv[h]`` the two [128, 512] halves of head h's rows of kv_b_weight,
-    q_lat[t, h] = q_nope[t, h] @ W_uk[h]                                  [512]   (torch matmul)
+function (associativity): with ``W_uk[h] [Dn, R], W_uv[h] [Dv, R]`` head h's rows of kv_b_weight,
+    q_lat[t, h] = q_nope[t, h] @ W_uk[h]                                  [R]    (torch matmul)
     s[t, h, l]  = scale * (q_lat[t, h] . c_kv[l] + q_pe[t, h] . k_pe[l]),  l <= pos(t)
-    o_lat[t, h] = softmax_l(s) @ c_kv                                     [512]   (``_mla_prefill_kernel``)
-    out[t, h]   = o_lat[t, h] @ W_uv[h]^T                                 [128]   (torch matmul)
-so no [L, H, 256] expanded keys/values are materialised. One program per (BT query tokens of one sequence, head)
-walks keys 0..(its last query's position) over the paged cache with an online softmax. The host reads
+    o_lat[t, h] = softmax_l(s) @ c_kv                                     [R]    (``_mla_prefill_kernel``)
+    out[t, h]   = o_lat[t, h] @ W_uv[h]^T                                 [Dv]   (torch matmul)
+so no [L, H, Dn + Dv] expanded keys/values are materialised. One program per (BT query tokens of one sequence,
+head) walks keys 0..(its last query's position) over the paged cache with an online softmax. The host reads
 ``cu_seqlens_q`` once to list the query blocks (a sync per prefill call).
+
+Latent geometry (R, P, Dn, Dv; K3: 512, 64, 128, 128) comes from the shapes (``rocm_k3.ops.mla.prefill_geometry``);
+the kernel takes R, P and Dn as constexprs with power-of-two column tiles, like the decode kernel, and declines the
+same latents (``latent_supported``).
 """
 
 from __future__ import annotations
@@ -20,12 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rocm_k3.ops.mla import prefill_geometry
+from rocm_k3.triton_kernels.mla_decode import latent_supported, latent_tiles
 from rocm_k3.triton_kernels.runtime import interpreted
 
-LATENT = 512
-ROPE = 64
-NOPE = 128
-V_DIM = 128
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -42,7 +44,7 @@ def _write_cache_kernel(latent_ptr, cache_ptr, slot_ptr, capacity, stride_lat, D
 
 
 def mla_write_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``latent [T, 576]`` -> ``kv_cache.view(-1, 576)[slot_mapping[t]]`` in place (``-1`` skips)."""
+    """``latent [T, R + P]`` -> ``kv_cache.view(-1, R + P)[slot_mapping[t]]`` in place (``-1`` skips)."""
     tokens, dim = latent.shape
     if tokens == 0:
         return
@@ -56,7 +58,8 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
                         block_size, scale, stride_ql_t, stride_ql_h, stride_q_t, stride_q_h, stride_kvb, stride_kvt,
                         stride_btn, stride_o_t, stride_o_h,
                         DOT_F32: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                        DR: tl.constexpr, NOPE_DIM: tl.constexpr):
+                        DR: tl.constexpr, NOPE_DIM: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr):
+    # D, DR: power-of-two tiles of the LORA c_kv and ROPE k_pe columns (columns past LORA / ROPE load as 0)
     pid = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(blocks_ptr + 2 * pid)
@@ -69,9 +72,12 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
     t64 = t.to(tl.int64)
     d = tl.arange(0, D)
     dr = tl.arange(0, DR)
-    q = tl.load(qlat_ptr + t64[:, None] * stride_ql_t + h * stride_ql_h + d[None, :], mask=rmask[:, None], other=0.0)
-    qpe = tl.load(q_ptr + t64[:, None] * stride_q_t + h * stride_q_h + NOPE_DIM + dr[None, :], mask=rmask[:, None],
-                  other=0.0)
+    dmask = d < LORA
+    pmask_cols = dr < ROPE
+    q = tl.load(qlat_ptr + t64[:, None] * stride_ql_t + h * stride_ql_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qpe = tl.load(q_ptr + t64[:, None] * stride_q_t + h * stride_q_h + NOPE_DIM + dr[None, :],
+                  mask=rmask[:, None] & pmask_cols[None, :], other=0.0)
     if DOT_F32:  # the interpreter's bf16 tl.dot is wrong
         q = q.to(tl.float32)
         qpe = qpe.to(tl.float32)
@@ -86,8 +92,9 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
         kmask = pos < hi
         page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=kmask, other=0).to(tl.int64)
         row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
-        c_kv = tl.load(row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)  # [BLOCK_N, D]
-        k_pe = tl.load(row[:, None] + D + dr[None, :], mask=kmask[:, None], other=0.0)  # [BLOCK_N, DR]
+        c_kv = tl.load(row[:, None] + d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, D]
+        k_pe = tl.load(row[:, None] + LORA + dr[None, :], mask=kmask[:, None] & pmask_cols[None, :],
+                       other=0.0)  # [BLOCK_N, DR]
         if DOT_F32:
             c_kv = c_kv.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -106,20 +113,24 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
         acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
         m = m_new
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + t64[:, None] * stride_o_t + h * stride_o_h + d[None, :], o, mask=rmask[:, None])
+    tl.store(out_ptr + t64[:, None] * stride_o_t + h * stride_o_h + d[None, :], o,
+             mask=rmask[:, None] & dmask[None, :])
 
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Causal MLA prefill: ``q [T, H, 192]`` over the paged cache -> ``[T, H, 128]`` in q's dtype (module doc)."""
-    tokens, num_heads, _ = q.shape
-    scale = (NOPE + ROPE) ** -0.5 if scale is None else float(scale)
-    out = torch.zeros(tokens, num_heads, V_DIM, dtype=q.dtype, device=q.device)
+    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc)."""
+    tokens, num_heads, q_width = q.shape
+    geo = prefill_geometry(q, kv_cache, kv_b_weight)
+    lora, nope = geo.kv_lora_rank, geo.nope
+    d_tile, dr_tile = latent_tiles(lora, geo.rope)
+    scale = q_width ** -0.5 if scale is None else float(scale)
+    out = torch.zeros(tokens, num_heads, geo.v, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    w = kv_b_weight.view(num_heads, NOPE + V_DIM, LATENT)  # [H, 256, 512]
+    w = kv_b_weight.view(num_heads, nope + geo.v, lora)  # [H, Dn + Dv, R]
     compute = torch.float32 if q.dtype == torch.float32 else q.dtype
-    q_lat = torch.einsum("thd,hdc->thc", q[..., :NOPE].to(compute), w[:, :NOPE].to(compute))  # [T, H, 512]
+    q_lat = torch.einsum("thd,hdc->thc", q[..., :nope].to(compute), w[:, :nope].to(compute))  # [T, H, R]
     q_lat = q_lat.contiguous()
     cu = cu_seqlens_q.tolist()
     bt_rows = 16
@@ -127,16 +138,16 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     if not blocks:
         return out
     block_list = torch.tensor(blocks, dtype=torch.int32, device=q.device)  # [NB, 2] (sequence, first query row)
-    o_lat = torch.empty(tokens, num_heads, LATENT, dtype=torch.float32, device=q.device)
+    o_lat = torch.empty(tokens, num_heads, lora, dtype=torch.float32, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     _mla_prefill_kernel[(len(blocks), num_heads)](
         q_lat, q, kv_cache, block_table, cu_seqlens_q, seq_lens, block_list, o_lat,
         kv_cache.shape[1], scale, q_lat.stride(0), q_lat.stride(1), q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), o_lat.stride(0), o_lat.stride(1),
-        DOT_F32=interpreted(_mla_prefill_kernel), BT=bt_rows, BLOCK_N=32, D=LATENT, DR=ROPE, NOPE_DIM=NOPE,
-        num_warps=4, num_stages=2,
+        DOT_F32=interpreted(_mla_prefill_kernel), BT=bt_rows, BLOCK_N=32, D=d_tile, DR=dr_tile, NOPE_DIM=nope,
+        LORA=lora, ROPE=geo.rope, num_warps=4, num_stages=2,
     )
-    out = torch.einsum("thc,hdc->thd", o_lat, w[:, NOPE:].float())  # [T, H, 128]
+    out = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
     return out.to(q.dtype)
 
 
@@ -151,7 +162,8 @@ def mla_prefill_supports(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_
         return False, f"q must be bf16/fp16/fp32, got {q.dtype}"
     if kv_cache.stride(-1) != 1:
         return False, "kv_cache must have a contiguous last dim"
-    return True, "supported"
+    geo = prefill_geometry(q, kv_cache, kv_b_weight)
+    return latent_supported(geo.kv_lora_rank, geo.rope)
 
 
 KERNELS = {

@@ -45,7 +45,7 @@ class CacheGeometry:
             cfg.kda.head_dim,
             cfg.kda.conv_kernel_size,
             dtype,
-            cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            cfg.mla_latent_width,
         )
 
     @classmethod
@@ -53,7 +53,7 @@ class CacheGeometry:
         """The pools of one rank: its stage's layers and its share of the KDA heads."""
         cfg = model.cfg
         return cls(model.num_mla_layers, model.num_kda_layers, cfg.kda.num_heads // model.ctx.tp_size,
-                   cfg.kda.head_dim, cfg.kda.conv_kernel_size, dtype, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                   cfg.kda.head_dim, cfg.kda.conv_kernel_size, dtype, cfg.mla_latent_width)
 
     @property
     def conv_channels(self) -> int:

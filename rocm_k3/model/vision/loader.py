@@ -100,7 +100,7 @@ def load_vision_model(checkpoint_dir: str | Path, vision_config: VisionConfig | 
         cfg = vision_config
     else:
         cfg = VisionConfig.from_hf_dict(vision_config)
-    plan = plan_vision_load(cfg, checkpoint_files(checkpoint_dir))
+    plan = plan_vision_load(cfg, checkpoint_files(checkpoint_dir).files)
     device = torch.device(device)
     by_file: dict[Path, list[str]] = {}
     for name, file in plan.items():

@@ -1,0 +1,32 @@
+"""How the ``rocm-k3`` command reports an error: one line naming the problem and, where there is one, the fix.
+
+:func:`describe` turns an exception into that line; ``rocm_k3.cli.main`` prints it and exits with status 2
+(``--debug`` or ``ROCM_K3_LOG_LEVEL=debug`` show the traceback instead). An exception that is not one of the
+named errors below is reported as an internal error with its class name.
+"""
+
+from __future__ import annotations
+
+from rocm_k3.checkpoint_errors import CheckpointError
+from rocm_k3.model.config import ConfigError
+from rocm_k3.tokenizers import TokenizerError
+from rocm_k3.ops.registry import BackendError
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def describe(exc: BaseException) -> str:
+    """One line: what went wrong and how to fix it."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, BackendError):
+        return (f"{message}; choose a backend that runs here with --backend (`rocm-k3 ops` shows what each op "
+                "resolves to on this machine) or leave it unset to pick automatically")
+    if isinstance(exc, (ConfigError, CheckpointError, TokenizerError)):
+        return f"{message}; the checkpoint cannot be served as it is (fix or re-download the file named)"
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        return f"{where}: {exc.strerror}; check the path and its permissions"
+    if isinstance(exc, (ValueError, TypeError, OSError)):
+        return message
+    return f"internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)"
