@@ -27,6 +27,8 @@ from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.executor.multiproc import MultiprocExecutor
 from rocm_k3.executor.uniproc import UniprocExecutor
+from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers import load_tokenizer
@@ -66,6 +68,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def run_headless_node(args: EngineArgs) -> int:
+    """Node ``node_rank > 0`` of a multi-node run: this node's ranks, headless, until node 0 ends the group."""
+    from rocm_k3.executor.multiproc import run_headless
+
+    args.validated()
+    device = resolve_device(args.device)
+    path = Path(args.model) if args.model is not None else ensure_embedded_model()
+    return run_headless(worker_config_for(args, path, device, resolve_dtype(args.dtype, device)))
+
+
 def worker_config_for(args: EngineArgs, path: Path, device: torch.device, dtype: torch.dtype) -> WorkerConfig:
     parallel = args.parallel_config()
     if device.type == "cuda" and parallel.gpus_per_node > 1 and torch.cuda.is_available():
@@ -93,6 +105,7 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     dtype = resolve_dtype(args.dtype, device)
     path = Path(args.model) if args.model is not None else ensure_embedded_model()
     worker_config = worker_config_for(args, path, device, dtype)
+    check_layout(ModelConfig.from_pretrained(path), worker_config.parallel)  # before any process starts
     if worker_config.parallel.is_single:
         executor = UniprocExecutor(worker_config, model=model)
     else:
@@ -146,6 +159,15 @@ class LLM:
         args = EngineArgs(model=None if path is None else str(path), dtype=dtype, backend=backend,
                           max_model_len=max_model_len, device=None if device is None else str(device),
                           progress=progress, moe_act_quant=moe_act_quant, **engine_kwargs)
+        self._start(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         self.engine, self.path, self.tokenizer = build_engine(args)
         self.args = args
         self.max_model_len = self.engine.config.max_model_len
@@ -167,8 +189,8 @@ class LLM:
         self.engine.executor.shutdown()
 
     @property
-    def config(self):
-        return self.model.cfg
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_pretrained(self.path)
 
     @property
     def dtype(self) -> torch.dtype:

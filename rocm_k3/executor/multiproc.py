@@ -77,6 +77,10 @@ def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
             result = box[0]
         if not errors and name == "cache_budget" and result is not None:
             result = _min_over_ranks(dist, group, result)
+        if not errors and name == "rank_stats":
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, result, group=group)
+            result = everyone
         if rank == 0:
             conn.send(("error", "; ".join(errors)) if errors else ("ok", result))
     destroy_parallel()
@@ -91,6 +95,8 @@ def _run(worker, name: str, args: tuple) -> Any:
         return worker.init_cache(*args)
     if name == "execute":
         return worker.execute(*args)
+    if name == "rank_stats":
+        return worker.rank_stats(*args)
     raise ValueError(f"unknown worker command {name!r}")
 
 
@@ -141,6 +147,10 @@ class MultiprocExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._call("execute", step)
+
+    def rank_stats(self, reset: bool = False) -> list[dict]:
+        """Per rank (in rank order): bytes it loaded and the collectives it issued since the last reset."""
+        return self._call("rank_stats", reset)
 
     def shutdown(self) -> None:
         if self._closed:

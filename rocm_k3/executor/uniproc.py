@@ -24,5 +24,8 @@ class UniprocExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
 
+    def rank_stats(self, reset: bool = False) -> list[dict]:
+        return [self.worker.rank_stats(reset)]
+
     def shutdown(self) -> None:
         self.worker = None

@@ -195,9 +195,11 @@ class Worker:
         pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
         width = math.ceil(max_model_len / bs) + 1
         self.runner = ModelRunner(self.stage, pools, width)
-        if self.ctx.pp_size > 1 and not self.config.enforce_eager:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if self.ctx.pp_size > 1:
             log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
-        elif self.device.type == "cuda" and not self.config.enforce_eager:
+        else:
             safe, why = self._graph_safe()
             if not safe:
                 log.warning("decode graphs off: %s", why)
@@ -238,6 +240,15 @@ class Worker:
             error = "" if ok else "the model produced non-finite logits (NaN or Inf) for this request"
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
+
+    def rank_stats(self, reset: bool = False) -> dict:
+        """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
+        ctx = self.ctx
+        out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
+               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats)}
+        if reset:
+            ctx.stats.clear()
+        return out
 
     def _register(self, req: NewRequest) -> None:
         """Keep a new request's sampling state; a request sent again (after a failed step) keeps its generator."""
