@@ -12,7 +12,8 @@ Output (:class:`SortedRouting`), all on the routing's device, computed without a
 
 P_max = NB_max * BM with NB_max = ceil(T*k / BM) + min(E, T*k), an upper bound on the used blocks, so grids are
 sized on the host from shapes alone. Small routings (decode) use one Triton program (``_align_kernel``, one
-launch); large ones use a stable torch sort, where launch count does not matter. Both give identical arrays.
+launch); large ones use a stable torch sort, where launch count does not matter. Both give identical arrays and
+neither syncs with the host (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, n
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> SortedRouting:
     dev = flat.device
     ids = flat.to(torch.int64)
-    counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     end = torch.cumsum(padded, 0)
     start = end - padded

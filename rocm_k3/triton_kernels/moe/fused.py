@@ -39,7 +39,8 @@ _INTERPRETER_PROGRAMS = 3  # persistent grid under TRITON_INTERPRET (a few progr
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Tiles of both GEMMs. block_m: rows of one expert block (the MMA's narrow side: tokens at decode), a power
-    of two >= 16; block_k: K per pipeline step, 128 or 256; num_warps 4 (one warpgroup owns the 128-row tile);
+    of two >= 16; block_k: K per pipeline step, 128 or 256 (256 only for a GEMM whose K, padded to 128, is a
+    multiple of 256; the other GEMM then steps by 128); num_warps 4 (one warpgroup owns the 128-row tile);
     num_stages: pipeline depth; split_k: K splits of the w2 GEMM (summed in the reduce); programs_per_sm:
     persistent programs per SM (the grid is this times the SM count, capped by the work)."""
 
@@ -204,11 +205,11 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
                   DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
-                  BMT=cfg.block_m, KU=cfg.block_k // 64, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                  BMT=cfg.block_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
-    bk = cfg.block_k
     for stage, mat, a, kdim, n_out, dst, nsplit in ((1, w13m, xa, hidden, n, inter, 1),
                                                     (2, w2m, inter, n, kout, y, split)):
+        bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
         steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)
         grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)
         K.moe_gemm_kernel[grid](
@@ -216,7 +217,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
             routing.expert_count, routing.num_blocks, kdim, n_out, top_k, mat.tiles, steps,
             a.stride(0), *mat.strides, dst.stride(-2), dst.stride(0) if stage == 2 else 0,
             float(activation.beta), float(linear_beta or 1.0),
-            STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, **common,
+            STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, KU=bk // 64,
+            **common,
         )
     block = min(1024, triton.next_power_of_2(kout))
     K.topk_reduce_kernel[(tokens, triton.cdiv(kout, block))](

@@ -39,6 +39,17 @@ ACT_SITU = 0
 ACT_SILU = 1
 W_MXFP4 = 0
 W_BF16 = 1
+# moe_gemm_kernel's runtime arguments as a bf16-activation MXFP4 w13 launch passes them (Triton type strings), and
+# those a launch at K3 sizes specialises as divisible by 16; for cross-compiling it (compile tier, SASS counts)
+GEMM_SIGNATURE = {
+    "a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "topw_ptr": "*fp32", "sorted_ptr": "*i32",
+    "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32", "nblk_ptr": "*i32", "K": "i32",
+    "N_OUT": "i32", "top_k": "i32", "n_tiles": "i32", "steps_per_split": "i32", "stride_a": "i32", "stride_we": "i64",
+    "stride_wg": "i32", "stride_wse": "i64", "stride_wsg": "i32", "stride_wn": "i32", "stride_out": "i32",
+    "stride_split": "i32", "beta": "fp32", "linear_beta": "fp32"}
+GEMM_DIVISIBLE = ("a_ptr", "w_ptr", "ws_ptr", "out_ptr", "topw_ptr", "sorted_ptr", "block_expert_ptr", "start_ptr",
+                  "count_ptr", "nblk_ptr", "K", "N_OUT", "top_k", "stride_a", "stride_we", "stride_wg", "stride_wse",
+                  "stride_wsg", "stride_wn", "stride_out", "stride_split")
 
 
 @triton.jit
