@@ -36,9 +36,8 @@ from rocm_k3.triton_kernels.moe.pointwise import route
 HBM_BPS = 4.27e12
 E, TOP_K, HIDDEN, N = 896, 16, 3584, 3072
 EXPERT_BYTES = (2 * N * HIDDEN // 2 + 2 * N * HIDDEN // 32) + (HIDDEN * N // 2 + HIDDEN * N // 32)  # 17.55 MB
-SWEEP = [MoEConfig(num_stages=4), MoEConfig(num_stages=2), MoEConfig(programs_per_sm=2), MoEConfig(programs_per_sm=3),
-         MoEConfig(programs_per_sm=6), MoEConfig(block_k=256, programs_per_sm=2), MoEConfig(split_k=1),
-         MoEConfig(split_k=2), MoEConfig(block_m=32)]
+SWEEP = [MoEConfig(programs_per_sm=3), MoEConfig(programs_per_sm=2), MoEConfig(split_k=1), MoEConfig(split_k=2),
+         MoEConfig(num_stages=4), MoEConfig(block_k=256, programs_per_sm=2, max_registers=None)]
 
 
 def timed(fn) -> float:
@@ -46,10 +45,10 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - report and fall back
         print(f"  (graph capture failed: {exc!r:.120}; eager timing)", flush=True)
-        return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
 def experts(dev: str) -> ExpertWeights:
@@ -131,11 +130,36 @@ def sass_per_weight() -> dict:
     return out
 
 
+def _time_variants(t: int, inputs: tuple, variants: list, peer_us: float | None = None) -> list[dict]:
+    """Time each (label, fn(x, logits, ids)) at T = t; print and return the rows (speedup vs the peer's time)."""
+    x, logits, ids = inputs
+    used = torch.unique(ids).numel()
+    nbytes = used * EXPERT_BYTES
+    floor_us = nbytes / HBM_BPS * 1e6
+    rows = []
+    for label, fn in variants:
+        try:
+            us = timed(lambda: fn(x, logits, ids)) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the run goes on
+            print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} FAILED {exc!r:.200}", flush=True)
+            continue
+        if label.startswith("peer"):
+            peer_us = us
+        row = dict(tokens=t, experts=used, bytes=nbytes, floor_us=floor_us, variant=label, us=us,
+                   hbm_pct=100 * floor_us / us, speedup_vs_peer=(peer_us / us) if peer_us else None)
+        rows.append(row)
+        vs = f"{row['speedup_vs_peer']:.2f}x" if peer_us and not label.startswith("peer") else "-"
+        print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {us:9.1f}us {row['hbm_pct']:5.1f}% {vs:>8}", flush=True)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time our tile variants (T <= 64)")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
     parser.add_argument("--out", type=Path, default=None, help="write bench_moe.json here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -143,11 +167,12 @@ def main() -> None:
     dev = "cuda"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     rows: list[dict] = []
+    sass = None
     try:
-        sass = sass_per_weight()
-        print("static SASS of the K loop:", json.dumps(sass), flush=True)
+        if not args.no_sass:
+            sass = sass_per_weight()
+            print("static SASS of the K loop:", json.dumps(sass), flush=True)
     except Exception:  # noqa: BLE001
-        sass = None
         traceback.print_exc()
     w = experts(dev)
     prepared = prepare_weights(w)
@@ -158,9 +183,12 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the peer is optional: report why it is missing
             traceback.print_exc()
     print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6} {'vs peer':>8}", flush=True)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    inputs = {}
     for t in args.tokens:
         logits, ids = routing_inputs(t, dev)
         x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
+        inputs[t] = (x, logits, ids)
         if t in (1, 64):  # sanity: the measured op is the right one
             r = route(logits, TOP_K)
             out = fused_moe_with(x, prepared, r.weights, r.ids)
@@ -168,32 +196,16 @@ def main() -> None:
             same = torch.equal(out, fused_moe_with(x, prepared, r.weights, r.ids, decode="portable"))
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print(f"T{t}: rel. error vs reference {err:.2e}, inline PTX == portable decode: {same}", flush=True)
-        used = torch.unique(ids).numel()
-        nbytes = used * EXPERT_BYTES
-        floor_us = nbytes / HBM_BPS * 1e6
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         picked = pick_config(t * TOP_K, E, 28, num_sms)
         variants = [("peer triton_kernels A16W4", peer)] if peer is not None else []
         variants += [(f"ours A16W4 {picked}", ours(prepared, "bf16", None)),
                      (f"ours A8W4 {picked}", ours(prepared, "mxfp8", None))]
-        if args.sweep and t <= 64:
-            variants += [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in SWEEP]
-        peer_ms = None
-        for label, fn in variants:
-            try:
-                ms = timed(lambda: fn(x, logits, ids))
-            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the run goes on
-                print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} FAILED {exc!r:.200}", flush=True)
-                continue
-            if label.startswith("peer"):
-                peer_ms = ms
-            row = dict(tokens=t, experts=used, bytes=nbytes, floor_us=floor_us, variant=label, us=ms * 1e3,
-                       hbm_pct=100 * floor_us / (ms * 1e3), speedup_vs_peer=(peer_ms / ms) if peer_ms else None)
-            rows.append(row)
-            vs = f"{row['speedup_vs_peer']:.2f}x" if row["speedup_vs_peer"] and not label.startswith("peer") else "-"
-            print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {ms * 1e3:9.1f}us {row['hbm_pct']:5.1f}% {vs:>8}",
-                  flush=True)
-        torch.cuda.empty_cache()
+        rows += _time_variants(t, inputs[t], variants)
+    if args.sweep:  # our tile variants at decode, after the main table
+        for t in [t for t in args.tokens if t <= 64]:
+            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in SWEEP],
+                                   next((r["us"] for r in rows if r["tokens"] == t and r["variant"].startswith("peer")),
+                                        None))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows}, indent=1))

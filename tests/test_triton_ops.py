@@ -306,8 +306,8 @@ def test_prepare_weights_and_supports() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_k=64), dict(num_warps=8),
-                                 dict(num_stages=0), dict(split_k=0)],
-                         ids=["BM8", "BM24", "BK64", "warps8", "stages0", "split0"])
+                                 dict(num_stages=0), dict(split_k=0), dict(max_registers=300)],
+                         ids=["BM8", "BM24", "BK64", "warps8", "stages0", "split0", "regs300"])
 def test_moe_config_validation(bad: dict) -> None:
     with pytest.raises(ValueError, match="MoEConfig"):
         MoEConfig(**bad)
@@ -316,8 +316,10 @@ def test_moe_config_validation(bad: dict) -> None:
 def test_moe_pick_config() -> None:
     """K3 decode (896 experts, 28 w2 tiles, 132 SMs): 16-row blocks; w2 split in K while its items are few."""
     assert pick_config(16, 896, 28, 132) == MoEConfig(block_m=16, split_k=4)  # T = 1: 448 w2 items -> 1792
+    assert pick_config(4 * 16, 896, 28, 132).split_k == 2  # T = 4: ~61 experts x 28 tiles -> x 2
     assert pick_config(64 * 16, 896, 28, 132).split_k == 1 and pick_config(64 * 16, 896, 28, 132).block_m == 16
-    assert pick_config(2048 * 16, 896, 28, 132).block_m == 64  # prefill: ~37 rows per expert
+    prefill = pick_config(2048 * 16, 896, 28, 132)  # ~37 rows per expert
+    assert (prefill.block_m, prefill.programs_per_sm, prefill.max_registers) == (64, 2, None)
 
 
 def test_launcher_argument_errors() -> None:

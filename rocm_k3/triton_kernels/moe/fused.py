@@ -42,7 +42,9 @@ class MoEConfig:
     of two >= 16; block_k: K per pipeline step, 128 or 256 (256 only for a GEMM whose K, padded to 128, is a
     multiple of 256; the other GEMM then steps by 128); num_warps 4 (one warpgroup owns the 128-row tile);
     num_stages: pipeline depth; split_k: K splits of the w2 GEMM (summed in the reduce); programs_per_sm:
-    persistent programs per SM (the grid is this times the SM count, capped by the work)."""
+    persistent programs per SM (the grid is this times the SM count, capped by the work); max_registers: the
+    NVIDIA register cap per thread that lets ``programs_per_sm`` 128-thread programs stay resident at once
+    (65536 / (128 * programs_per_sm); None: no cap)."""
 
     block_m: int = 16
     block_k: int = 128
@@ -50,6 +52,7 @@ class MoEConfig:
     num_stages: int = 3
     split_k: int = 1
     programs_per_sm: int = 4
+    max_registers: int | None = 128
 
     def __post_init__(self) -> None:
         for name in ("block_m", "num_warps", "num_stages", "split_k", "programs_per_sm"):
@@ -62,22 +65,28 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.block_k must be 128 or 256 (whole scale groups), got {self.block_k}")
         if self.num_warps != 4:
             raise ValueError(f"MoEConfig.num_warps must be 4 (one warpgroup per 128-row tile), got {self.num_warps}")
+        if self.max_registers is not None and (isinstance(self.max_registers, bool) or
+                                               not isinstance(self.max_registers, int) or
+                                               not 24 <= self.max_registers <= 255):
+            raise ValueError(f"MoEConfig.max_registers must be None or an int in [24, 255], got {self.max_registers!r}")
 
 
 def pick_config(num_pairs: int, num_experts: int, tiles_w2: int, num_sms: int) -> MoEConfig:
     """Tiles for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts.
 
     block_m covers the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up to 64 at prefill.
-    split_k doubles the w2 items while they would leave SMs idle: fewer than ~8 items per SM at the expected
-    block count (decode T = 1..4 for K3).
+    split_k doubles the w2 items while there are fewer than ~24 per SM at the expected block count, so the
+    persistent programs end together (K3 decode: T = 1 splits 4 ways, T = 4 two ways).
     """
     per_expert = num_pairs / max(1, num_experts)
     block_m = 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64
     blocks = min(num_experts, num_pairs) + num_pairs // block_m // 2  # rough expected used blocks
     split = 1
-    while split < 4 and blocks * tiles_w2 * split < 8 * num_sms:
+    while split < 4 and blocks * tiles_w2 * split < 24 * num_sms:
         split *= 2
-    return MoEConfig(block_m=block_m, split_k=split)
+    # resident programs per SM: 128 registers for 16-row blocks (4 x 128 threads), 168 for 32, no cap for 64 (2)
+    per_sm, regs = {16: (4, 128), 32: (3, 168), 64: (2, None)}[block_m]
+    return MoEConfig(block_m=block_m, split_k=split, programs_per_sm=per_sm, max_registers=regs)
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
@@ -207,6 +216,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
                   BMT=cfg.block_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
+    if nvidia and not interp and cfg.max_registers is not None:
+        common["maxnreg"] = cfg.max_registers
     for stage, mat, a, kdim, n_out, dst, nsplit in ((1, w13m, xa, hidden, n, inter, 1),
                                                     (2, w2m, inter, n, kout, y, split)):
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
