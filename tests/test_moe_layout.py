@@ -18,7 +18,9 @@ import torch
 
 from rocm_k3.ops.moe import ExpertWeights, fused_moe
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference, quantize_mxfp4_reference
-from rocm_k3.triton_kernels.moe import layout as L
+
+pytest.importorskip("triton", reason="the triton layout lives in rocm_k3.triton_kernels (the kernels extra)")
+from rocm_k3.triton_kernels.moe import layout as L  # noqa: E402
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -187,7 +189,6 @@ class _Ptx:
 
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "two-mul"])
 def test_inline_ptx_decodes_every_word_exactly(fold: bool) -> None:
-    pytest.importorskip("triton")
     from rocm_k3.triton_kernels.moe.decode import ASM_TEXTS
 
     scale_range = (0, 129) if fold else (0, 255)

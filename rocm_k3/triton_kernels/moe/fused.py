@@ -44,7 +44,8 @@ class MoEConfig:
     num_stages: pipeline depth; split_k: K splits of the w2 GEMM (summed in the reduce); programs_per_sm:
     persistent programs per SM (the grid is this times the SM count, capped by the work); max_registers: the
     NVIDIA register cap per thread that lets ``programs_per_sm`` 128-thread programs stay resident at once
-    (65536 / (128 * programs_per_sm); None: no cap)."""
+    (65536 / (128 * programs_per_sm); None: no cap), applied to the inline-PTX MXFP4 GEMMs only (the fp32-operand
+    and portable paths need more registers and are not the fast path)."""
 
     block_m: int = 16
     block_k: int = 128
@@ -216,7 +217,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
                   BMT=cfg.block_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
-    if nvidia and not interp and cfg.max_registers is not None:
+    if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
     for stage, mat, a, kdim, n_out, dst, nsplit in ((1, w13m, xa, hidden, n, inter, 1),
                                                     (2, w2m, inter, n, kout, y, split)):
