@@ -12,9 +12,9 @@ from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + `
 ``routing`` (its softmax top-k of the same logits picks the same ids) + ``matmul_ogs`` w13 with its fused SwiGLU +
 ``matmul_ogs`` w2 with the routing weights and its top-k scatter-reduce). Ours are timed for every T first, the
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
-through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes (codes + scales of the experts the batch
-uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only; A8W4 is ours (x and the intermediate rounded
-through MXFP8, as the reference does). ``--sweep`` times our tile variants too. The static SASS count of our K
+through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes
+(codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
+A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times our tile variants too. The static SASS count of our K
 loop (cross-compiled on this machine for sm_90 with its Triton, cuobjdump) is printed per weight element.
 """
 
@@ -207,7 +207,8 @@ def main() -> None:
             rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in SWEEP])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
-        peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")), None)
+        peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),
+                       None)
         row["speedup_vs_peer"] = peer_us / row["us"] if peer_us else None
         vs = f"{row['speedup_vs_peer']:.2f}x" if row["speedup_vs_peer"] else "-"
         print(f"{row['tokens']:>5} {row['experts']:>7} {row['floor_us']:8.1f}us {row['variant'][:60]:<60} "

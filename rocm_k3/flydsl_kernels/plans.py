@@ -127,8 +127,8 @@ def moe_k_index(lane, group, step, j, layout: str, kpl: int):
     4 (16x16x16 bf16, gfx942), 8 (16x16x32 bf16 on gfx950, 16x16x32 fp8) or 32 (scaled 16x16x128).
     - layout "step": each MX block is consumed by whole MFMA steps (block = step // (8 // kpl)), lane
       group q taking 8 values of it: k = block*32 + q*8 + sub*kpl + j (kpl 4, bf16), or for kpl 8 (fp8, the
-      fragment in decode order) k = block*32 + q*8 + STEP_NIBBLE_K[STEP_FP8_NIBBLE[j]]. One step never mixes MX blocks, so
-      per-block scales can be applied to the fp32 result of the step (gfx942: weights for bf16 and fp8,
+      fragment in decode order) k = block*32 + q*8 + STEP_NIBBLE_K[STEP_FP8_NIBBLE[j]]. One step never mixes
+      MX blocks, so per-block scales can be applied to the fp32 result of the step (gfx942: weights for bf16 and fp8,
       activations for fp8).
     - layout "lane": lane group q owns MX block q: k = q*32 + step*kpl + j. A lane's fragment never
       mixes MX blocks, which is what the scaled MFMA (one E8M0 scale per lane and operand) expects.

@@ -1,8 +1,9 @@
 """PyTorch references of the ``moe`` op family (fp32 math inside); validation happens in :mod:`rocm_k3.ops.moe`.
 
 ``fused_moe_reference`` groups the (token, slot) pairs by expert with a stable argsort of the ids, dequantises
-each used expert once (from any layout: a prepared one is undone expert by expert), runs the two GEMMs in fp32 over bounded token chunks and scatter-adds the weighted
-results, so memory stays at one dequantised expert plus a chunk of activations.
+each used expert once (from any layout: a prepared one is undone expert by expert), runs the two GEMMs in fp32
+over bounded token chunks and scatter-adds the weighted results, so memory stays at one dequantised expert plus
+a chunk of activations.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ class ExpertWeights:
 
     @property
     def has_checkpoint_tensors(self) -> bool:
-        """Whether ``w13`` / ``w2`` (and scales) hold the checkpoint layout (False: only ``extras`` holds the weights)."""
+        """Whether ``w13`` / ``w2`` (and scales) hold the checkpoint layout (False: only ``extras`` has them)."""
         return self.w13 is not None
 
     def _codec(self) -> Any:

@@ -59,8 +59,8 @@ class TritonExperts:
 
     w13 uint8 [E, 2 Np/64, Kp/128, 2, 128, 16] and w13_s uint8 [E, 2 Np/64, Kp/128, 32, 8] (gate/up interleaved
     per 64 rows); w2 uint8 [E, Kop/64, Np2/128, 2, 128, 16], w2_s likewise; Np = N padded to 64, Kp = K padded
-    to 128, Kop = Kout padded to 128 (whole 128-row tiles), Np2 = N padded to 128. fold13 / fold2: every scale byte of that matrix is
-    <= 128 (the one-multiply decode is exact).
+    to 128, Kop = Kout padded to 128 (whole 128-row tiles), Np2 = N padded to 128. fold13 / fold2: every scale
+    byte of that matrix is <= 128 (the one-multiply decode is exact).
     """
 
     w13: torch.Tensor
@@ -182,7 +182,8 @@ def prepare(weights: ExpertWeights) -> ExpertWeights:
         raise ValueError(f"the triton layout is for MXFP4 experts, got fmt={weights.fmt!r}")
     src = weights.to_checkpoint()
     E, K, N, Kout = src.num_experts, src.hidden, src.intermediate, src.out_features
-    n_pad, k_pad, kout_pad, n2_pad = _ceil(N, ROW_GROUP), _ceil(K, K_GROUP), _ceil(Kout, 2 * ROW_GROUP), _ceil(N, K_GROUP)
+    n_pad, k_pad = _ceil(N, ROW_GROUP), _ceil(K, K_GROUP)
+    kout_pad, n2_pad = _ceil(Kout, 2 * ROW_GROUP), _ceil(N, K_GROUP)
     c13, s13 = _gate_up_rows(src.w13, N, n_pad), _gate_up_rows(src.w13_scale, N, n_pad)
     w13, w13_s = _swizzle_in_chunks(c13, s13, 2 * n_pad, k_pad)
     del c13, s13
@@ -204,10 +205,12 @@ def _restore(t: TritonExperts, dims: ExpertDims, sel: slice) -> tuple[torch.Tens
     N, K, Kout = dims.intermediate, dims.hidden, dims.out_features
     c13, s13 = unswizzle_matrix(t.w13[sel], t.w13_s[sel])  # [e, 2 Np, Kp/2]
     e = c13.shape[0]
-    c13 = c13.reshape(e, -1, 2, ROW_GROUP, c13.shape[2])  # [e, Np/64, gate|up, 64, Kp/2]
-    s13 = s13.reshape(e, -1, 2, ROW_GROUP, s13.shape[2])
-    w13 = torch.cat([c13[:, :, 0].reshape(e, -1, c13.shape[-1])[:, :N], c13[:, :, 1].reshape(e, -1, c13.shape[-1])[:, :N]], 1)
-    w13_s = torch.cat([s13[:, :, 0].reshape(e, -1, s13.shape[-1])[:, :N], s13[:, :, 1].reshape(e, -1, s13.shape[-1])[:, :N]], 1)
+
+    def gate_then_up(t: torch.Tensor) -> torch.Tensor:  # [e, 2 Np, C] interleaved per 64 rows -> [e, 2N, C]
+        t = t.reshape(e, -1, 2, ROW_GROUP, t.shape[2])  # [e, Np/64, gate|up, 64, C]
+        return torch.cat([t[:, :, h].reshape(e, -1, t.shape[-1])[:, :N] for h in (0, 1)], 1)
+
+    w13, w13_s = gate_then_up(c13), gate_then_up(s13)
     c2, s2 = unswizzle_matrix(t.w2[sel], t.w2_s[sel])
     return (w13[:, :, : K // 2].contiguous(), w13_s[:, :, : K // 32].contiguous(),
             c2[:, :Kout, : N // 2].contiguous(), s2[:, :Kout, : N // 32].contiguous())
