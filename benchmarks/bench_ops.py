@@ -5,11 +5,9 @@ op, shape, kernel time (median of CUDA-graph replays), baseline time, bytes and 
 must move/do, and the roofline fractions ``bytes / 4.27 TB/s`` and ``FLOPs / 778 TFLOP/s`` (measured ceilings,
 shared/PLATFORM.md) expressed as % of the measured time.
 
-- MoE decode (T = 1..64): bytes = the *active* experts' MXFP4 weights + E8M0 scales (each used expert read once)
-  + activations; baseline = torch dequantise-then-matmul of the same experts (rocm_k3's reference path).
-- MoE prefill (T = 2048): FLOPs = 2 * T * k * (2N*K + Kout*N).
+- The MoE (decode and prefill, against OpenAI's triton_kernels) has its own script: ``benchmarks/bench_moe.py``.
 - AttnRes step: bytes = (num_blocks + 2) reads + 3 writes of [T, Hd] bf16; baseline = the unfused torch reference.
-  Without ``--quick`` both MoE and AttnRes sweep their launch variants (tile shapes, decodes, prefetch, warps).
+  Without ``--quick`` AttnRes sweeps its launch variants (rows, warps, prefetch).
 - MLA decode: bytes = N * L * 576 * 2 (latent cache) + q/out; baseline = torch reference (gather + softmax).
 """
 
@@ -18,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
@@ -26,11 +23,8 @@ import triton.testing
 
 from rocm_k3.ops import attn_res as ref_attn_res
 from rocm_k3.ops import mla as ref_mla
-from rocm_k3.ops.moe import ExpertWeights, MoEActivation
-from rocm_k3.ops.moe_reference import fused_moe_reference
 from rocm_k3.triton_kernels import attn_res as tri_attn_res
 from rocm_k3.triton_kernels.mla_decode import mla_decode_with
-from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_with, pick_config, prepare_weights
 
 HBM_BPS = 4.27e12
 BF16_FLOPS = 778e12
@@ -54,76 +48,6 @@ def record(op: str, shape: str, ms: float, base_ms: float | None, nbytes: float,
     ROWS.append(row)
     print(f"{op:<14} {shape:<34} {ms * 1e3:9.1f}us  base {'-' if base_ms is None else f'{base_ms * 1e3:9.1f}us'}"
           f"  HBM {row['hbm_pct']:5.1f}%  MMA {row['flop_pct']:5.1f}%  {note}", flush=True)
-
-
-def random_mxfp4_experts(e: int, n: int, k: int, kout: int, dev: str) -> ExpertWeights:
-    """Random MXFP4 experts: uniform code bytes, scales 2^-6..2^-3 (weights of the size real checkpoints hold)."""
-    g = torch.Generator(device=dev).manual_seed(0)
-    w13 = torch.randint(0, 256, (e, 2 * n, k // 2), dtype=torch.uint8, device=dev, generator=g)
-    w2 = torch.randint(0, 256, (e, kout, n // 2), dtype=torch.uint8, device=dev, generator=g)
-    s13 = torch.randint(121, 125, (e, 2 * n, k // 32), dtype=torch.uint8, device=dev, generator=g)
-    s2 = torch.randint(121, 125, (e, kout, n // 32), dtype=torch.uint8, device=dev, generator=g)
-    return prepare_weights(ExpertWeights("mxfp4", w13, s13, w2, s2))
-
-
-def random_routing(t: int, e: int, k: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].to(torch.int32)  # distinct experts per token
-    w = torch.softmax(torch.randn(t, k, device=dev), dim=1)
-    return w, ids
-
-
-# (label, tiles, decode): None = what fused_moe picks. The sweep covers the FMA GEMV tiles and the MMA path.
-MOE_SWEEP = [
-    ("auto", None, None),
-    ("mma dot_scaled", MoEConfig(16, 32, 64, 4, 1), "dot_scaled"),
-    ("fma_f16 1x32x128 w4", MoEConfig(1, 32, 128, 4, 1), "fma_f16"),
-    ("gemv_f16 1x32x128 w4", MoEConfig(1, 32, 128, 4, 1), "gemv_f16"),
-    ("gemv_f16 1x64x64 w2", MoEConfig(1, 64, 64, 2, 1), "gemv_f16"),
-    ("gemv_f16 1x64x64 w1", MoEConfig(1, 64, 64, 1, 1), "gemv_f16"),
-    ("gemv_f16 1x128x128 w8", MoEConfig(1, 128, 128, 8, 1), "gemv_f16"),
-    ("gemv_f16 1x32x256 w4", MoEConfig(1, 32, 256, 4, 1), "gemv_f16"),
-    ("gemv 1x64x128 w4", MoEConfig(1, 64, 128, 4, 1), "gemv"),
-]
-
-
-def bench_moe(dev: str, quick: bool) -> None:
-    e, k, hidden, n = 896, 16, 3584, 3072
-    weights = random_mxfp4_experts(e, n, hidden, hidden, dev)
-    per_expert = (2 * n * hidden // 2 + 2 * n * hidden // 32) + (hidden * n // 2 + hidden * n // 32)
-    variants = MOE_SWEEP[:1] if quick else MOE_SWEEP
-    for t in (1, 4, 16, 64):
-        tw, ids = random_routing(t, e, k, dev)
-        x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
-        active = torch.unique(ids).numel()
-        nbytes = active * per_expert + t * hidden * 2 * 2
-        flops = 2 * t * k * (2 * n * hidden + hidden * n)
-        base = ref = None
-        if t in (1, 64):
-            ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()).float()
-        if t == 1:
-            base = timed(lambda: fused_moe_reference(x, weights, tw, ids, activation=MoEActivation()), graph=False)
-        for label, cfg, decode in variants:
-            try:
-                run = lambda: fused_moe_with(x, weights, tw, ids, config=cfg, w4_decode=decode)  # noqa: E731
-                err = "" if ref is None else f" rel_err {((run().float() - ref).norm() / ref.norm()).item():.1e}"
-                ms = timed(run)
-            except Exception as exc:  # a config that does not compile on this Triton is reported, not fatal
-                print(f"moe {label} failed: {exc!r}"[:300])
-                continue
-            if label == "auto":
-                label = "auto: " + " ".join(map(str, pick_config(t * k, e)))
-            record("moe_a16w4", f"T{t} E{e} k{k} K{hidden} N{n} [{active} exp]", ms, base, nbytes, flops,
-                   label + err)
-        if t in (1, 64):
-            run = lambda: fused_moe_with(x, weights, tw, ids, act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)  # noqa: E731
-            record("moe_a8w4", f"T{t} E{e} k{k} OCP e4m3", timed(run), None, nbytes, flops, "auto")
-    t = 2048
-    tw, ids = random_routing(t, e, k, dev)
-    x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
-    ms = timed(lambda: fused_moe_with(x, weights, tw, ids), graph=False)
-    nbytes = torch.unique(ids).numel() * per_expert
-    record("moe_a16w4", f"T{t} prefill", ms, None, nbytes, 2 * t * k * 3 * n * hidden,
-           " ".join(map(str, pick_config(t * k, e))))
 
 
 ATTN_RES_SWEEP = [None, tri_attn_res.AttnResConfig(1, 16, False), tri_attn_res.AttnResConfig(1, 8, True),
@@ -167,15 +91,14 @@ def bench_mla(dev: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write bench_ops.json here")
-    parser.add_argument("--quick", action="store_true", help="defaults only: skip the MoE and AttnRes sweeps")
-    parser.add_argument("--only", choices=("attn_res", "mla", "moe"), action="append", help="run these sections")
+    parser.add_argument("--quick", action="store_true", help="defaults only: skip the AttnRes sweep")
+    parser.add_argument("--only", choices=("attn_res", "mla"), action="append", help="run these sections")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ops.py needs a CUDA GPU")
     dev = "cuda"
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    for name, fn in (("attn_res", lambda: bench_attn_res(dev, args.quick)), ("mla", lambda: bench_mla(dev)),
-                     ("moe", lambda: bench_moe(dev, args.quick))):
+    for name, fn in (("attn_res", lambda: bench_attn_res(dev, args.quick)), ("mla", lambda: bench_mla(dev))):
         if args.only and name not in args.only:
             continue
         try:
@@ -186,8 +109,6 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_ops.json").write_text(json.dumps(ROWS, indent=1))
-    print("median HBM% of MoE decode rows:",
-          statistics.median([r["hbm_pct"] for r in ROWS if r["op"] == "moe_a16w4" and "prefill" not in r["shape"]] or [0]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ the final ISA must show: no scratch (no private segment, no spills, no scratch_*
 (arch VGPRs + AGPRs as allocated) within the budget stated here, the expected matrix instructions (bf16 or
 FNUZ-fp8 MFMA on gfx942, bf16 MFMA or v_mfma_scale_*_f8f6f4 on gfx950), the vector width of the kernel's
 plan in its loads (e.g. buffer_load_dwordx4 for 128-bit row accesses), no waterfall loop (a buffer
-descriptor that differs across lanes), and no LLVM error on stderr.
+descriptor that differs across lanes), and no LLVM error on stderr. The MoE GEMMs also meet a budget of VALU
+instructions per weight in their K loop (``_MOE_VALU_BUDGET``) and use their decode's instructions
+(``v_perm_b32`` on gfx942, ``v_cvt_scalef32_pk_bf16_fp4`` on gfx950).
 Each (kernel, target) compiles exactly once.
 """
 
@@ -20,7 +22,8 @@ import torch
 
 pytest.importorskip("flydsl", reason="flydsl is not installed (pip install flydsl==0.5.0)")
 
-from rocm_k3.flydsl_kernels.isa import KernelIsa
+from rocm_k3.flydsl_kernels.isa import KernelIsa, loops
+from rocm_k3.flydsl_kernels.plans import MOE_K_GROUP
 from rocm_k3.flydsl_kernels.toolchain import compile_launcher, find_lld
 
 pytestmark = [
@@ -52,6 +55,10 @@ class Case:
     load: str | None = None  # the vector load its plan intends (e.g. 128-bit row accesses: buffer_load_dwordx4)
     also: Callable[[str], tuple[str, ...]] = lambda arch: ()  # further instructions the target must use
     kernels: int = 1  # kernels one launcher compiles (each is checked)
+    # K-loop budget: arch -> (weights per lane and loop iteration, weights per lane in the whole kernel, max VALU
+    # per weight in the loop, max in the whole kernel, mnemonic prefixes the loop must not contain), or None: the
+    # innermost loop with an MFMA is checked (the whole kernel when the compiler unrolled a short K loop)
+    k_loop: Callable[[str], tuple[int, int, float, float, tuple[str, ...]] | None] = lambda arch: None
 
 
 def _norm_case(name: str, D: int, **kw: Any) -> Case:
@@ -153,7 +160,18 @@ _MOE_MFMA = {
 }
 
 
-def _moe_case(shape: str, stage: int, fmt: str) -> Case:
+# K-loop VALU per weight (arch VGPR ops other than the MFMA, per weight a lane decodes), measured 2026-12-01 with
+# flydsl 0.5.0 at the K3 shapes (stage 1 / stage 2): gfx942 bf16 2.63 / 2.81 (byte-lookup decode 1.75, the
+# per-block accumulator scaling, register moves), gfx942 fp8 3.15 / 3.78 (before: 12.7), gfx950 bf16 1.19 / 1.34,
+# gfx950 fp8 0.54 / 0.65. The select-based gfx942 decode it replaced cost ~15-18 per weight.
+_MOE_VALU_BUDGET = {("bf16", "gfx942"): 3.0, ("fp8", "gfx942"): 4.0, ("bf16", "gfx950"): 1.5, ("fp8", "gfx950"): 0.8}
+# a short K (TP-8 w2: 3 groups) is unrolled completely by the compiler: then the whole kernel, address setup and
+# epilogue included, per weight (measured: gfx950 bf16 1.79, fp8 1.30)
+_MOE_VALU_BUDGET_UNROLLED = {("bf16", "gfx942"): 4.0, ("fp8", "gfx942"): 5.0, ("bf16", "gfx950"): 2.0,
+                             ("fp8", "gfx950"): 1.5}
+
+
+def _moe_case(shape: str, stage: int, fmt: str, split_k: int = 1) -> Case:
     from rocm_k3.flydsl_kernels.moe_gemm import MoeGemmConfig, build_moe_gemm
 
     inter = SHAPES[shape]["inter"]
@@ -163,20 +181,36 @@ def _moe_case(shape: str, stage: int, fmt: str) -> Case:
     P, pairs = 16 * blocks, T * TOP_K
     out_dtype = "bf16" if fmt == "bf16" else "f32"
 
+    def cfg(arch: str) -> MoeGemmConfig:
+        return MoeGemmConfig(arch, stage, fmt, K, N, TOP_K, out_dtype=out_dtype, split_k=split_k)
+
     def args() -> tuple:
         a_rows = T if stage == 1 else P
         a = z(a_rows, K) if fmt == "bf16" else z(a_rows, K, dtype=U8)
-        out = z(P, N, dtype=BF16 if out_dtype == "bf16" else F32) if stage == 1 else z(pairs, N, dtype=F32)
+        out = z(P, N, dtype=BF16 if out_dtype == "bf16" else F32) if stage == 1 else z(split_k * pairs, N, dtype=F32)
         return (a, z(a_rows, K // 32, dtype=U8), z(P, dtype=I32), z(blocks, dtype=I32),
                 z(EXPERTS, R // 16, K // 128, 64, 4, dtype=I32), z(EXPERTS, R // 16, K // 128, 16, 4, dtype=U8),
                 out, z(pairs, dtype=F32), pairs, blocks)
 
+    def k_loop(arch: str) -> tuple[int, int, float, float, tuple[str, ...]]:
+        c = cfg(arch)
+        per_group = c.tiles * (2 if stage == 1 else 1) * 16 * MOE_K_GROUP // 64  # weights per lane and K group
+        banned = ("v_cmp", "v_cndmask") if (fmt, arch) == ("bf16", "gfx942") else ()  # no select-based decode
+        return (c.ring * per_group, K // MOE_K_GROUP // split_k * per_group, _MOE_VALU_BUDGET[(fmt, arch)],
+                _MOE_VALU_BUDGET_UNROLLED[(fmt, arch)], banned)
+
+    def also(arch: str) -> tuple[str, ...]:
+        if arch == "gfx950":  # gfx950 decodes FP4 x E8M0 to bf16 in hardware for A16W4
+            return ("v_cvt_scalef32_pk_bf16_fp4",) if fmt == "bf16" else ()
+        return ("v_perm_b32", "v_pk_fma_f32") if fmt == "bf16" else ("v_perm_b32",)  # byte-lookup decode
+
     return Case(
-        f"moe_stage{stage}-{'A8W4' if fmt == 'fp8' else 'A16W4'}-{shape}-K{K}-N{N}",
-        lambda arch: build_moe_gemm(MoeGemmConfig(arch, stage, fmt, K, N, TOP_K, out_dtype=out_dtype)),
-        args, vgpr_budget=128, mfma=lambda arch: _MOE_MFMA[(fmt, arch)], load="global_load_dwordx4",
-        # gfx950 decodes FP4 x E8M0 to bf16 in hardware for A16W4
-        also=lambda arch: ("v_cvt_scalef32_pk_bf16_fp4",) if (fmt, arch) == ("bf16", "gfx950") else (),
+        f"moe_stage{stage}-{'A8W4' if fmt == 'fp8' else 'A16W4'}-{shape}-K{K}-N{N}" + (f"-split{split_k}" if split_k > 1
+                                                                                        else ""),
+        lambda arch: build_moe_gemm(cfg(arch)), args,
+        # 2-deep prefetch of weights, scales and activations: up to 256 VGPRs = 2 waves per SIMD (8 per CU)
+        vgpr_budget=256, mfma=lambda arch: _MOE_MFMA[(fmt, arch)], load="global_load_dwordx4", also=also,
+        k_loop=k_loop,
     )
 
 
@@ -265,6 +299,7 @@ def _cases() -> list[Case]:
         for stage in (1, 2):
             for fmt in ("bf16", "fp8"):
                 cases.append(_moe_case(shape, stage, fmt))
+    cases.append(_moe_case("K3", 2, "bf16", split_k=4))  # w2 split in K at decode (T = 1 on a 304-CU MI300X)
     return cases
 
 
@@ -279,6 +314,16 @@ def test_kernel_compiles_with_clean_isa(case: Case, arch: str) -> None:
     assert len(result.kernels) == case.kernels, [k.name for k in result.kernels]
     for kernel in result.kernels:
         _check_kernel(case, arch, kernel)
+    budget = case.k_loop(arch)
+    if budget is not None:
+        loop_weights, all_weights, per_weight, per_weight_unrolled, banned = budget
+        k_loop = next((lp for listing in result.listings for lp in loops(listing)
+                       if any(m.startswith("v_mfma") for m in lp)), None)
+        if k_loop is None:  # unrolled: the whole kernel
+            k_loop, loop_weights, per_weight = result.kernels[0].mnemonics, all_weights, per_weight_unrolled
+        valu = sum(n for m, n in k_loop.items() if m.startswith("v_") and not m.startswith("v_mfma"))
+        assert valu / loop_weights <= per_weight, f"{case.id} [{arch}]: {valu / loop_weights:.2f} VALU/weight {k_loop}"
+        assert not [m for m in k_loop if m.startswith(banned)] if banned else True, f"{case.id}: {k_loop}"
 
 
 def _check_kernel(case: Case, arch: str, kernel: KernelIsa) -> None:

@@ -478,6 +478,106 @@ def test_moe_tile_schedule_reproduces_the_gemm(layout: str, kpl: int, fmt: str) 
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())
 
 
+def _bf16_value(bits: int) -> float:
+    return torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item()
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1(code: int) -> float:
+    return -E2M1_VALUES[code & 7] if code & 8 else E2M1_VALUES[code & 7]
+
+
+def _words_with_every_code(seed: int) -> list[int]:
+    """Dwords in which every nibble position sees every one of the 16 codes, plus random ones."""
+    g = seeded(seed)
+    words = [sum(((c + p) % 16) << (4 * p) for p in range(8)) for c in range(16)]
+    return words + [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31 - 1, (512,), generator=g)]
+
+
+def test_byte_lookup_bf16_decode_is_exact() -> None:
+    """gfx942's v_perm_b32 decode (bitcodes.e2m1x8_to_bf16_pairs, with the instruction emulated by py_perm) gives
+    bf16 pairs (n0, n2), (n4, n6), (n1, n3), (n5, n7) equal to the E2M1 values of the nibbles."""
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1x8_to_bf16_pairs, py_perm
+
+    for w in _words_with_every_code(40):
+        nib = [(w >> (4 * p)) & 15 for p in range(8)]
+        for out, (a, b) in zip(e2m1x8_to_bf16_pairs(w, py_perm), ((0, 2), (4, 6), (1, 3), (5, 7))):
+            assert (_bf16_value(out), _bf16_value(out >> 16)) == (_e2m1(nib[a]), _e2m1(nib[b])), hex(w)
+    with pytest.raises(ValueError, match="selector"):
+        py_perm(0, 0, 0x0D)
+
+
+def test_byte_lookup_fnuz_decode_is_exact_and_never_nan() -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1x8_to_fnuz_words, py_perm
+
+    for w in _words_with_every_code(41):
+        nib = [(w >> (4 * p)) & 15 for p in range(8)]
+        even, odd = e2m1x8_to_fnuz_words(w, py_perm)
+        got = torch.tensor([(x >> (8 * i)) & 255 for x in (even, odd) for i in range(4)], dtype=torch.uint8)
+        assert 0x80 not in got.tolist(), f"FNUZ NaN byte for {w:#x}"
+        want = [_e2m1(nib[p]) for p in plans.STEP_FP8_NIBBLE]
+        assert got.view(torch.float8_e4m3fnuz).float().tolist() == want, hex(w)
+
+
+def test_e8m0_scale_by_max_matches_the_select_form() -> None:
+    from rocm_k3.flydsl_kernels.bitcodes import e8m0_to_f32_bits, e8m0_to_f32_bits_by_max, py_select
+
+    assert all(e8m0_to_f32_bits_by_max(b, max) == e8m0_to_f32_bits(b, py_select) for b in range(255))
+
+
+def test_gfx942_bf16_schedule_with_accumulator_scaling_reproduces_the_gemm() -> None:
+    """The gfx942 A16W4 K loop as moe_gemm runs it: per MX block (dword d) the byte-lookup decode's pairs are the
+    two MFMA 16x16x16 B fragments ([p0, p2] for K offsets 0..3, [p1, p3] for 4..7), activations in K order
+    (plans.moe_k_index), the two steps into a zeroed temporary, then ``acc += tmp * 2^(s - 127)`` per block."""
+    from rocm_k3.flydsl_kernels.bitcodes import e2m1x8_to_bf16_pairs, py_perm
+    from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference
+
+    K = 256
+    codes, scales = _random_mxfp4(1, 16, K, seed=13)
+    words, w_scales = preshuffle_codes(codes, scales, "step")
+    a_val = torch.randn(16, K, generator=seeded(14)).to(torch.bfloat16).double()
+    ref = a_val @ dequantize_mxfp4_reference(codes[0], scales[0], torch.float64).T
+    acc = torch.zeros(16, 16, dtype=torch.float64)
+    for g in range(K // plans.MOE_K_GROUP):
+        for d in range(4):
+            tmp = torch.zeros(16, 16, dtype=torch.float64)
+            for sub in range(2):
+                step = 2 * d + sub
+                a_frag = torch.zeros(64, 4, dtype=torch.float64)
+                b_frag = torch.zeros(64, 4, dtype=torch.float64)
+                for lane in range(64):
+                    pairs = e2m1x8_to_bf16_pairs(int(words[0, 0, g, lane, d]) & 0xFFFFFFFF, py_perm)
+                    lo, hi = (pairs[0], pairs[2]) if sub == 0 else (pairs[1], pairs[3])
+                    b_frag[lane] = torch.tensor([_bf16_value(lo), _bf16_value(lo >> 16), _bf16_value(hi),
+                                                 _bf16_value(hi >> 16)])
+                    for j in range(4):
+                        a_frag[lane, j] = a_val[plans.mfma_ab_row(lane), plans.moe_k_index(lane, g, step, j, "step", 4)]
+                tmp += torch.einsum("qit,qjt->ij", a_frag.view(4, 16, 4), b_frag.view(4, 16, 4))
+            col_scale = torch.tensor([2.0 ** (int(w_scales[0, 0, g, c, d]) - 127) for c in range(16)],
+                                     dtype=torch.float64)
+            acc += tmp * col_scale[None, :]  # one scale per C column (the lane's weight row) and block
+    assert torch.allclose(acc, ref, rtol=1e-12, atol=1e-12 * ref.abs().max().item())
+
+
+def test_prepared_flydsl_weights_are_single_copy_and_run_on_the_reference() -> None:
+    from rocm_k3.flydsl_kernels.moe import prepare_weights, w2_split_k
+    from rocm_k3.ops.moe import fused_moe
+
+    weights = _expert_weights()
+    prepared = prepare_weights(weights, "gfx942")
+    assert not prepared.has_checkpoint_tensors and prepared.w13 is None
+    x = torch.randn(5, weights.hidden, generator=seeded(15))
+    ids = torch.stack([torch.randperm(weights.num_experts, generator=seeded(16 + t))[:2] for t in range(5)]).int()
+    tw = torch.rand(5, 2, generator=seeded(17))
+    assert torch.equal(fused_moe(x, prepared, tw, ids, backend="reference"),
+                       fused_moe(x, weights, tw, ids, backend="reference"))
+    assert w2_split_k(16, 3584, 3072, 304) == 4  # K3 decode T = 1: 16 blocks x 28 tiles on an MI300X
+    assert w2_split_k(16, 3584, 384, 304) == 1  # TP-8 shard: N / 128 = 3 groups, no even split
+    assert w2_split_k(400, 3584, 3072, 304) == 1
+
+
 # --- chunked kda_prefill: index maps and a host emulation of its three phases ----------------------------
 
 

@@ -234,6 +234,38 @@ def test_fused_moe(T: int, top_k: int, E: int, act_quant: str) -> None:
     assert_rel(out, ref, 2e-2 if act_quant == "bf16" else 3e-2, f"fused_moe {act_quant}")
 
 
+@pytest.mark.parametrize("act_quant", ["bf16", "mxfp8"], ids=["A16W4", "A8W4"])
+@pytest.mark.parametrize("T", [1, 64], ids=["T1", "T64"])
+def test_fused_moe_k3_expert_shapes(T: int, act_quant: str) -> None:
+    """K3 expert shapes (K 3584 -> 2 x 3072 -> 3584), 32 experts, top-16: the 2-deep prefetch ring over 28 / 24
+    K groups, the per-block accumulator scaling of gfx942 and, at T = 1, the w2 split in K (``w2_split_k``);
+    E8M0 bytes 0 and 1 on some blocks (2^-127, 2^-126). Tolerances as in ``test_fused_moe``."""
+    from rocm_k3.flydsl_kernels.backend import prepare_weights
+    from rocm_k3.flydsl_kernels.moe import w2_split_k
+    from rocm_k3.ops.moe import ExpertWeights, fused_moe
+    from rocm_k3.ops.quant import fp8_dtype_for_arch
+
+    E, K, N = 32, 3584, 3072
+    g = torch.Generator(device=DEV).manual_seed(28)
+    w13 = torch.randint(0, 256, (E, 2 * N, K // 2), dtype=torch.uint8, device=DEV, generator=g)
+    w2 = torch.randint(0, 256, (E, K, N // 2), dtype=torch.uint8, device=DEV, generator=g)
+    s13 = torch.randint(118, 123, (E, 2 * N, K // 32), dtype=torch.uint8, device=DEV, generator=g)
+    s2 = torch.randint(118, 123, (E, K, N // 32), dtype=torch.uint8, device=DEV, generator=g)
+    s13[0, :8, :4] = 0
+    s2[1, :8, :4] = 1
+    weights = ExpertWeights(fmt="mxfp4", w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    x = rnd(T, K, seed=29)
+    topk_weights, topk_ids = torch.topk(torch.sigmoid(torch.randn(T, E, generator=seeded(30)).to(DEV)), 16, dim=-1)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    if T == 1:
+        assert w2_split_k(16, K, N, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    fp8 = fp8_dtype_for_arch(_arch()) if act_quant == "mxfp8" else None
+    kw = {"act_quant": act_quant, "fp8_dtype": fp8}
+    out = fused_moe(x, prepare_weights(weights), topk_weights, topk_ids.to(torch.int32), backend="flydsl", **kw)
+    ref = fused_moe(x, weights, topk_weights, topk_ids.to(torch.int32), backend="reference", **kw)
+    assert_rel(out, ref, 2e-2 if act_quant == "bf16" else 3e-2, f"fused_moe K3 {act_quant}")
+
+
 def test_tiny_model_generates_like_reference() -> None:
     """The embedded tiny K3 with automatic dispatch (flydsl first on ROCm, other backends for ops it lacks)
     against the reference backend: greedy continuations agree and per-token logprobs are close."""

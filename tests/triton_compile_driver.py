@@ -16,28 +16,27 @@ TARGETS = ("sm_90", "gfx942", "gfx950")
 
 
 def _specs() -> dict:
-    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
-    # dot_scaled is launched unpipelined (moe/fused.py: num_stages > 1 miscompiles it on Triton 3.6 / sm_90)
-    return {name: (*spec, 1 if name.startswith("moe_w") else 2) for name, spec in _launch_specs().items()}
+    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages[, divisible_by_16])."""
+    from rocm_k3.triton_kernels.moe.kernels import GEMM_DIVISIBLE
+
+    specs = {}
+    for name, spec in _launch_specs().items():
+        gemm = spec[1] == "moe_gemm_kernel"
+        specs[name] = (*spec, 3 if gemm else 2) + ((GEMM_DIVISIBLE,) if gemm else ())
+    return specs
+
+
+def _moe_constexprs(stage: int, **over):
+    """Per-target constexprs of moe_gemm_kernel at the K3 decode tiles: inline-PTX decode on sm_90, portable
+    Triton decode on AMD (and wherever ``DECODE`` is given)."""
+    base = dict(STAGE=stage, W_FMT=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
+                OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3)
+    base.update(over)
+    return lambda target: {"DECODE": 0 if target == "sm_90" else 1, **base} if "DECODE" not in over else base
 
 
 def _launch_specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps); MoE tiles as launched at decode."""
-    moe_ptrs = {"a_ptr": "*bf16", "as_ptr": "*u8", "w_ptr": "*u8", "ws_ptr": "*u8", "sorted_ptr": "*i32",
-                "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32"}
-    w13_sig = {**moe_ptrs, "out_ptr": "*bf16", "out_s_ptr": "*u8", "K": "i32", "N": "i32", "top_k": "i32",
-               "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
-               "stride_wsn": "i32", "stride_out": "i32", "stride_out_s": "i32", "beta": "fp32",
-               "linear_beta": "fp32"}
-    w2_sig = {**moe_ptrs, "a_ptr": "*u8", "y_ptr": "*fp32", "topk_w_ptr": "*fp32", "K": "i32", "N": "i32",
-              "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
-              "stride_wsn": "i32", "stride_y": "i32"}
-    moe_ce = dict(W_FMT=0, OP_F32=False, DOT_F32=False, BIAS=7, F16_DECODE=False, BM=16, BN=32, BK=64)
-    fma_ce = dict(moe_ce, W_FMT=4, BM=1, BK=128)  # the decode GEMV on fp32 multiply-adds
-    # fp32 activations: fp32 operands, IEEE dots (manual E2M1 decode for MXFP4; bf16 experts widened to fp32)
-    f32_ce = dict(moe_ce, OP_F32=True, A_MX=False)
-    w13_f32_sig = {**w13_sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}
-    w2_f32_sig = {**w2_sig, "a_ptr": "*fp32", "w_ptr": "*bf16"}
     mla_decode_sig = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
                       "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
                       "block_size": "i32", "scale": "fp32", "stride_qn": "i32", "stride_qh": "i32",
@@ -48,6 +47,12 @@ def _launch_specs() -> dict:
                        "scale": "fp32", "stride_ql_t": "i32", "stride_ql_h": "i32", "stride_q_t": "i32",
                        "stride_q_h": "i32", "stride_kvb": "i64", "stride_kvt": "i32", "stride_btn": "i32",
                        "stride_o_t": "i32", "stride_o_h": "i32"}
+    from rocm_k3.triton_kernels.moe.kernels import GEMM_SIGNATURE as gemm_sig
+
+    moe = "rocm_k3.triton_kernels.moe.kernels"
+    w2_sig = {**gemm_sig, "out_ptr": "*fp32"}
+    f32_sig = {**gemm_sig, "a_ptr": "*fp32", "out_ptr": "*fp32"}
+    bf16w_sig = {**w2_sig, "w_ptr": "*bf16", "ws_ptr": "*bf16"}
     return {
         "rms_norm": ("rocm_k3.triton_kernels.norm", "_rms_norm_kernel",
                      {"x_ptr": "*bf16", "res_ptr": "*bf16", "gate_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -84,30 +89,24 @@ def _launch_specs() -> dict:
                       dict(TOP_K=16, HAS_BIAS=True, RENORM=True, BLOCK_E=1024, BLOCK_K=16), 4),
         "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel",
                       {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
-                       "count_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32", "num_blocks": "i32"},
+                       "count_ptr": "*i32", "nblk_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
+                       "num_blocks": "i32"},
                       dict(BM=16, BLOCK_A=64, BLOCK_E=1024), 8),
-        "moe_w13_a16w4": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
-                          dict(moe_ce, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
-        "moe_w13_bits": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
-                         dict(moe_ce, W_FMT=3, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8,
-                              FP8_MAX=448.0), 4),
-        "moe_w2_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig, dict(moe_ce, A_MX=True), 4),
-        "moe_w13_fma": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
-                        dict(fma_ce, A_MX=False, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
-        "moe_w2_fma_f16": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig,
-                           dict(fma_ce, F16_DECODE=True, A_MX=False), 4),
-        "moe_w13_gemv_f16": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_sig,
-                             dict(fma_ce, W_FMT=5, BN=64, F16_DECODE=True, A_MX=False, ACT=0, HAS_LINEAR_BETA=True,
-                                  OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
-        "moe_w2_gemv_a8w4": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_sig,
-                             dict(fma_ce, W_FMT=5, BN=64, A_MX=True), 4),
-        "moe_w13_f32": ("rocm_k3.triton_kernels.moe.kernels", "w13_kernel", w13_f32_sig,
-                        dict(f32_ce, W_FMT=2, ACT=0, HAS_LINEAR_BETA=True, OUT_MX=False, EMAX=8, FP8_MAX=448.0), 4),
-        "moe_w2_f32_bf16experts": ("rocm_k3.triton_kernels.moe.kernels", "w2_kernel", w2_f32_sig,
-                                   dict(f32_ce, W_FMT=1), 4),
-        "moe_mxfp8_quant": ("rocm_k3.triton_kernels.moe.kernels", "mxfp8_quant_kernel",
-                            {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "n_rows": "i32", "K": "i32",
-                             "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"},
+        "moe_w13_a16w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1), 4),
+        "moe_w2_a16w4_split": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, SPLIT=4), 4),
+        "moe_w13_a8w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, OUT_MX=True), 4),
+        "moe_w2_two_mul": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, FOLD=False, EVEN_K=False), 4),
+        "moe_w13_prefill": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, BMT=64), 4),
+        "moe_w13_f32": (moe, "moe_gemm_kernel", f32_sig, _moe_constexprs(1, DECODE=1, OP_F32=True), 4),
+        "moe_w2_bf16experts": (moe, "moe_gemm_kernel", bf16w_sig, _moe_constexprs(2, DECODE=1, W_FMT=1), 4),
+        "moe_w2_f32_bf16experts": (moe, "moe_gemm_kernel", {**bf16w_sig, "a_ptr": "*fp32"},
+                                   _moe_constexprs(2, DECODE=1, W_FMT=1, OP_F32=True), 4),
+        "moe_topk_reduce": (moe, "topk_reduce_kernel",
+                            {"y_ptr": "*fp32", "out_ptr": "*bf16", "Kout": "i32", "stride_y": "i32",
+                             "stride_split": "i32", "stride_out": "i32"}, dict(TOP_K=16, SPLIT=4, BLOCK=1024), 4),
+        "moe_mxfp8_round_trip": (moe, "mxfp8_round_trip_kernel",
+                                 {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", "K": "i32",
+                                  "stride_x": "i32", "stride_out": "i32"},
                             dict(EMAX=8, BIAS=7, FP8_MAX=448.0, ROWS=4, BLOCK_K=256), 4),
     }
 

@@ -69,7 +69,7 @@ def prepare_weights(weights: ExpertWeights, arch: str | None = None) -> ExpertWe
     from rocm_k3.flydsl_kernels import moe
 
     if arch is None:
-        dev = device_info(weights.w13.device)
+        dev = device_info(weights.device)
         if dev.kind != "rocm":
             raise ValueError(f"prepare_weights: weights are on {dev.describe()}; pass arch='gfx942' or 'gfx950'")
         arch = dev.arch

@@ -8,7 +8,7 @@ FlyDSL's ``FLYDSL_DEBUG_DUMP_ASM`` writes one ``.s`` file per compiled module: t
 - scratch: ``.private_segment_fixed_size`` (bytes of per-lane private memory) and any ``scratch_*``
   instruction in the body;
 - LDS: ``.group_segment_fixed_size``;
-- the instruction mnemonics of the body, counted.
+- the instruction mnemonics of the body, counted; :func:`loops` counts them per loop body.
 
 Pure text processing: no FlyDSL, no GPU. The parser is strict: a listing without metadata for a kernel
 raises ``ValueError`` instead of reporting zeros.
@@ -141,6 +141,27 @@ def parse_isa(text: str) -> list[KernelIsa]:
     if not kernels:
         raise ValueError("ISA listing describes no kernel")
     return kernels
+
+
+_BRANCH = re.compile(r"^\s+s_(?:cbranch_\w+|branch)\s+(\.LBB[\w.]+)")
+
+
+def loops(text: str) -> list[collections.Counter]:
+    """The mnemonic histogram of every loop body in a listing (from a ``.LBB`` label to a backward branch to it),
+    innermost (fewest instructions) first: what the compile tier reads to budget a K loop's VALU per weight."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    bodies = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.match(line)
+        if m and labels.get(m.group(1), i) < i:
+            counts: collections.Counter = collections.Counter()
+            for body_line in lines[labels[m.group(1)] : i + 1]:
+                match = _INSTR.match(body_line)
+                if match and not body_line.lstrip().startswith("."):
+                    counts[match.group(1)] += 1
+            bodies.append(counts)
+    return sorted(bodies, key=lambda c: sum(c.values()))
 
 
 def read_isa_dir(paths: Iterable[Path]) -> list[KernelIsa]:

@@ -7,8 +7,8 @@ host sync for the block count):
     [A8W4] mxfp8_quant(x)             -> x codes + E8M0 scales (FNUZ on gfx942, OCP on gfx950)
     moe_gemm stage 1 (w13, SiTU)      -> H [P, N] (bf16 for A16W4, fp32 for A8W4)
     [A8W4] mxfp8_quant(H)             -> H codes + scales
-    moe_gemm stage 2 (w2, topk weight)-> Y fp32 [T*top_k, Kout]
-    moe_reduce                        -> out [T, Kout] in x's dtype
+    moe_gemm stage 2 (w2, topk weight)-> Y fp32 [S * T*top_k, Kout] (S K-splits when the blocks are few)
+    moe_reduce                        -> out [T, Kout] in x's dtype (sum over the splits and the top_k)
 
 Compile-verified only (gfx942, gfx950); not yet run on an AMD GPU.
 """
@@ -25,7 +25,7 @@ from rocm_k3.flydsl_kernels.plans import MOE_BLOCK_M, MOE_K_GROUP
 from rocm_k3.flydsl_kernels.weights import (
     layout_for_arch,
     preshuffle_codes,
-    unshuffle_codes,
+    to_checkpoint,
 )
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.ops.moe_types import DEFAULT_ACTIVATION
@@ -67,11 +67,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int = MOE_BLO
 
 
 def prepare_weights(weights: ExpertWeights, arch: str) -> ExpertWeights:
-    """Checkpoint MXFP4 experts -> ``layout="flydsl"`` with the pre-shuffled tensors of ``arch`` in ``extras``.
+    """MXFP4 experts (any layout) -> ``ExpertWeights.prepared`` in ``layout="flydsl"``: only the pre-shuffled
+    tensors of ``arch`` are kept, in ``extras`` (the experts sit in memory once; the reference and other backends
+    read them through ``ExpertWeights.checkpoint_expert``, i.e. :func:`weights.checkpoint_expert`).
 
     extras: ``arch``, ``k_layout`` ("step" for gfx942, "lane" for gfx950), ``w13_q`` int32
     [E, 2N/16, K/128, 64, 4], ``w13_s`` uint8 [E, 2N/16, K/128, 16, 4], ``w2_q``, ``w2_s`` likewise for w2.
-    The checkpoint tensors are kept (every backend can still run the layer).
     """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be ExpertWeights, got {type(weights).__name__}")
@@ -81,23 +82,18 @@ def prepare_weights(weights: ExpertWeights, arch: str) -> ExpertWeights:
     for name, size in (("hidden", weights.hidden), ("intermediate", weights.intermediate)):
         if size % MOE_K_GROUP:
             raise ValueError(f"{name} size {size} must be a multiple of {MOE_K_GROUP} for the FlyDSL MoE kernels")
-    w13_q, w13_s = preshuffle_codes(weights.w13, weights.w13_scale, k_layout)
-    w2_q, w2_s = preshuffle_codes(weights.w2, weights.w2_scale, k_layout)
+    src = weights.to_checkpoint()
+    w13_q, w13_s = preshuffle_codes(src.w13, src.w13_scale, k_layout)
+    w2_q, w2_s = preshuffle_codes(src.w2, src.w2_scale, k_layout)
     extras = {"arch": arch, "k_layout": k_layout, "w13_q": w13_q, "w13_s": w13_s, "w2_q": w2_q, "w2_s": w2_s}
-    return ExpertWeights(
-        fmt="mxfp4", w13=weights.w13, w13_scale=weights.w13_scale, w2=weights.w2, w2_scale=weights.w2_scale,
-        layout=LAYOUT, extras=extras,
-    )
+    return ExpertWeights.prepared("mxfp4", LAYOUT, src.dims, extras)
 
 
 def restore_weights(prepared: ExpertWeights) -> ExpertWeights:
     """Exact inverse of :func:`prepare_weights`, rebuilt from ``extras`` alone (checkpoint layout)."""
     if prepared.layout != LAYOUT:
         raise ValueError(f"weights have layout {prepared.layout!r}, not {LAYOUT!r}")
-    ex = prepared.extras
-    w13, w13_scale = unshuffle_codes(ex["w13_q"], ex["w13_s"], ex["k_layout"])
-    w2, w2_scale = unshuffle_codes(ex["w2_q"], ex["w2_s"], ex["k_layout"])
-    return ExpertWeights(fmt="mxfp4", w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
+    return to_checkpoint(prepared)
 
 
 def _activation_tuple(activation: MoEActivation) -> tuple:
@@ -195,9 +191,21 @@ def fused_moe(x, weights, topk_weights, topk_ids, *, activation=DEFAULT_ACTIVATI
                 blocks.num_pairs, blocks.num_blocks, **stream_of(x))
 
     a2, a2_scale = _mx_quant(h, fnuz) if fp8 else (h, h)
-    y = torch.empty(blocks.num_pairs, Kout, dtype=torch.float32, device=x.device)
-    cfg2 = MoeGemmConfig(arch, 2, fmt, N, Kout, top_k, a_dtype="bf16", activation=act)
+    split = w2_split_k(blocks.num_blocks, Kout, N, torch.cuda.get_device_properties(x.device).multi_processor_count
+                       if x.is_cuda else 1)
+    y = torch.empty(split * blocks.num_pairs, Kout, dtype=torch.float32, device=x.device)
+    cfg2 = MoeGemmConfig(arch, 2, fmt, N, Kout, top_k, a_dtype="bf16", activation=act, split_k=split)
     _gemm(cfg2)(a2, a2_scale, blocks.sorted_pairs, blocks.block_expert, ex["w2_q"], ex["w2_s"], y, topw,
                 blocks.num_pairs, blocks.num_blocks, **stream_of(x))
-    _reduce(MoeReduceConfig(Kout, top_k, dtype_name(x.dtype)))(y, out, T, **stream_of(x))
+    _reduce(MoeReduceConfig(Kout, top_k, dtype_name(x.dtype), split))(y, out, T, **stream_of(x))
     return out
+
+
+def w2_split_k(num_blocks: int, kout: int, n: int, num_cus: int) -> int:
+    """K splits of the w2 GEMM: doubled (up to 4, dividing N/128) while its workgroups number fewer than 4 per CU
+    (K3 decode on a 304-CU MI300X: T = 1 has 16 blocks x 28 column tiles = 448 workgroups -> 4 splits)."""
+    per_split = kout // 128 * num_blocks  # workgroups of one split (128 output columns each)
+    split = 1
+    while split < 4 and per_split * split < 4 * num_cus and (n // MOE_K_GROUP) % (2 * split) == 0:
+        split *= 2
+    return split

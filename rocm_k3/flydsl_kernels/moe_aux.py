@@ -9,8 +9,9 @@ and E8M0 scales uint8 [R, K/32] with the compressed-tensors rule of ``rocm_k3.qu
 Tiling: one lane per MX block of 32 (read as 4 x 16-byte bf16 loads), 64 lanes per workgroup, grid
 (R, ceil(K/32/64)). Used for x before stage 1 and for h before stage 2 of A8W4.
 
-``build_moe_reduce``: y fp32 [T*top_k, Kout] (already weighted) -> out [T, Kout] = sum over the top_k rows
-of each token, fp32 sum, cast to the activation dtype. ``plans.row_plan(Kout, 4)``: one workgroup per
+``build_moe_reduce``: y fp32 [splits * T*top_k, Kout] (already weighted; K-split s of stage 2 at rows
+s * T*top_k + pair) -> out [T, Kout] = sum over the splits and top_k rows of each token in a fixed order (fp32,
+deterministic), cast to the activation dtype. ``plans.row_plan(Kout, 4)``: one workgroup per
 token, 16-byte fp32 loads.
 
 Mapping to the Triton twin (``triton_kernels/moe``): the same per-32 compressed-tensors scale rule as its
@@ -93,15 +94,18 @@ def build_mxfp8_quant(cfg: Mxfp8QuantConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MoeReduceConfig:
-    """Kout: row length; top_k; dtype: output dtype name."""
+    """Kout: row length; top_k; dtype: output dtype name; splits: K splits of stage 2 to add as well."""
 
     Kout: int
     top_k: int
     dtype: str = "bf16"
+    splits: int = 1
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.splits < 1:
+            raise ValueError(f"splits must be >= 1, got {self.splits}")
         self.plan  # noqa: B018 - raises for an untileable Kout
 
     @property
@@ -113,12 +117,12 @@ class MoeReduceConfig:
 
 
 def build_moe_reduce(cfg: MoeReduceConfig):
-    """``launch(Y fp32 [T*top_k, Kout], Out [T, Kout], tokens)``."""
+    """``launch(Y fp32 [splits * T*top_k, Kout], Out [T, Kout], tokens)``."""
     plan = cfg.plan
     act = common.fx_dtype(cfg.dtype)
 
     @flyc.kernel
-    def moe_reduce_kernel(Y: fx.Tensor, Out: fx.Tensor):
+    def moe_reduce_kernel(Y: fx.Tensor, Out: fx.Tensor, tokens: fx.Int32):
         tid = gpu.thread_idx.x
         t = gpu.block_idx.x
         f32 = common.copy_atom("f32", 4)
@@ -127,12 +131,14 @@ def build_moe_reduce(cfg: MoeReduceConfig):
         for i in range_constexpr(plan.tiles):
             j = plan.vector_of(tid, i)
             acc = fx.Vector.filled(4, 0.0, fx.Float32)
-            for s in range_constexpr(cfg.top_k):
-                acc = acc + common.load_vec(f32, common.row_vectors(Y, t * cfg.top_k + s, 4), j, 4, "f32")
+            for sp in range_constexpr(cfg.splits):
+                for s in range_constexpr(cfg.top_k):
+                    row = (sp * tokens + t) * cfg.top_k + s
+                    acc = acc + common.load_vec(f32, common.row_vectors(Y, row, 4), j, 4, "f32")
             common.store_vec(out_atom, out_row, j, acc.to(act), 4, cfg.dtype)
 
     @flyc.jit
     def launch(Y: fx.Tensor, Out: fx.Tensor, tokens: fx.Int32, stream: fx.Stream = common.DEFAULT_STREAM):
-        moe_reduce_kernel(Y, Out).launch(grid=(tokens,), block=(plan.threads,), stream=stream)
+        moe_reduce_kernel(Y, Out, tokens).launch(grid=(tokens,), block=(plan.threads,), stream=stream)
 
     return launch

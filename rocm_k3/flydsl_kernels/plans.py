@@ -99,6 +99,14 @@ def kda_decode_row(half, i, K: int):
 # MFMA 16x16 output tiles; a wave computes NT such tiles along N for one 16-row block of sorted tokens.
 MOE_BLOCK_M = 16
 MOE_K_GROUP = 128  # K elements one lane group consumes per pre-shuffled weight load (4 MX blocks of 32)
+# "step" layout (gfx942): nibble p of a lane's dword holds the lane's K offset STEP_NIBBLE_K[p] (0..7 inside its
+# 8 values of the MX block). The byte-lookup decode (bitcodes.e2m1x8_to_bf16_pairs) returns the bf16 pairs
+# (n0, n2), (n4, n6), (n1, n3), (n5, n7), so with this order (n0, n2, n1, n3) and (n4, n6, n5, n7) are K offsets
+# 0..3 and 4..7: the two MFMA 16x16x16 fragments of the block, as decoded. Self-inverse.
+STEP_NIBBLE_K = (0, 2, 1, 3, 4, 6, 5, 7)
+# gfx942 FP8 "step" fragments (kpl 8): byte j of the MFMA fragment is nibble STEP_FP8_NIBBLE[j] of the dword, the
+# order bitcodes.e2m1x8_to_fnuz_words returns (even nibbles, then odd).
+STEP_FP8_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def mfma_c_coord(lane, i):
@@ -118,8 +126,10 @@ def moe_k_index(lane, group, step, j, layout: str, kpl: int):
     dwords of 8 FP4 codes in the pre-shuffled weights. ``kpl`` is the per-lane K of one MFMA step:
     4 (16x16x16 bf16, gfx942), 8 (16x16x32 bf16 on gfx950, 16x16x32 fp8) or 32 (scaled 16x16x128).
     - layout "step": each MX block is consumed by whole MFMA steps (block = step // (8 // kpl)), lane
-      group q taking 8 values of it: k = block*32 + q*8 + sub*kpl + j. One step never mixes MX blocks,
-      so per-block scales of BOTH operands can be applied to the fp32 result of the step (gfx942 FP8).
+      group q taking 8 values of it: k = block*32 + q*8 + sub*kpl + j (kpl 4, bf16), or for kpl 8 (fp8, the
+      fragment in decode order) k = block*32 + q*8 + STEP_NIBBLE_K[STEP_FP8_NIBBLE[j]]. One step never mixes
+      MX blocks, so per-block scales can be applied to the fp32 result of the step (gfx942: weights for bf16 and fp8,
+      activations for fp8).
     - layout "lane": lane group q owns MX block q: k = q*32 + step*kpl + j. A lane's fragment never
       mixes MX blocks, which is what the scaled MFMA (one E8M0 scale per lane and operand) expects.
     """
@@ -127,8 +137,9 @@ def moe_k_index(lane, group, step, j, layout: str, kpl: int):
     if layout == "step":
         if kpl not in (4, 8):
             raise ValueError(f"layout 'step' takes kpl 4 or 8, got {kpl}")
-        per_block = 8 // kpl
-        return group * MOE_K_GROUP + (step // per_block) * 32 + q * 8 + (step % per_block) * kpl + j
+        if kpl == 8:
+            return group * MOE_K_GROUP + step * 32 + q * 8 + STEP_NIBBLE_K[STEP_FP8_NIBBLE[j]]
+        return group * MOE_K_GROUP + (step // 2) * 32 + q * 8 + (step % 2) * 4 + j
     if layout == "lane":
         if kpl not in (4, 8, 32):
             raise ValueError(f"layout 'lane' takes kpl 4, 8 or 32, got {kpl}")
@@ -144,17 +155,22 @@ def moe_steps(kpl: int) -> int:
 def moe_dword_pos(step, j, layout: str, kpl: int):
     """(dword 0..3, nibble 0..7) of the lane's pre-shuffled weights holding fragment element ``j`` of ``step``.
 
-    Dword ``d`` nibble ``p`` of a lane holds K value ``moe_k_index(lane, g, d * 8 // kpl + p // kpl, p % kpl)``,
-    i.e. the lane's 32 values in its fragment order.
+    "lane": the lane's 32 values in fragment order (nibble = position). "step": dword = the step's MX block; kpl 8
+    (fp8) fragments in decode order (STEP_FP8_NIBBLE), kpl 4 (bf16) fragments in K order (nibble STEP_NIBBLE_K of
+    the offset).
     """
     flat = step * kpl + j  # position among the lane's 32 values of this group
+    if layout == "step" and kpl == 4:
+        return flat // 8, STEP_NIBBLE_K[flat % 8]
+    if layout == "step":
+        return flat // 8, STEP_FP8_NIBBLE[flat % 8]
     return flat // 8, flat % 8
 
 
 def moe_dword_k(lane, group, d, p, layout: str):
     """K index stored in dword ``d`` nibble ``p`` of ``lane``'s pre-shuffled weights for K group ``group``."""
     if layout == "step":
-        return group * MOE_K_GROUP + d * 32 + (lane // 16) * 8 + p
+        return group * MOE_K_GROUP + d * 32 + (lane // 16) * 8 + STEP_NIBBLE_K[p]
     return group * MOE_K_GROUP + (lane // 16) * 32 + d * 8 + p
 
 

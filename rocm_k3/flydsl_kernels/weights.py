@@ -5,7 +5,8 @@ even k) and scales ``s [E, R, K/32]`` uint8 (E8M0), R = output rows (2N for w13,
 
 FlyDSL layout: the MFMA lane that supplies output row ``n`` (``n % 16`` inside a 16-row tile) and lane group
 ``q`` (``lane // 16``) reads, per K group of 128, ONE 16-byte vector: 4 dwords of 8 codes each, in the
-order its MFMA steps consume them (``plans.moe_dword_k``):
+order its decode and MFMA steps consume them (``plans.moe_dword_k``; "step" puts the nibbles in the order of the
+byte-lookup decode, ``plans.STEP_NIBBLE_K``):
 
     codes  [E, R/16, K/128, 64 lanes, 4 dwords] int32     dword d, nibble p of lane l holds
            w[e, tile*16 + l % 16, moe_dword_k(l, g, d, p, layout)]
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rocm_k3.flydsl_kernels.plans import MOE_K_GROUP
+from rocm_k3.flydsl_kernels.plans import MOE_K_GROUP, STEP_NIBBLE_K
 
 LAYOUTS = ("step", "lane")
 
@@ -64,8 +65,8 @@ def _lane_order(E: int, R: int, K: int, nib: torch.Tensor, layout: str) -> torch
     G = K // MOE_K_GROUP
     t = nib.reshape(E, R // 16, 16, G, 4, 4, 8)  # [E, tile, row, g, a, b, p]: k = g*128 + a*32 + b*8 + p
     if layout == "step":
-        # lane q = b (k = g*128 + d*32 + q*8 + p): dword d = a
-        t = t.permute(0, 1, 3, 5, 2, 4, 6)  # [E, tile, g, q=b, row, d=a, p]
+        # lane q = b (k = g*128 + d*32 + q*8 + o): dword d = a, nibble p holds offset o = STEP_NIBBLE_K[p]
+        t = t.permute(0, 1, 3, 5, 2, 4, 6)[..., list(STEP_NIBBLE_K)]  # [E, tile, g, q=b, row, d=a, p]
     else:
         # lane q = a (k = g*128 + q*32 + d*8 + p): dword d = b
         t = t.permute(0, 1, 3, 4, 2, 5, 6)  # [E, tile, g, q=a, row, d=b, p]
@@ -97,9 +98,28 @@ def unshuffle_codes(words: torch.Tensor, s: torch.Tensor, layout: str) -> tuple[
     nib = _nibbles(words.contiguous().view(torch.uint8))  # [E, tiles, G, 64, 32]
     t = nib.reshape(E, tiles, G, 4, 16, 4, 8)  # [E, tile, g, q, row, d, p]
     if layout == "step":
-        t = t.permute(0, 1, 4, 2, 5, 3, 6)  # [E, tile, row, g, a=d, b=q, p]
+        t = t[..., list(STEP_NIBBLE_K)].permute(0, 1, 4, 2, 5, 3, 6)  # [E, tile, row, g, a=d, b=q, offset]
     else:
         t = t.permute(0, 1, 4, 2, 3, 5, 6)  # [E, tile, row, g, a=q, b=d, p]
     codes = _pack(t.reshape(E, R, K)).contiguous()
     scales = s.permute(0, 1, 3, 2, 4).reshape(E, R, K // 32).contiguous()
     return codes, scales
+
+
+def checkpoint_expert(weights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codec of the ``flydsl`` layout (``ExpertWeights.checkpoint_expert``): expert ``e`` of prepared weights in
+    checkpoint layout, (w13 [2N, K/2], w13_scale [2N, K/32], w2 [Kout, N/2], w2_scale [Kout, N/32])."""
+    ex = weights.extras
+    w13, s13 = unshuffle_codes(ex["w13_q"][e : e + 1], ex["w13_s"][e : e + 1], ex["k_layout"])
+    w2, s2 = unshuffle_codes(ex["w2_q"][e : e + 1], ex["w2_s"][e : e + 1], ex["k_layout"])
+    return w13[0], s13[0], w2[0], s2[0]
+
+
+def to_checkpoint(weights):
+    """Codec of the ``flydsl`` layout (``ExpertWeights.to_checkpoint``): the whole layer in checkpoint layout."""
+    from rocm_k3.ops.moe_types import ExpertWeights
+
+    ex = weights.extras
+    w13, s13 = unshuffle_codes(ex["w13_q"], ex["w13_s"], ex["k_layout"])
+    w2, s2 = unshuffle_codes(ex["w2_q"], ex["w2_s"], ex["k_layout"])
+    return ExpertWeights("mxfp4", w13, s13, w2, s2)

@@ -28,6 +28,7 @@ from rocm_k3.ops.moe_types import (
     ACT_QUANT_CHOICES,
     DEFAULT_ACTIVATION,
     EXPERT_FORMATS,
+    ExpertDims,
     ExpertWeights,
     MoEActivation,
     RouteResult,
@@ -41,6 +42,7 @@ from rocm_k3.quant.mxfp8 import fp8_format
 __all__ = [
     "ACT_QUANT_CHOICES",
     "EXPERT_FORMATS",
+    "ExpertDims",
     "ExpertWeights",
     "MoEActivation",
     "REFERENCE_IMPLS",
@@ -161,8 +163,8 @@ def fused_moe(
     check_tensor(x, "x", 2, ACT_DTYPES)
     if x.shape[1] != weights.hidden:
         raise ValueError(f"x must have shape [T, K] with K = weights.hidden = {weights.hidden}, got {tuple(x.shape)}")
-    if x.device != weights.w13.device:
-        raise ValueError(f"x ({x.device}) and the expert weights ({weights.w13.device}) must be on one device")
+    if x.device != weights.device:
+        raise ValueError(f"x ({x.device}) and the expert weights ({weights.device}) must be on one device")
     check_tensor(topk_weights, "topk_weights", 2, (torch.float32,))
     check_tensor(topk_ids, "topk_ids", 2, (torch.int32,))
     if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] == 0:
@@ -206,12 +208,15 @@ def prepare_expert_weights(weights: ExpertWeights, *, backend: str | None = None
     """Re-lay routed experts once, at load time, for the backend that will run ``fused_moe`` on their device.
 
     The backend is the one named (argument or settings) or the first available in the device's priority order;
-    its module's ``prepare_weights`` fills ``extras`` (the checkpoint tensors stay, so the reference can still
-    run the result). Backends without a ``prepare_weights`` hook, and the reference, return ``weights`` as is.
+    its module's ``prepare_weights`` returns the weights in its own layout. A backend that re-lays MXFP4 experts
+    keeps only the re-laid tensors (the experts then sit in memory once; drop your reference to ``weights``), and
+    every other backend, the reference included, still runs the result through
+    :meth:`ExpertWeights.checkpoint_expert`. Backends without a ``prepare_weights`` hook, and the reference,
+    return ``weights`` as is.
     """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"prepare_expert_weights: weights must be an ExpertWeights, got {type(weights).__name__}")
-    return registry.prepare_weights(weights, backend, weights.w13.device)
+    return registry.prepare_weights(weights, backend, weights.device)
 
 
 REFERENCE_IMPLS = {

@@ -1,8 +1,9 @@
 """PyTorch references of the ``moe`` op family (fp32 math inside); validation happens in :mod:`rocm_k3.ops.moe`.
 
 ``fused_moe_reference`` groups the (token, slot) pairs by expert with a stable argsort of the ids, dequantises
-each used expert once, runs the two GEMMs in fp32 over bounded token chunks and scatter-adds the weighted
-results, so memory stays at one dequantised expert plus a chunk of activations.
+each used expert once (from any layout: a prepared one is undone expert by expert), runs the two GEMMs in fp32
+over bounded token chunks and scatter-adds the weighted results, so memory stays at one dequantised expert plus
+a chunk of activations.
 """
 
 from __future__ import annotations
@@ -67,12 +68,12 @@ def _mxfp8_round_trip(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _expert_fp32(weights: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantised weights of expert ``e``: (w13 fp32 [2N, K], w2 fp32 [Kout, N])."""
+    """Dequantised weights of expert ``e``: (w13 fp32 [2N, K], w2 fp32 [Kout, N]), from any layout."""
+    w13, s13, w2, s2 = weights.checkpoint_expert(e)
     if weights.fmt == "mxfp4":
-        w13 = dequantize_mxfp4_reference(weights.w13[e], weights.w13_scale[e], torch.float32)
-        w2 = dequantize_mxfp4_reference(weights.w2[e], weights.w2_scale[e], torch.float32)
-        return w13, w2
-    return weights.w13[e].to(torch.float32), weights.w2[e].to(torch.float32)
+        return (dequantize_mxfp4_reference(w13, s13, torch.float32),
+                dequantize_mxfp4_reference(w2, s2, torch.float32))
+    return w13.to(torch.float32), w2.to(torch.float32)
 
 
 def fused_moe_reference(

@@ -16,6 +16,8 @@ from rocm_k3.quant.blocks import BLOCK_SIZE
 
 __all__ = [
     "ACTIVATION_KINDS",
+    "ExpertDims",
+    "LAYOUT_CODECS",
     "ACT_QUANT_CHOICES",
     "DEFAULT_ACTIVATION",
     "EXPERT_FORMATS",
@@ -77,25 +79,57 @@ def check_shape(t: torch.Tensor, name: str, expected: tuple[int, ...], meaning: 
         raise ValueError(f"{name} must have shape {meaning} = {expected}, got {tuple(t.shape)}")
 
 
+# Prepared layouts whose backend stores only its re-laid tensors: layout name -> module with
+# ``checkpoint_expert(weights, e)`` and ``to_checkpoint(weights)`` (pure torch, imported on first use).
+LAYOUT_CODECS = {
+    "triton": "rocm_k3.triton_kernels.moe.layout",
+    "flydsl": "rocm_k3.flydsl_kernels.weights",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDims:
+    """Logical sizes of a routed-expert layer: E experts, w13 [2N, K] (gate | up), w2 [Kout, N], on ``device``."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    out_features: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "hidden", "intermediate", "out_features"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ExpertDims.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.device, torch.device):
+            raise TypeError(f"ExpertDims.device must be a torch.device, got {type(self.device).__name__}")
+
+
 @dataclasses.dataclass
 class ExpertWeights:
-    """Routed-expert weights of one MoE layer, always held in checkpoint layout.
+    """Routed-expert weights of one MoE layer, in checkpoint layout or in one backend's prepared layout.
 
+    Checkpoint layout (``layout="checkpoint"``, or a backend layout that reads the checkpoint tensors as they are):
     fmt "mxfp4": ``w13`` uint8 [E, 2N, K/2], ``w13_scale`` uint8 [E, 2N, K/32], ``w2`` uint8 [E, Kout, N/2],
     ``w2_scale`` uint8 [E, Kout, N/32] (compressed-tensors packing, K and N multiples of 32).
     fmt "bf16": ``w13`` [E, 2N, K] and ``w2`` [E, Kout, N] (bf16; fp16/fp32 accepted), scales None.
     Rows of w13: the first N are the gate (w1), the next N the up projection (w3).
-    ``layout`` names the backend whose ``prepare_weights`` filled ``extras`` with its re-laid private tensors;
-    the checkpoint-layout tensors stay valid so any backend (and the reference) can still run the layer.
+
+    Prepared layout (``ExpertWeights.prepared``): the four checkpoint fields are None, ``dims`` gives the sizes
+    and ``extras`` holds the backend's re-laid tensors only, so the experts sit in memory once. The reference
+    (and any other backend) reads such weights expert by expert through :meth:`checkpoint_expert`, which asks the
+    layout's codec (``LAYOUT_CODECS``) to undo the re-layout; :meth:`to_checkpoint` rebuilds all of it.
     """
 
     fmt: str
-    w13: torch.Tensor
+    w13: torch.Tensor | None
     w13_scale: torch.Tensor | None
-    w2: torch.Tensor
+    w2: torch.Tensor | None
     w2_scale: torch.Tensor | None
     layout: str = "checkpoint"
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dims: ExpertDims | None = None
 
     def __post_init__(self) -> None:
         if self.fmt not in EXPERT_FORMATS:
@@ -104,6 +138,9 @@ class ExpertWeights:
             raise ValueError(f"ExpertWeights.layout must be a non-empty str, got {self.layout!r}")
         if not isinstance(self.extras, dict):
             raise TypeError(f"ExpertWeights.extras must be a dict, got {type(self.extras).__name__}")
+        if self.w13 is None:
+            self._check_prepared()
+            return
         if self.fmt == "mxfp4":
             self._check_mxfp4()
         else:
@@ -114,6 +151,27 @@ class ExpertWeights:
                 raise ValueError(
                     f"ExpertWeights.{name} must be on the device of w13 ({self.w13.device}), got {t.device}"
                 )
+        dims = ExpertDims(self.w13.shape[0], self.w13.shape[2] * (2 if self.fmt == "mxfp4" else 1),
+                          self.w13.shape[1] // 2, self.w2.shape[1], self.w13.device)
+        if self.dims is not None and self.dims != dims:
+            raise ValueError(f"ExpertWeights.dims {self.dims} disagree with the tensors' shapes {dims}")
+        self.dims = dims
+
+    @classmethod
+    def prepared(cls, fmt: str, layout: str, dims: ExpertDims, extras: dict[str, Any]) -> ExpertWeights:
+        """Weights held only in ``layout``'s re-laid tensors (``extras``); see the class docstring."""
+        return cls(fmt, None, None, None, None, layout=layout, extras=extras, dims=dims)
+
+    def _check_prepared(self) -> None:
+        if any(t is not None for t in (self.w13_scale, self.w2, self.w2_scale)):
+            raise ValueError("ExpertWeights without w13 (a prepared layout) must have no checkpoint tensors at all")
+        if not isinstance(self.dims, ExpertDims):
+            raise TypeError("ExpertWeights in a prepared layout (no checkpoint tensors) need dims: ExpertDims")
+        if self.layout not in LAYOUT_CODECS:
+            raise ValueError(
+                f"ExpertWeights without checkpoint tensors must be in a layout with a codec {sorted(LAYOUT_CODECS)}, "
+                f"got {self.layout!r}"
+            )
 
     def _check_mxfp4(self) -> None:
         u8 = (torch.uint8,)
@@ -153,21 +211,51 @@ class ExpertWeights:
             )
 
     @property
+    def has_checkpoint_tensors(self) -> bool:
+        """Whether ``w13`` / ``w2`` (and scales) hold the checkpoint layout (False: only ``extras`` has them)."""
+        return self.w13 is not None
+
+    def _codec(self) -> Any:
+        import importlib
+
+        return importlib.import_module(LAYOUT_CODECS[self.layout])
+
+    def checkpoint_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Checkpoint-layout tensors of expert ``e``: (w13 [2N, K/2 or K], w13_scale, w2 [Kout, N/2 or N], w2_scale)."""
+        if self.w13 is not None:
+            s13 = None if self.w13_scale is None else self.w13_scale[e]
+            s2 = None if self.w2_scale is None else self.w2_scale[e]
+            return self.w13[e], s13, self.w2[e], s2
+        return self._codec().checkpoint_expert(self, e)
+
+    def to_checkpoint(self) -> ExpertWeights:
+        """These weights in checkpoint layout (``self`` when they already are; a rebuilt copy otherwise)."""
+        if self.w13 is not None:
+            return self if self.layout == "checkpoint" else ExpertWeights(
+                self.fmt, self.w13, self.w13_scale, self.w2, self.w2_scale)
+        return self._codec().to_checkpoint(self)
+
+    @property
+    def device(self) -> torch.device:
+        """The device every tensor of these weights lives on."""
+        return self.dims.device
+
+    @property
     def num_experts(self) -> int:
         """E."""
-        return self.w13.shape[0]
+        return self.dims.num_experts
 
     @property
     def hidden(self) -> int:
         """K: the input features of w13."""
-        return self.w13.shape[2] * (2 if self.fmt == "mxfp4" else 1)
+        return self.dims.hidden
 
     @property
     def intermediate(self) -> int:
         """N: the activation width (w13 has 2N output rows)."""
-        return self.w13.shape[1] // 2
+        return self.dims.intermediate
 
     @property
     def out_features(self) -> int:
         """Kout: the output features of w2."""
-        return self.w2.shape[1]
+        return self.dims.out_features

@@ -7,9 +7,10 @@ minus ``backend``. Modules (imported by :func:`register`, never at import time):
 mla_write_cache), ``kda`` (the KDA kernels) and ``vision_attention`` (varlen_attention, the vision tower's attention). The quant ops have no Triton kernel (they run at load time). When two modules offer the same op the
 first in ``KERNEL_MODULES`` wins (so ``gated_rms_norm`` comes from ``norm``).
 
-MoE weights: the kernels read the checkpoint byte layout, so :func:`prepare_weights` (call it once at load) only
-makes the tensors contiguous and tags ``layout="triton"``; unprepared weights are prepared lazily on their first
-``fused_moe`` call and cached in ``weights.extras`` (see :mod:`rocm_k3.triton_kernels.moe.fused`).
+MoE weights: :func:`prepare_weights` (call it once at load) re-lays MXFP4 experts into the ``triton`` layout of
+:mod:`rocm_k3.triton_kernels.moe.layout` and keeps only those tensors (the experts sit in memory once; the reference
+still runs them expert by expert); bf16 experts stay in checkpoint layout. Unprepared weights are prepared lazily on
+their first ``fused_moe`` call and cached in ``weights.extras`` (a second copy: prepare at load time instead).
 """
 
 from __future__ import annotations
@@ -61,11 +62,9 @@ def available(dev: DeviceInfo) -> tuple[bool, str]:
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """Checkpoint-layout experts -> ``layout="triton"`` (what ``fused_moe`` on this backend accepts).
+    """Experts in any layout -> ``layout="triton"`` (what ``fused_moe`` on this backend reads; see the module doc).
 
-    The kernels read the checkpoint byte order directly (MXFP4 packed along K, low nibble first, E8M0 per 32);
-    this makes the tensors contiguous and tags the layout. Idempotent. Optional: ``fused_moe`` prepares
-    unprepared weights lazily, once.
+    Idempotent. Optional: ``fused_moe`` prepares unprepared weights lazily, once (keeping a second copy).
     """
     from rocm_k3.triton_kernels.moe.fused import prepare_weights as _prepare
 

@@ -60,7 +60,7 @@ class CompileResult:
     scratch_bytes: int
     spills: int
     shared_bytes: int
-    extra: Mapping[str, int]
+    extra: Mapping[str, Any]
 
     def has(self, prefix: str) -> bool:
         """True when some instruction mnemonic starts with ``prefix`` (e.g. "v_mfma", "wgmma.mma_async")."""
@@ -89,23 +89,64 @@ def _gpu_target(target: str) -> Any:
     raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
 
 
-def _cuda_resources(cubin: bytes) -> tuple[int | None, int, int, int]:
-    """(registers, stack, shared, local) of the first kernel in a cubin, via Triton's bundled cuobjdump."""
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """``cuobjdump <flag>`` of a cubin with Triton's bundled cuobjdump (or one on PATH); None if there is none."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     exe = str(tool) if tool.exists() else shutil.which("cuobjdump")
     if exe is None:
-        return None, 0, 0, 0
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([exe, "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+        return subprocess.run([exe, flag, f.name], capture_output=True, text=True, check=False).stdout
+
+
+def _cuda_resources(cubin: bytes) -> tuple[int | None, int, int, int]:
+    """(registers, stack, shared, local) of the first kernel in a cubin, via Triton's bundled cuobjdump."""
+    out = _cuobjdump(cubin, "-res-usage")
+    if out is None:
+        return None, 0, 0, 0
     m = _CUOBJ_RES.search(out)
     if m is None:
         return None, 0, 0, 0
     reg, stack, shared, local = (int(g) for g in m.groups())
     return reg, stack, shared, local
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\()?\s*0x([0-9a-f]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SassLoop:
+    """One loop of a cubin's SASS (a backward branch): its instruction count and opcode histogram."""
+
+    start: int
+    end: int
+    instructions: int
+    opcodes: Mapping[str, int]
+
+
+def sass_loops(cubin: bytes) -> list[SassLoop] | None:
+    """The loops of the first kernel in ``cubin`` (``cuobjdump -sass``), innermost (shortest) first; None without
+    cuobjdump. Used to count the static instructions of a K loop (per weight element: divide by its elements)."""
+    import collections
+
+    text = _cuobjdump(cubin, "-sass")
+    if text is None:
+        return None
+    ins = [(int(a, 16), t) for a, t in _SASS_LINE.findall(text)]
+    loops = []
+    for addr, txt in ins:
+        m = _SASS_BRANCH.search(txt)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            body = [t for a, t in ins if lo <= a <= addr]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            loops.append(SassLoop(lo, addr, len(body), dict(ops)))
+    return sorted(loops, key=lambda lp: lp.instructions)
 
 
 def _require_compiled(fn: Any) -> None:
@@ -174,7 +215,8 @@ def compile_kernel(
         asm = kernel.asm["ptx"]
         regs, stack, cu_shared, local = _cuda_resources(kernel.asm["cubin"])
         mnemonics = frozenset(_PTX_INSTR.findall(asm))
-        return CompileResult(target, asm, mnemonics, regs, local, stack, max(shared, cu_shared), {"stack": stack})
+        return CompileResult(target, asm, mnemonics, regs, local, stack, max(shared, cu_shared),
+                             {"stack": stack, "cubin": kernel.asm["cubin"]})
     asm = kernel.asm["amdgcn"]
     meta = {k: int(m.group(1)) if (m := p.search(asm)) else 0 for k, p in _AMD_META.items()}
     return CompileResult(
@@ -189,7 +231,8 @@ def compile_kernel(
     )
 
 
-KernelSpec = tuple  # (module, attribute, signature, constexprs, num_warps, num_stages)
+# (module, attribute, signature, constexprs or target -> constexprs, num_warps, num_stages[, divisible_by_16])
+KernelSpec = tuple
 
 
 def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
@@ -197,14 +240,19 @@ def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
     import importlib
 
     specs_fn, name, target = job
-    module, attr, sig, constexprs, warps, stages = specs_fn()[name]
+    module, attr, sig, constexprs, warps, stages, *divisible = specs_fn()[name]
     fn = getattr(importlib.import_module(module), attr)
+    if callable(constexprs):  # per-target constexprs (e.g. an NVIDIA-only inline-asm path)
+        constexprs = constexprs(target)
     try:
-        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages)
+        res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages,
+                             divisible_by_16=divisible[0] if divisible else None)
     except Exception as exc:  # reported per kernel/target; the calling test fails with this message
         return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
+    loops = sass_loops(res.extra["cubin"]) if target == "sm_90" else None
     return f"{name}/{target}", {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics),
-                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes}
+                                "registers": res.registers, "spills": res.spills, "scratch": res.scratch_bytes,
+                                "sass_loops": None if loops is None else [dataclasses.asdict(lp) for lp in loops]}
 
 
 def compile_specs(specs_fn: Any, names: list[str], targets: tuple[str, ...], workers: int = 2) -> dict:

@@ -1,4 +1,5 @@
-"""Triton MoE: fused experts over MXFP4 (A16W4, A8W4) or bf16 (:mod:`.fused`), router and activations (:mod:`.pointwise`)."""
+"""Triton MoE: fused experts over MXFP4 (A16W4, A8W4; weights in the :mod:`.layout` made by ``prepare_weights``) or
+bf16 (:mod:`.fused`, kernels in :mod:`.kernels` and :mod:`.decode`), router and activations (:mod:`.pointwise`)."""
 
 from __future__ import annotations
 

@@ -7,10 +7,13 @@ Output (:class:`SortedRouting`), all on the routing's device, computed without a
   and the padding rows hold garbage (kernels mask rows ``p >= expert_start[e] + expert_count[e]``).
 - ``block_expert`` int32 [NB_max]: expert of each block of BM rows, -1 past the last used block.
 - ``expert_start`` int32 [E], ``expert_count`` int32 [E].
+- ``num_blocks`` int32 [1]: the used blocks (``block_expert[b] >= 0`` exactly for ``b < num_blocks``), read by the
+  persistent GEMMs on the device.
 
 P_max = NB_max * BM with NB_max = ceil(T*k / BM) + min(E, T*k), an upper bound on the used blocks, so grids are
 sized on the host from shapes alone. Small routings (decode) use one Triton program (``_align_kernel``, one
-launch); large ones use a stable torch sort, where launch count does not matter. Both give identical arrays.
+launch); large ones use a stable torch sort, where launch count does not matter. Both give identical arrays and
+neither syncs with the host (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SortedRouting(NamedTuple):
     block_expert: torch.Tensor  # int32 [NB_max]
     expert_start: torch.Tensor  # int32 [E]
     expert_count: torch.Tensor  # int32 [E]
+    num_blocks: torch.Tensor  # int32 [1] used blocks
     block_m: int
 
 
@@ -38,8 +42,8 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, num_pairs, num_experts, num_blocks,
-                  BM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, num_pairs, num_experts,
+                  num_blocks, BM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
     ex = tl.arange(0, BLOCK_E)  # [E]
     emask = ex < num_experts
     a_local = tl.arange(0, BLOCK_A)  # [A]
@@ -53,6 +57,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, n
     start = end - padded
     tl.store(start_ptr + ex, start, mask=emask)
     tl.store(count_ptr + ex, counts, mask=emask)
+    tl.store(nblk_ptr, tl.sum(tl.where(emask, padded, 0), axis=0) // BM)
     # pass 2: destination row of each pair = start[e] + pairs of e before it
     seen = tl.zeros((BLOCK_E,), tl.int32)
     earlier = a_local[None, :] < a_local[:, None]  # [A, A] j < i
@@ -75,7 +80,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, n
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> SortedRouting:
     dev = flat.device
     ids = flat.to(torch.int64)
-    counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     end = torch.cumsum(padded, 0)
     start = end - padded
@@ -88,7 +93,8 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks:
     block_first = torch.arange(num_blocks, device=dev) * block_m
     e = torch.searchsorted(end, block_first, right=True)  # [NB]
     block_expert = torch.where(e < num_experts, e, torch.full_like(e, -1)).to(torch.int32)
-    return SortedRouting(sorted_pairs, block_expert, start.to(torch.int32), counts.to(torch.int32), block_m)
+    used = (padded.sum() // block_m).to(torch.int32).reshape(1)
+    return SortedRouting(sorted_pairs, block_expert, start.to(torch.int32), counts.to(torch.int32), used, block_m)
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None) -> SortedRouting:
@@ -107,8 +113,9 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     start = torch.empty(num_experts, dtype=torch.int32, device=dev)
     count = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
-        flat.to(torch.int32), sorted_pairs, block_expert, start, count, num_pairs, num_experts, num_blocks,
+        flat.to(torch.int32), sorted_pairs, block_expert, start, count, used, num_pairs, num_experts, num_blocks,
         BM=block_m, BLOCK_A=64, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=8,
     )
-    return SortedRouting(sorted_pairs, block_expert, start, count, block_m)
+    return SortedRouting(sorted_pairs, block_expert, start, count, used, block_m)

@@ -1,155 +1,116 @@
-"""``fused_moe`` on Triton: align -> [MXFP8 pre-pass] -> w13 GEMM + activation -> w2 GEMM x routing weight -> reduce.
+"""``fused_moe`` on Triton: align -> [MXFP8 round trip of x] -> w13 GEMM + activation -> w2 GEMM -> top-k reduce.
 
-Launches (decode, A16W4): the single-program align, the w13 GEMM, the w2 GEMM and the top-k reduce (4 in all;
-A8W4 adds the x pre-pass). Every expert weight tile is read once per block of BM rows routed to it, so at
-decode (T <= 64) the bytes moved are the active experts' weights.
+One kernel family (:mod:`.kernels`): the persistent swap-AB MMA GEMM over used (expert block, 128-row tile,
+K split) items, at decode and prefill alike; only the tiles change (:func:`pick_config`). Launches at decode
+(A16W4): the align, the w13 GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip). Every expert
+weight tile is read once per block of ``block_m`` rows routed to it, so at decode (every used expert has one
+block) the bytes moved are the active experts' weights, once.
 
-Two GEMM families (:func:`pick_config`): at decode (T * top_k <= 1.5 E; K3: T <= 84) MXFP4 experts take the
-FMA decode GEMV ("gemv_f16": one routed row per block, E2M1 pairs decoded through fp16 bit patterns, fp32
-multiply-adds, no MMA, 1.7x faster than the MMA path at T = 1 on the H200); above that, and for bf16 experts,
-the expert-sorted MMA tiles ("dot_scaled"). Both read the same weight bytes.
+Weights: MXFP4 experts must be in the ``triton`` layout (:mod:`.layout`, made once by :func:`prepare_weights`,
+which keeps only the re-laid tensors). Experts in another layout are prepared on their first call and the result
+cached in ``weights.extras`` (then they sit in memory twice: call :func:`prepare_weights` at load time instead).
+bf16 experts are read in checkpoint layout.
 
-Weight layout (the choice: prepare lazily, once, and cache): the kernels read the checkpoint byte order
-([E, 2N, K/2] packed along K, low nibble first, E8M0 [E, 2N, K/32]) directly, so "preparing" only means
-contiguous tensors. :func:`prepare_weights` does that at load time and tags ``layout="triton"``; weights in any
-other layout (``ExpertWeights`` always keeps valid checkpoint-layout tensors) are accepted too, and their
-contiguous view is made on the first call and cached in ``weights.extras["triton"]`` (no copy when the tensors
-are already contiguous, which is what the loader produces).
-
-Precision: bf16/fp16 x feeds bf16 operands to the MMA (fp32 accumulation). fp32 x with ``act_quant="bf16"``
-takes the fp32-operand path (``OP_F32`` in :mod:`.kernels`): x, the decoded weights and the fp32 intermediate
-activation enter IEEE fp32 dots, so the result matches the fp32 reference up to summation order (an fp32 model
-on this backend then follows the reference backend's greedy path). MXFP4 experts use the manual E2M1 decode
-there (``dot_scaled`` only takes low-precision operands). A8W4 keeps its MXFP8 operands, which bf16 holds exactly.
+A8W4 (``act_quant="mxfp8"``): x and the activation output are rounded through MXFP8 (the reference's rule, exact
+in bf16) and the GEMMs run on the bf16 MMA with those values, so A8W4 costs what A16W4 costs; no FP8 MMA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 import triton
 
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.triton_kernels.moe import kernels as K
+from rocm_k3.triton_kernels.moe import layout
 from rocm_k3.triton_kernels.moe.align import align_routing
+from rocm_k3.triton_kernels.moe.decode import DECODE_ASM, DECODE_PORTABLE
 from rocm_k3.triton_kernels.runtime import interpreted
 
-LAYOUT = "triton"
+LAYOUT = layout.LAYOUT
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # E4M3 variants: (scale exponent offset EMAX, exponent bias, largest finite value)
 _FP8 = {torch.float8_e4m3fn: (8, 7, 448.0), torch.float8_e4m3fnuz: (7, 8, 240.0)}
+_INTERPRETER_PROGRAMS = 3  # persistent grid under TRITON_INTERPRET (a few programs exercise the item loop)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Tile sizes of both GEMMs: BM rows (tokens of one expert) x BN output columns x BK reduction.
+    """Tiles of both GEMMs. block_m: rows of one expert block (the MMA's narrow side: tokens at decode), a power
+    of two >= 16; block_k: K per pipeline step, 128 or 256 (256 only for a GEMM whose K, padded to 128, is a
+    multiple of 256; the other GEMM then steps by 128); num_warps 4 (one warpgroup owns the 128-row tile);
+    num_stages: pipeline depth; split_k: K splits of the w2 GEMM (summed in the reduce); programs_per_sm:
+    persistent programs per SM (the grid is this times the SM count, capped by the work); max_registers: the
+    NVIDIA register cap per thread that lets ``programs_per_sm`` 128-thread programs stay resident at once
+    (65536 / (128 * programs_per_sm); None: no cap), applied to the inline-PTX MXFP4 GEMMs only (the fp32-operand
+    and portable paths need more registers and are not the fast path)."""
 
-    All are powers of two; BK >= 32 (one E8M0 group) and BN >= 32 (the A8W4 epilogue quantises BN columns in
-    groups of 32). The MMA decodes ("dot_scaled", "manual", "bits") and bf16 experts further need BM >= 16 (the
-    smallest MMA tile) and BK >= 64 (32 packed bytes per row for dot_scaled); the launcher checks that. The FMA
-    decodes ("fma", "fma_f16") take any BM >= 1.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+    block_m: int = 16
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    programs_per_sm: int = 4
+    max_registers: int | None = 128
 
     def __post_init__(self) -> None:
-        for name, low in (("block_m", 1), ("block_n", 32), ("block_k", 32), ("num_warps", 1)):
+        for name in ("block_m", "num_warps", "num_stages", "split_k", "programs_per_sm"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or value & (value - 1):
-                raise ValueError(f"MoEConfig.{name} must be a power of two >= {low}, got {value!r}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"MoEConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
-
-    @property
-    def mma_ok(self) -> bool:
-        return self.block_m >= 16 and self.block_k >= 64
-
-
-# MMA tiles keyed on how many rows each expert gets on average (bf16 experts, and MXFP4 past the FMA range).
-# Measured on the H200 (Triton 3.6, 2026-11-29): (16, 32, 64, 4, 1) was the fastest correct MMA decode tile.
-DECODE_CONFIG = MoEConfig(16, 32, 64, 4, 1)
-PREFILL_CONFIG = MoEConfig(64, 128, 128, 8, 1)
-# MXFP4 decode GEMV on fp32 multiply-adds: one routed row per block, 64 output columns x 128 K per step.
-# H200, K3 experts (E 896, top-16), 2026-11-29: gemv_f16 1x64x128 w4 368 us at T = 1 vs 631 us for the MMA
-# (dot_scaled) path, 5.3 ms vs 8.0 ms at T = 16; at T = 64 (1.14 pairs per expert) the GEMV tiles were still
-# 1.1x faster, at T = 256 (4.6) the first FMA kernel was 2.5-3x slower than MMA. Crossover set at 1.5.
-FMA_CONFIG = MoEConfig(1, 64, 128, 4, 1)
-FMA_DECODE = "gemv_f16"
-# from 1/4 pair per expert up (K3: T >= 14) 2-warp 64x64 steps were faster: T = 16 4.99 vs 5.34 ms, T = 64 19.2 vs
-# 21.2 ms; at T = 1 / 4 they were slower (497 vs 368 us, 1.45 vs 1.38 ms). Same kernel, same sums per column.
-FMA_WIDE_CONFIG = MoEConfig(1, 64, 64, 2, 1)
-FMA_WIDE_MIN_PAIRS_PER_EXPERT = 0.25
-FMA_MAX_PAIRS_PER_EXPERT = 1.5  # FMA path while T * top_k <= this * E (decode); MMA above
-# A8W4: the GEMV decodes each MXFP8 activation per weight word (no bf16 pair loads), so the first FMA kernel is
-# faster there: T = 1 486 us ("fma", 1x32x128) vs 842 us (gemv_f16); T = 64 MMA 32 ms vs gemv_f16 48 ms.
-FMA_A8_CONFIG = MoEConfig(1, 32, 128, 4, 1)
-FMA_A8_DECODE = "fma"
-FMA_A8_MAX_PAIRS_PER_EXPERT = 1.0
-# Triton 3.6 on sm_90 miscompiles a software-pipelined (num_stages > 1) tl.dot_scaled with this packed-rhs layout:
-# outputs were uncorrelated with the reference (rel. error 1.41) while num_stages=1 and the manual decode were
-# right (2.5e-3). The dot_scaled path is therefore always launched unpipelined.
-_DOT_SCALED_MAX_STAGES = 1
-_W4_DECODES = {"dot_scaled": K.W_MXFP4, "manual": K.W_MXFP4_MANUAL, "bits": K.W_MXFP4_BITS,
-               "fma": K.W_MXFP4_FMA, "fma_f16": K.W_MXFP4_FMA, "gemv": K.W_MXFP4_GEMV,
-               "gemv_f16": K.W_MXFP4_GEMV}
-_FMA_DECODES = ("fma", "fma_f16", "gemv", "gemv_f16")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"MoEConfig.block_m must be a power of two >= 16 (the MMA's N side), got {self.block_m}")
+        if self.block_k not in (128, 256):
+            raise ValueError(f"MoEConfig.block_k must be 128 or 256 (whole scale groups), got {self.block_k}")
+        if self.num_warps != 4:
+            raise ValueError(f"MoEConfig.num_warps must be 4 (one warpgroup per 128-row tile), got {self.num_warps}")
+        if self.max_registers is not None and (isinstance(self.max_registers, bool) or
+                                               not isinstance(self.max_registers, int) or
+                                               not 24 <= self.max_registers <= 255):
+            raise ValueError(f"MoEConfig.max_registers must be None or an int in [24, 255], got {self.max_registers!r}")
 
 
-def pick_config(num_pairs: int, num_experts: int, fmt: str = "mxfp4",
-                act_quant: str = "bf16") -> tuple[MoEConfig, str]:
-    """(tiles, MXFP4 decode) for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts."""
-    if fmt == "mxfp4" and act_quant == "mxfp8" and num_pairs <= FMA_A8_MAX_PAIRS_PER_EXPERT * num_experts:
-        return FMA_A8_CONFIG, FMA_A8_DECODE
-    if fmt == "mxfp4" and act_quant != "mxfp8" and num_pairs <= FMA_MAX_PAIRS_PER_EXPERT * num_experts:
-        wide = num_pairs >= FMA_WIDE_MIN_PAIRS_PER_EXPERT * num_experts
-        return (FMA_WIDE_CONFIG if wide else FMA_CONFIG), FMA_DECODE
-    return (DECODE_CONFIG if num_pairs <= 4 * num_experts else PREFILL_CONFIG), "dot_scaled"
+def pick_config(num_pairs: int, num_experts: int, tiles_w2: int, num_sms: int) -> MoEConfig:
+    """Tiles for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts.
 
-
-def _resolve(config: MoEConfig | None, w4_decode: str | None, num_pairs: int, num_experts: int,
-             fmt: str, act_quant: str) -> tuple[MoEConfig, str]:
-    """The (tiles, decode) a call runs with: what was asked for, the rest from :func:`pick_config`."""
-    if config is not None:
-        return config, w4_decode or ("dot_scaled" if config.mma_ok else FMA_DECODE)
-    if w4_decode in _FMA_DECODES:
-        return (FMA_CONFIG if w4_decode.startswith("gemv") else FMA_A8_CONFIG), w4_decode
-    picked, decode = pick_config(num_pairs, num_experts, fmt, act_quant)
-    if w4_decode is None:
-        return picked, decode
-    return (picked if picked.mma_ok else pick_config(num_pairs, num_experts, "bf16")[0]), w4_decode
-
-
-def _contiguous(weights: ExpertWeights) -> tuple[torch.Tensor | None, ...]:
-    """(w13, w13_scale, w2, w2_scale), each contiguous (the same tensor when it already is)."""
-    return tuple(None if t is None else t.contiguous()
-                 for t in (weights.w13, weights.w13_scale, weights.w2, weights.w2_scale))
+    block_m covers the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up to 64 at prefill.
+    split_k doubles the w2 items while there are fewer than ~24 per SM at the expected block count, so the
+    persistent programs end together (K3 decode: T = 1 splits 4 ways, T = 4 two ways).
+    """
+    per_expert = num_pairs / max(1, num_experts)
+    block_m = 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64
+    blocks = min(num_experts, num_pairs) + num_pairs // block_m // 2  # rough expected used blocks
+    split = 1
+    while split < 4 and blocks * tiles_w2 * split < 24 * num_sms:
+        split *= 2
+    # resident programs per SM: 128 registers for 16-row blocks (4 x 128 threads), 168 for 32, no cap for 64 (2)
+    per_sm, regs = {16: (4, 128), 32: (3, 168), 64: (2, None)}[block_m]
+    return MoEConfig(block_m=block_m, split_k=split, programs_per_sm=per_sm, max_registers=regs)
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
-    """Experts in checkpoint layout -> the same weights, contiguous, tagged ``layout="triton"`` (idempotent).
-
-    Another backend's ``extras`` are dropped (its checkpoint-layout tensors are what this backend reads).
-    """
+    """Experts -> what this backend's kernels read: MXFP4 in the ``triton`` layout (only the re-laid tensors are
+    kept), bf16 experts in checkpoint layout made contiguous, tagged ``layout="triton"``. Idempotent."""
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
     if weights.layout == LAYOUT:
         return weights
-    w13, w13s, w2, w2s = _contiguous(weights)
-    return dataclasses.replace(weights, w13=w13, w13_scale=w13s, w2=w2, w2_scale=w2s, layout=LAYOUT, extras={})
+    if weights.fmt == "mxfp4":
+        return layout.prepare(weights)
+    src = weights.to_checkpoint()
+    return ExpertWeights("bf16", src.w13.contiguous(), None, src.w2.contiguous(), None, layout=LAYOUT)
 
 
-def _kernel_weights(weights: ExpertWeights) -> tuple[torch.Tensor | None, ...]:
-    """The tensors the kernels read: prepared weights as they are, others made contiguous once and cached."""
+def _kernel_weights(weights: ExpertWeights) -> ExpertWeights:
+    """Prepared weights as they are; others prepared once and cached in ``weights.extras`` (a second copy)."""
     if weights.layout == LAYOUT:
-        return weights.w13, weights.w13_scale, weights.w2, weights.w2_scale
-    cached = weights.extras.get(LAYOUT)
+        return weights
+    cached = weights.extras.get(f"{LAYOUT}-prepared")
     if cached is None:
-        cached = _contiguous(weights)
-        weights.extras[LAYOUT] = cached  # extras is the backend-private cache of ExpertWeights
+        cached = prepare_weights(weights)
+        weights.extras[f"{LAYOUT}-prepared"] = cached  # extras is the backend-private cache of ExpertWeights
     return cached
 
 
@@ -166,19 +127,23 @@ def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=MoEActi
     return True, "supported"
 
 
-def _mxfp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (E4M3 code bytes uint8 [R, K], E8M0 uint8 [R, K/32]) with the ct rule."""
+def _mxfp8_round_trip(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """x [R, K] -> bf16 [R, K]: the MXFP8 value of x (ct rule), exact in bf16."""
     emax, bias, fmax = _FP8[fp8_dtype]
     rows, k = x.shape
-    q = torch.empty(rows, k, dtype=torch.uint8, device=x.device)
-    s = torch.empty(rows, k // 32, dtype=torch.uint8, device=x.device)
+    out = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
     if rows:
         block_k = min(256, triton.next_power_of_2(k))
-        K.mxfp8_quant_kernel[(triton.cdiv(rows, 4), triton.cdiv(k, block_k))](
-            x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0),
-            EMAX=emax, BIAS=bias, FP8_MAX=fmax, ROWS=4, BLOCK_K=block_k,
+        K.mxfp8_round_trip_kernel[(triton.cdiv(rows, 4), triton.cdiv(k, block_k))](
+            x, out, rows, k, x.stride(0), out.stride(0), EMAX=emax, BIAS=bias, FP8_MAX=fmax, ROWS=4, BLOCK_K=block_k,
         )
-    return q, s
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -189,81 +154,86 @@ def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tenso
                           fp8_dtype=fp8_dtype)
 
 
-def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
-                   fp8_dtype=None, config: MoEConfig | None = None, manual_w4: bool = False,
-                   w4_decode: str | None = None) -> torch.Tensor:
-    """:func:`fused_moe` with an explicit tile config and MXFP4 decode (benchmarks, tests).
+@dataclasses.dataclass(frozen=True)
+class _Matrix:
+    """One GEMM's weight operand as the kernel takes it."""
 
-    w4_decode (None: :func:`pick_config`'s choice): "dot_scaled" (Triton's scaled dot), "manual" (arithmetic
-    E2M1 decode + tl.dot), "bits" (fp32 bit-pattern decode + even/odd split + tl.dot), "fma" (the bits decode
-    on fp32 multiply-adds, no MMA: the decode GEMV) or "fma_f16" (the same with an fp16 bit-pattern decode).
-    ``manual_w4=True`` is the same as ``w4_decode="manual"``. With fp32 x and ``act_quant="bf16"`` the MMA
-    paths take fp32 operands and "dot_scaled" becomes "manual"; the FMA paths are fp32 throughout anyway.
-    All decodes but dot_scaled are exact over the whole E8M0 range; Triton's dot_scaled was seen to give NaN
-    (interpreter) for scale bytes >= ~140, far above checkpoint scales (< 127).
-    """
+    w: torch.Tensor
+    ws: torch.Tensor
+    strides: tuple[int, int, int, int, int]  # expert, row group, scale expert, scale row group, row (bf16)
+    fold: bool
+    tiles: int  # 128-row tiles
+
+
+def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
+    n, kout = weights.intermediate, weights.out_features
+    if weights.fmt == "mxfp4":
+        t = weights.extras[LAYOUT]
+        def mat(w, ws, fold):
+            return _Matrix(w, ws, (w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), 0), fold, w.shape[1] // 2)
+        return mat(t.w13, t.w13_s, t.fold13), mat(t.w2, t.w2_s, t.fold2)
+    w13, w2 = weights.w13, weights.w2
+    return (_Matrix(w13, w13, (w13.stride(0), 0, 0, 0, w13.stride(1)), True, triton.cdiv(n, 64)),
+            _Matrix(w2, w2, (w2.stride(0), 0, 0, 0, w2.stride(1)), True, triton.cdiv(kout, 128)))
+
+
+def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
+                   fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None) -> torch.Tensor:
+    """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`) and MXFP4 decode
+    (``decode``: "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD)."""
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
-    if w4_decode is not None and w4_decode not in _W4_DECODES:
-        raise ValueError(f"w4_decode must be one of {sorted(_W4_DECODES)}, got {w4_decode!r}")
-    if manual_w4:
-        w4_decode = "manual"
+    if decode not in (None, "asm", "portable"):
+        raise ValueError(f"decode must be 'asm', 'portable' or None, got {decode!r}")
+    weights = _kernel_weights(weights)
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
     out = torch.empty(tokens, kout, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    cfg, w4_decode = _resolve(config, w4_decode, tokens * top_k, num_experts, weights.fmt, act_quant)
-    fma = weights.fmt == "mxfp4" and w4_decode in _FMA_DECODES
-    if not fma and not cfg.mma_ok:
-        raise ValueError(f"MoEConfig{dataclasses.astuple(cfg)}: the MMA paths need block_m >= 16 and block_k >= 64 "
-                         f"(only the 'fma' decodes of MXFP4 experts take smaller tiles)")
-    if w4_decode in ("gemv", "gemv_f16") and cfg.block_m != 1:
-        raise ValueError(f"the '{w4_decode}' decode runs one routed row per block: block_m must be 1, got {cfg.block_m}")
+    interp = interpreted(K.moe_gemm_kernel)
+    nvidia = x.device.type == "cuda" and torch.version.hip is None
+    if decode == "asm" and (interp or not nvidia):
+        raise ValueError("decode='asm' (inline PTX) runs on NVIDIA GPUs only, not in the interpreter or on AMD")
+    w13m, w2m = _matrices(weights)
+    num_sms = _num_sms(x.device)
+    cfg = config or pick_config(tokens * top_k, num_experts, w2m.tiles, num_sms)
+    a8 = act_quant == "mxfp8"
+    emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
+    op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
+    dec = DECODE_PORTABLE if (op_f32 or interp or not nvidia or decode == "portable") else DECODE_ASM
     routing = align_routing(topk_ids, num_experts, cfg.block_m)
     num_blocks = routing.block_expert.numel()
     padded_rows = routing.sorted_pairs.numel()
-    a8 = act_quant == "mxfp8"
-    emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
-    w_fmt = K.W_BF16 if weights.fmt == "bf16" else _W4_DECODES[w4_decode]
-    op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc)
-    if op_f32 and w_fmt == K.W_MXFP4:
-        w_fmt = K.W_MXFP4_MANUAL
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if a8:
-        xa, xs = _mxfp8_quantize(x, fp8_dtype)
-        inter = torch.empty(padded_rows, n, dtype=torch.uint8, device=x.device)  # E4M3 codes
-        inter_s = torch.empty(padded_rows, n // 32, dtype=torch.uint8, device=x.device)
-    else:
-        xa, xs = x, x
-        inter = torch.empty(padded_rows, n, dtype=x.dtype, device=x.device)
-        inter_s = inter
-    w13, w13s, w2, w2s = _kernel_weights(weights)
-    w13s = w13s if w13s is not None else w13  # bf16 experts: the scale pointers are unused
-    w2s = w2s if w2s is not None else w2
-    linear_beta = activation.linear_beta
-    stages = min(cfg.num_stages, _DOT_SCALED_MAX_STAGES) if w_fmt == K.W_MXFP4 else cfg.num_stages
-    common = dict(A_MX=a8, W_FMT=w_fmt, OP_F32=op_f32, DOT_F32=interpreted(K.w13_kernel), BIAS=bias,
-                  F16_DECODE=w4_decode in ("fma_f16", "gemv_f16"),
-                  BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=stages)
-    K.w13_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
-        xa, xs, w13, w13s, inter, inter_s,
-        routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,
-        hidden, n, top_k, xa.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13s.stride(0), w13s.stride(1),
-        inter.stride(0), inter_s.stride(0), float(activation.beta), float(linear_beta or 1.0),
-        ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU, HAS_LINEAR_BETA=linear_beta is not None,
-        OUT_MX=a8, EMAX=emax, FP8_MAX=fmax, **common,
-    )
-    y = torch.empty(tokens * top_k, kout, dtype=torch.float32, device=x.device)  # per-pair weighted outputs
+    xa = _mxfp8_round_trip(x, fp8_dtype) if a8 else x
+    inter = torch.empty(padded_rows, n, dtype=torch.float32 if op_f32 else torch.bfloat16, device=x.device)
+    split = cfg.split_k
+    y = torch.empty(split, tokens * top_k, kout, dtype=torch.float32, device=x.device)  # weighted per-pair outputs
     tw = topk_weights.reshape(-1).to(torch.float32)
-    K.w2_kernel[(num_blocks, triton.cdiv(kout, cfg.block_n))](
-        inter, inter_s, w2, w2s, y, tw,
-        routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,
-        n, kout, inter.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1), w2s.stride(0), w2s.stride(1),
-        y.stride(0), **common,
-    )
+    linear_beta = activation.linear_beta
+    common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
+                  DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
+                  HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
+                  BMT=cfg.block_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
+    if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
+        common["maxnreg"] = cfg.max_registers
+    for stage, mat, a, kdim, n_out, dst, nsplit in ((1, w13m, xa, hidden, n, inter, 1),
+                                                    (2, w2m, inter, n, kout, y, split)):
+        bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
+        steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)
+        grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)
+        K.moe_gemm_kernel[grid](
+            a, mat.w, mat.ws, dst, tw, routing.sorted_pairs, routing.block_expert, routing.expert_start,
+            routing.expert_count, routing.num_blocks, kdim, n_out, top_k, mat.tiles, steps,
+            a.stride(0), *mat.strides, dst.stride(-2), dst.stride(0) if stage == 2 else 0,
+            float(activation.beta), float(linear_beta or 1.0),
+            STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, KU=bk // 64,
+            **common,
+        )
     block = min(1024, triton.next_power_of_2(kout))
     K.topk_reduce_kernel[(tokens, triton.cdiv(kout, block))](
-        y, out, kout, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        y, out, kout, y.stride(1), y.stride(0), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK=block,
     )
     return out

@@ -1,0 +1,222 @@
+"""MXFP4 routed-expert MoE on the H200: rocm-k3's Triton kernel vs OpenAI's triton_kernels in one run.
+
+Run on the GPU with the peer carried (never installed or committed; see shared/PLATFORM.md: unzip only
+``vllm/third_party/triton_kernels`` of the vLLM 0.33 wheel and put its parent on PYTHONPATH)::
+
+    PYTHONPATH=.:<carry>/peer/vllm/third_party python3 benchmarks/bench_moe.py [--tokens 1 4 16] [--sweep] [--out DIR]
+
+Shapes: K3 routed experts, E = 896, top-16, w13 3584 -> 2 x 3072 (SiTU), w2 3072 -> 3584, MXFP4 codes with E8M0
+scales 2^-6..2^-3 (uniform random bytes), bf16 activations. Both sides get the same expert ids for every token
+(random, distinct per token) and read the same bytes; times are medians of CUDA-graph replays of the whole op
+from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + ``fused_moe``; the peer: its
+``routing`` (its softmax top-k of the same logits picks the same ids) + ``matmul_ogs`` w13 with its fused SwiGLU +
+``matmul_ogs`` w2 with the routing weights and its top-k scatter-reduce). Ours are timed for every T first, the
+peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
+through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes
+(codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
+A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times our tile variants too. The static SASS count of our K
+loop (cross-compiled on this machine for sm_90 with its Triton, cuobjdump) is printed per weight element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.ops.moe_reference import fused_moe_reference
+from rocm_k3.triton_kernels.moe import kernels as K
+from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_with, pick_config, prepare_weights
+from rocm_k3.triton_kernels.moe.pointwise import route
+
+HBM_BPS = 4.27e12
+E, TOP_K, HIDDEN, N = 896, 16, 3584, 3072
+EXPERT_BYTES = (2 * N * HIDDEN // 2 + 2 * N * HIDDEN // 32) + (HIDDEN * N // 2 + HIDDEN * N // 32)  # 17.55 MB
+SWEEP = [MoEConfig(programs_per_sm=3), MoEConfig(programs_per_sm=2), MoEConfig(split_k=1), MoEConfig(split_k=2),
+         MoEConfig(num_stages=4), MoEConfig(block_k=256, programs_per_sm=2, max_registers=None)]
+
+
+def timed(fn) -> float:
+    """Median milliseconds of CUDA-graph replays (eager do_bench if the op cannot be captured)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - report and fall back
+        print(f"  (graph capture failed: {exc!r:.120}; eager timing)", flush=True)
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def experts(dev: str) -> ExpertWeights:
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randint(0, 256, (E, 2 * N, HIDDEN // 2), dtype=torch.uint8, device=dev, generator=g)
+    w2 = torch.randint(0, 256, (E, HIDDEN, N // 2), dtype=torch.uint8, device=dev, generator=g)
+    s13 = torch.randint(121, 125, (E, 2 * N, HIDDEN // 32), dtype=torch.uint8, device=dev, generator=g)
+    s2 = torch.randint(121, 125, (E, HIDDEN, N // 32), dtype=torch.uint8, device=dev, generator=g)
+    return ExpertWeights("mxfp4", w13, s13, w2, s2)
+
+
+def routing_inputs(t: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router logits fp32 [T, E], chosen ids int32 [T, k]: distinct random experts, the logits' top-k)."""
+    ids = torch.rand(t, E, device=dev).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    logits = torch.randn(t, E, device=dev) - 4.0
+    logits.scatter_(1, ids.long(), 4.0 + torch.rand(t, TOP_K, device=dev))  # the ids are the top-k of both routers
+    return logits, ids
+
+
+class Peer:
+    """OpenAI triton_kernels (v3.5/3.6 ``matmul_ogs`` API) on the same bytes: w [E, K, N] FP4 in its Hopper
+    value layout, scales in its Hopper scale layout, SwiGLU (alpha 1.702, limit 7) fused on interleaved columns."""
+
+    def __init__(self, w: ExpertWeights) -> None:
+        from triton_kernels import swiglu
+        from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
+        from triton_kernels.numerics import InFlexData
+        from triton_kernels.routing import routing
+        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+
+        self.matmul_ogs, self.routing = matmul_ogs, routing
+        value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
+
+        def swizzle(codes, scales):  # checkpoint [E, N, K/2] -> [E, K, N] (quantisation axis 1)
+            q = convert_layout(wrap_torch_tensor(codes.transpose(-2, -1), dtype=FP4), value_layout, **value_opts)
+            s = convert_layout(wrap_torch_tensor(scales.transpose(-2, -1)), scale_layout, **scale_opts)
+            return q, PrecisionConfig(weight_scale=s, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+
+        self.w1, self.pc1 = swizzle(w.w13, w.w13_scale)
+        self.w2, self.pc2 = swizzle(w.w2, w.w2_scale)
+        self.act = FusedActivation(FnSpecs("swiglu", swiglu.swiglu_fn, ("alpha", "limit")), (1.702, 7.0), 2)
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        del ids  # the logits' top-k are these ids (routing_inputs); its own top-k picks them
+        rdata, gather, scatter = self.routing(logits, TOP_K, sm_first=False)
+        h = self.matmul_ogs(x, self.w1, None, rdata, gather_indx=gather, precision_config=self.pc1,
+                            fused_activation=self.act)
+        return self.matmul_ogs(h, self.w2, None, rdata, scatter_indx=scatter, precision_config=self.pc2,
+                               gammas=rdata.gate_scal)
+
+
+def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None):
+    kw = dict(activation=MoEActivation(), act_quant=act_quant,
+              fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config)
+
+    def run(x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        r = route(logits, TOP_K)
+        return fused_moe_with(x, prepared, r.weights, r.ids, **kw)
+    return run
+
+
+def sass_per_weight() -> dict:
+    """Static SASS of our K loop per weight element (w13 and w2 at the decode tiles), for this GPU's Triton."""
+    from rocm_k3.triton_kernels.compile_check import compile_kernel, sass_loops
+
+    out = {}
+    for stage, split in ((1, 1), (2, 4)):
+        ce = dict(STAGE=stage, W_FMT=0, DECODE=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
+                  OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=split, BMT=16, KU=2, STAGES=3)
+        sig = dict(K.GEMM_SIGNATURE, out_ptr="*bf16" if stage == 1 else "*fp32")
+        res = compile_kernel(K.moe_gemm_kernel, sig, ce, "sm_90", num_warps=4, num_stages=3,
+                             divisible_by_16=K.GEMM_DIVISIBLE)
+        loops = sass_loops(res.extra["cubin"]) or []
+        loop = next((lp for lp in loops if lp.opcodes.get("HGMMA") or lp.opcodes.get("HMMA")), None)
+        out[f"w{'13' if stage == 1 else '2'}"] = None if loop is None else dict(
+            per_weight=loop.instructions / 128, instructions=loop.instructions, registers=res.registers,
+            opcodes=dict(sorted(loop.opcodes.items(), key=lambda kv: -kv[1])))
+    return out
+
+
+def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
+    """Time each (label, fn(x, logits, ids)) at T = t; print and return the rows."""
+    x, logits, ids = inputs
+    used = torch.unique(ids).numel()
+    nbytes = used * EXPERT_BYTES
+    floor_us = nbytes / HBM_BPS * 1e6
+    rows = []
+    for label, fn in variants:
+        try:
+            us = timed(lambda: fn(x, logits, ids)) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the run goes on
+            print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} FAILED {exc!r:.200}", flush=True)
+            continue
+        row = dict(tokens=t, experts=used, bytes=nbytes, floor_us=floor_us, variant=label, us=us,
+                   hbm_pct=100 * floor_us / us)
+        rows.append(row)
+        print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {us:9.1f}us {row['hbm_pct']:5.1f}%", flush=True)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
+    parser.add_argument("--sweep", action="store_true", help="also time our tile variants (T <= 64)")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
+    parser.add_argument("--out", type=Path, default=None, help="write bench_moe.json here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe.py needs a CUDA GPU")
+    dev = "cuda"
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    rows: list[dict] = []
+    sass = None
+    try:
+        if not args.no_sass:
+            sass = sass_per_weight()
+            print("static SASS of the K loop:", json.dumps(sass), flush=True)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    w = experts(dev)
+    prepared = prepare_weights(w)
+    peer = None
+    if not args.no_peer:
+        try:
+            peer = Peer(w)
+        except Exception:  # noqa: BLE001 - the peer is optional: report why it is missing
+            traceback.print_exc()
+    print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6}", flush=True)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    inputs = {}
+    for t in args.tokens:
+        logits, ids = routing_inputs(t, dev)
+        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
+        inputs[t] = (x, logits, ids)
+        if t in (1, 64):  # sanity: the measured op is the right one
+            r = route(logits, TOP_K)
+            out = fused_moe_with(x, prepared, r.weights, r.ids)
+            ref = fused_moe_reference(x, w, r.weights, r.ids).float()
+            same = torch.equal(out, fused_moe_with(x, prepared, r.weights, r.ids, decode="portable"))
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            print(f"T{t}: rel. error vs reference {err:.2e}, inline PTX == portable decode: {same}", flush=True)
+        picked = pick_config(t * TOP_K, E, 28, num_sms)
+        rows += _time_variants(t, inputs[t], [(f"ours A16W4 {picked}", ours(prepared, "bf16", None)),
+                                              (f"ours A8W4 {picked}", ours(prepared, "mxfp8", None))])
+    if peer is not None:  # after ours: a fault in the peer cannot lose our numbers
+        for t in args.tokens:
+            rows += _time_variants(t, inputs[t], [("peer triton_kernels A16W4", peer)])
+    if args.sweep:  # our tile variants at decode
+        for t in [t for t in args.tokens if t <= 64]:
+            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in SWEEP])
+    print("\nsummary (speedup = peer time / ours):", flush=True)
+    for row in rows:
+        peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),
+                       None)
+        row["speedup_vs_peer"] = peer_us / row["us"] if peer_us else None
+        vs = f"{row['speedup_vs_peer']:.2f}x" if row["speedup_vs_peer"] else "-"
+        print(f"{row['tokens']:>5} {row['experts']:>7} {row['floor_us']:8.1f}us {row['variant'][:60]:<60} "
+              f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {vs:>7}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
