@@ -24,3 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
         if "rocm" in item.keywords and not _has_rocm():
             item.add_marker(skip_rocm)
+
+
+@pytest.fixture(scope="session")
+def k3_slice_path(tmp_path_factory: pytest.TempPathFactory):
+    """The K3-width 4-layer slice checkpoint (``k3_slice_overrides()``), written once per session (several GB: the
+    cuda-tier tests share it)."""
+    from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("k3-slice-shared"), text_overrides=k3_slice_overrides())

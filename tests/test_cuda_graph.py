@@ -107,11 +107,9 @@ def test_tiny_model_graphs_equal_eager(dtype: str) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_k3_slice_graphs_equal_eager(dtype: str, tmp_path: Path) -> None:
-    from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
-
+def test_k3_slice_graphs_equal_eager(dtype: str, k3_slice_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = write_tiny_checkpoint(tmp_path / "k3-slice", text_overrides=k3_slice_overrides(1))
+    path = k3_slice_path
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(100, 164))]
     eager, _ = _greedy(path, dtype, True, prompts, steps=16)
     graphed, replays = _greedy(path, dtype, False, prompts, steps=16)
