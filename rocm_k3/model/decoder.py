@@ -30,6 +30,13 @@ from rocm_k3.model.moe import ActQuant, DenseMLP, MoEBlock, activation_for
 from rocm_k3.ops.registry import OpTable
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` so that device comparisons with the step's tensors hold."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int, block_size: int | None) -> range:
     """The layers of pipeline stage ``pp_rank``: contiguous, near-equal, with boundaries moved to a multiple of
     the AttnRes block size when that keeps every stage non-empty (the bank then crosses with whole blocks)."""
@@ -91,7 +98,7 @@ class KimiModel(WeightTargets):
                  device: torch.device, moe_act_quant: str = "bf16") -> None:
         super().__init__()
         self.cfg, self.ctx, self.backend = cfg, ctx, table
-        self._dtype, self._device = dtype, torch.device(device)
+        self._dtype, self._device = dtype, _with_index(torch.device(device))
         self.layer_range = stage_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank, cfg.attn_res_block_size)
         act_quant = ActQuant.for_device(moe_act_quant, self._device)
         kw = {"dtype": dtype, "device": self._device}
