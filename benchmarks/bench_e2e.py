@@ -64,16 +64,24 @@ def floor_us(model, batch: int) -> float:
     return (dense + layers * touched * per_expert) / HBM * 1e6
 
 
-def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str) -> dict:
+def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str, layout: dict) -> dict:
     llm = LLM(path, dtype=dtype, backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=batch,
               max_model_len=64 + steps + 8, max_num_batched_tokens=max(2048, 64 * batch),
-              kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30)
+              kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30, **layout)
+    if layout:  # several ranks: only the step time is measured here (the model lives in the worker processes)
+        return _run_parallel(llm, batch, steps)
     core = llm.engine
+    step_s = _timed_decode(core, batch, steps, llm.vocab_size)
+    kernels_us = kernel_time_us(core) if eager else float("nan")
+    return _summary(llm, core, batch, step_s, kernels_us)
+
+
+def _timed_decode(core, batch: int, steps: int, vocab: int) -> float:
+    """Prefill ``batch`` 64-token requests, warm up two decode steps, then the mean seconds per decode step."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
-        prompt = torch.randint(1, llm.vocab_size, (64,), generator=gen).tolist()
-        core.add_request(f"b{i}", prompt, params)
+        core.add_request(f"b{i}", torch.randint(1, vocab, (64,), generator=gen).tolist(), params)
     while any(not s.is_decoding for s in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill every request
     for _ in range(2):
@@ -82,8 +90,17 @@ def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str) -> di
     start = time.perf_counter()
     for _ in range(steps):
         core.step()
-    step_s = (time.perf_counter() - start) / steps
-    kernels_us = kernel_time_us(core) if eager else float("nan")
+    return (time.perf_counter() - start) / steps
+
+
+def _run_parallel(llm, batch: int, steps: int) -> dict:
+    step_s = _timed_decode(llm.engine, batch, steps, llm.vocab_size)
+    llm.shutdown()
+    return {"step_us": step_s * 1e6, "tok_s": batch / step_s, "kernels_us": float("nan"), "floor_us": float("nan"),
+            "replays": 0}
+
+
+def _summary(llm, core, batch: int, step_s: float, kernels_us: float) -> dict:
     graphs = core.executor.worker.runner.graphs
     out = {"step_us": step_s * 1e6, "tok_s": batch / step_s, "kernels_us": kernels_us,
            "floor_us": floor_us(llm.model, batch), "replays": graphs.replays if graphs else 0}
@@ -110,6 +127,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1, help="divide the slice's widths (1 = K3 width)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--checkpoint", type=Path, default=None, help="reuse a written slice checkpoint")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e needs a GPU")
@@ -120,9 +140,12 @@ def main() -> None:
     print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}")
     print(f"{'B':>4} | {'eager step':>11} | {'graph step':>11} | {'kernels':>9} | {'graph/kernels':>13} | "
           f"{'floor':>9} | {'graph tok/s':>11} | {'eager tok/s':>11}")
+    layout = {k: v for k, v in (("tensor_parallel_size", args.tensor_parallel_size),
+                                ("pipeline_parallel_size", args.pipeline_parallel_size),
+                                ("enable_expert_parallel", args.enable_expert_parallel)) if v not in (1, False)}
     for b in args.batch:
-        eager = run_batch(path, b, args.steps, True, args.dtype)
-        graph = run_batch(path, b, args.steps, False, args.dtype)
+        eager = run_batch(path, b, args.steps, True, args.dtype, layout)
+        graph = run_batch(path, b, args.steps, False, args.dtype, layout)
         ratio = graph["step_us"] / eager["kernels_us"]
         print(f"{b:>4} | {eager['step_us']:>8.0f} us | {graph['step_us']:>8.0f} us | {eager['kernels_us']:>6.0f} us | "
               f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | {graph['tok_s']:>11.0f} | {eager['tok_s']:>11.0f}"
