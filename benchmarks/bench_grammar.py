@@ -200,8 +200,8 @@ def bench_vocab(label: str, tok: SyntheticTokenizer, args: argparse.Namespace) -
         logits.masked_fill_(~allowed[None], float("-inf"))
 
     apply_torch = timeit(torch_apply, args.repeats)
-    print(f"| grammar | compile ms | fill us mean / p50 / p99 | accept us mean / p50 / p99 | fill+accept us | "
-          f"restarts |\n|---|---:|---:|---:|---:|---:|")
+    print("| grammar | compile ms | fill us mean / p50 / p99 | accept us mean / p50 / p99 | fill+accept us | "
+          "restarts |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
         f, a = r["fill_us"], r["accept_us"]
         print(f"| {r['grammar']} | {r['compile_ms']:.1f} | {f[0]:.1f} / {f[1]:.1f} / {f[2]:.1f} | "

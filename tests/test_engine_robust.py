@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from rocm_k3.engine.llm import LLM

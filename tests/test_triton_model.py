@@ -190,7 +190,6 @@ def test_k3_slice_fp32_greedy_tokens_identical_cuda(k3_slice_path: Path, monkeyp
     """fp32 K3 slice (hidden 7168, KDA 96 x 128, MLA, 32 MXFP4 LatentMoE experts): 32 greedy tokens identical on
     both backends for both prompts, chosen-token log-probs within 3e-3 nats (TF32 off for torch; the Triton
     kernels run fp32 operands: FMA-GEMV / IEEE-dot MoE, IEEE MLA dots)."""
-    from rocm_k3.model.tiny import write_tiny_checkpoint
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     path = k3_slice_path
@@ -210,7 +209,6 @@ def test_k3_slice_bf16_greedy_agrees_up_to_near_ties_cuda(k3_slice_path: Path,
     sums in another order) the second prompt split at step 7, where the fp32 model puts the two tokens 0.35 nats
     apart (a random 4-layer slice has flat logits, and a top-k routing flip amplifies a last-bit difference).
     """
-    from rocm_k3.model.tiny import write_tiny_checkpoint
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     path = k3_slice_path
@@ -234,7 +232,6 @@ def test_bf16_triton_logits_as_close_to_fp32_truth_as_bf16_reference_cuda(which:
     model must be within 2x the bf16 reference backend's own error (both round to bf16 at different points).
     Measured on the H200 (2026-11-29): tiny 3.36e-1 vs 1.84e-1 (the random tiny model amplifies rounding: MoE
     routing flips), K3 slice 5.35e-2 vs 6.27e-2."""
-    from rocm_k3.model.tiny import write_tiny_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = None if which == "tiny" else k3_slice_path

@@ -30,7 +30,7 @@ from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.guard import InterruptGuard
 from rocm_k3.engine.outputs import RequestDelta, RequestOutput
 from rocm_k3.engine.scheduler import Scheduler
-from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.executor.base import Executor
 from rocm_k3.sampling_params import SamplingParams

@@ -11,7 +11,6 @@ recurrent state fp32 ``[S, H/tp, K, V]`` and conv state ``[S, 3*(H/tp)*D, W-1]``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from rocm_k3 import ops

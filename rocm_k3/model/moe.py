@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from rocm_k3 import ops
