@@ -18,6 +18,7 @@ Robustness (each a tested promise):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence as Seq
@@ -54,7 +55,7 @@ def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, ma
         if not explicit_state and cache.num_state_slots is None:
             changes["state_cache_bytes"] = max(1, state)
         if changes:
-            cache = _replace(cache, **changes)
+            cache = dataclasses.replace(cache, **changes)
     limit = info.max_position_embeddings
     if max_model_len is None:
         blocks, _ = cache.counts(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot)
@@ -69,12 +70,6 @@ def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, ma
     num_blocks, num_slots = cache.resolve(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot,
                                           max_model_len=max_model_len)
     return cache, num_blocks, num_slots, max_model_len
-
-
-def _replace(cache: CacheConfig, **changes: Any) -> CacheConfig:
-    import dataclasses
-
-    return dataclasses.replace(cache, **changes)
 
 
 class EngineCore:
