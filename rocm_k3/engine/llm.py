@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,11 @@ import torch
 
 from rocm_k3.args import EngineArgs
 from rocm_k3.cache.config import CacheConfig
+from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
+from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
@@ -72,10 +74,12 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     path = Path(args.model) if args.model is not None else ensure_embedded_model()
+    family = checkpoint_family(path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     worker_config = WorkerConfig(
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        output_family=family,
     )
     executor = UniprocExecutor(worker_config, model=model)
     info = executor.info()
@@ -127,6 +131,8 @@ class LLM:
                           progress=progress, moe_act_quant=moe_act_quant, **engine_kwargs)
         self.engine, self.path, self.tokenizer = build_engine(args)
         self.args = args
+        self.frontend = ModelFrontend(self.path, self.tokenizer, checkpoint_family(
+            self.path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser))
         self.max_model_len = self.engine.config.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
         self.vocab_size = self.engine.vocab_size
@@ -169,8 +175,42 @@ class LLM:
                 raise ValueError(f"sampling_params: expected one SamplingParams or {len(batch)} of them, "
                                  f"got {len(params)} items")
         prompt_ids = [self._encode(p, i) for i, p in enumerate(batch)]
+        for p in {id(q): q for q in params}.values():  # one check per distinct params object
+            self.frontend.check_sampling(p)
         with self._lock:
             return self._run_requests(prompt_ids, params)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: Any = None, parallel_tool_calls: bool = True, response_format: Mapping[str, Any] | None = None,
+             structured_outputs: Any = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             reasoning_effort: str | None = None, thinking_token_budget: int | None = None) -> list[ChatOutput]:
+        """Chat completions: ``messages`` is one conversation (a list of OpenAI message dicts) or a list of them.
+
+        The options are the chat API's (see :mod:`rocm_k3.engine.chat`): ``tools`` with ``tool_choice`` "auto"
+        (default), "none", "required" or ``{"type": "function", "function": {"name": ...}}``; ``response_format``
+        json_object / json_schema or ``structured_outputs`` (a StructuredOutputs or ``{"regex": ...}``);
+        ``chat_template_kwargs`` ``{"thinking": False}`` / ``reasoning_effort``; ``thinking_token_budget``. Returns
+        one :class:`~rocm_k3.engine.chat.ChatOutput` per conversation with the parsed ``reasoning_content``,
+        ``content`` and ``tool_calls``.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        base = sampling_params if sampling_params is not None else SamplingParams()
+        prepared = [self.frontend.prepare_chat(ChatRequest(
+            c, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+            response_format=response_format, structured_outputs=structured_outputs,
+            chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
+            thinking_token_budget=thinking_token_budget)) for c in conversations]
+        params = [p.sampling(base) for p in prepared]
+        prompt_ids = [self._encode(p.prompt_token_ids, i) for i, p in enumerate(prepared)]
+        with self._lock:
+            outputs = self._run_requests(prompt_ids, params)
+        results = []
+        for i, (p, out) in enumerate(zip(prepared, outputs)):
+            parsed = p.parse(out.text, call_id_prefix=f"call_{i}_")
+            results.append(ChatOutput(out, parsed.reasoning, parsed.content, parsed.tool_calls,
+                                      chat_finish_reason(out.finish_reason, bool(parsed.tool_calls))))
+        return results
 
     def stats(self) -> dict[str, float]:
         """Prefix-cache and engine counters: queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,

@@ -13,17 +13,20 @@ import dataclasses
 import gc
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
 
 from rocm_k3.model.loader import load_model
-from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
+from rocm_k3.worker.penalties import PenaltyState, penalty_processor
+from rocm_k3.worker.request_state import RequestState
 from rocm_k3.worker.sampler import make_generator, sample
 from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.structured_sampling import StructuredSampling
 
 log = logging.getLogger("rocm_k3.worker")
 
@@ -51,10 +54,13 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
     block_size: int = 128
+    output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
+        if self.output_family not in (None, "kimi_k3", "kimi_k2"):
+            raise ValueError(f"output_family: expected 'kimi_k3', 'kimi_k2' or None, got {self.output_family!r}")
         check_device(self.device)
 
 
@@ -103,7 +109,8 @@ class Worker:
         self.model = model
         self.geometry = CacheGeometry.from_model_config(self.model.cfg, config.dtype)
         self.runner: ModelRunner | None = None
-        self._requests: dict[str, tuple[SamplingParams, torch.Generator]] = {}
+        self._requests: dict[str, RequestState] = {}
+        self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
 
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
@@ -210,20 +217,53 @@ class Worker:
             self._register(req)
         if not step.chunks:
             return StepOutput(step.step_id)
-        logits = self.runner.execute(step)  # [S, vocab] fp32
+        self._confirm(step.chunks)
         chunks = sampling_chunks(step)
-        if not chunks:
-            return StepOutput(step.step_id)
         states = [self._requests[c.request_id] for c in chunks]
-        out = sample(logits, [p for p, _ in states], [g for _, g in states])
-        tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+        params = [s.sampling for s in states]
+        mask = self.structured.start([s.constraint for s in states])  # fills on a helper thread meanwhile
+        try:
+            logits = self.runner.execute(step)  # [S, vocab] fp32
+            if not chunks:
+                return StepOutput(step.step_id)
+            processors = [p for p in (penalty_processor(params, [s.penalties for s in states]),
+                                      None if mask is None else mask.processor()) if p is not None]
+            out = sample(logits, params, [s.generator for s in states], processors)
+            tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+        finally:
+            if mask is not None:
+                mask.wait()  # never leave the fill running into the next step
         sampled = []
-        for c, tok, ok, lp in zip(chunks, tokens, finite, out.logprobs):
+        for c, s, tok, ok, lp in zip(chunks, states, tokens, finite, out.logprobs):
             error = "" if ok else "the model produced non-finite logits (NaN or Inf) for this request"
+            if s.constraint is not None and s.constraint.error:
+                error = s.constraint.error
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
 
+    def _confirm(self, chunks: tuple[ScheduledChunk, ...]) -> None:
+        """Feed each request's newly confirmed output tokens to its penalties and grammar (see request_state)."""
+        t0 = time.perf_counter()
+        for c in chunks:
+            state = self._requests[c.request_id]
+            if state.penalties is None and state.constraint is None:
+                state.num_seen = max(state.num_seen, c.end)
+                continue
+            tokens = state.observe(c)
+            if tokens and state.penalties is not None:
+                state.penalties.add(tokens)
+            if tokens and state.constraint is not None:
+                state.constraint.confirm(tokens)
+        self.structured.timings.confirm_s += time.perf_counter() - t0
+
     def _register(self, req: NewRequest) -> None:
-        """Keep a new request's sampling state; a request sent again (after a failed step) keeps its generator."""
-        if req.request_id not in self._requests:
-            self._requests[req.request_id] = (req.sampling, make_generator(req.sampling.seed, self.device))
+        """Keep a new request's sampling state; a request sent again (after a failed step) keeps its state."""
+        if req.request_id in self._requests:
+            return
+        p = req.sampling
+        state = RequestState(req.request_id, p, make_generator(p.seed, self.device), req.num_prompt_tokens)
+        if p.has_penalties:
+            state.penalties = PenaltyState(p, req.prompt_token_ids)
+        if p.needs_logits_mask:
+            state.constraint = self.structured.new_constraint(p)
+        self._requests[req.request_id] = state
