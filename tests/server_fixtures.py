@@ -28,6 +28,9 @@ class RunningServer:
         self.port = sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
 
+    def url(self, route: str) -> str:
+        return self.base_url + route
+
     def client(self, api_key: str = "unused", **kw):
         import openai
 
@@ -45,11 +48,14 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = None, *,
-                   engine: AsyncLLM | None = None) -> Iterator[RunningServer]:
-    """Build the engine (or take ``engine``), serve it on a free port, yield the server; stop both at the end."""
+                   core_hook=None) -> Iterator[RunningServer]:
+    """Build the engine, serve it on a free port, yield the server; stop both at the end. ``core_hook(core)`` may
+    change the engine core before it starts (e.g. inject failures)."""
     server_args = server_args or ServerArgs(port=0, uvicorn_log_level="warning")
     core, path, tokenizer = build_engine(engine_args)
-    engine = AsyncLLM(core) if engine is None else engine
+    if core_hook is not None:
+        core_hook(core)
+    engine = AsyncLLM(core)
     served = served_model(engine, path, tokenizer, engine_args, server_args)
     config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level=server_args.uvicorn_log_level,
                             timeout_graceful_shutdown=2, lifespan="off")

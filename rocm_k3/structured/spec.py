@@ -107,7 +107,11 @@ def _plain(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputs:
-    """One request's output constraint; exactly one field set (``json_object`` counts when True)."""
+    """One request's output constraint; exactly one field set (``json_object`` counts when True).
+
+    bare: the value alone, without the family's channel wrappers (K3's optional ``<|open|>response<|sep|>`` ...
+    around content constraints): for prompts that are not chats (the completions API), whose output is the value.
+    """
 
     json: Mapping[str, Any] | str | bool | None = None
     json_object: bool = False
@@ -116,10 +120,13 @@ class StructuredOutputs:
     grammar: str | None = None
     structural_tag: Mapping[str, Any] | str | None = None
     tools: ToolCallConstraint | None = None
+    bare: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object: expected a bool, got {self.json_object!r}")
+        if not isinstance(self.bare, bool):
+            raise ValueError(f"bare: expected a bool, got {self.bare!r}")
         chosen = [k for k in KINDS if (getattr(self, k) is True if k == "json_object" else getattr(self, k) is not None)]
         if len(chosen) != 1:
             raise ValueError(f"structured outputs: expected exactly one of {list(KINDS)}, got {chosen or 'none'}")
@@ -156,4 +163,4 @@ class StructuredOutputs:
         if isinstance(value, ToolCallConstraint):
             value = {"mode": value.mode, "parallel": value.parallel, "allow_text": value.allow_text,
                      "tools": [[t.name, t.parameters] for t in value.tools]}
-        return self.kind + ":" + _json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind + (":bare:" if self.bare else ":") + _json.dumps(value, sort_keys=True, ensure_ascii=False)

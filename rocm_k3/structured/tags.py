@@ -10,7 +10,7 @@ prompt ended in the response channel):
 
 - content constraints (json / json_object / regex / choice / grammar): ``[<|open|>response<|sep|>] VALUE
   [<|close|>response<|sep|>] [<|close|>message<|sep|>]``: raw JSON right after think-close is legal, as is the
-  model's usual wrapper (SERVING_SPEC §5, vllm-ascend #13204);
+  model's usual wrapper (SERVING_SPEC §5, vllm-ascend #13204); a ``bare`` constraint is the value alone;
 - tool calls (required / named): ``[[<|open|>response<|sep|>] text <|close|>response<|sep|>]
   [<|open|>tools<|sep|>] call+ <|close|>tools<|sep|> [<|close|>message<|sep|>]`` (no ``text`` when the
   constraint's ``allow_text`` is off: the response channel, if opened, closes at once) where a call is
@@ -97,7 +97,7 @@ class _Builder:
             value = st.GrammarFormat(grammar=spec.grammar)
         else:
             raise ValueError(f"content constraint: unexpected kind {kind!r}")
-        if self.family != "kimi_k3":
+        if self.family != "kimi_k3" or spec.bare:
             return value
         return self.seq(self.optional(self.marker(kimi_k3.RESPONSE_OPEN)), value,
                         self.optional(self.marker(kimi_k3.RESPONSE_CLOSE)),

@@ -108,8 +108,9 @@ class CompletionRun:
                         yield sse({"error": {"message": f"choice {i} failed: {delta.error}", "type": "internal_error",
                                              "param": None, "code": 500}})
                         continue
-                if not delta.new_text and not delta.finished and lp is None:
-                    continue
+                ids_wanted = self.req.return_token_ids and delta.new_token_ids
+                if not delta.new_text and not delta.finished and lp is None and not ids_wanted:
+                    continue  # e.g. a token that is the first byte of a character still being completed
                 choice = CompletionChoice(index=i, text=delta.new_text, logprobs=lp, finish_reason=delta.finish_reason,
                                           token_ids=delta.new_token_ids if self.req.return_token_ids else None)
                 yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice]))
@@ -147,8 +148,8 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
         if constraint is not None and extension is not None:
             raise ValueError("structured_outputs: cannot be combined with a json response_format")
         constraint = constraint if constraint is not None else extension
-        if constraint is not None:
-            params = dataclasses.replace(params, structured_outputs=constraint)
+        if constraint is not None:  # a completion's text is the value itself: no chat channel wrappers
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, bare=True))
         served.frontend.check_sampling(params)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None
