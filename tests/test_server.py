@@ -301,3 +301,19 @@ def test_an_engine_failure_gives_503_not_a_hang() -> None:
             client.completions.create(model=_model(srv), prompt="x", max_tokens=2)
         assert err.value.status_code == 503 and "device lost" in str(err.value)
         assert "rocm_k3_engine_healthy 0.0" in _get(srv, "/metrics", key=None)[1]
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server) -> None:
+    steps = server.engine.stats()["steps"]
+    body = json.dumps({"prompt": "abandoned", "max_tokens": 900, "extra": 1, "ignore_eos": True}).encode()
+    req = urllib.request.Request(server.url("/v1/completions"), data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(OSError):  # the client gives up after half a second and closes the connection
+        urllib.request.urlopen(req, timeout=0.5)
+    for _ in range(600):
+        stats = server.engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and server.engine.num_streams == 0:
+            break
+        threading.Event().wait(0.05)
+    assert stats["running"] == 0 and stats["free_blocks"] == stats["num_blocks"], stats
+    assert stats["steps"] - steps < 600  # aborted long before its 900 tokens

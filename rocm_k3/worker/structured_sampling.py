@@ -43,12 +43,14 @@ log = logging.getLogger("rocm_k3.worker")
 @dataclasses.dataclass
 class GrammarTimings:
     """Where the grammar's time went (seconds, summed over steps): compile (per new request, on the compile
-    thread), confirm (gate steps), fill (accept + bitmask rows, on the helper thread), wait (the sampler waiting for the fill after the forward: the part not overlapped), apply
+    thread), compile_wait (a fill waiting for a compile: a request that needs its mask before its grammar is
+    ready), confirm (gate steps), fill (accept + bitmask rows, on the helper thread, compile_wait included), wait (the sampler waiting for the fill after the forward: the part not overlapped), apply
     (mask -> logits on the device)."""
 
     steps: int = 0
     rows: int = 0
     compile_s: float = 0.0
+    compile_wait_s: float = 0.0
     confirm_s: float = 0.0
     fill_s: float = 0.0
     wait_s: float = 0.0
@@ -65,8 +67,9 @@ class RequestConstraint:
     """
 
     def __init__(self, params: SamplingParams, grammar: concurrent.futures.Future | None = None, gate: Any = None,
-                 forced: tuple[int, ...] = (), error: str = "") -> None:
+                 forced: tuple[int, ...] = (), error: str = "", timings: GrammarTimings | None = None) -> None:
         self.budget = params.thinking_token_budget
+        self._timings = timings
         self.gate = gate
         self.forced = forced
         self.error = error
@@ -102,8 +105,11 @@ class RequestConstraint:
         from rocm_k3.structured import GrammarRejectedError
 
         if self._grammar is None:
+            t0 = time.perf_counter()
             try:
                 self._grammar = self._future.result()
+                if self._timings is not None:
+                    self._timings.compile_wait_s += time.perf_counter() - t0
             except ValueError as exc:
                 self.error = f"structured_outputs: {exc}"
                 return None
@@ -215,7 +221,7 @@ class StructuredSampling:
                     max_workers=1, thread_name_prefix="rocm-k3-grammar-compile")
             # the grammar's own gate stays closed while the prompt ends in think: it sees the same tokens
             grammar = self._compile_pool.submit(self._compile, compiler, spec, params.prompt_in_think)
-        return RequestConstraint(params, grammar=grammar, gate=gate, forced=self._forced)
+        return RequestConstraint(params, grammar=grammar, gate=gate, forced=self._forced, timings=self.timings)
 
     def _compile(self, compiler, spec, prompt_in_think: bool):
         t0 = time.perf_counter()
