@@ -147,7 +147,7 @@ _FLAG_TYPES = {"int | None": int, "int": int, "float": float}
 
 def add_dataclass_flags(group: Any, cls: type, skip: tuple[str, ...]) -> None:
     """One ``--flag`` per dataclass field: bools as ``--x/--no-x``, ``list[str]`` fields take one or more values,
-    the rest their type (``choices`` and ``help`` from the field metadata)."""
+    the rest their type (``choices``, ``help`` and extra spellings ``aliases`` from the field metadata)."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -158,8 +158,8 @@ def add_dataclass_flags(group: Any, cls: type, skip: tuple[str, ...]) -> None:
         elif str(f.type).startswith("list[str]"):
             group.add_argument(flag, nargs="+", default=f.default, help=meta.get("help"))
         else:
-            group.add_argument(flag, type=_FLAG_TYPES.get(str(f.type), str), default=f.default,
-                               help=meta.get("help"), choices=meta.get("choices"))
+            group.add_argument(flag, *meta.get("aliases", ()), type=_FLAG_TYPES.get(str(f.type), str),
+                               default=f.default, help=meta.get("help"), choices=meta.get("choices"), dest=f.name)
 
 
 def _is_torch_dtype(value: object) -> bool:

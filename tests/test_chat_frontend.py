@@ -39,7 +39,8 @@ def k3():
     ({"tool_choice": "required"}, True, "needs a non-empty tools list"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, True, "not in tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, True, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, True, "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, True,
+     "cannot be combined"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, True, "cannot be combined"),
     ({"structured_outputs": {"regexp": "a"}}, True, "unknown keys"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, True, "exactly one"),
@@ -68,7 +69,8 @@ def test_constraints_and_thinking(k3) -> None:
     tools = required.constraint.tools
     assert tools.mode == "required" and not tools.parallel and not tools.allow_text
     params = required.sampling(SamplingParams(max_tokens=3))
-    assert params.structured_outputs is required.constraint and params.prompt_in_think and not params.skip_special_tokens
+    assert params.structured_outputs is required.constraint and params.prompt_in_think
+    assert not params.skip_special_tokens
     assert k3.prepare_chat(ChatRequest(USER, tools=TOOLS, tool_choice="none")).constraint is None
     assert k3.prepare_chat(ChatRequest(USER, tools=TOOLS)).tool_choice == "auto"
     schema = k3.prepare_chat(ChatRequest(USER, response_format={"type": "json_schema",

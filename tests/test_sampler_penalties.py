@@ -106,7 +106,8 @@ def test_processors_edit_a_copy() -> None:
 
     out = sample(logits, [SamplingParams(temperature=0)] * 2, [make_generator(0)] * 2, [ban_argmax])
     assert torch.equal(logits, before)
-    assert int(out.token_ids[0]) == int(before[0].topk(2).indices[1]) and int(out.token_ids[1]) == int(before[1].argmax())
+    assert int(out.token_ids[0]) == int(before[0].topk(2).indices[1])
+    assert int(out.token_ids[1]) == int(before[1].argmax())
     assert out.finite.tolist() == [True, True]  # a masked -inf is not a non-finite model output
 
 

@@ -203,7 +203,8 @@ def test_stops_and_sampling_fields(server, client, llm) -> None:
 
 def test_tokenize_and_detokenize(server, llm) -> None:
     status, body = _post(server, "/tokenize", {"prompt": "héllo <|open|>"})
-    assert status == 200 and body["tokens"] == llm.tokenizer.encode("héllo <|open|>") and body["count"] == 15  # the typed <|open|> stays bytes
+    # the typed <|open|> stays bytes: 15 byte tokens
+    assert status == 200 and body["tokens"] == llm.tokenizer.encode("héllo <|open|>") and body["count"] == 15
     status, body = _post(server, "/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and body["prompt"] == "héllo <|open|>"
     status, body = _post(server, "/tokenize", {"messages": MESSAGES})

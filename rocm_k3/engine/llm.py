@@ -182,8 +182,8 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
-             tool_choice: Any = None, parallel_tool_calls: bool = True, response_format: Mapping[str, Any] | None = None,
-             structured_outputs: Any = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             tool_choice: Any = None, parallel_tool_calls: bool = True,
+             response_format: Mapping[str, Any] | None = None, structured_outputs: Any = None, chat_template_kwargs: Mapping[str, Any] | None = None,
              reasoning_effort: str | None = None, thinking_token_budget: int | None = None) -> list[ChatOutput]:
         """Chat completions: ``messages`` is one conversation (a list of OpenAI message dicts) or a list of them.
 

@@ -1,4 +1,7 @@
-"""The worker's view of one request: its sampling parameters and generator, and the output tokens confirmed so far.
+"""The worker's view of its requests: sampling parameters, generators and the output tokens confirmed so far.
+
+:class:`RequestTable` is the worker's registry (register / drop / :meth:`RequestTable.begin_step`); a
+:class:`StepBatch` is one step's sampling rows with their logits processors (penalties, grammar masks).
 
 The engine confirms a sampled token by scheduling it: the next decode chunk carries the token sampled in the step
 before, and a recomputed prefill (after a preemption or a rebuilt bookkeeping) carries all of them. The worker
@@ -10,13 +13,17 @@ engine kept, in order, once each.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.worker.penalties import PenaltyState
-from rocm_k3.worker.step_io import ScheduledChunk
+from rocm_k3.worker.penalties import PenaltyState, penalty_processor
+from rocm_k3.worker.sampler import LogitsProcessor, make_generator
+from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput
+from rocm_k3.worker.structured_sampling import PendingMask, StructuredSampling
 
 
 @dataclasses.dataclass
@@ -43,3 +50,74 @@ class RequestState:
         new = list(chunk.token_ids[first - chunk.start :]) if chunk.end > first else []
         self.num_seen = max(self.num_seen, chunk.end)
         return new
+
+
+class StepBatch:
+    """One step's sampling rows (row i = ``chunks[i]``): params, generators, processors, per-row errors.
+
+    The grammar masks are being filled on a helper thread from creation on; :meth:`close` waits for that fill,
+    so call it in a ``finally`` (a fill must never run into the next step)."""
+
+    def __init__(self, chunks: Sequence[ScheduledChunk], states: list[RequestState], mask: PendingMask | None) -> None:
+        self.chunks = list(chunks)
+        self.states = states
+        self.params = [s.sampling for s in states]
+        self.generators = [s.generator for s in states]
+        self._mask = mask
+
+    def processors(self) -> list[LogitsProcessor]:
+        """Penalties first, then the grammar masks (the latter waits for the fill)."""
+        found = (penalty_processor(self.params, [s.penalties for s in self.states]),
+                 None if self._mask is None else self._mask.processor())
+        return [p for p in found if p is not None]
+
+    def error(self, row: int) -> str:
+        """Why row ``row``'s request must fail (its grammar could not be built or rejected a token), or ""."""
+        constraint = self.states[row].constraint
+        return constraint.error if constraint is not None else ""
+
+    def close(self) -> None:
+        if self._mask is not None:
+            self._mask.wait()
+
+
+class RequestTable:
+    """The requests a worker knows, until the engine reports them finished."""
+
+    def __init__(self, structured: StructuredSampling, device: torch.device) -> None:
+        self.structured = structured
+        self.device = device
+        self._states: dict[str, RequestState] = {}
+
+    def register(self, req: NewRequest) -> None:
+        """Keep a new request's state; a request sent again (after a failed step) keeps what it has."""
+        if req.request_id in self._states:
+            return
+        p = req.sampling
+        state = RequestState(req.request_id, p, make_generator(p.seed, self.device), req.num_prompt_tokens)
+        if p.has_penalties:
+            state.penalties = PenaltyState(p, req.prompt_token_ids)
+        if p.needs_logits_mask:
+            state.constraint = self.structured.new_constraint(p)
+        self._states[req.request_id] = state
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def begin_step(self, step: StepInput, sampling: Sequence[ScheduledChunk]) -> StepBatch:
+        """Feed every request's newly confirmed output tokens to its penalties and grammar, then start filling
+        the masks of the ``sampling`` chunks' rows (before the forward, so the fill overlaps it)."""
+        t0 = time.perf_counter()
+        for c in step.chunks:
+            state = self._states[c.request_id]
+            if state.penalties is None and state.constraint is None:
+                state.num_seen = max(state.num_seen, c.end)
+                continue
+            tokens = state.observe(c)
+            if tokens and state.penalties is not None:
+                state.penalties.add(tokens)
+            if tokens and state.constraint is not None:
+                state.constraint.confirm(tokens)
+        self.structured.timings.confirm_s += time.perf_counter() - t0
+        states = [self._states[c.request_id] for c in sampling]
+        return StepBatch(sampling, states, self.structured.start([s.constraint for s in states]))

@@ -3,10 +3,10 @@
 For each row: the logits processors (repetition / presence / frequency penalties, grammar masks) edit a copy of
 the logits first; then temperature 0 = argmax; otherwise the logits are divided by the temperature, tokens less
 likely than min-p times the most likely one are dropped, the rest restricted to the top-k tokens and then to the
-smallest most-likely set whose probability reaches top-p, and a token is drawn from the softmax with the request's own ``torch.Generator`` (the exponential-race form of a
-categorical draw, ``argmax(p / E)`` with ``E ~ Exp(1)``), so a request's tokens do not depend on which other
-requests share its batch (each processor works row by row too). Log-probabilities are those of the unmodified
-distribution ``log_softmax(logits)``.
+smallest most-likely set whose probability reaches top-p, and a token is drawn from the softmax with the
+request's own ``torch.Generator`` (the exponential-race form of a categorical draw, ``argmax(p / E)`` with
+``E ~ Exp(1)``), so a request's tokens do not depend on which other requests share its batch (each processor
+works row by row too). Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
 A row with a NaN or infinite logit is flagged (``finite[i]`` False); its token is meaningless and the engine
 finishes that request with an error, leaving its batch mates alone.
 """

@@ -44,8 +44,9 @@ log = logging.getLogger("rocm_k3.worker")
 class GrammarTimings:
     """Where the grammar's time went (seconds, summed over steps): compile (per new request, on the compile
     thread), compile_wait (a fill waiting for a compile: a request that needs its mask before its grammar is
-    ready), confirm (gate steps), fill (accept + bitmask rows, on the helper thread, compile_wait included), wait (the sampler waiting for the fill after the forward: the part not overlapped), apply
-    (mask -> logits on the device)."""
+    ready), confirm (gate steps), fill (accept + bitmask rows, on the helper thread, compile_wait included), wait
+    (the sampler waiting for the fill after the forward: the part not overlapped), apply (mask -> logits on the
+    device)."""
 
     steps: int = 0
     rows: int = 0

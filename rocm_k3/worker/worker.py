@@ -13,7 +13,6 @@ import dataclasses
 import gc
 import logging
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -22,16 +21,16 @@ from rocm_k3.model.loader import load_model
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
-from rocm_k3.worker.penalties import PenaltyState, penalty_processor
-from rocm_k3.worker.request_state import RequestState
-from rocm_k3.worker.sampler import make_generator, sample
-from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.request_state import RequestTable
+from rocm_k3.worker.sampler import sample
+from rocm_k3.worker.step_io import SampledToken, ScheduledChunk, StepInput, StepOutput
 from rocm_k3.worker.structured_sampling import StructuredSampling
 
 log = logging.getLogger("rocm_k3.worker")
 
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
+NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this request"
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -109,8 +108,8 @@ class Worker:
         self.model = model
         self.geometry = CacheGeometry.from_model_config(self.model.cfg, config.dtype)
         self.runner: ModelRunner | None = None
-        self._requests: dict[str, RequestState] = {}
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
+        self.requests = RequestTable(self.structured, self.device)
 
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
@@ -212,58 +211,23 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
-            self._requests.pop(rid, None)
+            self.requests.drop(rid)
         for req in step.new_requests:
-            self._register(req)
+            self.requests.register(req)
         if not step.chunks:
             return StepOutput(step.step_id)
-        self._confirm(step.chunks)
         chunks = sampling_chunks(step)
-        states = [self._requests[c.request_id] for c in chunks]
-        params = [s.sampling for s in states]
-        mask = self.structured.start([s.constraint for s in states])  # fills on a helper thread meanwhile
+        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
         try:
             logits = self.runner.execute(step)  # [S, vocab] fp32
             if not chunks:
                 return StepOutput(step.step_id)
-            processors = [p for p in (penalty_processor(params, [s.penalties for s in states]),
-                                      None if mask is None else mask.processor()) if p is not None]
-            out = sample(logits, params, [s.generator for s in states], processors)
+            out = sample(logits, batch.params, batch.generators, batch.processors())
             tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
         finally:
-            if mask is not None:
-                mask.wait()  # never leave the fill running into the next step
+            batch.close()
         sampled = []
-        for c, s, tok, ok, lp in zip(chunks, states, tokens, finite, out.logprobs):
-            error = "" if ok else "the model produced non-finite logits (NaN or Inf) for this request"
-            if s.constraint is not None and s.constraint.error:
-                error = s.constraint.error
+        for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
+            error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
-
-    def _confirm(self, chunks: tuple[ScheduledChunk, ...]) -> None:
-        """Feed each request's newly confirmed output tokens to its penalties and grammar (see request_state)."""
-        t0 = time.perf_counter()
-        for c in chunks:
-            state = self._requests[c.request_id]
-            if state.penalties is None and state.constraint is None:
-                state.num_seen = max(state.num_seen, c.end)
-                continue
-            tokens = state.observe(c)
-            if tokens and state.penalties is not None:
-                state.penalties.add(tokens)
-            if tokens and state.constraint is not None:
-                state.constraint.confirm(tokens)
-        self.structured.timings.confirm_s += time.perf_counter() - t0
-
-    def _register(self, req: NewRequest) -> None:
-        """Keep a new request's sampling state; a request sent again (after a failed step) keeps its state."""
-        if req.request_id in self._requests:
-            return
-        p = req.sampling
-        state = RequestState(req.request_id, p, make_generator(p.seed, self.device), req.num_prompt_tokens)
-        if p.has_penalties:
-            state.penalties = PenaltyState(p, req.prompt_token_ids)
-        if p.needs_logits_mask:
-            state.constraint = self.structured.new_constraint(p)
-        self._requests[req.request_id] = state

@@ -13,6 +13,7 @@ build the engine, then run uvicorn until Ctrl-C, and shut the engine down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -77,17 +78,11 @@ def build_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        run = prepare_completion(served, await read_body(request, CompletionRequest, served.max_request_bytes))
-        if run.req.stream:
-            return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
+        return await _answer(request, served, CompletionRequest, prepare_completion)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        run = prepare_chat(served, await read_body(request, ChatCompletionRequest, served.max_request_bytes))
-        if run.req.stream:
-            return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
+        return await _answer(request, served, ChatCompletionRequest, prepare_chat)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
@@ -112,6 +107,15 @@ def build_app(served: ServedModel) -> FastAPI:
         return JSONResponse({"prompt": served.tokenizer.decode(req.tokens)})
 
     return app
+
+
+async def _answer(request: Request, served: ServedModel, model, prepare) -> Response:
+    """Read, check and run one completions / chat request: SSE when it streams, else one JSON body."""
+    body = await read_body(request, model, served.max_request_bytes)
+    run = await asyncio.to_thread(prepare, served, body)  # rendering and tokenizing: off the event loop
+    if run.req.stream:
+        return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
 
 
 def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:

@@ -23,8 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("rocm_k3.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
+          503: "service_unavailable"}
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 

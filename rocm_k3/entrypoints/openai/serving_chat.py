@@ -6,7 +6,6 @@ prepared by :mod:`rocm_k3.engine.chat` (shared with ``LLM.chat``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason
@@ -29,9 +28,13 @@ from rocm_k3.entrypoints.openai.protocol import (
 from rocm_k3.entrypoints.openai.serving_common import (
     MAX_LOGPROBS,
     SSE_DONE,
+    ChoiceState,
     ServedModel,
     chat_logprobs,
+    collect,
     choice_params,
+    error_event,
+    failed_choice,
     merge_streams,
     new_request_id,
     sampling_params,
@@ -40,16 +43,6 @@ from rocm_k3.entrypoints.openai.serving_common import (
     usage,
 )
 from rocm_k3.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass
-class _Choice:
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    num_calls: int = 0
-    cached: int = 0
 
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
@@ -80,25 +73,13 @@ class ChatRun:
             return None
         return ChatLogprobs(content=chat_logprobs(self.served.tokenizer, token_ids, entries, self.top))
 
-    def _usage(self, choices: list[_Choice]):
+    def _usage(self, choices: list[ChoiceState]):
         return usage(len(self.prepared.prompt_token_ids), sum(len(c.token_ids) for c in choices),
                      choices[0].cached if choices else 0)
 
     async def respond(self) -> ChatCompletionResponse:
         streams = await self._streams()
-        choices = [_Choice() for _ in streams]
-        timers = [self.served.metrics.timer() for _ in streams]
-        async for i, delta in merge_streams(streams):
-            timers[i].on_delta(delta)
-            c = choices[i]
-            c.token_ids += delta.new_token_ids
-            c.text += delta.new_text
-            c.logprobs += delta.new_logprobs or []
-            if delta.finished:
-                if delta.finish_reason == "error":
-                    raise APIError(500, f"choice {i} failed: {delta.error}")
-                c.finish_reason = delta.finish_reason
-                c.cached = delta.output.num_cached_tokens if delta.output is not None else 0
+        choices = await collect(self.served, streams)
         out = []
         for i, c in enumerate(choices):
             parsed = self.prepared.parse(c.text, call_id_prefix=self._call_prefix(i))
@@ -122,7 +103,7 @@ class ChatRun:
         return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice]))
 
     async def _events(self, streams) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in streams]
+        choices = [ChoiceState() for _ in streams]
         parsers = [self.prepared.parser(self._call_prefix(i)) for i in range(len(streams))]
         timers = [self.served.metrics.timer() for _ in streams]
         if self.req.return_token_ids:
@@ -134,10 +115,9 @@ class ChatRun:
             async for i, delta in merge_streams(streams):
                 timers[i].on_delta(delta)
                 c = choices[i]
-                c.token_ids += delta.new_token_ids
-                if delta.finished and delta.finish_reason == "error":
-                    yield sse({"error": {"message": f"choice {i} failed: {delta.error}", "type": "internal_error",
-                                         "param": None, "code": 500}})
+                c.add(delta, text=False)
+                if delta.finish_reason == "error":
+                    yield error_event(failed_choice(i, delta))
                     continue
                 parsed = parsers[i].feed(delta.new_text)
                 if delta.finished:
@@ -145,7 +125,6 @@ class ChatRun:
                     parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
                     parsed.content = _join(parsed.content, tail.content)
                     parsed.tool_calls += tail.tool_calls
-                    c.cached = delta.output.num_cached_tokens if delta.output is not None else 0
                 calls = self.prepared.allowed_calls(parsed.tool_calls, c.num_calls)
                 tool_deltas = [DeltaToolCall(index=c.num_calls + k, id=t.id, type="function",
                                              function=DeltaFunctionCall(name=t.name, arguments=t.arguments_json))
@@ -165,8 +144,7 @@ class ChatRun:
                 yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
                                               usage=self._usage(choices)))
         except APIError as exc:
-            yield sse({"error": {"message": exc.message, "type": "service_unavailable", "param": None,
-                                 "code": exc.status}})
+            yield error_event(exc)
         yield SSE_DONE
 
 

@@ -214,6 +214,49 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
+@dataclasses.dataclass
+class ChoiceState:
+    """One choice as its deltas arrive: tokens, text, logprobs, how it finished, calls sent (chat streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    cached: int = 0
+    num_calls: int = 0
+
+    def add(self, delta: RequestDelta, *, text: bool = True) -> None:
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.new_logprobs or []
+        if text:
+            self.text += delta.new_text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.cached = delta.output.num_cached_tokens if delta.output is not None else 0
+
+
+async def collect(served: ServedModel, streams: Sequence[RequestStream]) -> list[ChoiceState]:
+    """Every choice to its end (for answers sent whole); a failed choice is a 500."""
+    choices = [ChoiceState() for _ in streams]
+    timers = [served.metrics.timer() for _ in streams]
+    async for i, delta in merge_streams(streams):
+        timers[i].on_delta(delta)
+        choices[i].add(delta)
+        if delta.finish_reason == "error":
+            raise failed_choice(i, delta)
+    return choices
+
+
+def failed_choice(index: int, delta: RequestDelta) -> APIError:
+    return APIError(500, f"choice {index} failed: {delta.error}")
+
+
+def error_event(exc: APIError) -> str:
+    """An error inside a stream that has started (the status line is sent): an SSE event the openai client raises."""
+    return sse({"error": {"message": exc.message, "type": "internal_error" if exc.status == 500 else
+                          "service_unavailable", "param": None, "code": exc.status}})
+
+
 def sse(body: BaseModel | dict) -> str:
     if isinstance(body, BaseModel):
         return f"data: {body.model_dump_json(exclude_none=True)}\n\n"

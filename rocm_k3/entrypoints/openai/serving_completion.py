@@ -11,9 +11,13 @@ from rocm_k3.entrypoints.openai.errors import APIError, bad_request
 from rocm_k3.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from rocm_k3.entrypoints.openai.serving_common import (
     SSE_DONE,
+    ChoiceState,
     ServedModel,
     choice_params,
+    collect,
     completion_logprobs,
+    error_event,
+    failed_choice,
     merge_streams,
     new_request_id,
     sampling_params,
@@ -22,15 +26,6 @@ from rocm_k3.entrypoints.openai.serving_common import (
     usage,
 )
 from rocm_k3.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass
-class _Choice:
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    cached: int = 0
 
 
 class CompletionRun:
@@ -54,19 +49,7 @@ class CompletionRun:
     async def respond(self) -> CompletionResponse:
         """The whole response (the choices run concurrently on the engine)."""
         streams = await self._streams()
-        choices = [_Choice() for _ in streams]
-        timers = [self.served.metrics.timer() for _ in streams]
-        async for i, delta in merge_streams(streams):
-            timers[i].on_delta(delta)
-            c = choices[i]
-            c.token_ids += delta.new_token_ids
-            c.text += delta.new_text
-            c.logprobs += delta.new_logprobs or []
-            if delta.finished:
-                c.finish_reason = delta.finish_reason
-                c.cached = delta.output.num_cached_tokens if delta.output is not None else 0
-                if delta.finish_reason == "error":
-                    raise APIError(500, f"choice {i} failed: {delta.error}")
+        choices = await collect(self.served, streams)
         out = []
         for i, c in enumerate(choices):
             lp = None
@@ -78,7 +61,7 @@ class CompletionRun:
                 prompt_token_ids=self.prompts[i // self.n] if self.req.return_token_ids else None))
         return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices))
 
-    def _usage(self, choices: list[_Choice]):
+    def _usage(self, choices: list[ChoiceState]):
         cached = sum(c.cached for c in choices[:: self.n])
         return usage(sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in choices), cached)
 
@@ -88,7 +71,7 @@ class CompletionRun:
         return self._events(streams)
 
     async def _events(self, streams) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in streams]
+        choices = [ChoiceState() for _ in streams]
         timers = [self.served.metrics.timer() for _ in streams]
         k = self.params[0].logprobs
         try:
@@ -99,15 +82,10 @@ class CompletionRun:
                 if k is not None and delta.new_logprobs:
                     lp = completion_logprobs(self.served.tokenizer, delta.new_token_ids, delta.new_logprobs, k,
                                              len(c.text))
-                c.token_ids += delta.new_token_ids
-                c.text += delta.new_text
-                if delta.finished:
-                    c.finish_reason = delta.finish_reason
-                    c.cached = delta.output.num_cached_tokens if delta.output is not None else 0
-                    if delta.finish_reason == "error":
-                        yield sse({"error": {"message": f"choice {i} failed: {delta.error}", "type": "internal_error",
-                                             "param": None, "code": 500}})
-                        continue
+                c.add(delta)
+                if delta.finish_reason == "error":
+                    yield error_event(failed_choice(i, delta))
+                    continue
                 ids_wanted = self.req.return_token_ids and delta.new_token_ids
                 if not delta.new_text and not delta.finished and lp is None and not ids_wanted:
                     continue  # e.g. a token that is the first byte of a character still being completed
@@ -119,8 +97,7 @@ class CompletionRun:
                 yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[],
                                              usage=self._usage(choices)))
         except APIError as exc:
-            yield sse({"error": {"message": exc.message, "type": "service_unavailable", "param": None,
-                                 "code": exc.status}})
+            yield error_event(exc)
         yield SSE_DONE
 
 
