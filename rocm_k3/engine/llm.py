@@ -5,6 +5,11 @@ The request path is ``LLM -> EngineCore (scheduler + cache manager) -> executor 
 chunked prefill, paged hybrid cache, prefix caching on by default; the engine and its prefix cache live as long
 as the LLM, so a later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the counters.
 Calls from several threads are serialised (each gets exactly the tokens it would get alone).
+
+``llm.chat(messages, params, tools=..., tool_choice=..., response_format=...)`` renders a conversation in the
+checkpoint's chat format and parses the answer into reasoning, content and tool calls (``rocm_k3.engine.chat``,
+shared with the server); ``SamplingParams(structured_outputs=rocm_k3.StructuredOutputs(...))`` constrains
+``generate`` with a grammar.
 """
 
 from __future__ import annotations

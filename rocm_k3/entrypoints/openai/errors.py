@@ -46,11 +46,28 @@ def bad_request(exc: Exception, default_param: str | None = None) -> APIError:
     return APIError(400, message, param=match.group(1) if match else default_param)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def field_path(loc: tuple) -> str | None:
+    """``("messages", 0, "role")`` -> ``messages[0].role``; pydantic's union-member tags (``str``, ``list[int]``)
+    are left out, so the path names the request's own field."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part or part.startswith("function-"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
     """A 400 naming the first invalid field of a pydantic validation error (and how many more there are)."""
     errors = exc.errors()
     first = errors[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    param = field_path(first["loc"])
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) else f", got {got!r}"
