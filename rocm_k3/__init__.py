@@ -10,7 +10,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "rocm_k3.engine.llm", "SamplingParams": "rocm_k3.sampling_params"}
+_EXPORTS = {"LLM": "rocm_k3.engine.llm", "SamplingParams": "rocm_k3.sampling_params",
+            "StructuredOutputs": "rocm_k3.structured.spec"}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,9 +13,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rocm_k3.entrypoints.openai.parsers.registry import PARSER_ALIASES
 from rocm_k3.settings import BACKEND_CHOICES
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+PARSER_CHOICES = tuple(PARSER_ALIASES)
 MOE_ACT_QUANT_CHOICES = ("bf16", "mxfp8")
 
 
@@ -67,6 +69,13 @@ class EngineArgs:
     distributed_timeout: float = dataclasses.field(default=300.0, metadata={
         "help": "seconds a step or collective may take before the run is ended with an error"})
 
+    tool_call_parser: str | None = dataclasses.field(default=None, metadata={
+        "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
+        "choices": PARSER_CHOICES})
+    reasoning_parser: str | None = dataclasses.field(default=None, metadata={
+        "help": "output family of the reasoning channel (same choices; must agree with --tool-call-parser)",
+        "choices": PARSER_CHOICES})
+
     def parallel_config(self):
         from rocm_k3.distributed.context import ParallelConfig
 
@@ -89,6 +98,10 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enforce_eager", "progress", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        for name in ("tool_call_parser", "reasoning_parser"):
+            value = getattr(self, name)
+            if value is not None and value not in PARSER_CHOICES:
+                raise ValueError(f"{name}: expected one of {PARSER_CHOICES} or None, got {value!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")
@@ -99,17 +112,7 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
         """One ``--flag`` per field (``--no-enable-prefix-caching`` for the default-on bools)."""
         group = parser.add_argument_group("engine and cache")
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            meta = dict(f.metadata)
-            if f.type in ("bool", bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-                continue
-            kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
-            group.add_argument(flag, *meta.get("aliases", ()), type=kind, default=f.default, help=meta.get("help"),
-                               choices=meta.get("choices"), dest=f.name)
+        add_dataclass_flags(group, cls, skip)
         if "enable_prefix_caching" not in skip:  # the flag name older versions of rocm-k3 documented
             group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                                help=argparse.SUPPRESS)
@@ -118,6 +121,69 @@ class EngineArgs:
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
         values: dict[str, Any] = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
         return cls(**values).validated()
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    """The knobs of ``rocm-k3 serve`` beyond the engine's (help texts are the CLI's)."""
+
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: all)"})
+    port: int = dataclasses.field(default=8000, metadata={"help": "TCP port (0: any free port)"})
+    api_key: str | None = dataclasses.field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)"})
+    served_model_name: list[str] | None = dataclasses.field(default=None, metadata={
+        "help": "model name(s) the API answers to (default: the checkpoint directory's name)"})
+    enable_auto_tool_choice: bool = dataclasses.field(default=False, metadata={
+        "help": 'serve tool_choice "auto" (the model decides when to call tools)'})
+    max_request_bytes: int = dataclasses.field(default=32 * 2**20, metadata={
+        "help": "largest request body accepted (bigger ones get 413)"})
+    uvicorn_log_level: str = dataclasses.field(default="info", metadata={
+        "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host: expected a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port: expected an int in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key: expected a non-empty string or None")
+        names = self.served_model_name
+        if names is not None and (isinstance(names, str) or not names
+                                  or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"served_model_name: expected a non-empty list of names, got {names!r}")
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(f"enable_auto_tool_choice: expected a bool, got {self.enable_auto_tool_choice!r}")
+        size = self.max_request_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
+            raise ValueError(f"max_request_bytes: expected an int >= 1024, got {size!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_flags(parser.add_argument_group("server"), cls, ())
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+_FLAG_TYPES = {"int | None": int, "int": int, "float": float}
+
+
+def add_dataclass_flags(group: Any, cls: type, skip: tuple[str, ...]) -> None:
+    """One ``--flag`` per dataclass field: bools as ``--x/--no-x``, ``list[str]`` fields take one or more values,
+    the rest their type (``choices``, ``help`` and extra spellings ``aliases`` from the field metadata)."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+        elif str(f.type).startswith("list[str]"):
+            group.add_argument(flag, nargs="+", default=f.default, help=meta.get("help"))
+        else:
+            group.add_argument(flag, *meta.get("aliases", ()), type=_FLAG_TYPES.get(str(f.type), str),
+                               default=f.default, help=meta.get("help"), choices=meta.get("choices"), dest=f.name)
 
 
 def _is_torch_dtype(value: object) -> bool:

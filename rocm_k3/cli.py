@@ -21,6 +21,7 @@ _DEBUG_HELP = "show the full traceback of an error (also: ROCM_K3_LOG_LEVEL=debu
 COMMANDS: dict[str, tuple[str, str]] = {
     "ops": ("rocm_k3.entrypoints.ops_cmd", "show which backend each op resolves to on this machine, and why"),
     "generate": ("rocm_k3.entrypoints.generate_cmd", "generate text (default model: the embedded tiny K3)"),
+    "serve": ("rocm_k3.entrypoints.serve_cmd", "serve an OpenAI-compatible API (default model: the embedded tiny K3)"),
     "make-tiny": ("rocm_k3.entrypoints.make_tiny_cmd", "write the small seeded K3-architecture checkpoint to DIR"),
 }
 

@@ -6,9 +6,13 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the structured package imports xgrammar, which only constrained requests need
+    from rocm_k3.structured.spec import StructuredOutputs
 
 SEED_MAX = 2**63 - 1  # seeds are non-negative 63-bit ints (a negative seed must not alias 2**64 + seed)
+MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2] (the OpenAI range)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +22,7 @@ class SamplingParams:
     temperature:    0 = greedy (argmax); a finite number > 0 scales the logits before sampling.
     top_k:          keep the k most likely tokens (0 or -1 = all).
     top_p:          keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = all).
+    min_p:          drop tokens less likely than ``min_p`` times the most likely one (0 = off), after temperature.
     seed:           seeds this request's own generator (same seed, same prompt -> same tokens), an int in
                     [0, 2**63 - 1]; None = random.
     max_tokens:     at most this many generated tokens.
@@ -28,6 +33,17 @@ class SamplingParams:
                     the chosen token's log-probability); log-probabilities are of the model's distribution.
     ignore_eos:     keep generating past the model's end-of-sequence token.
     skip_special_tokens: leave special tokens (e.g. ``<|end_of_msg|>``) out of the output text (the ids stay).
+    presence_penalty:   subtracted from the logit of every token generated so far (in [-2, 2]; 0 = off).
+    frequency_penalty:  subtracted once per earlier occurrence in the generated tokens (in [-2, 2]; 0 = off).
+    repetition_penalty: tokens of the prompt or the output so far get their logit divided by it when positive,
+                        multiplied when negative (> 0; 1 = off). Penalties apply before temperature, greedy too.
+    structured_outputs: a :class:`~rocm_k3.structured.spec.StructuredOutputs` constraint (JSON schema, regex,
+                        choice, EBNF grammar, structural tag, forced tool calls) enforced by a grammar on the
+                        worker; the grammar ends with an end-of-sequence token, so ``ignore_eos`` cannot be set.
+    prompt_in_think:    the prompt ends inside the model's think channel (a chat rendered with thinking on): the
+                        grammar then starts once the reasoning has ended.
+    thinking_token_budget: with ``prompt_in_think``, at most this many tokens of reasoning; then the think-close
+                        marker is forced (None = unlimited).
 
     Numbers may be Python or numpy / other ``numbers`` scalars (stored as int / float); a value of the wrong type
     or range raises ValueError naming the field.
@@ -43,6 +59,13 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputs | None = dataclasses.field(default=None, hash=False)
+    prompt_in_think: bool = False
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         # store plain ints / floats / tuples, so the params stay hashable and the sampler sees Python numbers
@@ -81,10 +104,55 @@ class SamplingParams:
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens: expected a bool, got {self.skip_special_tokens!r}")
+        min_p = _number("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
+        set_("min_p", min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name}: expected a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got "
+                                 f"{getattr(self, name)!r}")
+            set_(name, value)
+        repetition = _number("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise ValueError(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty!r}")
+        set_("repetition_penalty", repetition)
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        if not isinstance(self.prompt_in_think, bool):
+            raise ValueError(f"prompt_in_think: expected a bool, got {self.prompt_in_think!r}")
+        budget = self.thinking_token_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise ValueError(f"thinking_token_budget: expected an int >= 0 or None, got {budget!r}")
+            if not self.prompt_in_think:
+                raise ValueError("thinking_token_budget: only applies when the prompt ends inside the think channel "
+                                 "(prompt_in_think=True)")
+        if self.structured_outputs is None:
+            return
+        from rocm_k3.structured.spec import StructuredOutputs
+
+        if not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs: expected a StructuredOutputs, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured_outputs (the grammar ends with an "
+                             "end-of-sequence token)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_logits_mask(self) -> bool:
+        """The worker masks this request's logits (a grammar, or a thinking budget to enforce)."""
+        return self.structured_outputs is not None or self.thinking_token_budget is not None
 
 
 def _integer(name: str, value: Any, or_none: bool = False) -> int:

@@ -11,19 +11,23 @@ from rocm_k3.worker.kv_pools import KVPools
 from rocm_k3.worker.worker import WorkerConfig
 
 
-def core_for(model, config: EngineConfig, *, tokenizer=None, enforce_eager: bool = True) -> EngineCore:
-    """EngineCore for ``model`` with the cache sized by ``config.cache`` (explicit counts or byte budgets)."""
-    worker = WorkerConfig(model_path=Path("."), dtype=model.dtype, device=model.device, enforce_eager=enforce_eager,
+def core_for(model, config: EngineConfig, *, tokenizer=None, enforce_eager: bool = True,
+             model_path: Path = Path("."), output_family: str | None = None) -> EngineCore:
+    """EngineCore for ``model`` with the cache sized by ``config.cache`` (explicit counts or byte budgets).
+
+    model_path / output_family: where the worker finds the tokenizer for grammars, and their family."""
+    worker = WorkerConfig(model_path=model_path, dtype=model.dtype, device=model.device, enforce_eager=enforce_eager,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                          block_size=config.cache.block_size)
+                          block_size=config.cache.block_size, output_family=output_family)
     executor = UniprocExecutor(worker, model=model)
     info = executor.info()
     num_blocks, num_slots = config.cache.resolve(bytes_per_block=info.bytes_per_block,
                                                  bytes_per_slot=info.bytes_per_slot,
                                                  max_model_len=config.max_model_len)
     executor.init_cache(num_blocks, num_slots, config.max_model_len)
+    eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
     return EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=info.eos_token_ids, tokenizer=tokenizer)
+                      eos_token_ids=eos, tokenizer=tokenizer)
 
 
 def pools_of(core: EngineCore) -> KVPools:

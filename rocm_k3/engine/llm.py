@@ -5,6 +5,11 @@ The request path is ``LLM -> EngineCore (scheduler + cache manager) -> executor 
 chunked prefill, paged hybrid cache, prefix caching on by default; the engine and its prefix cache live as long
 as the LLM, so a later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the counters.
 Calls from several threads are serialised (each gets exactly the tokens it would get alone).
+
+``llm.chat(messages, params, tools=..., tool_choice=..., response_format=...)`` renders a conversation in the
+checkpoint's chat format and parses the answer into reasoning, content and tool calls (``rocm_k3.engine.chat``,
+shared with the server); ``SamplingParams(structured_outputs=rocm_k3.StructuredOutputs(...))`` constrains
+``generate`` with a grammar.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 import itertools
 import threading
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +27,12 @@ import torch
 
 from rocm_k3.args import EngineArgs
 from rocm_k3.cache.config import CacheConfig
+from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.executor.multiproc import MultiprocExecutor
+from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
@@ -79,6 +86,7 @@ def run_headless_node(args: EngineArgs) -> int:
 
 
 def worker_config_for(args: EngineArgs, path: Path, device: torch.device, dtype: torch.dtype) -> WorkerConfig:
+    family = checkpoint_family(path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     parallel = args.parallel_config()
     if device.type == "cuda" and parallel.gpus_per_node > 1 and torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -91,7 +99,7 @@ def worker_config_for(args: EngineArgs, path: Path, device: torch.device, dtype:
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        parallel=parallel,
+        parallel=parallel, output_family=family,
     )
 
 
@@ -112,6 +120,14 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
         if model is not None:
             raise ValueError("model: a loaded model can only be served by one process (tensor_parallel_size 1)")
         executor = MultiprocExecutor(worker_config)
+    family = checkpoint_family(path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    worker_config = WorkerConfig(
+        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
+        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        output_family=family,
+    )
+    executor = UniprocExecutor(worker_config, model=model)
     info = executor.info()
     budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
                                                ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
@@ -170,6 +186,8 @@ class LLM:
     def _start(self, args: EngineArgs) -> None:
         self.engine, self.path, self.tokenizer = build_engine(args)
         self.args = args
+        self.frontend = ModelFrontend(self.path, self.tokenizer, checkpoint_family(
+            self.path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser))
         self.max_model_len = self.engine.config.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
         self.vocab_size = self.engine.vocab_size
@@ -221,8 +239,42 @@ class LLM:
                 raise ValueError(f"sampling_params: expected one SamplingParams or {len(batch)} of them, "
                                  f"got {len(params)} items")
         prompt_ids = [self._encode(p, i) for i, p in enumerate(batch)]
+        for p in {id(q): q for q in params}.values():  # one check per distinct params object
+            self.frontend.check_sampling(p)
         with self._lock:
             return self._run_requests(prompt_ids, params)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: Any = None, parallel_tool_calls: bool = True,
+             response_format: Mapping[str, Any] | None = None, structured_outputs: Any = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             reasoning_effort: str | None = None, thinking_token_budget: int | None = None) -> list[ChatOutput]:
+        """Chat completions: ``messages`` is one conversation (a list of OpenAI message dicts) or a list of them.
+
+        The options are the chat API's (see :mod:`rocm_k3.engine.chat`): ``tools`` with ``tool_choice`` "auto"
+        (default), "none", "required" or ``{"type": "function", "function": {"name": ...}}``; ``response_format``
+        json_object / json_schema or ``structured_outputs`` (a StructuredOutputs or ``{"regex": ...}``);
+        ``chat_template_kwargs`` ``{"thinking": False}`` / ``reasoning_effort``; ``thinking_token_budget``. Returns
+        one :class:`~rocm_k3.engine.chat.ChatOutput` per conversation with the parsed ``reasoning_content``,
+        ``content`` and ``tool_calls``.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        base = sampling_params if sampling_params is not None else SamplingParams()
+        prepared = [self.frontend.prepare_chat(ChatRequest(
+            c, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+            response_format=response_format, structured_outputs=structured_outputs,
+            chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
+            thinking_token_budget=thinking_token_budget)) for c in conversations]
+        params = [p.sampling(base) for p in prepared]
+        prompt_ids = [self._encode(p.prompt_token_ids, i) for i, p in enumerate(prepared)]
+        with self._lock:
+            outputs = self._run_requests(prompt_ids, params)
+        results = []
+        for i, (p, out) in enumerate(zip(prepared, outputs)):
+            parsed = p.parse(out.text, call_id_prefix=f"call_{i}_")
+            results.append(ChatOutput(out, parsed.reasoning, parsed.content, parsed.tool_calls,
+                                      chat_finish_reason(out.finish_reason, bool(parsed.tool_calls))))
+        return results
 
     def stats(self) -> dict[str, float]:
         """Prefix-cache and engine counters: queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,

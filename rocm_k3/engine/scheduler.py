@@ -247,7 +247,9 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             if not seq.registered:
-                new_requests.append(NewRequest(seq.request_id, seq.sampling))
+                needs_prompt = seq.sampling is not None and seq.sampling.repetition_penalty != 1
+                new_requests.append(NewRequest(seq.request_id, seq.sampling, seq.num_prompt_tokens,
+                                               tuple(seq.prompt_token_ids) if needs_prompt else ()))
                 seq.registered = True
             table = self.cache.table(seq.seq_id)
             admitted = seq.admitted_this_step

@@ -2,7 +2,7 @@
 gated by the reasoning channel. See ``compiler.py`` for the entry point and ``state.py`` for the per-step
 protocol of the worker's sampler."""
 
-from rocm_k3.structured.compiler import StructuredCompiler
+from rocm_k3.structured.compiler import StructuredCompiler, check_spec
 from rocm_k3.structured.gate import ReasoningGate
 from rocm_k3.structured.spec import (
     StructuredOutputs,
@@ -30,6 +30,7 @@ __all__ = [
     "ToolSchema",
     "allocate_bitmask",
     "apply_bitmask",
+    "check_spec",
     "fill_bitmasks",
     "tool_call_constraint",
 ]

@@ -4,6 +4,8 @@
 request's constraint is compiled (or taken from the cache) by :meth:`StructuredCompiler.compile`; an invalid
 JSON schema, regex, EBNF or structural tag raises ValueError naming the problem (the server answers 400), so
 call :meth:`validate` when the request arrives. :meth:`new_state` gives the request's :class:`GrammarState`.
+:func:`check_spec` does the same checks without the vocabulary (no token masks are computed: milliseconds even for
+a schema whose compilation against K3's vocabulary takes a second), for front ends that only validate.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from rocm_k3.structured.gate import ReasoningGate
 from rocm_k3.structured.spec import StructuredOutputs
 from rocm_k3.structured.state import GrammarState
 from rocm_k3.structured.tags import structural_tag_for
-from rocm_k3.structured.vocab import GrammarTokenizer, build_tokenizer_info, family_tokens
+from rocm_k3.structured.vocab import FamilyTokens, GrammarTokenizer, build_tokenizer_info, family_tokens
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
 _CPP_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -30,6 +32,20 @@ def _clean(err: BaseException) -> str:
     if isinstance(err, pydantic.ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
     return _CPP_PREFIX.sub("", text).strip() or type(err).__name__
+
+
+_COMPILE_ERRORS = (RuntimeError, ValueError, TypeError, pydantic.ValidationError)
+
+
+def check_spec(spec: StructuredOutputs, tokens: FamilyTokens) -> None:
+    """Raise ValueError naming the problem when ``spec`` would not compile for ``tokens.family`` (a bad JSON
+    schema, regex, EBNF or structural tag); builds the grammar without compiling it against a vocabulary."""
+    if not isinstance(spec, StructuredOutputs):
+        raise TypeError(f"spec: expected StructuredOutputs, got {type(spec).__name__}")
+    try:
+        xgr.Grammar.from_structural_tag(structural_tag_for(spec, tokens))
+    except _COMPILE_ERRORS as e:
+        raise ValueError(f"{spec.kind}: {_clean(e)}") from None
 
 
 class StructuredCompiler:
@@ -76,7 +92,7 @@ class StructuredCompiler:
         try:
             tag = structural_tag_for(spec, self.tokens)
             compiled = self._compiler.compile_structural_tag(tag)
-        except (RuntimeError, ValueError, TypeError, pydantic.ValidationError) as e:
+        except _COMPILE_ERRORS as e:
             raise ValueError(f"{spec.kind}: {_clean(e)}") from None
         with self._lock:
             self._cache[key] = compiled

@@ -39,11 +39,14 @@ class ToolSchema:
 @dataclasses.dataclass(frozen=True)
 class ToolCallConstraint:
     """Calls the output must consist of: ``required`` = one or more of ``tools`` (just one when
-    ``parallel`` is False); ``named`` = exactly one call of ``tools[0]``."""
+    ``parallel`` is False); ``named`` = exactly one call of ``tools[0]``. ``allow_text``: free text may come
+    before the calls (K3: the response channel's body; K2: content before the tool section); False = the calls
+    come at once (an empty response channel at most), as OpenAI's forced tool choices return no content."""
 
     tools: tuple[ToolSchema, ...]
     mode: str
     parallel: bool = True
+    allow_text: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -51,6 +54,8 @@ class ToolCallConstraint:
             raise ValueError("tools: expected ToolSchema entries")
         if not isinstance(self.parallel, bool):
             raise ValueError(f"parallel: expected a bool, got {self.parallel!r}")
+        if not isinstance(self.allow_text, bool):
+            raise ValueError(f"allow_text: expected a bool, got {self.allow_text!r}")
         if self.mode not in ("required", "named"):
             raise ValueError(f"mode: expected 'required' or 'named', got {self.mode!r}")
         if not self.tools:
@@ -60,9 +65,10 @@ class ToolCallConstraint:
 
 
 def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any,
-                         parallel_tool_calls: bool = True) -> ToolCallConstraint | None:
+                         parallel_tool_calls: bool = True, allow_text: bool = True) -> ToolCallConstraint | None:
     """The constraint for an OpenAI ``tools`` + ``tool_choice`` pair: None for "auto"/None/"none" (no
-    grammar), else required/named. Raises ValueError for a malformed list or an unknown named function."""
+    grammar), else required/named (``allow_text``: see ToolCallConstraint). Raises ValueError for a malformed
+    list or an unknown named function."""
     names = tool_names(tools)
     forced = named_tool_choice(tool_choice)
     if tool_choice in (None, "auto", "none"):
@@ -77,7 +83,8 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, tool_choice:
         raise ValueError(f"tool_choice: function {forced!r} is not in tools {list(names)}")
     if not schemas:
         raise ValueError("tool_choice: 'required' needs a non-empty tools list")
-    return ToolCallConstraint(tuple(schemas), "named" if forced is not None else "required", parallel_tool_calls)
+    return ToolCallConstraint(tuple(schemas), "named" if forced is not None else "required", parallel_tool_calls,
+                              allow_text)
 
 
 def _as_json_value(name: str, value: Any) -> Any:
@@ -100,7 +107,11 @@ def _plain(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputs:
-    """One request's output constraint; exactly one field set (``json_object`` counts when True)."""
+    """One request's output constraint; exactly one field set (``json_object`` counts when True).
+
+    bare: the value alone, without the family's channel wrappers (K3's optional ``<|open|>response<|sep|>`` ...
+    around content constraints): for prompts that are not chats (the completions API), whose output is the value.
+    """
 
     json: Mapping[str, Any] | str | bool | None = None
     json_object: bool = False
@@ -109,10 +120,13 @@ class StructuredOutputs:
     grammar: str | None = None
     structural_tag: Mapping[str, Any] | str | None = None
     tools: ToolCallConstraint | None = None
+    bare: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object: expected a bool, got {self.json_object!r}")
+        if not isinstance(self.bare, bool):
+            raise ValueError(f"bare: expected a bool, got {self.bare!r}")
         chosen = [k for k in KINDS if (getattr(self, k) is True if k == "json_object" else getattr(self, k) is not None)]
         if len(chosen) != 1:
             raise ValueError(f"structured outputs: expected exactly one of {list(KINDS)}, got {chosen or 'none'}")
@@ -147,6 +161,6 @@ class StructuredOutputs:
         """A canonical text of the constraint (equal constraints, equal keys)."""
         value: Any = getattr(self, self.kind)
         if isinstance(value, ToolCallConstraint):
-            value = {"mode": value.mode, "parallel": value.parallel,
+            value = {"mode": value.mode, "parallel": value.parallel, "allow_text": value.allow_text,
                      "tools": [[t.name, t.parameters] for t in value.tools]}
-        return self.kind + ":" + _json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind + (":bare:" if self.bare else ":") + _json.dumps(value, sort_keys=True, ensure_ascii=False)

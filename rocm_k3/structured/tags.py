@@ -10,9 +10,10 @@ prompt ended in the response channel):
 
 - content constraints (json / json_object / regex / choice / grammar): ``[<|open|>response<|sep|>] VALUE
   [<|close|>response<|sep|>] [<|close|>message<|sep|>]``: raw JSON right after think-close is legal, as is the
-  model's usual wrapper (SERVING_SPEC §5, vllm-ascend #13204);
+  model's usual wrapper (SERVING_SPEC §5, vllm-ascend #13204); a ``bare`` constraint is the value alone;
 - tool calls (required / named): ``[[<|open|>response<|sep|>] text <|close|>response<|sep|>]
-  [<|open|>tools<|sep|>] call+ <|close|>tools<|sep|> [<|close|>message<|sep|>]`` where a call is
+  [<|open|>tools<|sep|>] call+ <|close|>tools<|sep|> [<|close|>message<|sep|>]`` (no ``text`` when the
+  constraint's ``allow_text`` is off: the response channel, if opened, closes at once) where a call is
   ``<|open|>call tool="NAME" index="N"<|sep|>`` + one argument tag per schema property (declared order;
   optional ones may be left out) + ``<|close|>call<|sep|>``; an argument is ``<|open|>argument key="K"
   type="T"<|sep|>VALUE<|close|>argument<|sep|>`` with T from the property's JSON-schema type (integer ->
@@ -96,7 +97,7 @@ class _Builder:
             value = st.GrammarFormat(grammar=spec.grammar)
         else:
             raise ValueError(f"content constraint: unexpected kind {kind!r}")
-        if self.family != "kimi_k3":
+        if self.family != "kimi_k3" or spec.bare:
             return value
         return self.seq(self.optional(self.marker(kimi_k3.RESPONSE_OPEN)), value,
                         self.optional(self.marker(kimi_k3.RESPONSE_CLOSE)),
@@ -112,12 +113,14 @@ class _Builder:
         one = calls[0] if len(calls) == 1 else st.OrFormat(elements=calls)
         several = one if constraint.mode == "named" or not constraint.parallel else st.PlusFormat(content=one)
         if self.family == "kimi_k3":
-            response = self.seq(self.optional(self.marker(kimi_k3.RESPONSE_OPEN)), self.free_text(),
+            body = [self.free_text()] if constraint.allow_text else []
+            response = self.seq(self.optional(self.marker(kimi_k3.RESPONSE_OPEN)), *body,
                                 self.marker(kimi_k3.RESPONSE_CLOSE))
             return self.seq(self.optional(response), self.optional(self.marker(kimi_k3.TOOLS_OPEN)), several,
                             self.marker(kimi_k3.TOOLS_CLOSE), self.optional(self.marker(kimi_k3.MESSAGE_CLOSE)))
-        return self.seq(self.optional(self.free_text()), self.optional(self.marker(kimi_k2.SECTION_BEGIN)),
-                        several, self.marker(kimi_k2.SECTION_END))
+        text = [self.optional(self.free_text())] if constraint.allow_text else []
+        return self.seq(*text, self.optional(self.marker(kimi_k2.SECTION_BEGIN)), several,
+                        self.marker(kimi_k2.SECTION_END))
 
     def _k2_call(self, tool: ToolSchema) -> st.Format:
         params: Any = tool.parameters if tool.parameters is not None else {"type": "object"}

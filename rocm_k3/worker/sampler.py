@@ -1,17 +1,19 @@
 """Batched next-token sampling from fp32 logits (worker side), one seeded generator per request.
 
-For each row: temperature 0 = argmax of the logits; otherwise the logits are divided by the temperature,
-restricted to the top-k tokens and then to the smallest most-likely set whose probability reaches top-p, and a
-token is drawn from the softmax with the request's own ``torch.Generator`` (the exponential-race form of a
-categorical draw, ``argmax(p / E)`` with ``E ~ Exp(1)``), so a request's tokens do not depend on which other
-requests share its batch. Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
+For each row: the logits processors (repetition / presence / frequency penalties, grammar masks) edit a copy of
+the logits first; then temperature 0 = argmax; otherwise the logits are divided by the temperature, tokens less
+likely than min-p times the most likely one are dropped, the rest restricted to the top-k tokens and then to the
+smallest most-likely set whose probability reaches top-p, and a token is drawn from the softmax with the
+request's own ``torch.Generator`` (the exponential-race form of a categorical draw, ``argmax(p / E)`` with
+``E ~ Exp(1)``), so a request's tokens do not depend on which other requests share its batch (each processor
+works row by row too). Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
 A row with a NaN or infinite logit is flagged (``finite[i]`` False); its token is meaningless and the engine
 finishes that request with an error, leaving its batch mates alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -19,6 +21,9 @@ import torch
 from rocm_k3.sampling_params import SamplingParams
 
 MAX_SEED = (1 << 63) - 1
+
+# edits a [N, V] fp32 logits tensor in place (rows it does not concern stay untouched)
+LogitsProcessor = Callable[[torch.Tensor], None]
 
 
 class SampleOutput(NamedTuple):
@@ -42,8 +47,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> SampleOutput:
-    """Pick one token per row of ``logits`` fp32 [N, V] under ``params[i]`` with ``generators[i]``."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+           logits_processors: Sequence[LogitsProcessor] = ()) -> SampleOutput:
+    """Pick one token per row of ``logits`` fp32 [N, V] under ``params[i]`` with ``generators[i]``; the processors
+    run in order on a copy of ``logits`` (the finite flags and log-probabilities stay those of ``logits``)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits: expected a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
     if logits.dtype != torch.float32:
@@ -53,10 +60,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         raise ValueError(f"params/generators: expected {n} each (one per row), got {len(params)} and {len(generators)}")
     dev = logits.device
     finite = torch.isfinite(logits).all(dim=-1)  # [N]
-    chosen = logits.argmax(dim=-1)  # [N]
+    processed = logits
+    if logits_processors:
+        processed = logits.clone()
+        for processor in logits_processors:
+            processor(processed)
+    chosen = processed.argmax(dim=-1)  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
-        scaled = logits / temps.clamp_min(1e-6)[:, None]  # [N, V]
+        scaled = processed / temps.clamp_min(1e-6)[:, None]  # [N, V]
+        scaled = _apply_min_p(scaled, [float(p.min_p) for p in params])
         scaled = _apply_top_k(scaled, [p.top_k for p in params])
         scaled = _apply_top_p(scaled, [float(p.top_p) for p in params])
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
@@ -66,6 +79,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
             race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
             chosen[i] = torch.argmax(probs[i] / race)
     return SampleOutput(chosen, _logprobs(logits, chosen, params), finite)
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    if all(m <= 0 for m in min_p):
+        return scaled
+    m_t = torch.tensor(min_p, device=scaled.device)[:, None]  # [N, 1]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    keep = probs >= m_t * probs.max(dim=-1, keepdim=True).values  # the most likely token always stays
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def _apply_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:

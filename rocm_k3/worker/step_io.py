@@ -20,10 +20,16 @@ from rocm_k3.sampling_params import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class NewRequest:
-    """A request the workers have not seen: its sampling parameters (the seed seeds its generator)."""
+    """A request the workers have not seen: its sampling parameters (the seed seeds its generator).
+
+    num_prompt_tokens: sequence positions from here on hold generated tokens (penalties and grammars follow them).
+    prompt_token_ids:  the prompt, sent only when the sampler needs it (a repetition penalty), else empty.
+    """
 
     request_id: str
     sampling: SamplingParams
+    num_prompt_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,17 +20,19 @@ import torch
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.model.loader import load_model
 from rocm_k3.worker.stage_link import StageLink
-from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
-from rocm_k3.worker.sampler import make_generator, sample
-from rocm_k3.worker.step_io import NewRequest, SampledToken, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.request_state import RequestTable
+from rocm_k3.worker.sampler import sample
+from rocm_k3.worker.step_io import SampledToken, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.structured_sampling import StructuredSampling
 
 log = logging.getLogger("rocm_k3.worker")
 
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
+NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this request"
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -54,10 +56,13 @@ class WorkerConfig:
     max_num_seqs: int = 32
     block_size: int = 128
     parallel: ParallelConfig = ParallelConfig()
+    output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
+        if self.output_family not in (None, "kimi_k3", "kimi_k2"):
+            raise ValueError(f"output_family: expected 'kimi_k3', 'kimi_k2' or None, got {self.output_family!r}")
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError(f"parallel: expected ParallelConfig, got {type(self.parallel).__name__}")
         if self.parallel.is_single:
@@ -117,7 +122,8 @@ class Worker:
         self.geometry = CacheGeometry.from_model(self.model, config.dtype)
         self.stage = StageLink(self.model, self.ctx)
         self.runner: ModelRunner | None = None
-        self._requests: dict[str, tuple[SamplingParams, torch.Generator]] = {}
+        self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
+        self.requests = RequestTable(self.structured, self.device)
 
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
@@ -223,21 +229,28 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
-            self._requests.pop(rid, None)
-        for req in step.new_requests:
-            self._register(req)
+            self.requests.drop(rid)
+        if self.ctx.is_sampling_rank:  # sampling state (generators, penalties, grammars) lives on that rank only
+            for req in step.new_requests:
+                self.requests.register(req)
         if not step.chunks:
             return StepOutput(step.step_id)
-        logits = self.runner.execute(step)  # [S, vocab] fp32 on the last stage (None on the others)
         chunks = sampling_chunks(step)
-        if not chunks or not self.ctx.is_sampling_rank:
+        if not self.ctx.is_sampling_rank:  # only TP rank 0 of the last stage samples (and keeps grammars)
+            self.runner.execute(step)
             return StepOutput(step.step_id)
-        states = [self._requests[c.request_id] for c in chunks]
-        out = sample(logits, [p for p, _ in states], [g for _, g in states])
-        tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
+        try:
+            logits = self.runner.execute(step)  # [S, vocab] fp32
+            if not chunks:
+                return StepOutput(step.step_id)
+            out = sample(logits, batch.params, batch.generators, batch.processors())
+            tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+        finally:
+            batch.close()
         sampled = []
-        for c, tok, ok, lp in zip(chunks, tokens, finite, out.logprobs):
-            error = "" if ok else "the model produced non-finite logits (NaN or Inf) for this request"
+        for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
+            error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
 
@@ -249,8 +262,3 @@ class Worker:
         if reset:
             ctx.stats.clear()
         return out
-
-    def _register(self, req: NewRequest) -> None:
-        """Keep a new request's sampling state; a request sent again (after a failed step) keeps its generator."""
-        if req.request_id not in self._requests:
-            self._requests[req.request_id] = (req.sampling, make_generator(req.sampling.seed, self.device))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rocm_k3.entrypoints.openai.parsers.kimi_k2 import KIMI_K2
 from rocm_k3.entrypoints.openai.parsers.kimi_k3 import KIMI_K3
 from rocm_k3.entrypoints.openai.parsers.types import FamilySpec
@@ -44,3 +46,16 @@ def resolve_family(model_type: str | None, *, tool_call_parser: str | None = Non
     if model_type is None:
         raise ValueError("parser family: no checkpoint model_type and no --tool-call-parser/--reasoning-parser")
     return family_for_model_type(model_type)
+
+
+def checkpoint_family(checkpoint_dir: str | Path, *, tool_call_parser: str | None = None,
+                      reasoning_parser: str | None = None) -> str | None:
+    """The family of a checkpoint directory (its ``config.json`` ``model_type``, or the overrides); None when the
+    checkpoint names no known family and no override is given (such a model serves no tools or grammars)."""
+    from rocm_k3.tokenizers.base import read_json_if_present
+
+    if tool_call_parser is not None or reasoning_parser is not None:
+        return resolve_family(None, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    config = read_json_if_present(Path(checkpoint_dir) / "config.json") or {}
+    model_type = config.get("model_type")
+    return MODEL_TYPE_FAMILIES.get(model_type) if isinstance(model_type, str) else None

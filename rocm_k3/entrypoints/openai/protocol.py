@@ -1,0 +1,257 @@
+"""The OpenAI-compatible request and response bodies (pydantic).
+
+Requests follow vLLM: fields the server does not know are accepted and ignored (logged), but a known field with
+a wrong type or a bad value is a 400 naming the field. Value ranges are checked once, where the values become a
+:class:`~rocm_k3.sampling_params.SamplingParams` or a chat prompt (the error names the field there); the models
+check types. Extensions beyond OpenAI's fields are vLLM's: ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``, ``structured_outputs``,
+``chat_template_kwargs``, ``thinking_token_budget``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+StrictBool = Annotated[bool, Strict()]
+
+
+class OpenAIBody(BaseModel):
+    """Unknown fields are kept (``model_extra``) so the server can name them in a warning."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- requests -----------------------------------------------------------------------------------------------
+class StreamOptions(OpenAIBody):
+    include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(OpenAIBody):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form the chat renderer and the constraint builder read."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.json_schema is not None:
+            out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_,
+                                  "strict": self.json_schema.strict}
+        return out
+
+
+class SamplingRequest(OpenAIBody):
+    """The fields both completion APIs share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: StrictBool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None
+
+
+class TokenizeRequest(OpenAIBody):
+    """Either ``prompt`` (text) or ``messages`` (a chat, rendered as the chat API would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(OpenAIBody):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "rocm-k3"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

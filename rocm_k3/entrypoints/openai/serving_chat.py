@@ -1,0 +1,187 @@
+"""``POST /v1/chat/completions``: a conversation rendered in the checkpoint's chat format, n choices, the output
+parsed into ``reasoning_content``, ``content`` and ``tool_calls`` (``finish_reason`` "tool_calls" when the turn
+stopped with calls), streamed as server-sent events (reasoning, content and tool-call deltas; a call arrives
+whole once closed) or answered whole. Tools, tool_choice, response_format, structured_outputs and thinking are
+prepared by :mod:`rocm_k3.engine.chat` (shared with ``LLM.chat``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason
+from rocm_k3.entrypoints.openai.errors import APIError, bad_request
+from rocm_k3.entrypoints.openai.parsers import ToolCall
+from rocm_k3.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
+)
+from rocm_k3.entrypoints.openai.serving_common import (
+    MAX_LOGPROBS,
+    SSE_DONE,
+    ChoiceState,
+    ServedModel,
+    chat_logprobs,
+    collect,
+    choice_params,
+    error_event,
+    failed_choice,
+    merge_streams,
+    new_request_id,
+    sampling_params,
+    sse,
+    start_streams,
+    usage,
+)
+from rocm_k3.sampling_params import SamplingParams
+
+
+def _tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments_json))
+
+
+class ChatRun:
+    """One validated chat request, ready to run (see :func:`prepare_chat`)."""
+
+    def __init__(self, served: ServedModel, req: ChatCompletionRequest, model: str, prepared: PreparedChat,
+                 params: SamplingParams) -> None:
+        self.served, self.req, self.model, self.prepared = served, req, model, prepared
+        self.params = choice_params(params, req.n)
+        self.request_id = new_request_id("chatcmpl")
+        self.top = params.logprobs
+
+    def _call_prefix(self, i: int) -> str:
+        return f"call_{self.request_id[9:25]}_{i}_"
+
+    async def _streams(self):
+        prompt = self.prepared.prompt_token_ids
+        streams = await start_streams(self.served, self.request_id, [prompt] * len(self.params), self.params)
+        self.served.metrics.prompt_tokens.inc(len(prompt) * len(self.params))
+        return streams
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs | None:
+        if self.top is None:
+            return None
+        return ChatLogprobs(content=chat_logprobs(self.served.tokenizer, token_ids, entries, self.top))
+
+    def _usage(self, choices: list[ChoiceState]):
+        return usage(len(self.prepared.prompt_token_ids), sum(len(c.token_ids) for c in choices),
+                     choices[0].cached if choices else 0)
+
+    async def respond(self) -> ChatCompletionResponse:
+        streams = await self._streams()
+        choices = await collect(self.served, streams)
+        out = []
+        for i, c in enumerate(choices):
+            parsed = self.prepared.parse(c.text, call_id_prefix=self._call_prefix(i))
+            message = ChatMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                                  tool_calls=[_tool_call_out(t) for t in parsed.tool_calls])
+            out.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
+                                  finish_reason=chat_finish_reason(c.finish_reason, bool(parsed.tool_calls)),
+                                  token_ids=c.token_ids if self.req.return_token_ids else None))
+        return ChatCompletionResponse(
+            id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
+            prompt_token_ids=self.prepared.prompt_token_ids if self.req.return_token_ids else None)
+
+    async def stream(self) -> AsyncIterator[str]:
+        streams = await self._streams()
+        return self._events(streams)
+
+    def _chunk(self, i: int, delta: DeltaMessage, *, finish_reason: str | None = None, logprobs=None,
+               token_ids: list[int] | None = None) -> str:
+        choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                 token_ids=token_ids if self.req.return_token_ids else None)
+        return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice]))
+
+    async def _events(self, streams) -> AsyncIterator[str]:
+        choices = [ChoiceState() for _ in streams]
+        parsers = [self.prepared.parser(self._call_prefix(i)) for i in range(len(streams))]
+        timers = [self.served.metrics.timer() for _ in streams]
+        if self.req.return_token_ids:
+            yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
+                                          prompt_token_ids=self.prepared.prompt_token_ids))
+        for i in range(len(streams)):
+            yield self._chunk(i, DeltaMessage(role="assistant", content=""))
+        try:
+            async for i, delta in merge_streams(streams):
+                timers[i].on_delta(delta)
+                c = choices[i]
+                c.add(delta, text=False)
+                if delta.finish_reason == "error":
+                    yield error_event(failed_choice(i, delta))
+                    continue
+                parsed = parsers[i].feed(delta.new_text)
+                if delta.finished:
+                    tail = parsers[i].finish()
+                    parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
+                    parsed.content = _join(parsed.content, tail.content)
+                    parsed.tool_calls += tail.tool_calls
+                calls = self.prepared.allowed_calls(parsed.tool_calls, c.num_calls)
+                tool_deltas = [DeltaToolCall(index=c.num_calls + k, id=t.id, type="function",
+                                             function=DeltaFunctionCall(name=t.name, arguments=t.arguments_json))
+                               for k, t in enumerate(calls)]
+                c.num_calls += len(calls)
+                lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
+                body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                                    tool_calls=tool_deltas or None)
+                has_text = parsed.content is not None or parsed.reasoning is not None or tool_deltas
+                if has_text or lp is not None or (delta.new_token_ids and self.req.return_token_ids):
+                    yield self._chunk(i, body, logprobs=lp, token_ids=delta.new_token_ids)
+                if delta.finished:
+                    c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
+                    yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
+            opts = self.req.stream_options
+            if opts is not None and opts.include_usage:
+                yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
+                                              usage=self._usage(choices)))
+        except APIError as exc:
+            yield error_event(exc)
+        yield SSE_DONE
+
+
+def _join(a: str | None, b: str | None) -> str | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
+    """Check and render a chat request (404 / 400 / 503 raised here, before any output)."""
+    model = served.check_model(req.model)
+    served.check_alive()
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+    chat = ChatRequest(
+        req.messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+        response_format=req.response_format.as_dict() if req.response_format is not None else None,
+        structured_outputs=req.structured_outputs, chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort, thinking_token_budget=req.thinking_token_budget)
+    try:
+        prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc, "messages") from None
+    served.check_prompt(prepared.prompt_token_ids, "messages")
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prepared.prompt_token_ids) + 1)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    base = sampling_params(req, max_tokens=max_tokens, logprobs=top, skip_special_tokens=False)
+    try:
+        params = prepared.sampling(base)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
+    return ChatRun(served, req, model, prepared, params)

@@ -1,0 +1,314 @@
+"""What the completion and chat handlers share: the served model, request checks, sampling parameters from the
+request fields, running n choices on the engine (merged streams, aborts), logprobs, usage and server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from rocm_k3.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from rocm_k3.engine.chat import ModelFrontend
+from rocm_k3.engine.outputs import RequestDelta
+from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from rocm_k3.entrypoints.openai.metrics import ServerMetrics
+from rocm_k3.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    PromptTokensDetails,
+    SamplingRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from rocm_k3.sampling_params import SamplingParams
+
+log = logging.getLogger("rocm_k3.server")
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+SEED_MODULUS = 2**63
+
+
+@dataclasses.dataclass
+class ServedModel:
+    """Everything the handlers need: the engine, the request side of the model, names, limits and metrics."""
+
+    engine: AsyncLLM
+    frontend: ModelFrontend
+    names: list[str]
+    max_model_len: int
+    vocab_size: int
+    metrics: ServerMetrics
+    api_key: str | None = None
+    enable_auto_tool_choice: bool = False
+    max_request_bytes: int = 32 * 2**20
+
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; 404 for a name this server does not serve."""
+        if name is None:
+            return self.names[0]
+        if name not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves {self.names})", param="model")
+        return name
+
+    def check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, f"the engine has failed ({self.engine.dead_reason}); restart the server")
+
+    def check_prompt(self, ids: Sequence[int], field: str) -> None:
+        if len(ids) > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your request has {len(ids)} input tokens. Please reduce the length of the input.",
+                           param=field)
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The request body as ``model``: 413 past ``limit`` bytes, 400 for bad JSON or a bad field (named)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    if body.model_extra:
+        log.warning("%s: ignoring unknown fields %s", request.url.path, sorted(body.model_extra))
+    return body
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                    skip_special_tokens: bool) -> SamplingParams:
+    """SamplingParams from the request fields (400 naming the field for a bad value)."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs: expected an int in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n: expected an int in [1, {MAX_N}], got {req.n}", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    values: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(stop),
+        "stop_token_ids": tuple(req.stop_token_ids or ()), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens,
+    }
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of n choices: seeds seed, seed + 1, ... when a seed is given (reproducible), else random."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS) for i in range(n)]
+
+
+async def start_streams(served: ServedModel, request_id: str, prompts: Sequence[Sequence[int]],
+                        params: Sequence[SamplingParams]) -> list[RequestStream]:
+    """Queue one engine request per (prompt, params) pair (ids ``{request_id}-{i}``); all or none: a refused one
+    aborts those already queued. 400 for a bad request, 503 when the engine is dead."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            streams.append(await served.engine.add_request(f"{request_id}-{i}", ids, p))
+    except BaseException as exc:
+        for s in streams:
+            s.close()
+        if isinstance(exc, EngineDeadError):
+            raise APIError(503, str(exc)) from None
+        if isinstance(exc, (ValueError, TypeError)):
+            raise bad_request(exc) from None
+        raise
+    return streams
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(choice index, delta) from all streams as they come; leaving early (or being cancelled) aborts every
+    unfinished stream. An engine failure ends it with a 503 APIError."""
+    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer)
+            queue.put_nowait((i, exc))
+            return
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, EngineDeadError):
+                raise APIError(503, str(item))
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (for handlers that answer with one response at the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work):
+    """Await ``work`` (a coroutine), cancelling it when the client disconnects first (its requests abort)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "the client disconnected")
+    return task.result()
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """One choice as its deltas arrive: tokens, text, logprobs, how it finished, calls sent (chat streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    cached: int = 0
+    num_calls: int = 0
+
+    def add(self, delta: RequestDelta, *, text: bool = True) -> None:
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.new_logprobs or []
+        if text:
+            self.text += delta.new_text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.cached = delta.output.num_cached_tokens if delta.output is not None else 0
+
+
+async def collect(served: ServedModel, streams: Sequence[RequestStream]) -> list[ChoiceState]:
+    """Every choice to its end (for answers sent whole); a failed choice is a 500."""
+    choices = [ChoiceState() for _ in streams]
+    timers = [served.metrics.timer() for _ in streams]
+    async for i, delta in merge_streams(streams):
+        timers[i].on_delta(delta)
+        choices[i].add(delta)
+        if delta.finish_reason == "error":
+            raise failed_choice(i, delta)
+    return choices
+
+
+def failed_choice(index: int, delta: RequestDelta) -> APIError:
+    return APIError(500, f"choice {index} failed: {delta.error}")
+
+
+def error_event(exc: APIError) -> str:
+    """An error inside a stream that has started (the status line is sent): an SSE event the openai client raises."""
+    return sse({"error": {"message": exc.message, "type": "internal_error" if exc.status == 500 else
+                          "service_unavailable", "param": None, "code": exc.status}})
+
+
+def sse(body: BaseModel | dict) -> str:
+    if isinstance(body, BaseModel):
+        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+# ---- logprobs -----------------------------------------------------------------------------------------------
+def token_text(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Sequence[dict[int, float]],
+                  k: int) -> list[TokenLogprob]:
+    """The chat API's per-token logprobs (each entry: chosen token first, then the alternatives)."""
+    out = []
+    for tok, entry in zip(token_ids, entries):
+        top = [TopLogprob(token=token_text(tokenizer, t), logprob=lp, bytes=_bytes(tokenizer, t))
+               for t, lp in _top(entry, k)]
+        out.append(TokenLogprob(token=token_text(tokenizer, tok), logprob=entry[tok], bytes=_bytes(tokenizer, tok),
+                                top_logprobs=top))
+    return out
+
+
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int,
+                        text_offset: int) -> CompletionLogprobs:
+    """The completions API's logprobs block (``text_offset`` of the first token in the choice's text)."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for tok, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, tok)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry[tok])
+        out.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in _top(entry, k)} if k else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _bytes(tokenizer: Any, token_id: int) -> list[int] | None:
+    return None if tokenizer is None else list(tokenizer.token_bytes(token_id))

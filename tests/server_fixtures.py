@@ -1,0 +1,75 @@
+"""Test support: a real ``rocm-k3`` server (uvicorn on 127.0.0.1, a free port, in a background thread) over an
+engine the test builds, and the OpenAI clients that talk to it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from rocm_k3.args import EngineArgs, ServerArgs
+from rocm_k3.engine.async_llm import AsyncLLM
+from rocm_k3.engine.llm import build_engine
+from rocm_k3.entrypoints.openai.api_server import build_app, served_model
+
+
+class RunningServer:
+    """A server on 127.0.0.1:``port``; ``served`` is what its handlers see (engine, frontend, metrics)."""
+
+    def __init__(self, served, server: uvicorn.Server, thread: threading.Thread) -> None:
+        self.served = served
+        self.engine: AsyncLLM = served.engine
+        self._server = server
+        self._thread = thread
+        sockets = server.servers[0].sockets
+        self.port = sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def url(self, route: str) -> str:
+        return self.base_url + route
+
+    def client(self, api_key: str = "unused", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def async_client(self, api_key: str = "unused", **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+@contextlib.contextmanager
+def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = None, *,
+                   core_hook=None) -> Iterator[RunningServer]:
+    """Build the engine, serve it on a free port, yield the server; stop both at the end. ``core_hook(core)`` may
+    change the engine core before it starts (e.g. inject failures)."""
+    server_args = server_args or ServerArgs(port=0, uvicorn_log_level="warning")
+    core, path, tokenizer = build_engine(engine_args)
+    if core_hook is not None:
+        core_hook(core)
+    engine = AsyncLLM(core)
+    served = served_model(engine, path, tokenizer, engine_args, server_args)
+    config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level=server_args.uvicorn_log_level,
+                            timeout_graceful_shutdown=2, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    running = RunningServer(served, server, thread)
+    try:
+        yield running
+    finally:
+        running.stop()
+        engine.shutdown()
