@@ -154,19 +154,22 @@ class EngineCore:
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
-        with self.guard.section():
-            step = self._bookkeeping(self.scheduler.schedule)
-        if not step.chunks:
-            with self.guard.section():
-                self._bookkeeping(self.scheduler.abandon)
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress although requests are pending")
-            return []
         try:
-            output = self.executor.execute(step)
-        except BaseException:
             with self.guard.section():
-                self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
+                if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
+                    self._bookkeeping(self.scheduler.abandon)
+                step = self._bookkeeping(self.scheduler.schedule)
+            if not step.chunks:
+                with self.guard.section():
+                    self._bookkeeping(self.scheduler.abandon)
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler made no progress although requests are pending")
+                return []
+            output = self.executor.execute(step)
+        except BaseException:  # also a Ctrl-C deferred to the end of the schedule section
+            with self.guard.section():
+                if self.scheduler.in_flight is not None:
+                    self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
             raise
         with self.guard.section():
             deltas = self._bookkeeping(lambda: self.scheduler.update(output))
