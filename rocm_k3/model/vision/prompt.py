@@ -222,7 +222,16 @@ def raw_prompt_image_positions(text: str, num_images: int, encode_text: Callable
     return ids, positions
 
 
-def prefix_cache_key(token_ids: Sequence[int], slots: Sequence[ImageSlot]) -> list[int]:
+class SaltedSpan(Protocol):
+    """What :func:`prefix_cache_key` reads of an image: an :class:`ImageSlot` or a step-contract ``ImageInput``."""
+
+    content_hash: str
+
+    @property
+    def pad_positions(self) -> range: ...
+
+
+def prefix_cache_key(token_ids: Sequence[int], slots: Sequence[SaltedSpan]) -> list[int]:
     """The ids to match in the prefix cache: image pads replaced by ``MEDIA_KEY_BASE + int(content_hash)``."""
     key = list(token_ids)
     for slot in slots:
