@@ -29,7 +29,7 @@ from rocm_k3.model.simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.model.vision.loader import load_vision_model
 from rocm_k3.model.vision.preprocess import EmptyImageError, NotAnImageError, PreprocessConfig
-from rocm_k3.model.vision.prompt import IMAGE_PLACEHOLDER
+from rocm_k3.model.vision.prompt import IMAGE_PLACEHOLDER, ImagePlacementError
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers import load_tokenizer
 from rocm_k3.worker.step_io import ImageInput, ScheduledChunk, StepInput
@@ -250,6 +250,8 @@ def test_bad_images_and_prompt_dicts_are_named(llm) -> None:
         llm.generate({"prompt": f"x {PH}", "image_positions": [0], "multi_modal_data": {"image": noise_image(1, 9, 9)}})
     with pytest.raises(TypeError, match="PIL image"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": 3}})
+    with pytest.raises(ImagePlacementError, match="prompt 0: the prompt has 2 .* markers but 1 images"):
+        llm.generate({"prompt": f"{PH}{PH}", "multi_modal_data": {"image": noise_image(1, 9, 9)}})
     assert not llm.engine.has_unfinished()
 
 
@@ -278,3 +280,24 @@ def test_image_prompts_on_triton_match_the_direct_computation(vision_dir, tokeni
                                               block_size=128)
     again = llm.generate(prompts[1], GREEDY)[0]
     assert again.token_ids == outs[1].token_ids and again.num_cached_tokens >= 64
+
+
+def test_a_rendered_chat_runs_its_images_through_generate(llm, vision_model, tokenizer) -> None:
+    """The chat-friendly entry: the K3 renderer reports where each image part goes (a typed placeholder stays
+    text) and ``generate`` takes those ids + positions + images. The chat path itself refuses image parts until
+    it passes them on (no silent drop)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": f"typed {PH}:"},
+                                             {"type": "image_url", "image_url": {"url": "data:,"}},
+                                             {"type": "text", "text": "what is it?"}]}]
+    with pytest.raises(ValueError, match="does not take images yet"):
+        llm.chat(messages, GREEDY)
+    rendered = llm.frontend.renderer.render(messages, thinking=False)
+    image = noise_image(7, 56, 56)
+    out = llm.generate({"prompt_token_ids": rendered.token_ids, "image_positions": list(rendered.image_positions),
+                        "multi_modal_data": {"image": image}}, GREEDY)[0]
+    expanded, processed = expand_directly(tokenizer, rendered.token_ids, rendered.image_positions, [image],
+                                          PreprocessConfig.from_dir(llm.path))
+    assert out.prompt_token_ids == expanded.token_ids
+    assert out.prompt_token_ids.count(tokenizer.special_tokens["<|media_begin|>"]) == 1
+    assert out.token_ids == direct_greedy(llm.model, vision_model, expanded.token_ids, expanded.pad_positions,
+                                          processed, GREEDY.max_tokens)

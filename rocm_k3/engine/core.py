@@ -27,6 +27,7 @@ from typing import Any
 
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.image_salt import prefix_cache_key
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.guard import InterruptGuard
@@ -35,7 +36,6 @@ from rocm_k3.engine.scheduler import Scheduler
 from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.executor.base import Executor
-from rocm_k3.model.vision.prompt import prefix_cache_key
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.step_io import ImageInput
 

@@ -40,6 +40,7 @@ from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.vision.preprocess import ImageError
+from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers import load_tokenizer
@@ -349,7 +350,7 @@ class LLM:
                 mm = processor.process_prompt(text, images)
             else:
                 mm = processor.process_images(ids, positions, images)
-        except ImageError as exc:
+        except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:
             raise named_image_error(exc, where) from exc
         return self._encode(mm.token_ids, index), mm.images
 

@@ -33,14 +33,14 @@ from typing import Any
 
 from PIL import Image
 
+from rocm_k3.cache.image_salt import prefix_cache_key
 from rocm_k3.model.config import read_config_json
 from rocm_k3.model.vision.config import VisionConfig
-from rocm_k3.model.vision.preprocess import ImageError, PreprocessConfig, ProcessedImage, preprocess_images
+from rocm_k3.model.vision.preprocess import PreprocessConfig, ProcessedImage, preprocess_images
 from rocm_k3.model.vision.prompt import (
     IMAGE_PLACEHOLDER,
     MediaTokens,
     expand_prompt,
-    prefix_cache_key,
     raw_prompt_image_positions,
 )
 from rocm_k3.worker.step_io import ImageInput
@@ -160,8 +160,9 @@ def _image_input(image: ProcessedImage, pad_start: int, num_tokens: int, content
     return ImageInput(pixels, tuple(int(v) for v in image.grid_thw), pad_start, num_tokens, content_hash)
 
 
-def named_image_error(exc: ImageError, where: str) -> ImageError:
-    """The same ImageError subclass with ``where`` (e.g. "prompt 2") in front of its message."""
+def named_image_error(exc: ValueError, where: str) -> ValueError:
+    """The same error class (an ImageError, ImagePlacementError, ...) with ``where`` (e.g. "prompt 2") in front of
+    its message."""
     return type(exc)(f"{where}: {exc}")
 
 

@@ -145,7 +145,8 @@ class Worker:
         cfg = self.model.cfg
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
+            eos_token_ids=tuple(cfg.eos_token_id),
+            bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
             bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
             kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
