@@ -127,14 +127,6 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
         if model is not None:
             raise ValueError("model: a loaded model can only be served by one process (tensor_parallel_size 1)")
         executor = MultiprocExecutor(worker_config)
-    family = checkpoint_family(path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    worker_config = WorkerConfig(
-        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
-        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        output_family=family,
-    )
-    executor = UniprocExecutor(worker_config, model=model)
     info = executor.info()
     budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
                                                ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
