@@ -301,3 +301,30 @@ def test_a_rendered_chat_runs_its_images_through_generate(llm, vision_model, tok
     assert out.prompt_token_ids.count(tokenizer.special_tokens["<|media_begin|>"]) == 1
     assert out.token_ids == direct_greedy(llm.model, vision_model, expanded.token_ids, expanded.pad_positions,
                                           processed, GREEDY.max_tokens)
+
+
+def test_async_engine_takes_images(vision_dir, llm, tokenizer) -> None:
+    """The server's path: AsyncLLM.add_request with the processor's ids and ImageInputs gives generate's tokens."""
+    import asyncio
+
+    from rocm_k3.args import EngineArgs
+    from rocm_k3.engine.async_llm import AsyncLLM
+    from rocm_k3.engine.llm import build_engine
+
+    core, _, _ = build_engine(EngineArgs(model=str(vision_dir), **KNOBS))
+    engine = AsyncLLM(core)
+    mm = llm.process_images(tokenizer.encode("async"), [5], [noise_image(8, 70, 42)])
+
+    async def run() -> list[int]:
+        tokens = []
+        async for delta in engine.generate(mm.token_ids, GREEDY, "a-1", images=mm.images):
+            tokens += delta.new_token_ids
+        return tokens
+
+    try:
+        got = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()
+    ref = llm.generate({"prompt_token_ids": tokenizer.encode("async"), "image_positions": [5],
+                        "multi_modal_data": {"image": noise_image(8, 70, 42)}}, GREEDY)[0]
+    assert got == ref.token_ids and ref.prompt_token_ids == mm.token_ids
