@@ -260,7 +260,7 @@ def test_image_prompts_on_triton_match_the_direct_computation(vision_dir, tokeni
     """The same flow on an NVIDIA GPU with every op on the Triton backend (the tower's varlen attention
     included), fp32: the engine's tokens equal the direct path's on the same device and kernels (eager, the same
     block-table width), and an identical image prompt is served from the prefix cache with the same tokens."""
-    knobs = {**KNOBS, "block_size": 128, "match_unit": 64, "alignment": 128, "max_num_batched_tokens": 128,
+    knobs = {**KNOBS, "block_size": 128, "match_unit": 64, "alignment": 128, "max_num_batched_tokens": 256,
              "enforce_eager": True}
     llm = rocm_k3.LLM(vision_dir, device="cuda", backend="triton", enable_prefix_caching=True, **knobs)
     vision = load_vision_model(vision_dir, dtype=torch.float32, device="cuda", backend="triton")
