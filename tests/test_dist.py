@@ -2,7 +2,8 @@
 
 Every layout must give greedy tokens identical to one process in fp32, prefix caching on: on a tiny K3 (all layer
 kinds, MXFP4 LatentMoE, AttnRes; 4 KDA / MLA heads so that TP=4 divides them) and on a tiny Kimi Linear
-checkpoint written by transformers (bf16 experts, plain residual, no latent). Also: a two-node run simulated with
+checkpoint written by transformers (bf16 experts, plain residual, no latent); image prompts at TP=2 (the vision
+tower data-parallel over the TP ranks, embeddings all-gathered). Also: a two-node run simulated with
 two launcher processes on localhost, a killed worker ending the run with a named error in bounded time, the
 bytes each rank read shrinking with TP, and the collectives each decoder layer issues.
 """
@@ -27,6 +28,7 @@ from rocm_k3.executor.multiproc import WorkerDiedError
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
 from tests.model_fixtures import write_kimi_linear_checkpoint
+from tests.vision_engine_fixtures import noise_image
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +135,27 @@ def test_collectives_per_decoder_layer(k3) -> None:
         assert c["embedding_all_reduce"] == 1 and c["lm_head_all_gather"] == 1, c
         per_moe_layer = (c["moe_latent_all_reduce"] + c["moe_all_reduce"]) / moe_layers
         assert per_moe_layer <= 2
+
+
+def test_tp2_images_run_the_tower_data_parallel(tmp_path_factory) -> None:
+    """Two images of 16 and 18 tokens in one step are split over the 2 TP ranks (one each, rows padded for the
+    gather) and gathered: the tokens equal one process's, and an identical image prompt hits the cache."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("dist_vision"), seed=5, text_overrides=TP4_K3, vision=True)
+    marker = "<|kimi_image_placeholder|>"
+    prompts = [{"prompt": f"one {marker} two {marker}",
+                "multi_modal_data": {"image": [noise_image(1, 100, 90), noise_image(2, 60, 150)]}},
+               {"prompt": "three", "multi_modal_data": {"image": noise_image(3, 40, 40)}}]
+    single = LLM(path, **ENGINE)
+    expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    llm = LLM(path, master_port=free_port(), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        again = llm.generate(prompts[:1], GREEDY)[0]
+        assert again.token_ids == expected[0] and again.num_cached_tokens > 60
+        ranks = llm.engine.executor.rank_stats()
+    finally:
+        llm.shutdown()
+    assert all(r["collectives"].get("vision_all_gather", 0) >= 2 for r in ranks), ranks
 
 
 def test_impossible_layouts_are_named(k3, kimi_linear) -> None:

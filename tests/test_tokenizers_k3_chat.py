@@ -266,13 +266,24 @@ def test_names_and_escaping(byte_renderer: K3ChatRenderer) -> None:
                     + msg("assistant", f"{OPEN}response{SEP}r{CLOSE}response{SEP}" + calls, ' name="kimi"'))
 
 
-def test_images_become_the_placeholder_text(byte_renderer: K3ChatRenderer) -> None:
-    chat = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
-                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
-                                         {"type": "text", "text": "ok?"}]}]
+def test_images_are_reported_positions_typed_placeholders_stay_text(byte_renderer: K3ChatRenderer) -> None:
+    """An image part adds no ids: its index is reported (the text shows the placeholder); a typed placeholder is
+    ordinary text with no entry."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image, {"type": "text", "text": "ok?"}]},
+            {"role": "user", "content": [image, image, {"type": "text", "text": "typed <|kimi_image_placeholder|>"}]}]
     out = byte_renderer.render(chat, thinking=False, add_generation_prompt=False)
-    assert out.text == msg("user", "Look:<|kimi_image_placeholder|>ok?")
-    assert out.token_ids == byte_renderer.tokenizer.encode(out.text, allow_special=True)  # the placeholder is text
+    assert out.text == (msg("user", "Look:<|kimi_image_placeholder|>ok?")
+                        + msg("user", "<|kimi_image_placeholder|><|kimi_image_placeholder|>typed "
+                              "<|kimi_image_placeholder|>"))
+    enc = byte_renderer.tokenizer.encode
+    first = enc(msg("user", "Look:ok?"), allow_special=True)
+    second = enc(msg("user", "typed <|kimi_image_placeholder|>"), allow_special=True)
+    assert out.token_ids == first + second  # the typed placeholder's bytes are there, the image parts add nothing
+    open_len = len(enc('<|open|>message role="user"<|sep|>', allow_special=True))
+    assert out.image_positions == (open_len + len(b"Look:"), len(first) + open_len, len(first) + open_len)
+    plain = byte_renderer.render([{"role": "user", "content": "no image"}])
+    assert plain.image_positions == ()
 
 
 def test_generation_prompt(byte_renderer: K3ChatRenderer) -> None:

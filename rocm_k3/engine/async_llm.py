@@ -47,6 +47,7 @@ class _Command:
     prompt_token_ids: Sequence[int] = ()
     params: SamplingParams | None = None
     stream: RequestStream | None = None
+    images: tuple = ()  # ImageInput items (rocm_k3.engine.multimodal)
 
 
 class RequestStream:
@@ -130,15 +131,17 @@ class AsyncLLM:
         return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                          params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it (its errors are raised here)."""
+                          params: SamplingParams, *, images: Sequence[Any] = ()) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it (its errors are raised here).
+
+        images: the prompt's ImageInputs (``MultiModalProcessor`` output: ``mm.token_ids`` with ``mm.images``)."""
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         with self._cond:
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, stream))
+            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, stream, tuple(images)))
             self._cond.notify()
         try:
             await asyncio.shield(stream._accepted)
@@ -152,10 +155,10 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestDelta]:
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
+                       images: Sequence[Any] = ()) -> AsyncIterator[RequestDelta]:
         """The deltas of one request; leaving the loop early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt_token_ids, params)
+        stream = await self.add_request(request_id, prompt_token_ids, params, images=images)
         try:
             async for delta in stream:
                 yield delta
@@ -223,7 +226,7 @@ class AsyncLLM:
             return
         error: BaseException | None = None
         try:
-            self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, images=cmd.images)
         except (ValueError, TypeError) as exc:  # the request's own fault (validated before anything is queued)
             error = exc
         self._call(cmd.stream, cmd.stream._resolve, error)  # a caller that left meanwhile queued an abort after us

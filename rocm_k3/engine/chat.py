@@ -57,6 +57,8 @@ class PreparedChat:
     """A rendered chat: the prompt, the constraint (None = free text) and how to parse the output.
 
     thinking: the output has a reasoning channel; prompt_in_think: the prompt ended inside it.
+    image_positions: where each image part's block goes in ``prompt_token_ids`` (``RenderedChat.image_positions``;
+    the ids hold nothing for an image): pass them with the images to ``MultiModalProcessor.process_images``.
     """
 
     prompt_token_ids: list[int]
@@ -69,6 +71,7 @@ class PreparedChat:
     tool_choice: Any
     parallel_tool_calls: bool
     thinking_token_budget: int | None
+    image_positions: tuple[int, ...] = ()
 
     def sampling(self, base: SamplingParams) -> SamplingParams:
         """``base`` with the chat's changes (see the module docstring)."""
@@ -192,8 +195,14 @@ class ModelFrontend:
 
             check_spec(params.structured_outputs, self._family_tokens)
 
-    def prepare_chat(self, request: ChatRequest, *, enable_auto_tool_choice: bool = True) -> PreparedChat:
-        """Render and check one chat request (ValueError naming the field on bad input)."""
+    def prepare_chat(self, request: ChatRequest, *, enable_auto_tool_choice: bool = True,
+                     allow_images: bool = False) -> PreparedChat:
+        """Render and check one chat request (ValueError naming the field on bad input).
+
+        allow_images: the caller runs the image parts (``PreparedChat.image_positions`` + the decoded images through
+        ``MultiModalProcessor.process_images``); otherwise a request with image parts is refused rather than run
+        without its images.
+        """
         renderer = self.renderer
         if renderer is None:
             raise ValueError(f"{self.path} has no tokenizer or chat format; chat requests are not available "
@@ -214,6 +223,10 @@ class ModelFrontend:
         rendered = renderer.render(request.messages, tools=tools, tool_choice=tool_choice,
                                    response_format=request.response_format, thinking=options.thinking,
                                    thinking_effort=options.effort)
+        if rendered.image_positions and not allow_images:
+            raise ValueError(f"messages: {len(rendered.image_positions)} image part(s), but this chat path does not "
+                             "take images yet (LLM.generate takes them: prompt_token_ids + image_positions + "
+                             "multi_modal_data)")
         budget = request.thinking_token_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"thinking_token_budget: expected an int >= 0, got {budget!r}")
@@ -221,7 +234,7 @@ class ModelFrontend:
             prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text, family=self.family or renderer.family,
             thinking=options.thinking is not False, prompt_in_think=rendered.prompt_in_think, constraint=constraint,
             tools=tools, tool_choice=tool_choice, parallel_tool_calls=request.parallel_tool_calls,
-            thinking_token_budget=budget)
+            thinking_token_budget=budget, image_positions=tuple(rendered.image_positions))
 
 
 def _tool_choice(tools: list | None, tool_choice: Any, enable_auto: bool) -> Any:

@@ -11,8 +11,9 @@ Robustness (each a tested promise):
   triggers :meth:`EngineCore.recover`: the integer bookkeeping is rebuilt from scratch (the prefix cache is
   dropped) and every unfinished request is re-queued to be recomputed from its prompt and outputs. Either way
   the engine is usable afterwards and, once its requests are done or aborted, every block and slot is free.
-- **Validation before registration.** Prompt ids, length, sampling parameters, stop strings without a tokenizer
-  and duplicate ids raise a ValueError/TypeError naming the problem before anything is queued.
+- **Validation before registration.** Prompt ids, length, sampling parameters, stop strings without a tokenizer,
+  image pad spans (and images for a model without a vision tower) and duplicate ids raise a ValueError/TypeError
+  naming the problem before anything is queued.
 - **Non-finite logits** finish only the affected request, with finish reason "error" and a message.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.image_salt import prefix_cache_key
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.guard import InterruptGuard
@@ -35,6 +37,7 @@ from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.executor.base import Executor
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import ImageInput
 
 log = logging.getLogger("rocm_k3.engine")
 
@@ -76,11 +79,13 @@ class EngineCore:
     """Requests in, deltas out (see the module docstring).
 
     config: the engine config (its cache sizes already resolved, see :func:`plan_cache`); num_blocks / num_slots:
-    the pools the executor allocated; tokenizer: optional ``decode(ids) -> str`` (text outputs, stop strings).
+    the pools the executor allocated; tokenizer: optional ``decode(ids) -> str`` (text outputs, stop strings);
+    accepts_images: the workers hold a vision tower (``WorkerInfo.accepts_images``).
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, *, num_blocks: int, num_slots: int,
-                 vocab_size: int, eos_token_ids: Seq[int] = (), tokenizer: Any = None) -> None:
+                 vocab_size: int, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
+                 accepts_images: bool = False) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -88,6 +93,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.accepts_images = accepts_images
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.guard = InterruptGuard()
         self._seq_ids = itertools.count()
@@ -102,9 +108,13 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.cache_manager)
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    images: Seq[ImageInput] = ()) -> None:
         """Queue a request; every check runs before anything is registered.
 
+        images: the prompt's images (:class:`~rocm_k3.worker.step_io.ImageInput`, from
+        :mod:`rocm_k3.engine.multimodal`), their pad spans ascending and inside the prompt; the prefix cache then
+        matches on the prompt with each image's pads salted by its content hash.
         RequestTooLargeError if the prompt exceeds max_model_len; generation is capped so that prompt +
         generated tokens fit (finish reason "length").
         """
@@ -126,15 +136,39 @@ class EngineCore:
             raise RequestTooLargeError(
                 f"request {request_id!r}: {len(prompt)} prompt tokens exceed max_model_len={limit}"
             )
+        images = self._check_images(request_id, images, len(prompt))
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer, max_tokens)  # ValueError: stop w/o tokenizer
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt,
                        max_tokens=max_tokens, sampling=params, stop=stop,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None, images=images,
+                       prompt_cache_key=prefix_cache_key(prompt, images) if images else None)
         with self.guard.section():
             self.scheduler.add(seq)
             self._seqs[request_id] = seq
+
+    def _check_images(self, request_id: str, images: Seq[ImageInput], prompt_len: int) -> tuple[ImageInput, ...]:
+        """The images of a request, checked: a vision model, ImageInput items, ascending disjoint pad spans."""
+        if isinstance(images, ImageInput) or not isinstance(images, (list, tuple)):
+            raise TypeError(f"request {request_id!r}: images: expected a list of ImageInput, got "
+                            f"{type(images).__name__}")
+        images = tuple(images)
+        if not images:
+            return images
+        if not self.accepts_images:
+            raise ValueError(f"request {request_id!r}: this model has no vision tower (no vision_config): it takes "
+                             "no images")
+        end = 0
+        for i, image in enumerate(images):
+            if not isinstance(image, ImageInput):
+                raise TypeError(f"request {request_id!r}: images[{i}]: expected an ImageInput, got "
+                                f"{type(image).__name__}")
+            if image.pad_start < end or image.pad_end > prompt_len:
+                raise ValueError(f"request {request_id!r}: images[{i}] pads [{image.pad_start}, {image.pad_end}) "
+                                 f"overlap the previous image or leave the {prompt_len}-token prompt")
+            end = image.pad_end
+        return images
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its cache; False if it is unknown or already finished."""

@@ -1,6 +1,8 @@
 """The Python API: ``rocm_k3.LLM(path).generate(prompts, rocm_k3.SamplingParams(...))``.
 
 ``LLM()`` with no path serves the embedded tiny K3 model (built on first use into ``settings.cache_dir``).
+Images: a vision checkpoint (``vision_config``) takes ``{"prompt": ..., "multi_modal_data": {"image": ...}}``
+prompts (see :meth:`LLM.generate`).
 The request path is ``LLM -> EngineCore (scheduler + cache manager) -> executor -> worker -> model -> ops``:
 chunked prefill, paged hybrid cache, prefix caching on by default; the engine and its prefix cache live as long
 as the LLM, so a later ``generate`` call reuses prefixes of earlier ones. ``llm.stats()`` returns the counters.
@@ -30,18 +32,23 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
+from rocm_k3.engine.multimodal import MultiModalProcessor, MultiModalPrompt, multi_modal_images, named_image_error
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.executor.multiproc import MultiprocExecutor
 from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
+from rocm_k3.model.vision.preprocess import ImageError
+from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers import load_tokenizer
+from rocm_k3.worker.step_io import ImageInput
 from rocm_k3.worker.worker import WorkerConfig
 
-Prompt = str | Sequence[int]  # also a 1-d integer numpy array / torch tensor
+Prompt = str | Sequence[int] | Mapping[str, Any]  # also a 1-d integer numpy array / torch tensor
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "image_positions")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -136,7 +143,7 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     # stop ids: the config's eos ids and the tokenizer's generation stop ids (K3: <|end_of_msg|> and [EOS])
     eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
     core = EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=eos, tokenizer=tokenizer)
+                      eos_token_ids=eos, tokenizer=tokenizer, accepts_images=info.accepts_images)
     return core, path, tokenizer
 
 
@@ -183,6 +190,9 @@ class LLM:
         self.max_model_len = self.engine.config.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
         self.vocab_size = self.engine.vocab_size
+        self.multimodal = None  # MultiModalProcessor of a vision checkpoint
+        if self.engine.accepts_images and self.tokenizer is not None:
+            self.multimodal = MultiModalProcessor.from_checkpoint(self.path, self.tokenizer)
         self._request_ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -213,8 +223,16 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt: a str, token ids (a list of ints, numpy / torch integer scalars included, or a
-        1-d integer numpy array / torch tensor), or a list of those; a 2-d integer array / tensor is one prompt per
-        row. Returns one output per prompt. A ``bytes`` prompt is refused (TypeError): decode it to a str.
+        1-d integer numpy array / torch tensor), a prompt dict, or a list of those; a 2-d integer array / tensor is
+        one prompt per row. Returns one output per prompt. A ``bytes`` prompt is refused (TypeError): decode it to a
+        str.
+
+        A prompt dict holds ``"prompt"`` (str) or ``"prompt_token_ids"``, and optionally ``"multi_modal_data":
+        {"image": image or [images]}`` (PIL images or image-file bytes; a vision checkpoint only). In a ``"prompt"``
+        string each ``<|kimi_image_placeholder|>`` (the config's ``image_placeholder``) marks where the next image
+        goes; a prompt without one gets its images before the text. With ``"prompt_token_ids"``,
+        ``"image_positions"`` gives each image's insertion index into the ids (default: all before the text), e.g.
+        ``RenderedChat.image_positions``. Bad images raise the named ImageError subclasses (ValueErrors).
 
         sampling_params: one SamplingParams for all prompts, one per prompt, or None (defaults).
         Raises PromptTooLongError for a prompt longer than ``max_model_len``, ValueError for an empty prompt,
@@ -230,11 +248,21 @@ class LLM:
             if len(params) != len(batch) or not all(isinstance(p, SamplingParams) for p in params):
                 raise ValueError(f"sampling_params: expected one SamplingParams or {len(batch)} of them, "
                                  f"got {len(params)} items")
-        prompt_ids = [self._encode(p, i) for i, p in enumerate(batch)]
+        prepared = [self._prepare(p, i) for i, p in enumerate(batch)]
         for p in {id(q): q for q in params}.values():  # one check per distinct params object
             self.frontend.check_sampling(p)
         with self._lock:
-            return self._run_requests(prompt_ids, params)
+            return self._run_requests([ids for ids, _ in prepared], params, [ims for _, ims in prepared])
+
+    def process_images(self, prompt_token_ids: Sequence[int], image_positions: Sequence[int] | None,
+                       images: Any) -> MultiModalPrompt:
+        """Rendered ids + each image's insertion index + the images -> the expanded prompt and its ImageInputs.
+
+        The entry for a chat path (``RenderedChat.token_ids`` / ``RenderedChat.image_positions``): run the result
+        with ``llm.engine.add_request(request_id, mm.token_ids, params, images=mm.images)`` (``generate`` does the
+        same for ``{"prompt_token_ids": ids, "image_positions": positions, "multi_modal_data": {"image": ...}}``).
+        """
+        return self._multimodal("images").process_images([int(t) for t in prompt_token_ids], image_positions, images)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -276,6 +304,48 @@ class LLM:
             return self.engine.stats()
 
     # ------------------------------------------------------------------ internals
+    def _multimodal(self, where: str) -> MultiModalProcessor:
+        if self.multimodal is not None:
+            return self.multimodal
+        why = "has no vision tower (no vision_config)" if not self.engine.accepts_images else "has no tokenizer"
+        raise ValueError(f"{where}: {self.path} {why}: it takes no images")
+
+    def _prepare(self, prompt: Prompt, index: int) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """(prompt ids, images) of one prompt, checked."""
+        if not isinstance(prompt, Mapping):
+            return self._encode(prompt, index), ()
+        where = f"prompt {index}"
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; a prompt dict takes {list(PROMPT_KEYS)}")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"{where}: expected exactly one of 'prompt' (str) and 'prompt_token_ids'")
+        images = multi_modal_images(prompt.get("multi_modal_data"), where)
+        positions = prompt.get("image_positions")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"{where}.prompt: expected a str, got {type(text).__name__} (token ids go in "
+                            "'prompt_token_ids')")
+        if positions is not None and text is not None:
+            raise ValueError(f"{where}: image_positions index token ids: use it with 'prompt_token_ids' (a 'prompt' "
+                             "string marks images with the image placeholder)")
+        ids = None if text is not None else _as_prompt_list([prompt["prompt_token_ids"]])[0]
+        if isinstance(ids, str):
+            raise TypeError(f"{where}.prompt_token_ids: expected token ids, got a str")
+        if not images:
+            if positions:
+                raise ValueError(f"{where}: image_positions given without images")
+            return self._encode(text if text is not None else ids, index), ()
+        processor = self._multimodal(where)
+        try:
+            if text is not None:
+                mm = processor.process_prompt(text, images)
+            else:
+                mm = processor.process_images(ids, positions, images)
+        except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:
+            raise named_image_error(exc, where) from exc
+        return self._encode(mm.token_ids, index), mm.images
+
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -294,13 +364,15 @@ class LLM:
             )
         return ids
 
-    def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
+                      images: list[tuple[ImageInput, ...]] | None = None) -> list[RequestOutput]:
         """Run every request to completion on the engine (batched); outputs in prompt order."""
         request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_ids]
+        images = images if images is not None else [()] * len(prompt_ids)
         done: dict[str, RequestOutput] = {}
         try:
-            for rid, ids, p in zip(request_ids, prompt_ids, params):
-                self.engine.add_request(rid, ids, p)
+            for rid, ids, p, ims in zip(request_ids, prompt_ids, params, images):
+                self.engine.add_request(rid, ids, p, images=ims)
             while len(done) < len(request_ids):
                 for delta in self.engine.step():
                     if delta.finished:
@@ -317,13 +389,14 @@ class LLM:
 _BYTES = (bytes, bytearray, memoryview)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
-    """str -> [str]; token ids -> [[int, ...]]; a 2-d array -> one prompt per row; a list of str / ids stays a list.
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int] | Mapping[str, Any]]:
+    """str or dict -> [it]; token ids -> [[int, ...]]; a 2-d array -> one prompt per row; a list of str / ids /
+    dicts stays a list.
 
     Token ids come out as Python ints. Raises TypeError naming the prompt for bytes, non-integer ids or arrays of
     another dtype or rank, ValueError for an empty batch.
     """
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     _refuse_bytes("prompts", prompts)
     if _is_array(prompts):
@@ -335,11 +408,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
         raise ValueError(f"prompts: expected a str, a list of token ids, or a non-empty list of those, got {prompts!r}")
     if all(_is_token_id(p) for p in prompts):
         return [[int(p) for p in prompts]]
-    out: list[str | list[int]] = []
+    out: list[str | list[int] | Mapping[str, Any]] = []
     for i, p in enumerate(prompts):
         name = f"prompts[{i}]"
         _refuse_bytes(name, p)
-        if isinstance(p, str):
+        if isinstance(p, (str, Mapping)):
             out.append(p)
         elif _is_array(p):
             out.append(_array_ids(name, p, rows=False))

@@ -13,8 +13,11 @@ A prefill chunk that is not the last one of its prompt ends on a multiple of ``a
 prefill therefore start on match-unit boundaries, where KDA states can be saved). When a running sequence needs a
 block and none is free or evictable, the most recently admitted unscheduled running sequence is preempted: its
 cache is released (its indexed prefix stays cached) and it returns to the front of the queue to be recomputed
-from its prompt + outputs. The step leaves as a picklable :class:`~rocm_k3.worker.step_io.StepInput` (decodes first, new requests once,
-block-table deltas, KDA slots, saves, copy-on-write copies); :meth:`Scheduler.update` takes the workers'
+from its prompt + outputs. Every prefix-cache lookup, save and index entry uses ``Sequence.cache_key_ids`` (the ids
+with image pads salted by the image's hash), never the raw ids: prompts with the same text and different images
+share nothing past the first pad. The step leaves as a picklable :class:`~rocm_k3.worker.step_io.StepInput`
+(decodes first, new requests once, a request's images with the chunk that admits it, block-table deltas, KDA
+slots, saves, copy-on-write copies); :meth:`Scheduler.update` takes the workers'
 :class:`~rocm_k3.worker.step_io.StepOutput`, advances the sequences, publishes their prefix-cache entries,
 appends the sampled tokens, checks the stop conditions and finishes requests.
 """
@@ -171,7 +174,7 @@ class Scheduler:
             if item.is_prefill:
                 item.saves = self.cache.plan_saves(
                     item.seq.seq_id,
-                    item.seq.token_ids,
+                    item.seq.cache_key_ids,
                     item.start,
                     item.end,
                     last_chunk=item.end == item.seq.prefill_len,
@@ -188,7 +191,7 @@ class Scheduler:
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
             if item.is_prefill:
-                self.cache.commit_prefill(item.seq.seq_id, item.seq.token_ids, item.end, item.saves)
+                self.cache.commit_prefill(item.seq.seq_id, item.seq.cache_key_ids, item.end, item.saves)
             item.seq.num_computed_tokens = item.end
         samplers = [item.seq for item in out.scheduled if item.samples]
         if len(samplers) != len(output.sampled):
@@ -254,10 +257,11 @@ class Scheduler:
             table = self.cache.table(seq.seq_id)
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
+            images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted else ()
             chunks.append(ScheduledChunk(
                 request_id=seq.request_id, token_ids=tuple(seq.token_ids[item.start : item.end]), start=item.start,
                 admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
-                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves),
+                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,
             ))
             seq.blocks_sent = len(table)
             seq.admitted_this_step = False
@@ -324,16 +328,17 @@ class Scheduler:
             return False
         limit = seq.num_tokens - 1  # one token is always computed
         shared = 0
+        key = seq.cache_key_ids
         for other in self.running:
             if not other.is_decoding:
-                shared = max(shared, _common_prefix(seq.token_ids, other.token_ids, min(limit, other.prefill_len)))
+                shared = max(shared, _common_prefix(key, other.cache_key_ids, min(limit, other.prefill_len)))
         reachable = shared // self.alignment * self.alignment
-        return reachable > 0 and reachable > self.cache.match_length(seq.token_ids)
+        return reachable > 0 and reachable > self.cache.match_length(key)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
         seq.prefill_len = seq.num_tokens
-        cached = self.cache.admit(seq.seq_id, seq.token_ids)
+        cached = self.cache.admit(seq.seq_id, seq.cache_key_ids)
         if cached is None:
             return 0
         seq.num_computed_tokens = cached

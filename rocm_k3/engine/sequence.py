@@ -7,6 +7,7 @@ import enum
 from typing import Any
 
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import ImageInput
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +20,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A request: prompt + generated tokens, and how far the cache has computed them.
 
-    token_ids:            prompt followed by the generated tokens.
+    token_ids:            prompt followed by the generated tokens (what the model runs).
+    prompt_cache_key:     with images: the prompt's ids with each image's pads replaced by an id derived from its
+                          content hash (``prefix_cache_key``), so the prefix cache never matches one image's pads
+                          against another's; None without images. :attr:`cache_key_ids` extends it with the
+                          generated tokens: every prefix-cache call hashes and matches those ids, never token_ids.
+    images:               the prompt's images (pad spans ascending, inside the prompt); sent with each admission.
     num_computed_tokens:  leading tokens whose KV and KDA state are in the cache (restored or computed).
     prefill_len:          tokens to (re)compute as a prefill since the last admission: the prompt, or prompt +
                           outputs after a preemption; past it the sequence decodes one token per step.
@@ -48,6 +54,8 @@ class Sequence:
     registered: bool = False
     admitted_this_step: bool = False
     blocks_sent: int = 0
+    images: tuple[ImageInput, ...] = ()
+    prompt_cache_key: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -59,6 +67,23 @@ class Sequence:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.images = tuple(self.images)
+        if self.prompt_cache_key is not None:
+            self.prompt_cache_key = list(self.prompt_cache_key)
+            if len(self.prompt_cache_key) != len(self.prompt_token_ids):
+                raise ValueError(f"request {self.request_id!r}: prompt_cache_key has {len(self.prompt_cache_key)} "
+                                 f"ids for {len(self.prompt_token_ids)} prompt tokens")
+        elif self.images:
+            raise ValueError(f"request {self.request_id!r}: a prompt with images needs its prompt_cache_key")
+
+    @property
+    def cache_key_ids(self) -> list[int]:
+        """The ids the prefix cache hashes and matches: ``token_ids`` with image pads salted (the same list
+        object as ``token_ids`` when the prompt has no image)."""
+        key = self.prompt_cache_key
+        if key is None:
+            return self.token_ids
+        return key + self.token_ids[len(key):]
 
     @property
     def num_tokens(self) -> int:

@@ -7,10 +7,11 @@ from rocm_k3.worker.worker import Worker, WorkerConfig, WorkerInfo
 
 
 class UniprocExecutor:
-    """See :class:`rocm_k3.executor.base.Executor`. ``model``: an already loaded model to serve (tests)."""
+    """See :class:`rocm_k3.executor.base.Executor`. ``model`` / ``vision_model``: already loaded models to serve
+    (tests)."""
 
-    def __init__(self, config: WorkerConfig, model=None) -> None:
-        self.worker = Worker(config, model=model)
+    def __init__(self, config: WorkerConfig, model=None, vision_model=None) -> None:
+        self.worker = Worker(config, model=model, vision_model=vision_model)
 
     def info(self) -> WorkerInfo:
         return self.worker.info()

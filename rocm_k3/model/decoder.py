@@ -27,6 +27,7 @@ from rocm_k3.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from rocm_k3.model.layers.weights import Target, WeightTargets, new_param
 from rocm_k3.model.mla import MLALayer
 from rocm_k3.model.moe import ActQuant, DenseMLP, MoEBlock, activation_for
+from rocm_k3.model.vision.prompt import scatter_image_embeddings
 from rocm_k3.ops.registry import OpTable
 
 
@@ -156,7 +157,7 @@ class KimiModel(WeightTargets):
             if state is None:
                 if self.embed is None or not self.ctx.is_first_stage:
                     raise RuntimeError("forward_stage: a stage after the first needs the previous stage's state")
-                state = StackState.start(self.embed(batch.input_ids), cfg.num_hidden_layers, cfg.attn_res_block_size)
+                state = StackState.start(self.embed_inputs(batch), cfg.num_hidden_layers, cfg.attn_res_block_size)
             for layer in self.layers:
                 layer.bind_step(batch, cache)
             state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend)
@@ -165,11 +166,19 @@ class KimiModel(WeightTargets):
             hidden = finish(state, self.output_site, self.final_norm, cfg.rms_norm_eps, self.backend)  # [T, hidden]
             return self.lm_head(hidden[batch.logits_indices])  # [N, vocab]
 
+    def embed_inputs(self, batch: ForwardBatch) -> torch.Tensor:
+        """The input embeddings [T, hidden] of the step: the token embeddings, with ``batch.image_embeds`` at rows
+        ``batch.image_rows`` (the ``<|media_pad|>`` positions) instead of the pad token's embedding."""
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        if batch.image_embeds is not None:
+            x = scatter_image_embeddings(x, batch.image_rows, batch.image_embeds)
+        return x
+
     def hidden_states(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
         """Final-normed hidden states of every new token, [T, hidden] (single-stage model)."""
         with torch.inference_mode():
             cfg = self.cfg
-            state = StackState.start(self.embed(batch.input_ids), cfg.num_hidden_layers, cfg.attn_res_block_size)
+            state = StackState.start(self.embed_inputs(batch), cfg.num_hidden_layers, cfg.attn_res_block_size)
             for layer in self.layers:
                 layer.bind_step(batch, cache)
             state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend)

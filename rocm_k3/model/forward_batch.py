@@ -33,6 +33,8 @@ class ForwardBatch:
     save_positions:    int32 [M, 2] or None: rows (i, p) save the KDA states after the first p new tokens of seq i
     save_slots:        int32 [M] or None: destination KDA slot of each saved state
     is_decode:         every sequence has exactly one new token and has_initial_state
+    image_embeds:      [R, hidden] or None: image embedding rows (model dtype) that replace the input embeddings
+    image_rows:        int64 [R] or None: the (distinct) token rows of ``input_ids`` they replace (``<|media_pad|>``)
     """
 
     input_ids: torch.Tensor
@@ -47,6 +49,8 @@ class ForwardBatch:
     save_positions: torch.Tensor | None = None
     save_slots: torch.Tensor | None = None
     is_decode: bool = False
+    image_embeds: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +92,20 @@ class ForwardBatch:
                 raise ValueError(f"save_positions: expected shape [M, 2], got {tuple(self.save_positions.shape)}")
             m = self.save_positions.shape[0]
             _check("save_slots", self.save_slots, torch.int32, 1, (m,))
+        if (self.image_embeds is None) != (self.image_rows is None):
+            raise ValueError("image_embeds and image_rows must both be given or both be None")
+        if self.image_embeds is not None:
+            if not isinstance(self.image_embeds, torch.Tensor):
+                raise TypeError(f"image_embeds: expected a torch.Tensor, got {type(self.image_embeds).__name__}")
+            if not self.image_embeds.dtype.is_floating_point or self.image_embeds.dim() != 2:
+                raise ValueError(f"image_embeds: expected a floating-point [R, hidden] tensor, got "
+                                 f"{self.image_embeds.dtype} {tuple(self.image_embeds.shape)}")
+            r = self.image_embeds.shape[0]
+            _check("image_rows", self.image_rows, torch.int64, 1, (r,))
+            if r > t:
+                raise ValueError(f"image_rows: {r} image rows for a step of {t} tokens")
+            if self.is_decode:
+                raise ValueError("image_embeds: a decode step has no image rows (pads are prompt positions)")
         if self.is_decode and t != n:
             raise ValueError(f"is_decode: expected one new token per sequence (T == N), got T={t}, N={n}")
 

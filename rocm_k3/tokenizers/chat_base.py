@@ -3,7 +3,8 @@
 A renderer turns OpenAI-format messages into prompt token ids::
 
     renderer.render(messages, *, tools=None, tool_choice=None, response_format=None, thinking=None,
-                    thinking_effort=None, add_generation_prompt=True) -> RenderedChat(token_ids, text, prompt_in_think)
+                    thinking_effort=None, add_generation_prompt=True)
+        -> RenderedChat(token_ids, text, prompt_in_think, image_positions)
 
 ``renderer.family`` is "kimi_k3" (XTML) or "kimi_k2" (the checkpoint's Jinja template). Messages are dicts:
 ``role`` (system | user | assistant | tool), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
@@ -24,11 +25,19 @@ THINKING_EFFORTS = ("low", "high", "max")  # K3 accepts these; "medium" is rejec
 
 
 class RenderedChat(NamedTuple):
-    """token_ids: the prompt; text: the same prompt as text; prompt_in_think: generation starts in the think channel."""
+    """token_ids: the prompt; text: the same prompt as text; prompt_in_think: generation starts in the think channel.
+
+    image_positions: one entry per image part, in order: the index into ``token_ids`` where that image's block goes
+    (``MultiModalProcessor.process_images(token_ids, image_positions, images)`` inserts it there). A renderer that
+    reports positions (K3) puts no ids of its own for an image in ``token_ids``; ``text`` shows each image as the
+    ``<|kimi_image_placeholder|>`` string, for reading only. Placeholder text a user typed in a message is ordinary
+    text in both and has no entry here. Empty when the renderer does not track images (K2's Jinja templates).
+    """
 
     token_ids: list[int]
     text: str
     prompt_in_think: bool
+    image_positions: tuple[int, ...] = ()
 
 
 class ChatRenderer(Protocol):

@@ -12,8 +12,10 @@ merges across a segment boundary, so the segmentation is part of the format:
 
 Order: tool declarations, the thinking-effort note (thinking on), the conversation, the tool_choice and
 response_format notes, then the generation prompt, which ends inside ``<|open|>think<|sep|>`` (thinking on) or
-``<|open|>response<|sep|>``. No BOS, no default system prompt. Images become the ``<|kimi_image_placeholder|>``
-text.
+``<|open|>response<|sep|>``. No BOS, no default system prompt. An image part is an image segment: it adds no ids
+(its index in the ids is reported in ``RenderedChat.image_positions``, where the image's media block is inserted)
+and reads as the ``<|kimi_image_placeholder|>`` string in the text. Placeholder text typed in a message is a text
+segment like any other, so it never gets an image slot.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ JSON_SCHEMA_NOTE = (f"The system is invoked with `response_format=json_schema`.\
 class Segment(NamedTuple):
     text: str
     control: bool  # one of CONTROL_TOKENS, encoded as its special id
+    image: bool = False  # an image part: no ids, its position is reported (text: the placeholder)
 
 
 class _Segments:
@@ -109,7 +112,10 @@ class _Segments:
             self.text(content)
             return
         for part in content:
-            self.text(IMAGE_PLACEHOLDER if part.get("type") in IMAGE_PARTS else part["text"])
+            if part.get("type") in IMAGE_PARTS:
+                self.items.append(Segment(IMAGE_PLACEHOLDER, False, image=True))
+            else:
+                self.text(part["text"])
 
     def system_note(self, kind: str, body: str) -> None:
         self.open_tag("message", [("role", "system"), ("type", kind)])
@@ -350,10 +356,13 @@ class K3ChatRenderer:
                                thinking=thinking, thinking_effort=thinking_effort,
                                add_generation_prompt=add_generation_prompt)
         ids: list[int] = []
+        images: list[int] = []
         for seg in segments:
-            if seg.control:
+            if seg.image:
+                images.append(len(ids))
+            elif seg.control:
                 ids.append(self._control_ids[seg.text])
             else:
                 ids.extend(self.tokenizer.encode(seg.text))
         in_think = add_generation_prompt and thinking is not False
-        return RenderedChat(ids, "".join(seg.text for seg in segments), in_think)
+        return RenderedChat(ids, "".join(seg.text for seg in segments), in_think, tuple(images))

@@ -4,7 +4,9 @@ The runner keeps what the step contract sends only once or as deltas: each reque
 int32 numpy row) and KDA slot. Per step it builds the host-side plan (token ids, positions, cu_seqlens, slot
 mapping, block-table rows at a fixed width) in one pass, moves it to the device in a handful of copies, and
 asks for logits only at the last token of the chunks that sample. Decode-only steps replay a captured graph
-when :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size.
+when :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size. On the first pipeline stage of
+a vision model, :class:`~rocm_k3.worker.image_inputs.ImageInputs` (``images``) adds the step's image embedding
+rows to the ForwardBatch (``image_embeds`` / ``image_rows``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import numpy as np
 import torch
 
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.image_inputs import ImageInputs, StepImages
 from rocm_k3.worker.kv_pools import KVPools
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
-
 
 # Block tables are sent at the fixed width (blocks of one max_model_len request) while a step's table stays under
 # this many entries, else at the width the step needs: kernels that size their work by the table width (the MLA
@@ -80,6 +82,7 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.rows: dict[str, _Row] = {}
         self.graphs = None  # DecodeGraphs, set by the worker once captured
+        self.images: ImageInputs | None = None  # set by the worker on the first stage of a vision model
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_deltas(self, step: StepInput) -> None:
@@ -141,8 +144,8 @@ class ModelRunner:
             is_decode=step.is_decode_only and bool((starts > 0).all()),
         )
 
-    def batch(self, plan: HostPlan) -> ForwardBatch:
-        """The plan's arrays on the device."""
+    def batch(self, plan: HostPlan, images: StepImages | None = None) -> ForwardBatch:
+        """The plan's arrays on the device (and the step's image rows)."""
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
 
@@ -154,11 +157,15 @@ class ModelRunner:
             save_positions=None if plan.save_positions is None else dev(plan.save_positions),
             save_slots=None if plan.save_slots is None else dev(plan.save_slots),
             is_decode=plan.is_decode,
+            image_embeds=None if images is None else images.embeds,
+            image_rows=None if images is None else images.rows,
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Apply the step's deltas and copies, run the model; logits fp32 [S, vocab] for the sampling chunks."""
         self.apply_deltas(step)
+        if self.images is not None:
+            self.images.apply(step)
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
         plan = self.plan(step)
@@ -166,7 +173,11 @@ class ModelRunner:
             logits = self.graphs.run(plan)
             if logits is not None:
                 return logits
-        return self.model.forward(self.batch(plan), self.pools)
+        if self.images is None:
+            return self.model.forward(self.batch(plan), self.pools)
+        logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), self.pools)
+        self.images.release(step)
+        return logits
 
 
 def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:

@@ -2,18 +2,27 @@
 
 ``Scheduler.schedule() -> StepInput`` carries everything a worker needs for one step and
 ``Scheduler.update(StepOutput)`` takes what the sampling worker returns. Only ints, floats, strings, bools,
-lists, tuples and :class:`~rocm_k3.sampling_params.SamplingParams` (a frozen dataclass of the same) appear here,
-so a step pickles and can be broadcast to the ranks of a multi-process executor unchanged.
+lists, tuples, :class:`~rocm_k3.sampling_params.SamplingParams` (a frozen dataclass of the same) and the numpy
+pixel arrays of :class:`ImageInput` appear here (no torch tensors), so a step pickles and can be broadcast to the
+ranks of a multi-process executor unchanged.
 
 A request travels once as :class:`NewRequest` (its sampling parameters and seed); every step then names it by
 ``request_id`` in a :class:`ScheduledChunk` with the tokens to run and the cache deltas (block ids appended to
 its table, or the whole table and KDA slot when it was (re-)admitted). Workers keep per-request state (block
 table row, KDA slot, sampling generator) until the request id appears in ``finished_request_ids``.
+
+**Images.** A request's images travel with the chunk that (re-)admits it (``ScheduledChunk.images``): only those
+whose ``<|media_pad|>`` span reaches past the cached prefix the chunk starts from. The first pipeline stage keeps
+them until the request's prefill has passed their pads, encodes each once when a prefill chunk first covers its
+pads and scatters the rows the chunk covers; a preempted request is re-admitted with its images again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+
+import numpy as np
 
 from rocm_k3.sampling_params import SamplingParams
 
@@ -32,6 +41,60 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...] = ()
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One preprocessed image of a request and where its embedding rows go in the prompt.
+
+    pixel_values:  float32 numpy ``[t * h * w, 3, p, p]``, the NaViT patches (``preprocess_image``; never modified).
+    grid_thw:      (t, h, w) patches of the image.
+    pad_start:     prompt position of its first ``<|media_pad|>``; ``num_tokens`` pads follow (one embedding row
+                   each, image order = position order).
+    content_hash:  sha256 hex of the preprocessed pixels and grid (``image_content_hash``): the prefix-cache salt.
+    """
+
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+    pad_start: int
+    num_tokens: int
+    content_hash: str
+
+    def __post_init__(self) -> None:
+        grid = self.grid_thw
+        if (not isinstance(grid, tuple) or len(grid) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in grid)):
+            raise ValueError(f"grid_thw: expected three positive ints (t, h, w), got {grid!r}")
+        px = self.pixel_values
+        if not isinstance(px, np.ndarray) or px.dtype != np.float32 or px.ndim != 4 or px.shape[1] != 3 \
+                or px.shape[2] != px.shape[3]:
+            what = f"{px.dtype} {px.shape}" if isinstance(px, np.ndarray) else type(px).__name__
+            raise ValueError(f"pixel_values: expected a float32 numpy array [patches, 3, p, p], got {what}")
+        if px.shape[0] != grid[0] * grid[1] * grid[2]:
+            raise ValueError(f"pixel_values: {px.shape[0]} patches, but grid_thw {grid} describes "
+                             f"{grid[0] * grid[1] * grid[2]}")
+        for name in ("pad_start", "num_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "num_tokens"):
+                raise ValueError(f"{name}: expected an int >= {int(name == 'num_tokens')}, got {value!r}")
+        if not isinstance(self.content_hash, str) or not _SHA256_HEX.fullmatch(self.content_hash):
+            raise ValueError(f"content_hash: expected 64 lowercase hex digits (sha256), got {self.content_hash!r}")
+
+    @property
+    def pad_end(self) -> int:
+        """One past the last pad position."""
+        return self.pad_start + self.num_tokens
+
+    @property
+    def pad_positions(self) -> range:
+        return range(self.pad_start, self.pad_end)
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
     """One request's share of a step: ``token_ids`` at positions ``start .. start + len(token_ids) - 1``.
@@ -43,6 +106,8 @@ class ScheduledChunk:
     is_prefill:    the chunk belongs to a (re)computed prefill (else a one-token decode).
     sample:        the chunk ends at the request's last known token: the step samples its next token.
     saves:         (absolute position, destination KDA slot): save the KDA states after that position.
+    images:        on an admitted chunk, the request's images whose pads end after ``start`` (see the module
+                   docstring); empty otherwise.
     """
 
     request_id: str
@@ -54,6 +119,7 @@ class ScheduledChunk:
     is_prefill: bool
     sample: bool
     saves: tuple[tuple[int, int], ...] = ()
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_tokens(self) -> int:

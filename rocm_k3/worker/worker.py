@@ -5,6 +5,10 @@ reports what the control plane needs (vocabulary, eos ids, cache bytes per block
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
 for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and captures the
 decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+
+A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
+(:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
+only, where the runner's :class:`~rocm_k3.worker.image_inputs.ImageInputs` encodes the step's images.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.model.loader import load_model
+from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
+from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
@@ -101,17 +107,21 @@ class WorkerInfo:
     device: str
     dtype: str
     kda_save_grid: int = 64
+    accepts_images: bool = False  # the first stage holds a vision tower
 
 
 class Worker:
-    """See the module docstring."""
+    """See the module docstring. ``model`` / ``vision_model``: already loaded models to serve (tests); without
+    ``model`` both are loaded from ``config.model_path`` (the vision model when the checkpoint has one)."""
 
-    def __init__(self, config: WorkerConfig, model=None, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, config: WorkerConfig, model=None, ctx: ParallelContext | None = None,
+                 vision_model=None) -> None:
         self.config = config
         self.device = config.device
         self.ctx = ParallelContext.single() if ctx is None else ctx
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        loaded_here = model is None
         if model is None:
             model = load_model(config.model_path, dtype=config.dtype, device=self.device, backend=config.backend,
                                progress=config.progress, moe_act_quant=config.moe_act_quant, ctx=self.ctx)
@@ -119,6 +129,12 @@ class Worker:
             raise ValueError(f"model: loaded on {model.device} as {model.dtype}, the worker serves {self.device} "
                              f"as {config.dtype}")
         self.model = model
+        if vision_model is None and loaded_here and self.ctx.is_first_stage:
+            vision = vision_config_of(config.model_path)
+            if vision is not None:
+                vision_model = load_vision_model(config.model_path, vision, dtype=config.dtype, device=self.device,
+                                                 backend=config.backend)
+        self.vision_model = vision_model if self.ctx.is_first_stage else None
         self.geometry = CacheGeometry.from_model(self.model, config.dtype)
         self.stage = StageLink(self.model, self.ctx)
         self.runner: ModelRunner | None = None
@@ -129,9 +145,10 @@ class Worker:
         cfg = self.model.cfg
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
+            eos_token_ids=tuple(cfg.eos_token_id),
+            bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
             bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
-            kda_save_grid=self._kda_save_grid(),
+            kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
 
     def _kda_save_grid(self) -> int:
@@ -201,6 +218,9 @@ class Worker:
         pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
         width = math.ceil(max_model_len / bs) + 1
         self.runner = ModelRunner(self.stage, pools, width)
+        if self.vision_model is not None:
+            self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
+                                             ops=getattr(self.model, "backend", None))
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         if self.ctx.pp_size > 1:

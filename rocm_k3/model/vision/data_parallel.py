@@ -7,15 +7,19 @@ all-gathered. This module is the part that needs no process group:
 - :func:`split_images` balances images by patch count (largest first onto the least-loaded rank, the LPT rule
   vLLM's ``get_load_balance_assignment`` also uses), deterministically, so every rank computes the same split;
 - :func:`select_images` cuts one rank's ``pixel_values`` / ``grid_thws`` out of the packed batch;
-- :func:`gather_in_order` reassembles the per-rank outputs (after the all-gather) into the original image order.
+- :func:`gather_in_order` reassembles the per-rank outputs (after the all-gather) into the original image order;
+- :func:`encode_data_parallel` puts them together over a TP group: split, run this rank's share, one all-gather.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from rocm_k3.ops import comm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +77,38 @@ def gather_in_order(split: ImageSplit, per_rank: Sequence[Sequence[torch.Tensor]
         for i, t in zip(indices, outputs):
             out[i] = t
     return out  # type: ignore[return-value]  (every slot is filled: the split covers each image once)
+
+
+def encode_data_parallel(model: Any, pixel_values: torch.Tensor, grid_thws: Sequence[Sequence[int]], ctx: Any, *,
+                         ops: Any = None) -> list[torch.Tensor]:
+    """Every image's embeddings ``[n_i, text_hidden]`` (in input order) on every rank of ``ctx``'s TP group.
+
+    ``model`` is a full :class:`~rocm_k3.model.vision.model.VisionModel` on each rank. With ``tp_size`` 1 it just
+    runs; otherwise the images are split by :func:`split_images` (the same split on every rank), each rank runs
+    its share and the rows are all-gathered once through ``rocm_k3.ops.comm`` (each rank's rows padded to the
+    largest share, since a gather moves equal shapes), counted as ``vision_all_gather``. ``ops``: the op table
+    (or backend name) the collective dispatches through.
+    """
+    grids = [tuple(int(v) for v in g) for g in grid_thws]
+    if ctx.tp_size == 1:
+        return model(pixel_values, grids)
+    cfg = model.cfg
+    kh, kw = cfg.merge_kernel_size
+    tokens = [(h // kh) * (w // kw) for _, h, w in grids]  # sd2_tpool: the time axis is pooled
+    split = split_images([t * h * w for t, h, w in grids], ctx.tp_size)
+    mine = split.ranks[ctx.tp_rank]
+    pixels, my_grids = select_images(pixel_values, grids, mine)
+    local = model(pixels, my_grids) if mine else []
+    rows = [sum(tokens[i] for i in indices) for indices in split.ranks]
+    width = max(rows)
+    param = next(model.parameters())
+    flat = torch.zeros(width, cfg.text_hidden_size, dtype=param.dtype, device=param.device)  # [max rows, hidden]
+    if local:
+        flat[: rows[ctx.tp_rank]] = torch.cat(local)
+    ctx.count("vision_all_gather")
+    gathered = comm.all_gather(flat, ctx.tp_group, dim=0, backend=ops)  # [tp * max rows, hidden]
+    per_rank = []
+    for r, indices in enumerate(split.ranks):
+        block = gathered[r * width : r * width + rows[r]]
+        per_rank.append(list(block.split([tokens[i] for i in indices])) if indices else [])
+    return gather_in_order(split, per_rank)

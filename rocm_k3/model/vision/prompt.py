@@ -16,9 +16,10 @@ media token (e.g. a tokenizer that maps typed ``<|media_pad|>`` text to its spec
 exists without an image.
 
 **Prefix-cache salt.** Each slot carries ``content_hash`` = sha256 over the preprocessed pixels and the grid.
-:func:`prefix_cache_key` gives the ids the prefix cache should match on: the prompt's ids with every pad of an
-image replaced by an id derived from its hash (far above any vocabulary id), so equal text with different
-images never shares a cache entry and identical image prompts do.
+:func:`prefix_cache_key` (:mod:`rocm_k3.cache.image_salt`, torch-free for the control plane) gives the ids the
+prefix cache should match on: the prompt's ids with every pad of an image replaced by an id derived from its hash
+(far above any vocabulary id), so equal text with different images never shares a cache entry and identical image
+prompts do.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from typing import Protocol
 
 import torch
 
+from rocm_k3.cache.image_salt import MEDIA_KEY_BASE, prefix_cache_key  # noqa: F401 (re-exported: the salt)
 from rocm_k3.tokenizers.k3_chat import IMAGE_PLACEHOLDER  # K3 config.json ``image_placeholder``
 
 MEDIA_TOKEN_NAMES = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 PROMPT_STYLES = ("k3", "k25")
-MEDIA_KEY_BASE = 1 << 32  # prefix-cache key ids for image pads start here: above every token id
 _HASH_TAG = b"rocm-k3/image/v1"
 
 
@@ -220,16 +221,6 @@ def raw_prompt_image_positions(text: str, num_images: int, encode_text: Callable
             positions.append(len(ids))
         ids.extend(encode_text(piece) if piece else [])
     return ids, positions
-
-
-def prefix_cache_key(token_ids: Sequence[int], slots: Sequence[ImageSlot]) -> list[int]:
-    """The ids to match in the prefix cache: image pads replaced by ``MEDIA_KEY_BASE + int(content_hash)``."""
-    key = list(token_ids)
-    for slot in slots:
-        salt = MEDIA_KEY_BASE + int(slot.content_hash, 16)
-        for p in slot.pad_positions:
-            key[p] = salt
-    return key
 
 
 def scatter_image_embeddings(inputs_embeds: torch.Tensor, pad_positions: Sequence[int] | torch.Tensor,
