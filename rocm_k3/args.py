@@ -137,6 +137,10 @@ class ServerArgs:
         "help": 'serve tool_choice "auto" (the model decides when to call tools)'})
     max_request_bytes: int = dataclasses.field(default=32 * 2**20, metadata={
         "help": "largest request body accepted (bigger ones get 413)"})
+    allow_remote_images: bool = dataclasses.field(default=False, metadata={
+        "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
+    max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
+        "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -156,6 +160,11 @@ class ServerArgs:
         size = self.max_request_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
             raise ValueError(f"max_request_bytes: expected an int >= 1024, got {size!r}")
+        if not isinstance(self.allow_remote_images, bool):
+            raise ValueError(f"allow_remote_images: expected a bool, got {self.allow_remote_images!r}")
+        if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
+                or self.max_image_bytes < 1:
+            raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from rocm_k3.args import EngineArgs
 from rocm_k3.cache.config import CacheConfig
+from rocm_k3.engine.chat_images import images_from_messages
 from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
@@ -284,11 +285,15 @@ class LLM:
             c, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
             response_format=response_format, structured_outputs=structured_outputs,
             chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
-            thinking_token_budget=thinking_token_budget)) for c in conversations]
+            thinking_token_budget=thinking_token_budget), allow_images=True) for c in conversations]
         params = [p.sampling(base) for p in prepared]
-        prompt_ids = [self._encode(p.prompt_token_ids, i) for i, p in enumerate(prepared)]
+        prompt_ids, images = [], []
+        for i, (conversation, p) in enumerate(zip(conversations, prepared)):
+            ids, ims = self._chat_images(conversation, p, i)
+            prompt_ids.append(self._encode(ids, i))
+            images.append(ims)
         with self._lock:
-            outputs = self._run_requests(prompt_ids, params)
+            outputs = self._run_requests(prompt_ids, params, images)
         results = []
         for i, (p, out) in enumerate(zip(prepared, outputs)):
             parsed = p.parse(out.text, call_id_prefix=f"call_{i}_")
@@ -309,6 +314,20 @@ class LLM:
             return self.multimodal
         why = "has no vision tower (no vision_config)" if not self.engine.accepts_images else "has no tokenizer"
         raise ValueError(f"{where}: {self.path} {why}: it takes no images")
+
+    def _chat_images(self, conversation, prepared, index: int) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A rendered chat's ids with its image blocks inserted, and its images (``image`` parts take PIL images or
+        bytes; ``image_url`` parts data: URLs)."""
+        if not prepared.image_positions:
+            return list(prepared.prompt_token_ids), ()
+        where = f"conversation {index}"
+        processor = self._multimodal(where)
+        pictures = images_from_messages(conversation)
+        try:
+            mm = processor.process_images(prepared.prompt_token_ids, prepared.image_positions, pictures)
+        except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:
+            raise named_image_error(exc, where) from exc
+        return mm.token_ids, mm.images
 
     def _prepare(self, prompt: Prompt, index: int) -> tuple[list[int], tuple[ImageInput, ...]]:
         """(prompt ids, images) of one prompt, checked."""

@@ -146,11 +146,16 @@ def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArg
                                reasoning_parser=engine_args.reasoning_parser)
     core = engine.core
     names = server_args.served_model_name or [engine_args.model or path.name]
+    from rocm_k3.engine.multimodal import MultiModalProcessor
+
+    multimodal = MultiModalProcessor.from_checkpoint(path, tokenizer) if tokenizer is not None else None
     return ServedModel(engine=engine, frontend=ModelFrontend(path, tokenizer, family), names=list(names),
                        max_model_len=core.config.max_model_len, vocab_size=core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
-                       max_request_bytes=server_args.max_request_bytes)
+                       max_request_bytes=server_args.max_request_bytes, multimodal=multimodal,
+                       allow_remote_images=server_args.allow_remote_images,
+                       max_image_bytes=server_args.max_image_bytes)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:

@@ -53,8 +53,9 @@ class ChatRun:
     """One validated chat request, ready to run (see :func:`prepare_chat`)."""
 
     def __init__(self, served: ServedModel, req: ChatCompletionRequest, model: str, prepared: PreparedChat,
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, prompt: list[int], images: tuple = ()) -> None:
         self.served, self.req, self.model, self.prepared = served, req, model, prepared
+        self.prompt, self.images = prompt, images
         self.params = choice_params(params, req.n)
         self.request_id = new_request_id("chatcmpl")
         self.top = params.logprobs
@@ -63,8 +64,9 @@ class ChatRun:
         return f"call_{self.request_id[9:25]}_{i}_"
 
     async def _streams(self):
-        prompt = self.prepared.prompt_token_ids
-        streams = await start_streams(self.served, self.request_id, [prompt] * len(self.params), self.params)
+        prompt = self.prompt
+        streams = await start_streams(self.served, self.request_id, [prompt] * len(self.params), self.params,
+                                      self.images)
         self.served.metrics.prompt_tokens.inc(len(prompt) * len(self.params))
         return streams
 
@@ -74,7 +76,7 @@ class ChatRun:
         return ChatLogprobs(content=chat_logprobs(self.served.tokenizer, token_ids, entries, self.top))
 
     def _usage(self, choices: list[ChoiceState]):
-        return usage(len(self.prepared.prompt_token_ids), sum(len(c.token_ids) for c in choices),
+        return usage(len(self.prompt), sum(len(c.token_ids) for c in choices),
                      choices[0].cached if choices else 0)
 
     async def respond(self) -> ChatCompletionResponse:
@@ -90,7 +92,7 @@ class ChatRun:
                                   token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
-            prompt_token_ids=self.prepared.prompt_token_ids if self.req.return_token_ids else None)
+            prompt_token_ids=self.prompt if self.req.return_token_ids else None)
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
@@ -108,7 +110,7 @@ class ChatRun:
         timers = [self.served.metrics.timer() for _ in streams]
         if self.req.return_token_ids:
             yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
-                                          prompt_token_ids=self.prepared.prompt_token_ids))
+                                          prompt_token_ids=self.prompt))
         for i in range(len(streams)):
             yield self._chunk(i, DeltaMessage(role="assistant", content=""))
         try:
@@ -172,16 +174,39 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         structured_outputs=req.structured_outputs, chat_template_kwargs=req.chat_template_kwargs,
         reasoning_effort=req.reasoning_effort, thinking_token_budget=req.thinking_token_budget)
     try:
-        prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice)
+        prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice,
+                                                allow_images=True)
+        prompt, images = _with_images(served, req, prepared)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
-    served.check_prompt(prepared.prompt_token_ids, "messages")
+    served.check_prompt(prompt, "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prepared.prompt_token_ids) + 1)
+    max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
     base = sampling_params(req, max_tokens=max_tokens, logprobs=top, skip_special_tokens=False)
     try:
         params = prepared.sampling(base)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None
-    return ChatRun(served, req, model, prepared, params)
+    return ChatRun(served, req, model, prepared, params, prompt, images)
+
+
+def _with_images(served: ServedModel, req: ChatCompletionRequest, prepared: PreparedChat) -> tuple[list[int], tuple]:
+    """The prompt ids with each image's block inserted, and the images (ValueError -> 400 for a bad or refused
+    image, or images sent to a model without a vision tower)."""
+    if not prepared.image_positions:
+        return list(prepared.prompt_token_ids), ()
+    if served.multimodal is None:
+        raise ValueError(f"this model takes no images ({len(prepared.image_positions)} image part(s) sent)")
+    from rocm_k3.engine.chat_images import images_from_messages
+    from rocm_k3.engine.multimodal import named_image_error
+    from rocm_k3.model.vision.preprocess import ImageError
+    from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
+
+    pictures = images_from_messages(req.messages, allow_remote=served.allow_remote_images,
+                                    max_bytes=served.max_image_bytes)
+    try:
+        mm = served.multimodal.process_images(prepared.prompt_token_ids, prepared.image_positions, pictures)
+    except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:
+        raise named_image_error(exc, "messages") from exc
+    return mm.token_ids, mm.images

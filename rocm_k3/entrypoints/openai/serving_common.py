@@ -50,6 +50,9 @@ class ServedModel:
     api_key: str | None = None
     enable_auto_tool_choice: bool = False
     max_request_bytes: int = 32 * 2**20
+    multimodal: Any = None  # MultiModalProcessor of a checkpoint with a vision tower, else None
+    allow_remote_images: bool = False
+    max_image_bytes: int = 20 * 2**20
 
     @property
     def tokenizer(self):
@@ -140,13 +143,13 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def start_streams(served: ServedModel, request_id: str, prompts: Sequence[Sequence[int]],
-                        params: Sequence[SamplingParams]) -> list[RequestStream]:
+                        params: Sequence[SamplingParams], images: Sequence[Any] = ()) -> list[RequestStream]:
     """Queue one engine request per (prompt, params) pair (ids ``{request_id}-{i}``); all or none: a refused one
     aborts those already queued. 400 for a bad request, 503 when the engine is dead."""
     streams: list[RequestStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams.append(await served.engine.add_request(f"{request_id}-{i}", ids, p))
+            streams.append(await served.engine.add_request(f"{request_id}-{i}", ids, p, images=images))
     except BaseException as exc:
         for s in streams:
             s.close()
