@@ -11,7 +11,7 @@ import pytest
 from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 from rocm_k3.cli import main
-from rocm_k3.model.tiny import EMBEDDED_NAME
+from rocm_k3.model.tiny import embedded_name
 from rocm_k3.settings import override
 from rocm_k3.tokenizers import TOKENIZER_FILE
 
@@ -45,11 +45,11 @@ def test_generate_reports_errors(tmp_path, capsys: pytest.CaptureFixture) -> Non
         rc = main(["generate", "--max-model-len", "3", "a long prompt"])
     assert rc == 2
     assert "exceed max_model_len=3" in capsys.readouterr().err
-    assert (tmp_path / EMBEDDED_NAME / "config.json").is_file()  # the embedded model was built on first use
+    assert (tmp_path / embedded_name() / "config.json").is_file()  # the embedded model was installed on first use
 
 
 def test_readme_command_on_a_fresh_cache(tmp_path) -> None:
-    """``rocm-k3 generate "Hello"`` with an empty cache directory: builds the embedded model and generates."""
+    """``rocm-k3 generate "Hello"`` with an empty cache directory: installs the embedded model and generates."""
     env = dict(os.environ, ROCM_K3_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "rocm_k3.cli", "generate", "Hello", "--max-tokens", "4"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)

@@ -1,20 +1,25 @@
-"""The embedded default model: a small, seeded checkpoint of the Kimi K3 architecture in the released K3 layout.
+"""The tiny Kimi K3 checkpoints: the trained embedded default, and seeded random ones of any small shape.
 
-``write_tiny_checkpoint(dir)`` writes ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a
-compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
+The embedded default (``rocm_k3.LLM()`` with no path, ``rocm-k3 generate``) is the trained checkpoint committed
+under ``rocm_k3/model/embedded/`` (written by ``rocm-k3 train-tiny``, see :mod:`rocm_k3.training`);
+:func:`ensure_embedded_model` copies it once into ``settings.cache_dir``, under a name that carries a digest of
+its bytes (a retrained checkpoint gets a new directory, never a stale copy).
+
+``write_tiny_checkpoint(dir)`` writes a random model of the same architecture for tests that need other shapes or
+seeds: ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a compressed-tensors
+``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``) with ``language_model.``-prefixed names and MXFP4 routed experts
-(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at
-3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
-(top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
-output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128), which the MLA ops
-assume. About 2 MB. The weights are random: the model exercises every code path, it does not speak.
-
-:func:`ensure_embedded_model` builds it once into ``settings.cache_dir`` for ``rocm-k3 generate`` and
-``rocm_k3.LLM()`` with no path.
+(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats
+render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at 3, 6 (1-based), AttnRes blocks of 2 (three
+snapshots), a dense first layer, then LatentMoE with 8 experts (top-2) and two shared experts; SiTU activation;
+safe gate; full-rank KDA output gate; MLA with q_lora and output gate. The MLA latent geometry is the released
+one (512 + 64, heads 128/64/128), which the MLA ops assume. About 2 MB. Its weights are random: it exercises
+every code path, it does not speak.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,9 +36,11 @@ from rocm_k3.model.checkpoint_names import expected_tensors
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.loader import INDEX_FILE
 from rocm_k3.settings import get_settings
-from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
+from rocm_k3.tokenizers.byte import TOKENIZER_FILE, embedded_byte_tokenizer
 
-EMBEDDED_NAME = "tiny-k3-v2"  # v2: the byte tokenizer with K3's control specials (vocab 272)
+EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"  # the trained checkpoint (package data)
+EMBEDDED_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
+EMBEDDED_PREFIX = "tiny-k3-trained"
 TINY_SEED = 0
 
 _TOKENIZER = embedded_byte_tokenizer()
@@ -183,7 +190,8 @@ def random_tensors(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.T
     return out
 
 
-def _storage_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
+def storage_form(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the checkpoint stores it: bf16, except uint8 bytes and the fp32 A_log / dt_bias / router bias."""
     if t.dtype == torch.uint8 or name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
         return t.contiguous()
     return t.to(torch.bfloat16).contiguous()
@@ -200,7 +208,7 @@ def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dic
         stale.unlink(missing_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = sorted(tensors)
-    stored = {n: _storage_dtype(n, tensors[n]) for n in names}
+    stored = {n: storage_form(n, tensors[n]) for n in names}
     meta = {"format": "pt"}
     if shards == 1:
         save_file(stored, str(root / "model.safetensors"), metadata=meta)
@@ -261,19 +269,33 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: 
     return root
 
 
-def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
-    """The embedded tiny model's directory under ``cache_dir`` (default: settings.cache_dir), built on first use.
+def embedded_name() -> str:
+    """The cache directory name of the packaged checkpoint: ``tiny-k3-trained-<12 hex digits of its sha256>``."""
+    digest = hashlib.sha256()
+    for name in EMBEDDED_FILES:
+        file = EMBEDDED_DIR / name
+        if not file.is_file():
+            raise FileNotFoundError(f"the embedded checkpoint is incomplete: {file} is missing (rebuild it with "
+                                    f"`rocm-k3 train-tiny {EMBEDDED_DIR}`)")
+        digest.update(name.encode() + b"\0" + file.read_bytes())
+    return f"{EMBEDDED_PREFIX}-{digest.hexdigest()[:12]}"
 
-    Built in a temporary sibling directory and renamed into place, so a crash never leaves a half-written model.
+
+def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded trained model's directory under ``cache_dir`` (default: settings.cache_dir), copied there from
+    the package on first use.
+
+    Copied into a temporary sibling directory and renamed into place, so a crash never leaves a half-written model.
     """
     base = Path(cache_dir) if cache_dir is not None else get_settings().cache_dir
-    target = base / EMBEDDED_NAME
+    target = base / embedded_name()
     if (target / "config.json").is_file():
         return target
     base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".", dir=base))
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=base))
     try:
-        write_tiny_checkpoint(tmp)
+        for name in EMBEDDED_FILES:
+            shutil.copyfile(EMBEDDED_DIR / name, tmp / name)
         try:
             os.replace(tmp, target)
         except OSError:
