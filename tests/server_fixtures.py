@@ -4,9 +4,15 @@ engine the test builds, and the OpenAI clients that talk to it."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -14,6 +20,8 @@ from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
 from rocm_k3.engine.llm import build_engine
 from rocm_k3.entrypoints.openai.api_server import build_app, served_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class RunningServer:
@@ -73,3 +81,33 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
     finally:
         running.stop()
         engine.shutdown()
+
+
+@contextlib.contextmanager
+def serve_subprocess(workdir, *flags: str, startup_s: float = 120) -> Iterator[tuple[int, subprocess.Popen]]:
+    """``python -m rocm_k3.cli serve --port 0 FLAGS`` as a user starts it (cwd and log in ``workdir``); yields
+    (port, process) once uvicorn reports its port; stops it with Ctrl-C and checks it exits with status 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = Path(workdir) / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rocm_k3.cli", "serve", "--port", "0", *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    try:
+        port = None
+        deadline = time.monotonic() + startup_s
+        while port is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rocm-k3 serve did not start:\n{log.read_text()[-4000:]}")
+            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_text())
+            port = int(match.group(1)) if match else None
+            time.sleep(0.2)
+        yield port, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    if code != 0:
+        raise RuntimeError(f"rocm-k3 serve exited with status {code}:\n{log.read_text()[-4000:]}")

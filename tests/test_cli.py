@@ -16,7 +16,7 @@ import torch
 from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 from rocm_k3.cli import main
-from rocm_k3.model.tiny import EMBEDDED_NAME
+from rocm_k3.model.tiny import embedded_name
 from rocm_k3.settings import override
 from rocm_k3.tokenizers import TOKENIZER_FILE
 
@@ -50,11 +50,11 @@ def test_generate_reports_errors(tmp_path, capsys: pytest.CaptureFixture) -> Non
         rc = main(["generate", "--max-model-len", "3", "a long prompt"])
     assert rc == 2
     assert "exceed max_model_len=3" in capsys.readouterr().err
-    assert (tmp_path / EMBEDDED_NAME / "config.json").is_file()  # the embedded model was built on first use
+    assert (tmp_path / embedded_name() / "config.json").is_file()  # the embedded model was installed on first use
 
 
 def test_readme_command_on_a_fresh_cache(tmp_path) -> None:
-    """``rocm-k3 generate "Hello"`` with an empty cache directory: builds the embedded model and generates."""
+    """``rocm-k3 generate "Hello"`` with an empty cache directory: installs the embedded model and generates."""
     env = dict(os.environ, ROCM_K3_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "rocm_k3.cli", "generate", "Hello", "--max-tokens", "4"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -166,7 +166,7 @@ def test_stale_partial_embedded_model_is_rebuilt(tmp_path: Path, damage: str) ->
     from rocm_k3.model.tiny import COMPLETE_MARKER, write_tiny_checkpoint
 
     cache = tmp_path / "cache"
-    stale = cache / EMBEDDED_NAME
+    stale = cache / embedded_name()
     if damage == "config-only":
         stale.mkdir(parents=True)
         (stale / "config.json").write_text((write_tiny_checkpoint(tmp_path / "ref") / "config.json").read_text())
@@ -181,7 +181,7 @@ def test_stale_partial_embedded_model_is_rebuilt(tmp_path: Path, damage: str) ->
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prompt: 'Hi'" in proc.stdout and "token ids" not in proc.stdout  # decoded text: the tokenizer is back
     assert (stale / COMPLETE_MARKER).is_file() and (stale / "model.safetensors").stat().st_size > 1_000_000
-    assert sorted(p.name for p in cache.iterdir()) == [EMBEDDED_NAME]  # no temporary or stale leftovers
+    assert sorted(p.name for p in cache.iterdir()) == [embedded_name()]  # no temporary or stale leftovers
 
 
 def test_make_tiny_shards_bounded(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import pytest
 from rocm_k3.distributed.context import LayoutError
 from rocm_k3.engine.llm import LLM
 from rocm_k3.executor.multiproc import WorkerDiedError
-from rocm_k3.model.tiny import write_tiny_checkpoint
+from rocm_k3.model.tiny import EMBEDDED_DIR, write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
 from tests.model_fixtures import write_kimi_linear_checkpoint
 from tests.vision_engine_fixtures import noise_image
@@ -102,6 +102,29 @@ def test_tiny_k3_layouts_match_one_process(k3, k3_single, layout) -> None:
 def test_kimi_linear_layouts_match_one_process(kimi_linear, kimi_linear_single, layout) -> None:
     tokens, _, _ = _generate(kimi_linear, **LAYOUTS[layout])
     assert tokens == kimi_linear_single[0]
+
+
+TRAINED_PROMPTS = ["The file", "Return the number of", "If the value is"]  # text the trained model knows
+
+
+def _trained_tokens(**layout) -> list[list[int]]:
+    llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **layout)
+    try:
+        return [o.token_ids for o in llm.generate(TRAINED_PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained_single() -> list[list[int]]:
+    return _trained_tokens()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-ep", "pp2"])
+def test_trained_embedded_model_layouts_match_one_process(trained_single, layout) -> None:
+    """The trained embedded model (peaked logits, not the random models' near-ties): TP, EP and PP ranks give the
+    single process's greedy tokens."""
+    assert _trained_tokens(**LAYOUTS[layout]) == trained_single
 
 
 def test_bytes_per_rank_shrink_as_tp_grows(k3, k3_single) -> None:

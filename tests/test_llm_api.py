@@ -12,7 +12,7 @@ from model_fixtures import one_thread  # noqa: F401 (autouse)
 import rocm_k3
 from rocm_k3.engine.llm import LLM, PromptTooLongError
 from rocm_k3.model.simple_cache import SimpleCache
-from rocm_k3.model.tiny import EMBEDDED_NAME, write_tiny_checkpoint
+from rocm_k3.model.tiny import EMBEDDED_DIR, embedded_name, write_tiny_checkpoint
 from rocm_k3.settings import override
 from rocm_k3.tokenizers import TOKENIZER_FILE
 
@@ -156,10 +156,15 @@ def test_a8w4_experts(tmp_path) -> None:
         LLM(root, moe_act_quant="int8")
 
 
-def test_embedded_model_is_built_on_first_use(tmp_path) -> None:
+def test_embedded_model_is_installed_on_first_use(tmp_path) -> None:
+    """``LLM()`` copies the committed trained checkpoint into the cache dir once, under a name with its digest."""
     with override(cache_dir=tmp_path):
         llm = rocm_k3.LLM(dtype="float32")
-    assert llm.path == tmp_path / EMBEDDED_NAME and (llm.path / "config.json").is_file()
+        again = rocm_k3.LLM(dtype="float32")
+    assert llm.path == again.path == tmp_path / embedded_name() and (llm.path / "config.json").is_file()
+    for name in ("config.json", "model.safetensors", "rocm_k3_tokenizer.json"):
+        assert (llm.path / name).read_bytes() == (EMBEDDED_DIR / name).read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == [llm.path.name]  # no temporary directory left behind
     assert llm.config.is_k3 and llm.config.expert_format == "mxfp4"
     out = llm.generate("Hello", GREEDY)[0]
     assert len(out.token_ids) == 6 and isinstance(out.text, str)

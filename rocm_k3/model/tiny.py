@@ -1,20 +1,25 @@
-"""The embedded default model: a small, seeded checkpoint of the Kimi K3 architecture in the released K3 layout.
+"""The tiny Kimi K3 checkpoints: the trained embedded default, and seeded random ones of any small shape.
 
-``write_tiny_checkpoint(dir)`` writes ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a
-compressed-tensors ``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
+The embedded default (``rocm_k3.LLM()`` with no path, ``rocm-k3 generate``) is the trained checkpoint committed
+under ``rocm_k3/model/embedded/`` (written by ``rocm-k3 train-tiny``, see :mod:`rocm_k3.training`);
+:func:`ensure_embedded_model` copies it once into ``settings.cache_dir``, under a name that carries a digest of
+its bytes (a retrained checkpoint gets a new directory, never a stale copy).
+
+``write_tiny_checkpoint(dir)`` writes a random model of the same architecture for tests that need other shapes or
+seeds: ``config.json`` (top-level ``kimi_k3`` with ``text_config`` and a compressed-tensors
+``mxfp4-pack-quantized`` quantization_config), ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``) with ``language_model.``-prefixed names and MXFP4 routed experts
-(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at
-3, 6 (1-based), AttnRes blocks of 2 (three snapshots), a dense first layer, then LatentMoE with 8 experts
-(top-2) and two shared experts; SiTU activation; safe gate; full-rank KDA output gate; MLA with q_lora and
-output gate. The MLA latent geometry is the released one (512 + 64, heads 128/64/128; ``text_overrides`` can
-change it: the model and ops take the widths from the config). About 2 MB. The weights are random: the model exercises every code path, it does not speak.
-
-:func:`ensure_embedded_model` builds it once into ``settings.cache_dir`` for ``rocm-k3 generate`` and
-``rocm_k3.LLM()`` with no path.
+(``weight_packed`` + ``weight_scale``), and a byte-level tokenizer with K3's control specials (so K3 XTML chats
+render and run on it). Six layers: KDA at 1, 2, 4, 5 and MLA at 3, 6 (1-based), AttnRes blocks of 2 (three
+snapshots), a dense first layer, then LatentMoE with 8 experts (top-2) and two shared experts; SiTU activation;
+safe gate; full-rank KDA output gate; MLA with q_lora and output gate. The MLA latent geometry is the released
+one (512 + 64, heads 128/64/128; ``text_overrides`` can change it: the model and ops take the widths from the
+config). About 2 MB. Its weights are random: it exercises every code path, it does not speak.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -31,9 +36,11 @@ from rocm_k3.model.checkpoint_names import expected_tensors
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.loader import INDEX_FILE
 from rocm_k3.settings import get_settings
-from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
+from rocm_k3.tokenizers.byte import TOKENIZER_FILE, embedded_byte_tokenizer
 
-EMBEDDED_NAME = "tiny-k3-v2"  # v2: the byte tokenizer with K3's control specials (vocab 272)
+EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"  # the trained checkpoint (package data)
+EMBEDDED_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
+EMBEDDED_PREFIX = "tiny-k3-trained"
 TINY_SEED = 0
 COMPLETE_MARKER = ".rocm_k3_complete"  # written last into a finished embedded model
 
@@ -188,7 +195,8 @@ def random_tensors(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, torch.T
     return out
 
 
-def _storage_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
+def storage_form(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the checkpoint stores it: bf16, except uint8 bytes and the fp32 A_log / dt_bias / router bias."""
     if t.dtype == torch.uint8 or name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
         return t.contiguous()
     return t.to(torch.bfloat16).contiguous()
@@ -210,7 +218,7 @@ def write_checkpoint(directory: str | Path, config: dict[str, Any], tensors: dic
         stale.unlink(missing_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = sorted(tensors)
-    stored = {n: _storage_dtype(n, tensors[n]) for n in names}
+    stored = {n: storage_form(n, tensors[n]) for n in names}
     meta = {"format": "pt"}
     if shards == 1:
         save_file(stored, str(root / "model.safetensors"), metadata=meta)
@@ -273,29 +281,44 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = TINY_SEED, shards: 
     return root
 
 
-def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
-    """The embedded tiny model's directory under ``cache_dir`` (default: settings.cache_dir), built on first use.
+def embedded_name() -> str:
+    """The cache directory name of the packaged checkpoint: ``tiny-k3-trained-<12 hex digits of its sha256>``."""
+    digest = hashlib.sha256()
+    for name in EMBEDDED_FILES:
+        file = EMBEDDED_DIR / name
+        if not file.is_file():
+            raise FileNotFoundError(f"the embedded checkpoint is incomplete: {file} is missing (rebuild it with "
+                                    f"`rocm-k3 train-tiny {EMBEDDED_DIR}`)")
+        digest.update(name.encode() + b"\0" + file.read_bytes())
+    return f"{EMBEDDED_PREFIX}-{digest.hexdigest()[:12]}"
 
-    Built in a temporary sibling directory whose completion marker is written last, then renamed into place, so
-    a crash never leaves a half-written model that looks finished. A directory without the marker (an
-    interrupted build, a deleted file, an older rocm-k3's build) is moved aside and rebuilt. Raises
-    EmbeddedModelError naming the directory when the cache directory cannot be written.
+
+def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded trained model's directory under ``cache_dir`` (default: settings.cache_dir), copied there from
+    the package on first use.
+
+    Copied into a temporary sibling directory whose completion marker is written last, then renamed into place,
+    so a crash never leaves a half-written model that looks finished. A directory without the marker (an
+    interrupted copy, a deleted file) is moved aside and copied again. Raises EmbeddedModelError naming the
+    directory when the cache directory cannot be written.
     """
     base = Path(cache_dir) if cache_dir is not None else get_settings().cache_dir
-    target = base / EMBEDDED_NAME
+    name = embedded_name()
+    target = base / name
     if _is_complete(target):
         return target
     try:
         base.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".", dir=base))
+        tmp = Path(tempfile.mkdtemp(prefix=name + ".", dir=base))
     except OSError as exc:
         raise EmbeddedModelError(
-            f"cannot build the embedded model in the cache directory {base}: {exc.strerror or exc}; set "
+            f"cannot install the embedded model in the cache directory {base}: {exc.strerror or exc}; set "
             "ROCM_K3_CACHE_DIR to a writable directory, or pass --model / LLM(path) to use a checkpoint"
         ) from exc
     try:
-        write_tiny_checkpoint(tmp)
-        (tmp / COMPLETE_MARKER).write_text(EMBEDDED_NAME + "\n")
+        for file in EMBEDDED_FILES:
+            shutil.copyfile(EMBEDDED_DIR / file, tmp / file)
+        (tmp / COMPLETE_MARKER).write_text(name + "\n")
         _install(tmp, target)
     except OSError as exc:
         raise EmbeddedModelError(
@@ -317,7 +340,7 @@ def _install(tmp: Path, target: Path) -> None:
     if target.exists() or target.is_symlink():
         if _is_complete(target):  # a concurrent builder finished first
             return
-        stale = Path(tempfile.mkdtemp(prefix=EMBEDDED_NAME + ".stale.", dir=target.parent))
+        stale = Path(tempfile.mkdtemp(prefix=target.name + ".stale.", dir=target.parent))
         try:
             os.replace(target, stale / "old")
         except FileNotFoundError:  # a concurrent builder moved it first
