@@ -39,6 +39,8 @@ from rocm_k3.structured.json_schema import normalize_json_schema
 from rocm_k3.structured.spec import StructuredOutputs, ToolCallConstraint, ToolSchema
 from rocm_k3.structured.vocab import FamilyTokens
 
+JSON_MAX_WHITESPACE = 2  # whitespace characters allowed between two JSON tokens ("{ \"a\": 1 }", ",\n ")
+
 XTML_TYPES = ("string", "number", "boolean", "null", "object", "array")
 _JSON_TO_XTML = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean",
                  "null": "null", "object": "object", "array": "array"}
@@ -69,8 +71,11 @@ class _Builder:
     @staticmethod
     def json_value(schema: Any) -> st.Format:
         # no ``excludes`` here: xgrammar then drops minLength/maxLength, and the schema must hold; marker
-        # tokens cannot occur in JSON anyway (their encoding is not UTF-8), only a byte-by-byte spelling could
-        return st.JSONSchemaFormat(json_schema=normalize_json_schema(schema))
+        # tokens cannot occur in JSON anyway (their encoding is not UTF-8), only a byte-by-byte spelling could.
+        # Whitespace between JSON tokens is bounded (JSON_MAX_WHITESPACE): with unbounded whitespace a model
+        # that likes newlines fills max_tokens with them inside an unfinished value (vLLM's
+        # disable_any_whitespace answers the same failure).
+        return st.JSONSchemaFormat(json_schema=normalize_json_schema(schema), max_whitespace_cnt=JSON_MAX_WHITESPACE)
 
     @staticmethod
     def optional(fmt: st.Format) -> st.Format:
