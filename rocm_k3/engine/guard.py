@@ -32,8 +32,11 @@ class InterruptGuard:
             yield
             return
         if self._depth == 0:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            # pending is cleared before the handler goes in: signal.signal runs the handler of a SIGINT that
+            # arrived during the C call before it (e.g. a long tensor op) right after installing it, and clearing
+            # afterwards would lose that Ctrl-C
             self._pending = False
+            self._previous = signal.signal(signal.SIGINT, self._handler)
         self._depth += 1
         try:
             yield
