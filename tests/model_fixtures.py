@@ -86,3 +86,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raises KeyboardInterrupt for this test (``signal.default_int_handler``), whatever handler an earlier
+    test in the same pytest process left installed; the previous handler is restored afterwards. (In the full CI
+    run some earlier test leaves a non-default handler behind; the cause is not found yet.)"""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield previous
+    finally:
+        signal.signal(signal.SIGINT, previous)

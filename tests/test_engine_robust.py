@@ -20,7 +20,7 @@ from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.worker import DeviceError
-from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
+from tests.model_fixtures import default_sigint, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -139,6 +139,7 @@ def test_interrupt_at_any_bookkeeping_line_leaves_the_llm_usable(ckpt: Path, alo
     assert llm.stats()["preemptions"] == 0  # an interrupt is not a preemption
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_real_ctrl_c_at_random_times(ckpt: Path, alone) -> None:
     llm = _llm(ckpt)
     rng = random.Random(1)

@@ -9,6 +9,9 @@ import signal
 import pytest
 
 from rocm_k3.engine.guard import InterruptGuard
+from tests.model_fixtures import default_sigint  # noqa: F401 (used by name)
+
+pytestmark = pytest.mark.usefixtures("default_sigint")
 
 
 def test_a_sigint_inside_a_section_is_raised_at_its_end() -> None:
