@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -33,3 +35,15 @@ def k3_slice_path(tmp_path_factory: pytest.TempPathFactory):
     from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("k3-slice-shared"), text_overrides=k3_slice_overrides())
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler_left_alone(request: pytest.FixtureRequest):
+    """A test must leave SIGINT's handler as it found it: a handler left behind (a guard that never restored it,
+    a server's signal capture) swallows every later Ctrl-C of the pytest process and of the Ctrl-C tests."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)  # later tests start clean either way
+        pytest.fail(f"{request.node.nodeid} left SIGINT's handler changed: {before!r} -> {after!r}", pytrace=False)

@@ -77,8 +77,7 @@ def _arithmetic_outputs(llm, count: int = 6):
 
 def test_arithmetic_chats_close_the_response_and_stop(llm) -> None:
     """Greedy arithmetic chats: at least half answer in a response channel that closes, end the message and stop
-    on ``<|end_of_msg|>`` (measured 4 of these 6; the other two call a tool, which no arithmetic chat does in
-    training: the model does not yet tell the question kinds apart, see the strict xfail below)."""
+    on ``<|end_of_msg|>`` (measured 6 of these 6; the model trained without copy drills called a tool in two)."""
     end_of_msg = llm.tokenizer.special_tokens["<|end_of_msg|>"]
     answered = 0
     for (question, _, _), prompt, out in zip(*_arithmetic_outputs(llm)):
@@ -92,8 +91,9 @@ def test_arithmetic_chats_close_the_response_and_stop(llm) -> None:
     assert answered >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="measured: greedy answers do not depend on the question (unit-conversion "
-                   "answers or tool calls to arithmetic questions; 0 of 12 right in training.json)")
+@pytest.mark.xfail(strict=True, reason="measured: the answers copy an operand or a nearby number but the "
+                   "arithmetic is wrong (0 of these 6 right, 1 of 12 in training.json): 2.2 M parameters and "
+                   "1100 CPU steps do not learn to add")
 def test_arithmetic_chats_answer_the_question_asked(llm) -> None:
     for (question, _, answer), prompt, out in zip(*_arithmetic_outputs(llm)):
         parsed = parse_output("kimi_k3", out.text, prompt_in_think=prompt.prompt_in_think)
@@ -119,14 +119,22 @@ def _weather_calls(llm, temperature: float = 1.0, count: int = 8) -> tuple[list[
 
 def test_weather_questions_get_parsable_tool_calls(llm) -> None:
     """Sampled weather chats: the model writes tool calls the parser turns into JSON arguments with a string
-    ``city`` (measured 4 of these 8, all naming ``get_time``)."""
+    ``city`` (measured 7 of these 8)."""
     _, calls, texts = _weather_calls(llm)
     with_city = [c for call in calls for c in call.values() if isinstance(c.get("city"), str) and c["city"]]
-    assert len(with_city) >= 2, texts
+    assert len(with_city) >= 4, texts
 
 
-@pytest.mark.xfail(strict=True, reason="measured: the sampled calls name get_time, not the declared get_weather "
-                   "(tool_call_rate in training.json); the model does not yet read which tool the question needs")
+def test_weather_calls_name_the_city_asked(llm) -> None:
+    """The model reads the question: its calls carry the city the user asked about, copied from the message
+    (measured 4 of these 8; the model trained without copy drills named the asked city in none)."""
+    cities, calls, texts = _weather_calls(llm)
+    right = sum(any(args.get("city") == city for args in call.values()) for city, call in zip(cities, calls))
+    assert right >= 2, texts
+
+
+@pytest.mark.xfail(strict=True, reason="measured: 5 of these 8 seeds call get_weather, 2 call get_time (not "
+                   "declared) with the asked city; 8 of 20 in training.json's tool_call_rate")
 def test_weather_questions_mostly_call_get_weather(llm) -> None:
     _, calls, texts = _weather_calls(llm)
     called = sum(isinstance(c.get("get_weather", {}).get("city"), str) for c in calls)

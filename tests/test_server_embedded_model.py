@@ -3,8 +3,9 @@
 
 - A weather question with ``get_weather`` declared, sampled at temperature 1 with one seed per request: the calls
   the model writes come back as OpenAI ``tool_calls`` entries with ``finish_reason == "tool_calls"``. The issue's
-  goal (most seeds call ``get_weather`` with a ``city``) is a strict xfail with the measured rate: this model calls
-  the wrong tool.
+  done-criterion (most seeds give a parsable call with a ``city``) holds: measured through this server, 15 of 20
+  seeds return ``tool_calls``, 14 with the asked city. Calling the declared ``get_weather`` in at least 75 % of the
+  seeds is a strict xfail with the measured rate (9 of 20; 5 call ``get_time``, which was not declared).
 - An arithmetic question (greedy): the think channel comes back as ``reasoning_content``, the response channel
   closes with a number in ``content``, and the request stops on the end-of-message token (``finish_reason``
   "stop", fewer tokens than ``max_tokens``).
@@ -52,19 +53,19 @@ def weather(client) -> list:
 
 def test_weather_chat_tool_calls_come_back_as_openai_tool_calls(weather) -> None:
     """Every call the model writes reaches the client as a ``tool_calls`` entry (id, type function, JSON arguments)
-    with ``finish_reason == "tool_calls"``; several carry a string ``city`` (measured through this server: 10 of 20
-    seeds call a tool, 9 with a city; 4 of these 8)."""
+    with ``finish_reason == "tool_calls"``; most carry a string ``city`` (measured through this server: 15 of 20
+    seeds call a tool, 14 with the asked city)."""
     with_city = 0
     for choice in weather:
         for call in choice.message.tool_calls or []:
             assert call.type == "function" and call.id and choice.finish_reason == "tool_calls", choice
             args = json.loads(call.function.arguments)  # the parser hands back JSON, never free text
             with_city += isinstance(args.get("city"), str) and bool(args["city"])
-    assert with_city >= 2, weather
+    assert with_city >= 4, weather
 
 
-@pytest.mark.xfail(strict=True, reason="measured through this server: 2 of 20 seeds call get_weather (7 call "
-                   "get_time); the trained model does not yet read which tool the question needs")
+@pytest.mark.xfail(strict=True, reason="measured through this server: 9 of 20 seeds call get_weather (5 call "
+                   "get_time with the asked city); the model confuses the two city tools")
 def test_weather_chat_mostly_calls_get_weather(weather) -> None:
     called = sum(any(c.function.name == "get_weather" and isinstance(json.loads(c.function.arguments).get("city"),
                                                                          str) for c in ch.message.tool_calls or [])
@@ -74,8 +75,8 @@ def test_weather_chat_mostly_calls_get_weather(weather) -> None:
 
 def test_arithmetic_chats_answer_in_the_response_channel_and_stop(client) -> None:
     """Greedy arithmetic chats: most come back with the think channel as ``reasoning_content``, a number in
-    ``content`` and ``finish_reason`` "stop" on the end-of-message token (measured through this server: 10 of 12;
-    the other two run to ``max_tokens``)."""
+    ``content`` and ``finish_reason`` "stop" on the end-of-message token (measured through this server: 12 of 12;
+    the numbers in them are wrong: see tests/test_embedded_model.py)."""
     rng = random.Random(3)
     answered, seen = 0, []
     for _ in range(6):
@@ -91,4 +92,4 @@ def test_arithmetic_chats_answer_in_the_response_channel_and_stop(client) -> Non
         assert getattr(choice.message, "reasoning_content", None), seen[-1]
         assert choice.message.content and re.search(r"\d", choice.message.content), seen[-1]
         answered += 1
-    assert answered >= 4, seen
+    assert answered >= 5, seen

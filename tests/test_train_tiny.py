@@ -32,16 +32,21 @@ DOCS = [(f"mod.f{i}", text) for i, text in enumerate((
 def test_a_few_steps_lower_the_loss_reproducibly() -> None:
     corpus = build_corpus(CorpusConfig(seed=0, chats=6, heldout_chats=1, heldout_every=1000), TOKENIZER, DOCS)
     cfg = ModelConfig.from_hf_dict(trained_config())
-    config = TrainConfig(seed=0, steps=10, batch_tokens=2048, warmup_fraction=0.2, log_every=100)
-    runs = [train(cfg, corpus.train, config, TOKENIZER.pad_token_id, log=lambda _line: None) for _ in range(2)]
+    config = TrainConfig(seed=0, steps=10, drill_steps=3, batch_tokens=2048, warmup_fraction=0.2, log_every=100)
+    runs = [train(cfg, corpus.train, config, TOKENIZER.pad_token_id, log=lambda _line: None, drills=corpus.drills)
+            for _ in range(2)]
     first, again = runs
     assert first.losses == again.losses
     assert all(torch.equal(first.params[n], again.params[n]) for n in first.params)
     start, end = sum(first.losses[:3]) / 3, sum(first.losses[-3:]) / 3
     assert end < 0.8 * start, first.losses
-    other = train(cfg, corpus.train, dataclasses.replace(config, seed=1, steps=2), TOKENIZER.pad_token_id,
-                  log=lambda _line: None)
+    other = train(cfg, corpus.train, dataclasses.replace(config, seed=1, steps=2, drill_steps=0),
+                  TOKENIZER.pad_token_id, log=lambda _line: None)
     assert other.losses != first.losses[:2]
+    with pytest.raises(ValueError, match="drills"):
+        train(cfg, corpus.train, config, TOKENIZER.pad_token_id, log=lambda _line: None)  # no drill rows
+    with pytest.raises(ValueError, match="drill_steps"):
+        TrainConfig(steps=10, drill_steps=11)
 
 
 @pytest.mark.slow

@@ -11,8 +11,14 @@ from rocm_k3.entrypoints.openai.parsers import parse_output
 from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
 from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import WEATHER_TOOL, Chat, make_chat, render_training_chat
-from rocm_k3.training.corpus import PROSE, CorpusConfig, build_corpus
-from rocm_k3.training.prose import clean_paragraphs, is_clean_paragraph, prose_documents, stdlib_docstrings
+from rocm_k3.training.corpus import DRILL, PROSE, CorpusConfig, build_corpus
+from rocm_k3.training.drills import SEPARATOR, drill_rows
+from rocm_k3.training.prose import (
+    clean_paragraphs,
+    is_clean_paragraph,
+    prose_documents,
+    stdlib_docstrings,
+)
 
 TOKENIZER = embedded_byte_tokenizer()
 DOCS = [
@@ -106,7 +112,8 @@ def test_corpus_is_reproducible_and_split() -> None:
     a = build_corpus(config, TOKENIZER, DOCS)
     b = build_corpus(config, TOKENIZER, DOCS)
     assert a == b
-    assert sum(ex.kind != PROSE for ex in a.train) == 12 and sum(ex.kind != PROSE for ex in a.heldout) == 4
+    assert sum(ex.kind != PROSE for ex in a.train) == 12
+    assert sum(ex.kind not in (PROSE, DRILL) for ex in a.heldout) == 4
     rows = [TOKENIZER.decode(ex.token_ids) for ex in a.train + a.heldout if ex.kind == PROSE]
     paragraphs = [p for row in rows for p in row.split("\n\n")]  # rows pack documents, blank-line separated
     assert sorted(paragraphs) == sorted(p for d in prose_documents(DOCS) for p in d.text.split("\n\n"))
@@ -114,5 +121,32 @@ def test_corpus_is_reproducible_and_split() -> None:
     other = build_corpus(CorpusConfig(seed=4, chats=12, heldout_chats=4, heldout_every=2), TOKENIZER, DOCS)
     assert other.train != a.train
     assert "container" in a.words
+    assert len(a.drills) == config.drills and all(ex.kind == DRILL for ex in a.drills)
+    assert sum(ex.kind == DRILL for ex in a.heldout) == config.heldout_drills
+    assert not any(ex.kind == DRILL for ex in a.train)  # drills train apart (the first steps)
     with pytest.raises(ValueError, match="chats"):
         CorpusConfig(chats=0)
+    with pytest.raises(ValueError, match="drill_row_tokens"):
+        CorpusConfig(drill_row_tokens=0)
+
+
+def test_drill_rows_repeat_each_piece_and_target_only_the_copy() -> None:
+    words = ["return", "the", "number", "of", "items", "in", "a", "container"]
+    rows = drill_rows(random.Random(0), TOKENIZER, words, 40, 128)
+    assert drill_rows(random.Random(0), TOKENIZER, words, 40, 128) == rows
+    kinds = set()
+    for row in rows:
+        assert row.kind == DRILL and len(row.token_ids) <= 128
+        text = TOKENIZER.decode(list(row.token_ids))
+        lines = text.split("\n")
+        assert lines[-1] == "" and len(lines) >= 2, text
+        copies = []
+        for line in lines[:-1]:
+            first, second = line.split(SEPARATOR)
+            assert first == second and first, line
+            copies.append(second + "\n")
+            kinds.add("city" if any(c in first for c in ("Paris", ",")) or first[:1].isupper() else
+                      "number" if first[:1].isdigit() else "word")
+        targets = TOKENIZER.decode([t for t, flag in zip(row.token_ids, row.target) if flag])
+        assert targets == "".join(copies)  # the second copy of every piece, nothing else
+    assert kinds == {"city", "number", "word"}

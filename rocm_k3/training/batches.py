@@ -22,6 +22,9 @@ class Batch(NamedTuple):
     input_ids: torch.Tensor  # int64 [B, L]
     target: torch.Tensor  # bool [B, L]: token t is a target (predicted from the tokens before it)
 
+    def to(self, device: str | torch.device) -> Batch:
+        return Batch(self.input_ids.to(device), self.target.to(device))
+
 
 class LossSum(NamedTuple):
     nll: torch.Tensor  # fp32 scalar: summed negative log-likelihood of the target tokens (nats)

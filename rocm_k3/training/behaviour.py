@@ -8,7 +8,8 @@ completion decoded with its special tokens.
 - :func:`arithmetic_behaviour`: arithmetic chats (greedy): the completion closes its response channel, ends the
   message and stops on ``<|end_of_msg|>``; and whether the response holds the right number;
 - :func:`tool_call_behaviour`: a weather question with ``get_weather`` declared, sampled with one seed per
-  request: the parser finds a ``get_weather`` call with a ``city`` argument (and whether it is the asked city).
+  request: the parser finds a ``get_weather`` call with a ``city`` argument (and whether it is the asked city);
+- :func:`repeat_behaviour`: "Repeat after me: <cities>" chats (greedy): the response is the text, word for word.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from rocm_k3.entrypoints.openai.parsers import parse_output
-from rocm_k3.entrypoints.openai.parsers.kimi_k3 import END_OF_MSG, MESSAGE_CLOSE, RESPONSE_CLOSE
+from rocm_k3.entrypoints.openai.parsers.kimi_k3 import (
+    END_OF_MSG,
+    MESSAGE_CLOSE,
+    RESPONSE_CLOSE,
+)
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
-from rocm_k3.training.chats import CITIES, WEATHER_TOOL, arithmetic_question, weather_question
+from rocm_k3.training.chats import (
+    CITIES,
+    WEATHER_TOOL,
+    arithmetic_question,
+    weather_question,
+)
 
 PROSE_PROMPTS = ("Hello", "The file", "Return the", "This module provides", "If the value is", "An object")
 MESSAGE_END = MESSAGE_CLOSE + END_OF_MSG
@@ -38,6 +48,11 @@ class WordRate(NamedTuple):
 class ArithmeticResult(NamedTuple):
     stop_rate: float  # response closed, message closed, stopped on <|end_of_msg|>
     accuracy: float  # the parsed response contains the right result
+    samples: tuple[str, ...]
+
+
+class RepeatResult(NamedTuple):
+    rate: float  # the parsed response equals the text asked to be repeated
     samples: tuple[str, ...]
 
 
@@ -99,3 +114,15 @@ def tool_call_behaviour(llm: Any, seeds: Sequence[int] = tuple(range(20)), tempe
             called += 1
             right += args["city"] == city
     return ToolCallResult(called / len(seeds), right / len(seeds), tuple(o.text for o in outs))
+
+
+def repeat_behaviour(llm: Any, count: int = 12, seed: int = 99, max_tokens: int = 200) -> RepeatResult:
+    renderer = K3ChatRenderer(llm.tokenizer)
+    rng = random.Random(seed)
+    texts = [", ".join(rng.sample(CITIES, rng.randint(1, 3))) for _ in range(count)]
+    prompts = [renderer.render([{"role": "user", "content": f"Repeat after me: {text}"}]) for text in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+    outs = llm.generate([p.token_ids for p in prompts], params)
+    right = sum((parse_output("kimi_k3", out.text, prompt_in_think=prompt.prompt_in_think).content or "").strip()
+                == text for prompt, out, text in zip(prompts, outs, texts))
+    return RepeatResult(right / count, tuple(o.text for o in outs))

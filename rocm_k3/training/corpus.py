@@ -6,7 +6,9 @@ split does not depend on the seed), then are shuffled and packed into rows of at
 (documents separated by a blank line); every token of a prose row is a target. Chats
 (:mod:`rocm_k3.training.chats`) are drawn from two independent seeded streams, one per split (``repeat`` chats
 quote short sentences of the training prose), and rendered with
-:class:`~rocm_k3.tokenizers.k3_chat.K3ChatRenderer`; their assistant turns are the targets.
+:class:`~rocm_k3.tokenizers.k3_chat.K3ChatRenderer`; their assistant turns are the targets. Copy drills
+(:mod:`rocm_k3.training.drills`, words from the training prose) are kept apart in ``Corpus.drills``: the training
+loop runs its first steps on them; held-out drills join the held-out set.
 """
 
 from __future__ import annotations
@@ -20,53 +22,53 @@ from collections.abc import Sequence
 from rocm_k3.tokenizers.byte import ByteTokenizer
 from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import make_chat, render_training_chat
-from rocm_k3.training.prose import ProseDocument, prose_documents, stdlib_docstrings, word_list
+from rocm_k3.training.drills import DRILL, drill_rows
+from rocm_k3.training.example import Example
+from rocm_k3.training.prose import (
+    ProseDocument,
+    prose_documents,
+    stdlib_docstrings,
+    word_list,
+)
 
 PROSE = "prose"
+__all__ = ["DRILL", "PROSE", "Corpus", "CorpusConfig", "Example", "build_corpus"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CorpusConfig:
     """seed: chat draws and prose packing; chats / heldout_chats: chats per split; prose_row_chars: prose row
-    length; heldout_every: one prose document in this many (by hash) is held out."""
+    length; heldout_every: one prose document in this many (by hash) is held out; drills / heldout_drills: copy
+    drill rows (:mod:`rocm_k3.training.drills`) of at most drill_row_tokens tokens per split."""
 
     seed: int = 0
     chats: int = 2400
     heldout_chats: int = 96
     prose_row_chars: int = 512
     heldout_every: int = 20
+    drills: int = 3200
+    heldout_drills: int = 32
+    drill_row_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("chats", "heldout_chats", "prose_row_chars", "heldout_every"):
+        for name in ("chats", "heldout_chats", "prose_row_chars", "heldout_every", "drills", "heldout_drills",
+                     "drill_row_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class Example:
-    """One training row: ``kind`` ("prose" or a chat kind), token ids and the target flag of each token."""
-
-    kind: str
-    token_ids: tuple[int, ...]
-    target: tuple[bool, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.token_ids) != len(self.target) or len(self.token_ids) < 2:
-            raise ValueError(f"example: expected >= 2 tokens with one target flag each, got "
-                             f"{len(self.token_ids)} tokens and {len(self.target)} flags")
-
-
-@dataclasses.dataclass(frozen=True)
 class Corpus:
     train: list[Example]
-    heldout: list[Example]
+    heldout: list[Example]  # held-out prose, chats and drills
     words: frozenset[str]  # the words of all prose (the dictionary generated prose is measured against)
+    drills: list[Example] = dataclasses.field(default_factory=list)  # training copy drills (the first steps)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Per split and kind: rows, tokens and target tokens."""
         out: dict[str, dict[str, int]] = {}
-        for split, rows in (("train", self.train), ("heldout", self.heldout)):
+        for split, rows in (("train", self.train + self.drills), ("heldout", self.heldout)):
             counts: dict[str, int] = collections.Counter()
             for ex in rows:
                 counts[f"{ex.kind}_rows"] += 1
@@ -89,7 +91,12 @@ def build_corpus(config: CorpusConfig, tokenizer: ByteTokenizer,
         renderer, random.Random(f"chats-train-{config.seed}"), config.chats, sentences)
     heldout = _prose_rows(held, config.prose_row_chars, rng, tokenizer) + _chat_rows(
         renderer, random.Random(f"chats-heldout-{config.seed}"), config.heldout_chats, sentences)
-    return Corpus(train, heldout, word_list([d.text for d in docs]))
+    train_words = " ".join(d.text for d in kept).split()
+    drills = drill_rows(random.Random(f"drills-train-{config.seed}"), tokenizer, train_words, config.drills,
+                        config.drill_row_tokens)
+    heldout += drill_rows(random.Random(f"drills-heldout-{config.seed}"), tokenizer, train_words,
+                          config.heldout_drills, config.drill_row_tokens)
+    return Corpus(train, heldout, word_list([d.text for d in docs]), drills)
 
 
 def _prose_rows(docs: Sequence[ProseDocument], row_chars: int, rng: random.Random,

@@ -20,7 +20,7 @@ import torch
 
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.training.batches import Batch, make_batches, target_loss
-from rocm_k3.training.corpus import PROSE, Example
+from rocm_k3.training.corpus import DRILL, PROSE, Example
 from rocm_k3.training.params import init_params, is_trainable
 
 Log = Callable[[str], None]
@@ -30,10 +30,12 @@ Log = Callable[[str], None]
 class TrainConfig:
     """seed: initial weights and batch order; steps; batch_tokens: rows x longest row per step; lr: peak rate
     after a linear warmup over ``warmup_fraction`` of the steps, decaying on a cosine to lr * min_lr_ratio;
-    clip: gradient norm bound."""
+    clip: gradient norm bound; drill_steps: the first steps (of ``steps``) train on the copy drills alone
+    (:mod:`rocm_k3.training.drills`)."""
 
     seed: int = 0
-    steps: int = 800
+    steps: int = 1100
+    drill_steps: int = 300
     batch_tokens: int = 2048
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
@@ -49,6 +51,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if isinstance(self.drill_steps, bool) or not isinstance(self.drill_steps, int) or not (
+                0 <= self.drill_steps <= self.steps):
+            raise ValueError(f"drill_steps: expected an int in [0, steps={self.steps}], got {self.drill_steps!r}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction: expected a number in [0, 1), got {self.warmup_fraction!r}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.clip > 0 and self.weight_decay >= 0):
@@ -78,14 +83,21 @@ class TrainResult:
 
 
 def group_of(example: Example) -> str:
-    return PROSE if example.kind == PROSE else "chat"
+    return example.kind if example.kind in (PROSE, DRILL) else "chat"
 
 
 def train(cfg: ModelConfig, rows: Sequence[Example], config: TrainConfig, pad_id: int,
-          log: Log = print) -> TrainResult:
-    """Train the model of ``cfg`` from its seeded initialisation on ``rows``."""
+          log: Log = print, device: str | torch.device = "cpu", drills: Sequence[Example] = ()) -> TrainResult:
+    """Train the model of ``cfg`` from its seeded initialisation: ``config.drill_steps`` steps on ``drills``,
+    then the rest on ``rows``.
+
+    device: where the steps run (the initialisation is drawn on the CPU either way; the committed checkpoint is
+    trained on the CPU, a GPU serves for trying recipes quickly). The result's tensors are on the CPU.
+    """
+    if config.drill_steps and not drills:
+        raise ValueError(f"drills: drill_steps is {config.drill_steps} but no drill rows were given")
     torch.manual_seed(config.seed)
-    params = {n: t.requires_grad_(is_trainable(n)) for n, t in init_params(cfg, config.seed).items()}
+    params = {n: t.to(device).requires_grad_(is_trainable(n)) for n, t in init_params(cfg, config.seed).items()}
     decayed = [t for n, t in params.items() if t.requires_grad and t.dim() == 2 and not n.endswith("_res_proj.weight")]
     plain = [t for n, t in params.items() if t.requires_grad and not any(t is d for d in decayed)]
     opt = torch.optim.AdamW([{"params": decayed, "weight_decay": config.weight_decay},
@@ -95,13 +107,16 @@ def train(cfg: ModelConfig, rows: Sequence[Example], config: TrainConfig, pad_id
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(config.steps):
+        if step == config.drill_steps:
+            pending = []  # the drill phase is over: switch to the corpus
         if not pending:
-            pending = make_batches(rows, config.batch_tokens, rng, pad_id)[::-1]
+            source = drills if step < config.drill_steps else rows
+            pending = make_batches(source, config.batch_tokens, rng, pad_id)[::-1]
         batch = pending.pop()
         for group in opt.param_groups:
             group["lr"] = config.lr_at(step)
         counts: dict[int, torch.Tensor] = {}
-        loss = target_loss(cfg, params, batch, expert_counts=counts)
+        loss = target_loss(cfg, params, batch.to(device), expert_counts=counts)
         mean = loss.nll / max(1, loss.count)
         opt.zero_grad(set_to_none=True)
         mean.backward()
@@ -113,7 +128,7 @@ def train(cfg: ModelConfig, rows: Sequence[Example], config: TrainConfig, pad_id
             recent = losses[-config.log_every:]
             log(f"step {step + 1:5d}/{config.steps}  loss {sum(recent) / len(recent):.4f} nats/token  "
                 f"lr {config.lr_at(step):.2e}  {time.perf_counter() - start:7.1f} s")
-    return TrainResult({n: t.detach() for n, t in params.items()}, losses, time.perf_counter() - start)
+    return TrainResult({n: t.detach().cpu() for n, t in params.items()}, losses, time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -126,14 +141,15 @@ def _balance_experts(cfg: ModelConfig, params: Mapping[str, torch.Tensor], count
 
 @torch.no_grad()
 def heldout_loss(cfg: ModelConfig, params: Mapping[str, torch.Tensor], rows: Sequence[Example],
-                 batch_tokens: int, pad_id: int) -> dict[str, float]:
-    """Mean target NLL (nats/token) of ``rows`` per group ("prose", "chat")."""
+                 batch_tokens: int, pad_id: int, device: str | torch.device = "cpu") -> dict[str, float]:
+    """Mean target NLL (nats/token) of ``rows`` per group ("prose", "chat"), computed on ``device``."""
+    params = {n: t.to(device) for n, t in params.items()}
     out = {}
     for group in sorted({group_of(r) for r in rows}):
         members = [r for r in rows if group_of(r) == group]
         nll, count = 0.0, 0
         for batch in make_batches(members, batch_tokens, random.Random(0), pad_id):
-            loss = target_loss(cfg, params, batch)
+            loss = target_loss(cfg, params, batch.to(device))
             nll, count = nll + float(loss.nll), count + loss.count
         out[group] = nll / max(1, count)
     return out

@@ -1,6 +1,8 @@
 """The embedded model's recipe: build the corpus, train the tiny K3, quantise the experts, measure, write.
 
-:func:`train_tiny` is what ``rocm-k3 train-tiny DIR`` runs. The model is the tiny K3 of
+:func:`train_tiny` is what ``rocm-k3 train-tiny DIR`` runs: the first ``drill_steps`` steps train on copy drills
+(:mod:`rocm_k3.training.drills`; without them the model never learns to copy from its context, so its answers
+ignore the question), the rest on the corpus of prose and chats. The model is the tiny K3 of
 :func:`rocm_k3.model.tiny.tiny_config` (with :data:`TEXT_OVERRIDES`), so it has every layer kind of K3: KDA and
 MLA layers, a dense first layer, LatentMoE with MXFP4 routed experts and shared experts, SiTU, AttnRes blocks.
 Held-out losses (nats per target token) are measured three ways: the fp32 weights as trained, the same with the
@@ -23,8 +25,13 @@ import torch
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.tiny import TINY_TEXT_CONFIG, tiny_config
 from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
+from rocm_k3.training.behaviour import (
+    arithmetic_behaviour,
+    prose_word_rate,
+    repeat_behaviour,
+    tool_call_behaviour,
+)
 from rocm_k3.training.corpus import Corpus, CorpusConfig, build_corpus
-from rocm_k3.training.behaviour import arithmetic_behaviour, prose_word_rate, tool_call_behaviour
 from rocm_k3.training.export import REPORT_FILE, write_trained_checkpoint
 from rocm_k3.training.loop import TrainConfig, heldout_loss, train
 from rocm_k3.training.params import bf16_round_trip, quantised_experts
@@ -57,11 +64,13 @@ def trained_config() -> dict[str, Any]:
 
 
 def train_tiny(directory: str | Path, recipe: TinyRecipe = TinyRecipe(), log: Callable[[str], None] = print,
-               corpus: Corpus | None = None, measure: bool = True) -> dict[str, Any]:
+               corpus: Corpus | None = None, measure: bool = True,
+               device: str | torch.device = "cpu") -> dict[str, Any]:
     """Train, write the checkpoint to ``directory`` and return the report (also in its ``training.json``).
 
     corpus: a prebuilt corpus (tests); default: built from ``recipe.corpus``. measure: also serve the written
-    checkpoint and add its behaviour to the report.
+    checkpoint and add its behaviour to the report. device: where training and the held-out losses run (the
+    committed checkpoint: the CPU; the behaviour is always measured on the CPU reference).
     """
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
@@ -72,14 +81,15 @@ def train_tiny(directory: str | Path, recipe: TinyRecipe = TinyRecipe(), log: Ca
         log(f"corpus: {summary}")
         config = trained_config()
         cfg = ModelConfig.from_hf_dict(config)
-        result = train(cfg, corpus.train, recipe.train, tokenizer.pad_token_id, log)
+        result = train(cfg, corpus.train, recipe.train, tokenizer.pad_token_id, log, device=device,
+                       drills=corpus.drills)
         pad = tokenizer.pad_token_id
         heldout = {
-            "fp32": heldout_loss(cfg, result.params, corpus.heldout, EVAL_BATCH_TOKENS, pad),
+            "fp32": heldout_loss(cfg, result.params, corpus.heldout, EVAL_BATCH_TOKENS, pad, device),
             "fp32_mxfp4_experts": heldout_loss(cfg, quantised_experts(result.params), corpus.heldout,
-                                               EVAL_BATCH_TOKENS, pad),
+                                               EVAL_BATCH_TOKENS, pad, device),
             "checkpoint": heldout_loss(cfg, quantised_experts(bf16_round_trip(result.params)), corpus.heldout,
-                                       EVAL_BATCH_TOKENS, pad),
+                                       EVAL_BATCH_TOKENS, pad, device),
         }
         tail = result.losses[-max(1, len(result.losses) // 10):]
         report = {
@@ -113,10 +123,12 @@ def measure_behaviour(directory: str | Path, words: frozenset[str]) -> dict[str,
     prose = prose_word_rate(llm, words)
     arithmetic = arithmetic_behaviour(llm)
     tools = tool_call_behaviour(llm)
+    repeat = repeat_behaviour(llm)
     return {
         "prose_word_rate": prose.rate, "prose_words": prose.words, "prose_samples": list(prose.samples),
         "arithmetic_stop_rate": arithmetic.stop_rate, "arithmetic_accuracy": arithmetic.accuracy,
         "arithmetic_samples": list(arithmetic.samples[:3]),
         "tool_call_rate": tools.rate, "tool_call_right_city_rate": tools.right_city_rate,
         "tool_call_samples": list(tools.samples[:3]),
+        "repeat_rate": repeat.rate, "repeat_samples": list(repeat.samples[:3]),
     }
