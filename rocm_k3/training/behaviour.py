@@ -76,16 +76,19 @@ def prose_word_rate(llm: Any, words: Iterable[str], prompts: Sequence[str] = PRO
     return WordRate(found / max(1, total), total, tuple(o.text for o in outs))
 
 
-def arithmetic_behaviour(llm: Any, count: int = 12, seed: int = 1234, max_tokens: int = 300) -> ArithmeticResult:
+def _greedy_chats(llm: Any, questions: Sequence[str], max_tokens: int) -> tuple[list[Any], list[Any]]:
+    """(rendered prompts, outputs) of one-question chats answered greedily, decoded with special tokens."""
     renderer = K3ChatRenderer(llm.tokenizer)
-    rng = random.Random(seed)
-    prompts, answers = [], []
-    for _ in range(count):
-        question, _think, answer = arithmetic_question(rng)
-        prompts.append(renderer.render([{"role": "user", "content": question}]))
-        answers.append(re.findall(r"-?\d+", answer)[-1])
+    prompts = [renderer.render([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
-    outs = llm.generate([p.token_ids for p in prompts], params)
+    return prompts, llm.generate([p.token_ids for p in prompts], params)
+
+
+def arithmetic_behaviour(llm: Any, count: int = 12, seed: int = 1234, max_tokens: int = 300) -> ArithmeticResult:
+    rng = random.Random(seed)
+    drawn = [arithmetic_question(rng) for _ in range(count)]
+    answers = [re.findall(r"-?\d+", answer)[-1] for _question, _think, answer in drawn]
+    prompts, outs = _greedy_chats(llm, [question for question, _think, _answer in drawn], max_tokens)
     stopped = right = 0
     for prompt, out, answer in zip(prompts, outs, answers):
         closed = RESPONSE_CLOSE in out.text and out.text.endswith(MESSAGE_END)
@@ -117,12 +120,9 @@ def tool_call_behaviour(llm: Any, seeds: Sequence[int] = tuple(range(20)), tempe
 
 
 def repeat_behaviour(llm: Any, count: int = 12, seed: int = 99, max_tokens: int = 200) -> RepeatResult:
-    renderer = K3ChatRenderer(llm.tokenizer)
     rng = random.Random(seed)
     texts = [", ".join(rng.sample(CITIES, rng.randint(1, 3))) for _ in range(count)]
-    prompts = [renderer.render([{"role": "user", "content": f"Repeat after me: {text}"}]) for text in texts]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
-    outs = llm.generate([p.token_ids for p in prompts], params)
+    prompts, outs = _greedy_chats(llm, [f"Repeat after me: {text}" for text in texts], max_tokens)
     right = sum((parse_output("kimi_k3", out.text, prompt_in_think=prompt.prompt_in_think).content or "").strip()
                 == text for prompt, out, text in zip(prompts, outs, texts))
     return RepeatResult(right / count, tuple(o.text for o in outs))
