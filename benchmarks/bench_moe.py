@@ -21,6 +21,7 @@ loop (cross-compiled on this machine for sm_90 with its Triton, cuobjdump) is pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import traceback
 from pathlib import Path
@@ -38,8 +39,44 @@ from rocm_k3.triton_kernels.moe.pointwise import route
 HBM_BPS = 4.27e12
 E, TOP_K, HIDDEN, N = 896, 16, 3584, 3072
 EXPERT_BYTES = (2 * N * HIDDEN // 2 + 2 * N * HIDDEN // 32) + (HIDDEN * N // 2 + HIDDEN * N // 32)  # 17.55 MB
-SWEEP = [MoEConfig(programs_per_sm=3), MoEConfig(programs_per_sm=2), MoEConfig(split_k=1), MoEConfig(split_k=2),
-         MoEConfig(num_stages=4), MoEConfig(block_k=256, programs_per_sm=2, max_registers=None)]
+
+
+def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
+    """Our tile variants around the picked config at T = tokens (the picked one first: the reference of the
+    correctness check): pipeline depth, residency, w2 K splits at decode, 32-row blocks at prefill."""
+    rep = dataclasses.replace
+    out = [picked, rep(picked, num_stages=4), rep(picked, num_stages=2),
+           rep(picked, programs_per_sm=3, max_registers=168 if picked.block_m == 16 else None)]
+    if tokens <= 4:
+        out += [rep(picked, split_k=s) for s in (2, 4)]
+    if tokens >= 512:
+        out += [rep(picked, block_m=32, programs_per_sm=3, max_registers=168),
+                rep(picked, block_m=32, programs_per_sm=4, max_registers=128)]
+    return out
+
+
+def kernel_times(fn, args: tuple, reps: int = 10) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel the op launches (torch.profiler over eager calls; the two
+    expert GEMMs are told apart by their launch order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn(*args)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    gemm = 0
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        name = ev.name
+        if name.startswith("moe_gemm_kernel"):
+            name = f"moe_gemm_kernel w{'13' if gemm % 2 == 0 else '2'}"
+            gemm += 1
+        totals[name] = totals.get(name, 0.0) + ev.device_time / reps
+    return totals
 
 
 def timed(fn) -> float:
@@ -115,11 +152,12 @@ def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None):
 
 
 def sass_per_weight() -> dict:
-    """Static SASS of our K loop per weight element (w13 and w2 at the decode tiles), for this GPU's Triton."""
+    """Static SASS of our K loop per weight element (w13 and w2 at the decode tiles, no K split), for this GPU's
+    Triton."""
     from rocm_k3.triton_kernels.compile_check import compile_kernel, sass_loops
 
     out = {}
-    for stage, split in ((1, 1), (2, 4)):
+    for stage, split in ((1, 1), (2, 1)):
         ce = dict(STAGE=stage, W_FMT=0, DECODE=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
                   OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=split, BMT=16, KU=2, STAGES=3)
         sig = dict(K.GEMM_SIGNATURE, out_ptr="*bf16" if stage == 1 else "*fp32")
@@ -140,8 +178,16 @@ def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
     nbytes = used * EXPERT_BYTES
     floor_us = nbytes / HBM_BPS * 1e6
     rows = []
+    refs: dict[str, torch.Tensor] = {}  # per activation format ("A16W4", "A8W4"): the first variant's output
     for label, fn in variants:
         try:
+            out = fn(x, logits, ids).float()
+            ref = refs.setdefault(label.split()[1], out)
+            err = ((out - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:  # NaN fails too
+                print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} WRONG: rel. error {err:.2e} vs the first "
+                      "variant", flush=True)
+                continue
             us = timed(lambda: fn(x, logits, ids)) * 1e3
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the run goes on
             print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} FAILED {exc!r:.200}", flush=True)
@@ -157,7 +203,8 @@ def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
-    parser.add_argument("--sweep", action="store_true", help="also time our tile variants (T <= 64)")
+    parser.add_argument("--sweep", action="store_true", help="also time our tile variants at every T")
+    parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
     parser.add_argument("--out", type=Path, default=None, help="write bench_moe.json here")
@@ -183,8 +230,8 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the peer is optional: report why it is missing
             traceback.print_exc()
     print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6}", flush=True)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    inputs = {}
+    inputs: dict = {}
+    kernels: dict = {}
     for t in args.tokens:
         logits, ids = routing_inputs(t, dev)
         x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -196,15 +243,23 @@ def main() -> None:
             same = torch.equal(out, fused_moe_with(x, prepared, r.weights, r.ids, decode="portable"))
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print(f"T{t}: rel. error vs reference {err:.2e}, inline PTX == portable decode: {same}", flush=True)
-        picked = pick_config(t * TOP_K, E, 28, num_sms)
+        picked = pick_config(t * TOP_K, E)
         rows += _time_variants(t, inputs[t], [(f"ours A16W4 {picked}", ours(prepared, "bf16", None)),
                                               (f"ours A8W4 {picked}", ours(prepared, "mxfp8", None))])
     if peer is not None:  # after ours: a fault in the peer cannot lose our numbers
         for t in args.tokens:
             rows += _time_variants(t, inputs[t], [("peer triton_kernels A16W4", peer)])
-    if args.sweep:  # our tile variants at decode
-        for t in [t for t in args.tokens if t <= 64]:
-            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in SWEEP])
+    if args.kernels:
+        for t in args.tokens:
+            x, logits, ids = inputs[t]
+            times = kernel_times(ours(prepared, "bf16", None), (x, logits, ids))
+            print(f"T{t} kernels (us): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+            kernels[t] = times
+    if args.sweep:  # our tile variants
+        for t in args.tokens:
+            picked = pick_config(t * TOP_K, E)
+            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg))
+                                                  for cfg in sweep_configs(picked, t)])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),
@@ -215,7 +270,7 @@ def main() -> None:
               f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {vs:>7}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows}, indent=1))
+        (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows, "kernels": kernels}, indent=1))
 
 
 if __name__ == "__main__":

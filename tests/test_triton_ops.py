@@ -221,8 +221,8 @@ def test_route_and_activations_interpret() -> None:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16)],
-                         ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20"])
+@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16), (40, 3, 4, 16), (256, 16, 896, 16)],
+                         ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20", "T40-k3-E4-multiblock", "T256-k16-E896"])
 def test_moe_align_kernel_matches_sort(t: int, k: int, e: int, bm: int) -> None:
     ids = _routing(t, e, k, seeded(4))[1]
     got = align_routing(ids, e, bm, force="kernel")
@@ -356,11 +356,11 @@ def test_moe_config_validation(bad: dict) -> None:
 
 
 def test_moe_pick_config() -> None:
-    """K3 decode (896 experts, 28 w2 tiles, 132 SMs): 16-row blocks; w2 split in K while its items are few."""
-    assert pick_config(16, 896, 28, 132) == MoEConfig(block_m=16, split_k=4)  # T = 1: 448 w2 items -> 1792
-    assert pick_config(4 * 16, 896, 28, 132).split_k == 2  # T = 4: ~61 experts x 28 tiles -> x 2
-    assert pick_config(64 * 16, 896, 28, 132).split_k == 1 and pick_config(64 * 16, 896, 28, 132).block_m == 16
-    prefill = pick_config(2048 * 16, 896, 28, 132)  # ~37 rows per expert
+    """K3 (896 experts, top-16): 16-row blocks at decode, no K split; 32 / 64-row blocks as rows per expert grow."""
+    assert pick_config(16, 896) == MoEConfig(block_m=16, split_k=1)  # T = 1
+    assert pick_config(64 * 16, 896) == MoEConfig(block_m=16)  # T = 64: ~1.1 rows per used expert
+    assert pick_config(1024 * 16, 896).block_m == 32  # ~18 rows per expert
+    prefill = pick_config(2048 * 16, 896)  # ~37 rows per expert
     assert (prefill.block_m, prefill.programs_per_sm, prefill.max_registers) == (64, 2, None)
 
 

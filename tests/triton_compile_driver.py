@@ -91,7 +91,7 @@ def _launch_specs() -> dict:
                       {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
                        "count_ptr": "*i32", "nblk_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
                        "num_blocks": "i32"},
-                      dict(BM=16, BLOCK_A=64, BLOCK_E=1024), 8),
+                      dict(BM=16, BLOCK_P=1024, BLOCK_E=1024), 8),
         "moe_w13_a16w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1), 4),
         "moe_w2_a16w4_split": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, SPLIT=4), 4),
         "moe_w13_a8w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, OUT_MX=True), 4),

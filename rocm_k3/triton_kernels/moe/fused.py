@@ -72,22 +72,18 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.max_registers must be None or an int in [24, 255], got {self.max_registers!r}")
 
 
-def pick_config(num_pairs: int, num_experts: int, tiles_w2: int, num_sms: int) -> MoEConfig:
+def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
     """Tiles for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts.
 
     block_m covers the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up to 64 at prefill.
-    split_k doubles the w2 items while there are fewer than ~24 per SM at the expected block count, so the
-    persistent programs end together (K3 decode: T = 1 splits 4 ways, T = 4 two ways).
+    No K split: on the H200 at K3 shapes the unsplit w2 was the fastest in every run (T = 1: 153.8 us against
+    157.7 / 161.2 us split 2 / 4 ways; T = 4: 453.0 against 472.0 / 490.0 us; benchmarks/RESULTS.md, session 4).
     """
     per_expert = num_pairs / max(1, num_experts)
     block_m = 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64
-    blocks = min(num_experts, num_pairs) + num_pairs // block_m // 2  # rough expected used blocks
-    split = 1
-    while split < 4 and blocks * tiles_w2 * split < 24 * num_sms:
-        split *= 2
     # resident programs per SM: 128 registers for 16-row blocks (4 x 128 threads), 168 for 32, no cap for 64 (2)
     per_sm, regs = {16: (4, 128), 32: (3, 168), 64: (2, None)}[block_m]
-    return MoEConfig(block_m=block_m, split_k=split, programs_per_sm=per_sm, max_registers=regs)
+    return MoEConfig(block_m=block_m, programs_per_sm=per_sm, max_registers=regs)
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
@@ -197,7 +193,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         raise ValueError("decode='asm' (inline PTX) runs on NVIDIA GPUs only, not in the interpreter or on AMD")
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
-    cfg = config or pick_config(tokens * top_k, num_experts, w2m.tiles, num_sms)
+    cfg = config or pick_config(tokens * top_k, num_experts)
     a8 = act_quant == "mxfp8"
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
     op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
@@ -232,7 +228,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
             STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, KU=bk // 64,
             **common,
         )
-    block = min(1024, triton.next_power_of_2(kout))
+    block = min(256 if tokens < 64 else 1024, triton.next_power_of_2(kout))  # decode: more programs
     K.topk_reduce_kernel[(tokens, triton.cdiv(kout, block))](
         y, out, kout, y.stride(1), y.stride(0), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK=block,
     )

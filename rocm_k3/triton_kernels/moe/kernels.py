@@ -194,7 +194,7 @@ def topk_reduce_kernel(y_ptr, out_ptr, Kout, stride_y, stride_split, stride_out,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < Kout
     acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(SPLIT):
-        for j in range(TOP_K):
+    for s in tl.static_range(SPLIT):  # unrolled: all loads in flight at once
+        for j in tl.static_range(TOP_K):
             acc += tl.load(y_ptr + s * stride_split + (t * TOP_K + j) * stride_y + cols, mask=mask, other=0.0)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
