@@ -246,13 +246,15 @@ _MOE_CASES = [
     ("silu", "bf16", None, torch.bfloat16, MoEConfig(block_m=32, split_k=2)),
     ("situ", "mxfp8", "ocp", torch.float32, MoEConfig(split_k=4)),
     ("situ", "mxfp8", "fnuz", torch.bfloat16, MoEConfig(block_k=256)),  # w13 (K 256) steps by 256, w2 by 128
+    ("situ", "bf16", None, torch.bfloat16, MoEConfig(dynamic=True, split_k=2)),  # items from the atomic counter
 ]
 
 
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("act,aq,fp8,dtype,cfg", _MOE_CASES,
-                         ids=["situ-A16W4", "silu-A16W4-bm32-split2", "situ-A8W4-ocp-split4", "situ-A8W4-fnuz-bk256"])
+                         ids=["situ-A16W4", "silu-A16W4-bm32-split2", "situ-A8W4-ocp-split4", "situ-A8W4-fnuz-bk256",
+                              "situ-A16W4-dynamic-split2"])
 def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, dtype: torch.dtype, cfg: MoEConfig) -> None:
     """Prepared MXFP4 experts (K 96, or 256 with block_k 256, and N 64: padded layout tiles) against the reference (which reads the same
     prepared weights). Tolerances: bf16 outputs 1.5e-2 (the bf16 intermediate of A16W4 and the interpreter's
@@ -355,10 +357,17 @@ def test_moe_config_validation(bad: dict) -> None:
         MoEConfig(**bad)
 
 
+def test_moe_config_dynamic_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="MoEConfig.dynamic"):
+        MoEConfig(dynamic=1)
+
+
 def test_moe_pick_config() -> None:
-    """K3 (896 experts, top-16): 16-row blocks at decode, no K split; 32 / 64-row blocks as rows per expert grow."""
-    assert pick_config(16, 896) == MoEConfig(block_m=16, split_k=1)  # T = 1
-    assert pick_config(64 * 16, 896) == MoEConfig(block_m=16)  # T = 64: ~1.1 rows per used expert
+    """K3 (896 experts, top-16): 16-row blocks at decode, no K split, dynamic items from T = 4; 32 / 64-row blocks
+    as rows per expert grow."""
+    assert pick_config(16, 896) == MoEConfig(block_m=16, split_k=1, dynamic=False)  # T = 1
+    assert pick_config(4 * 16, 896) == MoEConfig(block_m=16, dynamic=True)  # T = 4
+    assert pick_config(64 * 16, 896) == MoEConfig(block_m=16, dynamic=True)  # T = 64: ~1.1 rows per used expert
     assert pick_config(1024 * 16, 896).block_m == 32  # ~18 rows per expert
     prefill = pick_config(2048 * 16, 896)  # ~37 rows per expert
     assert (prefill.block_m, prefill.programs_per_sm, prefill.max_registers) == (64, 2, None)

@@ -30,7 +30,7 @@ def _moe_constexprs(stage: int, **over):
     """Per-target constexprs of moe_gemm_kernel at the K3 decode tiles: inline-PTX decode on sm_90, portable
     Triton decode on AMD (and wherever ``DECODE`` is given)."""
     base = dict(STAGE=stage, W_FMT=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
-                OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3)
+                OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3, DYNAMIC=False)
     base.update(over)
     return lambda target: {"DECODE": 0 if target == "sm_90" else 1, **base} if "DECODE" not in over else base
 

@@ -45,7 +45,8 @@ class MoEConfig:
     persistent programs per SM (the grid is this times the SM count, capped by the work); max_registers: the
     NVIDIA register cap per thread that lets ``programs_per_sm`` 128-thread programs stay resident at once
     (65536 / (128 * programs_per_sm); None: no cap), applied to the inline-PTX MXFP4 GEMMs only (the fp32-operand
-    and portable paths need more registers and are not the fast path)."""
+    and portable paths need more registers and are not the fast path); dynamic: programs claim items from an
+    atomic counter (zeroed per call) instead of a fixed round-robin share."""
 
     block_m: int = 16
     block_k: int = 128
@@ -54,6 +55,7 @@ class MoEConfig:
     split_k: int = 1
     programs_per_sm: int = 4
     max_registers: int | None = 128
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "num_warps", "num_stages", "split_k", "programs_per_sm"):
@@ -66,6 +68,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.block_k must be 128 or 256 (whole scale groups), got {self.block_k}")
         if self.num_warps != 4:
             raise ValueError(f"MoEConfig.num_warps must be 4 (one warpgroup per 128-row tile), got {self.num_warps}")
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"MoEConfig.dynamic must be a bool, got {self.dynamic!r}")
         if self.max_registers is not None and (isinstance(self.max_registers, bool) or
                                                not isinstance(self.max_registers, int) or
                                                not 24 <= self.max_registers <= 255):
@@ -78,12 +82,15 @@ def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
     block_m covers the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up to 64 at prefill.
     No K split: on the H200 at K3 shapes the unsplit w2 was the fastest in every run (T = 1: 153.8 us against
     157.7 / 161.2 us split 2 / 4 ways; T = 4: 453.0 against 472.0 / 490.0 us; benchmarks/RESULTS.md, session 4).
+    Items from the atomic counter (``dynamic``) from 64 pairs up (K3: T >= 4; 437 against 463 us at T = 4, 1401
+    against 1442 at T = 16, level at prefill); at T = 1 (1.5 items per program) its zeroing and claims cost more
+    (170 against 155 us) than the balance gains.
     """
     per_expert = num_pairs / max(1, num_experts)
     block_m = 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64
     # resident programs per SM: 128 registers for 16-row blocks (4 x 128 threads), 168 for 32, no cap for 64 (2)
     per_sm, regs = {16: (4, 128), 32: (3, 168), 64: (2, None)}[block_m]
-    return MoEConfig(block_m=block_m, programs_per_sm=per_sm, max_registers=regs)
+    return MoEConfig(block_m=block_m, programs_per_sm=per_sm, max_registers=regs, dynamic=num_pairs >= 64)
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
@@ -211,7 +218,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
                   DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
-                  BMT=cfg.block_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                  BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic, num_warps=cfg.num_warps)
+    # item counters of the two GEMMs (16 bytes apart); unused without cfg.dynamic
+    work = torch.zeros(8, dtype=torch.int32, device=x.device) if cfg.dynamic else routing.num_blocks
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
@@ -222,7 +231,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)
         K.moe_gemm_kernel[grid](
             a, mat.w, mat.ws, dst, tw, routing.sorted_pairs, routing.block_expert, routing.expert_start,
-            routing.expert_count, routing.num_blocks, kdim, n_out, top_k, mat.tiles, steps,
+            routing.expert_count, routing.num_blocks, work[4 * (stage - 1):] if cfg.dynamic else work, kdim, n_out, top_k,
+            mat.tiles, steps,
             a.stride(0), *mat.strides, dst.stride(-2), dst.stride(0) if stage == 2 else 0,
             float(activation.beta), float(linear_beta or 1.0),
             STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, KU=bk // 64,

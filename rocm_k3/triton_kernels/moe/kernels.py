@@ -43,12 +43,13 @@ W_BF16 = 1
 # those a launch at K3 sizes specialises as divisible by 16; for cross-compiling it (compile tier, SASS counts)
 GEMM_SIGNATURE = {
     "a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "topw_ptr": "*fp32", "sorted_ptr": "*i32",
-    "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32", "nblk_ptr": "*i32", "K": "i32",
+    "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32", "nblk_ptr": "*i32", "work_ptr": "*i32",
+    "K": "i32",
     "N_OUT": "i32", "top_k": "i32", "n_tiles": "i32", "steps_per_split": "i32", "stride_a": "i32", "stride_we": "i64",
     "stride_wg": "i32", "stride_wse": "i64", "stride_wsg": "i32", "stride_wn": "i32", "stride_out": "i32",
     "stride_split": "i32", "beta": "fp32", "linear_beta": "fp32"}
 GEMM_DIVISIBLE = ("a_ptr", "w_ptr", "ws_ptr", "out_ptr", "topw_ptr", "sorted_ptr", "block_expert_ptr", "start_ptr",
-                  "count_ptr", "nblk_ptr", "K", "N_OUT", "top_k", "stride_a", "stride_we", "stride_wg", "stride_wse",
+                  "count_ptr", "nblk_ptr", "work_ptr", "K", "N_OUT", "top_k", "stride_a", "stride_we", "stride_wg", "stride_wse",
                   "stride_wsg", "stride_wn", "stride_out", "stride_split")
 
 
@@ -101,28 +102,38 @@ def _activation(gate, up, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA:
 @triton.jit
 def moe_gemm_kernel(
         a_ptr, w_ptr, ws_ptr, out_ptr, topw_ptr,
-        sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
+        sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr,
         K, N_OUT, top_k, n_tiles, steps_per_split,
         stride_a, stride_we, stride_wg, stride_wse, stride_wsg, stride_wn, stride_out, stride_split,
         beta, linear_beta,
         STAGE: tl.constexpr, W_FMT: tl.constexpr, DECODE: tl.constexpr, FOLD: tl.constexpr,
         OP_F32: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
         OUT_MX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
-        EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BMT: tl.constexpr, KU: tl.constexpr, STAGES: tl.constexpr):
+        EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BMT: tl.constexpr, KU: tl.constexpr, STAGES: tl.constexpr,
+        DYNAMIC: tl.constexpr):
     """Persistent expert GEMM over the used (block, tile, split) items; see the module docstring.
 
     a: STAGE 1 x [T, K] (bf16, fp32 with OP_F32), STAGE 2 inter [P_max, N]; out: STAGE 1 inter [P_max, N_OUT],
     STAGE 2 y fp32 [SPLIT, T * top_k, N_OUT]. MXFP4 w / ws: layout codes / scales of the matrix (expert stride
     stride_we / stride_wse, row-group stride stride_wg / stride_wsg); bf16 w: [E, rows, K] (stride_we, stride_wn).
     K: reduction length of the activations (the weights are padded past it); EVEN_K: K % BK == 0 (no K mask on
-    the activation loads). BK = 64 * KU.
+    the activation loads). BK = 64 * KU. Items: program p takes p, p + programs, ... or, DYNAMIC, the next
+    unclaimed one from the counter ``work_ptr`` (int32, zero at launch; claimed one item ahead, so its latency
+    hides behind the current item).
     """
     BK: tl.constexpr = 64 * KU
-    pid = tl.program_id(0)
     n_items = tl.load(nblk_ptr) * n_tiles * SPLIT
     r128 = tl.arange(0, 128)
     t_idx = tl.arange(0, BMT)
-    for item in range(pid, n_items, tl.num_programs(0)):
+    if DYNAMIC:
+        item = tl.atomic_add(work_ptr, 1)
+    else:
+        item = tl.program_id(0)
+    while item < n_items:
+        if DYNAMIC:
+            next_item = tl.atomic_add(work_ptr, 1)
+        else:
+            next_item = item + tl.num_programs(0)
         split = item % SPLIT
         tile = (item // SPLIT) % n_tiles
         blk = item // (SPLIT * n_tiles)
@@ -184,6 +195,7 @@ def moe_gemm_kernel(
             yt = tl.trans(acc) * rw[:, None]  # [BMT, 128]
             optr = out_ptr + split * stride_split + pair.to(tl.int64)[:, None] * stride_out + n[None, :]
             tl.store(optr, yt, mask=rmask[:, None] & (n < N_OUT)[None, :])
+        item = next_item
 
 
 @triton.jit
