@@ -221,23 +221,46 @@ def test_route_and_activations_interpret() -> None:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16), (40, 3, 4, 16), (256, 16, 896, 16)],
+@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16), (40, 3, 4, 16),
+                                     (256, 16, 896, 16)],
                          ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20", "T40-k3-E4-multiblock", "T256-k16-E896"])
 def test_moe_align_kernel_matches_sort(t: int, k: int, e: int, bm: int) -> None:
-    ids = _routing(t, e, k, seeded(4))[1]
+    _check_align_kernel(_routing(t, e, k, seeded(4))[1], e, bm)
+
+
+def _check_align_kernel(ids: torch.Tensor, e: int, bm: int) -> None:
+    """The align kernel against the stable torch sort (an independent formulation) on the same ids."""
     got = align_routing(ids, e, bm, force="kernel")
-    want = align_routing(ids, e, bm, force="torch")  # stable torch sort: an independent formulation
+    want = align_routing(ids, e, bm, force="torch")
     counts = torch.bincount(ids.flatten().long(), minlength=e).int()
-    assert torch.equal(got.expert_count, counts)
+    assert torch.equal(got.expert_count.cpu(), counts.cpu())
     used = int(((counts + bm - 1) // bm).sum())  # blocks with an expert
     assert int(got.num_blocks) == int(want.num_blocks) == used
     assert bool((got.block_expert[:used] >= 0).all()) and bool((got.block_expert[used:] < 0).all())
     assert torch.equal(got.expert_start, want.expert_start)
     assert torch.equal(got.block_expert, want.block_expert)
+    assert not got.work.any() and not want.work.any()  # the dynamic schedule's counters start at zero
     for ex in range(e):
         s, c = int(got.expert_start[ex]), int(got.expert_count[ex])
         assert torch.equal(got.sorted_pairs[s:s + c], want.sorted_pairs[s:s + c]), f"expert {ex}"
         assert bool((ids.flatten()[got.sorted_pairs[s:s + c].long()] == ex).all())
+
+
+def test_moe_align_kernel_refuses_routings_it_cannot_hold() -> None:
+    ids = torch.zeros(4097, 1, dtype=torch.int32)  # one pair past SMALL_PAIRS
+    with pytest.raises(ValueError, match="4096 pairs"):
+        align_routing(ids, 896, 16, force="kernel")
+    with pytest.raises(ValueError, match="1024 experts"):
+        align_routing(torch.zeros(1, 1, dtype=torch.int32), 1025, 16, force="kernel")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 4, 16, 64, 256], ids=lambda t: f"T{t}")
+def test_moe_align_kernel_matches_sort_cuda(t: int) -> None:
+    """K3 routings (896 experts, top-16, 16-row blocks) on the GPU, where tl.histogram / tl.sort / tl.gather
+    lower differently from the interpreter."""
+    ids = _routing(t, 896, 16, seeded(40 + t))[1].cuda()
+    _check_align_kernel(ids, 896, 16)
 
 
 # (activation, act_quant, fp8 variant, x dtype, tiles): the persistent MMA GEMM in the interpreter (portable decode)
@@ -424,12 +447,12 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 # --------------------------------------------------------------------------------------------------- compile tier
 _COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_decode_r48_p24",
-                    "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_w13_a16w4",
-                    "moe_w2_a16w4_split", "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill", "moe_w13_f32",
-                    "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce", "moe_mxfp8_round_trip")
+                    "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_align_t1",
+                    "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
+                    "moe_w2_two_mul", "moe_w13_prefill", "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce", "moe_mxfp8_round_trip")
 _MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
-                "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill",
-                "moe_w2_bf16experts")
+                "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
+                "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
 _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # MXFP4 GEMMs with the inline-PTX decode on sm_90: bf16x2 multiplies per 128-weight step of a thread (4 per word; 8
@@ -437,7 +460,8 @@ _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # element (128 x BK weights over 128 threads per step) within budget, no local memory, no layout shuffles.
 # Measured (2026-12-01) for moe_w13_a16w4 with Triton 3.9 / 3.6: 390 / 399 per step (3.05 / 3.12 per weight);
 # prefill (64-row blocks: 8 gathered 16-byte activation loads per thread and step) 3.56 with Triton 3.9.
-_ASM_DECODE_KERNELS = {"moe_w13_a16w4": (64, 3.3), "moe_w2_a16w4_split": (64, 3.3), "moe_w13_a8w4": (64, 3.3),
+_ASM_DECODE_KERNELS = {"moe_w13_a16w4": (64, 3.3), "moe_w2_a16w4_split": (64, 3.3), "moe_w13_dynamic": (64, 3.3),
+                       "moe_w2_dynamic": (64, 3.3), "moe_w13_a8w4": (64, 3.3),
                        "moe_w2_two_mul": (128, 3.9), "moe_w13_prefill": (64, 3.6)}
 
 

@@ -30,13 +30,18 @@ def _moe_constexprs(stage: int, **over):
     """Per-target constexprs of moe_gemm_kernel at the K3 decode tiles: inline-PTX decode on sm_90, portable
     Triton decode on AMD (and wherever ``DECODE`` is given)."""
     base = dict(STAGE=stage, W_FMT=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
-                OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3, DYNAMIC=False)
+                OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3,
+                DYNAMIC=False)
     base.update(over)
     return lambda target: {"DECODE": 0 if target == "sm_90" else 1, **base} if "DECODE" not in over else base
 
 
 def _launch_specs() -> dict:
-    """kernel name -> (module, attribute, signature, constexprs, num_warps); MoE tiles as launched at decode."""
+    """kernel name -> (module, attribute, signature, constexprs, num_warps); MoE tiles as launched at decode (and
+    the K-split and prefill variants a MoEConfig can ask for)."""
+    align_sig = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
+                 "count_ptr": "*i32", "nblk_ptr": "*i32", "work_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
+                 "num_blocks": "i32"}
     mla_decode_sig = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
                       "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_heads": "i32",
                       "block_size": "i32", "scale": "fp32", "stride_qn": "i32", "stride_qh": "i32",
@@ -87,13 +92,14 @@ def _launch_specs() -> dict:
                       {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32",
                        "num_experts": "i32", "stride_l": "i32", "scaling_factor": "fp32"},
                       dict(TOP_K=16, HAS_BIAS=True, RENORM=True, BLOCK_E=1024, BLOCK_K=16), 4),
-        "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel",
-                      {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
-                       "count_ptr": "*i32", "nblk_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
-                       "num_blocks": "i32"},
-                      dict(BM=16, BLOCK_P=1024, BLOCK_E=1024), 8),
+        "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
+                      dict(BM=16, BLOCK_P=4096, BLOCK_E=1024), 8),  # the largest routing it takes
+        "moe_align_t1": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
+                         dict(BM=16, BLOCK_P=16, BLOCK_E=1024), 8),  # K3 decode at T = 1
         "moe_w13_a16w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1), 4),
         "moe_w2_a16w4_split": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, SPLIT=4), 4),
+        "moe_w13_dynamic": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, DYNAMIC=True), 4),
+        "moe_w2_dynamic": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, DYNAMIC=True), 4),
         "moe_w13_a8w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, OUT_MX=True), 4),
         "moe_w2_two_mul": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, FOLD=False, EVEN_K=False), 4),
         "moe_w13_prefill": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, BMT=64), 4),
@@ -103,7 +109,7 @@ def _launch_specs() -> dict:
                                    _moe_constexprs(2, DECODE=1, W_FMT=1, OP_F32=True), 4),
         "moe_topk_reduce": (moe, "topk_reduce_kernel",
                             {"y_ptr": "*fp32", "out_ptr": "*bf16", "Kout": "i32", "stride_y": "i32",
-                             "stride_split": "i32", "stride_out": "i32"}, dict(TOP_K=16, SPLIT=4, BLOCK=1024), 4),
+                             "stride_split": "i32", "stride_out": "i32"}, dict(TOP_K=16, SPLIT=1, BLOCK=256), 4),
         "moe_mxfp8_round_trip": (moe, "mxfp8_round_trip_kernel",
                                  {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", "K": "i32",
                                   "stride_x": "i32", "stride_out": "i32"},

@@ -9,6 +9,9 @@ Output (:class:`SortedRouting`), all on the routing's device, computed without a
 - ``expert_start`` int32 [E], ``expert_count`` int32 [E].
 - ``num_blocks`` int32 [1]: the used blocks (``block_expert[b] >= 0`` exactly for ``b < num_blocks``), read by the
   persistent GEMMs on the device.
+- ``work`` int32 [8], zeros: the item counters of the two GEMMs' dynamic schedule (words 0 and 4, 16-byte aligned).
+
+The ids must lie in ``[0, num_experts)`` (``fused_moe`` checks them at its boundary).
 
 P_max = NB_max * BM with NB_max = ceil(T*k / BM) + min(E, T*k), an upper bound on the used blocks, so grids are
 sized on the host from shapes alone. Small routings (decode) use one Triton program (``_align_kernel``, one
@@ -35,6 +38,7 @@ class SortedRouting(NamedTuple):
     expert_count: torch.Tensor  # int32 [E]
     num_blocks: torch.Tensor  # int32 [1] used blocks
     block_m: int
+    work: torch.Tensor  # int32 [8] zeros: item counters (words 0, 4) of the persistent GEMMs
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -43,8 +47,8 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, num_pairs, num_experts,
-                  num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr, num_pairs,
+                  num_experts, num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: every pair at once. Sort keys ``expert * BLOCK_P + pair`` (stable by construction), the
     histogram and two prefix sums give each sorted pair its row ``start[e] + (rank - first[e])``."""
     a = tl.arange(0, BLOCK_P)  # [P]
@@ -62,6 +66,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, n
     tl.store(count_ptr + ex, counts, mask=emask)
     used = tl.sum(tl.where(emask, padded, 0), axis=0) // BM
     tl.store(nblk_ptr, used)
+    tl.store(work_ptr + tl.arange(0, 8), tl.zeros((8,), tl.int32))
     keys = tl.sort(tl.where(amask, ids * BLOCK_P + a, 2147483647))  # [P] by expert, then pair (masked last)
     e_sorted = tl.minimum(keys // BLOCK_P, BLOCK_E - 1)
     rows = a + tl.gather(start - first, e_sorted, 0)  # start[e] + (position - first[e])
@@ -92,7 +97,9 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks:
     e = torch.searchsorted(end, block_first, right=True)  # [NB]
     block_expert = torch.where(e < num_experts, e, torch.full_like(e, -1)).to(torch.int32)
     used = (padded.sum() // block_m).to(torch.int32).reshape(1)
-    return SortedRouting(sorted_pairs, block_expert, start.to(torch.int32), counts.to(torch.int32), used, block_m)
+    work = torch.zeros(8, dtype=torch.int32, device=dev)
+    return SortedRouting(sorted_pairs, block_expert, start.to(torch.int32), counts.to(torch.int32), used, block_m,
+                         work)
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None) -> SortedRouting:
@@ -104,6 +111,10 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     use_kernel = num_pairs <= SMALL_PAIRS if force is None else force == "kernel"
+    if use_kernel and (num_pairs > SMALL_PAIRS or triton.next_power_of_2(num_experts) > 1024):
+        # the kernel holds every pair and expert in one program (sort keys expert * BLOCK_P + pair fit int32)
+        raise ValueError(f"the align kernel takes up to {SMALL_PAIRS} pairs and 1024 experts, got {num_pairs} pairs "
+                         f"and {num_experts} experts (use the torch path)")
     if not use_kernel:
         return _align_torch(flat, num_experts, block_m, num_blocks)
     dev = flat.device
@@ -112,9 +123,10 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     start = torch.empty(num_experts, dtype=torch.int32, device=dev)
     count = torch.empty(num_experts, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
+    work = torch.empty(8, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
-        flat.to(torch.int32), sorted_pairs, block_expert, start, count, used, num_pairs, num_experts, num_blocks,
+        flat.to(torch.int32), sorted_pairs, block_expert, start, count, used, work, num_pairs, num_experts, num_blocks,
         BM=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=8,
     )
-    return SortedRouting(sorted_pairs, block_expert, start, count, used, block_m)
+    return SortedRouting(sorted_pairs, block_expert, start, count, used, block_m, work)

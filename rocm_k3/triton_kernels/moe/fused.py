@@ -2,7 +2,8 @@
 
 One kernel family (:mod:`.kernels`): the persistent swap-AB MMA GEMM over used (expert block, 128-row tile,
 K split) items, at decode and prefill alike; only the tiles change (:func:`pick_config`). Launches at decode
-(A16W4): the align, the w13 GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip). Every expert
+(A16W4): the align (which also zeroes the GEMMs' item counters), the w13 GEMM, the w2 GEMM and the reduce (4;
+A8W4 adds the x round trip). Every expert
 weight tile is read once per block of ``block_m`` rows routed to it, so at decode (every used expert has one
 block) the bytes moved are the active experts' weights, once.
 
@@ -219,20 +220,18 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
                   DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
                   BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic, num_warps=cfg.num_warps)
-    # item counters of the two GEMMs (16 bytes apart); unused without cfg.dynamic
-    work = torch.zeros(8, dtype=torch.int32, device=x.device) if cfg.dynamic else routing.num_blocks
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
-    for stage, mat, a, kdim, n_out, dst, nsplit in ((1, w13m, xa, hidden, n, inter, 1),
-                                                    (2, w2m, inter, n, kout, y, split)):
+    # item counters of the dynamic schedule (zeroed by the align): w13 word 0, w2 word 4 (16-byte aligned pointers)
+    for stage, mat, a, kdim, n_out, dst, nsplit, work in ((1, w13m, xa, hidden, n, inter, 1, routing.work),
+                                                          (2, w2m, inter, n, kout, y, split, routing.work[4:])):
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
         steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)
         grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)
         K.moe_gemm_kernel[grid](
             a, mat.w, mat.ws, dst, tw, routing.sorted_pairs, routing.block_expert, routing.expert_start,
-            routing.expert_count, routing.num_blocks, work[4 * (stage - 1):] if cfg.dynamic else work, kdim, n_out, top_k,
-            mat.tiles, steps,
+            routing.expert_count, routing.num_blocks, work, kdim, n_out, top_k, mat.tiles, steps,
             a.stride(0), *mat.strides, dst.stride(-2), dst.stride(0) if stage == 2 else 0,
             float(activation.beta), float(linear_beta or 1.0),
             STAGE=stage, FOLD=mat.fold, OUT_MX=a8 and stage == 1, EVEN_K=kdim % bk == 0, SPLIT=nsplit, KU=bk // 64,

@@ -2,7 +2,8 @@
 
 ``moe_gemm_kernel`` is one persistent kernel for both GEMMs. Its work items are (expert block, 128-row tile
 [, K split]) over the *used* blocks only: the block count comes from the device (written by the align kernel), so
-the launch needs no host sync and is CUDA-graph safe; the grid is a few programs per SM, each looping over items.
+the launch needs no host sync and is CUDA-graph safe; the grid is a few programs per SM, each looping over items
+(round-robin, or DYNAMIC: claimed from an atomic counter the align zeroed).
 A tile is two 64-row groups; swap-AB: ``acc [128 weight rows, BMT rows of the block] += W [128, BK] @ a[BMT, BK]^T``
 with the decoded weights as the wide MMA operand (wgmma on sm_90, MFMA on AMD) and the block's rows (tokens at
 decode: 16) as the narrow one. Loads of the weight chunks, scales and activations feed the dot and are software
@@ -12,7 +13,7 @@ pipelined by Triton (``num_stages``: cp.async into shared memory on NVIDIA).
   epilogue computes ``act(gate, up)`` for 64 outputs and writes ``inter[block row, n]`` (bf16, or fp32 with
   OP_F32); OUT_MX (A8W4) rounds it through MXFP8 first (exact round trip of the reference's quantisation).
 - STAGE 2 (w2): ``y[split, pair, n] = topk_weight[pair] * acc`` for the pairs of the block; K can be split
-  (``SPLIT``) when there are too few tiles, the splits are summed in the reduce.
+  (``SPLIT``, ``MoEConfig.split_k``; the default tiles do not split), the splits are summed in the reduce.
 
 Weights: W_FMT 0 is the MXFP4 ``triton`` layout decoded by :func:`.decode.weight_tile` (DECODE: inline PTX on
 NVIDIA, portable Triton elsewhere); W_FMT 1 is bf16 experts in checkpoint layout (gate rows n, up rows N + n).
@@ -44,13 +45,12 @@ W_BF16 = 1
 GEMM_SIGNATURE = {
     "a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "topw_ptr": "*fp32", "sorted_ptr": "*i32",
     "block_expert_ptr": "*i32", "start_ptr": "*i32", "count_ptr": "*i32", "nblk_ptr": "*i32", "work_ptr": "*i32",
-    "K": "i32",
-    "N_OUT": "i32", "top_k": "i32", "n_tiles": "i32", "steps_per_split": "i32", "stride_a": "i32", "stride_we": "i64",
-    "stride_wg": "i32", "stride_wse": "i64", "stride_wsg": "i32", "stride_wn": "i32", "stride_out": "i32",
-    "stride_split": "i32", "beta": "fp32", "linear_beta": "fp32"}
+    "K": "i32", "N_OUT": "i32", "top_k": "i32", "n_tiles": "i32", "steps_per_split": "i32", "stride_a": "i32",
+    "stride_we": "i64", "stride_wg": "i32", "stride_wse": "i64", "stride_wsg": "i32", "stride_wn": "i32",
+    "stride_out": "i32", "stride_split": "i32", "beta": "fp32", "linear_beta": "fp32"}
 GEMM_DIVISIBLE = ("a_ptr", "w_ptr", "ws_ptr", "out_ptr", "topw_ptr", "sorted_ptr", "block_expert_ptr", "start_ptr",
-                  "count_ptr", "nblk_ptr", "work_ptr", "K", "N_OUT", "top_k", "stride_a", "stride_we", "stride_wg", "stride_wse",
-                  "stride_wsg", "stride_wn", "stride_out", "stride_split")
+                  "count_ptr", "nblk_ptr", "work_ptr", "K", "N_OUT", "top_k", "stride_a", "stride_we", "stride_wg",
+                  "stride_wse", "stride_wsg", "stride_wn", "stride_out", "stride_split")
 
 
 @triton.jit
