@@ -21,19 +21,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from rocm_k3.entrypoints.openai.parsers import parse_output
-from rocm_k3.entrypoints.openai.parsers.kimi_k3 import (
-    END_OF_MSG,
-    MESSAGE_CLOSE,
-    RESPONSE_CLOSE,
-)
+from rocm_k3.entrypoints.openai.parsers.kimi_k3 import END_OF_MSG, MESSAGE_CLOSE, RESPONSE_CLOSE
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
-from rocm_k3.training.chats import (
-    CITIES,
-    WEATHER_TOOL,
-    arithmetic_question,
-    weather_question,
-)
+from rocm_k3.training.chats import CITIES, WEATHER_TOOL, arithmetic_question, weather_question
 
 PROSE_PROMPTS = ("Hello", "The file", "Return the", "This module provides", "If the value is", "An object")
 MESSAGE_END = MESSAGE_CLOSE + END_OF_MSG

@@ -24,12 +24,7 @@ from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import make_chat, render_training_chat
 from rocm_k3.training.drills import DRILL, drill_rows
 from rocm_k3.training.example import Example
-from rocm_k3.training.prose import (
-    ProseDocument,
-    prose_documents,
-    stdlib_docstrings,
-    word_list,
-)
+from rocm_k3.training.prose import ProseDocument, prose_documents, stdlib_docstrings, word_list
 
 PROSE = "prose"
 __all__ = ["DRILL", "PROSE", "Corpus", "CorpusConfig", "Example", "build_corpus"]

@@ -25,12 +25,7 @@ import torch
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.tiny import TINY_TEXT_CONFIG, tiny_config
 from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
-from rocm_k3.training.behaviour import (
-    arithmetic_behaviour,
-    prose_word_rate,
-    repeat_behaviour,
-    tool_call_behaviour,
-)
+from rocm_k3.training.behaviour import arithmetic_behaviour, prose_word_rate, repeat_behaviour, tool_call_behaviour
 from rocm_k3.training.corpus import Corpus, CorpusConfig, build_corpus
 from rocm_k3.training.export import REPORT_FILE, write_trained_checkpoint
 from rocm_k3.training.loop import TrainConfig, heldout_loss, train
