@@ -5,8 +5,8 @@
 - the element map stated in ``layout``'s docstring (chunk / word / register / half -> row, k; the bit positions of
   each code) reproduces the dequantised checkpoint weights, decoded here by an independent fp64 formula;
 - the inline PTX the NVIDIA kernel runs (``decode.ASM_TEXTS``) is executed by a small emulator of its instructions
-  (and, shl, shr, or, mov of b16 pairs, mul.rn.bf16x2) on every word of a prepared expert, with the scale
-  registers the kernel builds, and must give exactly ``E2M1 * 2^(s - 127)`` in bf16.
+  (and, shl, shr, shf.l.wrap, or, mov of b16 pairs, mul.rn.bf16x2) on every word of a prepared expert, with the
+  scale registers the kernel builds, and must give exactly ``E2M1 * 2^(s - 127)`` in bf16.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _decode_by_docstring(chunks: torch.Tensor, scales: torch.Tensor) -> torch.Te
                     c, h = divmod(j, 2)
                     for e in range(2):
                         code = torch.zeros_like(words[:, :, kg, unit, :, word])
-                        for bit, pos in zip((3, 2, 1, 0), L.BIT_POSITIONS[j]):
-                            code |= ((words[:, :, kg, unit, :, word] >> (pos + 16 * e)) & 1) << bit
+                        for bit, pos in zip((3, 2, 1, 0), L.BIT_POSITIONS[j][e]):
+                            code |= ((words[:, :, kg, unit, :, word] >> pos) & 1) << bit
                         rows = 16 * w + 8 * h + g  # [128] within the group
                         k = 128 * kg + 64 * unit + 32 * s1 + 16 * s0 + 8 * c + 2 * q + e
                         sbyte = scales[:, :, kg, (w * 8 + g), 4 * unit + 2 * h + s1].long()  # [E, G, 128]
@@ -178,6 +178,8 @@ class _Ptx:
             r = (a[0] << a[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             r = (a[0] & 0xFFFFFFFF) >> a[1]
+        elif op == "shf.l.wrap.b32":  # high word of {b, a} << (c mod 32)
+            r = ((((a[1] & 0xFFFFFFFF) << 32) | (a[0] & 0xFFFFFFFF)) << (a[2] & 31)) >> 32 & 0xFFFFFFFF
         elif op == "mul.rn.bf16x2":
             lo = _f64_to_bf16_bits(_bf16_bits_to_f64(a[0] & 0xFFFF) * _bf16_bits_to_f64(a[1] & 0xFFFF))
             hi = _f64_to_bf16_bits(_bf16_bits_to_f64(a[0] >> 16) * _bf16_bits_to_f64(a[1] >> 16))

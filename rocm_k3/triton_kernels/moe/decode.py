@@ -6,8 +6,9 @@ bf16 for the MMA or fp32 (``OUT_F32``: the fp32-operand path and the interpreter
 bytes, chosen by the ``DECODE`` constexpr:
 
 - ``DECODE_ASM`` (NVIDIA sm_90+): one ``tl.inline_asm_elementwise`` per 32-bit word (pack=4 over its bytes):
-  ``and`` / ``shl`` / ``shr`` / ``or`` (11 integer ops; ptxas fuses them into LOP3) make four bf16x2 registers
-  ``E2M1 * 2^-126`` and one ``mul.rn.bf16x2`` each applies ``2^(s - 1)`` (``FOLD``: every scale byte <= 128) or
+  ``and`` / ``shl`` / ``shr`` / one funnel rotate / ``or`` (9 integer ops: 5 LOP3 after ptxas fuses and/or, two
+  shifts it may issue as IMAD on the FMA pipe, two on the ALU; the layout's bit positions make them the fewest)
+  make four bf16x2 registers ``E2M1 * 2^-126`` and one ``mul.rn.bf16x2`` each applies ``2^(s - 1)`` (``FOLD``: every scale byte <= 128) or
   ``2^126`` then ``2^(s - 127)``: about 2 instructions per weight. The asm input registers are the bytes of the
   16-byte load as loaded: the layout puts each thread's MMA operand in its own chunk, so the reshapes after the
   asm only relabel registers.
@@ -33,18 +34,15 @@ _UNPACK = """
 .reg .b32 t0, t1, t2;
 .reg .b16 r0, r8;
 and.b32 $0, $4, 0x81C081C0;
-shl.b32 t0, $4, 3;
+shl.b32 t0, $4, 4;
 and.b32 $1, t0, 0x81C081C0;
-shl.b32 t1, $4, 6;
+shf.l.wrap.b32 t1, $4, $4, 10;
 and.b32 $2, t1, 0x81C081C0;
-shr.b32 t0, $4, 4;
-and.b32 t0, t0, 0x00C000C0;
-shr.b32 t1, $4, 5;
+shl.b32 t0, $4, 6;
+and.b32 t0, t0, 0x80C080C0;
+shr.b32 t1, $4, 2;
 and.b32 t1, t1, 0x01000100;
-shl.b32 t2, $4, 1;
-and.b32 t2, t2, 0x80008000;
-or.b32 t0, t0, t1;
-or.b32 $3, t0, t2;
+or.b32 $3, t0, t1;
 """
 _SCALE = """
 mov.b32 {r0, r8}, $5;
@@ -149,10 +147,11 @@ def _portable_tile(w_ptr, ws_ptr, stride_wg, stride_sg, KU: tl.constexpr):
     # exact fp32 scales (byte 255 is NaN in E8M0; the loaders reject it), [2, KU, 4, 8, 1 q, 2 s1, 1 s0]
     f0 = tl.reshape(pow2(tl.minimum(s, 254) - 127), (2, KU, 4, 8, 1, 2, 1))
     f1 = tl.reshape(pow2(tl.minimum(s8, 254) - 127), (2, KU, 4, 8, 1, 2, 1))
-    o0 = words & -2118090304  # 0x81C081C0 as int32
-    o1 = (words << 3) & -2118090304
-    o2 = (words << 6) & -2118090304
-    o3 = ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & -2147450880)  # 0x80008000
+    m = -2118090304  # 0x81C081C0 as int32 (>> is arithmetic on int32: every right shift is masked below 2^31)
+    o0 = words & m
+    o1 = (words << 4) & m
+    o2 = ((words << 10) & (m & ~0x3FF)) | ((words >> 22) & (m & 0x3FF))  # rotl(words, 10) & m
+    o3 = ((words << 6) & -2134867776) | ((words >> 2) & 0x01000100)  # 0x80C080C0
     c0 = tl.join(tl.join(_half_value(o0, False, f0), _half_value(o0, True, f0)),
                  tl.join(_half_value(o1, False, f1), _half_value(o1, True, f1)))  # [..., e, h]
     c1 = tl.join(tl.join(_half_value(o2, False, f0), _half_value(o2, True, f0)),
