@@ -44,12 +44,11 @@ EXPERT_BYTES = (2 * N * HIDDEN // 2 + 2 * N * HIDDEN // 32) + (HIDDEN * N // 2 +
 def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
     """Our tile variants around the picked config at T = tokens (the picked one first: the reference of the
     correctness check): the other item schedule (static / dynamic), pipeline depth, residency, w2 K splits at
-    decode, 32-row blocks at prefill, 3 programs per SM at 64-row blocks, two warpgroups per tile."""
+    decode, 32-row blocks at prefill, 3 programs per SM at 64-row blocks."""
     rep = dataclasses.replace
     other = not picked.dynamic
     out = [picked, rep(picked, dynamic=other), rep(picked, dynamic=other, num_stages=4), rep(picked, num_stages=4),
-           rep(picked, programs_per_sm=3, max_registers=168 if picked.block_m == 16 else None),
-           rep(picked, num_warps=8, programs_per_sm=2, max_registers=128)]
+           rep(picked, programs_per_sm=3, max_registers=168 if picked.block_m == 16 else None)]
     if tokens <= 4:
         out += [rep(picked, split_k=s) for s in (2, 4)]
     if tokens >= 512:
@@ -212,6 +211,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time our tile variants at every T")
+    parser.add_argument("--sweep-filter", default="", help="only the sweep variants whose MoEConfig repr contains this")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
@@ -266,8 +266,8 @@ def main() -> None:
     if args.sweep:  # our tile variants
         for t in args.tokens:
             picked = pick_config(t * TOP_K, E)
-            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg))
-                                                  for cfg in sweep_configs(picked, t)])
+            cfgs = [picked] + [c for c in sweep_configs(picked, t)[1:] if args.sweep_filter in repr(c)]
+            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {cfg}", ours(prepared, "bf16", cfg)) for cfg in cfgs])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),

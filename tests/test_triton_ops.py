@@ -222,15 +222,26 @@ def test_route_and_activations_interpret() -> None:
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (9, 3, 8, 4), (33, 4, 20, 16), (40, 3, 4, 16),
-                                     (256, 16, 896, 16)],
-                         ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20", "T40-k3-E4-multiblock", "T256-k16-E896"])
+                                     (64, 16, 896, 16)],
+                         ids=["T1-k4-E16", "T9-k3-E8", "T33-k4-E20", "T40-k3-E4-multiblock", "T64-k16-E896"])
 def test_moe_align_kernel_matches_sort(t: int, k: int, e: int, bm: int) -> None:
     _check_align_kernel(_routing(t, e, k, seeded(4))[1], e, bm)
 
 
-def _check_align_kernel(ids: torch.Tensor, e: int, bm: int) -> None:
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("t,k,e,bm,chunk", [(40, 3, 4, 16, 16), (33, 4, 20, 4, 32), (40, 16, 896, 16, 256)],
+                         ids=["T40-k3-E4-8chunks", "T33-k4-E20-bm4-5chunks", "T40-k16-E896-3chunks"])
+def test_moe_align_chunked_kernels_match_sort(t: int, k: int, e: int, bm: int, chunk: int) -> None:
+    """The three-launch align of large routings (chunks of ``chunk`` pairs; K3 prefill uses 1024) against the
+    torch sort, including a chunk boundary inside an expert's pairs and a partial last chunk (the cuda tier runs
+    1024-pair chunks)."""
+    _check_align_kernel(_routing(t, e, k, seeded(6))[1], e, bm, force="chunked", chunk=chunk)
+
+
+def _check_align_kernel(ids: torch.Tensor, e: int, bm: int, force: str = "kernel", chunk: int = 1024) -> None:
     """The align kernel against the stable torch sort (an independent formulation) on the same ids."""
-    got = align_routing(ids, e, bm, force="kernel")
+    got = align_routing(ids, e, bm, force=force, chunk=chunk)
     want = align_routing(ids, e, bm, force="torch")
     counts = torch.bincount(ids.flatten().long(), minlength=e).int()
     assert torch.equal(got.expert_count.cpu(), counts.cpu())
@@ -247,20 +258,35 @@ def _check_align_kernel(ids: torch.Tensor, e: int, bm: int) -> None:
 
 
 def test_moe_align_kernel_refuses_routings_it_cannot_hold() -> None:
-    ids = torch.zeros(4097, 1, dtype=torch.int32)  # one pair past SMALL_PAIRS
-    with pytest.raises(ValueError, match="4096 pairs"):
+    ids = torch.zeros(1025, 1, dtype=torch.int32)  # one pair past SMALL_PAIRS
+    with pytest.raises(ValueError, match="1024 pairs"):
         align_routing(ids, 896, 16, force="kernel")
     with pytest.raises(ValueError, match="1024 experts"):
         align_routing(torch.zeros(1, 1, dtype=torch.int32), 1025, 16, force="kernel")
+    with pytest.raises(ValueError, match="1024 experts"):
+        align_routing(torch.zeros(1, 1, dtype=torch.int32), 1025, 16, force="chunked")
+    with pytest.raises(ValueError, match="chunk must be"):
+        align_routing(ids, 896, 16, force="chunked", chunk=100)
+    with pytest.raises(ValueError, match="force must be"):
+        align_routing(ids, 896, 16, force="sort")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("t", [1, 4, 16, 64, 256], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("t", [1, 4, 16, 64], ids=lambda t: f"T{t}")
 def test_moe_align_kernel_matches_sort_cuda(t: int) -> None:
     """K3 routings (896 experts, top-16, 16-row blocks) on the GPU, where tl.histogram / tl.sort / tl.gather
     lower differently from the interpreter."""
     ids = _routing(t, 896, 16, seeded(40 + t))[1].cuda()
     _check_align_kernel(ids, 896, 16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t,bm", [(65, 16), (512, 16), (1024, 32), (2048, 64), (8192, 64)], ids=lambda v: str(v))
+def test_moe_align_chunked_kernels_match_sort_cuda(t: int, bm: int) -> None:
+    """K3 routings past the single program (896 experts, top-16: 2 to 128 chunks of 1024 pairs, the first with a
+    partial last chunk) on the GPU."""
+    ids = _routing(t, 896, 16, seeded(50 + t))[1].cuda()
+    _check_align_kernel(ids, 896, bm, force="chunked")
 
 
 # (activation, act_quant, fp8 variant, x dtype, tiles): the persistent MMA GEMM in the interpreter (portable decode)
@@ -372,9 +398,9 @@ def test_prepare_weights_and_supports() -> None:
         prepare_weights(weights.w13)
 
 
-@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_k=64), dict(num_warps=2),
-                                 dict(num_warps=16), dict(num_stages=0), dict(split_k=0), dict(max_registers=300)],
-                         ids=["BM8", "BM24", "BK64", "warps2", "warps16", "stages0", "split0", "regs300"])
+@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_k=64), dict(num_warps=8),
+                                 dict(num_stages=0), dict(split_k=0), dict(max_registers=300)],
+                         ids=["BM8", "BM24", "BK64", "warps8", "stages0", "split0", "regs300"])
 def test_moe_config_validation(bad: dict) -> None:
     with pytest.raises(ValueError, match="MoEConfig"):
         MoEConfig(**bad)
@@ -448,8 +474,10 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 # --------------------------------------------------------------------------------------------------- compile tier
 _COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_decode_r48_p24",
                     "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_align_t1",
-                    "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
-                    "moe_w2_two_mul", "moe_w13_prefill", "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce", "moe_mxfp8_round_trip")
+                    "moe_align_count", "moe_align_scan", "moe_align_scatter", "moe_w13_a16w4", "moe_w2_a16w4_split",
+                    "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill",
+                    "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce",
+                    "moe_mxfp8_round_trip")
 _MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
                 "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
                 "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
@@ -544,26 +572,6 @@ def test_fused_moe_k3_cuda(t: int, k3_moe) -> None:
         kw = dict(activation=MoEActivation(), act_quant="mxfp8", fp8_dtype=fp8)
         assert_rel(fused_moe_with(x, prepared, tw, ids, **kw), fused_moe_reference(x, weights, tw, ids, **kw),
                    1e-2, f"A8W4 {fp8}")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("t,block_m", [(4, 16), (64, 16), (512, 32), (2048, 64)], ids=lambda v: str(v))
-def test_fused_moe_two_warpgroup_tiles_k3_cuda(t: int, block_m: int, k3_moe) -> None:
-    """The tiles with two warpgroups per 128-row tile (num_warps 8, 2 programs per SM at 128 registers) at K3
-    shapes, both schedules: A16W4 against the reference within 5e-3 (as the default tiles), and the same bits as
-    the default 4-warp tiles of the same block size (the same bf16 MMA inputs, the same K order per output)."""
-    weights, prepared = k3_moe
-    g = seeded(11)
-    tw, ids = _routing(t, weights.num_experts, 16, g, "cuda")
-    x = _randn(t, weights.hidden, gen=g, device="cuda", dtype=torch.bfloat16)
-    ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation())
-    four = fused_moe_with(x, prepared, tw, ids, config=MoEConfig(block_m=block_m, programs_per_sm=1,
-                                                                  max_registers=None))
-    for dynamic in (False, True):
-        cfg = MoEConfig(block_m=block_m, num_warps=8, programs_per_sm=2, max_registers=128, dynamic=dynamic)
-        out = fused_moe_with(x, prepared, tw, ids, config=cfg)
-        assert_rel(out, ref, 5e-3, f"A16W4 {cfg}")
-        assert torch.equal(out, four), f"{cfg} differs from the 4-warp tiles"
 
 
 @pytest.mark.cuda

@@ -93,9 +93,20 @@ def _launch_specs() -> dict:
                        "num_experts": "i32", "stride_l": "i32", "scaling_factor": "fp32"},
                       dict(TOP_K=16, HAS_BIAS=True, RENORM=True, BLOCK_E=1024, BLOCK_K=16), 4),
         "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
-                      dict(BM=16, BLOCK_P=4096, BLOCK_E=1024), 8),  # the largest routing it takes
+                      dict(BM=16, BLOCK_P=1024, BLOCK_E=1024), 8),  # the largest routing it takes
         "moe_align_t1": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
                          dict(BM=16, BLOCK_P=16, BLOCK_E=1024), 8),  # K3 decode at T = 1
+        # the chunked align of prefill routings, at K3 sizes (1024-pair chunks, 896 -> 1024 experts)
+        "moe_align_count": ("rocm_k3.triton_kernels.moe.align", "_chunk_count_kernel",
+                            {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": "i32"},
+                            dict(BLOCK_P=1024, BLOCK_E=1024), 8),
+        "moe_align_scan": ("rocm_k3.triton_kernels.moe.align", "_chunk_scan_kernel",
+                           {"counts_ptr": "*i32", "base_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
+                            "count_ptr": "*i32", "nblk_ptr": "*i32", "work_ptr": "*i32", "num_chunks": "i32",
+                            "num_experts": "i32", "num_blocks": "i32"}, dict(BM=16, BLOCK_E=1024, BLOCK_B=1024), 8),
+        "moe_align_scatter": ("rocm_k3.triton_kernels.moe.align", "_chunk_scatter_kernel",
+                              {"ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32", "sorted_ptr": "*i32",
+                               "num_pairs": "i32"}, dict(BLOCK_P=1024, BLOCK_E=1024), 8),
         "moe_w13_a16w4": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1), 4),
         "moe_w2_a16w4_split": (moe, "moe_gemm_kernel", w2_sig, _moe_constexprs(2, SPLIT=4), 4),
         "moe_w13_dynamic": (moe, "moe_gemm_kernel", gemm_sig, _moe_constexprs(1, DYNAMIC=True), 4),

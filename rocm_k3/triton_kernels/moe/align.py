@@ -15,9 +15,13 @@ The ids must lie in ``[0, num_experts)`` (``fused_moe`` checks them at its bound
 
 P_max = NB_max * BM with NB_max = ceil(T*k / BM) + min(E, T*k), an upper bound on the used blocks, so grids are
 sized on the host from shapes alone. Small routings (decode) use one Triton program (``_align_kernel``, one
-launch: a histogram and a sort of all pairs in registers; 11-17 us at K3 decode on the H200, where the earlier
-pairwise-compare kernel took 12-136 us); large ones use a stable torch sort, where launch count does not matter.
-Both give identical arrays and neither syncs with the host (CUDA-graph safe).
+launch: a histogram and a sort of all pairs in registers; 11-17 us at K3 T <= 64 on the H200, where the earlier
+pairwise-compare kernel took 12-136 us). Larger ones (prefill) use three launches over chunks of CHUNK pairs:
+per-chunk histograms, one program that sums them into the layout and each chunk's first row per expert, and a
+per-chunk sort that stores the pairs from there (the torch path took ~120 us at K3 T = 512 and 2048; 4096-pair
+chunks 83 us, of which 70 us the sorts). Routings
+over more than 1024 experts use a stable torch sort. All give identical arrays and none syncs with the host
+(CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-SMALL_PAIRS = 4096  # T*k up to which the single-program kernel is used
+# Pairs up to which the single-program kernel is used, and pairs per program of the chunked kernels: one program's
+# sort of 4096 pairs took ~70 us on the H200 (1024: 16.8 us for the whole single-program align at K3 T = 64)
+SMALL_PAIRS = 1024
+CHUNK = 1024
+MAX_EXPERTS = 1024  # experts the kernels hold in one program (next power of two of E)
 
 
 class SortedRouting(NamedTuple):
@@ -47,37 +55,104 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr, num_pairs,
-                  num_experts, num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: every pair at once. Sort keys ``expert * BLOCK_P + pair`` (stable by construction), the
-    histogram and two prefix sums give each sorted pair its row ``start[e] + (rank - first[e])``."""
-    a = tl.arange(0, BLOCK_P)  # [P]
-    amask = a < num_pairs
-    ids = tl.load(ids_ptr + a, mask=amask, other=0)  # [P]
-    ex = tl.arange(0, BLOCK_E)  # [E]
+def _histogram(ids, n_valid, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs per expert [BLOCK_E] of ``ids`` [BLOCK_P] whose first ``n_valid`` lanes are real (the masked lanes
+    were loaded as expert 0)."""
+    ex = tl.arange(0, BLOCK_E)
+    return tl.histogram(ids, BLOCK_E) - tl.where(ex == 0, BLOCK_P - n_valid, 0)
+
+
+@triton.jit
+def _expert_layout(counts, start_ptr, count_ptr, nblk_ptr, work_ptr, block_expert_ptr, num_experts, num_blocks,
+                   BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """From the pairs per expert [BLOCK_E]: write expert_start / expert_count / num_blocks / block_expert and zero
+    the item counters; returns the experts' first rows ``start`` [BLOCK_E]."""
+    ex = tl.arange(0, BLOCK_E)
     emask = ex < num_experts
-    # pairs per expert; the masked lanes were counted as expert 0
-    counts = tl.histogram(ids, BLOCK_E) - tl.where(ex == 0, BLOCK_P - num_pairs, 0)  # [E]
     padded = (counts + BM - 1) // BM * BM
     end = tl.cumsum(padded, axis=0)  # [E] inclusive
     start = end - padded
-    first = tl.cumsum(counts, axis=0) - counts  # [E] sorted position of each expert's first pair
     tl.store(start_ptr + ex, start, mask=emask)
     tl.store(count_ptr + ex, counts, mask=emask)
     used = tl.sum(tl.where(emask, padded, 0), axis=0) // BM
     tl.store(nblk_ptr, used)
     tl.store(work_ptr + tl.arange(0, 8), tl.zeros((8,), tl.int32))
-    keys = tl.sort(tl.where(amask, ids * BLOCK_P + a, 2147483647))  # [P] by expert, then pair (masked last)
-    e_sorted = tl.minimum(keys // BLOCK_P, BLOCK_E - 1)
-    rows = a + tl.gather(start - first, e_sorted, 0)  # start[e] + (position - first[e])
-    tl.store(sorted_ptr + rows, keys % BLOCK_P, mask=amask)
     # block b belongs to expert e for b in [start[e] / BM, end[e] / BM): a few passes over the experts
     nb = padded // BM  # [E]
     for j in range(0, tl.max(nb, axis=0)):
         tl.store(block_expert_ptr + start // BM + j, ex, mask=emask & (j < nb))
-    for b0 in range(0, num_blocks, BLOCK_P):  # the unused tail
-        b = b0 + a
+    for b0 in range(0, num_blocks, BLOCK_B):  # the unused tail
+        b = b0 + tl.arange(0, BLOCK_B)
         tl.store(block_expert_ptr + b, -1, mask=(b >= used) & (b < num_blocks))
+    return start
+
+
+@triton.jit
+def _scatter_sorted(ids, amask, counts, first_row, sorted_ptr, pair0, BLOCK_P: tl.constexpr,
+                    BLOCK_E: tl.constexpr):
+    """Store the pairs ``pair0 + lane`` of ``ids`` [BLOCK_P] (real where ``amask``) grouped by expert: expert e's
+    pairs, in pair order, at rows ``first_row[e], first_row[e] + 1, ...`` (``counts``: their number per expert).
+    Sort keys ``expert * BLOCK_P + lane`` (stable by construction)."""
+    a = tl.arange(0, BLOCK_P)
+    first = tl.cumsum(counts, axis=0) - counts  # [E] sorted position of each expert's first pair
+    keys = tl.sort(tl.where(amask, ids * BLOCK_P + a, 2147483647))  # [P] by expert, then lane (masked last)
+    e_sorted = tl.minimum(keys // BLOCK_P, BLOCK_E - 1)
+    rows = a + tl.gather(first_row - first, e_sorted, 0)  # first_row[e] + (position - first[e])
+    tl.store(sorted_ptr + rows, pair0 + keys % BLOCK_P, mask=amask)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr, num_pairs,
+                  num_experts, num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: every pair at once (a histogram, the layout, one sort)."""
+    a = tl.arange(0, BLOCK_P)  # [P]
+    amask = a < num_pairs
+    ids = tl.load(ids_ptr + a, mask=amask, other=0)  # [P]
+    counts = _histogram(ids, num_pairs, BLOCK_P, BLOCK_E)  # [E]
+    start = _expert_layout(counts, start_ptr, count_ptr, nblk_ptr, work_ptr, block_expert_ptr, num_experts,
+                           num_blocks, BM, BLOCK_E, BLOCK_P)
+    _scatter_sorted(ids, amask, counts, start, sorted_ptr, 0, BLOCK_P, BLOCK_E)
+
+
+@triton.jit
+def _chunk_count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Chunked align, pass 1 (one program per BLOCK_P pairs): counts[c, e] = pairs of chunk c routed to e."""
+    c = tl.program_id(0)
+    a = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + a, mask=a < num_pairs, other=0)
+    counts = _histogram(ids, tl.minimum(num_pairs - c * BLOCK_P, BLOCK_P), BLOCK_P, BLOCK_E)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def _chunk_scan_kernel(counts_ptr, base_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr,
+                       num_chunks, num_experts, num_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
+    """Pass 2 (one program): the layout from the summed counts, and base[c, e] = the row of chunk c's first pair
+    of expert e (start[e] plus the pairs of e in the chunks before c)."""
+    ex = tl.arange(0, BLOCK_E)
+    total = tl.zeros((BLOCK_E,), tl.int32)
+    for c in range(0, num_chunks):
+        total += tl.load(counts_ptr + c * BLOCK_E + ex)
+    run = _expert_layout(total, start_ptr, count_ptr, nblk_ptr, work_ptr, block_expert_ptr, num_experts,
+                         num_blocks, BM, BLOCK_E, BLOCK_B)
+    for c in range(0, num_chunks):
+        tl.store(base_ptr + c * BLOCK_E + ex, run)
+        run += tl.load(counts_ptr + c * BLOCK_E + ex)
+
+
+@triton.jit
+def _chunk_scatter_kernel(ids_ptr, counts_ptr, base_ptr, sorted_ptr, num_pairs, BLOCK_P: tl.constexpr,
+                          BLOCK_E: tl.constexpr):
+    """Pass 3 (one program per chunk): the chunk's pairs sorted by expert, stored from base[c, e] on."""
+    c = tl.program_id(0)
+    a = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    amask = a < num_pairs
+    ids = tl.load(ids_ptr + a, mask=amask, other=0)
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + c * BLOCK_E + ex)
+    base = tl.load(base_ptr + c * BLOCK_E + ex)
+    _scatter_sorted(ids, amask, counts, base, sorted_ptr, c * BLOCK_P, BLOCK_P, BLOCK_E)
 
 
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> SortedRouting:
@@ -102,31 +177,55 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks:
                          work)
 
 
-def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None) -> SortedRouting:
+def _empty_routing(num_pairs: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),  # sorted_pairs
+            torch.empty(num_blocks, dtype=torch.int32, device=dev),  # block_expert
+            torch.empty(num_experts, dtype=torch.int32, device=dev),  # expert_start
+            torch.empty(num_experts, dtype=torch.int32, device=dev),  # expert_count
+            torch.empty(1, dtype=torch.int32, device=dev),  # num_blocks
+            torch.empty(8, dtype=torch.int32, device=dev))  # work
+
+
+def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None,
+                  chunk: int = CHUNK) -> SortedRouting:
     """``topk_ids`` int [T, k] -> :class:`SortedRouting` with blocks of ``block_m`` rows.
 
-    force: "kernel" or "torch" picks the implementation (tests); None chooses by size.
+    force: "kernel" (one program), "chunked" (three launches over ``chunk`` pairs per program, a power of two)
+    or "torch" picks the implementation (tests); None chooses by size: one program up to SMALL_PAIRS pairs,
+    chunked beyond, torch past 1024 experts.
     """
+    if force not in (None, "kernel", "chunked", "torch"):
+        raise ValueError(f"force must be None, 'kernel', 'chunked' or 'torch', got {force!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1) or chunk > CHUNK:
+        raise ValueError(f"chunk must be a power of two in [16, {CHUNK}], got {chunk!r}")
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    use_kernel = num_pairs <= SMALL_PAIRS if force is None else force == "kernel"
-    if use_kernel and (num_pairs > SMALL_PAIRS or triton.next_power_of_2(num_experts) > 1024):
-        # the kernel holds every pair and expert in one program (sort keys expert * BLOCK_P + pair fit int32)
-        raise ValueError(f"the align kernel takes up to {SMALL_PAIRS} pairs and 1024 experts, got {num_pairs} pairs "
-                         f"and {num_experts} experts (use the torch path)")
-    if not use_kernel:
+    block_e = triton.next_power_of_2(num_experts)
+    if force is None:
+        force = "torch" if block_e > MAX_EXPERTS else "kernel" if num_pairs <= SMALL_PAIRS else "chunked"
+    if force != "torch" and block_e > MAX_EXPERTS:
+        raise ValueError(f"the align kernels take up to {MAX_EXPERTS} experts, got {num_experts} (use the torch path)")
+    if force == "kernel" and num_pairs > SMALL_PAIRS:
+        # the kernel holds every pair in one program (sort keys expert * BLOCK_P + pair fit int32)
+        raise ValueError(f"the align kernel takes up to {SMALL_PAIRS} pairs and {MAX_EXPERTS} experts, got "
+                         f"{num_pairs} pairs (use the chunked kernels)")
+    if force == "torch":
         return _align_torch(flat, num_experts, block_m, num_blocks)
-    dev = flat.device
-    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    count = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
-    work = torch.empty(8, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](
-        flat.to(torch.int32), sorted_pairs, block_expert, start, count, used, work, num_pairs, num_experts, num_blocks,
-        BM=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=triton.next_power_of_2(num_experts),
-        num_warps=8,
-    )
-    return SortedRouting(sorted_pairs, block_expert, start, count, used, block_m, work)
+    out = _empty_routing(num_pairs, num_experts, block_m, flat.device)
+    ids = flat.to(torch.int32)
+    if force == "kernel":
+        _align_kernel[(1,)](ids, *out, num_pairs, num_experts, num_blocks, BM=block_m,
+                            BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=block_e, num_warps=8)
+    else:
+        chunks = triton.cdiv(num_pairs, chunk)
+        counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]
+        base = torch.empty_like(counts)  # [C, E]
+        sorted_pairs, block_expert, start, count, used, work = out
+        _chunk_count_kernel[(chunks,)](ids, counts, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
+        _chunk_scan_kernel[(1,)](counts, base, block_expert, start, count, used, work, chunks, num_experts,
+                                 num_blocks, BM=block_m, BLOCK_E=block_e, BLOCK_B=1024, num_warps=8)
+        _chunk_scatter_kernel[(chunks,)](ids, counts, base, sorted_pairs, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e,
+                                         num_warps=8)
+    return SortedRouting(*out[:5], block_m, out[5])

@@ -41,13 +41,11 @@ _INTERPRETER_PROGRAMS = 3  # persistent grid under TRITON_INTERPRET (a few progr
 class MoEConfig:
     """Tiles of both GEMMs. block_m: rows of one expert block (the MMA's narrow side: tokens at decode), a power
     of two >= 16; block_k: K per pipeline step, 128 or 256 (256 only for a GEMM whose K, padded to 128, is a
-    multiple of 256; the other GEMM then steps by 128); num_warps 4 (one warpgroup owns the 128-row tile) or 8
-    (two warpgroups, one per 64-row group: each decodes and multiplies half the tile, so a thread holds half the
-    accumulator and half the decoded weights); num_stages: pipeline depth; split_k: K splits of the w2 GEMM
-    (summed in the reduce); programs_per_sm: persistent programs per SM (the grid is this times the SM count,
-    capped by the work); max_registers: the NVIDIA register cap per thread that lets ``programs_per_sm``
-    programs of ``32 * num_warps`` threads stay resident at once (65536 / (32 * num_warps * programs_per_sm);
-    None: no cap), applied to the inline-PTX MXFP4 GEMMs only (the fp32-operand
+    multiple of 256; the other GEMM then steps by 128); num_warps 4 (one warpgroup owns the 128-row tile);
+    num_stages: pipeline depth; split_k: K splits of the w2 GEMM (summed in the reduce); programs_per_sm:
+    persistent programs per SM (the grid is this times the SM count, capped by the work); max_registers: the
+    NVIDIA register cap per thread that lets ``programs_per_sm`` 128-thread programs stay resident at once
+    (65536 / (128 * programs_per_sm); None: no cap), applied to the inline-PTX MXFP4 GEMMs only (the fp32-operand
     and portable paths need more registers and are not the fast path); dynamic: programs claim items from an
     atomic counter (zeroed per call) instead of a fixed round-robin share."""
 
@@ -69,9 +67,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.block_m must be a power of two >= 16 (the MMA's N side), got {self.block_m}")
         if self.block_k not in (128, 256):
             raise ValueError(f"MoEConfig.block_k must be 128 or 256 (whole scale groups), got {self.block_k}")
-        if self.num_warps not in (4, 8):
-            raise ValueError(f"MoEConfig.num_warps must be 4 or 8 (one or two warpgroups per 128-row tile), "
-                             f"got {self.num_warps}")
+        if self.num_warps != 4:
+            raise ValueError(f"MoEConfig.num_warps must be 4 (one warpgroup per 128-row tile), got {self.num_warps}")
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"MoEConfig.dynamic must be a bool, got {self.dynamic!r}")
         if self.max_registers is not None and (isinstance(self.max_registers, bool) or
