@@ -45,7 +45,7 @@ from rocm_k3.triton_kernels import attn_res as tri_attn_res  # noqa: E402
 from rocm_k3.triton_kernels import norm as tri_norm  # noqa: E402
 from rocm_k3.triton_kernels import mla_prefill as tri_mla_prefill  # noqa: E402
 from rocm_k3.triton_kernels.mla_decode import mla_decode_with  # noqa: E402
-from rocm_k3.triton_kernels.moe.align import align_routing  # noqa: E402
+from rocm_k3.triton_kernels.moe.align import align_path, align_routing  # noqa: E402
 from rocm_k3.triton_kernels.moe import pointwise as tri_pointwise  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import (  # noqa: E402
     MoEConfig,
@@ -255,6 +255,12 @@ def _check_align_kernel(ids: torch.Tensor, e: int, bm: int, force: str = "kernel
         s, c = int(got.expert_start[ex]), int(got.expert_count[ex])
         assert torch.equal(got.sorted_pairs[s:s + c], want.sorted_pairs[s:s + c]), f"expert {ex}"
         assert bool((ids.flatten()[got.sorted_pairs[s:s + c].long()] == ex).all())
+
+
+def test_moe_align_default_path() -> None:
+    """The single program up to 1024 pairs (K3 T <= 64), the chunked kernels beyond, torch past 1024 experts."""
+    assert align_path(1024, 896) == "kernel" and align_path(1025, 896) == "chunked"
+    assert align_path(1, 1024) == "kernel" and align_path(1, 1025) == "torch"
 
 
 def test_moe_align_kernel_refuses_routings_it_cannot_hold() -> None:
@@ -486,10 +492,9 @@ _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # MXFP4 GEMMs with the inline-PTX decode on sm_90: bf16x2 multiplies per 128-weight step of a thread (4 per word; 8
 # for the two-multiply decode of scales > 128), cp.async pipelining, the static SASS of the K loop per weight
 # element (128 x BK weights over 128 threads per step) within budget, no local memory, no layout shuffles.
-# Measured (2026-12-01) for moe_w13_a16w4 with Triton 3.9 / 3.6: 390 / 399 per step (3.05 / 3.12 per weight);
-# prefill (64-row blocks: 8 gathered 16-byte activation loads per thread and step) 3.56 with Triton 3.9.
-# kernel -> (HMUL2 in the K loop, SASS per weight budget); Triton 3.9 / its ptxas gives 2.77-2.80 for the
-# one-multiply decode tiles (9 integer ops + 4 HMUL2 per 8 weights), 3.63 two-multiply, 3.31 at prefill tiles
+# kernel -> (HMUL2 in the K loop, SASS per weight budget). Measured (2026-12-01, the 9-op decode) with Triton 3.9:
+# 2.77-2.80 per weight for the one-multiply decode tiles (358 per step for moe_w13_a16w4; 367 with Triton 3.6),
+# 3.63 two-multiply, 3.31 at prefill tiles (64-row blocks: 8 gathered 16-byte activation loads per thread and step)
 _ASM_DECODE_KERNELS = {"moe_w13_a16w4": (64, 3.0), "moe_w2_a16w4_split": (64, 3.0), "moe_w13_dynamic": (64, 3.0),
                        "moe_w2_dynamic": (64, 3.0), "moe_w13_a8w4": (64, 3.0),
                        "moe_w2_two_mul": (128, 3.8), "moe_w13_prefill": (64, 3.5)}

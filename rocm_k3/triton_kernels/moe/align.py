@@ -17,11 +17,10 @@ P_max = NB_max * BM with NB_max = ceil(T*k / BM) + min(E, T*k), an upper bound o
 sized on the host from shapes alone. Small routings (decode) use one Triton program (``_align_kernel``, one
 launch: a histogram and a sort of all pairs in registers; 11-17 us at K3 T <= 64 on the H200, where the earlier
 pairwise-compare kernel took 12-136 us). Larger ones (prefill) use three launches over chunks of CHUNK pairs:
-per-chunk histograms, one program that sums them into the layout and each chunk's first row per expert, and a
-per-chunk sort that stores the pairs from there (the torch path took ~120 us at K3 T = 512 and 2048; 4096-pair
-chunks 83 us, of which 70 us the sorts). Routings
-over more than 1024 experts use a stable torch sort. All give identical arrays and none syncs with the host
-(CUDA-graph safe).
+per-chunk histograms, one program that sums them into the layout (and each expert's pairs in the chunks before
+each chunk), and a per-chunk sort that stores the pairs from there (the torch path took ~120 us at K3 T = 512
+and 2048; 4096-pair chunks 83 us, of which 70 us the sorts). Routings over more than 1024 experts use a stable
+torch sort. All give identical arrays and none syncs with the host (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -92,7 +91,8 @@ def _scatter_sorted(ids, amask, counts, first_row, sorted_ptr, pair0, BLOCK_P: t
                     BLOCK_E: tl.constexpr):
     """Store the pairs ``pair0 + lane`` of ``ids`` [BLOCK_P] (real where ``amask``) grouped by expert: expert e's
     pairs, in pair order, at rows ``first_row[e], first_row[e] + 1, ...`` (``counts``: their number per expert).
-    Sort keys ``expert * BLOCK_P + lane`` (stable by construction)."""
+    Sort keys ``expert * BLOCK_P + lane`` (stable by construction). The store is masked by ``amask`` at the
+    *sorted* positions: right because the unreal lanes are a suffix and their keys sort last."""
     a = tl.arange(0, BLOCK_P)
     first = tl.cumsum(counts, axis=0) - counts  # [E] sorted position of each expert's first pair
     keys = tl.sort(tl.where(amask, ids * BLOCK_P + a, 2147483647))  # [P] by expert, then lane (masked last)
@@ -125,34 +125,33 @@ def _chunk_count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK_P: tl.constexpr, B
 
 
 @triton.jit
-def _chunk_scan_kernel(counts_ptr, base_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr,
+def _chunk_scan_kernel(counts_ptr, before_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr,
                        num_chunks, num_experts, num_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_B: tl.constexpr):
-    """Pass 2 (one program): the layout from the summed counts, and base[c, e] = the row of chunk c's first pair
-    of expert e (start[e] plus the pairs of e in the chunks before c)."""
+    """Pass 2 (one program, one pass over the chunks): before[c, e] = the pairs of expert e in the chunks before
+    c, and the layout from the summed counts."""
     ex = tl.arange(0, BLOCK_E)
-    total = tl.zeros((BLOCK_E,), tl.int32)
+    run = tl.zeros((BLOCK_E,), tl.int32)
     for c in range(0, num_chunks):
-        total += tl.load(counts_ptr + c * BLOCK_E + ex)
-    run = _expert_layout(total, start_ptr, count_ptr, nblk_ptr, work_ptr, block_expert_ptr, num_experts,
-                         num_blocks, BM, BLOCK_E, BLOCK_B)
-    for c in range(0, num_chunks):
-        tl.store(base_ptr + c * BLOCK_E + ex, run)
+        tl.store(before_ptr + c * BLOCK_E + ex, run)
         run += tl.load(counts_ptr + c * BLOCK_E + ex)
+    _expert_layout(run, start_ptr, count_ptr, nblk_ptr, work_ptr, block_expert_ptr, num_experts, num_blocks, BM,
+                   BLOCK_E, BLOCK_B)
 
 
 @triton.jit
-def _chunk_scatter_kernel(ids_ptr, counts_ptr, base_ptr, sorted_ptr, num_pairs, BLOCK_P: tl.constexpr,
-                          BLOCK_E: tl.constexpr):
-    """Pass 3 (one program per chunk): the chunk's pairs sorted by expert, stored from base[c, e] on."""
+def _chunk_scatter_kernel(ids_ptr, counts_ptr, before_ptr, start_ptr, sorted_ptr, num_pairs, num_experts,
+                          BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pass 3 (one program per chunk): the chunk's pairs sorted by expert, stored from row start[e] + before[c, e]
+    on (expert e's first row plus its pairs in the earlier chunks)."""
     c = tl.program_id(0)
     a = c * BLOCK_P + tl.arange(0, BLOCK_P)
     amask = a < num_pairs
     ids = tl.load(ids_ptr + a, mask=amask, other=0)
     ex = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + c * BLOCK_E + ex)
-    base = tl.load(base_ptr + c * BLOCK_E + ex)
-    _scatter_sorted(ids, amask, counts, base, sorted_ptr, c * BLOCK_P, BLOCK_P, BLOCK_E)
+    first_row = tl.load(before_ptr + c * BLOCK_E + ex) + tl.load(start_ptr + ex, mask=ex < num_experts, other=0)
+    _scatter_sorted(ids, amask, counts, first_row, sorted_ptr, c * BLOCK_P, BLOCK_P, BLOCK_E)
 
 
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> SortedRouting:
@@ -177,8 +176,7 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks:
                          work)
 
 
-def _empty_routing(num_pairs: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+def _empty_routing(num_blocks: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),  # sorted_pairs
             torch.empty(num_blocks, dtype=torch.int32, device=dev),  # block_expert
             torch.empty(num_experts, dtype=torch.int32, device=dev),  # expert_start
@@ -187,13 +185,20 @@ def _empty_routing(num_pairs: int, num_experts: int, block_m: int, dev: torch.de
             torch.empty(8, dtype=torch.int32, device=dev))  # work
 
 
+def align_path(num_pairs: int, num_experts: int) -> str:
+    """The implementation :func:`align_routing` uses by default: "kernel" (one program) up to SMALL_PAIRS pairs,
+    "chunked" beyond, "torch" past MAX_EXPERTS experts."""
+    if triton.next_power_of_2(num_experts) > MAX_EXPERTS:
+        return "torch"
+    return "kernel" if num_pairs <= SMALL_PAIRS else "chunked"
+
+
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None,
                   chunk: int = CHUNK) -> SortedRouting:
     """``topk_ids`` int [T, k] -> :class:`SortedRouting` with blocks of ``block_m`` rows.
 
     force: "kernel" (one program), "chunked" (three launches over ``chunk`` pairs per program, a power of two)
-    or "torch" picks the implementation (tests); None chooses by size: one program up to SMALL_PAIRS pairs,
-    chunked beyond, torch past 1024 experts.
+    or "torch" picks the implementation (tests); None: :func:`align_path`.
     """
     if force not in (None, "kernel", "chunked", "torch"):
         raise ValueError(f"force must be None, 'kernel', 'chunked' or 'torch', got {force!r}")
@@ -203,17 +208,16 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     block_e = triton.next_power_of_2(num_experts)
-    if force is None:
-        force = "torch" if block_e > MAX_EXPERTS else "kernel" if num_pairs <= SMALL_PAIRS else "chunked"
+    force = force or align_path(num_pairs, num_experts)
     if force != "torch" and block_e > MAX_EXPERTS:
         raise ValueError(f"the align kernels take up to {MAX_EXPERTS} experts, got {num_experts} (use the torch path)")
     if force == "kernel" and num_pairs > SMALL_PAIRS:
-        # the kernel holds every pair in one program (sort keys expert * BLOCK_P + pair fit int32)
+        # one program sorts every pair: past SMALL_PAIRS the chunked kernels are faster
         raise ValueError(f"the align kernel takes up to {SMALL_PAIRS} pairs and {MAX_EXPERTS} experts, got "
                          f"{num_pairs} pairs (use the chunked kernels)")
     if force == "torch":
         return _align_torch(flat, num_experts, block_m, num_blocks)
-    out = _empty_routing(num_pairs, num_experts, block_m, flat.device)
+    out = _empty_routing(num_blocks, num_experts, block_m, flat.device)
     ids = flat.to(torch.int32)
     if force == "kernel":
         _align_kernel[(1,)](ids, *out, num_pairs, num_experts, num_blocks, BM=block_m,
@@ -221,11 +225,11 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     else:
         chunks = triton.cdiv(num_pairs, chunk)
         counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]
-        base = torch.empty_like(counts)  # [C, E]
+        before = torch.empty_like(counts)  # [C, E]
         sorted_pairs, block_expert, start, count, used, work = out
         _chunk_count_kernel[(chunks,)](ids, counts, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
-        _chunk_scan_kernel[(1,)](counts, base, block_expert, start, count, used, work, chunks, num_experts,
+        _chunk_scan_kernel[(1,)](counts, before, block_expert, start, count, used, work, chunks, num_experts,
                                  num_blocks, BM=block_m, BLOCK_E=block_e, BLOCK_B=1024, num_warps=8)
-        _chunk_scatter_kernel[(chunks,)](ids, counts, base, sorted_pairs, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e,
-                                         num_warps=8)
+        _chunk_scatter_kernel[(chunks,)](ids, counts, before, start, sorted_pairs, num_pairs, num_experts,
+                                         BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
     return SortedRouting(*out[:5], block_m, out[5])
