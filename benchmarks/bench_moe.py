@@ -14,8 +14,9 @@ from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + `
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
 through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes
 (codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
-A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times our tile variants too. The static SASS count of our K
-loop (cross-compiled on this machine for sm_90 with its Triton, cuobjdump) is printed per weight element.
+A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times our tile
+variants too. The static SASS count of our K loop (cross-compiled on this machine for sm_90 with its Triton,
+cuobjdump) is printed per weight element.
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time our tile variants at every T")
-    parser.add_argument("--sweep-filter", default="", help="only the sweep variants whose MoEConfig repr contains this (the picked config is always timed)")
+    parser.add_argument("--sweep-filter", default="",
+                        help="only the sweep variants whose MoEConfig repr contains this (the picked one always runs)")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")

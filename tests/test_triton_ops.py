@@ -311,10 +311,10 @@ _MOE_CASES = [
                          ids=["situ-A16W4", "silu-A16W4-bm32-split2", "situ-A8W4-ocp-split4", "situ-A8W4-fnuz-bk256",
                               "situ-A16W4-dynamic-split2"])
 def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, dtype: torch.dtype, cfg: MoEConfig) -> None:
-    """Prepared MXFP4 experts (K 96, or 256 with block_k 256, and N 64: padded layout tiles) against the reference (which reads the same
-    prepared weights). Tolerances: bf16 outputs 1.5e-2 (the bf16 intermediate of A16W4 and the interpreter's
-    truncating fp32 -> bf16 cast of the output; measured 5.8e-3 and 3.6e-3), A8W4 with fp32 x 1e-5 (both sides
-    quantise x and the activation with the same MXFP8 rule; measured 0)."""
+    """Prepared MXFP4 experts (K 96, or 256 with block_k 256, and N 64: padded layout tiles) against the reference
+    (which reads the same prepared weights). Tolerances: bf16 outputs 1.5e-2 (the bf16 intermediate of A16W4 and
+    the interpreter's truncating fp32 -> bf16 cast of the output; measured 5.8e-3 and 3.6e-3), A8W4 with fp32 x
+    1e-5 (both sides quantise x and the activation with the same MXFP8 rule; measured 0)."""
     g = seeded(5)
     t, k, e, hidden, n, kout = 5, 2, 4, 256 if cfg.block_k == 256 else 96, 64, 96
     weights = prepare_weights(_mxfp4_experts(e, n, hidden, kout, g))
@@ -447,7 +447,8 @@ def test_launcher_argument_errors() -> None:
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(), reason="the interpreter tier ran in this process (or a GPU is present)")
+@pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(),
+                    reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_interpret_tier_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],

@@ -176,13 +176,12 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks:
                          work)
 
 
-def _empty_routing(num_blocks: int, num_experts: int, block_m: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),  # sorted_pairs
-            torch.empty(num_blocks, dtype=torch.int32, device=dev),  # block_expert
-            torch.empty(num_experts, dtype=torch.int32, device=dev),  # expert_start
-            torch.empty(num_experts, dtype=torch.int32, device=dev),  # expert_count
-            torch.empty(1, dtype=torch.int32, device=dev),  # num_blocks
-            torch.empty(8, dtype=torch.int32, device=dev))  # work
+def _empty_routing(num_blocks: int, num_experts: int, block_m: int, dev: torch.device) -> SortedRouting:
+    """The output arrays the align kernels fill (every element is written on the device)."""
+    def empty(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, device=dev)
+    return SortedRouting(empty(num_blocks * block_m), empty(num_blocks), empty(num_experts), empty(num_experts),
+                         empty(1), block_m, empty(8))
 
 
 def align_path(num_pairs: int, num_experts: int) -> str:
@@ -217,19 +216,19 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
                          f"{num_pairs} pairs (use the chunked kernels)")
     if force == "torch":
         return _align_torch(flat, num_experts, block_m, num_blocks)
-    out = _empty_routing(num_blocks, num_experts, block_m, flat.device)
+    r = _empty_routing(num_blocks, num_experts, block_m, flat.device)
     ids = flat.to(torch.int32)
+    layout = (r.block_expert, r.expert_start, r.expert_count, r.num_blocks, r.work)
     if force == "kernel":
-        _align_kernel[(1,)](ids, *out, num_pairs, num_experts, num_blocks, BM=block_m,
+        _align_kernel[(1,)](ids, r.sorted_pairs, *layout, num_pairs, num_experts, num_blocks, BM=block_m,
                             BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=block_e, num_warps=8)
-    else:
-        chunks = triton.cdiv(num_pairs, chunk)
-        counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]
-        before = torch.empty_like(counts)  # [C, E]
-        sorted_pairs, block_expert, start, count, used, work = out
-        _chunk_count_kernel[(chunks,)](ids, counts, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
-        _chunk_scan_kernel[(1,)](counts, before, block_expert, start, count, used, work, chunks, num_experts,
-                                 num_blocks, BM=block_m, BLOCK_E=block_e, BLOCK_B=1024, num_warps=8)
-        _chunk_scatter_kernel[(chunks,)](ids, counts, before, start, sorted_pairs, num_pairs, num_experts,
-                                         BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
-    return SortedRouting(*out[:5], block_m, out[5])
+        return r
+    chunks = triton.cdiv(num_pairs, chunk)
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]
+    before = torch.empty_like(counts)  # [C, E]
+    _chunk_count_kernel[(chunks,)](ids, counts, num_pairs, BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
+    _chunk_scan_kernel[(1,)](counts, before, *layout, chunks, num_experts, num_blocks, BM=block_m, BLOCK_E=block_e,
+                             BLOCK_B=1024, num_warps=8)
+    _chunk_scatter_kernel[(chunks,)](ids, counts, before, r.expert_start, r.sorted_pairs, num_pairs, num_experts,
+                                     BLOCK_P=chunk, BLOCK_E=block_e, num_warps=8)
+    return r

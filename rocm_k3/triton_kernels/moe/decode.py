@@ -9,9 +9,9 @@ bytes, chosen by the ``DECODE`` constexpr:
   ``and`` / ``shl`` / ``shr`` / one funnel rotate / ``or`` (9 integer ops: 5 LOP3 after ptxas fuses and/or, two
   shifts it may issue as IMAD on the FMA pipe, two on the ALU; the layout's bit positions make them the fewest)
   make four bf16x2 registers ``E2M1 * 2^-126`` and one ``mul.rn.bf16x2`` each applies ``2^(s - 1)`` (``FOLD``:
-  every scale byte <= 128) or ``2^126`` then ``2^(s - 127)``: about 1.6 instructions per weight. The asm input registers are the bytes of the
-  16-byte load as loaded: the layout puts each thread's MMA operand in its own chunk, so the reshapes after the
-  asm only relabel registers.
+  every scale byte <= 128) or ``2^126`` then ``2^(s - 127)``: about 1.6 instructions per weight. The asm input
+  registers are the bytes of the 16-byte load as loaded: the layout puts each thread's MMA operand in its own
+  chunk, so the reshapes after the asm only relabel registers.
 - ``DECODE_PORTABLE`` (the interpreter, AMD targets, fp32 operands): the same masks on int32 words in Triton,
   each bf16 half turned back into its E2M1 code and decoded exactly in fp32 (``mx.e2m1_decode``), times the exact
   fp32 scale. It checks the layout and the bit formulas the asm uses, without the asm.

@@ -3,9 +3,8 @@
 One kernel family (:mod:`.kernels`): the persistent swap-AB MMA GEMM over used (expert block, 128-row tile,
 K split) items, at decode and prefill alike; only the tiles change (:func:`pick_config`). Launches at decode
 (A16W4): the align (which also zeroes the GEMMs' item counters), the w13 GEMM, the w2 GEMM and the reduce (4;
-A8W4 adds the x round trip). Every expert
-weight tile is read once per block of ``block_m`` rows routed to it, so at decode (every used expert has one
-block) the bytes moved are the active experts' weights, once.
+A8W4 adds the x round trip). Every expert weight tile is read once per block of ``block_m`` rows routed to it,
+so at decode (every used expert has one block) the bytes moved are the active experts' weights, once.
 
 Weights: MXFP4 experts must be in the ``triton`` layout (:mod:`.layout`, made once by :func:`prepare_weights`,
 which keeps only the re-laid tensors). Experts in another layout are prepared on their first call and the result
