@@ -181,7 +181,7 @@ def sass_per_weight() -> dict:
     for stage, split in ((1, 1), (2, 1)):
         ce = dict(STAGE=stage, W_FMT=0, DECODE=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
                   OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=split, BMT=16, KU=2, STAGES=3,
-                  DYNAMIC=False)
+                  DYNAMIC=False, FAST_ACT=True)
         sig = dict(K.GEMM_SIGNATURE, out_ptr="*bf16" if stage == 1 else "*fp32")
         res = compile_kernel(K.moe_gemm_kernel, sig, ce, "sm_90", num_warps=4, num_stages=3,
                              divisible_by_16=K.GEMM_DIVISIBLE)

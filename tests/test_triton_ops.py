@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: see the module docstring
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from rocm_k3.ops import attn_res as ref_attn_res  # noqa: E402
 from rocm_k3.ops import mla as ref_mla  # noqa: E402
@@ -535,6 +536,8 @@ def test_kernels_compile(compiled: dict, kernel: str, target: str) -> None:
         per_weight = k_loop["instructions"] / 128
         assert per_weight <= budget, f"{kernel}: {per_weight:.2f} SASS per weight {k_loop}"
         assert not {"STS", "SHFL", "LDL", "STL"} & set(k_loop["opcodes"]), f"{kernel}: layout shuffles {k_loop}"
+    if kernel.startswith("moe_w13") and target == "sm_90":  # the SiTU epilogue's sigmoids on MUFU ex2 / rcp
+        assert {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"} <= set(mnemonics), sorted(m for m in mnemonics if "f32" in m)
     if target != "sm_90":
         assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
 
@@ -703,6 +706,44 @@ def test_route_activation_prefill_k3_cuda() -> None:
     w = _randn(heads * 256, 512, gen=g, scale=0.05, device="cuda", dtype=torch.bfloat16)
     args = (q, cache, table, cu.cuda(), lens.cuda(), w)
     assert_rel(tri_mla_prefill.mla_prefill(*args), ref_mla._mla_prefill_reference(*args), 1e-2, "mla_prefill")
+
+
+@triton.jit
+def _activation_probe_kernel(x_ptr, sig_ptr, tanh_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(sig_ptr + offs, tri_pointwise.sigmoid_f32(x, FAST), mask=mask)
+    tl.store(tanh_ptr + offs, tri_pointwise.tanh_f32(x, FAST), mask=mask)
+
+
+@pytest.mark.cuda
+def test_epilogue_sigmoid_tanh_fast_path_cuda() -> None:
+    """The MoE GEMM epilogue's sigmoid and tanh on the NVIDIA fast path (MUFU ex2 / rcp) against float64, next to
+    the portable path, over [-90, 90], N(0, 4) and tiny values. Tolerances (relative, per value; sigmoid where it
+    is above 1e-30): 1e-5 for the sigmoid (both paths round ``x log2 e`` to fp32 first, ~5e-6 relative at
+    |x| = 90), 2e-6 for tanh (the polynomial below |z| = 0.25, ``2 sigmoid(2z) - 1`` above), and fast ==
+    portable within 1e-6 for the sigmoid (the division is all that differs: a few ulp) and 2e-6 for tanh (that
+    difference grows by up to 2 / tanh(0.25) ~ 8 in ``2 sigmoid(2z) - 1``)."""
+    g = seeded(23)
+    x = torch.cat([torch.linspace(-90, 90, 200001), torch.randn(100000, generator=g) * 4,
+                   torch.logspace(-12, -0.5, 2000), -torch.logspace(-12, -0.5, 2000)]).float().cuda()
+    exact_sig, exact_tanh = torch.sigmoid(x.double()), torch.tanh(x.double())
+    outs = {}
+    for fast in (False, True):
+        sig, tanh = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))  # poisoned
+        _activation_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x, sig, tanh, x.numel(), FAST=fast, BLOCK=1024)
+        outs[fast] = sig, tanh
+        live = exact_sig > 1e-30
+        sig_err = ((sig.double() - exact_sig).abs() / exact_sig)[live].max().item()
+        tanh_err = ((tanh.double() - exact_tanh).abs() / exact_tanh.abs().clamp_min(1e-300)).max().item()
+        assert sig_err < 1e-5, f"sigmoid fast={fast}: max relative error {sig_err:.2e}"
+        assert tanh_err < 2e-6, f"tanh fast={fast}: max relative error {tanh_err:.2e}"
+    for i, (name, tol) in enumerate((("sigmoid", 1e-6), ("tanh", 2e-6))):
+        a, b = outs[True][i].double(), outs[False][i].double()
+        live = b.abs() > 1e-30
+        diff = ((a - b).abs() / b.abs())[live].max().item()
+        assert diff < tol, f"{name}: fast vs portable {diff:.2e}"
 
 
 @pytest.mark.cuda

@@ -27,13 +27,15 @@ def _specs() -> dict:
 
 
 def _moe_constexprs(stage: int, **over):
-    """Per-target constexprs of moe_gemm_kernel at the K3 decode tiles: inline-PTX decode on sm_90, portable
-    Triton decode on AMD (and wherever ``DECODE`` is given)."""
+    """Per-target constexprs of moe_gemm_kernel at the K3 decode tiles: inline-PTX decode and the fast epilogue
+    math on sm_90, portable Triton decode and math on AMD (the decode: also wherever ``DECODE`` is given)."""
     base = dict(STAGE=stage, W_FMT=0, FOLD=True, OP_F32=False, DOT_F32=False, ACT=0, HAS_LINEAR_BETA=True,
                 OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3,
                 DYNAMIC=False)
     base.update(over)
-    return lambda target: {"DECODE": 0 if target == "sm_90" else 1, **base} if "DECODE" not in over else base
+    # NVIDIA: inline-PTX decode and the fast epilogue math, as fused_moe launches them there
+    return lambda target: {"DECODE": 0 if target == "sm_90" else 1, "FAST_ACT": target == "sm_90", **base} \
+        if "DECODE" not in over else {"FAST_ACT": target == "sm_90", **base}
 
 
 def _launch_specs() -> dict:

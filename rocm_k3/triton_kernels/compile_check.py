@@ -214,7 +214,8 @@ def compile_kernel(
     if target == "sm_90":
         asm = kernel.asm["ptx"]
         regs, stack, cu_shared, local = _cuda_resources(kernel.asm["cubin"])
-        mnemonics = frozenset(_PTX_INSTR.findall(asm))
+        # statements split at ; and braces, so one-line inline-asm blocks count too
+        mnemonics = frozenset(_PTX_INSTR.findall(re.sub(r"[{};]", "\n", asm)))
         return CompileResult(target, asm, mnemonics, regs, local, stack, max(shared, cu_shared),
                              {"stack": stack, "cubin": kernel.asm["cubin"]})
     asm = kernel.asm["amdgcn"]

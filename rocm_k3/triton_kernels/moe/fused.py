@@ -218,7 +218,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
                   DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
-                  BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic, num_warps=cfg.num_warps)
+                  BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic, FAST_ACT=nvidia and not interp,
+                  num_warps=cfg.num_warps)
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers

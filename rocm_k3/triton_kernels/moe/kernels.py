@@ -34,7 +34,7 @@ import triton.language as tl
 
 from rocm_k3.triton_kernels.moe.decode import weight_tile
 from rocm_k3.triton_kernels.moe.mx import fp8_e4m3_decode, fp8_e4m3_encode, mx_scale_exponent, pow2
-from rocm_k3.triton_kernels.moe.pointwise import tanh_f32
+from rocm_k3.triton_kernels.moe.pointwise import sigmoid_f32, tanh_f32
 
 ACT_SITU = 0
 ACT_SILU = 1
@@ -85,16 +85,24 @@ def _bf16_tile(w_ptr, row_off, rmask, k0, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _activation(gate, up, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
-    """SiTU ``beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)`` or SiLU ``silu(g) * u`` (fp32)."""
+def _activation(gate, up, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+                FAST: tl.constexpr):
+    """SiTU ``beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)`` or SiLU ``silu(g) * u`` (fp32). FAST (NVIDIA):
+    the sigmoids on the MUFU approximations and ``x / beta`` as ``x * (1 / beta)`` (a few ulp in fp32)."""
+    if FAST:
+        gate_in = gate * (1.0 / beta)
+        up_in = up * (1.0 / linear_beta)
+    else:
+        gate_in = gate / beta
+        up_in = up / linear_beta
     if ACT == 0:
-        g = beta * tanh_f32(gate / beta) * tl.sigmoid(gate)
+        g = beta * tanh_f32(gate_in, FAST) * sigmoid_f32(gate, FAST)
         if HAS_LINEAR_BETA:
-            u = linear_beta * tanh_f32(up / linear_beta)
+            u = linear_beta * tanh_f32(up_in, FAST)
         else:
             u = up
     else:
-        g = gate * tl.sigmoid(gate)
+        g = gate * sigmoid_f32(gate, FAST)
         u = up
     return g * u
 
@@ -110,7 +118,7 @@ def moe_gemm_kernel(
         OP_F32: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
         OUT_MX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BMT: tl.constexpr, KU: tl.constexpr, STAGES: tl.constexpr,
-        DYNAMIC: tl.constexpr):
+        DYNAMIC: tl.constexpr, FAST_ACT: tl.constexpr):
     """Persistent expert GEMM over the used (block, tile, split) items; see the module docstring.
 
     a: STAGE 1 x [T, K] (bf16, fp32 with OP_F32), STAGE 2 inter [P_max, N]; out: STAGE 1 inter [P_max, N_OUT],
@@ -182,7 +190,7 @@ def moe_gemm_kernel(
                 acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
         if STAGE == 1:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 64, BMT)), (1, 2, 0)))  # [64, BMT] each
-            h = _activation(gate, up, beta, linear_beta, ACT, HAS_LINEAR_BETA)
+            h = _activation(gate, up, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
             n = tile * 64 + tl.arange(0, 64)
             ht = tl.trans(h)  # [BMT, 64]
             if OUT_MX:
