@@ -63,6 +63,13 @@ def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
     return out
 
 
+def _regex(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {text!r} ({exc})") from None
+
+
 def _short(cfg: MoEConfig) -> str:
     """The config's fields that differ from MoEConfig()'s, e.g. ``bm64 pps2 regsNone dynamic``."""
     names = dict(block_m="bm", block_k="bk", num_warps="warps", num_stages="stages", split_k="split",
@@ -72,7 +79,8 @@ def _short(cfg: MoEConfig) -> str:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if v != getattr(base, f.name):
-            parts.append(names[f.name] if v is True else f"{names[f.name]}{v}")
+            name = names.get(f.name, f.name)
+            parts.append(name if v is True else f"{name}{v}")
     return " ".join(parts) or "default tiles"
 
 
@@ -228,9 +236,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time our tile variants at every T")
-    parser.add_argument("--sweep-filter", default="",
-                        help="only the sweep variants whose MoEConfig repr matches this regular expression "
-                             "(the picked one always runs)")
+    parser.add_argument("--sweep-filter", type=_regex, default=re.compile(""),
+                        help="only the sweep variants whose MoEConfig repr (e.g. 'programs_per_sm=5', not the "
+                             "short label printed) matches this regular expression (the picked one always runs)")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
@@ -285,7 +293,7 @@ def main() -> None:
     if args.sweep:  # our tile variants
         for t in args.tokens:
             picked = pick_config(t * TOP_K, E)
-            cfgs = [picked] + [c for c in sweep_configs(picked, t)[1:] if re.search(args.sweep_filter, repr(c))]
+            cfgs = [picked] + [c for c in sweep_configs(picked, t)[1:] if args.sweep_filter.search(repr(c))]
             rows += _time_variants(t, inputs[t], [(f"ours A16W4 {_short(cfg)}", ours(prepared, "bf16", cfg))
                                                   for cfg in cfgs])
     print("\nsummary (speedup = peer time / ours):", flush=True)

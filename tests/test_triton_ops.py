@@ -537,7 +537,8 @@ def test_kernels_compile(compiled: dict, kernel: str, target: str) -> None:
         assert per_weight <= budget, f"{kernel}: {per_weight:.2f} SASS per weight {k_loop}"
         assert not {"STS", "SHFL", "LDL", "STL"} & set(k_loop["opcodes"]), f"{kernel}: layout shuffles {k_loop}"
     if kernel.startswith("moe_w13") and target == "sm_90":  # the SiTU epilogue's sigmoids on MUFU ex2 / rcp
-        assert {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"} <= set(mnemonics), sorted(m for m in mnemonics if "f32" in m)
+        fast = {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"}
+        assert fast <= set(mnemonics), sorted(m for m in mnemonics if "f32" in m)
     if target != "sm_90":
         assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
 
@@ -720,24 +721,34 @@ def _activation_probe_kernel(x_ptr, sig_ptr, tanh_ptr, n, FAST: tl.constexpr, BL
 @pytest.mark.cuda
 def test_epilogue_sigmoid_tanh_fast_path_cuda() -> None:
     """The MoE GEMM epilogue's sigmoid and tanh on the NVIDIA fast path (MUFU ex2 / rcp) against float64, next to
-    the portable path, over [-90, 90], N(0, 4) and tiny values. Tolerances (relative, per value; sigmoid where it
-    is above 1e-30): 1e-5 for the sigmoid (both paths round ``x log2 e`` to fp32 first, ~5e-6 relative at
-    |x| = 90), 2e-6 for tanh (the polynomial below |z| = 0.25, ``2 sigmoid(2z) - 1`` above), and fast ==
-    portable within 1e-6 for the sigmoid (the division is all that differs: a few ulp) and 2e-6 for tanh (that
-    difference grows by up to 2 / tanh(0.25) ~ 8 in ``2 sigmoid(2z) - 1``)."""
+    the portable path, over [-90, 90], N(0, 4), tiny values, +-inf and NaN. Tolerances, relative per value:
+    sigmoid 1e-5 where it is above 1e-30 (both paths take 2^(-x log2 e) of the fp32-rounded product, whose error
+    grows with |x|: ~3.5e-6 at x = -69, where the sigmoid reaches 1e-30), below that within 1e-30 absolute (the
+    fast path flushes to 0 below x ~ -87.3); tanh 2e-6 (the polynomial below |z| = 0.25, ``2 sigmoid(2z) - 1``
+    above); fast vs portable 1e-6 for the sigmoid (only the division differs: a few ulp) and 2e-6 for tanh (that
+    difference times at most 2 sigmoid(2z) / tanh(z) ~ 5.1, at z = 0.25); +inf / -inf map to 1 / 0 and +-1
+    (within 1e-6: the portable division is approximate), NaN to NaN."""
     g = seeded(23)
     x = torch.cat([torch.linspace(-90, 90, 200001), torch.randn(100000, generator=g) * 4,
                    torch.logspace(-12, -0.5, 2000), -torch.logspace(-12, -0.5, 2000)]).float().cuda()
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")], device="cuda")
+    xs = torch.cat([x, special])
     exact_sig, exact_tanh = torch.sigmoid(x.double()), torch.tanh(x.double())
     outs = {}
     for fast in (False, True):
-        sig, tanh = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))  # poisoned
-        _activation_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x, sig, tanh, x.numel(), FAST=fast, BLOCK=1024)
+        sig, tanh = torch.full_like(xs, float("nan")), torch.full_like(xs, float("nan"))  # poisoned
+        _activation_probe_kernel[(triton.cdiv(xs.numel(), 1024),)](xs, sig, tanh, xs.numel(), FAST=fast, BLOCK=1024)
+        ends = torch.tensor([1.0, 0.0, 1.0, -1.0], device="cuda")
+        assert torch.allclose(torch.cat([sig[-3:-1], tanh[-3:-1]]), ends, rtol=0, atol=1e-6), (fast, sig, tanh)
+        assert sig[-1].isnan() and tanh[-1].isnan(), f"fast={fast}: NaN in, not NaN out"
+        sig, tanh = sig[:-3], tanh[:-3]
         outs[fast] = sig, tanh
         live = exact_sig > 1e-30
         sig_err = ((sig.double() - exact_sig).abs() / exact_sig)[live].max().item()
+        dead_err = (sig.double() - exact_sig).abs()[~live].max().item()
         tanh_err = ((tanh.double() - exact_tanh).abs() / exact_tanh.abs().clamp_min(1e-300)).max().item()
         assert sig_err < 1e-5, f"sigmoid fast={fast}: max relative error {sig_err:.2e}"
+        assert dead_err < 1e-30, f"sigmoid fast={fast}: {dead_err:.2e} where it is below 1e-30"
         assert tanh_err < 2e-6, f"tanh fast={fast}: max relative error {tanh_err:.2e}"
     for i, (name, tol) in enumerate((("sigmoid", 1e-6), ("tanh", 2e-6))):
         a, b = outs[True][i].double(), outs[False][i].double()

@@ -36,6 +36,12 @@ _AMD_META = {
 }
 _AMD_INSTR = re.compile(r"^\s+((?:v|s|global|buffer|ds|flat|scratch)_[a-z0-9_]+)", re.MULTILINE)
 _PTX_INSTR = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)", re.MULTILINE)
+
+
+def _ptx_statements(ptx: str) -> str:
+    """PTX with comments dropped and one statement per line (split at ``;`` and braces), so that the statements of
+    one-line inline-asm blocks are read as instructions and comment text is not."""
+    return re.sub(r"[{};]", "\n", re.sub(r"//[^\n]*", "", ptx))
 _CUOBJ_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
@@ -67,9 +73,10 @@ class CompileResult:
         return any(m.startswith(prefix) for m in self.mnemonics)
 
     def count(self, prefix: str) -> int:
-        """Number of instruction lines whose mnemonic starts with ``prefix``."""
-        pattern = _AMD_INSTR if self.target.startswith("gfx") else _PTX_INSTR
-        return sum(1 for m in pattern.findall(self.asm) if m.startswith(prefix))
+        """Number of instructions (PTX: statements) whose mnemonic starts with ``prefix``."""
+        if self.target.startswith("gfx"):
+            return sum(1 for m in _AMD_INSTR.findall(self.asm) if m.startswith(prefix))
+        return sum(1 for m in _PTX_INSTR.findall(_ptx_statements(self.asm)) if m.startswith(prefix))
 
     def summary(self) -> str:
         mma = sorted(m for m in self.mnemonics if "mma" in m or "mfma" in m)
@@ -214,8 +221,7 @@ def compile_kernel(
     if target == "sm_90":
         asm = kernel.asm["ptx"]
         regs, stack, cu_shared, local = _cuda_resources(kernel.asm["cubin"])
-        # statements split at ; and braces, so one-line inline-asm blocks count too
-        mnemonics = frozenset(_PTX_INSTR.findall(re.sub(r"[{};]", "\n", asm)))
+        mnemonics = frozenset(_PTX_INSTR.findall(_ptx_statements(asm)))
         return CompileResult(target, asm, mnemonics, regs, local, stack, max(shared, cu_shared),
                              {"stack": stack, "cubin": kernel.asm["cubin"]})
     asm = kernel.asm["amdgcn"]

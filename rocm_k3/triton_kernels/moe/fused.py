@@ -183,7 +183,9 @@ def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
                    fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None) -> torch.Tensor:
     """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`) and MXFP4 decode
-    (``decode``: "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD)."""
+    (``decode``: "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD). The w13
+    epilogue's activation math is the fast one on every NVIDIA launch, whatever ``decode`` (``.kernels``
+    FAST_ACT), so "asm" and "portable" give the same bits there."""
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
     if decode not in (None, "asm", "portable"):

@@ -12,6 +12,8 @@ pipelined by Triton (``num_stages``: cp.async into shared memory on NVIDIA).
 - STAGE 1 (w13): rows 0..63 of a tile are gate rows, 64..127 the matching up rows (layout interleave), so the
   epilogue computes ``act(gate, up)`` for 64 outputs and writes ``inter[block row, n]`` (bf16, or fp32 with
   OP_F32); OUT_MX (A8W4) rounds it through MXFP8 first (exact round trip of the reference's quantisation).
+  FAST_ACT (NVIDIA, every decode and operand path): the activation's sigmoids on the MUFU ex2 / rcp approximations
+  and ``x / beta`` as ``x * (1 / beta)``, a few fp32 ulp from the portable math (``pointwise.sigmoid_f32``).
 - STAGE 2 (w2): ``y[split, pair, n] = topk_weight[pair] * acc`` for the pairs of the block; K can be split
   (``SPLIT``, ``MoEConfig.split_k``; the default tiles do not split), the splits are summed in the reduce.
 
@@ -20,8 +22,9 @@ NVIDIA, portable Triton elsewhere); W_FMT 1 is bf16 experts in checkpoint layout
 
 Operand precision: bf16 activations and weights on the MMA, fp32 accumulation. OP_F32 (fp32 x, A16W4 or bf16
 experts): x, the decoded weights and the intermediate stay fp32 and the dots are IEEE fp32 (``input_precision
-="ieee"``), so an fp32 model matches the fp32 reference up to summation order. DOT_F32 (the interpreter, whose
-bf16 ``tl.dot`` is wrong): the same bf16 values, multiplied as fp32.
+="ieee"``), so an fp32 model matches the fp32 reference up to summation order (and, on NVIDIA, FAST_ACT's few
+ulp in the activation). DOT_F32 (the interpreter, whose bf16 ``tl.dot`` is wrong): the same bf16 values,
+multiplied as fp32.
 
 ``topk_reduce_kernel``: ``out[t] = sum_{s, j} y[s, t * top_k + j]`` in a fixed order (deterministic).
 ``mxfp8_round_trip_kernel``: ``x -> dequant(quant_MXFP8(x))`` with the compressed-tensors rule, exact in bf16.

@@ -29,8 +29,9 @@ _SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.appro
 
 @triton.jit
 def sigmoid_f32(x, FAST: tl.constexpr):
-    """fp32 sigmoid: ``tl.sigmoid`` (IEEE-style division), or FAST (NVIDIA only: inline PTX) four instructions on
-    the MUFU ex2 / rcp approximations, a few ulp from it."""
+    """fp32 sigmoid: ``tl.sigmoid`` (``1 / (1 + exp(-x))``; on NVIDIA its division is ``div.full.f32`` with its
+    range handling), or FAST (NVIDIA only: inline PTX) four instructions on the MUFU ex2 / rcp approximations, a
+    few ulp from it."""
     if FAST:
         return tl.inline_asm_elementwise(_SIGMOID_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
