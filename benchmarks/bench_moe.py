@@ -170,9 +170,9 @@ class Peer:
                                gammas=rdata.gate_scal)
 
 
-def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None):
+def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None, act_math: str | None = None):
     kw = dict(activation=MoEActivation(), act_quant=act_quant,
-              fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config)
+              fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config, act_math=act_math)
 
     def run(x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         r = route(logits, TOP_K)
@@ -241,6 +241,8 @@ def main() -> None:
                              "short label printed) matches this regular expression (the picked one always runs)")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--act-ab", action="store_true",
+                        help="also time ours with the w13 epilogue's portable math (act_math='portable')")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
     parser.add_argument("--out", type=Path, default=None, help="write bench_moe.json here")
     args = parser.parse_args()
@@ -279,8 +281,11 @@ def main() -> None:
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print(f"T{t}: rel. error vs reference {err:.2e}, inline PTX == portable decode: {same}", flush=True)
         picked = pick_config(t * TOP_K, E)
-        rows += _time_variants(t, inputs[t], [(f"ours A16W4 {_short(picked)}", ours(prepared, "bf16", None)),
-                                              (f"ours A8W4 {_short(picked)}", ours(prepared, "mxfp8", None))])
+        variants = [(f"ours A16W4 {_short(picked)}", ours(prepared, "bf16", None)),
+                    (f"ours A8W4 {_short(picked)}", ours(prepared, "mxfp8", None))]
+        if args.act_ab:  # the w13 epilogue's portable math beside the default (fast) one, same tiles
+            variants.insert(1, ("ours A16W4 portable epilogue", ours(prepared, "bf16", None, "portable")))
+        rows += _time_variants(t, inputs[t], variants)
     if peer is not None:  # after ours: a fault in the peer cannot lose our numbers
         for t in args.tokens:
             rows += _time_variants(t, inputs[t], [("peer triton_kernels A16W4", peer)])

@@ -181,15 +181,18 @@ def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
 
 
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
-                   fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None) -> torch.Tensor:
-    """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`) and MXFP4 decode
-    (``decode``: "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD). The w13
-    epilogue's activation math is the fast one on every NVIDIA launch, whatever ``decode`` (``.kernels``
-    FAST_ACT), so "asm" and "portable" give the same bits there."""
+                   fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None,
+                   act_math: str | None = None) -> torch.Tensor:
+    """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`), MXFP4 decode (``decode``:
+    "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD) and w13 epilogue math
+    (``act_math``: "fast", the MUFU sigmoids of ``.kernels`` FAST_ACT, or "portable"; default: fast on NVIDIA,
+    portable elsewhere). The two are independent: with the default math "asm" and "portable" give the same bits."""
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
     if decode not in (None, "asm", "portable"):
         raise ValueError(f"decode must be 'asm', 'portable' or None, got {decode!r}")
+    if act_math not in (None, "fast", "portable"):
+        raise ValueError(f"act_math must be 'fast', 'portable' or None, got {act_math!r}")
     weights = _kernel_weights(weights)
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
@@ -198,8 +201,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         return out
     interp = interpreted(K.moe_gemm_kernel)
     nvidia = x.device.type == "cuda" and torch.version.hip is None
-    if decode == "asm" and (interp or not nvidia):
-        raise ValueError("decode='asm' (inline PTX) runs on NVIDIA GPUs only, not in the interpreter or on AMD")
+    for name, value, fast in (("decode", decode, "asm"), ("act_math", act_math, "fast")):
+        if value == fast and (interp or not nvidia):
+            raise ValueError(f"{name}={fast!r} (inline PTX) runs on NVIDIA GPUs only, not in the interpreter or on AMD")
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
     cfg = config or pick_config(tokens * top_k, num_experts)
@@ -220,8 +224,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
                   DOT_F32=interp, ACT=K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU,
                   HAS_LINEAR_BETA=linear_beta is not None, EMAX=emax, BIAS=bias, FP8_MAX=fmax,
-                  BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic, FAST_ACT=nvidia and not interp,
-                  num_warps=cfg.num_warps)
+                  BMT=cfg.block_m, STAGES=cfg.num_stages, DYNAMIC=cfg.dynamic,
+                  FAST_ACT=nvidia and not interp and act_math != "portable", num_warps=cfg.num_warps)
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
