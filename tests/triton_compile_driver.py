@@ -33,9 +33,8 @@ def _moe_constexprs(stage: int, **over):
                 OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0, EVEN_K=True, SPLIT=1, BMT=16, KU=2, STAGES=3,
                 DYNAMIC=False)
     base.update(over)
-    # NVIDIA: inline-PTX decode and the fast epilogue math, as fused_moe launches them there
-    return lambda target: {"DECODE": 0 if target == "sm_90" else 1, "FAST_ACT": target == "sm_90", **base} \
-        if "DECODE" not in over else {"FAST_ACT": target == "sm_90", **base}
+    # NVIDIA: inline-PTX decode and the fast epilogue math, as fused_moe launches them there (``over`` wins)
+    return lambda target: {"DECODE": 0 if target == "sm_90" else 1, "FAST_ACT": target == "sm_90", **base}
 
 
 def _launch_specs() -> dict:

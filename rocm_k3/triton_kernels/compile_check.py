@@ -36,13 +36,13 @@ _AMD_META = {
 }
 _AMD_INSTR = re.compile(r"^\s+((?:v|s|global|buffer|ds|flat|scratch)_[a-z0-9_]+)", re.MULTILINE)
 _PTX_INSTR = re.compile(r"^\s+(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)", re.MULTILINE)
+_CUOBJ_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
 def _ptx_statements(ptx: str) -> str:
     """PTX with comments dropped and one statement per line (split at ``;`` and braces), so that the statements of
     one-line inline-asm blocks are read as instructions and comment text is not."""
     return re.sub(r"[{};]", "\n", re.sub(r"//[^\n]*", "", ptx))
-_CUOBJ_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
