@@ -8,7 +8,8 @@ Run on the GPU with the peer carried (never installed or committed; see shared/P
 Shapes: K3 routed experts, E = 896, top-16, w13 3584 -> 2 x 3072 (SiTU), w2 3072 -> 3584, MXFP4 codes with E8M0
 scales 2^-6..2^-3 (uniform random bytes), bf16 activations. Both sides get the same expert ids for every token
 (random, distinct per token) and read the same bytes; times are medians of CUDA-graph replays of the whole op
-from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + ``fused_moe``; the peer: its
+from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + ``fused_moe``, whose GEMMs at
+16-row blocks are the warp-specialised Hopper kernel, ``--gemm-ab`` adds ``moe_gemm_kernel`` there; the peer: its
 ``routing`` (its softmax top-k of the same logits picks the same ids) + ``matmul_ogs`` w13 with its fused SwiGLU +
 ``matmul_ogs`` w2 with the routing weights and its top-k scatter-reduce). Ours are timed for every T first, the
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
@@ -170,9 +171,11 @@ class Peer:
                                gammas=rdata.gate_scal)
 
 
-def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None, act_math: str | None = None):
+def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None, act_math: str | None = None,
+         gemm: str | None = None):
     kw = dict(activation=MoEActivation(), act_quant=act_quant,
-              fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config, act_math=act_math)
+              fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config, act_math=act_math,
+              gemm=gemm)
 
     def run(x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         r = route(logits, TOP_K)
@@ -243,6 +246,9 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--act-ab", action="store_true",
                         help="also time ours with the w13 epilogue's portable math (act_math='portable')")
+    parser.add_argument("--gemm-ab", action="store_true",
+                        help="also time ours with moe_gemm_kernel for both GEMMs (gemm='triton') where the default "
+                             "runs the warp-specialised Hopper kernel")
     parser.add_argument("--no-sass", action="store_true", help="skip the static SASS count (two cross-compiles)")
     parser.add_argument("--out", type=Path, default=None, help="write bench_moe.json here")
     args = parser.parse_args()
@@ -277,14 +283,19 @@ def main() -> None:
             r = route(logits, TOP_K)
             out = fused_moe_with(x, prepared, r.weights, r.ids)
             ref = fused_moe_reference(x, w, r.weights, r.ids).float()
-            same = torch.equal(out, fused_moe_with(x, prepared, r.weights, r.ids, decode="portable"))
+            out_tr = fused_moe_with(x, prepared, r.weights, r.ids, gemm="triton")
+            same = torch.equal(out_tr, fused_moe_with(x, prepared, r.weights, r.ids, decode="portable"))
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"T{t}: rel. error vs reference {err:.2e}, inline PTX == portable decode: {same}", flush=True)
+            ws = ((out.float() - out_tr.float()).norm() / out_tr.float().norm()).item()
+            print(f"T{t}: rel. error vs reference {err:.2e}, default vs moe_gemm_kernel {ws:.1e}, inline PTX == "
+                  f"portable decode (moe_gemm_kernel): {same}", flush=True)
         picked = pick_config(t * TOP_K, E)
         variants = [(f"ours A16W4 {_short(picked)}", ours(prepared, "bf16", None)),
                     (f"ours A8W4 {_short(picked)}", ours(prepared, "mxfp8", None))]
         if args.act_ab:  # the w13 epilogue's portable math beside the default (fast) one, same tiles
             variants.insert(1, ("ours A16W4 portable epilogue", ours(prepared, "bf16", None, "portable")))
+        if args.gemm_ab and picked.block_m == 16:  # 16-row blocks: the default GEMMs are the Hopper ws kernel
+            variants.insert(1, ("ours A16W4 moe_gemm_kernel", ours(prepared, "bf16", None, None, "triton")))
         rows += _time_variants(t, inputs[t], variants)
     if peer is not None:  # after ours: a fault in the peer cannot lose our numbers
         for t in args.tokens:

@@ -178,6 +178,7 @@ def compile_kernel(
     num_warps: int = 4,
     num_stages: int | None = None,
     divisible_by_16: tuple[str, ...] | None = None,
+    maxnreg: int | None = None,
 ) -> CompileResult:
     """Compile ``fn`` (a ``@triton.jit`` function) for ``target`` without a GPU and summarise the result.
 
@@ -188,6 +189,9 @@ def compile_kernel(
     divisible_by_16: arguments Triton may assume divisible by 16, as its launcher specialises them at run time
         (pointers of 16-byte aligned tensors, integer sizes and strides that are multiples of 16); without these
         hints loads are not vectorised and the code is not what a real launch runs. None: every pointer argument.
+    maxnreg: the NVIDIA register cap per thread, as a launch passes it.
+    ``fn`` may be a Gluon kernel (``@gluon.jit``); its tensor-descriptor arguments take signature strings like
+    ``tensordesc<i64[2, 2, 256],NVMMASharedLayout(...)>`` (the layout's repr).
     """
     import triton
     from triton.compiler import ASTSource
@@ -209,13 +213,19 @@ def compile_kernel(
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     if divisible_by_16 is None:
         divisible_by_16 = tuple(a for a in fn.arg_names if sig[a].startswith("*"))
     unknown_div = sorted(set(divisible_by_16) - known)
     if unknown_div:
         raise ValueError(f"divisible_by_16 names {unknown_div} are not arguments of {fn.__name__}")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible_by_16}
-    src = ASTSource(fn, {a: sig[a] for a in fn.arg_names}, constexprs, attrs)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = ASTSource
+    src = source(fn, {a: sig[a] for a in fn.arg_names}, constexprs, attrs)
     kernel = triton.compile(src, target=_gpu_target(target), options=options)
     shared = int(getattr(kernel.metadata, "shared", 0) or 0)
     if target == "sm_90":

@@ -180,19 +180,59 @@ def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
             _Matrix(w2, w2, (w2.stride(0), 0, 0, 0, w2.stride(1)), True, triton.cdiv(kout, 128)))
 
 
+def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit, asm_decode,
+             fast_act, num_sms, required, fp8_dtype) -> torch.Tensor | None:
+    """One GEMM on the warp-specialised Hopper kernel when it applies (see :func:`fused_moe_with`): its output
+    (``dst``, or under A8W4 the w13 output written in fp32 and rounded through MXFP8 into a new bf16 tensor, the
+    reference's rule), or None to use ``moe_gemm_kernel``; ``required``: a ValueError instead of None."""
+    ok, why = (False, "needs MXFP4 experts and the inline-PTX decode")
+    if weights.fmt == "mxfp4" and asm_decode:
+        try:
+            from rocm_k3.triton_kernels.moe import gemm_hopper
+        except ImportError as exc:  # a Triton without Gluon
+            ok, why = False, f"Gluon is not available ({exc})"
+        else:
+            ok, why = gemm_hopper.supported(a, mat.fold, cfg.block_m, nsplit, kdim)
+    if not ok:
+        if required:
+            raise ValueError(f"gemm='ws' does not apply to the w{'13' if stage == 1 else '2'} GEMM: {why}")
+        return None
+    descs = weights.extras.get("triton-ws")  # the prepared weights' TMA descriptors, made once
+    if descs is None:
+        t = weights.extras[LAYOUT]
+        descs = (gemm_hopper.descriptors(t.w13, t.w13_s), gemm_hopper.descriptors(t.w2, t.w2_s))
+        weights.extras["triton-ws"] = descs
+    out = dst
+    if stage == 1 and fp8_dtype is not None:
+        out = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+    programs = max(1, min(gemm_hopper.CTAS_PER_SM * num_sms, routing.block_expert.numel() * mat.tiles))
+    linear_beta = activation.linear_beta
+    gemm_hopper.launch(stage, descs[stage - 1], a, out, tw, routing, mat.tiles, n_out, top_k,
+                       float(activation.beta), float(linear_beta or 1.0),
+                       K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU, linear_beta is not None, fast_act,
+                       programs)
+    return _mxfp8_round_trip(out, fp8_dtype) if out is not dst else dst
+
+
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
                    fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None,
-                   act_math: str | None = None) -> torch.Tensor:
+                   act_math: str | None = None, gemm: str | None = None) -> torch.Tensor:
     """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`), MXFP4 decode (``decode``:
-    "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD) and w13 epilogue math
+    "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD), w13 epilogue math
     (``act_math``: "fast", the MUFU sigmoids of ``.kernels`` FAST_ACT, or "portable"; default: fast on NVIDIA,
-    portable elsewhere). The two are independent: with the default math "asm" and "portable" give the same bits."""
+    portable elsewhere) and GEMM kernel (``gemm``: "ws", the warp-specialised Hopper kernel of :mod:`.gemm_hopper`
+    for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`; default:
+    "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton"). Decode
+    and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
+    "triton" run the same decode and epilogue math (outputs equal up to the fp32 summation order of the MMA)."""
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
     if decode not in (None, "asm", "portable"):
         raise ValueError(f"decode must be 'asm', 'portable' or None, got {decode!r}")
     if act_math not in (None, "fast", "portable"):
         raise ValueError(f"act_math must be 'fast', 'portable' or None, got {act_math!r}")
+    if gemm not in (None, "ws", "triton"):
+        raise ValueError(f"gemm must be 'ws', 'triton' or None, got {gemm!r}")
     weights = _kernel_weights(weights)
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
@@ -230,8 +270,15 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
     # item counters of the dynamic schedule (zeroed by the align): w13 word 0, w2 word 4 (16-byte aligned pointers)
-    for stage, mat, a, kdim, n_out, dst, nsplit, work in ((1, w13m, xa, hidden, n, inter, 1, routing.work),
-                                                          (2, w2m, inter, n, kout, y, split, routing.work[4:])):
+    for stage, mat, kdim, n_out, nsplit, work in ((1, w13m, hidden, n, 1, routing.work),
+                                                  (2, w2m, n, kout, split, routing.work[4:])):
+        a, dst = (xa, inter) if stage == 1 else (inter, y)
+        if gemm != "triton":
+            done = _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit,
+                            dec == DECODE_ASM, common["FAST_ACT"], num_sms, gemm == "ws", fp8_dtype if a8 else None)
+            if done is not None:  # the stage's output (w13 under A8W4: a new, round-tripped intermediate)
+                inter = done if stage == 1 else inter
+                continue
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
         steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)
         grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)

@@ -1,0 +1,253 @@
+"""The MoE expert GEMMs on Hopper (sm_90) as a warp-specialised Gluon kernel: TMA producer, decode + wgmma consumer.
+
+Same work as :func:`.kernels.moe_gemm_kernel` at decode tiles (16-row blocks, no K split) on the same ``triton``
+layout (:mod:`.layout`), item order (static: program p takes items p, p + programs, ...), decode bits
+(:data:`.decode.ASM_FOLD`) and epilogue math (:func:`.kernels._activation`); only the schedule differs. Per CTA:
+
+- producer partition (1 warp, 24 registers): per 128-K step it waits for a free slot of a ``STAGES``-deep ring
+  (``empty`` mbarrier), TMA-loads the tile's codes (two 64-row groups x two 64-K units, each unit one 2 KB row of
+  the int64 view ``[E * groups, 2 K groups, 256]``: TMA moves wide rows at full speed and 16-byte rows at about a
+  third of it) and scales (``[2, 256 B]``), and cp.async-loads the block's activation rows (``[16, 128]`` bf16:
+  gathered token rows of x for w13, the block's own rows of the intermediate for w2); the slot's ``full`` mbarrier
+  completes when the TMA bytes and the copies have landed.
+- consumer partition (4 warps, one warpgroup): per step it waits for ``full``, and for each 64-row group loads its
+  own 16-byte chunks from shared memory and decodes them straight into the register A operand of ``wgmma``
+  (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64n16k16``
+  chain; one group's chain runs while the other group is decoded, and the slot is freed once both chains of the
+  step are done. The epilogue: w13 ``act(gate, up)`` -> ``inter`` (bf16, or fp32 for the A8W4 round trip that
+  follows), w2 ``topk_weight * acc`` -> ``y`` (fp32).
+
+Three CTAs per SM at 80 registers (ptxas serialises the wgmma chains below 72; the consumer region gets 136 after
+``setmaxnreg``). Measured against ``moe_gemm_kernel`` on the H200 in ``benchmarks/RESULTS.md`` (session 7).
+:func:`supported` says when it applies; :mod:`.fused` falls back to ``moe_gemm_kernel`` otherwise. Written for
+Triton 3.6 (the H200 image) and later: the two Gluon names that changed are resolved at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from rocm_k3.triton_kernels.moe import decode
+from rocm_k3.triton_kernels.moe.kernels import _activation
+
+BLOCK_M = 16  # rows of an expert block (the MMA's N side)
+STAGES = 4
+CTAS_PER_SM = 3
+MAX_REGISTERS = 80
+ASM_FOLD = gl.constexpr(decode.ASM_FOLD.value)
+STEP_BYTES = gl.constexpr(8192 + 512)  # codes + scales of one 128-K step of a 128-row tile
+# Triton 3.6 names the shared-memory view cast ``_reinterpret`` and the loads ``async_copy_global_to_shared``
+NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+def codes_smem_layout() -> gl.NVMMASharedLayout:
+    """The codes' TMA box ``[2 groups, 2 units, 256]`` int64, unswizzled (each thread then reads its own 16 B)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=3)
+
+
+def scales_smem_layout() -> gl.NVMMASharedLayout:
+    """The scales' TMA box ``[2 groups, 1 K group, 256 B]``, unswizzled."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+
+
+@gluon.jit
+def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    if NEW_REINTERPRET:
+        return smem.reinterpret(dtype, shape, layout)
+    else:
+        return smem._reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr, RL: gl.constexpr):
+    """(tile, expert, padded rows [16] in layout RL, their mask, their pair ids) of one work item."""
+    tile = item % n_tiles
+    blk = item // n_tiles
+    expert = gl.load(block_expert_ptr + blk)
+    row_end = gl.load(start_ptr + expert) + gl.load(count_ptr + expert)
+    rows = blk * 16 + gl.arange(0, 16, layout=RL)
+    rmask = rows < row_end
+    pair = gl.load(sorted_ptr + rows, mask=rmask, other=0)
+    return tile, expert, rows, rmask, pair
+
+
+@gluon.jit
+def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
+              codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups,
+              STAGE: gl.constexpr, NUM_STAGES: gl.constexpr):
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [16, 128] bf16, 16 B per thread
+    n_items = gl.load(nblk_ptr) * n_tiles
+    kk = gl.arange(0, 128, layout=gl.SliceLayout(0, AL))
+    cnt = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        tile, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr,
+                                                gl.SliceLayout(1, AL))
+        if STAGE == 1:
+            a_rows = a_ptr + ((pair // top_k).to(gl.int64) * stride_a)[:, None] + kk[None, :]  # token rows of x
+        else:
+            a_rows = a_ptr + (rows.to(gl.int64) * stride_a)[:, None] + kk[None, :]  # the block's rows of inter
+        rg = expert * row_groups + 2 * tile
+        for ks in range(steps):
+            s = cnt % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((cnt // NUM_STAGES) & 1) ^ 1)  # the ring's first pass waits on nothing
+            cp_async_load(act_s.index(s), a_rows + ks * 128, mask=rmask[:, None])
+            async_copy.mbarrier_arrive(full.index(s))
+            mbarrier.expect(full.index(s), STEP_BYTES)
+            tma_load(codes_desc, [rg, 2 * ks, 0], full.index(s), codes_s.index(s))
+            tma_load(scales_desc, [rg, ks, 0], full.index(s), scales_s.index(s))
+            cnt += 1
+
+
+@gluon.jit
+def _decode(codes_s, scales_s, L3: gl.constexpr, L7: gl.constexpr, A: gl.constexpr):
+    """One 64-row group x 128 K: codes [256 chunks = 128 unit + 32 w + 4 g + q, 16 B] and scale words [4 w, 8 g,
+    2 unit] in shared memory -> the bf16 wgmma A operand [64, 128] (row 16 w + 8 h + g, k as in :mod:`.layout`)."""
+    codes = codes_s.load(L3)  # thread (w, g, q) owns the chunks of units 0 and 1
+    codes = gl.convert_layout(gl.reshape(codes, [2, 4, 8, 4, 2, 2, 4]), L7, assert_trivial=True)  # u w g q s1 s0 b
+    S4: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(5, gl.SliceLayout(6, L7)))  # [u, w, g, s1]
+    words = scales_s.permute((2, 0, 1)).load(gl.SliceLayout(3, S4))  # [u, w, g]: bytes (h, s1)
+    sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, S4)))) * 8
+    pair = (words[:, :, :, None] >> sh[None, None, None, :]) & 0x00FF00FF  # scales of rows r | r + 8 per s1
+    mult = pair * 128 + 0x3F003F00  # bf16x2 2^(s - 1) (FOLD)
+    mult = mult[:, :, :, None, :, None, None] + gl.zeros([2, 4, 8, 4, 2, 2, 4], gl.int32, layout=L7)
+    lo, hi = gl.inline_asm_elementwise(ASM_FOLD, "=r,=r,=r,=r,r,r,r,r,r", [codes, mult],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    v = gl.reshape(gl.join(lo, hi), [2, 4, 8, 4, 2, 2, 2, 2, 2])  # u w g q s1 s0 h e c
+    v = gl.permute(v, [1, 6, 2, 0, 4, 5, 8, 3, 7])  # rows (w h g), k (u s1 s0 c q e)
+    return gl.convert_layout(gl.reshape(v, [64, 128]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s, scales_s,
+              act_s, full, empty, n_tiles, steps, n_out, stride_out, beta, linear_beta,
+              STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+    L3: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+    L7: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, 2, 4], [1, 1, 8, 4, 1, 1, 1], [1, 4, 1, 1, 1, 1, 1],
+                                        [6, 5, 4, 3, 2, 1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    n_items = gl.load(nblk_ptr) * n_tiles
+    cnt = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        acc0 = gl.zeros([64, 16], gl.float32, layout=MMA)  # the tile's first row group (w13: gate rows)
+        acc1 = gl.zeros([64, 16], gl.float32, layout=MMA)  # the second (w13: the matching up rows)
+        prev = 0
+        for ks in range(steps):
+            s = cnt % NUM_STAGES
+            mbarrier.wait(full.index(s), (cnt // NUM_STAGES) & 1)
+            b = act_s.index(s).permute((1, 0))  # [128, 16]
+            cs = _view(codes_s.index(s), gl.uint8, [2, 256, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            ss = _view(scales_s.index(s), gl.int32, [2, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            acc0 = warpgroup_mma(_decode(cs.index(0), ss.index(0), L3, L7, A), b, acc0, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])  # the previous step's second chain is done
+            mbarrier.arrive(empty.index(prev), pred=ks > 0)
+            acc1 = warpgroup_mma(_decode(cs.index(1), ss.index(1), L3, L7, A), b, acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])
+            prev = s
+            cnt += 1
+        acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        mbarrier.arrive(empty.index(prev))
+        tile, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr,
+                                                gl.SliceLayout(0, MMA))
+        r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        if STAGE == 1:  # [64 outputs, 16 rows] -> inter[row, 64 tile + r]
+            h = _activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
+            n = tile * 64 + r64
+            optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
+            gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])
+        else:  # y[pair, 128 tile + r] = topk_weight[pair] * acc
+            rw = gl.load(topw_ptr + pair, mask=rmask, other=0.0)[None, :]
+            optr = out_ptr + pair.to(gl.int64)[None, :] * stride_out
+            n = tile * 128 + r64
+            gl.store(optr + n[:, None], acc0 * rw, mask=rmask[None, :] & (n < n_out)[:, None])
+            gl.store(optr + (n + 64)[:, None], acc1 * rw, mask=rmask[None, :] & (n + 64 < n_out)[:, None])
+
+
+@gluon.jit
+def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr,
+                       count_ptr, nblk_ptr, n_tiles, steps, n_out, top_k, stride_a, stride_out, row_groups, beta,
+                       linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr,
+                       FAST_ACT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """STAGE 1: ``out = inter [P, n_out] = act(W13_e x_t)``; STAGE 2: ``out = y [T * top_k, n_out] (fp32) =
+    topk_weight * W2_e inter`` over the used (16-row block, 128-row tile) items. The arguments are those of
+    :func:`.kernels.moe_gemm_kernel` (K = 128 * steps, no split), the weights as TMA descriptors over the int64
+    codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8)."""
+    codes_s = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 2, 2, 256], codes_desc.layout)
+    scales_s = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2, 1, 256], scales_desc.layout)
+    act_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 16, 128],
+                                      gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s,
+                     scales_s, act_s, full, empty, n_tiles, steps, n_out, stride_out, beta, linear_beta, STAGE, ACT,
+                     HAS_LINEAR_BETA, FAST_ACT, NUM_STAGES)),
+        (_producer, (codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
+                     codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups, STAGE,
+                     NUM_STAGES)),
+    ], [1], [24])
+
+
+@dataclasses.dataclass(frozen=True)
+class Descriptors:
+    """TMA descriptors of one prepared MXFP4 matrix (``layout.TritonExperts`` w13 or w2) and its sizes."""
+
+    codes: TensorDescriptor
+    scales: TensorDescriptor
+    row_groups: int  # 64-row groups per expert
+    steps: int  # 128-K groups
+
+
+def descriptors(codes: torch.Tensor, scales: torch.Tensor) -> Descriptors:
+    """Descriptors of codes uint8 [E, G, KG, 2, 128, 16] and scales uint8 [E, G, KG, 32, 8] (contiguous)."""
+    if not (codes.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("the prepared MXFP4 codes and scales must be contiguous for their TMA descriptors")
+    e, g, kg = codes.shape[:3]
+    c = codes.view(torch.int64).view(e * g, kg * 2, 256)  # a 64-K unit's 128 chunks of 16 B as one 2 KB row
+    s = scales.view(e * g, kg, 256)
+    return Descriptors(TensorDescriptor(c, list(c.shape), list(c.stride()), [2, 2, 256], codes_smem_layout()),
+                       TensorDescriptor(s, list(s.shape), list(s.stride()), [2, 1, 256], scales_smem_layout()),
+                       g, kg)
+
+
+def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -> tuple[bool, str]:
+    """Whether one GEMM of the op can run here on :func:`moe_gemm_ws_kernel` (else ``moe_gemm_kernel``)."""
+    if x.device.type != "cuda" or torch.version.hip is not None:
+        return False, "needs an NVIDIA GPU"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False, "needs sm_90 (wgmma and setmaxnreg)"
+    if x.dtype != torch.bfloat16:
+        return False, f"needs bf16 activations, got {x.dtype}"
+    if not fold:
+        return False, "needs every E8M0 scale byte <= 128 (the one-multiply decode)"
+    if block_m != BLOCK_M or split_k != 1:
+        return False, f"needs {BLOCK_M}-row blocks and no K split, got block_m={block_m} split_k={split_k}"
+    if k % 128:
+        return False, f"needs K a multiple of 128, got {k}"
+    return True, "supported"
+
+
+def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, topw: torch.Tensor, routing,
+           n_tiles: int, n_out: int, top_k: int, beta: float, linear_beta: float, act: int, has_linear_beta: bool,
+           fast_act: bool, programs: int) -> None:
+    """One GEMM of the op (see :func:`moe_gemm_ws_kernel`); ``programs``: the grid (CTAS_PER_SM per SM at most)."""
+    moe_gemm_ws_kernel[(programs,)](
+        desc.codes, desc.scales, a, out, topw, routing.sorted_pairs, routing.block_expert, routing.expert_start,
+        routing.expert_count, routing.num_blocks, n_tiles, desc.steps, n_out, top_k, a.stride(0), out.stride(-2),
+        desc.row_groups, beta, linear_beta, STAGE=stage, ACT=act, HAS_LINEAR_BETA=has_linear_beta,
+        FAST_ACT=fast_act, NUM_STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS)
