@@ -87,7 +87,7 @@ def _short(cfg: MoEConfig) -> str:
 
 def kernel_times(fn, args: tuple, reps: int = 10) -> dict[str, float]:
     """Mean GPU microseconds per call of each kernel the op launches (torch.profiler over eager calls; the two
-    expert GEMMs are told apart by their launch order)."""
+    expert GEMMs, ``moe_gemm_kernel`` or ``moe_gemm_ws_kernel``, are told apart by their launch order)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(*args)
@@ -102,8 +102,8 @@ def kernel_times(fn, args: tuple, reps: int = 10) -> dict[str, float]:
         if ev.device_type.name != "CUDA":
             continue
         name = ev.name
-        if name.startswith("moe_gemm_kernel"):
-            name = f"moe_gemm_kernel w{'13' if gemm % 2 == 0 else '2'}"
+        if name.startswith(("moe_gemm_kernel", "moe_gemm_ws_kernel")):  # either kernel may run either GEMM
+            name = f"{name.split('_kernel')[0]}_kernel w{'13' if gemm % 2 == 0 else '2'}"
             gemm += 1
         totals[name] = totals.get(name, 0.0) + ev.device_time / reps
     return totals

@@ -2,14 +2,17 @@
 
 Run on the GPU, one process per variant (the variant replaces the decode's inline PTX before anything compiles)::
 
-    PYTHONPATH=. python3 benchmarks/bench_moe_ablation.py {full,noscale,nodecode} [--tokens 16 64 512]
+    PYTHONPATH=. python3 benchmarks/bench_moe_ablation.py {full,noscale,nodecode} [--tokens 16 64 512] [--gemm triton]
 
 - ``full``: the op as it ships (the reference row of the ablation);
 - ``noscale``: the 9 integer ops of the unpack only, no bf16x2 scale multiply (wrong values, same bytes moved);
 - ``nodecode``: the code words fed to the MMA as they are (no decode at all: what the loads, the pipeline, the
   MMA and the epilogue cost on their own).
 
-The outputs of ``noscale`` / ``nodecode`` are garbage by design; only the times mean something. Shapes, routing,
+The variant changes :data:`rocm_k3.triton_kernels.moe.decode.ASM_FOLD`, which both GEMM kernels decode with
+(``moe_gemm_kernel`` and, at 16-row blocks, the warp-specialised Hopper kernel the op picks by default; ``--gemm
+triton`` measures ``moe_gemm_kernel`` there). The outputs of ``noscale`` / ``nodecode`` are garbage by design; only
+the times mean something. Shapes, routing,
 bytes and the % of HBM as in ``bench_moe.py``; per T: the whole op's CUDA-graph median, the eager per-kernel times
 (torch.profiler) with the w13 / w2 GEMMs' own % of HBM (their share of the bytes, 2/3 and 1/3), and the SM clock,
 memory clock and power that ``nvidia-smi`` sampled during the graph timing.
@@ -43,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--tokens", type=int, nargs="*", default=[16, 64, 512])
+    parser.add_argument("--gemm", choices=("ws", "triton"), default=None, help="fused_moe_with's gemm (default: auto)")
     args = parser.parse_args()
     _patch_decode(args.variant)  # before the kernels compile (the bench's experts are FOLD: every scale <= 128)
 
@@ -56,7 +60,7 @@ def main() -> None:
     w = B.experts("cuda")
     prepared = prepare_weights(w)
     del w
-    fn = B.ours(prepared, "bf16", None)
+    fn = B.ours(prepared, "bf16", None, gemm=args.gemm)
     for t in args.tokens:
         x = torch.randn(t, B.HIDDEN, device="cuda", dtype=torch.bfloat16)
         logits, ids = B.routing_inputs(t, "cuda")
@@ -69,8 +73,8 @@ def main() -> None:
         finally:
             smi.terminate()
         samples = smi.communicate()[0].strip().splitlines()
-        w13 = next(v for k, v in kernels.items() if k.endswith("w13"))
-        w2 = next(v for k, v in kernels.items() if k.endswith("w2"))
+        w13 = next(v for k, v in kernels.items() if k.endswith(" w13"))
+        w2 = next(v for k, v in kernels.items() if k.endswith(" w2"))
         row = dict(variant=args.variant, tokens=t, floor_us=round(floor_us, 1), graph_us=round(us, 1),
                    hbm_pct=round(100 * floor_us / us, 1), w13_hbm_pct=round(100 * floor_us * 2 / 3 / w13, 1),
                    w2_hbm_pct=round(100 * floor_us / 3 / w2, 1),

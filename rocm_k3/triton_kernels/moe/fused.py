@@ -1,10 +1,14 @@
 """``fused_moe`` on Triton: align -> [MXFP8 round trip of x] -> w13 GEMM + activation -> w2 GEMM -> top-k reduce.
 
-One kernel family (:mod:`.kernels`): the persistent swap-AB MMA GEMM over used (expert block, 128-row tile,
-K split) items, at decode and prefill alike; only the tiles change (:func:`pick_config`). Launches at decode
-(A16W4): the align (which also zeroes the GEMMs' item counters), the w13 GEMM, the w2 GEMM and the reduce (4;
-A8W4 adds the x round trip). Every expert weight tile is read once per block of ``block_m`` rows routed to it,
-so at decode (every used expert has one block) the bytes moved are the active experts' weights, once.
+One GEMM design (swap-AB MMA over the used (expert block, 128-row tile, K split) items, the decoded weights as
+the wide operand, the same layout, decode and epilogue math) in two kernels: :func:`.kernels.moe_gemm_kernel`
+(persistent Triton, every backend, decode and prefill; only the tiles change: :func:`pick_config`) and, on sm_90 at
+16-row blocks (decode up to T ~ 670 for K3), :func:`.gemm_hopper.moe_gemm_ws_kernel` (warp-specialised Gluon:
+TMA producer warp, decode + register-A wgmma consumer; bit for bit the same outputs, 1.2-1.3x faster on the H200
+where it applies, benchmarks/RESULTS.md session 7). Launches at decode (A16W4): the align (which also zeroes the
+GEMMs' item counters), the w13 GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip, and on the Hopper
+kernel the intermediate's). Every expert weight tile is read once per block of ``block_m`` rows routed to it, so
+at decode (every used expert has one block) the bytes moved are the active experts' weights, once.
 
 Weights: MXFP4 experts must be in the ``triton`` layout (:mod:`.layout`, made once by :func:`prepare_weights`,
 which keeps only the re-laid tensors). Experts in another layout are prepared on their first call and the result
@@ -12,7 +16,9 @@ cached in ``weights.extras`` (then they sit in memory twice: call :func:`prepare
 bf16 experts are read in checkpoint layout.
 
 A8W4 (``act_quant="mxfp8"``): x and the activation output are rounded through MXFP8 (the reference's rule, exact
-in bf16) and the GEMMs run on the bf16 MMA with those values, so A8W4 costs what A16W4 costs; no FP8 MMA.
+in bf16) and the GEMMs run on the bf16 MMA with those values; no FP8 MMA. ``moe_gemm_kernel`` rounds the
+activation output in its epilogue (A8W4 costs what A16W4 costs); the Hopper kernel writes it in fp32 and
+:func:`_mxfp8_round_trip` rounds every padded row afterwards (measured 2-16 % over A16W4 at T <= 512).
 """
 
 from __future__ import annotations
