@@ -627,6 +627,23 @@ def test_fused_moe_k3_cuda(t: int, k3_moe) -> None:
                    1e-2, f"A8W4 {fp8}")
 
 
+def _assert_graph_replays(prepared: ExpertWeights, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, e: int,
+                          seeds: tuple[int, ...], **kw) -> None:
+    """fused_moe_with(**kw) captured in a CUDA graph replays the eager result for new routings of ids' shape."""
+    static = [x.clone(), tw.clone(), ids.clone()]
+    fused_moe_with(static[0], prepared, static[1], static[2], **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe_with(static[0], prepared, static[1], static[2], **kw)
+    for seed in seeds:
+        tw2, ids2 = _routing(ids.shape[0], e, ids.shape[1], seeded(seed), "cuda")
+        static[1].copy_(tw2)
+        static[2].copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, fused_moe_with(x, prepared, tw2, ids2, **kw)), f"graph replay (seed {seed})"
+
+
 @pytest.mark.cuda
 def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     """The warp-specialised Hopper GEMMs (``gemm="ws"``), A16W4 and A8W4, against the reference (5e-3 / 1e-2 as
@@ -646,17 +663,7 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     kw = dict(act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)
     assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="ws", **kw), fused_moe_reference(x, weights, tw, ids, **kw),
                1e-2, "ws A8W4")
-    static = [x.clone(), tw.clone(), ids.clone()]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused_moe_with(static[0], prepared, static[1], static[2], gemm="ws")
-    for seed in (24, 25):
-        tw2, ids2 = _routing(t, e, 8, seeded(seed), "cuda")
-        static[1].copy_(tw2)
-        static[2].copy_(ids2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, fused_moe_with(x, prepared, tw2, ids2, gemm="ws")), f"graph replay (seed {seed})"
+    _assert_graph_replays(prepared, x, tw, ids, e, (24, 25), gemm="ws")
     weights.w2_scale[3, :4] = 130  # two-multiply decode for w2: the default runs w13 on ws and w2 on Triton
     unfolded = prepare_weights(weights)
     with pytest.raises(ValueError, match="w2 GEMM.*128"):
@@ -683,18 +690,7 @@ def test_fused_moe_cuda_graph_and_extreme_scales_cuda() -> None:
     x = _randn(t, hidden, gen=g, device="cuda", dtype=torch.bfloat16)
     ref = fused_moe_reference(x, weights, tw, ids)
     assert_rel(fused_moe_with(x, prepared, tw, ids), ref, 5e-3, "extreme scales")
-    static = [x.clone(), tw.clone(), ids.clone()]
-    fused_moe_with(*static[:1], prepared, *static[1:])  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused_moe_with(static[0], prepared, static[1], static[2])
-    for seed in (21, 22):
-        tw2, ids2 = _routing(t, e, 8, seeded(seed), "cuda")
-        static[1].copy_(tw2)
-        static[2].copy_(ids2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, fused_moe_with(x, prepared, tw2, ids2)), f"graph replay (seed {seed})"
+    _assert_graph_replays(prepared, x, tw, ids, e, (21, 22))
 
 
 @pytest.mark.cuda
