@@ -2,7 +2,7 @@
 
 Same work as :func:`.kernels.moe_gemm_kernel` at decode tiles (16-row blocks, no K split) on the same ``triton``
 layout (:mod:`.layout`), item order (static: program p takes items p, p + programs, ...), decode bits
-(:data:`.decode.ASM_FOLD`) and epilogue math (:func:`.kernels._activation`); only the schedule differs. Per CTA:
+(:data:`.decode.ASM_FOLD`) and epilogue math (:func:`.kernels.gate_up_activation`); only the schedule differs. Per CTA:
 
 - producer partition (1 warp, 24 registers): per 128-K step it waits for a free slot of a ``STAGES``-deep ring
   (``empty`` mbarrier), TMA-loads the tile's codes (two 64-row groups x two 64-K units, each unit one 2 KB row of
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from rocm_k3.triton_kernels.moe import decode
-from rocm_k3.triton_kernels.moe.kernels import _activation
+from rocm_k3.triton_kernels.moe.kernels import gate_up_activation
 
 BLOCK_M = 16  # rows of an expert block (the MMA's N side)
 STAGES = 4
@@ -162,7 +162,7 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
                                                 gl.SliceLayout(0, MMA))
         r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         if STAGE == 1:  # [64 outputs, 16 rows] -> inter[row, 64 tile + r]
-            h = _activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
+            h = gate_up_activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
             n = tile * 64 + r64
             optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
             gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])

@@ -88,7 +88,7 @@ def _bf16_tile(w_ptr, row_off, rmask, k0, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _activation(gate, up, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+def gate_up_activation(gate, up, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
                 FAST: tl.constexpr):
     """SiTU ``beta tanh(g/beta) sigmoid(g) * (lb tanh(u/lb) | u)`` or SiLU ``silu(g) * u`` (fp32). FAST (NVIDIA):
     the sigmoids on the MUFU approximations and ``x / beta`` as ``x * (1 / beta)`` (a few ulp in fp32)."""
@@ -193,7 +193,7 @@ def moe_gemm_kernel(
                 acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
         if STAGE == 1:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 64, BMT)), (1, 2, 0)))  # [64, BMT] each
-            h = _activation(gate, up, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
+            h = gate_up_activation(gate, up, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
             n = tile * 64 + tl.arange(0, 64)
             ht = tl.trans(h)  # [BMT, 64]
             if OUT_MX:
