@@ -26,8 +26,10 @@ Triton 3.6 (the H200 image) and later: the two Gluon names that changed are reso
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -225,10 +227,17 @@ def descriptors(codes: torch.Tensor, scales: torch.Tensor) -> Descriptors:
                        g, kg)
 
 
+def _triton_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
 def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -> tuple[bool, str]:
     """Whether one GEMM of the op can run here on :func:`moe_gemm_ws_kernel` (else ``moe_gemm_kernel``)."""
     if x.device.type != "cuda" or torch.version.hip is not None:
         return False, "needs an NVIDIA GPU"
+    if _triton_version() < (3, 6):
+        return False, f"needs Triton >= 3.6 (the Gluon API it is written for), got {triton.__version__}"
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False, "needs sm_90 (wgmma and setmaxnreg)"
     if x.dtype != torch.bfloat16:
