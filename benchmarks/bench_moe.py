@@ -15,9 +15,9 @@ from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + `
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
 through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes
 (codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
-A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times our tile
-variants too. The static SASS count of our K loop (cross-compiled on this machine for sm_90 with its Triton,
-cuobjdump) is printed per weight element.
+A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times the tile
+variants of ``moe_gemm_kernel`` too. The static SASS count of its K loop (cross-compiled on this machine for sm_90
+with its Triton, cuobjdump) is printed per weight element (the Hopper kernel's: the compile tier checks it).
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
-    parser.add_argument("--sweep", action="store_true", help="also time our tile variants at every T")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time moe_gemm_kernel's tile variants at every T (gemm='triton')")
     parser.add_argument("--sweep-filter", type=_regex, default=re.compile(""),
                         help="only the sweep variants whose MoEConfig repr (e.g. 'programs_per_sm=5', not the "
                              "short label printed) matches this regular expression (the picked one always runs)")
@@ -306,12 +307,12 @@ def main() -> None:
             times = kernel_times(ours(prepared, "bf16", None), (x, logits, ids))
             print(f"T{t} kernels (us): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
             kernels[t] = times
-    if args.sweep:  # our tile variants
+    if args.sweep:  # moe_gemm_kernel's tile variants (the Hopper ws kernel has fixed tiles: gemm="triton")
         for t in args.tokens:
             picked = pick_config(t * TOP_K, E)
             cfgs = [picked] + [c for c in sweep_configs(picked, t)[1:] if args.sweep_filter.search(repr(c))]
-            rows += _time_variants(t, inputs[t], [(f"ours A16W4 {_short(cfg)}", ours(prepared, "bf16", cfg))
-                                                  for cfg in cfgs])
+            rows += _time_variants(t, inputs[t], [(f"moe_gemm_kernel A16W4 {_short(cfg)}",
+                                                   ours(prepared, "bf16", cfg, None, "triton")) for cfg in cfgs])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),
