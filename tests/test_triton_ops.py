@@ -648,8 +648,8 @@ def _assert_graph_replays(prepared: ExpertWeights, x: torch.Tensor, tw: torch.Te
 def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     """The warp-specialised Hopper GEMMs (``gemm="ws"``), A16W4 and A8W4, against the reference (5e-3 / 1e-2 as
     above) and captured in a CUDA graph (replays equal the eager result for new routings); where they do not apply
-    (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default falls back to
-    ``moe_gemm_kernel`` (the same bits as ``gemm="triton"``)."""
+    (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default runs that GEMM
+    on ``moe_gemm_kernel`` (checked against the reference)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised GEMM is sm_90 only")
     g = seeded(23)
