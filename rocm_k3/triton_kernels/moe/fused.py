@@ -250,6 +250,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     for name, value, fast in (("decode", decode, "asm"), ("act_math", act_math, "fast")):
         if value == fast and (interp or not nvidia):
             raise ValueError(f"{name}={fast!r} (inline PTX) runs on NVIDIA GPUs only, not in the interpreter or on AMD")
+    if gemm == "ws" and (interp or not nvidia):  # before any launch (the others are checked per GEMM)
+        raise ValueError("gemm='ws' (the Hopper kernel) runs on NVIDIA sm_90 GPUs only, not in the interpreter or "
+                         "on AMD")
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
     cfg = config or pick_config(tokens * top_k, num_experts)
