@@ -233,7 +233,8 @@ def _triton_version() -> tuple[int, int]:
 
 
 def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -> tuple[bool, str]:
-    """Whether one GEMM of the op can run here on :func:`moe_gemm_ws_kernel` (else ``moe_gemm_kernel``)."""
+    """Whether one GEMM of the op can run here on :func:`moe_gemm_ws_kernel` (else ``moe_gemm_kernel``); ``x``:
+    its activation operand (x for w13, the intermediate for w2), ``k`` its reduction length."""
     if x.device.type != "cuda" or torch.version.hip is not None:
         return False, "needs an NVIDIA GPU"
     if _triton_version() < (3, 6):
@@ -248,6 +249,8 @@ def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -
         return False, f"needs {BLOCK_M}-row blocks and no K split, got block_m={block_m} split_k={split_k}"
     if k % 128:
         return False, f"needs K a multiple of 128, got {k}"
+    if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16 or x.stride(-1) != 1:
+        return False, "needs 16-byte aligned activation rows (cp.async of 16 bytes)"
     return True, "supported"
 
 
