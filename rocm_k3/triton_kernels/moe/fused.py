@@ -186,13 +186,14 @@ def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
             _Matrix(w2, w2, (w2.stride(0), 0, 0, 0, w2.stride(1)), True, triton.cdiv(kout, 128)))
 
 
-def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit, asm_decode,
-             fast_act, num_sms, required, fp8_dtype) -> torch.Tensor | None:
+def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit, common,
+             num_sms, required, fp8_dtype) -> torch.Tensor | None:
     """One GEMM on the warp-specialised Hopper kernel when it applies (see :func:`fused_moe_with`): its output
     (``dst``, or under A8W4 the w13 output written in fp32 and rounded through MXFP8 into a new bf16 tensor, the
-    reference's rule), or None to use ``moe_gemm_kernel``; ``required``: a ValueError instead of None."""
+    reference's rule), or None to use ``moe_gemm_kernel``; ``required``: a ValueError instead of None. ``common``:
+    the constexprs ``moe_gemm_kernel`` would get (decode, activation, epilogue math)."""
     ok, why = (False, "needs MXFP4 experts and the inline-PTX decode")
-    if weights.fmt == "mxfp4" and asm_decode:
+    if weights.fmt == "mxfp4" and common["DECODE"] == DECODE_ASM:
         try:
             from rocm_k3.triton_kernels.moe import gemm_hopper
         except ImportError as exc:  # a Triton without Gluon
@@ -212,11 +213,9 @@ def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activ
     if stage == 1 and fp8_dtype is not None:
         out = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
     programs = max(1, min(gemm_hopper.CTAS_PER_SM * num_sms, routing.block_expert.numel() * mat.tiles))
-    linear_beta = activation.linear_beta
     gemm_hopper.launch(stage, descs[stage - 1], a, out, tw, routing, mat.tiles, n_out, top_k,
-                       float(activation.beta), float(linear_beta or 1.0),
-                       K.ACT_SITU if activation.kind == "situ" else K.ACT_SILU, linear_beta is not None, fast_act,
-                       programs)
+                       float(activation.beta), float(activation.linear_beta or 1.0), common["ACT"],
+                       common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs)
     return _mxfp8_round_trip(out, fp8_dtype) if out is not dst else dst
 
 
@@ -284,7 +283,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         a, dst = (xa, inter) if stage == 1 else (inter, y)
         if gemm != "triton":
             done = _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit,
-                            dec == DECODE_ASM, common["FAST_ACT"], num_sms, gemm == "ws", fp8_dtype if a8 else None)
+                            common, num_sms, gemm == "ws", fp8_dtype if a8 else None)
             if done is not None:  # the stage's output (w13 under A8W4: a new, round-tripped intermediate)
                 inter = done if stage == 1 else inter
                 continue

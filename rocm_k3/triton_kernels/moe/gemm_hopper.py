@@ -46,6 +46,8 @@ CTAS_PER_SM = 3
 MAX_REGISTERS = 80
 ASM_FOLD = gl.constexpr(decode.ASM_FOLD.value)
 STEP_BYTES = gl.constexpr(8192 + 512)  # codes + scales of one 128-K step of a 128-row tile
+_VERSION = re.match(r"(\d+)\.(\d+)", triton.__version__)
+TRITON_VERSION = (int(_VERSION.group(1)), int(_VERSION.group(2))) if _VERSION else (0, 0)  # checked by supported()
 # Triton 3.6 names the shared-memory view cast ``_reinterpret`` and the loads ``async_copy_global_to_shared``
 NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -227,17 +229,12 @@ def descriptors(codes: torch.Tensor, scales: torch.Tensor) -> Descriptors:
                        g, kg)
 
 
-def _triton_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
 def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -> tuple[bool, str]:
     """Whether one GEMM of the op can run here on :func:`moe_gemm_ws_kernel` (else ``moe_gemm_kernel``); ``x``:
     its activation operand (x for w13, the intermediate for w2), ``k`` its reduction length."""
     if x.device.type != "cuda" or torch.version.hip is not None:
         return False, "needs an NVIDIA GPU"
-    if _triton_version() < (3, 6):
+    if TRITON_VERSION < (3, 6):
         return False, f"needs Triton >= 3.6 (the Gluon API it is written for), got {triton.__version__}"
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False, "needs sm_90 (wgmma and setmaxnreg)"
