@@ -64,6 +64,42 @@ def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
     return out
 
 
+def ws_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, object]]:
+    """(MoEConfig, WsConfig) variants of the warp-specialised Hopper kernel at T = tokens, its default first: no
+    programmatic dependent launch, producer registers, ring depth, and at prefill the other block sizes (each with
+    its default residency)."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper as H
+
+    rep = dataclasses.replace
+    base = H.default_config(picked.block_m)
+    out = [(picked, base), (picked, rep(base, pdl=False))]
+    out += [(picked, rep(base, producer_regs=r)) for r in (24, 32, 40) if r != base.producer_regs]
+    out += [(picked, rep(base, w2_split=p)) for p in (1, 2, 3, 4) if tokens <= 16]
+    candidates = [(picked, dict(stages=st)) for st in (3, 5)]
+    if tokens >= 512:
+        candidates += [(rep(picked, block_m=bm), dict(block_m=bm)) for bm in (16, 32, 64) if bm != picked.block_m]
+    if picked.block_m == 64:
+        candidates += [(picked, dict(stages=2, ctas_per_sm=3, max_registers=80, producer_regs=24)),
+                       (picked, dict(stages=3, ctas_per_sm=3, max_registers=80, producer_regs=24))]
+    for moe, change in candidates:
+        try:  # residencies the SM cannot hold are skipped
+            ws = H.default_config(change["block_m"]) if "block_m" in change else rep(base, **change)
+        except ValueError:
+            continue
+        out.append((moe, ws))
+    return out
+
+
+def _ws_short(moe: MoEConfig, ws) -> str:
+    """The WsConfig's fields that differ from the default of its block size, e.g. ``bm64 pdlFalse``."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper as H
+
+    base = H.default_config(ws.block_m)
+    parts = [f"bm{ws.block_m}"] + [f"{f.name}{getattr(ws, f.name)}" for f in dataclasses.fields(ws)
+                                   if getattr(ws, f.name) != getattr(base, f.name)]
+    return " ".join(parts)
+
+
 def _regex(text: str) -> re.Pattern:
     try:
         return re.compile(text)
@@ -172,10 +208,10 @@ class Peer:
 
 
 def ours(prepared: ExpertWeights, act_quant: str, config: MoEConfig | None, act_math: str | None = None,
-         gemm: str | None = None):
+         gemm: str | None = None, ws_config=None):
     kw = dict(activation=MoEActivation(), act_quant=act_quant,
               fp8_dtype=torch.float8_e4m3fn if act_quant == "mxfp8" else None, config=config, act_math=act_math,
-              gemm=gemm)
+              gemm=gemm, ws_config=ws_config)
 
     def run(x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         r = route(logits, TOP_K)
@@ -243,6 +279,8 @@ def main() -> None:
     parser.add_argument("--sweep-filter", type=_regex, default=re.compile(""),
                         help="only the sweep variants whose MoEConfig repr (e.g. 'programs_per_sm=5', not the "
                              "short label printed) matches this regular expression (the picked one always runs)")
+    parser.add_argument("--ws-sweep", action="store_true",
+                        help="also time the warp-specialised Hopper kernel's variants (WsConfig) at every T")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--act-ab", action="store_true",
@@ -295,7 +333,7 @@ def main() -> None:
                     (f"ours A8W4 {_short(picked)}", ours(prepared, "mxfp8", None))]
         if args.act_ab:  # the w13 epilogue's portable math beside the default (fast) one, same tiles
             variants.insert(1, ("ours A16W4 portable epilogue", ours(prepared, "bf16", None, "portable")))
-        if args.gemm_ab and picked.block_m == 16:  # 16-row blocks: the default GEMMs are the Hopper ws kernel
+        if args.gemm_ab:  # on the H200 the default GEMMs are the Hopper ws kernel
             variants.insert(1, ("ours A16W4 moe_gemm_kernel", ours(prepared, "bf16", None, None, "triton")))
         rows += _time_variants(t, inputs[t], variants)
     if peer is not None:  # after ours: a fault in the peer cannot lose our numbers
@@ -313,6 +351,12 @@ def main() -> None:
             cfgs = [picked] + [c for c in sweep_configs(picked, t)[1:] if args.sweep_filter.search(repr(c))]
             rows += _time_variants(t, inputs[t], [(f"moe_gemm_kernel A16W4 {_short(cfg)}",
                                                    ours(prepared, "bf16", cfg, None, "triton")) for cfg in cfgs])
+    if args.ws_sweep:
+        for t in args.tokens:
+            picked = pick_config(t * TOP_K, E)
+            rows += _time_variants(t, inputs[t], [(f"ws A16W4 {_ws_short(moe, ws)}",
+                                                   ours(prepared, "bf16", moe, None, "ws", ws))
+                                                  for moe, ws in ws_sweep_configs(picked, t)])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),

@@ -14,11 +14,13 @@ import sys
 
 
 def _variants() -> dict:
-    """variant -> (constexprs, out type): the two GEMMs as ``fused_moe_with`` launches them (w13 bf16 out, w13 fp32
-    out for the A8W4 round trip, w2 fp32 out)."""
-    base = dict(ACT=0, HAS_LINEAR_BETA=True, FAST_ACT=True)
-    return {"ws_w13": (dict(base, STAGE=1), "*bf16"), "ws_w13_f32out": (dict(base, STAGE=1), "*fp32"),
-            "ws_w2": (dict(base, STAGE=2), "*fp32")}
+    """variant -> (constexprs, out type, block rows): the two GEMMs as ``fused_moe_with`` launches them (w13 bf16
+    out, w13 fp32 out for the A8W4 round trip, w2 fp32 out) at 16-row blocks, and at the prefill blocks."""
+    base = dict(ACT=0, HAS_LINEAR_BETA=True, FAST_ACT=True, SPLIT=1)
+    return {"ws_w13": (dict(base, STAGE=1), "*bf16", 16), "ws_w13_f32out": (dict(base, STAGE=1), "*fp32", 16),
+            "ws_w2": (dict(base, STAGE=2), "*fp32", 16), "ws_w13_bm32": (dict(base, STAGE=1), "*bf16", 32),
+            "ws_w13_bm64": (dict(base, STAGE=1), "*bf16", 64), "ws_w2_bm64": (dict(base, STAGE=2), "*fp32", 64),
+            "ws_w2_split2": (dict(base, STAGE=2, SPLIT=2), "*fp32", 16)}
 
 
 def main() -> None:
@@ -29,15 +31,17 @@ def main() -> None:
            "scales_desc": f"tensordesc<u8[2, 1, 256],{H.scales_smem_layout()!r}>", "a_ptr": "*bf16",
            "topw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "nblk_ptr": "*i32", "n_tiles": "i32", "steps": "i32", "n_out": "i32", "top_k": "i32",
-           "stride_a": "i32", "stride_out": "i32", "row_groups": "i32", "beta": "fp32", "linear_beta": "fp32"}
+           "stride_a": "i32", "stride_out": "i32", "stride_split": "i32", "row_groups": "i32", "beta": "fp32", "linear_beta": "fp32"}
     divisible = ("a_ptr", "out_ptr", "topw_ptr", "sorted_ptr", "block_expert_ptr", "start_ptr", "count_ptr",
                  "nblk_ptr", "stride_a", "stride_out")
     out = {}
-    for name, (constexprs, out_ty) in _variants().items():
+    for name, (constexprs, out_ty, block_m) in _variants().items():
+        cfg = H.default_config(block_m)
         try:
             res = compile_kernel(H.moe_gemm_ws_kernel, {**sig, "out_ptr": out_ty},
-                                 dict(constexprs, NUM_STAGES=H.STAGES), "sm_90", num_warps=4,
-                                 divisible_by_16=divisible, maxnreg=H.MAX_REGISTERS)
+                                 dict(constexprs, BM=block_m, NUM_STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs,
+                                      PDL=cfg.pdl), "sm_90", num_warps=4, divisible_by_16=divisible,
+                                 maxnreg=cfg.max_registers)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             out[name] = {"ok": False, "error": repr(exc)[-2000:]}
             continue
@@ -45,7 +49,8 @@ def main() -> None:
         # the A operand of the wgmma in registers ({%r..}), not a shared-memory descriptor
         register_a = re.search(r"wgmma\.mma_async[^\n]*\},\s*\{%r", res.asm) is not None
         out[name] = {"ok": True, "error": "", "mnemonics": sorted(res.mnemonics), "registers": res.registers,
-                     "register_a": register_a,
+                     "register_a": register_a, "block_m": block_m, "shared": res.shared_bytes,
+                     "shared_estimate": cfg.shared_bytes(),
                      "sass_loops": None if loops is None else [dataclasses.asdict(lp) for lp in loops]}
     json.dump(out, sys.stdout)
 

@@ -16,6 +16,7 @@ reference); bf16 outputs on the GPU 1e-2 (a few bf16 ulps, 2^-8 each).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -413,6 +414,27 @@ def test_moe_config_validation(bad: dict) -> None:
         MoEConfig(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(block_m=48), dict(stages=1), dict(ctas_per_sm=0), dict(producer_regs=30),
+                                 dict(max_registers=256), dict(ctas_per_sm=4), dict(stages=8)],
+                         ids=["BM48", "stages1", "ctas0", "regs30", "maxreg256", "regfile", "shared"])
+def test_ws_config_validation(bad: dict) -> None:
+    """The Hopper kernel's WsConfig: bad fields, and residencies the SM's 65536 registers (4 CTAs x 256 threads x
+    80) or 227 KB of shared memory (8 stages x 3 CTAs) cannot hold, are ValueErrors naming the config."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper
+
+    with pytest.raises(ValueError, match="WsConfig"):
+        gemm_hopper.WsConfig(**bad)
+    with pytest.raises(TypeError, match="WsConfig.pdl"):
+        gemm_hopper.WsConfig(pdl=1)
+    assert gemm_hopper.default_config(64).shared_bytes() * 2 <= gemm_hopper.SHARED_PER_SM
+    c = gemm_hopper.default_config(16)  # w2's K parts: T = 1 on K3 (16 blocks x 28 tiles on 396 CTAs) -> 4
+    assert gemm_hopper.w2_parts(c, 16 * 28, 396, 24) == 4 and gemm_hopper.w2_parts(c, 8 * 396, 396, 24) == 1
+    with pytest.raises(ValueError, match="w2_split 3"):
+        gemm_hopper.w2_parts(dataclasses.replace(c, w2_split=3), 100, 396, 4)
+    with pytest.raises(ValueError, match="16-, 32- or 64-row"):
+        gemm_hopper.default_config(128)
+
+
 def test_moe_config_dynamic_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="MoEConfig.dynamic"):
         MoEConfig(dynamic=1)
@@ -557,18 +579,24 @@ def compiled_hopper() -> dict:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_f32out", "ws_w2"])
+@pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_f32out", "ws_w2", "ws_w13_bm32", "ws_w13_bm64", "ws_w2_bm64",
+                                     "ws_w2_split2"])
 def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
-    """The warp-specialised Hopper MoE GEMM (.moe.gemm_hopper) for sm_90: TMA loads, setmaxnreg, wgmma with the
-    decoded weights as the register A operand; its consumer K loop (two 64-row groups x 128 K per thread step)
-    carries the 64 bf16x2 scale multiplies, no local memory or shuffles, wgmma chains not serialised by ptxas
-    (a serialised loop waits after each of its 16 wgmma: 32 WARPGROUP instructions; the overlapped one has 4),
-    and at most 2.6 SASS per weight (308-312 per 128 weights measured with Triton 3.6 and 3.9)."""
+    """The warp-specialised Hopper MoE GEMM (.moe.gemm_hopper) for sm_90 at each block size's default config: TMA
+    loads, setmaxnreg, programmatic-dependent-launch waits, wgmma (N = the block's rows) with the decoded weights
+    as the register A operand; its consumer K loop (two 64-row groups x 128 K per thread step) carries the 64
+    bf16x2 scale multiplies, no local memory or shuffles, wgmma chains not serialised by ptxas (a serialised loop
+    waits after each of its 16 wgmma: 32 WARPGROUP instructions; the overlapped one has 4), and at most 2.6 SASS
+    per weight (306-312 per 128 weights measured with Triton 3.6 and 3.9); the shared memory WsConfig budgets
+    covers what the kernel declares."""
     res = compiled_hopper[variant]
     assert res["ok"], res["error"]
     mnemonics = set(res["mnemonics"])
-    assert {"cp.async.bulk.tensor.3d.shared", "setmaxnreg.inc.sync.aligned.u32"} <= mnemonics, sorted(mnemonics)
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in mnemonics and res["register_a"], variant
+    assert {"cp.async.bulk.tensor.3d.shared", "setmaxnreg.inc.sync.aligned.u32", "griddepcontrol.wait"} <= mnemonics, \
+        sorted(mnemonics)
+    n = res["block_m"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in mnemonics and res["register_a"], variant
+    assert res["shared"] <= res["shared_estimate"], res
     loops = res["sass_loops"]
     if loops is None:
         pytest.skip("no cuobjdump to read the SASS")
@@ -615,8 +643,9 @@ def test_fused_moe_k3_cuda(t: int, k3_moe) -> None:
     out = fused_moe_with(x, prepared, tw, ids)
     assert_rel(out, ref, 5e-3, "A16W4")
     out_triton = fused_moe_with(x, prepared, tw, ids, gemm="triton")
-    if t <= 512:  # 16-row blocks: the default is the warp-specialised Hopper kernel; the same decode and math
-        assert_rel(out, out_triton, 1e-3, "ws vs moe_gemm_kernel")
+    # on the H200 the default is the warp-specialised Hopper kernel (16-, 32- and 64-row blocks): the same decode
+    # and epilogue math as moe_gemm_kernel, outputs apart only by the MMA's fp32 summation order
+    assert_rel(out, out_triton, 1e-3, "ws vs moe_gemm_kernel")
     if t <= 64:
         assert torch.equal(fused_moe_with(x, prepared, tw, ids, decode="portable"), out_triton), "asm vs portable"
     if t in (1, 2048):  # the fast epilogue math (default on NVIDIA) vs the portable one: a few fp32 ulp apart
@@ -647,7 +676,8 @@ def _assert_graph_replays(prepared: ExpertWeights, x: torch.Tensor, tw: torch.Te
 @pytest.mark.cuda
 def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     """The warp-specialised Hopper GEMMs (``gemm="ws"``), A16W4 and A8W4, against the reference (5e-3 / 1e-2 as
-    above) and captured in a CUDA graph (replays equal the eager result for new routings); where they do not apply
+    above) and captured in a CUDA graph (replays equal the eager result for new routings), at 16-, 32- and 64-row
+    blocks, with and without programmatic dependent launch, w2 in 1, 2 and 4 K parts; where they do not apply
     (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default runs that GEMM
     on ``moe_gemm_kernel`` (checked against the reference)."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -664,6 +694,33 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="ws", **kw), fused_moe_reference(x, weights, tw, ids, **kw),
                1e-2, "ws A8W4")
     _assert_graph_replays(prepared, x, tw, ids, e, (24, 25), gemm="ws")
+    # the prefill blocks (32 / 64 rows, 2 / 4 producer warps) and the launch without PDL: the same bits
+    from rocm_k3.triton_kernels.moe import gemm_hopper
+
+    t2 = 192  # 24 pairs per expert on average: partly filled 32- and 64-row blocks, two 16-row blocks
+    tw2, ids2 = _routing(t2, e, 8, g, "cuda")
+    x2 = _randn(t2, hidden, gen=g, device="cuda", dtype=torch.bfloat16)
+    ref2 = fused_moe_reference(x2, weights, tw2, ids2)
+    for bm in (16, 32, 64):
+        cfg = dataclasses.replace(pick_config(t2 * 8, e), block_m=bm)
+        ws = gemm_hopper.default_config(bm)
+        out_bm = fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=ws)
+        assert_rel(out_bm, ref2, 5e-3, f"ws A16W4 bm{bm}")
+        no_pdl = fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg,
+                                ws_config=dataclasses.replace(ws, pdl=False))
+        assert torch.equal(out_bm, no_pdl), f"bm{bm}: PDL vs plain launch"
+        _assert_graph_replays(prepared, x2, tw2, ids2, e, (26,), gemm="ws", config=cfg, ws_config=ws)
+    for parts in (2, 4):  # w2 in K parts (the reduce sums them): another fp32 summation order, bf16 output
+        ws = dataclasses.replace(gemm_hopper.default_config(16), w2_split=parts)
+        out_split = fused_moe_with(x, prepared, tw, ids, gemm="ws", ws_config=ws)
+        assert_rel(out_split, fused_moe_reference(x, weights, tw, ids), 5e-3, f"w2 in {parts} K parts")
+        assert_rel(out_split, out, 3e-3, f"w2 in {parts} K parts vs one")
+    _assert_graph_replays(prepared, x, tw, ids, e, (27,), gemm="ws", ws_config=ws)
+    with pytest.raises(ValueError, match="w2_split 3"):  # 4 K steps of 128
+        fused_moe_with(x, prepared, tw, ids, gemm="ws",
+                       ws_config=dataclasses.replace(gemm_hopper.default_config(16), w2_split=3))
+    with pytest.raises(ValueError, match="ws_config.block_m"):
+        fused_moe_with(x, prepared, tw, ids, gemm="ws", ws_config=gemm_hopper.default_config(64))
     weights.w2_scale[3, :4] = 130  # two-multiply decode for w2: the default runs w13 on ws and w2 on Triton
     unfolded = prepare_weights(weights)
     with pytest.raises(ValueError, match="w2 GEMM.*128"):

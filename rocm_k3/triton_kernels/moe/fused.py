@@ -186,12 +186,10 @@ def _matrices(weights: ExpertWeights) -> tuple[_Matrix, _Matrix]:
             _Matrix(w2, w2, (w2.stride(0), 0, 0, 0, w2.stride(1)), True, triton.cdiv(kout, 128)))
 
 
-def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit, common,
-             num_sms, required, fp8_dtype) -> torch.Tensor | None:
-    """One GEMM on the warp-specialised Hopper kernel when it applies (see :func:`fused_moe_with`): its output
-    (``dst``, or under A8W4 the w13 output written in fp32 and rounded through MXFP8 into a new bf16 tensor, the
-    reference's rule), or None to use ``moe_gemm_kernel``; ``required``: a ValueError instead of None. ``common``:
-    the constexprs ``moe_gemm_kernel`` would get (decode, activation, epilogue math)."""
+def _ws_applies(stage, mat, weights, a, kdim, cfg, common, required) -> bool:
+    """Whether one GEMM runs on the warp-specialised Hopper kernel (see :func:`fused_moe_with`); ``a``: its
+    activation operand; ``required``: a ValueError naming why instead of False. ``common``: the constexprs
+    ``moe_gemm_kernel`` would get (decode, activation, epilogue math)."""
     ok, why = (False, "needs MXFP4 experts and the inline-PTX decode")
     if weights.fmt == "mxfp4" and common["DECODE"] == DECODE_ASM:
         try:
@@ -199,11 +197,19 @@ def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activ
         except ImportError as exc:  # a Triton without Gluon
             ok, why = False, f"Gluon is not available ({exc})"
         else:
-            ok, why = gemm_hopper.supported(a, mat.fold, cfg.block_m, nsplit, kdim)
-    if not ok:
-        if required:
-            raise ValueError(f"gemm='ws' does not apply to the w{'13' if stage == 1 else '2'} GEMM: {why}")
-        return None
+            ok, why = gemm_hopper.supported(a, mat.fold, cfg.block_m, cfg.split_k, kdim)
+    if not ok and required:
+        raise ValueError(f"gemm='ws' does not apply to the w{'13' if stage == 1 else '2'} GEMM: {why}")
+    return ok
+
+
+def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common, programs, ws, split,
+             fp8_dtype) -> torch.Tensor:
+    """One GEMM on the warp-specialised Hopper kernel (``ws``: its WsConfig, ``split``: w2's K parts): its output,
+    ``dst``, or under A8W4 the w13 output written in fp32 and rounded through MXFP8 into a new bf16 tensor (the
+    reference's rule)."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper
+
     descs = weights.extras.get("triton-ws")  # the prepared weights' TMA descriptors, made once
     if descs is None:
         t = weights.extras[LAYOUT]
@@ -212,22 +218,23 @@ def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activ
     out = dst
     if stage == 1 and fp8_dtype is not None:
         out = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
-    programs = max(1, min(gemm_hopper.CTAS_PER_SM * num_sms, routing.block_expert.numel() * mat.tiles))
     gemm_hopper.launch(stage, descs[stage - 1], a, out, tw, routing, mat.tiles, n_out, top_k,
                        float(activation.beta), float(activation.linear_beta or 1.0), common["ACT"],
-                       common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs)
+                       common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs, ws, split)
     return _mxfp8_round_trip(out, fp8_dtype) if out is not dst else dst
 
 
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
                    fp8_dtype=None, config: MoEConfig | None = None, decode: str | None = None,
-                   act_math: str | None = None, gemm: str | None = None) -> torch.Tensor:
+                   act_math: str | None = None, gemm: str | None = None, ws_config=None) -> torch.Tensor:
     """:func:`fused_moe` with explicit tiles (``config``, default :func:`pick_config`), MXFP4 decode (``decode``:
     "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD), w13 epilogue math
     (``act_math``: "fast", the MUFU sigmoids of ``.kernels`` FAST_ACT, or "portable"; default: fast on NVIDIA,
     portable elsewhere) and GEMM kernel (``gemm``: "ws", the warp-specialised Hopper kernel of :mod:`.gemm_hopper`
     for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`; default:
-    "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton"). Decode
+    "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton";
+    ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig`, default
+    :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
     and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
     "triton" run the same decode and epilogue math (outputs equal up to the fp32 summation order of the MMA)."""
     if config is not None and not isinstance(config, MoEConfig):
@@ -238,6 +245,10 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         raise ValueError(f"act_math must be 'fast', 'portable' or None, got {act_math!r}")
     if gemm not in (None, "ws", "triton"):
         raise ValueError(f"gemm must be 'ws', 'triton' or None, got {gemm!r}")
+    if ws_config is not None:
+        from rocm_k3.triton_kernels.moe.gemm_hopper import WsConfig  # Gluon: only where a WsConfig can exist
+        if not isinstance(ws_config, WsConfig):
+            raise TypeError(f"ws_config must be a gemm_hopper.WsConfig or None, got {type(ws_config).__name__}")
     weights = _kernel_weights(weights)
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
@@ -255,6 +266,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
     cfg = config or pick_config(tokens * top_k, num_experts)
+    if ws_config is not None and ws_config.block_m != cfg.block_m:
+        raise ValueError(f"ws_config.block_m ({ws_config.block_m}) must equal the MoEConfig's block_m "
+                         f"({cfg.block_m}): both GEMMs read one routing")
     a8 = act_quant == "mxfp8"
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
     op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
@@ -265,8 +279,6 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     x = x if x.stride(-1) == 1 else x.contiguous()
     xa = _mxfp8_round_trip(x, fp8_dtype) if a8 else x
     inter = torch.empty(padded_rows, n, dtype=torch.float32 if op_f32 else torch.bfloat16, device=x.device)
-    split = cfg.split_k
-    y = torch.empty(split, tokens * top_k, kout, dtype=torch.float32, device=x.device)  # weighted per-pair outputs
     tw = topk_weights.reshape(-1).to(torch.float32)
     linear_beta = activation.linear_beta
     common = dict(W_FMT=K.W_MXFP4 if weights.fmt == "mxfp4" else K.W_BF16, DECODE=dec, OP_F32=op_f32,
@@ -277,16 +289,30 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     programs = _INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms
     if dec == DECODE_ASM and weights.fmt == "mxfp4" and cfg.max_registers is not None:  # the tiles it is sized for
         common["maxnreg"] = cfg.max_registers
+    on_ws = {1: False, 2: False}  # GEMMs on the warp-specialised Hopper kernel
+    if gemm != "triton":
+        on_ws = {1: _ws_applies(1, w13m, weights, xa, hidden, cfg, common, gemm == "ws"),
+                 2: _ws_applies(2, w2m, weights, inter, n, cfg, common, gemm == "ws")}
+    split, ws, ws_programs = cfg.split_k, None, 0
+    if on_ws[1] or on_ws[2]:
+        from rocm_k3.triton_kernels.moe import gemm_hopper
+
+        ws = ws_config or gemm_hopper.default_config(cfg.block_m)
+        ws_programs = ws.ctas_per_sm * num_sms
+        if on_ws[2]:  # expected blocks at decode: one per used expert (distinct experts of uniform routing)
+            expected = num_experts * (1 - (1 - top_k / num_experts) ** tokens) if cfg.block_m == 16 else num_blocks
+            split = gemm_hopper.w2_parts(ws, expected * w2m.tiles, ws_programs, triton.cdiv(n, 128))
+    y = torch.empty(split, tokens * top_k, kout, dtype=torch.float32, device=x.device)  # weighted per-pair outputs
     # item counters of the dynamic schedule (zeroed by the align): w13 word 0, w2 word 4 (16-byte aligned pointers)
     for stage, mat, kdim, n_out, nsplit, work in ((1, w13m, hidden, n, 1, routing.work),
                                                   (2, w2m, n, kout, split, routing.work[4:])):
         a, dst = (xa, inter) if stage == 1 else (inter, y)
-        if gemm != "triton":
-            done = _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, kdim, activation, cfg, nsplit,
-                            common, num_sms, gemm == "ws", fp8_dtype if a8 else None)
-            if done is not None:  # the stage's output (w13 under A8W4: a new, round-tripped intermediate)
-                inter = done if stage == 1 else inter
-                continue
+        if on_ws[stage]:
+            out_ws = _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common,
+                              max(1, min(ws_programs, num_blocks * mat.tiles * nsplit)), ws, nsplit,
+                              fp8_dtype if a8 and stage == 1 else None)
+            inter = out_ws if stage == 1 else inter  # w13 under A8W4: a new, round-tripped intermediate
+            continue
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
         steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)
         grid = (max(1, min(programs, num_blocks * mat.tiles * nsplit)),)

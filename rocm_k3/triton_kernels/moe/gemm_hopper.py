@@ -40,10 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rocm_k3.triton_kernels.moe import decode
 from rocm_k3.triton_kernels.moe.kernels import gate_up_activation
 
-BLOCK_M = 16  # rows of an expert block (the MMA's N side)
-STAGES = 4
-CTAS_PER_SM = 3
-MAX_REGISTERS = 80
+SHARED_PER_SM = 227 * 1024  # bytes of shared memory the CTAs of one SM may use (sm_90)
 ASM_FOLD = gl.constexpr(decode.ASM_FOLD.value)
 STEP_BYTES = gl.constexpr(8192 + 512)  # codes + scales of one 128-K step of a 128-row tile
 _VERSION = re.match(r"(\d+)\.(\d+)", triton.__version__)
@@ -73,42 +70,86 @@ def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr, RL: gl.constexpr):
-    """(tile, expert, padded rows [16] in layout RL, their mask, their pair ids) of one work item."""
-    tile = item % n_tiles
-    blk = item // n_tiles
+def _gdc_wait():
+    """Programmatic dependent launch: wait until the previous kernel of the stream has completed and its memory is
+    visible (a no-op when the kernel was not launched with ``launch_pdl``)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    """Let the next kernel of the stream (launched with ``launch_pdl``) start on the SMs this grid leaves free."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr, BM: gl.constexpr, SPLIT: gl.constexpr,
+          RL: gl.constexpr):
+    """(tile, K part, expert, padded rows [BM] in layout RL, their mask, their pair ids) of one work item; a
+    block's items are adjacent (its activation rows stay in L2), K parts of one tile too."""
+    part = item % SPLIT
+    tile = (item // SPLIT) % n_tiles
+    blk = item // (SPLIT * n_tiles)
     expert = gl.load(block_expert_ptr + blk)
     row_end = gl.load(start_ptr + expert) + gl.load(count_ptr + expert)
-    rows = blk * 16 + gl.arange(0, 16, layout=RL)
+    rows = blk * BM + gl.arange(0, BM, layout=RL)
     rmask = rows < row_end
     pair = gl.load(sorted_ptr + rows, mask=rmask, other=0)
-    return tile, expert, rows, rmask, pair
+    return tile, part, expert, rows, rmask, pair
+
+
+@gluon.jit
+def _load_weights(codes_desc, scales_desc, codes_s, scales_s, bar, rg, ks):
+    """One step's codes and scales (TMA) into a ring slot, completing on ``bar`` (which expects their bytes)."""
+    mbarrier.expect(bar, STEP_BYTES)
+    tma_load(codes_desc, [rg, 2 * ks, 0], bar, codes_s)
+    tma_load(scales_desc, [rg, ks, 0], bar, scales_s)
 
 
 @gluon.jit
 def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
               codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups,
-              STAGE: gl.constexpr, NUM_STAGES: gl.constexpr):
-    AL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])  # [16, 128] bf16, 16 B per thread
-    n_items = gl.load(nblk_ptr) * n_tiles
+              STAGE: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr,
+              PW: gl.constexpr, PDL: gl.constexpr):
+    AL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [PW, 1], [1, 0])  # [BM, 128] bf16, 8 x 16 B per thread
     kk = gl.arange(0, 128, layout=gl.SliceLayout(0, AL))
+    pre = 0  # steps of the first item whose weights were loaded before waiting on the previous kernel
+    if PDL:
+        if STAGE == 1:
+            _gdc_wait()  # the routing comes from the align kernel just before
+            _gdc_launch_dependents()  # (after the wait: the w2 kernel reads the routing without waiting)
+        else:  # the weights do not depend on the w13 kernel: the first slots fill while its last items finish
+            first = gl.program_id(0)
+            if first < gl.load(nblk_ptr) * n_tiles * SPLIT:
+                tile0 = (first // SPLIT) % n_tiles
+                rg0 = gl.load(block_expert_ptr + first // (SPLIT * n_tiles)) * row_groups + 2 * tile0
+                k0 = (first % SPLIT) * steps
+                pre = gl.minimum(steps, NUM_STAGES)
+                for ks in range(pre):
+                    _load_weights(codes_desc, scales_desc, codes_s.index(ks), scales_s.index(ks), full.index(ks),
+                                  rg0, k0 + ks)
+            _gdc_wait()  # the intermediate is the w13 kernel's output
+    n_items = gl.load(nblk_ptr) * n_tiles * SPLIT
     cnt = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        tile, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr,
-                                                gl.SliceLayout(1, AL))
+        tile, part, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr,
+                                                      sorted_ptr, BM, SPLIT, gl.SliceLayout(1, AL))
+        k0 = part * steps  # the item's first 128-K step
         if STAGE == 1:
-            a_rows = a_ptr + ((pair // top_k).to(gl.int64) * stride_a)[:, None] + kk[None, :]  # token rows of x
+            a_rows = a_ptr + ((pair // top_k).to(gl.int64) * stride_a)[:, None] + (k0 * 128 + kk)[None, :]  # x
         else:
-            a_rows = a_ptr + (rows.to(gl.int64) * stride_a)[:, None] + kk[None, :]  # the block's rows of inter
+            a_rows = a_ptr + (rows.to(gl.int64) * stride_a)[:, None] + (k0 * 128 + kk)[None, :]  # inter rows
         rg = expert * row_groups + 2 * tile
         for ks in range(steps):
             s = cnt % NUM_STAGES
             mbarrier.wait(empty.index(s), ((cnt // NUM_STAGES) & 1) ^ 1)  # the ring's first pass waits on nothing
             cp_async_load(act_s.index(s), a_rows + ks * 128, mask=rmask[:, None])
-            async_copy.mbarrier_arrive(full.index(s))
-            mbarrier.expect(full.index(s), STEP_BYTES)
-            tma_load(codes_desc, [rg, 2 * ks, 0], full.index(s), codes_s.index(s))
-            tma_load(scales_desc, [rg, ks, 0], full.index(s), scales_s.index(s))
+            # each thread arrives once its copies have landed (full counts 32 * PW of these and the expect's)
+            async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+            if cnt >= pre:
+                _load_weights(codes_desc, scales_desc, codes_s.index(s), scales_s.index(s), full.index(s), rg,
+                              k0 + ks)
             cnt += 1
 
 
@@ -133,24 +174,26 @@ def _decode(codes_s, scales_s, L3: gl.constexpr, L7: gl.constexpr, A: gl.constex
 
 @gluon.jit
 def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s, scales_s,
-              act_s, full, empty, n_tiles, steps, n_out, stride_out, beta, linear_beta,
+              act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta, linear_beta,
               STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
+              BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr, PDL: gl.constexpr):
     L3: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
     L7: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, 2, 4], [1, 1, 8, 4, 1, 1, 1], [1, 4, 1, 1, 1, 1, 1],
                                         [6, 5, 4, 3, 2, 1, 0])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    n_items = gl.load(nblk_ptr) * n_tiles
+    if PDL and STAGE == 1:
+        _gdc_wait()  # the routing comes from the align kernel just before
+    n_items = gl.load(nblk_ptr) * n_tiles * SPLIT
     cnt = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        acc0 = gl.zeros([64, 16], gl.float32, layout=MMA)  # the tile's first row group (w13: gate rows)
-        acc1 = gl.zeros([64, 16], gl.float32, layout=MMA)  # the second (w13: the matching up rows)
+        acc0 = gl.zeros([64, BM], gl.float32, layout=MMA)  # the tile's first row group (w13: gate rows)
+        acc1 = gl.zeros([64, BM], gl.float32, layout=MMA)  # the second (w13: the matching up rows)
         prev = 0
         for ks in range(steps):
             s = cnt % NUM_STAGES
             mbarrier.wait(full.index(s), (cnt // NUM_STAGES) & 1)
-            b = act_s.index(s).permute((1, 0))  # [128, 16]
+            b = act_s.index(s).permute((1, 0))  # [128, BM]
             cs = _view(codes_s.index(s), gl.uint8, [2, 256, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             ss = _view(scales_s.index(s), gl.int32, [2, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
             acc0 = warpgroup_mma(_decode(cs.index(0), ss.index(0), L3, L7, A), b, acc0, is_async=True)
@@ -162,17 +205,17 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
             cnt += 1
         acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
         mbarrier.arrive(empty.index(prev))
-        tile, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr,
-                                                gl.SliceLayout(0, MMA))
+        tile, part, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr,
+                                                      sorted_ptr, BM, SPLIT, gl.SliceLayout(0, MMA))
         r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        if STAGE == 1:  # [64 outputs, 16 rows] -> inter[row, 64 tile + r]
+        if STAGE == 1:  # [64 outputs, BM rows] -> inter[row, 64 tile + r]
             h = gate_up_activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
             n = tile * 64 + r64
             optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
             gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])
-        else:  # y[pair, 128 tile + r] = topk_weight[pair] * acc
+        else:  # y[part, pair, 128 tile + r] = topk_weight[pair] * acc (the K part's share; the reduce sums them)
             rw = gl.load(topw_ptr + pair, mask=rmask, other=0.0)[None, :]
-            optr = out_ptr + pair.to(gl.int64)[None, :] * stride_out
+            optr = out_ptr + part.to(gl.int64) * stride_split + pair.to(gl.int64)[None, :] * stride_out
             n = tile * 128 + r64
             gl.store(optr + n[:, None], acc0 * rw, mask=rmask[None, :] & (n < n_out)[:, None])
             gl.store(optr + (n + 64)[:, None], acc1 * rw, mask=rmask[None, :] & (n + 64 < n_out)[:, None])
@@ -180,31 +223,102 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
 
 @gluon.jit
 def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr,
-                       count_ptr, nblk_ptr, n_tiles, steps, n_out, top_k, stride_a, stride_out, row_groups, beta,
-                       linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr,
-                       FAST_ACT: gl.constexpr, NUM_STAGES: gl.constexpr):
+                       count_ptr, nblk_ptr, n_tiles, steps, n_out, top_k, stride_a, stride_out, stride_split,
+                       row_groups, beta, linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr,
+                       HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr):
     """STAGE 1: ``out = inter [P, n_out] = act(W13_e x_t)``; STAGE 2: ``out = y [T * top_k, n_out] (fp32) =
-    topk_weight * W2_e inter`` over the used (16-row block, 128-row tile) items. The arguments are those of
-    :func:`.kernels.moe_gemm_kernel` (K = 128 * steps, no split), the weights as TMA descriptors over the int64
-    codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8)."""
+    topk_weight * W2_e inter``, or with SPLIT > 1 (w2 only) ``y [SPLIT, T * top_k, n_out]`` the partial sums of
+    SPLIT equal K parts, over the used (BM-row block, 128-row tile, K part) items. The arguments are those of
+    :func:`.kernels.moe_gemm_kernel` (K = 128 * steps * SPLIT), the weights as TMA descriptors over the int64
+    codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8). BM: 16,
+    32 or 64 (``BM // 16`` producer warps); PDL: launched with ``launch_pdl`` (see :class:`WsConfig`)."""
+    PW: gl.constexpr = BM // 16
     codes_s = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 2, 2, 256], codes_desc.layout)
     scales_s = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2, 1, 256], scales_desc.layout)
-    act_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 16, 128],
+    act_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BM, 128],
                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=32 * PW + 1)  # every producer thread's copies and the TMA bytes' expect
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s,
-                     scales_s, act_s, full, empty, n_tiles, steps, n_out, stride_out, beta, linear_beta, STAGE, ACT,
-                     HAS_LINEAR_BETA, FAST_ACT, NUM_STAGES)),
+                     scales_s, act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta,
+                     linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, BM, SPLIT, NUM_STAGES, PDL)),
         (_producer, (codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
-                     codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups, STAGE,
-                     NUM_STAGES)),
-    ], [1], [24])
+                     codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups, STAGE, BM,
+                     SPLIT, NUM_STAGES, PW, PDL)),
+    ], [PW], [PRODUCER_REGS])
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """Tiles and residency of :func:`moe_gemm_ws_kernel`.
+
+    block_m: rows of an expert block, the MMA's N side (16, 32 or 64; ``block_m // 16`` producer warps).
+    stages: slots of the shared-memory ring (codes, scales and activation rows of one 128-K step each).
+    ctas_per_sm: resident CTAs per SM the grid is sized for (shared memory and registers must allow it).
+    max_registers: the kernel's register cap per thread (ptxas), which with 8 warps per CTA sets the CTA's share.
+    producer_regs: registers per producer thread after ``setmaxnreg`` (the consumer warpgroup gets the rest).
+    pdl: launched as a programmatic dependent launch: w13 waits for the align on the device instead of at the
+        launch, and w2 loads its first weights while the w13 kernel's last items finish.
+    w2_split: K parts of the w2 GEMM (1-4; the top-k reduce sums them), None: :func:`w2_parts` picks them from the
+        expected item count (more, shorter items where few items would leave programs idle at the end).
+    """
+
+    block_m: int = 16
+    stages: int = 4
+    ctas_per_sm: int = 3
+    max_registers: int = 80
+    producer_regs: int = 24
+    pdl: bool = True
+    w2_split: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "stages", "ctas_per_sm", "max_registers", "producer_regs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"WsConfig.{name} must be an int, got {value!r}")
+        if self.block_m not in (16, 32, 64):
+            raise ValueError(f"WsConfig.block_m must be 16, 32 or 64, got {self.block_m}")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"WsConfig.stages must be in [2, 8], got {self.stages}")
+        if not 1 <= self.ctas_per_sm <= 4:
+            raise ValueError(f"WsConfig.ctas_per_sm must be in [1, 4], got {self.ctas_per_sm}")
+        for name in ("max_registers", "producer_regs"):  # setmaxnreg takes multiples of 8 in [24, 256]
+            value = getattr(self, name)
+            if not 24 <= value <= 248 or value % 8:
+                raise ValueError(f"WsConfig.{name} must be a multiple of 8 in [24, 248], got {value}")
+        if self.max_registers * 256 * self.ctas_per_sm > 65536:  # 8 warps per CTA (2 warpgroups)
+            raise ValueError(f"WsConfig: {self.ctas_per_sm} CTAs of 256 threads at {self.max_registers} registers "
+                             "exceed the SM's 65536")
+        if self.shared_bytes() * self.ctas_per_sm > SHARED_PER_SM:
+            raise ValueError(f"WsConfig: {self.ctas_per_sm} CTAs of {self.shared_bytes()} B of shared memory exceed "
+                             f"the SM's {SHARED_PER_SM}")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"WsConfig.pdl must be a bool, got {self.pdl!r}")
+        if self.w2_split is not None and (isinstance(self.w2_split, bool) or not isinstance(self.w2_split, int)
+                                          or not 1 <= self.w2_split <= 4):
+            raise ValueError(f"WsConfig.w2_split must be None or an int in [1, 4], got {self.w2_split!r}")
+
+    def shared_bytes(self) -> int:
+        """Shared memory of one CTA: the ring (codes, scales, activation rows) and its barriers, plus 1 KB the
+        hardware reserves per CTA."""
+        return self.stages * (STEP_BYTES.value + self.block_m * 256 + 16) + 1024
+
+
+def default_config(block_m: int) -> WsConfig:
+    """The measured defaults per block size (benchmarks/RESULTS.md, sessions 7 and 8)."""
+    if block_m == 16:
+        return WsConfig(16, 4, 3, 80, 40)
+    if block_m == 32:
+        return WsConfig(32, 4, 3, 80, 32)
+    if block_m == 64:
+        return WsConfig(64, 4, 2, 128, 40)
+    raise ValueError(f"the warp-specialised GEMM takes 16-, 32- or 64-row blocks, got {block_m}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +356,8 @@ def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -
         return False, f"needs bf16 activations, got {x.dtype}"
     if not fold:
         return False, "needs every E8M0 scale byte <= 128 (the one-multiply decode)"
-    if block_m != BLOCK_M or split_k != 1:
-        return False, f"needs {BLOCK_M}-row blocks and no K split, got block_m={block_m} split_k={split_k}"
+    if block_m not in (16, 32, 64) or split_k != 1:
+        return False, f"needs 16-, 32- or 64-row blocks and no K split, got block_m={block_m} split_k={split_k}"
     if k % 128:
         return False, f"needs K a multiple of 128, got {k}"
     if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16 or x.stride(-1) != 1:
@@ -251,12 +365,38 @@ def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -
     return True, "supported"
 
 
+def w2_parts(cfg: WsConfig, items: int, programs: int, steps: int) -> int:
+    """K parts of the w2 GEMM: ``cfg.w2_split``, or for an expected ``items`` (blocks x 128-row tiles) on
+    ``programs`` CTAs the fewest parts (of ``steps`` 128-K steps, evenly) whose last round of items leaves at most
+    10 % of the programs' work idle (else the least idle), 1 past 8 rounds."""
+    if cfg.w2_split is not None:
+        if steps % cfg.w2_split:
+            raise ValueError(f"WsConfig.w2_split {cfg.w2_split} does not divide the w2 GEMM's {steps} K steps")
+        return cfg.w2_split
+    if items >= 8 * programs:
+        return 1
+    def idle(parts: int) -> float:
+        work = items * parts / programs  # rounds of items per program
+        return 1 - work / -(-work // 1)
+    options = [p for p in (1, 2, 3, 4) if steps % p == 0]
+    return next((p for p in options if idle(p) <= 0.1), min(options, key=idle))
+
+
 def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, topw: torch.Tensor, routing,
            n_tiles: int, n_out: int, top_k: int, beta: float, linear_beta: float, act: int, has_linear_beta: bool,
-           fast_act: bool, programs: int) -> None:
-    """One GEMM of the op (see :func:`moe_gemm_ws_kernel`); ``programs``: the grid (CTAS_PER_SM per SM at most)."""
+           fast_act: bool, programs: int, cfg: WsConfig, split: int = 1) -> None:
+    """One GEMM of the op (see :func:`moe_gemm_ws_kernel`); ``programs``: the grid (``cfg.ctas_per_sm`` per SM at
+    most); ``cfg.block_m`` must be the routing's; ``split``: K parts (w2 only, dividing its steps; ``out`` then
+    [split, pairs, n_out])."""
+    if cfg.block_m != routing.block_m:
+        raise ValueError(f"WsConfig.block_m {cfg.block_m} differs from the routing's blocks of {routing.block_m}")
+    if split != 1 and (stage != 2 or desc.steps % split or out.dim() != 3 or out.shape[0] != split):
+        raise ValueError(f"a K split ({split}) needs the w2 GEMM, parts dividing its {desc.steps} steps and y "
+                         f"[{split}, pairs, n_out], got stage {stage}, y {tuple(out.shape)}")
     moe_gemm_ws_kernel[(programs,)](
         desc.codes, desc.scales, a, out, topw, routing.sorted_pairs, routing.block_expert, routing.expert_start,
-        routing.expert_count, routing.num_blocks, n_tiles, desc.steps, n_out, top_k, a.stride(0), out.stride(-2),
-        desc.row_groups, beta, linear_beta, STAGE=stage, ACT=act, HAS_LINEAR_BETA=has_linear_beta,
-        FAST_ACT=fast_act, NUM_STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS)
+        routing.expert_count, routing.num_blocks, n_tiles, desc.steps // split, n_out, top_k, a.stride(0),
+        out.stride(-2), out.stride(0) if out.dim() == 3 else 0, desc.row_groups, beta, linear_beta, STAGE=stage,
+        ACT=act, HAS_LINEAR_BETA=has_linear_beta, FAST_ACT=fast_act, BM=cfg.block_m, SPLIT=split,
+        NUM_STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, num_warps=4,
+        maxnreg=cfg.max_registers, launch_pdl=cfg.pdl)
