@@ -8,8 +8,9 @@ Run on the GPU with the peer carried (never installed or committed; see shared/P
 Shapes: K3 routed experts, E = 896, top-16, w13 3584 -> 2 x 3072 (SiTU), w2 3072 -> 3584, MXFP4 codes with E8M0
 scales 2^-6..2^-3 (uniform random bytes), bf16 activations. Both sides get the same expert ids for every token
 (random, distinct per token) and read the same bytes; times are medians of CUDA-graph replays of the whole op
-from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + ``fused_moe``, whose GEMMs at
-16-row blocks are the warp-specialised Hopper kernel, ``--gemm-ab`` adds ``moe_gemm_kernel`` there; the peer: its
+from router logits to the [T, 3584] output (ours: rocm-k3's Triton ``route`` + ``fused_moe``, whose GEMMs on the
+H200 are the warp-specialised Hopper kernel, ``--gemm-ab`` adds ``moe_gemm_kernel``, ``--ws-sweep`` the Hopper
+kernel's WsConfig variants; the peer: its
 ``routing`` (its softmax top-k of the same logits picks the same ids) + ``matmul_ogs`` w13 with its fused SwiGLU +
 ``matmul_ogs`` w2 with the routing weights and its top-k scatter-reduce). Ours are timed for every T first, the
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids

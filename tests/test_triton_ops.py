@@ -579,7 +579,7 @@ def compiled_hopper() -> dict:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_f32out", "ws_w2", "ws_w13_bm32", "ws_w13_bm64", "ws_w2_bm64",
+@pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_mx", "ws_w2", "ws_w13_bm32", "ws_w13_bm64", "ws_w2_bm64",
                                      "ws_w2_split2"])
 def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
     """The warp-specialised Hopper MoE GEMM (.moe.gemm_hopper) for sm_90 at each block size's default config: TMA
@@ -709,6 +709,8 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
         no_pdl = fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg,
                                 ws_config=dataclasses.replace(ws, pdl=False))
         assert torch.equal(out_bm, no_pdl), f"bm{bm}: PDL vs plain launch"
+        assert_rel(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=ws, **kw),
+                   fused_moe_reference(x2, weights, tw2, ids2, **kw), 1e-2, f"ws A8W4 bm{bm}")
         _assert_graph_replays(prepared, x2, tw2, ids2, e, (26,), gemm="ws", config=cfg, ws_config=ws)
     for parts in (2, 4):  # w2 in K parts (the reduce sums them): another fp32 summation order, bf16 output
         ws = dataclasses.replace(gemm_hopper.default_config(16), w2_split=parts)

@@ -2,13 +2,15 @@
 
 One GEMM design (swap-AB MMA over the used (expert block, 128-row tile, K split) items, the decoded weights as
 the wide operand, the same layout, decode and epilogue math) in two kernels: :func:`.kernels.moe_gemm_kernel`
-(persistent Triton, every backend, decode and prefill; only the tiles change: :func:`pick_config`) and, on sm_90 at
-16-row blocks (decode up to T ~ 670 for K3), :func:`.gemm_hopper.moe_gemm_ws_kernel` (warp-specialised Gluon:
-TMA producer warp, decode + register-A wgmma consumer; bit for bit the same outputs, 1.2-1.3x faster on the H200
-where it applies, benchmarks/RESULTS.md session 7). Launches at decode (A16W4): the align (which also zeroes the
-GEMMs' item counters), the w13 GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip, and on the Hopper
-kernel the intermediate's). Every expert weight tile is read once per block of ``block_m`` rows routed to it, so
-at decode (every used expert has one block) the bytes moved are the active experts' weights, once.
+(persistent Triton, every backend, decode and prefill; only the tiles change: :func:`pick_config`) and, on sm_90,
+:func:`.gemm_hopper.moe_gemm_ws_kernel` (warp-specialised Gluon: TMA producer warps, decode + register-A wgmma
+consumer, 16-, 32- and 64-row blocks, launched as programmatic dependent launches; the same decode bits and
+epilogue math, 1.2-1.3x ``moe_gemm_kernel``'s speed on the H200 at decode and 1.2x at prefill, benchmarks/RESULTS.md
+sessions 7 and 8). Launches at decode (A16W4): the align (which also zeroes the GEMMs' item counters), the w13
+GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip). Every expert weight tile is read once per block
+of ``block_m`` rows routed to it, so at decode (every used expert has one block) the bytes moved are the active
+experts' weights, once. On the Hopper kernel the w2 GEMM may run in K parts where few items would leave CTAs idle
+(:func:`.gemm_hopper.w2_parts`; the reduce sums the parts).
 
 Weights: MXFP4 experts must be in the ``triton`` layout (:mod:`.layout`, made once by :func:`prepare_weights`,
 which keeps only the re-laid tensors). Experts in another layout are prepared on their first call and the result
@@ -16,9 +18,8 @@ cached in ``weights.extras`` (then they sit in memory twice: call :func:`prepare
 bf16 experts are read in checkpoint layout.
 
 A8W4 (``act_quant="mxfp8"``): x and the activation output are rounded through MXFP8 (the reference's rule, exact
-in bf16) and the GEMMs run on the bf16 MMA with those values; no FP8 MMA. ``moe_gemm_kernel`` rounds the
-activation output in its epilogue (A8W4 costs what A16W4 costs); the Hopper kernel writes it in fp32 and
-:func:`_mxfp8_round_trip` rounds every padded row afterwards (measured 2-16 % over A16W4 at T <= 512).
+in bf16) and the GEMMs run on the bf16 MMA with those values; no FP8 MMA. Both kernels round the activation
+output in their w13 epilogue (:func:`.mx.mxfp8_value`), so A8W4 costs what A16W4 costs plus the x round trip.
 """
 
 from __future__ import annotations
@@ -204,10 +205,9 @@ def _ws_applies(stage, mat, weights, a, kdim, cfg, common, required) -> bool:
 
 
 def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common, programs, ws, split,
-             fp8_dtype) -> torch.Tensor:
-    """One GEMM on the warp-specialised Hopper kernel (``ws``: its WsConfig, ``split``: w2's K parts): its output,
-    ``dst``, or under A8W4 the w13 output written in fp32 and rounded through MXFP8 into a new bf16 tensor (the
-    reference's rule)."""
+             out_mx) -> None:
+    """One GEMM on the warp-specialised Hopper kernel into ``dst`` (``ws``: its WsConfig, ``split``: w2's K parts,
+    ``out_mx``: (EMAX, BIAS, FP8_MAX) to round the w13 output through MXFP8, A8W4)."""
     from rocm_k3.triton_kernels.moe import gemm_hopper
 
     descs = weights.extras.get("triton-ws")  # the prepared weights' TMA descriptors, made once
@@ -215,13 +215,9 @@ def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation,
         t = weights.extras[LAYOUT]
         descs = (gemm_hopper.descriptors(t.w13, t.w13_s), gemm_hopper.descriptors(t.w2, t.w2_s))
         weights.extras["triton-ws"] = descs
-    out = dst
-    if stage == 1 and fp8_dtype is not None:
-        out = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
-    gemm_hopper.launch(stage, descs[stage - 1], a, out, tw, routing, mat.tiles, n_out, top_k,
+    gemm_hopper.launch(stage, descs[stage - 1], a, dst, tw, routing, mat.tiles, n_out, top_k,
                        float(activation.beta), float(activation.linear_beta or 1.0), common["ACT"],
-                       common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs, ws, split)
-    return _mxfp8_round_trip(out, fp8_dtype) if out is not dst else dst
+                       common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs, ws, split, out_mx)
 
 
 def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivation(), act_quant="bf16",
@@ -308,10 +304,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
                                                   (2, w2m, n, kout, split, routing.work[4:])):
         a, dst = (xa, inter) if stage == 1 else (inter, y)
         if on_ws[stage]:
-            out_ws = _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common,
-                              max(1, min(ws_programs, num_blocks * mat.tiles * nsplit)), ws, nsplit,
-                              fp8_dtype if a8 and stage == 1 else None)
-            inter = out_ws if stage == 1 else inter  # w13 under A8W4: a new, round-tripped intermediate
+            _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common,
+                     max(1, min(ws_programs, num_blocks * mat.tiles * nsplit)), ws, nsplit,
+                     (emax, bias, fmax) if a8 and stage == 1 else None)
             continue
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128
         steps = triton.cdiv(triton.cdiv(kdim, bk), nsplit)

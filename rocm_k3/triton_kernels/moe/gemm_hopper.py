@@ -14,8 +14,8 @@ layout (:mod:`.layout`), item order (static: program p takes items p, p + progra
   own 16-byte chunks from shared memory and decodes them straight into the register A operand of ``wgmma``
   (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64n16k16``
   chain; one group's chain runs while the other group is decoded, and the slot is freed once both chains of the
-  step are done. The epilogue: w13 ``act(gate, up)`` -> ``inter`` (bf16, or fp32 for the A8W4 round trip that
-  follows), w2 ``topk_weight * acc`` -> ``y`` (fp32).
+  step are done. The epilogue: w13 ``act(gate, up)`` (under A8W4 rounded through MXFP8 per 32 outputs of a row,
+  in registers) -> ``inter`` (bf16), w2 ``topk_weight * acc`` -> ``y`` (fp32).
 
 Three CTAs per SM at 80 registers (ptxas serialised the wgmma chains at a cap of 64 and not at 72; the consumer
 region gets 136 after ``setmaxnreg``). Measured against ``moe_gemm_kernel`` on the H200 in ``benchmarks/RESULTS.md`` (session 7).
@@ -39,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from rocm_k3.triton_kernels.moe import decode
 from rocm_k3.triton_kernels.moe.kernels import gate_up_activation
+from rocm_k3.triton_kernels.moe.mx import mxfp8_value
 
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory the CTAs of one SM may use (sm_90)
 ASM_FOLD = gl.constexpr(decode.ASM_FOLD.value)
@@ -176,7 +177,8 @@ def _decode(codes_s, scales_s, L3: gl.constexpr, L7: gl.constexpr, A: gl.constex
 def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s, scales_s,
               act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta, linear_beta,
               STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr,
-              BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr, PDL: gl.constexpr):
+              BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr, PDL: gl.constexpr,
+              OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr):
     L3: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
     L7: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, 2, 4], [1, 1, 8, 4, 1, 1, 1], [1, 4, 1, 1, 1, 1, 1],
                                         [6, 5, 4, 3, 2, 1, 0])
@@ -210,6 +212,12 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
         r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         if STAGE == 1:  # [64 outputs, BM rows] -> inter[row, 64 tile + r]
             h = gate_up_activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
+            if OUT_MX:  # A8W4: h rounded through MXFP8 per 32 outputs of a row (the reference's rule), in place
+                lo = (r64 < 32)[:, None]  # the tile's two MX blocks per row: outputs 0-31 and 32-63
+                a = gl.abs(h)
+                amax = gl.where(lo, gl.max(gl.where(lo, a, 0.0), axis=0)[None, :],
+                                gl.max(gl.where(lo, 0.0, a), axis=0)[None, :])
+                h = mxfp8_value(h, amax, EMAX, BIAS, FP8_MAX)
             n = tile * 64 + r64
             optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
             gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])
@@ -226,7 +234,8 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
                        count_ptr, nblk_ptr, n_tiles, steps, n_out, top_k, stride_a, stride_out, stride_split,
                        row_groups, beta, linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr,
                        HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr):
+                       NUM_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr,
+                       OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr):
     """STAGE 1: ``out = inter [P, n_out] = act(W13_e x_t)``; STAGE 2: ``out = y [T * top_k, n_out] (fp32) =
     topk_weight * W2_e inter``, or with SPLIT > 1 (w2 only) ``y [SPLIT, T * top_k, n_out]`` the partial sums of
     SPLIT equal K parts, over the used (BM-row block, 128-row tile, K part) items. The arguments are those of
@@ -247,7 +256,8 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
     gl.warp_specialize([
         (_consumer, (out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s,
                      scales_s, act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta,
-                     linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, BM, SPLIT, NUM_STAGES, PDL)),
+                     linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, BM, SPLIT, NUM_STAGES, PDL, OUT_MX, EMAX,
+                     BIAS, FP8_MAX)),
         (_producer, (codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
                      codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups, STAGE, BM,
                      SPLIT, NUM_STAGES, PW, PDL)),
@@ -305,9 +315,9 @@ class WsConfig:
             raise ValueError(f"WsConfig.w2_split must be None or an int in [1, 4], got {self.w2_split!r}")
 
     def shared_bytes(self) -> int:
-        """Shared memory of one CTA: the ring (codes, scales, activation rows) and its barriers, plus 1 KB the
-        hardware reserves per CTA."""
-        return self.stages * (STEP_BYTES.value + self.block_m * 256 + 16) + 1024
+        """Shared memory of one CTA: the ring (codes, scales, activation rows) and its barriers, the A8W4
+        epilogue's cross-warp maxima (16 B per row), plus 1 KB the hardware reserves per CTA."""
+        return self.stages * (STEP_BYTES.value + self.block_m * 256 + 16) + self.block_m * 16 + 1024
 
 
 def default_config(block_m: int) -> WsConfig:
@@ -384,10 +394,15 @@ def w2_parts(cfg: WsConfig, items: int, programs: int, steps: int) -> int:
 
 def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, topw: torch.Tensor, routing,
            n_tiles: int, n_out: int, top_k: int, beta: float, linear_beta: float, act: int, has_linear_beta: bool,
-           fast_act: bool, programs: int, cfg: WsConfig, split: int = 1) -> None:
+           fast_act: bool, programs: int, cfg: WsConfig, split: int = 1,
+           out_mx: tuple[int, int, float] | None = None) -> None:
     """One GEMM of the op (see :func:`moe_gemm_ws_kernel`); ``programs``: the grid (``cfg.ctas_per_sm`` per SM at
     most); ``cfg.block_m`` must be the routing's; ``split``: K parts (w2 only, dividing its steps; ``out`` then
-    [split, pairs, n_out])."""
+    [split, pairs, n_out]); ``out_mx``: (EMAX, BIAS, FP8_MAX) of the FP8 format the w13 output is rounded
+    through (A8W4), None for none."""
+    if out_mx is not None and stage != 1:
+        raise ValueError("the MXFP8 output rounding (A8W4) applies to the w13 GEMM only")
+    emax, bias, fp8_max = out_mx or (8, 7, 448.0)  # unused without OUT_MX
     if cfg.block_m != routing.block_m:
         raise ValueError(f"WsConfig.block_m {cfg.block_m} differs from the routing's blocks of {routing.block_m}")
     if split != 1 and (stage != 2 or desc.steps % split or out.dim() != 3 or out.shape[0] != split):
@@ -398,5 +413,5 @@ def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, to
         routing.expert_count, routing.num_blocks, n_tiles, desc.steps // split, n_out, top_k, a.stride(0),
         out.stride(-2), out.stride(0) if out.dim() == 3 else 0, desc.row_groups, beta, linear_beta, STAGE=stage,
         ACT=act, HAS_LINEAR_BETA=has_linear_beta, FAST_ACT=fast_act, BM=cfg.block_m, SPLIT=split,
-        NUM_STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, num_warps=4,
-        maxnreg=cfg.max_registers, launch_pdl=cfg.pdl)
+        NUM_STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, OUT_MX=out_mx is not None,
+        EMAX=emax, BIAS=bias, FP8_MAX=fp8_max, num_warps=4, maxnreg=cfg.max_registers, launch_pdl=cfg.pdl)

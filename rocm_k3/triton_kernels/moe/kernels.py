@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from rocm_k3.triton_kernels.moe.decode import weight_tile
-from rocm_k3.triton_kernels.moe.mx import fp8_e4m3_decode, fp8_e4m3_encode, mx_scale_exponent, pow2
+from rocm_k3.triton_kernels.moe.mx import mxfp8_value
 from rocm_k3.triton_kernels.moe.pointwise import sigmoid_f32, tanh_f32
 
 ACT_SITU = 0
@@ -61,9 +61,7 @@ def _mx_round_trip(v, R: tl.constexpr, C: tl.constexpr, EMAX: tl.constexpr, BIAS
                    FP8_MAX: tl.constexpr):
     """fp32 [R, C] -> fp32 [R, C]: quantised to MXFP8 per 32 along C (ct rule) and decoded back (exact)."""
     g = tl.reshape(v, (R, C // 32, 32))  # [R, G, 32]
-    e = mx_scale_exponent(tl.max(tl.abs(g), axis=2), EMAX)  # [R, G]
-    scaled = tl.minimum(tl.maximum(g * pow2(-e)[:, :, None], -FP8_MAX), FP8_MAX)
-    back = fp8_e4m3_decode(fp8_e4m3_encode(scaled, BIAS), BIAS) * pow2(e)[:, :, None]
+    back = mxfp8_value(g, tl.max(tl.abs(g), axis=2)[:, :, None], EMAX, BIAS, FP8_MAX)
     return tl.reshape(back, (R, C))
 
 

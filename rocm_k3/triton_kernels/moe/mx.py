@@ -9,6 +9,8 @@ interpreter, on NVIDIA, on gfx942 (FNUZ) and on gfx950 (OCP):
 - ``fp8_e4m3_encode(v, BIAS)``: |v| <= the format max, round-to-nearest-even to E4M3 with exponent bias BIAS
   (7: OCP e4m3fn, 8: FNUZ e4m3fnuz); returns the code byte as int32. FNUZ never emits 0x80 (its NaN).
 - ``fp8_e4m3_decode(code, BIAS)``: code byte (int32) -> fp32 value.
+- ``mxfp8_value(v, amax, EMAX, BIAS, FP8_MAX)``: elementwise, the MXFP8 value of ``v`` in a block whose maximum
+  magnitude is ``amax`` (broadcast to v's shape): quantised with the block's scale and decoded back, exact.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ def fp8_e4m3_decode(code, BIAS: tl.constexpr):
     sub = m.to(tl.float32) * (2.0 ** (-2 - BIAS))
     val = tl.where(e == 0, sub, normal)
     return tl.where((code & 0x80) != 0, -val, val)
+
+
+@triton.jit
+def mxfp8_value(v, amax, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp32 ``v`` -> its MXFP8 value (E4M3 with bias BIAS, E8M0 scale from the block maximum ``amax``), fp32."""
+    e = mx_scale_exponent(amax, EMAX)
+    scaled = tl.minimum(tl.maximum(v * pow2(-e), -FP8_MAX), FP8_MAX)
+    return fp8_e4m3_decode(fp8_e4m3_encode(scaled, BIAS), BIAS) * pow2(e)
 
 
 @triton.jit
