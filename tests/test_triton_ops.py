@@ -519,6 +519,8 @@ _COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "m
 _MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
                 "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
                 "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
+# compiled as programmatic dependent launches on sm_90 (fused_moe_with launches them so on sm_90+)
+_PDL_KERNELS = ("moe_align", "moe_topk_reduce")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
 _F32_DOT_KERNELS = ("moe_w13_f32", "moe_w2_f32_bf16experts")
 # MXFP4 GEMMs with the inline-PTX decode on sm_90: bf16x2 multiplies per 128-weight step of a thread (4 per word; 8
@@ -549,6 +551,8 @@ def test_kernels_compile(compiled: dict, kernel: str, target: str) -> None:
             assert any(m.startswith(("wgmma.mma_async", "mma.sync")) for m in mnemonics), mnemonics
         else:
             assert any(m.startswith("v_mfma") for m in mnemonics), [m for m in mnemonics if "mfma" in m]
+    if kernel in _PDL_KERNELS and target == "sm_90":  # they wait for the kernel before on the device
+        assert "griddepcontrol.wait" in mnemonics, mnemonics
     if kernel in _F32_DOT_KERNELS:
         if target == "sm_90":
             assert not any("mma" in m for m in mnemonics) and "fma.rn.f32" in mnemonics, mnemonics

@@ -94,7 +94,8 @@ def _launch_specs() -> dict:
                        "num_experts": "i32", "stride_l": "i32", "scaling_factor": "fp32"},
                       dict(TOP_K=16, HAS_BIAS=True, RENORM=True, BLOCK_E=1024, BLOCK_K=16), 4),
         "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
-                      dict(BM=16, BLOCK_P=1024, BLOCK_E=1024), 8),  # the largest routing it takes
+                      # the largest routing it takes; a programmatic dependent launch on sm_90 (as fused_moe_with)
+                      lambda target: dict(BM=16, BLOCK_P=1024, BLOCK_E=1024, PDL=target == "sm_90"), 8),
         "moe_align_t1": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
                          dict(BM=16, BLOCK_P=16, BLOCK_E=1024), 8),  # K3 decode at T = 1
         # the chunked align of prefill routings, at K3 sizes (1024-pair chunks, 896 -> 1024 experts)
@@ -123,7 +124,8 @@ def _launch_specs() -> dict:
                                    _moe_constexprs(2, DECODE=1, W_FMT=1, OP_F32=True), 4),
         "moe_topk_reduce": (moe, "topk_reduce_kernel",
                             {"y_ptr": "*fp32", "out_ptr": "*bf16", "Kout": "i32", "stride_y": "i32",
-                             "stride_split": "i32", "stride_out": "i32"}, dict(TOP_K=16, SPLIT=1, BLOCK=256), 4),
+                             "stride_split": "i32", "stride_out": "i32"},
+                            lambda target: dict(TOP_K=16, SPLIT=1, BLOCK=256, PDL=target == "sm_90"), 4),
         "moe_mxfp8_round_trip": (moe, "mxfp8_round_trip_kernel",
                                  {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", "K": "i32",
                                   "stride_x": "i32", "stride_out": "i32"},

@@ -185,7 +185,8 @@ def compile_kernel(
     Needs a process where triton was imported without ``TRITON_INTERPRET`` (RuntimeError otherwise).
 
     signature: argument name -> Triton type string for every runtime argument.
-    constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing).
+    constexprs: constexpr argument name -> value (added to the signature as "constexpr" when missing); a
+        constexpr argument named in neither mapping takes its declared default.
     divisible_by_16: arguments Triton may assume divisible by 16, as its launcher specialises them at run time
         (pointers of 16-byte aligned tensors, integer sizes and strides that are multiples of 16); without these
         hints loads are not vectorised and the code is not what a real launch runs. None: every pointer argument.
@@ -199,6 +200,9 @@ def compile_kernel(
     if not isinstance(signature, Mapping):
         raise TypeError(f"signature must be a mapping name -> type string, got {type(signature).__name__}")
     constexprs = dict(constexprs or {})
+    for param in getattr(fn, "params", ()):  # constexprs left out take their declared defaults, as a launch does
+        if param.is_constexpr and param.has_default and param.name not in constexprs and param.name not in signature:
+            constexprs[param.name] = param.default
     sig = dict(signature)
     for name in constexprs:
         sig.setdefault(name, "constexpr")

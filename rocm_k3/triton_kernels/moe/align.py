@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Pairs up to which the single-program kernel is used, and pairs per program of the chunked kernels: one program's
 # sort of 4096 pairs took ~70 us on the H200 (1024: 16.8 us for the whole single-program align at K3 T = 64)
@@ -103,8 +104,14 @@ def _scatter_sorted(ids, amask, counts, first_row, sorted_ptr, pair0, BLOCK_P: t
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, work_ptr, num_pairs,
-                  num_experts, num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: every pair at once (a histogram, the layout, one sort)."""
+                  num_experts, num_blocks, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """One program: every pair at once (a histogram, the layout, one sort). PDL (NVIDIA, launched with
+    ``launch_pdl``): it lets the next kernel's programs start at once (they wait for it on the device) and waits for
+    the previous kernel (the router) before reading the ids."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     a = tl.arange(0, BLOCK_P)  # [P]
     amask = a < num_pairs
     ids = tl.load(ids_ptr + a, mask=amask, other=0)  # [P]
@@ -193,12 +200,15 @@ def align_path(num_pairs: int, num_experts: int) -> str:
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None,
-                  chunk: int = CHUNK) -> SortedRouting:
+                  chunk: int = CHUNK, pdl: bool = False) -> SortedRouting:
     """``topk_ids`` int [T, k] -> :class:`SortedRouting` with blocks of ``block_m`` rows.
 
     force: "kernel" (one program), "chunked" (three launches over ``chunk`` pairs per program, a power of two)
-    or "torch" picks the implementation (tests); None: :func:`align_path`.
+    or "torch" picks the implementation (tests); None: :func:`align_path`. pdl: launch the one-program kernel as
+    a programmatic dependent launch (NVIDIA sm_90+ only; the next kernel must wait for it on the device).
     """
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {pdl!r}")
     if force not in (None, "kernel", "chunked", "torch"):
         raise ValueError(f"force must be None, 'kernel', 'chunked' or 'torch', got {force!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1) or chunk > CHUNK:
@@ -221,7 +231,8 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     layout = (r.block_expert, r.expert_start, r.expert_count, r.num_blocks, r.work)
     if force == "kernel":
         _align_kernel[(1,)](ids, r.sorted_pairs, *layout, num_pairs, num_experts, num_blocks, BM=block_m,
-                            BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=block_e, num_warps=8)
+                            BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=block_e, PDL=pdl,
+                            num_warps=8, **({"launch_pdl": True} if pdl else {}))
         return r
     chunks = triton.cdiv(num_pairs, chunk)
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]

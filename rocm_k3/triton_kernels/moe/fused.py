@@ -269,7 +269,10 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
     op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
     dec = DECODE_PORTABLE if (op_f32 or interp or not nvidia or decode == "portable") else DECODE_ASM
-    routing = align_routing(topk_ids, num_experts, cfg.block_m)
+    # programmatic dependent launches (sm_90+): the align and the reduce start early and wait on the device
+    pdl = (nvidia and not interp and torch.cuda.get_device_capability(x.device) >= (9, 0)
+           and (ws_config is None or ws_config.pdl))
+    routing = align_routing(topk_ids, num_experts, cfg.block_m, pdl=pdl)
     num_blocks = routing.block_expert.numel()
     padded_rows = routing.sorted_pairs.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -321,6 +324,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         )
     block = min(256 if tokens < 64 else 1024, triton.next_power_of_2(kout))  # decode: more programs
     K.topk_reduce_kernel[(tokens, triton.cdiv(kout, block))](
-        y, out, kout, y.stride(1), y.stride(0), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK=block,
+        y, out, kout, y.stride(1), y.stride(0), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK=block, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -184,8 +184,11 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
                                         [6, 5, 4, 3, 2, 1, 0])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    if PDL and STAGE == 1:
-        _gdc_wait()  # the routing comes from the align kernel just before
+    if PDL:
+        if STAGE == 1:
+            _gdc_wait()  # the routing comes from the align kernel just before
+        else:
+            _gdc_launch_dependents()  # the top-k reduce may start; it waits for this grid on the device
     n_items = gl.load(nblk_ptr) * n_tiles * SPLIT
     cnt = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -274,7 +277,8 @@ class WsConfig:
     max_registers: the kernel's register cap per thread (ptxas), which with 8 warps per CTA sets the CTA's share.
     producer_regs: registers per producer thread after ``setmaxnreg`` (the consumer warpgroup gets the rest).
     pdl: launched as a programmatic dependent launch: w13 waits for the align on the device instead of at the
-        launch, and w2 loads its first weights while the w13 kernel's last items finish.
+        launch, and w2 loads its first weights while the w13 kernel's last items finish; ``fused_moe_with`` then
+        launches the align and the top-k reduce the same way (False: every launch waits for the previous one).
     w2_split: K parts of the w2 GEMM (1-4; the top-k reduce sums them), None: :func:`w2_parts` picks them from the
         expected item count (more, shorter items where few items would leave programs idle at the end).
     """

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from rocm_k3.triton_kernels.moe.decode import weight_tile
 from rocm_k3.triton_kernels.moe.mx import mxfp8_value
@@ -209,8 +210,11 @@ def moe_gemm_kernel(
 
 @triton.jit
 def topk_reduce_kernel(y_ptr, out_ptr, Kout, stride_y, stride_split, stride_out, TOP_K: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_{s, j} y[s, t * TOP_K + j] (fp32, fixed order: deterministic), cast to the output dtype."""
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t] = sum_{s, j} y[s, t * TOP_K + j] (fp32, fixed order: deterministic), cast to the output dtype. PDL
+    (NVIDIA, launched with ``launch_pdl``): the programs start while the w2 GEMM finishes and wait for it here."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < Kout
