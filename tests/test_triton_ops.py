@@ -219,6 +219,13 @@ def test_route_and_activations_interpret() -> None:
         got, want = tri_pointwise.route(logits, 4, **kw), route_reference(logits, 4, **kw)
         assert torch.equal(got.ids, want.ids), kw
         assert_rel(got.weights, want.weights, 1e-6, "route weights")
+    # K3's shape with many exact ties (scores from three values, a two-valued bias) and a negative total score
+    logits = torch.randint(-1, 2, (3, 896), generator=g).float()
+    bias = torch.randint(0, 2, (896,), generator=g).float() * 0.25 - 0.9
+    for kw in (dict(), dict(correction_bias=bias)):
+        got, want = tri_pointwise.route(logits, 16, **kw), route_reference(logits, 16, **kw)
+        assert torch.equal(got.ids, want.ids), kw
+        assert_rel(got.weights, want.weights, 1e-6, "route weights, ties")
 
 
 @pytest.mark.interpret
@@ -836,6 +843,11 @@ def test_route_activation_prefill_k3_cuda() -> None:
     want = route_reference(logits, 16, correction_bias=bias)
     assert torch.equal(got.ids, want.ids)
     assert_rel(got.weights, want.weights, 1e-6, "route weights")
+    ties = torch.randint(-1, 2, (64, 896), generator=g).float().cuda()  # exact ties: the lower index wins
+    for b in (None, (bias > 0).float() * 0.25 - 0.9):
+        got, want = tri_pointwise.route(ties, 16, correction_bias=b), route_reference(ties, 16, correction_bias=b)
+        assert torch.equal(got.ids, want.ids)
+        assert_rel(got.weights, want.weights, 1e-6, "route weights, ties")
     h = _randn(64, 2 * 3072, gen=g, scale=4.0, device="cuda", dtype=torch.bfloat16)
     assert_rel(tri_pointwise.situ_and_mul(h), situ_and_mul_reference(h), 1e-2, "situ_and_mul")
     heads, bs = 12, 64

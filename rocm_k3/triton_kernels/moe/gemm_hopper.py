@@ -1,24 +1,29 @@
 """The MoE expert GEMMs on Hopper (sm_90) as a warp-specialised Gluon kernel: TMA producer, decode + wgmma consumer.
 
-Same work as :func:`.kernels.moe_gemm_kernel` at decode tiles (16-row blocks, no K split) on the same ``triton``
-layout (:mod:`.layout`), item order (static: program p takes items p, p + programs, ...), decode bits
-(:data:`.decode.ASM_FOLD`) and epilogue math (:func:`.kernels.gate_up_activation`); only the schedule differs. Per CTA:
+Same work as :func:`.kernels.moe_gemm_kernel` on the same ``triton`` layout (:mod:`.layout`), item order (static:
+program p takes items p, p + programs, ...), decode bits (:data:`.decode.ASM_FOLD`) and epilogue math
+(:func:`.kernels.gate_up_activation`); only the schedule differs. An item is one expert block of ``BM`` (16, 32 or
+64) rows, the MMA's N side, times one 128-row N tile (and, for w2, one of ``SPLIT`` K parts). Per CTA:
 
-- producer partition (1 warp, 24 registers): per 128-K step it waits for a free slot of a ``STAGES``-deep ring
-  (``empty`` mbarrier), TMA-loads the tile's codes (two 64-row groups x two 64-K units, each unit one 2 KB row of
-  the int64 view ``[E * groups, 2 K groups, 256]``: with 16-byte TMA rows the same kernel reached 57 % of HBM,
-  with 2 KB rows 83 %) and scales (``[2, 256 B]``), and cp.async-loads the block's activation rows (``[16, 128]`` bf16:
-  gathered token rows of x for w13, the block's own rows of the intermediate for w2); the slot's ``full`` mbarrier
-  completes when the TMA bytes and the copies have landed.
+- producer partition (``BM // 16`` warps, ``producer_regs`` registers after ``setmaxnreg``): per 128-K step it waits
+  for a free slot of a ``STAGES``-deep ring (``empty`` mbarrier); warp 0 TMA-loads the tile's codes (two 64-row
+  groups x two 64-K units, each unit one 2 KB row of the int64 view ``[E * groups, 2 K groups, 256]``: with 16-byte
+  TMA rows the same kernel reached 57 % of HBM, with 2 KB rows 83 %) and scales (``[2, 256 B]``), and every producer
+  thread cp.async-loads its share of the block's activation rows (``[BM, 128]`` bf16: gathered token rows of x for
+  w13, the block's own rows of the intermediate for w2); the slot's ``full`` mbarrier completes when the TMA bytes
+  and every producer thread's copies have landed.
 - consumer partition (4 warps, one warpgroup): per step it waits for ``full``, and for each 64-row group loads its
   own 16-byte chunks from shared memory and decodes them straight into the register A operand of ``wgmma``
-  (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64n16k16``
+  (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64nBMk16``
   chain; one group's chain runs while the other group is decoded, and the slot is freed once both chains of the
   step are done. The epilogue: w13 ``act(gate, up)`` (under A8W4 rounded through MXFP8 per 32 outputs of a row,
-  in registers) -> ``inter`` (bf16), w2 ``topk_weight * acc`` -> ``y`` (fp32).
+  in registers) -> ``inter`` (bf16), w2 ``topk_weight * acc`` -> ``y`` (fp32, one slice per K part).
 
-Three CTAs per SM at 80 registers (ptxas serialised the wgmma chains at a cap of 64 and not at 72; the consumer
-region gets 136 after ``setmaxnreg``). Measured against ``moe_gemm_kernel`` on the H200 in ``benchmarks/RESULTS.md`` (session 7).
+Programmatic dependent launch (``WsConfig.pdl``, on by default): w13 waits for the align on the device; w2 starts
+while w13's last items run, prefetches its first weights and waits before its first activation rows; w2's
+consumers let the top-k reduce start, which waits for w2. Residency per block size is :func:`default_config`
+(16 rows: 3 CTAs per SM at 80 registers, 40 for the producer; ptxas serialised the wgmma chains at a cap of 64).
+Measured against ``moe_gemm_kernel`` and the triton_kernels peer on the H200 in ``benchmarks/RESULTS.md``.
 :func:`supported` says when it applies; :mod:`.fused` falls back to ``moe_gemm_kernel`` otherwise. Written for
 Triton 3.6 (the H200 image) and later: the two Gluon names that changed are resolved at import.
 """

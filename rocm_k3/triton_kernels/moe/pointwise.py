@@ -100,27 +100,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, stride_l, scaling_factor,
                   TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per token. Each expert's selection score and index are packed into one int64 key (the score's
+    order-preserving integer above ``BLOCK_E - 1 - index``, so that among equal scores the lower index is the
+    larger key): one max reduction per pick gives the expert, and the chosen weights are loaded once at the end."""
     t = tl.program_id(0).to(tl.int64)
     ex = tl.arange(0, BLOCK_E)
     emask = ex < num_experts
-    scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + ex, mask=emask, other=0.0))  # [E]
-    select = scores
+    row = logits_ptr + t * stride_l
+    select = tl.sigmoid(tl.load(row + ex, mask=emask, other=0.0))  # [E]
     if HAS_BIAS:
-        select = scores + tl.load(bias_ptr + ex, mask=emask, other=0.0)
-    select = tl.where(emask, select, float("-inf"))
+        select = select + tl.load(bias_ptr + ex, mask=emask, other=0.0)
+    bits = (select + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 ties with 0.0, as the float compare does
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [E] int32 in the floats' order (NaN above +inf)
+    keys = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - ex).to(tl.int64)  # [E]
+    gone = tl.full((BLOCK_E,), -9223372036854775807 - 1, tl.int64)  # below every key: padding, picked experts
+    keys = tl.where(emask, keys, gone)
     kk = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_K,), tl.float32)
     ids = tl.zeros((BLOCK_K,), tl.int32)
     for j in range(TOP_K):
-        best = tl.max(select, axis=0)
-        idx = tl.min(tl.where(select == best, ex, BLOCK_E), axis=0)  # lowest index among ties
-        w = tl.sum(tl.where(ex == idx, scores, 0.0), axis=0)
-        weights = tl.where(kk == j, w, weights)
-        ids = tl.where(kk == j, idx, ids)
-        select = tl.where(ex == idx, float("-inf"), select)
+        best = tl.max(keys, axis=0)
+        ids = tl.where(kk == j, (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32), ids)
+        keys = tl.where(keys == best, gone, keys)
+    kmask = kk < TOP_K
+    weights = tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0))  # [K] the same scores, without the bias
+    weights = tl.where(kmask, weights, 0.0)
     if RENORM:
         weights = weights / tl.sum(weights, axis=0)
-    kmask = kk < TOP_K
     tl.store(w_ptr + t * TOP_K + kk, weights * scaling_factor, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kmask)
 
