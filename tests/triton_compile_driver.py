@@ -95,9 +95,9 @@ def _launch_specs() -> dict:
                       dict(TOP_K=16, HAS_BIAS=True, RENORM=True, BLOCK_E=1024, BLOCK_K=16), 4),
         "moe_align": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
                       # the largest routing it takes; a programmatic dependent launch on sm_90 (as fused_moe_with)
-                      lambda target: dict(BM=16, BLOCK_P=1024, BLOCK_E=1024, PDL=target == "sm_90"), 8),
+                      lambda target: dict(BM=16, BLOCK_P=1024, BLOCK_E=1024, PDL=target == "sm_90"), 4),
         "moe_align_t1": ("rocm_k3.triton_kernels.moe.align", "_align_kernel", align_sig,
-                         dict(BM=16, BLOCK_P=16, BLOCK_E=1024), 8),  # K3 decode at T = 1
+                         dict(BM=16, BLOCK_P=16, BLOCK_E=1024), 2),  # K3 decode at T = 1
         # the chunked align of prefill routings, at K3 sizes (1024-pair chunks, 896 -> 1024 experts)
         "moe_align_count": ("rocm_k3.triton_kernels.moe.align", "_chunk_count_kernel",
                             {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": "i32"},

@@ -199,6 +199,14 @@ def align_path(num_pairs: int, num_experts: int) -> str:
     return "kernel" if num_pairs <= SMALL_PAIRS else "chunked"
 
 
+def align_warps(num_pairs: int) -> int:
+    """Warps of the one-program align kernel: its work is a chain of small reductions, scans and a sort, where
+    fewer warps mean fewer cross-warp barriers. On the H200 at 896 experts (benchmarks/RESULTS.md, session 9):
+    16 / 64 / 256 pairs 5.1 / 5.2 / 7.0 us at 2 warps (10.9 / 11.3 / 12.0 at 8); 1024 pairs 14.8 us at 4 (2: 18.8,
+    8: 16.8)."""
+    return 2 if num_pairs <= 256 else 4
+
+
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, force: str | None = None,
                   chunk: int = CHUNK, pdl: bool = False) -> SortedRouting:
     """``topk_ids`` int [T, k] -> :class:`SortedRouting` with blocks of ``block_m`` rows.
@@ -232,7 +240,7 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, for
     if force == "kernel":
         _align_kernel[(1,)](ids, r.sorted_pairs, *layout, num_pairs, num_experts, num_blocks, BM=block_m,
                             BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_E=block_e, PDL=pdl,
-                            num_warps=8, **({"launch_pdl": True} if pdl else {}))
+                            num_warps=align_warps(num_pairs), **({"launch_pdl": True} if pdl else {}))
         return r
     chunks = triton.cdiv(num_pairs, chunk)
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [C, E]
