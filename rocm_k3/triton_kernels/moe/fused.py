@@ -6,8 +6,9 @@ the wide operand, the same layout, decode and epilogue math) in two kernels: :fu
 :func:`.gemm_hopper.moe_gemm_ws_kernel` (warp-specialised Gluon: TMA producer warps, decode + register-A wgmma
 consumer, 16-, 32- and 64-row blocks, launched as programmatic dependent launches; the same decode bits and
 epilogue math, 1.2-1.3x ``moe_gemm_kernel``'s speed on the H200 at decode and 1.2x at prefill, benchmarks/RESULTS.md
-sessions 7 and 8). Launches at decode (A16W4): the align (which also zeroes the GEMMs' item counters), the w13
-GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip). Every expert weight tile is read once per block
+sessions 7 to 9). Launches at decode (A16W4): the align (which also zeroes the GEMMs' item counters), the w13
+GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip); on sm_90 the align, the reduce and the Hopper kernel's
+GEMMs start as programmatic dependent launches and wait for the kernel before on the device. Every expert weight tile is read once per block
 of ``block_m`` rows routed to it, so at decode (every used expert has one block) the bytes moved are the active
 experts' weights, once. On the Hopper kernel the w2 GEMM may run in K parts where few items would leave CTAs idle
 (:func:`.gemm_hopper.w2_parts`; the reduce sums the parts).

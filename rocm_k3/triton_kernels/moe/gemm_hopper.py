@@ -330,7 +330,7 @@ class WsConfig:
 
 
 def default_config(block_m: int) -> WsConfig:
-    """The measured defaults per block size (benchmarks/RESULTS.md, sessions 7 and 8)."""
+    """The measured defaults per block size (benchmarks/RESULTS.md, sessions 7 to 9)."""
     if block_m == 16:
         return WsConfig(16, 4, 3, 80, 40)
     if block_m == 32:
