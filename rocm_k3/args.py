@@ -68,6 +68,9 @@ class EngineArgs:
     master_port: int = dataclasses.field(default=29517, metadata={"help": "node 0's port for the process group"})
     distributed_timeout: float = dataclasses.field(default=300.0, metadata={
         "help": "seconds a step or collective may take before the run is ended with an error"})
+    speculative_config: str | None = dataclasses.field(default=None, metadata={
+        "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -102,6 +105,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value not in PARSER_CHOICES:
                 raise ValueError(f"{name}: expected one of {PARSER_CHOICES} or None, got {value!r}")
+        from rocm_k3.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")

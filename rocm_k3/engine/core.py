@@ -267,4 +267,5 @@ class EngineCore:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
         )
+        out.update(self.scheduler.spec.stats.as_dict())
         return out

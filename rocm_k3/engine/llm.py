@@ -32,6 +32,7 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.chat_images import images_from_messages
 from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
 from rocm_k3.engine.config import EngineConfig
+from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.multimodal import MultiModalProcessor, MultiModalPrompt, multi_modal_images, named_image_error
 from rocm_k3.engine.outputs import RequestOutput
@@ -137,7 +138,8 @@ def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) 
     measured = None if all(explicit) else executor.cache_budget()
     cache, num_blocks, num_slots, max_model_len = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          max_model_len=max_model_len, cache=cache)
+                          max_model_len=max_model_len, cache=cache,
+                          speculative=SpeculativeConfig.parse(args.speculative_config))
     executor.init_cache(num_blocks, num_slots, max_model_len)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

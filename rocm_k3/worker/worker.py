@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
+from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
@@ -259,15 +260,18 @@ class Worker:
         if not self.ctx.is_sampling_rank:  # only TP rank 0 of the last stage samples (and keeps grammars)
             self.runner.execute(step)
             return StepOutput(step.step_id)
-        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
+        rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
+        batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [S, vocab] fp32
+            logits = self.runner.execute(step)  # [R, vocab] fp32
             if not chunks:
                 return StepOutput(step.step_id)
             out = sample(logits, batch.params, batch.generators, batch.processors())
             tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
         finally:
             batch.close()
+        if len(rows) != len(chunks):
+            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, batch.error, NON_FINITE))
         sampled = []
         for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
             error = batch.error(i) or ("" if ok else NON_FINITE)
