@@ -15,15 +15,15 @@ extra slots per speculating sequence, held for the duration of one step only (fe
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.ngram import propose_ngram
 
-if TYPE_CHECKING:
-    from rocm_k3.engine.scheduler import ScheduledSeq
-    from rocm_k3.engine.sequence import Sequence
+# the engine's Sequence / ScheduledSeq (engine imports this module, never the reverse)
+Sequence = Any
+ScheduledSeq = Any
 
 
 @dataclasses.dataclass
