@@ -45,6 +45,7 @@ class SpecStats:
             "spec_mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
         }
         for j, n in enumerate(self.accepted_per_pos):
+            out[f"spec_num_accepted_tokens_pos{j}"] = n
             out[f"spec_acceptance_rate_pos{j}"] = n / self.num_drafts if self.num_drafts else 0.0
         return out
 
