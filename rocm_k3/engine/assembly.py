@@ -2,8 +2,8 @@
 
 :func:`assemble_engine` resolves the device and dtype, finds the checkpoint (default: the embedded tiny K3 model),
 its output format family, checks the parallel layout, starts the executor (one in-process worker, or a process per
-rank) with the op table the args name, sizes the cache (measured on a GPU, the configured budgets on the CPU) and
-allocates it, loads the tokenizer and builds the request side (chat frontend, image processor). ``LLM``,
+rank) with the op table the args name, plans the cache once (its :class:`~rocm_k3.cache.geometry.CacheGeometry`:
+measured on a GPU, the configured budgets on the CPU) and allocates it on every worker, loads the tokenizer and builds the request side (chat frontend, image processor). ``LLM``,
 ``rocm-k3 generate``, ``rocm-k3 serve`` and the benchmarks all start here; :func:`run_headless_node` is the same
 for the non-zero nodes of a multi-node run, which only host ranks.
 """
@@ -108,8 +108,7 @@ def _worker_config(args: EngineArgs) -> WorkerConfig:
     return WorkerConfig(
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        parallel=parallel, output_family=family,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, parallel=parallel, output_family=family,
     )
 
 
@@ -140,17 +139,17 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     cache = CacheConfig(block_size=args.block_size, match_unit=args.match_unit, alignment=args.alignment,
                         kda_save_grid=info.kda_save_grid, enable_prefix_caching=args.enable_prefix_caching, **budgets)
     explicit = args.kv_cache_bytes is not None, args.state_cache_bytes is not None
-    measured = None if all(explicit) else executor.cache_budget()
-    cache, num_blocks, num_slots, max_model_len = plan_cache(cache, info, measured, args.max_model_len, *explicit)
+    measured = None if all(explicit) else executor.cache_budget(cache.block_size)
+    cache, geometry = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          max_model_len=max_model_len, cache=cache)
-    executor.init_cache(num_blocks, num_slots, max_model_len)
+                          max_model_len=geometry.max_model_len, cache=cache)
+    executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)
     # stop ids: the config's eos ids and the tokenizer's generation stop ids (K3: <|end_of_msg|> and [EOS])
     eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
-    core = EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=eos, tokenizer=tokenizer, accepts_images=info.accepts_images)
+    core = EngineCore(config, executor, geometry=geometry, vocab_size=info.vocab_size, eos_token_ids=eos,
+                      tokenizer=tokenizer, accepts_images=info.accepts_images)
     family = worker_config.output_family
     multimodal = None
     if info.accepts_images and tokenizer is not None:
