@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from rocm_k3.cache.config import CacheConfig
-from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.errors import check_prompt_length
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.cache.image_salt import prefix_cache_key
 from rocm_k3.cache.manager import CacheManager
@@ -127,7 +127,8 @@ class EngineCore:
         images: the prompt's images (:class:`~rocm_k3.worker.step_io.ImageInput`, from
         :mod:`rocm_k3.engine.multimodal`), their pad spans ascending and inside the prompt; the prefix cache then
         matches on the prompt with each image's pads salted by its content hash.
-        RequestTooLargeError if the prompt exceeds max_model_len; generation is capped so that prompt +
+        PromptTooLongError (a RequestTooLargeError) if the prompt exceeds max_model_len (the only length check:
+        ``LLM`` and the server rely on it); generation is capped so that prompt +
         generated tokens fit (finish reason "length").
         """
         if not isinstance(request_id, str) or not request_id:
@@ -144,10 +145,7 @@ class EngineCore:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
-        if len(prompt) > limit:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: {len(prompt)} prompt tokens exceed max_model_len={limit}"
-            )
+        check_prompt_length(len(prompt), limit, f"request {request_id!r}: prompt")
         images = self._check_images(request_id, images, len(prompt))
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)

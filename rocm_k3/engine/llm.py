@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from rocm_k3.args import EngineArgs
+from rocm_k3.cache.errors import PromptTooLongError  # noqa: F401 (raised by the engine core; callers catch it here)
 from rocm_k3.engine.chat_images import images_from_messages
 from rocm_k3.engine.chat import ChatOutput, ChatRequest, chat_finish_reason
 from rocm_k3.engine.assembly import assemble_engine, resolve_device, resolve_dtype, run_headless_node
@@ -42,10 +43,6 @@ from rocm_k3.worker.step_io import ImageInput
 
 Prompt = str | Sequence[int] | Mapping[str, Any]  # also a 1-d integer numpy array / torch tensor
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "image_positions")
-
-
-class PromptTooLongError(ValueError):
-    """A prompt with more tokens than the model's ``max_model_len``."""
 
 
 def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) -> tuple[EngineCore, Path, Any]:
@@ -282,10 +279,6 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt {index}: token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt {index}: {len(ids)} tokens exceed max_model_len={self.max_model_len}"
-            )
         return ids
 
     def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
