@@ -4,8 +4,8 @@ vLLM's paged ``Attention`` (:mod:`.mla_layer`). vLLM owns scheduling, the KV pag
 the server; rocm-k3 owns every tensor op (``rocm_k3.ops.bind``: FlyDSL on ROCm, Triton on CUDA, the reference
 backend on the CPU) and the weights, read through rocm-k3's shard rules from vLLM's weight iterator.
 
-Text only, one process per model (tensor / pipeline parallelism inside vLLM are not supported by the plugin yet
-and are refused with a ValueError).
+Text only. Tensor parallelism (and expert parallelism over the TP ranks) runs over vLLM's own TP group
+(:func:`parallel_context`); pipeline parallelism is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -42,23 +42,54 @@ def rocm_config(vllm_config: VllmConfig) -> ModelConfig:
     return ModelConfig.from_hf_dict(vllm_config.model_config.hf_config.to_dict())
 
 
+def check_supported(vllm_config: VllmConfig) -> None:
+    """Refuse, naming the option, what the plugin's model does not run: speculative decoding (the KDA layer keeps
+    one state per sequence, no per-draft-token states), KV-transfer (PD) connectors (the KDA state is not described
+    to them) and CUDA graphs (the model runs eager: pass ``--enforce-eager``)."""
+    if vllm_config.speculative_config is not None:
+        raise ValueError("rocm-k3's vLLM plugin does not support speculative decoding yet (drop --speculative-config)")
+    if vllm_config.kv_transfer_config is not None:
+        raise ValueError("rocm-k3's vLLM plugin does not support KV-transfer connectors (PD disaggregation) yet "
+                         "(drop --kv-transfer-config)")
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.name != "NONE":
+        raise ValueError(f"rocm-k3's vLLM plugin runs its model eagerly; vLLM chose CUDA graph mode {mode.name}: pass "
+                         f"--enforce-eager (LLM(..., enforce_eager=True))")
+
+
+def parallel_context(vllm_config: VllmConfig) -> ParallelContext:
+    """rocm-k3's layout for this vLLM worker: vLLM's tensor-parallel group (its device and gloo groups, so no second
+    process group is created), experts split whole over it with ``--enable-expert-parallel``. Pipeline parallelism
+    is refused (ValueError): the plugin's model is one stage."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"rocm-k3's vLLM plugin: pipeline_parallel_size={parallel.pipeline_parallel_size} is not "
+                         f"supported (use `rocm-k3 serve -tp N -pp M` for pipeline stages)")
+    if parallel.tensor_parallel_size == 1:
+        return ParallelContext(ep_enabled=False)
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+
+    group = get_tp_group()
+    rank, size = get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
+    return ParallelContext(rank=rank, world_size=size, tp_rank=rank, tp_size=size,
+                           ep_enabled=bool(parallel.enable_expert_parallel), tp_group=group.device_group,
+                           tp_cpu_group=group.cpu_group, world_cpu_group=group.cpu_group)
+
+
 class RocmK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
     """Kimi K3 / Kimi Linear text generation in vLLM on rocm-k3's layers (see the module docstring)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"rocm-k3's vLLM plugin runs one process per model: tensor_parallel_size="
-                f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size} are not "
-                f"supported yet (use `rocm-k3 serve -tp N -pp M` for a parallel layout)")
+        check_supported(vllm_config)
         cfg = rocm_config(vllm_config)
         self.cfg = cfg
         dtype = vllm_config.model_config.dtype
         device = torch.device(vllm_config.device_config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         table = bind(device, None)  # ROCM_K3_BACKEND, else the device's automatic choice
-        self.model = KimiModel(cfg, ParallelContext.single(), table, dtype=dtype, device=device)
+        self.model = KimiModel(cfg, parallel_context(vllm_config), table, dtype=dtype, device=device)
         for layer in self.model.layers:
             name = f"model.layers.{layer.index}.self_attn"
             if isinstance(layer.attn, KDALayer):
