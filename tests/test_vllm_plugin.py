@@ -6,6 +6,7 @@ CPU, in its own venv: ``.ci/run`` builds ``.venv-vllm``). Skipped with a reason 
   (and transformers' own greedy tokens there), with vLLM's prefix caching ('align' mode) on and off and chunked
   prefill forced by a small ``max_num_batched_tokens``; with prefix caching on, a repeated prompt is served from
   the cache (``num_cached_tokens`` > 0) and still gives the same tokens.
+- The same under vLLM's tensor parallelism (TP2 over vLLM's gloo group, experts split whole: expert parallelism).
 - vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server --model DIR``, no tokenizer flag) answers a
   chat request on the embedded model with the tokens rocm-k3 generates from the same K3 XTML prompt.
 
@@ -88,19 +89,37 @@ def _shutdown(llm) -> None:
         core.shutdown()
 
 
-@pytest.fixture(scope="module", params=[("embedded", True), ("embedded", False), ("kimi_linear", True),
-                                        ("kimi_linear", False)],
-                ids=["embedded-prefix_caching", "embedded-no_prefix_caching", "kimi_linear-prefix_caching",
-                     "kimi_linear-no_prefix_caching"])
+ENGINES = {  # id -> (model, prefix caching, tensor-parallel size: 2 = TP2 with expert parallelism)
+    "embedded-prefix_caching": ("embedded", True, 1), "embedded-no_prefix_caching": ("embedded", False, 1),
+    "kimi_linear-prefix_caching": ("kimi_linear", True, 1), "kimi_linear-no_prefix_caching": ("kimi_linear", False, 1),
+    "embedded-tp2_ep-prefix_caching": ("embedded", True, 2),
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES.values()), ids=list(ENGINES))
 def engine(request: pytest.FixtureRequest, models):
-    name, caching = request.param
+    name, caching, tp = request.param
     m = models[name]
-    llm = vllm.LLM(str(m["path"]), dtype="float32", kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
-                   max_model_len=256 if name == "kimi_linear" else 512, enable_prefix_caching=caching,
-                   max_num_batched_tokens=m["mbt"], max_num_seqs=4)
-    yield name, caching, m, llm
-    _shutdown(llm)
-    del llm
+    env = pytest.MonkeyPatch()
+    if tp > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            pytest.skip(f"TP{tp} needs {tp} CPUs to bind its workers, this process may use {len(cpus)}")
+        # vLLM's automatic binding wants a NUMA node per worker; give each worker one core instead
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:tp]))
+    try:
+        llm = vllm.LLM(str(m["path"]), dtype="float32", kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
+                       max_model_len=256 if name == "kimi_linear" else 512, enable_prefix_caching=caching,
+                       max_num_batched_tokens=m["mbt"], max_num_seqs=4, tensor_parallel_size=tp,
+                       enable_expert_parallel=tp > 1)
+    except BaseException:
+        env.undo()
+        raise
+    try:
+        yield name, caching, m, llm
+    finally:
+        _shutdown(llm)
+        env.undo()
 
 
 def _generate(llm, prompts: list[list[int]], steps: int):

@@ -130,11 +130,13 @@ class RocmK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixC
             if canon is None:
                 continue  # vision tower: not part of the text model
             spec = expected.get(canon)
-            if spec is None or canon not in targets:
+            if spec is None:
                 raise UnexpectedTensorError(f"unexpected tensor in the checkpoint: {name}")
             if not spec.accepts(tuple(tensor.shape)):
                 raise TensorShapeError(f"{name}: expected shape {list(spec.shape)}, got {list(tensor.shape)}")
-            target = targets[canon]
+            target = targets.get(canon)
+            if target is None:
+                continue  # another rank's expert (expert parallelism)
             fill_target(cfg, canon, name, target, tensor[target.read.index(tensor.dim())])
             seen.add(canon)
         missing = sorted(set(targets) - seen)
