@@ -76,3 +76,20 @@ def test_tokenizer_chat_template_is_k3_xtml(embedded_tokenizer: RocmK3Tokenizer)
     assert embedded_tokenizer.apply_chat_template(messages, thinking=False) == want.text
     with pytest.raises(ValueError):
         embedded_tokenizer.apply_chat_template([{"role": "wizard", "content": "x"}], tokenize=True)
+
+
+def test_tokenizer_reads_k3_tiktoken_model(tmp_path) -> None:
+    """A K3 ``tiktoken.model`` directory: multi-byte tokens keep their bytes through vLLM's token strings, and the
+    chat template is rocm-k3's K3 XTML over that tokenizer."""
+    from tokenizer_files import write_config, write_k3_tokenizer
+
+    write_k3_tokenizer(tmp_path, ["Hello", " world"])
+    write_config(tmp_path, "kimi_k3", [163586])
+    tok = RocmK3Tokenizer.from_pretrained(tmp_path)
+    ids = tok.encode("Hello world é")
+    assert tok.decode(ids) == "Hello world é"
+    assert tok.convert_ids_to_tokens(ids)[0] == "Hello"
+    assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens(ids)) == "Hello world é"
+    messages = [{"role": "user", "content": "Hello"}]
+    want = K3ChatRenderer(load_tokenizer(tmp_path)).render(messages)
+    assert tok.apply_chat_template(messages, tokenize=True) == list(want.token_ids)
