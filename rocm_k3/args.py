@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from rocm_k3.entrypoints.openai.parsers.registry import PARSER_ALIASES
+from rocm_k3.formats.parsers.registry import PARSER_ALIASES
 from rocm_k3.settings import BACKEND_CHOICES
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")

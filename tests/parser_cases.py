@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rocm_k3.entrypoints.openai.parsers import ParsedOutput, StreamParser, ToolCall, merge_deltas, parse_output
+from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, merge_deltas, parse_output
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

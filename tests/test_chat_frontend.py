@@ -14,7 +14,7 @@ from tokenizer_files import K2_TABLE, write_config, write_kimi_tokenizer
 
 import rocm_k3
 from rocm_k3.engine.chat import ChatRequest, ModelFrontend, chat_finish_reason
-from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
+from rocm_k3.formats.parsers.registry import checkpoint_family
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.structured import StructuredCompiler

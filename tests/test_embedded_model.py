@@ -17,10 +17,10 @@ import pytest
 from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 import rocm_k3
-from rocm_k3.entrypoints.openai.parsers import parse_output
+from rocm_k3.formats.parsers import parse_output
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import CITIES, WEATHER_TOOL, arithmetic_question, weather_question
 from rocm_k3.training.corpus import CorpusConfig, build_corpus
 from rocm_k3.training.loop import heldout_loss

@@ -11,7 +11,7 @@ from model_fixtures import one_thread  # noqa: F401 (autouse)
 
 import rocm_k3
 from rocm_k3.engine.llm import LLM, PromptTooLongError
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import EMBEDDED_DIR, embedded_name, write_tiny_checkpoint
 from rocm_k3.settings import override
 from rocm_k3.tokenizers import TOKENIZER_FILE

@@ -18,7 +18,7 @@ from rocm_k3.model.loader import (
     UnexpectedTensorError,
     load_model,
 )
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.tokenizers.byte import EMBEDDED_VOCAB_SIZE
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 import rocm_k3
 from rocm_k3.model import mla as model_mla
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 
 LOGITS_TOL = 1e-4
 STEPS = 32

@@ -20,7 +20,7 @@ from model_fixtures import KL_VOCAB, one_thread, write_kimi_linear_checkpoint  #
 from safetensors.torch import load_file
 
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 
 LOGITS_TOL = 1e-4

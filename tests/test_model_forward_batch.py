@@ -9,7 +9,7 @@ import torch
 
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import tiny_config
 
 

@@ -14,7 +14,7 @@ from helpers import assert_rel, seeded
 from model_fixtures import one_thread, write_kimi_linear_checkpoint  # noqa: F401 (autouse)
 
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 
 TOL = 1e-5

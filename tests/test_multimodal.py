@@ -10,7 +10,7 @@ import torch
 
 from rocm_k3.engine.multimodal import MultiModalProcessor, as_image_list, multi_modal_images
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import tiny_config
 from rocm_k3.model.vision.preprocess import ImageTooLargeError, NotAnImageError, PreprocessConfig
 from rocm_k3.model.vision.prompt import (
@@ -20,7 +20,8 @@ from rocm_k3.model.vision.prompt import (
     MediaTokenInPromptError,
     MediaTokens,
 )
-from rocm_k3.tokenizers import K3ChatRenderer, embedded_byte_tokenizer
+from rocm_k3.formats import K3ChatRenderer
+from rocm_k3.tokenizers import embedded_byte_tokenizer
 from tests.vision_engine_fixtures import noise_image
 
 TOK = embedded_byte_tokenizer()

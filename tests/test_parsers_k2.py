@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parser_cases import BEIJING, IM_END, K2_CASES, SEC_B, SEC_E, TOOLS, check_case, stream
-from rocm_k3.entrypoints.openai.parsers import StreamParser
+from rocm_k3.formats.parsers import StreamParser
 
 
 @pytest.mark.parametrize("case", K2_CASES, ids=lambda c: c.name)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parser_cases import K3_CASES, MSG_END, PARIS, THINK_END, TOOLS, check_case, k3_tools, stream
-from rocm_k3.entrypoints.openai.parsers import StreamParser, parse_output
+from rocm_k3.formats.parsers import StreamParser, parse_output
 
 
 @pytest.mark.parametrize("case", K3_CASES, ids=lambda c: c.name)

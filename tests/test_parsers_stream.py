@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parser_cases import ALL_CASES, TOOLS, stream_split
-from rocm_k3.entrypoints.openai.parsers import (
+from rocm_k3.formats.parsers import (
     ParsedDelta,
     ParseOptions,
     StreamParser,
@@ -17,8 +17,8 @@ from rocm_k3.entrypoints.openai.parsers import (
     parse_output,
     resolve_family,
 )
-from rocm_k3.entrypoints.openai.parsers.stream import _CompiledTable
-from rocm_k3.entrypoints.openai.parsers.types import State, Transition
+from rocm_k3.formats.parsers.stream import _CompiledTable
+from rocm_k3.formats.parsers.types import State, Transition
 
 
 @settings(max_examples=300, deadline=None)

@@ -16,7 +16,7 @@ import pytest
 
 import rocm_k3
 from rocm_k3.args import EngineArgs, ServerArgs
-from rocm_k3.entrypoints.openai.parsers import parse_output
+from rocm_k3.formats.parsers import parse_output
 from rocm_k3.sampling_params import SamplingParams
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 from tests.server_fixtures import running_server

@@ -15,7 +15,7 @@ import torch
 import rocm_k3
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.config import EngineConfig
-from rocm_k3.entrypoints.openai.parsers import kimi_k3, parse_output
+from rocm_k3.formats.parsers import kimi_k3, parse_output
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams

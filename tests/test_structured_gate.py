@@ -9,7 +9,7 @@ import pytest
 
 from grammar_drive import generate, validate_json
 from grammar_tokenizer import TinyTokenizer
-from rocm_k3.entrypoints.openai.parsers import parse_output
+from rocm_k3.formats.parsers import parse_output
 from rocm_k3.structured import StructuredCompiler, StructuredOutputs, allocate_bitmask, tool_call_constraint
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -12,7 +12,7 @@ import pytest
 
 from grammar_drive import generate, validate_json
 from grammar_tokenizer import TinyTokenizer
-from rocm_k3.entrypoints.openai.parsers import parse_output
+from rocm_k3.formats.parsers import parse_output
 from rocm_k3.structured import StructuredCompiler, StructuredOutputs, tool_call_constraint
 
 SCHEMA = {

@@ -7,7 +7,8 @@ import json
 import pytest
 from tokenizer_files import K2_TABLE, write_config, write_kimi_tokenizer
 
-from rocm_k3.tokenizers import K2ChatRenderer, load_chat_renderer, load_tokenizer
+from rocm_k3.formats import K2ChatRenderer, load_chat_renderer
+from rocm_k3.tokenizers import load_tokenizer
 
 # A small template in the K2 shape of SERVING_SPEC 2.3 (written for these tests).
 K2_TEMPLATE = (

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizer_files import write_config, write_k3_tokenizer
 
-from rocm_k3.tokenizers import K3ChatRenderer, embedded_byte_tokenizer, load_tokenizer, thinking_options
+from rocm_k3.formats import K3ChatRenderer, thinking_options
+from rocm_k3.tokenizers import embedded_byte_tokenizer, load_tokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORT_NOTE = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "

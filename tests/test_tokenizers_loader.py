@@ -7,16 +7,14 @@ import json
 import pytest
 from tokenizer_files import K2_TABLE, write_config, write_k3_tokenizer, write_kimi_tokenizer
 
+from rocm_k3.formats import K2ChatRenderer, K3ChatRenderer, load_chat_renderer
 from rocm_k3.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
-    K2ChatRenderer,
-    K3ChatRenderer,
     KimiTiktokenTokenizer,
     Tokenizer,
     embedded_byte_tokenizer,
-    load_chat_renderer,
     load_tokenizer,
 )
 

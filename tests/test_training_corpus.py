@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from rocm_k3.entrypoints.openai.parsers import parse_output
+from rocm_k3.formats.parsers import parse_output
 from rocm_k3.tokenizers.byte import embedded_byte_tokenizer
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import WEATHER_TOOL, Chat, make_chat, render_training_chat
 from rocm_k3.training.corpus import DRILL, PROSE, CorpusConfig, build_corpus
 from rocm_k3.training.drills import SEPARATOR, drill_rows

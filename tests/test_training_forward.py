@@ -18,7 +18,7 @@ from helpers import rel_err
 from model_fixtures import one_thread, write_kimi_linear_checkpoint  # noqa: F401 (autouse)
 
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import EMBEDDED_DIR, write_tiny_checkpoint
 from rocm_k3.ops.kda.naive import kda_recurrent_naive
 from rocm_k3.training.delta_rule import chunked_delta_rule

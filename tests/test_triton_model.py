@@ -157,7 +157,7 @@ def test_tiny_model_interpret_in_subprocess() -> None:
 def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` in one prefill (no sampling, so no divergence cascade)."""
     from rocm_k3.model.loader import load_model
-    from rocm_k3.model.simple_cache import SimpleCache
+    from simple_cache import SimpleCache
     from rocm_k3.model.tiny import ensure_embedded_model
 
     model = load_model(path or ensure_embedded_model(), dtype=dtype, device="cuda", backend=backend, progress=False)

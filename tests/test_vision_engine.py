@@ -25,7 +25,7 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.multimodal import MultiModalProcessor
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.model.vision.loader import load_vision_model
 from rocm_k3.model.vision.preprocess import EmptyImageError, NotAnImageError, PreprocessConfig

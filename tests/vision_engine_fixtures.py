@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from rocm_k3.model.simple_cache import SimpleCache
+from simple_cache import SimpleCache
 from rocm_k3.model.vision.preprocess import PreprocessConfig, preprocess_image
 from rocm_k3.model.vision.prompt import ExpandedPrompt, MediaTokens, expand_prompt
 

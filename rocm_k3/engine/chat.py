@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from rocm_k3.engine.outputs import RequestOutput
-from rocm_k3.entrypoints.openai.parsers import ParsedOutput, StreamParser, ToolCall, parse_output
-from rocm_k3.entrypoints.openai.parsers.types import named_tool_choice, tool_names
+from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, parse_output
+from rocm_k3.formats.parsers.types import named_tool_choice, tool_names
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.tokenizers import load_chat_renderer, thinking_options
+from rocm_k3.formats import load_chat_renderer, thinking_options
 
 STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rocm_k3.tokenizers.chat_base import IMAGE_PARTS
+from rocm_k3.formats.chat_base import IMAGE_PARTS
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 _CHUNK = 1 << 16

@@ -36,7 +36,7 @@ from rocm_k3.engine.core import EngineCore, plan_cache
 from rocm_k3.engine.multimodal import MultiModalProcessor, MultiModalPrompt, multi_modal_images, named_image_error
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.executor.multiproc import MultiprocExecutor
-from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
+from rocm_k3.formats.parsers.registry import checkpoint_family
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout

@@ -6,7 +6,7 @@ recurrent + conv state pools per KDA layer. The model writes the latent of new t
 ``slot_mapping``, reads and updates KDA state slots ``kda_slots`` in place, and for every ``save_positions`` row
 copies the recurrent state and the conv state after that many new tokens into ``save_slots`` (prefix caching).
 
-Two implementations exist: :class:`rocm_k3.model.simple_cache.SimpleCache` (one request at a time, contiguous
+Two implementations exist: the test helper ``SimpleCache`` in tests/simple_cache.py (one request at a time, contiguous
 pages) and the engine's paged hybrid cache. The model never allocates cache memory itself.
 """
 

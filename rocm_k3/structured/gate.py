@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 
-from rocm_k3.entrypoints.openai.parsers import kimi_k2, kimi_k3
+from rocm_k3.formats.parsers import kimi_k2, kimi_k3
 from rocm_k3.structured.vocab import FamilyTokens, GrammarTokenizer
 
 _OTHER = -1  # a symbol standing for any special (or padding) token that is no marker part

@@ -14,7 +14,7 @@ import json as _json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rocm_k3.entrypoints.openai.parsers.types import named_tool_choice, tool_names
+from rocm_k3.formats.parsers.types import named_tool_choice, tool_names
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "tools")
 

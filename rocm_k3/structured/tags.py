@@ -3,7 +3,7 @@
 Each tag constrains the text from the point where the reasoning gate opens (``gate.py``) to the end of the
 message; the stop token is allowed once the tag is complete. Marker tokens are matched by id
 (``TokenFormat``), free text excludes every marker text. Every shape a tag admits is one the parsers in
-``rocm_k3.entrypoints.openai.parsers`` read back.
+``rocm_k3.formats.parsers`` read back.
 
 Kimi K3 (after think-close, after a response-open when the model skipped think, or from the start when the
 prompt ended in the response channel):
@@ -34,7 +34,7 @@ from typing import Any
 
 from xgrammar import structural_tag as st
 
-from rocm_k3.entrypoints.openai.parsers import kimi_k2, kimi_k3
+from rocm_k3.formats.parsers import kimi_k2, kimi_k3
 from rocm_k3.structured.json_schema import normalize_json_schema
 from rocm_k3.structured.spec import StructuredOutputs, ToolCallConstraint, ToolSchema
 from rocm_k3.structured.vocab import FamilyTokens

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import xgrammar as xgr
 
-from rocm_k3.entrypoints.openai.parsers import kimi_k2, kimi_k3
+from rocm_k3.formats.parsers import kimi_k2, kimi_k3
 
 # bytes no UTF-8 text contains: marker tokens carry it so that text rules never match them
 MARKER_TAG = b"\xff"

@@ -1,7 +1,7 @@
 """What the trained model does when served: the measurements ``rocm-k3 train-tiny`` reports after training.
 
 All of them go through the public path a user takes: ``rocm_k3.LLM(path).generate`` on text or on a chat
-rendered by :class:`~rocm_k3.tokenizers.k3_chat.K3ChatRenderer`, and ``parse_output("kimi_k3", ...)`` on the
+rendered by :class:`~rocm_k3.formats.k3_chat.K3ChatRenderer`, and ``parse_output("kimi_k3", ...)`` on the
 completion decoded with its special tokens.
 
 - :func:`prose_word_rate`: greedy continuations of prose prompts; the fraction of their words found in a word list;
@@ -20,10 +20,10 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from rocm_k3.entrypoints.openai.parsers import parse_output
-from rocm_k3.entrypoints.openai.parsers.kimi_k3 import END_OF_MSG, MESSAGE_CLOSE, RESPONSE_CLOSE
+from rocm_k3.formats.parsers import parse_output
+from rocm_k3.formats.parsers.kimi_k3 import END_OF_MSG, MESSAGE_CLOSE, RESPONSE_CLOSE
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import CITIES, WEATHER_TOOL, arithmetic_question, weather_question
 
 PROSE_PROMPTS = ("Hello", "The file", "Return the", "This module provides", "If the value is", "An object")

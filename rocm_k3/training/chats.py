@@ -15,7 +15,7 @@ Four kinds, drawn from a seeded ``random.Random``:
   these dense copies let that ability (attention that retrieves what followed a match earlier in the context)
   form within the short training.
 
-Chats render through the project's own :class:`~rocm_k3.tokenizers.k3_chat.K3ChatRenderer` (thinking on with
+Chats render through the project's own :class:`~rocm_k3.formats.k3_chat.K3ChatRenderer` (thinking on with
 each effort, or off), so the model sees exactly what serving sends it. :func:`render_training_chat` marks every
 assistant turn (from its think or response body to ``<|end_of_msg|>``) as the target.
 """
@@ -28,7 +28,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 
 
 def _tool(name: str, description: str, properties: dict[str, dict[str, str]]) -> dict[str, Any]:

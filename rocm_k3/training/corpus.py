@@ -6,7 +6,7 @@ split does not depend on the seed), then are shuffled and packed into rows of at
 (documents separated by a blank line); every token of a prose row is a target. Chats
 (:mod:`rocm_k3.training.chats`) are drawn from two independent seeded streams, one per split (``repeat`` chats
 quote short sentences of the training prose), and rendered with
-:class:`~rocm_k3.tokenizers.k3_chat.K3ChatRenderer`; their assistant turns are the targets. Copy drills
+:class:`~rocm_k3.formats.k3_chat.K3ChatRenderer`; their assistant turns are the targets. Copy drills
 (:mod:`rocm_k3.training.drills`, words from the training prose) are kept apart in ``Corpus.drills``: the training
 loop runs its first steps on them; held-out drills join the held-out set.
 """
@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Sequence
 
 from rocm_k3.tokenizers.byte import ByteTokenizer
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.training.chats import make_chat, render_training_chat
 from rocm_k3.training.drills import DRILL, drill_rows
 from rocm_k3.training.example import Example

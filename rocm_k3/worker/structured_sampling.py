@@ -243,7 +243,7 @@ class StructuredSampling:
             return self._compiler
 
     def _build_compiler(self):
-        from rocm_k3.entrypoints.openai.parsers import kimi_k2, kimi_k3
+        from rocm_k3.formats.parsers import kimi_k2, kimi_k3
         from rocm_k3.structured import StructuredCompiler
         from rocm_k3.tokenizers import load_tokenizer
 

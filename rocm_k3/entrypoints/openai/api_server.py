@@ -38,7 +38,7 @@ from rocm_k3.entrypoints.openai.protocol import (
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
-from rocm_k3.tokenizers import thinking_options
+from rocm_k3.formats import thinking_options
 
 log = logging.getLogger("rocm_k3.server")
 
@@ -140,7 +140,7 @@ def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
 def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArgs, server_args: ServerArgs
                  ) -> ServedModel:
     """The handlers' view of a built engine (see ``build_engine``)."""
-    from rocm_k3.entrypoints.openai.parsers.registry import checkpoint_family
+    from rocm_k3.formats.parsers.registry import checkpoint_family
 
     family = checkpoint_family(path, tool_call_parser=engine_args.tool_call_parser,
                                reasoning_parser=engine_args.reasoning_parser)

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from rocm_k3.cache.image_salt import MEDIA_KEY_BASE, prefix_cache_key  # noqa: F401 (re-exported: the salt)
-from rocm_k3.tokenizers.k3_chat import IMAGE_PLACEHOLDER  # K3 config.json ``image_placeholder``
+from rocm_k3.formats.k3_chat import IMAGE_PLACEHOLDER  # K3 config.json ``image_placeholder``
 
 MEDIA_TOKEN_NAMES = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 PROMPT_STYLES = ("k3", "k25")

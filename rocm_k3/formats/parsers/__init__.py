@@ -4,14 +4,14 @@
 by piece with ``feed`` / ``finish``, and the deltas of any split add up to ``parse_output`` of the whole.
 """
 
-from rocm_k3.entrypoints.openai.parsers.registry import (
+from rocm_k3.formats.parsers.registry import (
     FAMILIES,
     family_for_model_type,
     get_family,
     resolve_family,
 )
-from rocm_k3.entrypoints.openai.parsers.stream import StreamParser, parse_output
-from rocm_k3.entrypoints.openai.parsers.types import (
+from rocm_k3.formats.parsers.stream import StreamParser, parse_output
+from rocm_k3.formats.parsers.types import (
     FamilySpec,
     ParsedDelta,
     ParsedOutput,

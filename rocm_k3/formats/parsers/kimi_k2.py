@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from rocm_k3.entrypoints.openai.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
+from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rocm_k3.entrypoints.openai.parsers.kimi_k2 import KIMI_K2
-from rocm_k3.entrypoints.openai.parsers.kimi_k3 import KIMI_K3
-from rocm_k3.entrypoints.openai.parsers.types import FamilySpec
+from rocm_k3.formats.parsers.kimi_k2 import KIMI_K2
+from rocm_k3.formats.parsers.kimi_k3 import KIMI_K3
+from rocm_k3.formats.parsers.types import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {KIMI_K3.name: KIMI_K3, KIMI_K2.name: KIMI_K2}
 # checkpoint ``model_type`` (top level of config.json) -> family

@@ -18,8 +18,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rocm_k3.entrypoints.openai.parsers.registry import get_family
-from rocm_k3.entrypoints.openai.parsers.types import (
+from rocm_k3.formats.parsers.registry import get_family
+from rocm_k3.formats.parsers.types import (
     FamilySpec,
     ParsedDelta,
     ParsedOutput,

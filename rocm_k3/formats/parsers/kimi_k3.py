@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from rocm_k3.entrypoints.openai.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
+from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EOS = "[EOS]"  # the tokenizer eos, also a stop token

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from rocm_k3.tokenizers.base import Tokenizer
-from rocm_k3.tokenizers.chat_base import (
+from rocm_k3.formats.chat_base import (
     IMAGE_PARTS,
     RenderedChat,
     check_bool,

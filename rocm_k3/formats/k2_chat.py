@@ -20,7 +20,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rocm_k3.tokenizers.base import Tokenizer, read_json_if_present
-from rocm_k3.tokenizers.chat_base import RenderedChat, check_bool, validate_messages, validate_tools
+from rocm_k3.formats.chat_base import RenderedChat, check_bool, validate_messages, validate_tools
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 THINK_OPEN = "<think>"
