@@ -33,7 +33,7 @@ from model_fixtures import hf_greedy, write_kimi_linear_checkpoint  # noqa: E402
 
 import rocm_k3  # noqa: E402
 from rocm_k3.model.tiny import ensure_embedded_model  # noqa: E402
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer  # noqa: E402
+from rocm_k3.formats.k3_chat import K3ChatRenderer  # noqa: E402
 from rocm_k3.tokenizers.loader import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm

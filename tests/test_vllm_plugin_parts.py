@@ -11,7 +11,7 @@ from rocm_k3 import settings
 from rocm_k3.integrations.vllm.arch import expanded_head_size, takes_released_names
 from rocm_k3.integrations.vllm.tokenizer import RocmK3Tokenizer
 from rocm_k3.model.tiny import ensure_embedded_model
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.tokenizers.loader import load_tokenizer
 
 

@@ -19,7 +19,7 @@ from rocm_k3.tokenizers.base import Tokenizer
 from rocm_k3.tokenizers.byte import TOKENIZER_FILE
 from rocm_k3.tokenizers.kimi_tiktoken import TIKTOKEN_FILE
 from rocm_k3.tokenizers.loader import load_tokenizer
-from rocm_k3.tokenizers.k3_chat import K3ChatRenderer
+from rocm_k3.formats.k3_chat import K3ChatRenderer
 
 # Message keys rocm-k3's renderer reads (vLLM adds bookkeeping keys such as "tool" / "index" to tool messages).
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
