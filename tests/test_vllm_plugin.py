@@ -216,3 +216,18 @@ def test_server_chat_on_embedded_model(server) -> None:
     specials = set(tok.special_tokens.values())
     assert choice.message.content == tok.decode([t for t in want.token_ids if t not in specials])
     assert choice.message.content.strip(), "the embedded model answered nothing"
+
+
+def test_server_completion_text_prompt(server) -> None:
+    """A text prompt is encoded by the plugin's tokenizer (the embedded byte tokenizer) and streamed back as text:
+    the same greedy text as rocm-k3's ``generate`` of that prompt."""
+    import openai
+
+    port, path = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    want = rocm_k3.LLM(path, dtype="float32", backend="reference").generate(
+        ["Hello"], rocm_k3.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    stream = client.completions.create(model="tiny-k3", prompt="Hello", max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == want.text
