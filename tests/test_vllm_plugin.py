@@ -231,3 +231,47 @@ def test_server_completion_text_prompt(server) -> None:
                                        extra_body={"ignore_eos": True})
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert text == want.text
+
+
+def test_unsupported_options_are_refused_by_name() -> None:
+    """What the plugin's model does not run is a ValueError naming the option (checked when vLLM builds it)."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CUDAGraphMode
+
+    from rocm_k3.integrations.vllm.model import check_supported, parallel_context
+
+    base = {"speculative_config": None, "kv_transfer_config": None,
+            "compilation_config": NS(cudagraph_mode=CUDAGraphMode.NONE)}
+    check_supported(NS(**base))
+    with pytest.raises(ValueError, match="--speculative-config"):
+        check_supported(NS(**{**base, "speculative_config": object()}))
+    with pytest.raises(ValueError, match="--kv-transfer-config"):
+        check_supported(NS(**{**base, "kv_transfer_config": object()}))
+    with pytest.raises(ValueError, match="--enforce-eager"):
+        check_supported(NS(**{**base, "compilation_config": NS(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)}))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        parallel_context(NS(parallel_config=NS(pipeline_parallel_size=2, tensor_parallel_size=1)))
+    assert parallel_context(NS(parallel_config=NS(pipeline_parallel_size=1, tensor_parallel_size=1))).tp_size == 1
+
+
+def test_register_is_idempotent_and_claims_mxfp4_checkpoints() -> None:
+    """vLLM calls ``register()`` in every process, possibly more than once; on the CPU the released names resolve
+    to the plugin's classes and the plugin's quantization method claims MXFP4 K3 checkpoints."""
+    from types import SimpleNamespace as NS
+
+    from vllm import ModelRegistry
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from rocm_k3.integrations.vllm.register import register
+
+    register()
+    register()
+    for arch in ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM", "RocmK3KimiLinearForCausalLM"):
+        assert ModelRegistry.models[arch].module_name == "rocm_k3.integrations.vllm.model"
+    method = get_quantization_config("rocm_k3_mxfp4")
+    quant = {"quant_method": "mxfp4", "format": "mxfp4-pack-quantized"}
+    k3 = NS(architectures=["KimiK3ForConditionalGeneration"])
+    assert method.override_quantization_method(quant, None, hf_config=k3) == "rocm_k3_mxfp4"
+    assert method.override_quantization_method(quant, None, hf_config=NS(architectures=["LlamaForCausalLM"])) is None
+    assert method.override_quantization_method({"quant_method": "fp8"}, None, hf_config=k3) is None

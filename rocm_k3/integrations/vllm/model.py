@@ -66,7 +66,7 @@ def parallel_context(vllm_config: VllmConfig) -> ParallelContext:
         raise ValueError(f"rocm-k3's vLLM plugin: pipeline_parallel_size={parallel.pipeline_parallel_size} is not "
                          f"supported (use `rocm-k3 serve -tp N -pp M` for pipeline stages)")
     if parallel.tensor_parallel_size == 1:
-        return ParallelContext(ep_enabled=False)
+        return ParallelContext.single()
     from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
 
     group = get_tp_group()
