@@ -138,6 +138,9 @@ def test_greedy_tokens_equal_rocm_k3(engine) -> None:
     # the embedded model's MXFP4 experts go through the plugin's quantization method (vLLM's mxfp4 refuses fp32)
     assert model_config.quantization == ("rocm_k3_mxfp4" if name == "embedded" else None)
     assert not model_config.use_mla  # MLA as expanded-head Attention
+    kinds = model_config.hf_text_config.layers_block_type  # the hybrid layout vLLM reads
+    assert kinds.count("attention") == {"embedded": 2, "kimi_linear": 2}[name] and set(kinds) == {"attention", "mamba"}
+    assert llm.llm_engine.vllm_config.cache_config.mamba_cache_mode == ("align" if caching else "none")
     outs = _generate(llm, m["prompts"], m["steps"])
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == m["want"], f"{name}: vLLM + plugin {got}\nrocm-k3          {m['want']}"
