@@ -53,11 +53,6 @@ def expanded_head_size(q_head_dim: int, v_head_dim: int) -> int:
                      f"{ATTENTION_HEAD_SIZES[-1]} vLLM's backends take")
 
 
-def text_config(hf_config):
-    """The language-model config of a K3 (``text_config``) or Kimi Linear (itself) HF config object."""
-    return getattr(hf_config, "text_config", None) or hf_config
-
-
 def served_by_plugin(hf_config) -> bool:
     """Whether the plugin's classes serve this HF config (its architecture is a plugin name, or a released name
     the plugin takes here)."""

@@ -17,11 +17,11 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from rocm_k3.integrations.vllm.arch import expanded_head_size, logger
+from rocm_k3.integrations.vllm.arch import expanded_head_size
 from rocm_k3.model.mla import MLALayer
 
 
-def describe_mla_path(vllm_config: VllmConfig, head_size: int, heads: int) -> str:
+def describe_mla_path(head_size: int, heads: int) -> str:
     """Why the expanded-head path serves MLA here (logged once per model)."""
     from vllm.platforms import current_platform
 

@@ -98,7 +98,7 @@ class RocmK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixC
                 layer.attn = ExpandedMLA(layer.attn, vllm_config, name)
         mla = next((lay.attn for lay in self.model.layers if isinstance(lay.attn, ExpandedMLA)), None)
         logger.info("rocm-k3 vLLM plugin: %s layers on the %r op table (%s)", cfg.model_type, table.backend,
-                    describe_mla_path(vllm_config, mla.head_size, mla.mla.heads) if mla else "no MLA layers")
+                    describe_mla_path(mla.head_size, mla.mla.heads) if mla else "no MLA layers")
 
     # ------------------------------------------------------------------ vLLM's model interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
