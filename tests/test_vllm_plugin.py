@@ -75,10 +75,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = {"embedded": {"path": ensure_embedded_model(), "prompts": _embedded_prompts(), "steps": STEPS, "mbt": 64},
            "kimi_linear": {"path": kl_dir, "prompts": _kl_prompts(), "steps": KL_STEPS, "mbt": 32}}
     for name, m in out.items():
-        llm = rocm_k3.LLM(m["path"], dtype="float32", backend="reference")
+        m["ref"] = rocm_k3.LLM(m["path"], dtype="float32", backend="reference")  # kept: the server tests use it
         params = rocm_k3.SamplingParams(temperature=0, max_tokens=m["steps"], ignore_eos=True)
-        m["want"] = [o.token_ids for o in llm.generate(m["prompts"], params)]
-        del llm
+        m["want"] = [o.token_ids for o in m["ref"].generate(m["prompts"], params)]
     out["kimi_linear"]["hf"] = hf_greedy(hf, out["kimi_linear"]["prompts"][2], KL_STEPS)
     return out
 
@@ -199,7 +198,7 @@ def server():
         log.close()
 
 
-def test_server_chat_on_embedded_model(server) -> None:
+def test_server_chat_on_embedded_model(server, models) -> None:
     """A chat request through the real ``openai`` client: vLLM renders the K3 XTML prompt through the plugin's
     tokenizer (loaded from ``--model`` alone) and the greedy answer is rocm-k3's on the same prompt."""
     import openai
@@ -213,23 +212,22 @@ def test_server_chat_on_embedded_model(server) -> None:
     tok = load_tokenizer(path)
     prompt = K3ChatRenderer(tok).render(messages).token_ids
     assert reply.prompt_token_ids == list(prompt)
-    ref = rocm_k3.LLM(path, dtype="float32", backend="reference")
-    want = ref.generate([list(prompt)], rocm_k3.SamplingParams(temperature=0, max_tokens=24))[0]
+    want = models["embedded"]["ref"].generate([list(prompt)], rocm_k3.SamplingParams(temperature=0, max_tokens=24))[0]
     assert list(choice.token_ids) == list(want.token_ids)
     specials = set(tok.special_tokens.values())
     assert choice.message.content == tok.decode([t for t in want.token_ids if t not in specials])
     assert choice.message.content.strip(), "the embedded model answered nothing"
 
 
-def test_server_completion_text_prompt(server) -> None:
+def test_server_completion_text_prompt(server, models) -> None:
     """A text prompt is encoded by the plugin's tokenizer (the embedded byte tokenizer) and streamed back as text:
     the same greedy text as rocm-k3's ``generate`` of that prompt."""
     import openai
 
-    port, path = server
+    port, _ = server
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    want = rocm_k3.LLM(path, dtype="float32", backend="reference").generate(
-        ["Hello"], rocm_k3.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    want = models["embedded"]["ref"].generate(["Hello"], rocm_k3.SamplingParams(temperature=0, max_tokens=16,
+                                                                              ignore_eos=True))[0]
     stream = client.completions.create(model="tiny-k3", prompt="Hello", max_tokens=16, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
