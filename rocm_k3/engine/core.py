@@ -85,8 +85,8 @@ class EngineCore:
     accepts_images: the workers hold a vision tower (``WorkerInfo.accepts_images``).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, *, geometry: CacheGeometry, vocab_size: int, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
-                 accepts_images: bool = False) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, *, geometry: CacheGeometry, vocab_size: int,
+                 eos_token_ids: Seq[int] = (), tokenizer: Any = None, accepts_images: bool = False) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
         self.config = config
