@@ -120,11 +120,14 @@ def test_seeded_sampling_with_speculation_is_reproducible(model):
     assert all(len(t) == 12 for t in runs[0].values())
 
 
-def test_ngram_accepts_more_than_one_and_a_half_tokens_per_step_on_a_repetitive_prompt(model):
+def _encode(text: str) -> list[int]:
     from rocm_k3.tokenizers.loader import load_tokenizer
 
-    tok = load_tokenizer(ensure_embedded_model())
-    prompt = tok.encode("hello hello hello hello hello hello")
+    return load_tokenizer(ensure_embedded_model()).encode(text)
+
+
+def test_ngram_accepts_more_than_one_and_a_half_tokens_per_step_on_a_repetitive_prompt(model):
+    prompt = _encode("hello hello hello hello hello hello")
     eng = _engine(model, SpeculativeConfig(num_speculative_tokens=4), caching=True, tight=False)
     _run(eng, [prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     stats = eng.stats()
@@ -255,3 +258,23 @@ def test_speculative_config_flag_and_kwarg():
     args = EngineArgs.from_cli(ns)
     assert SpeculativeConfig.parse(args.speculative_config) == SpeculativeConfig(num_speculative_tokens=5)
     assert SpeculativeConfig.parse({"prompt_lookup_max": 6}).prompt_lookup_max == 6
+
+
+def test_logprobs_with_speculation_match_one_token_decoding(model):
+    prompts = [_encode(t) for t in ("hello hello hello hello hello hello", "1 2 3 4 5 6 7 8 9 10 11 12")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outputs = []
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        eng = _engine(model, spec, caching=True, tight=False)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done = eng.run_to_completion()
+        outputs.append((done, eng.stats()))
+    (base, _), (spec, stats) = outputs
+    assert stats["spec_num_accepted_tokens"] > 0
+    for rid, out in base.items():
+        assert spec[rid].token_ids == out.token_ids
+        assert len(spec[rid].logprobs) == len(out.logprobs) == 12
+        for want, got in zip(out.logprobs, spec[rid].logprobs):
+            assert list(got) == list(want)  # chosen token first, then the same top alternatives
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)

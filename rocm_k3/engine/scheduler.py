@@ -217,8 +217,9 @@ class Scheduler:
                 raise RuntimeError(f"step {output.step_id}: sampled token of {token.request_id!r} where "
                                    f"{seq.request_id!r} was expected")
             delta = None
-            for draft in token.accepted:  # accepted drafts first; a stop among them drops the rest (no overshoot)
-                delta = _merge(delta, self._append(seq, draft, None, ""))
+            draft_logprobs = token.accepted_logprobs or (None,) * len(token.accepted)
+            for draft, lp in zip(token.accepted, draft_logprobs):  # drafts first; a stop drops the rest
+                delta = _merge(delta, self._append(seq, draft, lp, ""))
                 if seq.is_finished:
                     break
             if not seq.is_finished:

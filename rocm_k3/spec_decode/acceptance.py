@@ -35,10 +35,11 @@ def accept_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> tuple[list[i
 
 
 def verify_rows(chunks: Sequence[ScheduledChunk], tokens: Sequence[int], finite: Sequence[bool],
-                error_of: Callable[[int], str], non_finite: str) -> tuple[SampledToken, ...]:
-    """One SampledToken per chunk from the per-row ``tokens`` / ``finite`` (rows in :func:`expand_rows` order);
-    ``error_of(row)`` names a row's request failure. Logprobs are not produced for verification chunks (requests
-    asking for them are never drafted)."""
+                logprobs: Sequence[dict[int, float] | None], error_of: Callable[[int], str],
+                non_finite: str) -> tuple[SampledToken, ...]:
+    """One SampledToken per chunk from the per-row ``tokens`` / ``finite`` / ``logprobs`` (rows in
+    :func:`expand_rows` order); ``error_of(row)`` names a row's request failure. Each accepted draft carries its
+    row's logprobs (the chosen token there is the draft), the final token those of the row that produced it."""
     out = []
     row = 0
     for c in chunks:
@@ -48,6 +49,11 @@ def verify_rows(chunks: Sequence[ScheduledChunk], tokens: Sequence[int], finite:
         used = len(accepted) + 1  # rows whose tokens were used
         ok = all(finite[row:row + used])
         error = error_of(row) or ("" if ok else non_finite)
-        out.append(SampledToken(c.request_id, token, None, error, tuple(accepted) if not error else ()))
+        lps = [None if lp is None else tuple(lp.items()) for lp in logprobs[row:row + used]]
+        if error:
+            out.append(SampledToken(c.request_id, token, lps[-1], error))
+        else:
+            kept = tuple(lp for lp in lps[:-1] if lp is not None)
+            out.append(SampledToken(c.request_id, token, lps[-1], error, tuple(accepted), kept))
         row += n
     return tuple(out)

@@ -176,6 +176,7 @@ class SampledToken:
     logprobs: ``((token, logprob), ...)`` with the chosen token first, then the top alternatives; None if not asked.
     error:    non-empty when the request's logits were not finite (NaN/Inf): ``token_id`` is then meaningless.
     accepted: the drafts of a verification chunk that were accepted (they come before ``token_id``).
+    accepted_logprobs: with ``logprobs`` asked, one entry (as ``logprobs``) per accepted draft, else empty.
     """
 
     request_id: str
@@ -183,6 +184,7 @@ class SampledToken:
     logprobs: tuple[tuple[int, float], ...] | None = None
     error: str = ""
     accepted: tuple[int, ...] = ()
+    accepted_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -276,7 +276,8 @@ class Worker:
         finally:
             batch.close()
         if len(rows) != len(chunks):
-            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, batch.error, NON_FINITE))
+            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, out.logprobs, batch.error,
+                                                          NON_FINITE))
         sampled = []
         for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
             error = batch.error(i) or ("" if ok else NON_FINITE)
