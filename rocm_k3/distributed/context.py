@@ -126,7 +126,11 @@ class ParallelContext:
         return (self.pp_size - 1) * self.tp_size
 
     def count(self, name: str) -> None:
-        self.stats[name] = self.stats.get(name, 0) + 1
+        self.add(name, 1)
+
+    def add(self, name: str, n: int) -> None:
+        """Add ``n`` to the counter ``name`` (collectives issued, rows moved, ...)."""
+        self.stats[name] = self.stats.get(name, 0) + n
 
     def shard(self, size: int, what: str, parts: int | None = None, index: int | None = None) -> tuple[int, int]:
         """(start, length) of this rank's equal share of ``size`` along a TP-split dim; LayoutError if uneven."""

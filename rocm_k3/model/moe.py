@@ -6,9 +6,11 @@ routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose re
 ``x`` and are added. Activation everywhere: SiTU-and-mul (K3) or SiLU-and-mul (Kimi Linear).
 
 Tensor parallelism (PARALLEL_SPEC 1.1-1.2): router, bias and the latent down-projection are replicated; every
-routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2), or, with expert
-parallelism, whole experts are split over the TP ranks (``E / tp`` each; picks of other ranks' experts get weight
-0 on this rank). Either way each rank's expert output is a partial sum. LatentMoE then all-reduces the
+routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2; each rank's expert output
+is a partial sum), or, with expert parallelism, whole experts are split over the TP ranks (``E / tp`` each): the
+tokens are split over the TP ranks, each rank's picks travel to their expert's rank and back
+(:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / tp`` rows and holds the full routed
+output of its token slice (zeros elsewhere: again a partial sum for the same reductions). LatentMoE then all-reduces the
 ``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
 ``up_proj(norm(r))`` into its unreduced shared-expert output before one ``[T, hidden]`` all-reduce: two
 collectives per MoE layer. Without a latent (Kimi Linear) routed and shared partials are summed by one.
@@ -24,6 +26,7 @@ from torch.profiler import record_function
 from rocm_k3 import ops
 from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.expert_dispatch import combine, dispatch
 from rocm_k3.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -158,14 +161,35 @@ class RoutedExperts(WeightTargets):
             for name in ("w13", "w13_scale", "w2", "w2_scale"):
                 setattr(self, name, None)
 
-    def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed (weights, ids) for this rank's experts: with EP, ids become local and other ranks' picks get
-        weight 0 (on local expert 0, contributing exactly nothing)."""
-        if not self.ctx.ep_enabled or self.ctx.tp_size == 1:
-            return weights, ids
-        local = ids - self.first
-        mine = (local >= 0) & (local < self.count)  # [T, k]
-        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+    def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: MoEActivation,
+                act_quant: ActQuant) -> torch.Tensor:
+        """``z`` [T, width] through the routed picks (``weights`` fp32 / ``ids`` int32 [T, k], global expert ids)
+        -> [T, width], a partial sum under TP / EP (the caller all-reduces it).
+
+        With EP the T tokens (replicated over the TP ranks) are split into ``ep`` contiguous slices; each rank
+        dispatches the picks of its slice to their experts' ranks and combines them back
+        (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / ep`` rows, and returns the full
+        routed output on its slice, zeros elsewhere: the caller's all-reduce stitches the slices."""
+        ctx = self.ctx
+        tokens, top_k = ids.shape
+        ctx.add("moe_picks", tokens * top_k)
+        if not ctx.ep_enabled or ctx.tp_size == 1:
+            ctx.add("moe_rows", tokens * top_k)
+            return self._run(z, weights, ids, activation, act_quant)
+        lo, hi = ctx.ep_rank * tokens // ctx.ep_size, (ctx.ep_rank + 1) * tokens // ctx.ep_size
+        sent = dispatch(z[lo:hi], weights[lo:hi], ids[lo:hi], self.count, ctx, self.table)
+        ctx.add("moe_rows", sent.rows.shape[0])
+        if sent.rows.shape[0]:
+            out = self._run(sent.rows, sent.weights, sent.ids, activation, act_quant)  # [R, width], weighted
+        else:
+            out = sent.rows.new_empty((0, z.shape[1]))
+        r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
+        r[lo:hi] = combine(out, sent.plan, ctx, self.table)
+        return r
+
+    def _run(self, z, weights, ids, activation, act_quant) -> torch.Tensor:
+        return ops.fused_moe(z, self.weights, weights, ids, activation=activation, act_quant=act_quant.mode,
+                             fp8_dtype=act_quant.fp8_dtype, backend=self.table)
 
 
 class MoEBlock(WeightTargets):
@@ -213,11 +237,8 @@ class MoEBlock(WeightTargets):
         logits = self.router(x.float())  # fp32 [T, E]
         routed = ops.route(logits, cfg.num_experts_per_token, correction_bias=self.bias,
                            renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor, backend=table)
-        weights, ids = self.experts.local_routes(routed.weights, routed.ids)
         z = x if self.latent_down is None else self.latent_down(x)  # [T, expert width]
-        r = ops.fused_moe(z, self.experts.weights, weights, ids, activation=self.activation,
-                          act_quant=self.act_quant.mode, fp8_dtype=self.act_quant.fp8_dtype,
-                          backend=table)  # [T, expert width]; a partial sum under TP / EP
+        r = self.experts(z, routed.weights, routed.ids, self.activation, self.act_quant)  # [T, expert width]
         shared = self.shared(x) if self.shared is not None else None  # [T, hidden]; partial under TP
         if not self.latent:
             y = r if shared is None else r + shared

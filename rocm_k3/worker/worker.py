@@ -235,7 +235,10 @@ class Worker:
             self.runner.graphs = graphs
 
     def _graph_safe(self) -> tuple[bool, str]:
-        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)."""
+        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
+        and no expert-parallel dispatch (its all-to-all split sizes are read on the host)."""
+        if self.ctx.ep_size > 1:
+            return False, "expert-parallel dispatch sizes its all-to-all on the host"
         table = getattr(self.model, "backend", None)
         if not hasattr(table, "chosen"):
             return False, "the model's ops are not bound to a table"
