@@ -104,6 +104,23 @@ def test_kimi_linear_layouts_match_one_process(kimi_linear, kimi_linear_single, 
     assert tokens == kimi_linear_single[0]
 
 
+SPLIT_KIMI_LINEAR = {"num_hidden_layers": 4, "linear_attn_config": {"num_heads": 2, "head_dim": 32,
+                                                                      "short_conv_kernel_size": 4,
+                                                                      "full_attn_layers": [3, 4], "kda_layers": [1, 2]}}
+
+
+def test_pp2_stages_owning_one_layer_kind(tmp_path_factory) -> None:
+    """Kimi Linear written by transformers with KDA layers 1-2 and MLA layers 3-4: at PP=2 stage 0 owns no MLA
+    layer and stage 1 no KDA layer. Both stages share one cache geometry (the largest page / slot any stage
+    needs, so no stage is handed more blocks than it can hold; this once asked for a 9.9 TB MLA pool) and each
+    allocates pools only for its own layer kinds; the tokens equal one process's."""
+    path = tmp_path_factory.mktemp("dist_kl_split")
+    write_kimi_linear_checkpoint(path, seed=4, **SPLIT_KIMI_LINEAR)
+    single, _, _ = _generate(path)
+    tokens, _, _ = _generate(path, pipeline_parallel_size=2)
+    assert tokens == single
+
+
 TRAINED_PROMPTS = ["The file", "Return the number of", "If the value is"]  # text the trained model knows
 
 

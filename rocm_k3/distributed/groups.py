@@ -72,3 +72,15 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
 def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def reduce_ints(values: list[int], group, op: str) -> list[int]:
+    """``values`` reduced element-wise over ``group`` ("max" or "min"); the identity without a group."""
+    if group is None:
+        return list(values)
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"reduce_ints: op must be one of {sorted(ops)}, got {op!r}")
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=ops[op], group=group)
+    return [int(v) for v in t.tolist()]

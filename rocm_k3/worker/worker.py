@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
+from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
@@ -141,13 +142,24 @@ class Worker:
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
 
+    def _unit_bytes(self) -> tuple[int, int]:
+        """This rank's (bytes per block, bytes per slot): its stage's MLA / KDA layers (1 for a kind it lacks)."""
+        return self.geometry.bytes_per_block(self.config.block_size), self.geometry.bytes_per_slot()
+
+    def _common_unit_bytes(self) -> tuple[int, int]:
+        """(bytes per block, bytes per slot) of the one cache geometry all ranks share: the largest any rank
+        needs (a collective over the world group: every rank runs it). Budgets in these units give each stage
+        at most the blocks / slots it can hold."""
+        block, slot = reduce_ints(list(self._unit_bytes()), self.ctx.world_cpu_group, "max")
+        return block, slot
+
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
+        block, slot = self._common_unit_bytes()
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_id),
-            bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
-            bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_block=block,
+            bytes_per_slot=slot, device=str(self.device), dtype=str(self.config.dtype),
             kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
 
@@ -160,6 +172,18 @@ class Worker:
 
     # ---- memory sizing -------------------------------------------------------------------------------------
     def cache_budget(self) -> tuple[int, int] | None:
+        """(kv_cache_bytes, state_cache_bytes) in the units of the common geometry (:meth:`info`'s bytes per
+        block / slot) for the fewest blocks and slots any rank can hold (see :meth:`_local_cache_budget`); None
+        on the CPU."""
+        local = self._local_cache_budget()
+        if local is None:
+            return None
+        (kv, state), (block, slot) = local, self._unit_bytes()
+        blocks, slots = reduce_ints([kv // block, state // slot], self.ctx.world_cpu_group, "min")
+        common_block, common_slot = self._common_unit_bytes()
+        return blocks * common_block, slots * common_slot
+
+    def _local_cache_budget(self) -> tuple[int, int] | None:
         """(kv_cache_bytes, state_cache_bytes) that fit in ``gpu_memory_utilization`` of the GPU after a profiled
         forward of ``max_num_batched_tokens`` tokens; None on the CPU (the configured budgets apply).
 
