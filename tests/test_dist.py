@@ -144,6 +144,36 @@ def test_trained_embedded_model_layouts_match_one_process(trained_single, layout
     assert _trained_tokens(**LAYOUTS[layout]) == trained_single
 
 
+def test_redundant_experts_and_a_recorded_placement_change_no_token(k3, k3_single, tmp_path) -> None:
+    """TP2 + EP with 2 redundant experts (10 physical slots for 8 experts, replicas of one expert on distinct
+    ranks): the picks spread over the replicas and the tokens stay the single process's. The loads the EP ranks
+    recorded become a placement (``rocm-k3 expert-placement``) that a second run loads, again token-identical."""
+    ep = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "num_redundant_experts": 2}
+    llm = LLM(k3, master_port=free_port(), **ENGINE, **ep)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == k3_single[0]
+        loads = llm.expert_loads()
+        ranks = llm.engine.executor.rank_stats()
+    finally:
+        llm.shutdown()
+    cfg = json.loads((k3 / "config.json").read_text())["text_config"]
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert len(loads) == moe_layers and all(len(v) == cfg["num_experts"] for v in loads.values()), loads
+    picks = {sum(v) for v in loads.values()}
+    assert len(picks) == 1 and picks.pop() % cfg["num_experts_per_token"] == 0
+    for r in ranks:  # each rank ran about half of the picks, never all of them
+        c = r["collectives"]
+        assert 0 < c["moe_rows"] < c["moe_picks"], c
+    (tmp_path / "loads.json").write_text(json.dumps({"layers": loads}))
+    placement = tmp_path / "placement.json"
+    from rocm_k3.cli import main
+
+    assert main(["expert-placement", str(tmp_path / "loads.json"), "--ep-size", "2", "--num-redundant-experts", "2",
+                 "-o", str(placement)]) == 0
+    tokens, _, _ = _generate(k3, expert_placement=str(placement), **ep)
+    assert tokens == k3_single[0]
+
+
 def test_bytes_per_rank_shrink_as_tp_grows(k3, k3_single) -> None:
     per_rank = {1: k3_single[1][0]["loaded_bytes"]}
     for tp in (2, 4):

@@ -74,6 +74,16 @@ def _rank(rank: int, port: int, results) -> None:
             got = all_reduce(experts(z, w, ids, activation, act_quant), ctx, "reference")
             want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
             out[name] = (float((got - want).abs().max() / want.abs().max()), dict(ctx.stats))
+        # 2 redundant experts: 10 physical slots, the replicas' weights are their logical expert's
+        ctx.num_redundant_experts = 2
+        spread = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+        mine = list(spread.slots[spread.first : spread.first + spread.count])
+        spread.weights = moe.ExpertWeights(full.fmt, *(None if x is None else x[mine].contiguous()
+                                                        for x in (full.w13, full.w13_scale, full.w2, full.w2_scale)))
+        z, w, ids = _batches(cfg)["skewed"]
+        got = all_reduce(spread(z, w, ids, activation, act_quant), ctx, "reference")
+        want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
+        out["redundant"] = (float((got - want).abs().max() / want.abs().max()), spread.slots)
         # the variable-size all-to-all names a bad split at the boundary
         try:
             comm.all_to_all(torch.zeros(3, 2), group, in_splits=[1, 1], out_splits=[1, 1])
@@ -104,5 +114,7 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
         rows = out["balanced"][1]["moe_rows"]
         assert abs(rows - picks / 2) <= 0.1 * picks / 2, (rank, rows, picks)  # T x k / 2, never T x k
         assert "in_splits sum to 2, x has 3 rows" in out["bad_splits"], out["bad_splits"]
+        err, slots = out["redundant"]
+        assert err < 1e-5 and len(slots) == 10 and sorted(set(slots)) == list(range(8)), (err, slots)
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives

@@ -28,6 +28,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -41,6 +43,16 @@ class ParallelConfig:
                 raise LayoutError(f"{name}: expected a positive int, got {v!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise LayoutError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise LayoutError(f"num_redundant_experts: expected an int >= 0, got {r!r}")
+        if (r or self.expert_placement is not None) and not self.enable_expert_parallel:
+            raise LayoutError("num_redundant_experts / expert_placement need enable_expert_parallel")
+        if r and self.tensor_parallel_size == 1:
+            raise LayoutError("num_redundant_experts: expert parallelism over one rank has nothing to balance "
+                              "(tensor_parallel_size must be > 1)")
+        if self.expert_placement is not None and not isinstance(self.expert_placement, str):
+            raise LayoutError(f"expert_placement: expected a path, got {self.expert_placement!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise LayoutError(f"node_rank: expected an int in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
@@ -89,6 +101,8 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     ep_enabled: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None  # a placement file (rocm_k3.model.expert_placement); None = uniform
     tp_group: Any = None
     tp_cpu_group: Any = None
     pp_group: Any = None

@@ -308,6 +308,18 @@ class LLM:
         with self._lock:
             return self.engine.stats()
 
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer since the start (or the last reset), as counted by the
+        expert-parallel ranks; {} without expert parallelism. ``rocm-k3 expert-placement`` turns a JSON dump
+        of it (``{"layers": {layer: loads}}``) into a placement for ``--expert-placement``."""
+        with self._lock:
+            ranks = self.engine.executor.rank_stats(reset)
+        out: dict[int, list[int]] = {}
+        for r in ranks:
+            if r["tp_rank"] == 0:  # every TP rank of a stage counts the same (replicated) routing
+                out.update({int(k): list(v) for k, v in r.get("expert_load", {}).items()})
+        return dict(sorted(out.items()))
+
     # ------------------------------------------------------------------ internals
     def _multimodal(self, where: str) -> MultiModalProcessor:
         if self.multimodal is not None:

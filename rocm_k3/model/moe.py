@@ -27,6 +27,7 @@ from rocm_k3 import ops
 from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.expert_dispatch import combine, dispatch
+from rocm_k3.model.expert_placement import ExpertPlacement
 from rocm_k3.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -102,17 +103,37 @@ class RoutedExperts(WeightTargets):
     """This rank's routed experts, stacked as the ops want them (checkpoint layout, then re-laid once by the
     serving backend's ``prepare_weights`` after loading: the checkpoint copy is not kept).
 
-    Without EP: all E experts, intermediate rows ``[r N/tp, (r+1) N/tp)``; with EP: experts ``[r E/tp, ...)``, whole.
+    Without EP: all E experts, intermediate rows ``[r N/tp, (r+1) N/tp)``; with EP: physical expert slots
+    ``[r P/tp, (r+1) P/tp)`` of the ``P = E + num_redundant_experts`` placed by
+    :mod:`rocm_k3.model.expert_placement` (``slots[j]`` = the logical expert slot ``j`` holds), whole.
     """
 
     def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, layer: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ctx, self.table, self.prefix = cfg, ctx, table, prefix
+        self.cfg, self.ctx, self.table, self.prefix, self.layer = cfg, ctx, table, prefix, layer
         e, n, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_hidden_size
+        self.slots: tuple[int, ...] = tuple(range(e))  # logical expert of each physical slot
+        self.replicas = None  # [E, max replicas] physical slots of each logical expert (EP)
+        self.load = None  # int64 [E]: picks per logical expert, counted under EP (EPLB's load profile)
         if ctx.ep_enabled:
-            self.first, self.count = ctx.shard(e, f"{prefix} num_experts (expert parallelism)")
+            placement = (ExpertPlacement.read(ctx.expert_placement) if ctx.expert_placement is not None
+                         else ExpertPlacement.uniform(e, ctx.num_redundant_experts, ctx.ep_size))
+            if (placement.num_experts, placement.ep_size, placement.num_redundant_experts) != \
+                    (e, ctx.ep_size, ctx.num_redundant_experts):
+                raise LayoutError(f"expert placement for {placement.num_experts} experts + "
+                                  f"{placement.num_redundant_experts} redundant over {placement.ep_size} ranks; this "
+                                  f"run has {e} + {ctx.num_redundant_experts} over {ctx.ep_size}")
+            self.slots = placement.slots(layer)
+            self.first, self.count = ctx.shard(len(self.slots), f"{prefix} num_experts + num_redundant_experts "
+                                                                f"(expert parallelism)")
             self.n_local, self.n_start = n, 0
+            per = [[s for s, x in enumerate(self.slots) if x == ex] for ex in range(e)]
+            width = max(len(p) for p in per)
+            self.replicas = torch.tensor([p + [p[0]] * (width - len(p)) for p in per], dtype=torch.int64,
+                                         device=device)  # [E, width]
+            self.replica_count = torch.tensor([len(p) for p in per], dtype=torch.int64, device=device)  # [E]
+            self.load = torch.zeros(e, dtype=torch.int64, device=device)
         else:
             self.first, self.count = 0, e
             self.n_start, self.n_local = ctx.shard(n, f"{prefix} moe_intermediate_size")
@@ -137,7 +158,7 @@ class RoutedExperts(WeightTargets):
         out: dict[str, Target] = {}
         nl, n0 = self.n_local, self.n_start
         for j in range(self.count):
-            x = f"{self.prefix}experts.{self.first + j}."
+            x = f"{self.prefix}experts.{self.slots[self.first + j]}."
             if self.fmt == "mxfp4":
                 for w, rows in (("w1", slice(0, nl)), ("w3", slice(nl, 2 * nl))):
                     out[x + f"{w}.weight_packed"] = Target(self.w13[j, rows], Read(0, n0, nl))
@@ -176,8 +197,9 @@ class RoutedExperts(WeightTargets):
         if not ctx.ep_enabled or ctx.tp_size == 1:
             ctx.add("moe_rows", tokens * top_k)
             return self._run(z, weights, ids, activation, act_quant)
+        self.load.index_add_(0, ids.reshape(-1).to(torch.int64), torch.ones_like(self.load[:1]).expand(ids.numel()))
         lo, hi = ctx.ep_rank * tokens // ctx.ep_size, (ctx.ep_rank + 1) * tokens // ctx.ep_size
-        sent = dispatch(z[lo:hi], weights[lo:hi], ids[lo:hi], self.count, ctx, self.table)
+        sent = dispatch(z[lo:hi], weights[lo:hi], self.physical(ids[lo:hi], lo), self.count, ctx, self.table)
         ctx.add("moe_rows", sent.rows.shape[0])
         if sent.rows.shape[0]:
             out = self._run(sent.rows, sent.weights, sent.ids, activation, act_quant)  # [R, width], weighted
@@ -186,6 +208,13 @@ class RoutedExperts(WeightTargets):
         r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
         r[lo:hi] = combine(out, sent.plan, ctx, self.table)
         return r
+
+    def physical(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots: pick ``p`` (counted from the batch's first token) of
+        expert ``e`` runs on replica ``p mod replicas(e)`` (all hold ``e``'s weights)."""
+        flat = ids.to(torch.int64)  # [T, k]
+        pick = torch.arange(ids.numel(), device=ids.device).view(ids.shape) + first_token * ids.shape[1]  # [T, k]
+        return self.replicas[flat, pick % self.replica_count[flat]].to(torch.int32)  # [T, k]
 
     def _run(self, z, weights, ids, activation, act_quant) -> torch.Tensor:
         return ops.fused_moe(z, self.weights, weights, ids, activation=activation, act_quant=act_quant.mode,
@@ -196,7 +225,7 @@ class MoEBlock(WeightTargets):
     """Router + routed experts (optionally LatentMoE) + shared experts; ``forward(x [T, hidden]) -> [T, hidden]``."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, act_quant: ActQuant, *,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, layer: int = 0) -> None:
         super().__init__()
         self.cfg, self.ctx, self.table, self.act_quant = cfg, ctx, table, act_quant
         self.activation = activation_for(cfg)
@@ -204,7 +233,8 @@ class MoEBlock(WeightTargets):
         self.router = ReplicatedLinear(hid, e, prefix + "gate.weight", dtype=torch.float32, device=device)
         self.bias = new_param((e,), torch.float32, device)  # [E]
         self.prefix = prefix
-        self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device)
+        self.layer = layer
+        self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device, layer=layer)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = DenseMLP(hid, cfg.moe_intermediate_size * cfg.num_shared_experts, prefix + "shared_experts.",

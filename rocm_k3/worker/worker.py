@@ -24,6 +24,7 @@ import torch
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.model.loader import load_model
+from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
@@ -305,7 +306,14 @@ class Worker:
         """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats)}
+               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
+               "expert_load": {}}
+        for m in self.model.modules():  # EP ranks count the picks per logical expert of their stage's layers
+            load = getattr(m, "load", None)
+            if isinstance(m, RoutedExperts) and load is not None:
+                out["expert_load"][m.layer] = load.tolist()
+                if reset:
+                    load.zero_()
         if reset:
             ctx.stats.clear()
         return out
