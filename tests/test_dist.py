@@ -174,6 +174,35 @@ def test_redundant_experts_and_a_recorded_placement_change_no_token(k3, k3_singl
     assert tokens == k3_single[0]
 
 
+def test_server_metrics_show_expert_loads_under_ep(k3) -> None:
+    """``rocm-k3 serve`` at TP2 + EP: after a completion /metrics has a per-expert load counter for every MoE
+    layer whose picks sum to k per token run."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rocm_k3.args import EngineArgs
+    from tests.server_fixtures import running_server
+
+    args = EngineArgs(model=str(k3), master_port=free_port(), tensor_parallel_size=2, enable_expert_parallel=True,
+                      **ENGINE)
+    with running_server(args) as server:
+        out = server.client().completions.create(model=server.served.names[0], prompt=[5, 6, 7, 8], max_tokens=3,
+                                                 temperature=0)
+        assert out.usage.completion_tokens == 3
+        with urllib.request.urlopen(server.url("/metrics"), timeout=60) as resp:
+            text = resp.read().decode()
+    per_layer: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "rocm_k3_expert_load":
+            for sample in family.samples:
+                per_layer[sample.labels["layer"]] = per_layer.get(sample.labels["layer"], 0) + sample.value
+    cfg = json.loads((k3 / "config.json").read_text())["text_config"]
+    assert len(per_layer) == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"], text
+    tokens_run = 4 + 2  # the prompt, then one decode step per token after the first
+    assert set(per_layer.values()) == {tokens_run * cfg["num_experts_per_token"]}, per_layer
+
+
 def test_bytes_per_rank_shrink_as_tp_grows(k3, k3_single) -> None:
     per_rank = {1: k3_single[1][0]["loaded_bytes"]}
     for tp in (2, 4):

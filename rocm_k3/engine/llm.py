@@ -313,12 +313,7 @@ class LLM:
         expert-parallel ranks; {} without expert parallelism. ``rocm-k3 expert-placement`` turns a JSON dump
         of it (``{"layers": {layer: loads}}``) into a placement for ``--expert-placement``."""
         with self._lock:
-            ranks = self.engine.executor.rank_stats(reset)
-        out: dict[int, list[int]] = {}
-        for r in ranks:
-            if r["tp_rank"] == 0:  # every TP rank of a stage counts the same (replicated) routing
-                out.update({int(k): list(v) for k, v in r.get("expert_load", {}).items()})
-        return dict(sorted(out.items()))
+            return self.engine.expert_loads(reset)
 
     # ------------------------------------------------------------------ internals
     def _multimodal(self, where: str) -> MultiModalProcessor:
