@@ -91,7 +91,9 @@ class ParallelContext:
     """One rank's view of the layout plus its groups (None in the single-process context).
 
     tp_group / pp_group / world_group: device groups (NCCL on GPUs, gloo on the CPU); *_cpu_group: gloo twins
-    for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues).
+    for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues), the
+    bytes they carried from this rank (``collective_bytes``) and the routed rows it ran (``moe_rows``, beside the
+    ``moe_picks`` = T x k of the steps).
     """
 
     rank: int = 0

@@ -49,6 +49,7 @@ class Dispatched:
 
 def _a2a(x: torch.Tensor, ctx: ParallelContext, send: list[int], recv: list[int], table, what: str) -> torch.Tensor:
     ctx.count(what)
+    ctx.add("collective_bytes", x.numel() * x.element_size())  # sent (including the rows kept on this rank)
     return comm.all_to_all(x, ctx.tp_group, in_splits=send, out_splits=recv, backend=table)
 
 
