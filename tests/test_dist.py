@@ -113,12 +113,15 @@ def test_pp2_stages_owning_one_layer_kind(tmp_path_factory) -> None:
     """Kimi Linear written by transformers with KDA layers 1-2 and MLA layers 3-4: at PP=2 stage 0 owns no MLA
     layer and stage 1 no KDA layer. Both stages share one cache geometry (the largest page / slot any stage
     needs, so no stage is handed more blocks than it can hold; this once asked for a 9.9 TB MLA pool) and each
-    allocates pools only for its own layer kinds; the tokens equal one process's."""
+    allocates pools only for its own layer kinds; the tokens equal one process's, also at TP2 x PP2 with EP."""
     path = tmp_path_factory.mktemp("dist_kl_split")
     write_kimi_linear_checkpoint(path, seed=4, **SPLIT_KIMI_LINEAR)
     single, _, _ = _generate(path)
     tokens, _, _ = _generate(path, pipeline_parallel_size=2)
     assert tokens == single
+    tokens, ranks, _ = _generate(path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert tokens == single  # TP2 x PP2 with expert-parallel dispatch on the same split
+    assert all(0 < r["collectives"]["moe_rows"] < r["collectives"]["moe_picks"] for r in ranks), ranks
 
 
 TRAINED_PROMPTS = ["The file", "Return the number of", "If the value is"]  # text the trained model knows
