@@ -10,8 +10,8 @@ routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, column
 is a partial sum), or, with expert parallelism, whole experts are split over the TP ranks (``E / tp`` each): the
 tokens are split over the TP ranks, each rank's picks travel to their expert's rank and back
 (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / tp`` rows and holds the full routed
-output of its token slice (zeros elsewhere: again a partial sum for the same reductions). LatentMoE then all-reduces the
-``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
+output of its token slice (zeros elsewhere: again a partial sum for the same reductions). LatentMoE then
+all-reduces the ``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
 ``up_proj(norm(r))`` into its unreduced shared-expert output before one ``[T, hidden]`` all-reduce: two
 collectives per MoE layer. Without a latent (Kimi Linear) routed and shared partials are summed by one.
 """
@@ -233,7 +233,6 @@ class MoEBlock(WeightTargets):
         self.router = ReplicatedLinear(hid, e, prefix + "gate.weight", dtype=torch.float32, device=device)
         self.bias = new_param((e,), torch.float32, device)  # [E]
         self.prefix = prefix
-        self.layer = layer
         self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device, layer=layer)
         self.shared = None
         if cfg.num_shared_experts:

@@ -230,6 +230,8 @@ class Worker:
         pool_bytes = (blocks + 1) * self.geometry.bytes_per_block(bs) + 2 * self.geometry.bytes_per_slot()
         peak = torch.cuda.max_memory_allocated(self.device)
         del runner, pools
+        for m in self._counting_experts():  # the dummy tokens are no load
+            m.load.zero_()
         torch.cuda.empty_cache()
         return pool_bytes, peak
 
@@ -302,18 +304,19 @@ class Worker:
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
 
+    def _counting_experts(self) -> list[RoutedExperts]:
+        return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
+
     def rank_stats(self, reset: bool = False) -> dict:
         """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
                "expert_load": {}}
-        for m in self.model.modules():  # EP ranks count the picks per logical expert of their stage's layers
-            load = getattr(m, "load", None)
-            if isinstance(m, RoutedExperts) and load is not None:
-                out["expert_load"][m.layer] = load.tolist()
-                if reset:
-                    load.zero_()
+        for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
+            out["expert_load"][m.layer] = m.load.tolist()
+            if reset:
+                m.load.zero_()
         if reset:
             ctx.stats.clear()
         return out
