@@ -61,6 +61,11 @@ class EngineArgs:
         "help": "pipeline stages (contiguous layer ranges, usually one node each)", "aliases": ("-pp",)})
     enable_expert_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "split the routed experts whole over the tensor-parallel ranks instead of per expert"})
+    num_redundant_experts: int = dataclasses.field(default=0, metadata={
+        "help": "extra physical expert slots per MoE layer holding replicas of busy experts (with "
+                "--enable-expert-parallel; num_experts + this must split over the ranks)"})
+    expert_placement: str | None = dataclasses.field(default=None, metadata={
+        "help": "expert placement JSON (rocm-k3 expert-placement writes one from recorded loads)"})
     nnodes: int = dataclasses.field(default=1, metadata={"help": "nodes of the run (node 0 serves)"})
     node_rank: int = dataclasses.field(default=0, metadata={"help": "this node's rank (> 0 runs headless)"})
     master_addr: str = dataclasses.field(default="127.0.0.1", metadata={"help": "node 0's address for the "
@@ -84,7 +89,10 @@ class EngineArgs:
 
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
-                              enable_expert_parallel=self.enable_expert_parallel, nnodes=self.nnodes,
+                              enable_expert_parallel=self.enable_expert_parallel,
+                              num_redundant_experts=self.num_redundant_experts,
+                              expert_placement=None if self.expert_placement is None else str(self.expert_placement),
+                              nnodes=self.nnodes,
                               node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
                               timeout_s=self.distributed_timeout)
 

@@ -53,7 +53,9 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
     world_cpu = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     ctx = ParallelContext(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp,
-                          pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu)
+                          pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu,
+                          num_redundant_experts=config.num_redundant_experts,
+                          expert_placement=config.expert_placement)
     for stage in range(pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * tp, (stage + 1) * tp))
         group = dist.new_group(ranks, timeout=timeout)
@@ -72,3 +74,15 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
 def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def reduce_ints(values: list[int], group, op: str) -> list[int]:
+    """``values`` reduced element-wise over ``group`` ("max" or "min"); the identity without a group."""
+    if group is None:
+        return list(values)
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"reduce_ints: op must be one of {sorted(ops)}, got {op!r}")
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=ops[op], group=group)
+    return [int(v) for v in t.tolist()]

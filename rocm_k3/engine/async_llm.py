@@ -118,6 +118,9 @@ class AsyncLLM:
         self._stop = False
         self._dead: BaseException | None = None
         self._stats: dict[str, float] = core.stats()
+        self._expert_loads: dict[int, list[int]] = {}
+        self._loads_wanted = False
+        self._loads_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rocm-k3-engine", daemon=True)
         self._thread.start()
 
@@ -179,6 +182,18 @@ class AsyncLLM:
         """The engine counters after the latest step (see ``EngineCore.stats``)."""
         return dict(self._stats)
 
+    def expert_loads(self, timeout: float = 2.0) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer (``EngineCore.expert_loads``), read by the engine thread
+        between two steps; waits at most ``timeout`` seconds for it, else returns the previous reading."""
+        with self._cond:
+            if self._dead is not None or self._stop:
+                return dict(self._expert_loads)
+            self._loads_done.clear()
+            self._loads_wanted = True
+            self._cond.notify()
+        self._loads_done.wait(timeout)
+        return dict(self._expert_loads)
+
     @property
     def num_streams(self) -> int:
         with self._cond:
@@ -204,18 +219,22 @@ class AsyncLLM:
         core = self.core
         while True:
             with self._cond:
-                while not self._stop and not self._commands and not core.has_unfinished():
+                while not self._stop and not self._commands and not core.has_unfinished() and not self._loads_wanted:
                     self._cond.wait()
                 if self._stop:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+                loads_wanted, self._loads_wanted = self._loads_wanted, False
             try:
                 for cmd in commands:
                     self._apply(cmd)
                 if core.has_unfinished():
                     self._deliver(core.step())
                 self._stats = core.stats()
+                if loads_wanted:
+                    self._expert_loads = core.expert_loads()
+                    self._loads_done.set()
             except BaseException as exc:  # the engine is unusable: fail everything, never hang
                 self._fail(exc)
                 return

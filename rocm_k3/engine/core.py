@@ -224,6 +224,15 @@ class EngineCore:
                     self._seqs.pop(d.request_id, None)
         return deltas
 
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer, as the expert-parallel ranks counted them ({} without
+        expert parallelism); every TP rank of a stage counts the same routing, so TP rank 0 of each speaks."""
+        out: dict[int, list[int]] = {}
+        for r in self.executor.rank_stats(reset):
+            if r["tp_rank"] == 0:
+                out.update({int(k): list(v) for k, v in r.get("expert_load", {}).items()})
+        return dict(sorted(out.items()))
+
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every queued request finished; outputs by request id."""
         done = {}

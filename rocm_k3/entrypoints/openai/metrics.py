@@ -5,7 +5,9 @@ finished requests by finish reason, time to first token, inter-token latency (pe
 deltas divided by the tokens the later one brought) and end-to-end latency histograms. From the engine's
 stats snapshot at scrape time: requests running / waiting, free and total KV blocks and KDA state slots,
 prefix-cache queries, hits and hit rate, preemptions, steps, speculative decoding (drafts, drafted and accepted
-tokens, accepted tokens per draft position: vLLM's ``spec_decode_*`` names), and whether the engine is healthy.
+tokens, accepted tokens per draft position: vLLM's ``spec_decode_*`` names), and whether the engine is healthy;
+with expert parallelism the picks per logical expert of each MoE layer (``rocm_k3_expert_load_total{layer,
+expert}``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ class _EngineCollector:
             if key.startswith(_SPEC_POS_PREFIX):
                 per_pos.add_metric([key.removeprefix(_SPEC_POS_PREFIX)], float(value))
         yield per_pos
+        loads = self._engine.expert_loads()
+        if loads:
+            family = CounterMetricFamily(PREFIX + "expert_load", "routed picks per logical expert and MoE layer "
+                                         "(expert parallelism; rocm-k3 expert-placement balances from them)",
+                                         labels=["layer", "expert"])
+            for layer, per_expert in loads.items():
+                for expert, n in enumerate(per_expert):
+                    family.add_metric([str(layer), str(expert)], float(n))
+            yield family
         healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine serves requests, 0 once it failed")
         healthy.add_metric([], 0.0 if self._engine.is_dead else 1.0)
         yield healthy
