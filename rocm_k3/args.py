@@ -141,6 +141,9 @@ class ServerArgs:
         "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
     max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
         "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
+    responses_store_size: int = dataclasses.field(default=1000, metadata={
+        "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
+                "(least recently used dropped first; 0: none)"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -165,6 +168,9 @@ class ServerArgs:
         if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
                 or self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        size = self.responses_store_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

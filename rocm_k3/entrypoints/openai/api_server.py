@@ -35,6 +35,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
@@ -106,6 +107,7 @@ def build_app(served: ServedModel) -> FastAPI:
                            param="tokens")
         return JSONResponse({"prompt": served.tokenizer.decode(req.tokens)})
 
+    install_responses_routes(app, served, auth)
     return app
 
 
@@ -155,7 +157,8 @@ def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArg
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
                        max_request_bytes=server_args.max_request_bytes, multimodal=multimodal,
                        allow_remote_images=server_args.allow_remote_images,
-                       max_image_bytes=server_args.max_image_bytes)
+                       max_image_bytes=server_args.max_image_bytes,
+                       responses_store_size=server_args.responses_store_size)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
