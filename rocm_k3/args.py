@@ -144,6 +144,9 @@ class ServerArgs:
     responses_store_size: int = dataclasses.field(default=1000, metadata={
         "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
                 "(least recently used dropped first; 0: none)"})
+    reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
+        "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
+                "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -171,6 +174,9 @@ class ServerArgs:
         size = self.responses_store_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
+        from rocm_k3.formats.chat_base import parse_effort_budgets
+
+        parse_effort_budgets(self.reasoning_effort_budgets)  # ValueError naming a bad entry
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

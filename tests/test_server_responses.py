@@ -17,7 +17,7 @@ from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from tests.server_fixtures import running_server
 
-ENGINE = EngineArgs(dtype="float32", max_model_len=1024)
+ENGINE = EngineArgs(dtype="float32", max_model_len=2048)
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
@@ -199,3 +199,40 @@ def test_raw_events_name_their_type(server) -> None:
     names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
     datas = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in datas] and names[-1] == "response.incomplete"
+
+
+# ---- reasoning budgets (reasoning_effort / reasoning.effort) ------------------------------------------------
+TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 30}},
+        "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_low_effort_budget_closes_think_so_json_follows(client, seed) -> None:
+    """Thinking on, reasoning_effort "low", a json_schema response_format, sampled: the low budget (256 think
+    tokens) closes the think channel, so valid JSON content comes back within 1,000 tokens for every seed."""
+    got = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "Plan a trip to Rome."}], reasoning_effort="low",
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}},
+        max_tokens=1000, temperature=1.0, seed=seed)
+    choice = got.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert choice.message.reasoning_content, choice  # it did think
+    value = json.loads(choice.message.content)
+    assert set(value) == {"city", "days"}
+
+
+def test_responses_reasoning_effort_low_json(client) -> None:
+    got = client.responses.create(input="Plan a trip to Rome.", reasoning={"effort": "low"}, temperature=1.0,
+                                  max_output_tokens=1000, extra_body={"seed": 7},
+                                  text={"format": {"type": "json_schema", "name": "trip", "schema": TRIP}})
+    assert got.status == "completed" and got.reasoning.effort == "low", got
+    assert any(i.type == "reasoning" for i in got.output)
+    assert set(json.loads(got.output_text)) == {"city", "days"}
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal", "low", "medium", "high"])
+def test_every_openai_effort_is_accepted(client, effort) -> None:
+    got = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         reasoning_effort=effort)
+    assert got.choices[0].finish_reason in ("stop", "length")

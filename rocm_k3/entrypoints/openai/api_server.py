@@ -40,6 +40,7 @@ from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats import thinking_options
+from rocm_k3.formats.chat_base import parse_effort_budgets
 
 log = logging.getLogger("rocm_k3.server")
 
@@ -151,7 +152,8 @@ def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArg
     from rocm_k3.engine.multimodal import MultiModalProcessor
 
     multimodal = MultiModalProcessor.from_checkpoint(path, tokenizer) if tokenizer is not None else None
-    return ServedModel(engine=engine, frontend=ModelFrontend(path, tokenizer, family), names=list(names),
+    return ServedModel(engine=engine, frontend=ModelFrontend(
+        path, tokenizer, family, parse_effort_budgets(server_args.reasoning_effort_budgets)), names=list(names),
                        max_model_len=core.config.max_model_len, vocab_size=core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
