@@ -236,3 +236,43 @@ def test_every_openai_effort_is_accepted(client, effort) -> None:
     got = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                          reasoning_effort=effort)
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- streamed tool-call arguments (chat and responses) -------------------------------------------------------
+CURRENCY = {"name": "convert_currency", "description": "Convert money between currencies", "parameters": {
+    "type": "object", "properties": {"amount": {"type": "number"}, "from_currency": {"type": "string"},
+                                     "to_currency": {"type": "string"}},
+    "required": ["amount", "from_currency", "to_currency"]}}
+ASK = "Convert 20 dollars to euros."
+
+
+def test_chat_stream_tool_arguments_arrive_in_pieces(client) -> None:
+    chunks = list(client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": ASK}], stream=True, temperature=0.0, max_tokens=300,
+        tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
+        tool_choice={"type": "function", "function": {"name": "convert_currency"}}))
+    pieces = [t for ch in chunks for c in ch.choices for t in c.delta.tool_calls or []]
+    assert pieces and pieces[0].id and pieces[0].type == "function" and pieces[0].function.name == CURRENCY["name"]
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 2, pieces  # multi-field arguments: more than one argument delta
+    streamed = "".join(p.function.arguments or "" for p in pieces)
+    whole = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0, max_tokens=300,
+        tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
+        tool_choice={"type": "function", "function": {"name": "convert_currency"}})
+    assert streamed == whole.choices[0].message.tool_calls[0].function.arguments
+    assert set(json.loads(streamed)) == {"amount", "from_currency", "to_currency"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_stream_function_call_arguments_arrive_in_pieces(client) -> None:
+    events = list(client.responses.create(input=ASK, tools=[{"type": "function", **CURRENCY}], stream=True,
+                                          tool_choice={"type": "function", "name": "convert_currency"},
+                                          temperature=0.0, max_output_tokens=300, extra_body=NO_THINK))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments
+    final = events[-1].response.output
+    call = next(i for i in final if i.type == "function_call")
+    assert call.arguments == done.arguments and call.name == "convert_currency" and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"amount", "from_currency", "to_currency"}

@@ -30,7 +30,7 @@ from typing import Any
 
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, parse_output
-from rocm_k3.formats.parsers.types import named_tool_choice, tool_names
+from rocm_k3.formats.parsers.types import ToolCallDelta, named_tool_choice, tool_names
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.formats import load_chat_renderer, thinking_options
 from rocm_k3.formats.chat_base import DEFAULT_EFFORT_BUDGETS
@@ -90,6 +90,11 @@ class PreparedChat:
                               call_id_prefix=call_id_prefix)
         parsed.tool_calls = self.allowed_calls(parsed.tool_calls, 0)
         return parsed
+
+    def allowed_call_deltas(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        """The streamed call pieces of the calls :meth:`allowed_calls` keeps (the first only without parallel
+        calls)."""
+        return deltas if self.parallel_tool_calls else [d for d in deltas if d.index == 0]
 
     def allowed_calls(self, calls: list[ToolCall], num_before: int) -> list[ToolCall]:
         """``calls`` after ``num_before`` earlier ones, cut to one call in all when parallel calls are off."""

@@ -341,6 +341,7 @@ class _OutputBuilder:
         self.reasoning = ""
         self.content = ""
         self.calls: list[ToolCall] = []
+        self.call_items: dict[int, int] = {}  # the parser's call index -> its output index
 
     def _index(self) -> int:
         return len(self.items) - 1
@@ -396,18 +397,30 @@ class _OutputBuilder:
             out += self._text("reasoning", parsed.reasoning, new_id)
         if parsed.content:
             out += self._text("message", parsed.content, new_id)
+        for d in prepared.allowed_call_deltas(parsed.call_deltas):
+            send = self.events.send
+            if d.id is not None:  # a call starts: its item, then its argument pieces
+                out += self.close()
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": d.id, "name": d.name,
+                        "arguments": "", "status": "in_progress"}
+                self.items.append(item)
+                self.call_items[d.index] = len(self.items) - 1
+                out.append(send("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+            index = self.call_items[d.index]
+            item = self.items[index]
+            if d.arguments:
+                item["arguments"] += d.arguments
+                out.append(send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=d.arguments))
         for call in prepared.allowed_calls(parsed.tool_calls, len(self.calls)):
-            out += self.close()
             self.calls.append(call)
-            item = call_item(call, new_id("fc"), arguments="", status="in_progress")
-            self.items.append(item)
-            index, send = self._index(), self.events.send
-            out.append(send("response.output_item.added", output_index=index, item=dict(item)))
-            out.append(send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=call.arguments_json))
-            item["arguments"], item["status"] = call.arguments_json, "completed"
+            index = self.call_items.get(call.index)
+            if index is None:  # an undeclared function: not streamed
+                continue
+            item, send = self.items[index], self.events.send
+            item["status"] = "completed"
             out.append(send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=call.name, arguments=call.arguments_json))
+                            name=call.name, arguments=item["arguments"]))
             out.append(send("response.output_item.done", output_index=index, item=item))
         return out
 

@@ -9,7 +9,10 @@ on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` wh
 
 Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
 whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
-has arrived; a call still open at the end is dropped.
+has arrived; a call still open at the end is dropped. While a call is written, ``call_deltas`` carry it the
+way vLLM streams calls: a first piece with index, id and name once the name is known (only for a declared
+function when tools are declared), then the new fixed part of its arguments JSON (the family's
+``partial_call``), the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from rocm_k3.formats.parsers.types import (
     ParsedOutput,
     ParseOptions,
     State,
+    ToolCallDelta,
     Transition,
     merge_deltas,
+    tool_names,
 )
 
 
@@ -74,6 +79,8 @@ class StreamParser:
         self._pending_space = ""
         self._finished = False
         self._out = ParsedDelta()
+        self._declared = frozenset(tool_names(tools))
+        self._sent: str | None = None  # the arguments text streamed for the open call (None: not started)
 
     @property
     def options(self) -> ParseOptions:
@@ -86,6 +93,7 @@ class StreamParser:
             raise TypeError(f"delta_text: expected str, got {type(delta_text).__name__}")
         self._buf += delta_text
         self._drain(final=False)
+        self._stream_call()
         return self._take()
 
     def finish(self) -> ParsedDelta:
@@ -126,10 +134,13 @@ class StreamParser:
         if leaving is State.CALL:
             body, self._call = self._call, None
             if tr.closes_call and body is not None:
+                self._stream_call()
                 call = self._spec.parse_call("".join(body), self._n_calls, self._opts)
                 if call is not None:
                     self._out.tool_calls.append(call)
+                    self._close_call_deltas(call)
                     self._n_calls += 1
+            self._sent = None
         if nxt is State.CALL:
             self._call = []
             if leaving is not State.CALL:
@@ -156,6 +167,34 @@ class StreamParser:
         elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
             self._call.append(text)
         # TOOLS (text between calls) and END (after the turn) drop their text
+
+    def _stream_call(self) -> None:
+        """The new argument piece of the open call (see the module docstring)."""
+        partial_call = self._spec.partial_call
+        if self._call is None or partial_call is None:
+            return
+        part = partial_call("".join(self._call), self._n_calls, self._opts)
+        if part is None or (self._declared and part.name not in self._declared):
+            return
+        if self._sent is None:
+            self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json, part.id, part.name))
+            self._sent = part.arguments_json
+        elif len(part.arguments_json) > len(self._sent) and part.arguments_json.startswith(self._sent):
+            self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json[len(self._sent):]))
+            self._sent = part.arguments_json
+
+    def _close_call_deltas(self, call) -> None:
+        if self._declared and call.name not in self._declared:
+            return
+        if self._sent is None:
+            self._out.call_deltas.append(ToolCallDelta(call.index, call.arguments_json, call.id, call.name))
+        elif call.arguments_json.startswith(self._sent):
+            rest = call.arguments_json[len(self._sent):]
+            if rest:
+                self._out.call_deltas.append(ToolCallDelta(call.index, rest))
+        else:  # cannot happen for a family whose partial_call returns prefixes (checked by the parser tests)
+            raise RuntimeError(f"streamed arguments {self._sent!r} are not a prefix of {call.arguments_json!r}")
+        self._sent = None
 
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()
