@@ -9,7 +9,8 @@ on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` wh
 
 Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
 whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
-has arrived; a call still open at the end is dropped. While a call is written, ``call_deltas`` carry it the
+has arrived. Nothing is lost: a call that does not parse, names a function the request did not declare, or is
+still open at the end (cut off) comes back as content text, its markers removed. While a call is written, ``call_deltas`` carry it the
 way vLLM streams calls: a first piece with index, id and name once the name is known (only for a declared
 function when tools are declared), then the new fixed part of its arguments JSON (the family's
 ``partial_call``), the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``.
@@ -101,6 +102,8 @@ class StreamParser:
         if self._finished:
             raise ValueError("finish: the parser has already finished")
         self._drain(final=True)
+        if self._call is not None:  # cut off before its close (max_tokens): its text is content
+            self._keep_text(self._call)
         self._finished = True
         self._pending_space = ""
         self._call = None
@@ -133,13 +136,18 @@ class StreamParser:
         nxt = tr.next if tr.next is not None else self._call_return
         if leaving is State.CALL:
             body, self._call = self._call, None
+            call = None
             if tr.closes_call and body is not None:
                 self._stream_call()
                 call = self._spec.parse_call("".join(body), self._n_calls, self._opts)
+                if call is not None and self._declared and call.name not in self._declared:
+                    call = None  # a function the request did not declare: its text is content
                 if call is not None:
                     self._out.tool_calls.append(call)
                     self._close_call_deltas(call)
                     self._n_calls += 1
+            if call is None and body is not None:
+                self._keep_text(body)
             self._sent = None
         if nxt is State.CALL:
             self._call = []
@@ -167,6 +175,17 @@ class StreamParser:
         elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
             self._call.append(text)
         # TOOLS (text between calls) and END (after the turn) drop their text
+
+    def _keep_text(self, body: list[str]) -> None:
+        """A call that is not a call (malformed, undeclared, unclosed): its text goes on as content, the family's
+        special-token markers removed."""
+        text = "".join(body)
+        for special in self._spec.special_texts:
+            text = text.replace(special, " ")
+        text = re.sub(r" {2,}", " ", text).strip(" ")
+        state, self._state = self._state, State.CONTENT
+        self._emit(text)
+        self._state = state
 
     def _stream_call(self) -> None:
         """The new argument piece of the open call (see the module docstring)."""
