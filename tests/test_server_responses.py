@@ -276,3 +276,17 @@ def test_responses_stream_function_call_arguments_arrive_in_pieces(client) -> No
     call = next(i for i in final if i.type == "function_call")
     assert call.arguments == done.arguments and call.name == "convert_currency" and call.status == "completed"
     assert set(json.loads(call.arguments)) == {"amount", "from_currency", "to_currency"}
+
+
+def test_tool_call_cut_off_by_max_tokens_keeps_its_text(client) -> None:
+    """A forced call cut off by max_tokens: no tool call, its text as content (markers removed), finish_reason
+    "length"; streamed content adds up to the same text."""
+    kw = dict(model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0, max_tokens=70,
+              tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
+              tool_choice={"type": "function", "function": {"name": "convert_currency"}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
+    assert "convert_currency" in whole.message.content and "<|" not in whole.message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
