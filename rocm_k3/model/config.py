@@ -451,12 +451,12 @@ def _from_text_config(model_type: str, raw: Mapping[str, Any], quant: Any, weigh
         tie_word_embeddings=get("tie_word_embeddings", False),
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos_ids,
-        expert_format=_expert_format(quant),
+        expert_format=parse_expert_format(quant),
         weight_prefix=weight_prefix,
     )
 
 
-def _expert_format(quant: Any) -> str:
+def parse_expert_format(quant: Any) -> str:
     """``"mxfp4"`` for a compressed-tensors mxfp4-pack-quantized config, ``"bf16"`` when unquantised."""
     if quant is None:
         return "bf16"
