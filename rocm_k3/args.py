@@ -155,6 +155,12 @@ class ServerArgs:
         "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
     max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
         "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
+    responses_store_size: int = dataclasses.field(default=1000, metadata={
+        "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
+                "(least recently used dropped first; 0: none)"})
+    reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
+        "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
+                "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -179,6 +185,12 @@ class ServerArgs:
         if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
                 or self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        size = self.responses_store_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
+        from rocm_k3.formats.chat_base import parse_effort_budgets
+
+        parse_effort_budgets(self.reasoning_effort_budgets)  # ValueError naming a bad entry
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

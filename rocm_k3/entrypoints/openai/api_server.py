@@ -34,10 +34,12 @@ from rocm_k3.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats import thinking_options
+from rocm_k3.formats.chat_base import parse_effort_budgets
 
 log = logging.getLogger("rocm_k3.server")
 
@@ -105,6 +107,7 @@ def build_app(served: ServedModel) -> FastAPI:
                            param="tokens")
         return JSONResponse({"prompt": served.tokenizer.decode(req.tokens)})
 
+    install_responses_routes(app, served, auth)
     return app
 
 
@@ -139,13 +142,15 @@ def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
 def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
     """The handlers' view of an assembled engine (``engine`` drives ``assembled.core``)."""
     names = server_args.served_model_name or [assembled.args.model or assembled.path.name]
+    assembled.frontend.effort_budgets = parse_effort_budgets(server_args.reasoning_effort_budgets)
     return ServedModel(engine=engine, frontend=assembled.frontend, names=list(names),
                        max_model_len=assembled.max_model_len, vocab_size=assembled.core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
                        max_request_bytes=server_args.max_request_bytes, multimodal=assembled.multimodal,
                        allow_remote_images=server_args.allow_remote_images,
-                       max_image_bytes=server_args.max_image_bytes)
+                       max_image_bytes=server_args.max_image_bytes,
+                       responses_store_size=server_args.responses_store_size)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:

@@ -54,6 +54,7 @@ class ServedModel:
     multimodal: Any = None  # MultiModalProcessor of a checkpoint with a vision tower, else None
     allow_remote_images: bool = False
     max_image_bytes: int = 20 * 2**20
+    responses_store_size: int = 1000
 
     @property
     def tokenizer(self):
