@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import threading
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -161,9 +162,40 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
                     server_args.port, served.max_model_len)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        watchdog = EngineWatchdog(engine, server)
+        watchdog.start()
         with contextlib.suppress(KeyboardInterrupt):
-            uvicorn.Server(config).run()
+            server.run()
+        watchdog.stop()
     finally:
         engine.shutdown()
         assembled.shutdown()  # the worker processes of a parallel run
+    if engine.failed:
+        log.error("exiting with status 1: %s", engine.dead_reason)
+        return 1  # an orchestrator restarts a server whose engine failed (vLLM's behaviour); never a zombie
     return 0
+
+
+class EngineWatchdog:
+    """Ends the HTTP server once the engine has failed (a worker rank died or hung, a step raised): ``/health``
+    answers 503 from the failure on, in-flight requests have their error, and :func:`serve` exits non-zero."""
+
+    def __init__(self, engine: AsyncLLM, server, poll_s: float = 0.5) -> None:
+        self._engine, self._server, self._poll_s = engine, server, poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rocm-k3-engine-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._poll_s):
+            if self._engine.failed:
+                log.error("the engine failed (%s): stopping the server", self._engine.dead_reason)
+                self._server.should_exit = True
+                return
