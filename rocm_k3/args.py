@@ -141,6 +141,9 @@ class ServerArgs:
         "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
     max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
         "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
+    shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
+        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
+                "rest are ended with an error event; a second signal exits at once"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -165,6 +168,9 @@ class ServerArgs:
         if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
                 or self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        timeout = self.shutdown_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ValueError(f"shutdown_timeout: expected seconds in [0, 86400], got {timeout!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

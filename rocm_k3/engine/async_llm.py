@@ -200,7 +200,7 @@ class AsyncLLM:
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        self._shut_down = self._dead is None
+        self._shut_down = self._shut_down or self._dead is None  # a second call keeps the first answer
         self._fail(EngineDeadError("the engine was shut down"), log_it=False)
 
     def _check_alive(self) -> None:
