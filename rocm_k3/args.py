@@ -161,6 +161,9 @@ class ServerArgs:
     reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
         "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
                 "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
+    shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
+        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
+                "rest are ended with an error event; a second signal exits at once"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -191,6 +194,9 @@ class ServerArgs:
         from rocm_k3.formats.chat_base import parse_effort_budgets
 
         parse_effort_budgets(self.reasoning_effort_budgets)  # ValueError naming a bad entry
+        timeout = self.shutdown_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ValueError(f"shutdown_timeout: expected seconds in [0, 86400], got {timeout!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

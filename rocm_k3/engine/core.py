@@ -196,6 +196,12 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Raise the executor's error if one of its worker processes has ended (a no-op in one process)."""
+        check = getattr(self.executor, "check_alive", None)
+        if check is not None:
+            check()
+
     def step(self) -> list[RequestDelta]:
         """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
         try:
