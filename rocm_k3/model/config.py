@@ -33,7 +33,7 @@ MLA_QK_ROPE_HEAD_DIM = 64
 MLA_V_HEAD_DIM = 128
 # q_a_layernorm / kv_a_layernorm: transformers' Kimi Linear (KimiLinearRMSNorm(q_lora_rank / kv_lora_rank)) and
 # Moonshot's modeling code build them with the RMSNorm default eps 1e-6, whatever rms_norm_eps says (every other
-# norm uses rms_norm_eps). tests/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
+# norm uses rms_norm_eps). tests/model/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
 MLA_NORM_EPS = 1e-6
 MAX_LAYERS = 4096  # a sane bound (K3: 93): layer counts drive Python loops over range(num_hidden_layers)
 

@@ -9,8 +9,7 @@ import json
 import jsonschema
 import pytest
 from grammar_drive import generate
-from test_tokenizers_k2_chat import K2_TEMPLATE
-from tokenizer_files import K2_TABLE, write_config, write_kimi_tokenizer
+from tokenizer_files import K2_TABLE, K2_TEMPLATE, write_config, write_kimi_tokenizer
 
 import rocm_k3
 from rocm_k3.engine.chat import ChatRequest, ModelFrontend, chat_finish_reason

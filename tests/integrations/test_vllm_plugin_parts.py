@@ -1,6 +1,6 @@
 """The parts of rocm-k3's vLLM plugin that need no vLLM (default tier): the expanded MLA head size, where the
 plugin takes the released architecture names, and rocm-k3's tokenizer as vLLM sees it (token strings that survive
-byte-by-byte detokenization, the K3 chat template as token ids). The plugin inside vLLM: tests/test_vllm_plugin.py.
+byte-by-byte detokenization, the K3 chat template as token ids). The plugin inside vLLM: tests/integrations/test_vllm_plugin.py.
 """
 
 from __future__ import annotations

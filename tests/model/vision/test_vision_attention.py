@@ -9,7 +9,7 @@ Tiers:
   interpreter runs the dots on fp32 operands).
 - ``cuda``: K3 tower shapes (12 heads x 128, bf16, images of 4 to 4096 patches) against the reference, 1e-2
   (bf16 P @ V operands and one bf16 output rounding, 2^-9 each); the compile tier entry is ``varlen_attention``
-  in tests/test_triton_ops.py.
+  in tests/kernels/triton/test_triton_ops.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import (see tests/test_triton_ops.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import (see tests/kernels/triton/test_triton_ops.py)
 
 from rocm_k3 import ops  # noqa: E402
 from rocm_k3.ops.vision_attention import varlen_attention_reference  # noqa: E402
@@ -161,7 +161,7 @@ def test_vision_interpret_tier_in_subprocess() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

@@ -9,7 +9,7 @@ import pytest
 from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
-from tests.test_dist import ENGINE, free_port
+from tests.parallel.test_dist import ENGINE, free_port
 
 pytestmark = pytest.mark.dist
 PROMPTS = ["hello hello hello hello hello hello", "def f(x):\n    return x\ndef f(x):\n    return x\n",

@@ -13,7 +13,7 @@
   KDA 96 x 128, MLA with TP-8's 12 heads and the 512 + 64 latent, LatentMoE 7168 -> 3584 with experts
   3584 -> 2 x 3072, dense layer 0 of 33792; 4 layers, 32 of the 896 experts, AttnRes blocks of 2 so the slice
   writes snapshots). Its plumbing is also run at reduced width in the interpret tier.
-Triton reads TRITON_INTERPRET at its import; see tests/test_triton_ops.py for the subprocess fallback.
+Triton reads TRITON_INTERPRET at its import; see tests/kernels/triton/test_triton_ops.py for the subprocess fallback.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rocm_k3.triton_kernels import backend as triton_backend  # noqa: E402
 from rocm_k3.triton_kernels.norm import _rms_norm_kernel  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 
-# both ours and Triton's own standard library must be interpreted (see tests/test_triton_ops.py)
+# both ours and Triton's own standard library must be interpreted (see tests/kernels/triton/test_triton_ops.py)
 _INTERPRETED = interpreted(_rms_norm_kernel) and interpreted(triton.language.sigmoid)
 PROMPTS = ["Hello, my name is", "The capital of France"]
 
@@ -150,7 +150,7 @@ def test_small_mla_geometry_triton_cuda(tmp_path: Path, monkeypatch: pytest.Monk
 def test_tiny_model_interpret_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

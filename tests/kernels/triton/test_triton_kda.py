@@ -295,7 +295,7 @@ def test_kda_decode_interpret(lower_bound: float | None, prefetch: bool, dtype: 
 def test_kda_interpret_tier_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

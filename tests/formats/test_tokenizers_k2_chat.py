@@ -5,30 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizer_files import K2_TABLE, write_config, write_kimi_tokenizer
+from tokenizer_files import K2_TABLE, K2_TEMPLATE, write_config, write_kimi_tokenizer
 
 from rocm_k3.formats import K2ChatRenderer, load_chat_renderer
 from rocm_k3.tokenizers import load_tokenizer
 
-# A small template in the K2 shape of SERVING_SPEC 2.3 (written for these tests).
-K2_TEMPLATE = (
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
-    "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}<|im_end|>{%- endif -%}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if message['role'] == 'user' -%}<|im_user|>{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
-    "{%- else -%}<|im_system|>{%- endif -%}\n"
-    "{{ message.get('name') or message['role'] }}<|im_middle|>"
-    "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}{{ '\\n' }}{%- endif -%}"
-    "{{ message['content'] or '' }}"
-    "{%- if message.get('tool_calls') -%}<|tool_calls_section_begin|>"
-    "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
-    "{{ call['function']['arguments'] }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
-    "<|im_end|>\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
-    "{%- endif -%}"
-)
 CHAT = [
     {"role": "user", "content": "What's the weather like in Beijing today?"},
     {"role": "assistant", "content": "", "tool_calls": [

@@ -10,7 +10,7 @@ import torch
 
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import write_tiny_checkpoint
-from tests.test_engine import _engine, _ids, _run
+from tests.engine.test_engine import _engine, _ids, _run
 
 pytestmark = pytest.mark.cuda
 

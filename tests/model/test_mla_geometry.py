@@ -3,7 +3,7 @@ can get wrong without any shape error:
 
 - an MLA latent geometry no release uses (kv_lora_rank 32, nope 32, rope 16, v 32): rocm-k3 takes every width from
   the config and the shapes, so the 32 greedy tokens are transformers' and every teacher-forced logit is within
-  1e-4 (fp32 both sides; they differ in summation order only, as in tests/test_model_forward.py);
+  1e-4 (fp32 both sides; they differ in summation order only, as in tests/model/test_model_forward.py);
 - the eps of q_a_layernorm / kv_a_layernorm: transformers builds them with KimiLinearRMSNorm's default 1e-6, not
   rms_norm_eps. With rms_norm_eps = 0.1 the logits match only with that choice: the test also runs the model with
   rms_norm_eps in those two norms and requires it to miss transformers by far more than the tolerance;

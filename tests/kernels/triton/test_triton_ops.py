@@ -490,7 +490,7 @@ def test_launcher_argument_errors() -> None:
 def test_interpret_tier_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

@@ -31,7 +31,7 @@ from tests.model_fixtures import write_kimi_linear_checkpoint
 from tests.vision_engine_fixtures import noise_image
 
 pytestmark = pytest.mark.dist
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 58)), [100] * 20 + [3, 1, 4]]  # the last two share a prefix
 TP4_K3 = {"num_attention_heads": 4, "moe_intermediate_size": 128, "intermediate_size": 128,

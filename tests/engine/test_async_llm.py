@@ -20,7 +20,7 @@ from rocm_k3.engine.assembly import assemble_engine
 from rocm_k3.sampling_params import SamplingParams
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARGS = EngineArgs(dtype="float32", max_model_len=512)
 TIMEOUT = 60
 

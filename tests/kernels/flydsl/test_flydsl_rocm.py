@@ -2,7 +2,7 @@
 
 Skipped (with the reason, by conftest) unless torch sees a ROCm GPU. On such a machine run:
 
-    pytest -m rocm tests/test_flydsl_rocm.py
+    pytest -m rocm tests/kernels/flydsl/test_flydsl_rocm.py
 
 Every kernel is compared with the pure-PyTorch reference of its op on the same inputs (random, seeded);
 outputs are poisoned before the kernel writes them where the op writes in place. Tolerances are relative

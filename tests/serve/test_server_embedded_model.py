@@ -80,7 +80,7 @@ def test_weather_chat_mostly_calls_get_weather(weather) -> None:
 def test_arithmetic_chats_answer_in_the_response_channel_and_stop(client) -> None:
     """Greedy arithmetic chats: most come back with the think channel as ``reasoning_content``, a number in
     ``content`` and ``finish_reason`` "stop" on the end-of-message token (measured through this server: 12 of 12;
-    the numbers in them are wrong: see tests/test_embedded_model.py)."""
+    the numbers in them are wrong: see tests/model/test_embedded_model.py)."""
     rng = random.Random(3)
     answered, seen = 0, []
     for _ in range(6):

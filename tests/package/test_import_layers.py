@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "rocm_k3"
+PACKAGE = Path(__file__).resolve().parents[2] / "rocm_k3"
 
 # Lowest first. Entries of one tuple share a layer (they may import each other).
 LAYERS: tuple[tuple[str, ...], ...] = (

@@ -22,7 +22,7 @@ from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.worker import DeviceError
 from tests.model_fixtures import default_sigint, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [100] * 17, list(range(70, 75))]
 

@@ -20,7 +20,7 @@ from rocm_k3.model.tiny import embedded_name
 from rocm_k3.settings import override
 from rocm_k3.tokenizers import TOKENIZER_FILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_make_tiny_then_generate(tmp_path, capsys: pytest.CaptureFixture) -> None:

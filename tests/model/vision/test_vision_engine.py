@@ -285,7 +285,7 @@ def test_image_prompts_on_triton_match_the_direct_computation(vision_dir, tokeni
 def test_a_rendered_chat_runs_its_images_through_generate(llm, vision_model, tokenizer) -> None:
     """The chat-friendly entry: the K3 renderer reports where each image part goes (a typed placeholder stays
     text) and ``generate`` takes those ids + positions + images. The chat path decodes image parts itself
-    (tests/test_vision_chat_server.py); a malformed data URL is refused by name, never dropped."""
+    (tests/model/vision/test_vision_chat_server.py); a malformed data URL is refused by name, never dropped."""
     messages = [{"role": "user", "content": [{"type": "text", "text": f"typed {PH}:"},
                                              {"type": "image_url", "image_url": {"url": "data:,"}},
                                              {"type": "text", "text": "what is it?"}]}]
