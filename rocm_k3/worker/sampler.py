@@ -65,7 +65,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         processed = logits.clone()
         for processor in logits_processors:
             processor(processed)
-    chosen = processed.argmax(dim=-1)  # [N]
+    # NaN (e.g. inf - inf from an extreme penalty) never wins a pick: the top logit among the rest does
+    chosen = torch.nan_to_num(processed, nan=float("-inf")).argmax(dim=-1)  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
         scaled = processed / temps.clamp_min(1e-6)[:, None]  # [N, V]
@@ -73,8 +74,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         scaled = _apply_top_k(scaled, [p.top_k for p in params])
         scaled = _apply_top_p(scaled, [float(p.top_p) for p in params])
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
+        # a row whose processed probabilities are not a distribution (NaN from +-inf logits after an extreme
+        # repetition penalty, or all zero) keeps its top logit instead of a draw from garbage
+        usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()  # [N], one host read
         for i, (p, gen) in enumerate(zip(params, generators)):
-            if p.temperature == 0:
+            if p.temperature == 0 or not usable[i]:
                 continue
             race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
             chosen[i] = torch.argmax(probs[i] / race)

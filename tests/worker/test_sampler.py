@@ -114,3 +114,31 @@ def test_sample_validates_inputs() -> None:
         sample(_logits().half(), [SamplingParams()] * 3, [make_generator(0)] * 3)
     with pytest.raises(ValueError, match="one per row"):
         sample(_logits(), [SamplingParams()], [make_generator(0)])
+
+
+@pytest.mark.parametrize("case", ["inf_logit", "nan_after_penalty", "two_infs"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_extreme_processed_logits_never_draw_from_nan(case: str, temperature: float) -> None:
+    """An extreme penalty can turn processed logits into +-inf or NaN (x / 1e-30, inf - inf); the pick is then the
+    top non-NaN logit, never token 0 from a NaN distribution (the 'NUL token' of issue 31)."""
+    vocab = 64
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) - 10  # token 0 is not special
+    best = 17
+
+    def extreme(x: torch.Tensor) -> None:
+        if case == "inf_logit":
+            x[0, best] = float("inf")
+        elif case == "nan_after_penalty":
+            x[0, :best] = float("nan")
+            x[0, best] = 1e30
+            x[0, best + 1:] = float("nan")
+        else:
+            x[0, best] = float("inf")
+            x[0, best + 5] = float("inf")
+            x[0, 3] = float("nan")
+
+    params = [SamplingParams(temperature=temperature, top_p=1e-9, min_p=0.999)]
+    for seed in range(5):
+        out = sample(logits, params, [make_generator(seed)], [extreme])
+        assert int(out.token_ids[0]) == best, (case, seed, int(out.token_ids[0]))
+        assert bool(out.finite[0])  # the model's own logits were finite: the request is not failed
