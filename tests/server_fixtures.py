@@ -18,7 +18,7 @@ import uvicorn
 
 from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
-from rocm_k3.engine.llm import build_engine
+from rocm_k3.engine.assembly import assemble_engine
 from rocm_k3.entrypoints.openai.api_server import build_app, served_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +60,11 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
     """Build the engine, serve it on a free port, yield the server; stop both at the end. ``core_hook(core)`` may
     change the engine core before it starts (e.g. inject failures)."""
     server_args = server_args or ServerArgs(port=0, uvicorn_log_level="warning")
-    core, path, tokenizer = build_engine(engine_args)
+    assembled = assemble_engine(engine_args)
     if core_hook is not None:
-        core_hook(core)
-    engine = AsyncLLM(core)
-    served = served_model(engine, path, tokenizer, engine_args, server_args)
+        core_hook(assembled.core)
+    engine = AsyncLLM(assembled.core)
+    served = served_model(engine, assembled, server_args)
     running = start_app(build_app(served), server_args.uvicorn_log_level, served)
     try:
         yield running

@@ -16,7 +16,7 @@ import rocm_k3
 from rocm_k3.args import EngineArgs
 from rocm_k3.cache.errors import RequestTooLargeError
 from rocm_k3.engine.async_llm import AsyncLLM, EngineDeadError
-from rocm_k3.engine.llm import build_engine
+from rocm_k3.engine.assembly import assemble_engine
 from rocm_k3.sampling_params import SamplingParams
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -32,7 +32,7 @@ def llm():
 
 @pytest.fixture
 def engine():
-    core, _, _ = build_engine(ARGS)
+    core = assemble_engine(ARGS).core
     eng = AsyncLLM(core)
     yield eng
     eng.shutdown()
@@ -164,7 +164,7 @@ def test_an_engine_failure_fails_in_flight_requests_and_refuses_new_ones(llm, en
 
 
 def test_shutdown_fails_open_streams(llm) -> None:
-    core, _, _ = build_engine(ARGS)
+    core = assemble_engine(ARGS).core
     engine = AsyncLLM(core)
     tok = llm.tokenizer
 

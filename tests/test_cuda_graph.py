@@ -13,11 +13,11 @@ import torch
 from rocm_k3.engine.llm import LLM
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
-from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.kv_pools import PoolShapes, KVPools
 from rocm_k3.worker.model_runner import ModelRunner
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 
-GEOM = CacheGeometry(num_mla_layers=1, num_kda_layers=1, kda_heads=2, kda_head_dim=8, conv_width=4,
+GEOM = PoolShapes(num_mla_layers=1, num_kda_layers=1, kda_heads=2, kda_head_dim=8, conv_width=4,
                      dtype=torch.float32)
 
 

@@ -309,9 +309,9 @@ def test_async_engine_takes_images(vision_dir, llm, tokenizer) -> None:
 
     from rocm_k3.args import EngineArgs
     from rocm_k3.engine.async_llm import AsyncLLM
-    from rocm_k3.engine.llm import build_engine
+    from rocm_k3.engine.assembly import assemble_engine
 
-    core, _, _ = build_engine(EngineArgs(model=str(vision_dir), **KNOBS))
+    core = assemble_engine(EngineArgs(model=str(vision_dir), **KNOBS)).core
     engine = AsyncLLM(core)
     mm = llm.process_images(tokenizer.encode("async"), [5], [noise_image(8, 70, 42)])
 

@@ -16,12 +16,12 @@ from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.model.forward_batch import HybridCacheView
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.kv_pools import PoolShapes, KVPools
 from rocm_k3.worker.model_runner import ModelRunner
 from rocm_k3.worker.step_io import SampledToken, StepOutput
 from tests.helpers import seeded
 
-GEOM = CacheGeometry(
+GEOM = PoolShapes(
     num_mla_layers=2, num_kda_layers=3, kda_heads=2, kda_head_dim=8, conv_width=4, dtype=torch.bfloat16,
     mla_latent_width=576,
 )

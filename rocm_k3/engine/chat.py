@@ -73,11 +73,15 @@ class PreparedChat:
     thinking_token_budget: int | None
     image_positions: tuple[int, ...] = ()
 
+    def sampling_changes(self) -> dict[str, Any]:
+        """The SamplingParams fields the chat sets (see the module docstring)."""
+        return {"skip_special_tokens": False, "structured_outputs": self.constraint,
+                "prompt_in_think": self.prompt_in_think,
+                "thinking_token_budget": self.thinking_token_budget if self.prompt_in_think else None}
+
     def sampling(self, base: SamplingParams) -> SamplingParams:
-        """``base`` with the chat's changes (see the module docstring)."""
-        return dataclasses.replace(base, skip_special_tokens=False, structured_outputs=self.constraint,
-                                   prompt_in_think=self.prompt_in_think,
-                                   thinking_token_budget=self.thinking_token_budget if self.prompt_in_think else None)
+        """``base`` (a caller's SamplingParams) with the chat's changes."""
+        return dataclasses.replace(base, **self.sampling_changes())
 
     def parser(self, call_id_prefix: str = "call_") -> StreamParser:
         return StreamParser(self.family, tools=self.tools, tool_choice=self.tool_choice, thinking=self.thinking,

@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import Any
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
@@ -90,7 +91,7 @@ def _run(worker, name: str, args: tuple) -> Any:
     if name == "info":
         return worker.info()
     if name == "cache_budget":
-        return worker.cache_budget()
+        return worker.cache_budget(*args)
     if name == "init_cache":
         return worker.init_cache(*args)
     if name == "execute":
@@ -139,11 +140,11 @@ class MultiprocExecutor:
     def info(self) -> WorkerInfo:
         return self._call("info")
 
-    def cache_budget(self) -> tuple[int, int] | None:
-        return self._call("cache_budget")
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None:
+        return self._call("cache_budget", block_size)
 
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
-        self._call("init_cache", num_blocks, num_slots, max_model_len)
+    def init_cache(self, geometry: CacheGeometry) -> None:
+        self._call("init_cache", geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._call("execute", step)

@@ -6,6 +6,8 @@ lists, tuples, :class:`~rocm_k3.sampling_params.SamplingParams` (a frozen datacl
 pixel arrays of :class:`ImageInput` appear here (no torch tensors), so a step pickles and can be broadcast to the
 ranks of a multi-process executor unchanged.
 
+Before the first step the workers get the planned cache once, a :class:`~rocm_k3.cache.geometry.CacheGeometry`
+(``Executor.init_cache``): block size, pool sizes and block-table width all come from it.
 A request travels once as :class:`NewRequest` (its sampling parameters and seed); every step then names it by
 ``request_id`` in a :class:`ScheduledChunk` with the tokens to run and the cache deltas (block ids appended to
 its table, or the whole table and KDA slot when it was (re-)admitted). Workers keep per-request state (block

@@ -1,10 +1,10 @@
 """The worker: one per device. Owns the model, the KV/state pools, the runner, decode graphs and the sampler.
 
 Life cycle (driven by an executor): ``Worker(config)`` loads the model onto the device; :meth:`Worker.info`
-reports what the control plane needs (vocabulary, eos ids, cache bytes per block/slot, position limit);
+reports what the control plane needs (vocabulary, eos ids, cache bytes per token/slot, position limit);
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
-for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and captures the
-decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and block tables the
+engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
 
 A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
 (:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
-from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import sample
@@ -60,7 +61,6 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
-    block_size: int = 128
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
 
@@ -102,7 +102,7 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    bytes_per_block: int
+    bytes_per_token: int  # MLA latent bytes of one token over this rank's layers (a block is block_size of them)
     bytes_per_slot: int
     device: str
     dtype: str
@@ -135,7 +135,8 @@ class Worker:
                 vision_model = load_vision_model(config.model_path, vision, dtype=config.dtype, device=self.device,
                                                  backend=config.backend)
         self.vision_model = vision_model if self.ctx.is_first_stage else None
-        self.geometry = CacheGeometry.from_model(self.model, config.dtype)
+        self.shapes = PoolShapes.from_model(self.model, config.dtype)
+        self.geometry: CacheGeometry | None = None  # the planned cache, from init_cache
         self.stage = StageLink(self.model, self.ctx)
         self.runner: ModelRunner | None = None
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
@@ -146,8 +147,7 @@ class Worker:
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
             eos_token_ids=tuple(cfg.eos_token_id),
-            bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
-            bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+            bytes_per_token=self.shapes.bytes_per_token(), bytes_per_slot=self.shapes.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
             kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
 
@@ -159,9 +159,10 @@ class Worker:
         return 1 if chosen == "reference" else KDA_KERNEL_SAVE_GRID
 
     # ---- memory sizing -------------------------------------------------------------------------------------
-    def cache_budget(self) -> tuple[int, int] | None:
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None:
         """(kv_cache_bytes, state_cache_bytes) that fit in ``gpu_memory_utilization`` of the GPU after a profiled
-        forward of ``max_num_batched_tokens`` tokens; None on the CPU (the configured budgets apply).
+        forward of ``max_num_batched_tokens`` tokens on pages of ``block_size``; None on the CPU (the configured
+        budgets apply).
 
         Split: the KDA state slots get room for two per running request (running + one saved state for the
         prefix cache) plus one, but at most half of what is free; the MLA pages get the rest.
@@ -174,7 +175,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        pools, peak = self._profile_forward()
+        pools, peak = self._profile_forward(block_size)
         activation_peak = peak - before - pools
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
@@ -184,39 +185,43 @@ class Worker:
                 f"no GPU memory left for the cache: {total / 2**30:.1f} GiB x gpu_memory_utilization="
                 f"{cfg.gpu_memory_utilization} holds weights {before / 2**30:.2f} GiB + activations "
                 f"{activation_peak / 2**30:.2f} GiB + other {max(0, non_torch) / 2**30:.2f} GiB")
-        slot = self.geometry.bytes_per_slot()
+        slot = self.shapes.bytes_per_slot()
         state = min(available // 2, slot * (2 * cfg.max_num_seqs + 1))
         log.info("GPU cache budget: %.2f GiB (KV %.2f GiB, KDA states %.2f GiB) after %.2f GiB weights and "
                  "%.2f GiB activations", available / 2**30, (available - state) / 2**30, state / 2**30,
                  before / 2**30, activation_peak / 2**30)
         return available - state, state
 
-    def _profile_forward(self) -> tuple[int, int]:
-        """Run one prefill of ``max_num_batched_tokens`` dummy tokens on scratch pools; (pool bytes, peak bytes)."""
+    def _profile_forward(self, bs: int) -> tuple[int, int]:
+        """Run one prefill of ``max_num_batched_tokens`` dummy tokens on scratch pools of ``bs``-token pages;
+        (pool bytes, peak bytes)."""
         tokens = self.config.max_num_batched_tokens
-        bs = self.config.block_size
         blocks = math.ceil(tokens / bs)
-        pools = KVPools(self.geometry, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
+        pools = KVPools(self.shapes, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
         runner = ModelRunner(self.stage, pools, blocks)
         chunk = ScheduledChunk(request_id="profile", token_ids=(0,) * tokens, start=0, admitted=True,
                                block_ids=tuple(range(blocks)), kda_slot=0, is_prefill=True, sample=True)
         runner.execute(StepInput(step_id=0, chunks=(chunk,)))
         torch.cuda.synchronize(self.device)
-        pool_bytes = (blocks + 1) * self.geometry.bytes_per_block(bs) + 2 * self.geometry.bytes_per_slot()
+        pool_bytes = (blocks + 1) * self.shapes.bytes_per_block(bs) + 2 * self.shapes.bytes_per_slot()
         peak = torch.cuda.max_memory_allocated(self.device)
         del runner, pools
         torch.cuda.empty_cache()
         return pool_bytes, peak
 
     # ---- cache and graphs ----------------------------------------------------------------------------------
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
-        """Allocate the pools (plus the scratch block and slot) and capture the decode graphs (GPU, not eager)."""
-        bs = self.config.block_size
+    def init_cache(self, geometry: CacheGeometry) -> None:
+        """Allocate the pools ``geometry`` plans (plus the scratch block and slot) and its block tables, and capture
+        the decode graphs (GPU, not eager)."""
+        if not isinstance(geometry, CacheGeometry):
+            raise TypeError(f"init_cache: expected a CacheGeometry, got {type(geometry).__name__}")
+        self.geometry = geometry
         if self.device.type == "cuda":  # memory a dropped engine still caches would fragment a pool this large
             gc.collect()
             torch.cuda.empty_cache()
-        pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
-        width = math.ceil(max_model_len / bs) + 1
+        pools = KVPools(self.shapes, block_size=geometry.block_size, num_blocks=geometry.num_blocks,
+                        num_slots=geometry.num_slots, device=self.device)
+        width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,

@@ -8,7 +8,7 @@ with server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST 
 a watcher on the connection cancels the handler).
 
 :func:`build_app` makes the app (tests drive it with uvicorn on a free port); :func:`serve` is ``rocm-k3 serve``:
-build the engine, then run uvicorn until Ctrl-C, and shut the engine down.
+assemble the engine (:func:`~rocm_k3.engine.assembly.assemble_engine`), then run uvicorn until Ctrl-C, and shut the engine down.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
-from rocm_k3.engine.chat import ModelFrontend
+from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
@@ -137,23 +136,14 @@ def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
         raise bad_request(exc, "messages") from None
 
 
-def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArgs, server_args: ServerArgs
-                 ) -> ServedModel:
-    """The handlers' view of a built engine (see ``build_engine``)."""
-    from rocm_k3.formats.parsers.registry import checkpoint_family
-
-    family = checkpoint_family(path, tool_call_parser=engine_args.tool_call_parser,
-                               reasoning_parser=engine_args.reasoning_parser)
-    core = engine.core
-    names = server_args.served_model_name or [engine_args.model or path.name]
-    from rocm_k3.engine.multimodal import MultiModalProcessor
-
-    multimodal = MultiModalProcessor.from_checkpoint(path, tokenizer) if tokenizer is not None else None
-    return ServedModel(engine=engine, frontend=ModelFrontend(path, tokenizer, family), names=list(names),
-                       max_model_len=core.config.max_model_len, vocab_size=core.vocab_size,
+def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
+    """The handlers' view of an assembled engine (``engine`` drives ``assembled.core``)."""
+    names = server_args.served_model_name or [assembled.args.model or assembled.path.name]
+    return ServedModel(engine=engine, frontend=assembled.frontend, names=list(names),
+                       max_model_len=assembled.max_model_len, vocab_size=assembled.core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
-                       max_request_bytes=server_args.max_request_bytes, multimodal=multimodal,
+                       max_request_bytes=server_args.max_request_bytes, multimodal=assembled.multimodal,
                        allow_remote_images=server_args.allow_remote_images,
                        max_image_bytes=server_args.max_image_bytes)
 
@@ -162,14 +152,12 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """``rocm-k3 serve``: load the model, serve until interrupted; returns the exit status."""
     import uvicorn
 
-    from rocm_k3.engine.llm import build_engine
-
-    core, path, tokenizer = build_engine(engine_args)
-    engine = AsyncLLM(core)
+    assembled = assemble_engine(engine_args)
+    engine = AsyncLLM(assembled.core)
     try:
-        served = served_model(engine, path, tokenizer, engine_args, server_args)
+        served = served_model(engine, assembled, server_args)
         app = build_app(served)
-        log.info("serving %s as %s on http://%s:%d (max_model_len %d)", path, served.names, server_args.host,
+        log.info("serving %s as %s on http://%s:%d (max_model_len %d)", assembled.path, served.names, server_args.host,
                     server_args.port, served.max_model_len)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5)
@@ -177,5 +165,5 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
             uvicorn.Server(config).run()
     finally:
         engine.shutdown()
-        core.executor.shutdown()  # the worker processes of a parallel run
+        assembled.shutdown()  # the worker processes of a parallel run
     return 0

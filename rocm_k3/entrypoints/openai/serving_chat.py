@@ -66,7 +66,7 @@ class ChatRun:
     async def _streams(self):
         prompt = self.prompt
         streams = await start_streams(self.served, self.request_id, [prompt] * len(self.params), self.params,
-                                      self.images)
+                                      self.images, field="messages")
         self.served.metrics.prompt_tokens.inc(len(prompt) * len(self.params))
         return streams
 
@@ -179,15 +179,10 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         prompt, images = _with_images(served, req, prepared)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
-    served.check_prompt(prompt, "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    base = sampling_params(req, max_tokens=max_tokens, logprobs=top, skip_special_tokens=False)
-    try:
-        params = prepared.sampling(base)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(exc) from None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=top, **prepared.sampling_changes())
     return ChatRun(served, req, model, prepared, params, prompt, images)
 
 
