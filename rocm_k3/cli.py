@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("rocm_k3.entrypoints.serve_cmd", "serve an OpenAI-compatible API (default model: the embedded tiny K3)"),
     "pd-proxy": ("rocm_k3.entrypoints.pd_proxy_cmd",
                  "route each request's prefill and decode to separate `serve` instances (OpenAI-compatible)"),
+    "expert-placement": ("rocm_k3.entrypoints.expert_placement_cmd",
+                         "write an expert placement (redundant experts, balanced ranks) from recorded expert loads"),
     "make-tiny": ("rocm_k3.entrypoints.make_tiny_cmd", "write the small seeded K3-architecture checkpoint to DIR"),
     "train-tiny": ("rocm_k3.entrypoints.train_tiny_cmd",
                    "train the embedded tiny K3 on the CPU and write its checkpoint to DIR (developer command)"),

@@ -48,7 +48,7 @@ def k3():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, True, "schema"),
     ({"response_format": {"type": "xml"}}, True, "response_format.type"),
     ({"parallel_tool_calls": "no", "tools": TOOLS}, True, "parallel_tool_calls"),
-    ({"reasoning_effort": "medium"}, True, "reasoning_effort"),
+    ({"reasoning_effort": "extreme"}, True, "reasoning_effort"),
     ({"thinking_token_budget": -1}, True, "thinking_token_budget"),
     ({"messages": [{"role": "user"}]}, True, r"messages\[0\].content"),
 ])

@@ -104,6 +104,26 @@ def test_kimi_linear_layouts_match_one_process(kimi_linear, kimi_linear_single, 
     assert tokens == kimi_linear_single[0]
 
 
+SPLIT_KIMI_LINEAR = {"num_hidden_layers": 4, "linear_attn_config": {"num_heads": 2, "head_dim": 32,
+                                                                      "short_conv_kernel_size": 4,
+                                                                      "full_attn_layers": [3, 4], "kda_layers": [1, 2]}}
+
+
+def test_pp2_stages_owning_one_layer_kind(tmp_path_factory) -> None:
+    """Kimi Linear written by transformers with KDA layers 1-2 and MLA layers 3-4: at PP=2 stage 0 owns no MLA
+    layer and stage 1 no KDA layer. Both stages share one cache geometry (the largest page / slot any stage
+    needs, so no stage is handed more blocks than it can hold; this once asked for a 9.9 TB MLA pool) and each
+    allocates pools only for its own layer kinds; the tokens equal one process's, also at TP2 x PP2 with EP."""
+    path = tmp_path_factory.mktemp("dist_kl_split")
+    write_kimi_linear_checkpoint(path, seed=4, **SPLIT_KIMI_LINEAR)
+    single, _, _ = _generate(path)
+    tokens, _, _ = _generate(path, pipeline_parallel_size=2)
+    assert tokens == single
+    tokens, ranks, _ = _generate(path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert tokens == single  # TP2 x PP2 with expert-parallel dispatch on the same split
+    assert all(0 < r["collectives"]["moe_rows"] < r["collectives"]["moe_picks"] for r in ranks), ranks
+
+
 TRAINED_PROMPTS = ["The file", "Return the number of", "If the value is"]  # text the trained model knows
 
 
@@ -125,6 +145,65 @@ def test_trained_embedded_model_layouts_match_one_process(trained_single, layout
     """The trained embedded model (peaked logits, not the random models' near-ties): TP, EP and PP ranks give the
     single process's greedy tokens."""
     assert _trained_tokens(**LAYOUTS[layout]) == trained_single
+
+
+def test_redundant_experts_and_a_recorded_placement_change_no_token(k3, k3_single, tmp_path) -> None:
+    """TP2 + EP with 2 redundant experts (10 physical slots for 8 experts, replicas of one expert on distinct
+    ranks): the picks spread over the replicas and the tokens stay the single process's. The loads the EP ranks
+    recorded become a placement (``rocm-k3 expert-placement``) that a second run loads, again token-identical."""
+    ep = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "num_redundant_experts": 2}
+    llm = LLM(k3, master_port=free_port(), **ENGINE, **ep)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == k3_single[0]
+        loads = llm.expert_loads()
+        ranks = llm.engine.executor.rank_stats()
+    finally:
+        llm.shutdown()
+    cfg = json.loads((k3 / "config.json").read_text())["text_config"]
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert len(loads) == moe_layers and all(len(v) == cfg["num_experts"] for v in loads.values()), loads
+    picks = {sum(v) for v in loads.values()}
+    assert len(picks) == 1 and picks.pop() % cfg["num_experts_per_token"] == 0
+    for r in ranks:  # each rank ran about half of the picks, never all of them
+        c = r["collectives"]
+        assert 0 < c["moe_rows"] < c["moe_picks"], c
+    (tmp_path / "loads.json").write_text(json.dumps({"layers": loads}))
+    placement = tmp_path / "placement.json"
+    from rocm_k3.cli import main
+
+    assert main(["expert-placement", str(tmp_path / "loads.json"), "--ep-size", "2", "--num-redundant-experts", "2",
+                 "-o", str(placement)]) == 0
+    tokens, _, _ = _generate(k3, expert_placement=str(placement), **ep)
+    assert tokens == k3_single[0]
+
+
+def test_server_metrics_show_expert_loads_under_ep(k3) -> None:
+    """``rocm-k3 serve`` at TP2 + EP: after a completion /metrics has a per-expert load counter for every MoE
+    layer whose picks sum to k per token run."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rocm_k3.args import EngineArgs
+    from tests.server_fixtures import running_server
+
+    args = EngineArgs(model=str(k3), master_port=free_port(), tensor_parallel_size=2, enable_expert_parallel=True,
+                      **ENGINE)
+    with running_server(args) as server:
+        out = server.client().completions.create(model=server.served.names[0], prompt=[5, 6, 7, 8], max_tokens=3,
+                                                 temperature=0)
+        assert out.usage.completion_tokens == 3
+        with urllib.request.urlopen(server.url("/metrics"), timeout=60) as resp:
+            text = resp.read().decode()
+    per_layer: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "rocm_k3_expert_load":
+            for sample in family.samples:
+                per_layer[sample.labels["layer"]] = per_layer.get(sample.labels["layer"], 0) + sample.value
+    cfg = json.loads((k3 / "config.json").read_text())["text_config"]
+    assert len(per_layer) == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"], text
+    tokens_run = 4 + 2  # the prompt, then one decode step per token after the first
+    assert set(per_layer.values()) == {tokens_run * cfg["num_experts_per_token"]}, per_layer
 
 
 def test_bytes_per_rank_shrink_as_tp_grows(k3, k3_single) -> None:

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops",),
     ("triton_kernels", "flydsl_kernels"),
     ("model",),
-    ("worker",),
+    ("worker", "spec_decode"),  # spec_decode: worker-side acceptance over the step contract, integer planning
     ("executor",),
     ("args",),
     ("engine",),

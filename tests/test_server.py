@@ -234,7 +234,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "valid list"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "role"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "medium"}, 400, "reasoning_effort", "medium"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "extreme"}, 400, "reasoning_effort", "extreme"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400, None, "strin"),
     ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "a("}}, 400, None, "regex"),

@@ -371,7 +371,9 @@ def test_thinking_options() -> None:
     assert thinking_options(None, "low") == (None, "low")
     assert thinking_options({"thinking": True}, "none") == (True, None)  # explicit wins
     assert thinking_options({"thinking_effort": "high"}, "low") == (None, "high")
-    for bad in ("medium", "minimal"):
+    assert thinking_options(None, "medium") == (None, "high")  # OpenAI's efforts map to K3's nearest
+    assert thinking_options(None, "minimal") == (None, "low")
+    for bad in ("extreme", "MAX"):
         with pytest.raises(ValueError, match="reasoning_effort"):
             thinking_options(None, bad)
     with pytest.raises(ValueError, match="chat_template_kwargs.thinking_effort"):

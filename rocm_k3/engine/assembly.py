@@ -28,6 +28,7 @@ from rocm_k3.formats.parsers.registry import checkpoint_family
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.tiny import ensure_embedded_model
+from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.tokenizers import load_tokenizer
 from rocm_k3.worker.worker import WorkerConfig
 
@@ -142,7 +143,8 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     measured = None if all(explicit) else executor.cache_budget(cache.block_size)
     cache, geometry = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          max_model_len=geometry.max_model_len, cache=cache)
+                          max_model_len=geometry.max_model_len, cache=cache,
+                          speculative=SpeculativeConfig.parse(args.speculative_config))
     executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

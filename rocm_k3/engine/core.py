@@ -196,6 +196,12 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Raise the executor's error if one of its worker processes has ended (a no-op in one process)."""
+        check = getattr(self.executor, "check_alive", None)
+        if check is not None:
+            check()
+
     def step(self) -> list[RequestDelta]:
         """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
         try:
@@ -223,6 +229,15 @@ class EngineCore:
                 if d.finished:
                     self._seqs.pop(d.request_id, None)
         return deltas
+
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer, as the expert-parallel ranks counted them ({} without
+        expert parallelism); every TP rank of a stage counts the same routing, so TP rank 0 of each speaks."""
+        out: dict[int, list[int]] = {}
+        for r in self.executor.rank_stats(reset):
+            if r["tp_rank"] == 0:
+                out.update({int(k): list(v) for k, v in r.get("expert_load", {}).items()})
+        return dict(sorted(out.items()))
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every queued request finished; outputs by request id."""
@@ -277,4 +292,5 @@ class EngineCore:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
         )
+        out.update(self.scheduler.spec.stats.as_dict())
         return out

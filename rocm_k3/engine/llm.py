@@ -210,6 +210,13 @@ class LLM:
         with self._lock:
             return self.engine.stats()
 
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer since the start (or the last reset), as counted by the
+        expert-parallel ranks; {} without expert parallelism. ``rocm-k3 expert-placement`` turns a JSON dump
+        of it (``{"layers": {layer: loads}}``) into a placement for ``--expert-placement``."""
+        with self._lock:
+            return self.engine.expert_loads(reset)
+
     # ------------------------------------------------------------------ internals
     def _multimodal(self, where: str) -> MultiModalProcessor:
         if self.multimodal is not None:

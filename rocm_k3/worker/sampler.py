@@ -113,20 +113,28 @@ def _apply_top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 
 
 def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[dict[int, float] | None]:
+    """The chosen token's log-probability and the top ``logprobs`` alternatives of the rows that ask, computed
+    for those rows at once and read to the host in one transfer (no per-row synchronisation)."""
     wanted = [p.logprobs for p in params]
-    if all(w is None for w in wanted):
+    rows = [i for i, w in enumerate(wanted) if w is not None]
+    if not rows:
         return [None] * len(params)
-    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
-    out: list[dict[int, float] | None] = []
-    for i, w in enumerate(wanted):
-        if w is None:
-            out.append(None)
-            continue
-        tok = int(chosen[i])
-        entry = {tok: float(logp[i, tok])}
-        if w > 0:
-            top = torch.topk(logp[i], min(w, logp.shape[1]))
-            for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                entry.setdefault(t, v)
-        out.append(entry)
+    idx = torch.tensor(rows, device=logits.device)  # [R]
+    logp = torch.log_softmax(logits[idx], dim=-1)  # [R, V]
+    picked = chosen[idx]  # [R]
+    k = min(max(wanted[i] for i in rows), logp.shape[1])
+    top = torch.topk(logp, k) if k > 0 else None  # [R, k]
+    parts = [picked, logp.gather(1, picked[:, None])[:, 0].double()]
+    if top is not None:
+        parts += [top.indices.reshape(-1).to(picked.dtype), top.values.reshape(-1).double()]
+    host = torch.cat([p.double() for p in parts]).tolist()  # the one device -> host read
+    r = len(rows)
+    tokens, values = host[:r], host[r : 2 * r]
+    top_ids, top_vals = host[2 * r : 2 * r + r * k], host[2 * r + r * k :]
+    out: list[dict[int, float] | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        entry = {int(tokens[j]): values[j]}
+        for t, v in zip(top_ids[j * k : j * k + wanted[i]], top_vals[j * k : j * k + wanted[i]]):
+            entry.setdefault(int(t), v)
+        out[i] = entry
     return out

@@ -23,7 +23,10 @@ import torch
 
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
+from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.model.loader import load_model
+from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
@@ -142,12 +145,22 @@ class Worker:
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
 
+    def _common_unit_bytes(self) -> tuple[int, int]:
+        """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
+        rank needs (a collective over the world group: every rank runs it). A pipeline stage without MLA (or KDA)
+        layers needs 0 (1) of that kind, so the stage that has them sets the size, and budgets in these units
+        give each stage at most the blocks / slots it can hold."""
+        token, slot = reduce_ints([self.shapes.bytes_per_token(), self.shapes.bytes_per_slot()],
+                                  self.ctx.world_cpu_group, "max")
+        return token, slot
+
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
+        token, slot = self._common_unit_bytes()
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_id),
-            bytes_per_token=self.shapes.bytes_per_token(), bytes_per_slot=self.shapes.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_token=token, bytes_per_slot=slot,
+            device=str(self.device), dtype=str(self.config.dtype),
             kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
 
@@ -160,6 +173,19 @@ class Worker:
 
     # ---- memory sizing -------------------------------------------------------------------------------------
     def cache_budget(self, block_size: int) -> tuple[int, int] | None:
+        """(kv_cache_bytes, state_cache_bytes) in the units of the common geometry (:meth:`info`'s bytes per
+        token / slot) for the fewest blocks and slots any rank can hold on pages of ``block_size`` (see
+        :meth:`_local_cache_budget`); None on the CPU."""
+        local = self._local_cache_budget(block_size)
+        if local is None:
+            return None
+        kv, state = local
+        blocks, slots = reduce_ints([kv // self.shapes.bytes_per_block(block_size),
+                                     state // self.shapes.bytes_per_slot()], self.ctx.world_cpu_group, "min")
+        token, slot = self._common_unit_bytes()
+        return blocks * max(1, token * block_size), slots * slot
+
+    def _local_cache_budget(self, block_size: int) -> tuple[int, int] | None:
         """(kv_cache_bytes, state_cache_bytes) that fit in ``gpu_memory_utilization`` of the GPU after a profiled
         forward of ``max_num_batched_tokens`` tokens on pages of ``block_size``; None on the CPU (the configured
         budgets apply).
@@ -206,6 +232,8 @@ class Worker:
         pool_bytes = (blocks + 1) * self.shapes.bytes_per_block(bs) + 2 * self.shapes.bytes_per_slot()
         peak = torch.cuda.max_memory_allocated(self.device)
         del runner, pools
+        for m in self._counting_experts():  # the dummy tokens are no load
+            m.load.zero_()
         torch.cuda.empty_cache()
         return pool_bytes, peak
 
@@ -240,7 +268,10 @@ class Worker:
             self.runner.graphs = graphs
 
     def _graph_safe(self) -> tuple[bool, str]:
-        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)."""
+        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
+        and no expert-parallel dispatch (its all-to-all split sizes are read on the host)."""
+        if self.ctx.ep_size > 1:
+            return False, "expert-parallel dispatch sizes its all-to-all on the host"
         table = getattr(self.model, "backend", None)
         if not hasattr(table, "chosen"):
             return False, "the model's ops are not bound to a table"
@@ -264,26 +295,38 @@ class Worker:
         if not self.ctx.is_sampling_rank:  # only TP rank 0 of the last stage samples (and keeps grammars)
             self.runner.execute(step)
             return StepOutput(step.step_id)
-        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
+        rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
+        batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [S, vocab] fp32
+            logits = self.runner.execute(step)  # [R, vocab] fp32
             if not chunks:
                 return StepOutput(step.step_id)
             out = sample(logits, batch.params, batch.generators, batch.processors())
             tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
         finally:
             batch.close()
+        if len(rows) != len(chunks):
+            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, out.logprobs, batch.error,
+                                                          NON_FINITE))
         sampled = []
         for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
             error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
 
+    def _counting_experts(self) -> list[RoutedExperts]:
+        return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
+
     def rank_stats(self, reset: bool = False) -> dict:
         """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats)}
+               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
+               "expert_load": {}}
+        for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
+            out["expert_load"][m.layer] = m.load.tolist()
+            if reset:
+                m.load.zero_()
         if reset:
             ctx.stats.clear()
         return out

@@ -54,6 +54,8 @@ class ServedModel:
     multimodal: Any = None  # MultiModalProcessor of a checkpoint with a vision tower, else None
     allow_remote_images: bool = False
     max_image_bytes: int = 20 * 2**20
+    responses_store_size: int = 1000
+    draining: bool = False  # set on SIGTERM / SIGINT: running requests finish, new ones get 503 + Retry-After
 
     @property
     def tokenizer(self):
@@ -68,6 +70,9 @@ class ServedModel:
         return name
 
     def check_alive(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         if self.engine.is_dead:
             raise APIError(503, f"the engine has failed ({self.engine.dead_reason}); restart the server")
 
@@ -266,6 +271,7 @@ def sse(body: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+RETRY_AFTER_S = 5  # what a draining server tells clients (another replica, or this one restarted, by then)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
