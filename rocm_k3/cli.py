@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ops": ("rocm_k3.entrypoints.ops_cmd", "show which backend each op resolves to on this machine, and why"),
     "generate": ("rocm_k3.entrypoints.generate_cmd", "generate text (default model: the embedded tiny K3)"),
     "serve": ("rocm_k3.entrypoints.serve_cmd", "serve an OpenAI-compatible API (default model: the embedded tiny K3)"),
+    "pd-proxy": ("rocm_k3.entrypoints.pd_proxy_cmd",
+                 "route each request's prefill and decode to separate `serve` instances (OpenAI-compatible)"),
     "expert-placement": ("rocm_k3.entrypoints.expert_placement_cmd",
                          "write an expert placement (redundant experts, balanced ranks) from recorded expert loads"),
     "make-tiny": ("rocm_k3.entrypoints.make_tiny_cmd", "write the small seeded K3-architecture checkpoint to DIR"),

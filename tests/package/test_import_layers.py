@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sampling_params",),
     ("cache",),            # integers only
     ("distributed",),
+    ("kv_transfer",),      # PD disaggregation: connector interface + transports (worker and engine use it)
     ("ops",),
     ("triton_kernels", "flydsl_kernels"),
     ("model",),
