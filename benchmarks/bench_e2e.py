@@ -40,15 +40,26 @@ def weight_bytes(model) -> tuple[int, int, int]:
 
 
 def _tensors(obj, seen=None):
-    """Every tensor reachable from the model's attributes (weights; each storage once)."""
+    """Every tensor reachable from the model: nn.Module parameters and buffers, and tensors held in plain
+    attributes, lists, tuples and dicts (the re-laid expert weights); each storage once."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        if obj.data_ptr() not in seen:
+        if obj.numel() and obj.data_ptr() not in seen:
             seen.add(obj.data_ptr())
             yield obj
         return
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.nn.Module):
+        for t in (*obj.parameters(), *obj.buffers()):
+            yield from _tensors(t, seen)
     if isinstance(obj, (list, tuple)):
         for x in obj:
+            yield from _tensors(x, seen)
+        return
+    if isinstance(obj, dict):
+        for x in obj.values():
             yield from _tensors(x, seen)
         return
     if hasattr(obj, "__dict__") and type(obj).__module__.startswith("rocm_k3"):

@@ -61,6 +61,11 @@ class EngineArgs:
         "help": "pipeline stages (contiguous layer ranges, usually one node each)", "aliases": ("-pp",)})
     enable_expert_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "split the routed experts whole over the tensor-parallel ranks instead of per expert"})
+    num_redundant_experts: int = dataclasses.field(default=0, metadata={
+        "help": "extra physical expert slots per MoE layer holding replicas of busy experts (with "
+                "--enable-expert-parallel; num_experts + this must split over the ranks)"})
+    expert_placement: str | None = dataclasses.field(default=None, metadata={
+        "help": "expert placement JSON (rocm-k3 expert-placement writes one from recorded loads)"})
     nnodes: int = dataclasses.field(default=1, metadata={"help": "nodes of the run (node 0 serves)"})
     node_rank: int = dataclasses.field(default=0, metadata={"help": "this node's rank (> 0 runs headless)"})
     master_addr: str = dataclasses.field(default="127.0.0.1", metadata={"help": "node 0's address for the "
@@ -68,6 +73,9 @@ class EngineArgs:
     master_port: int = dataclasses.field(default=29517, metadata={"help": "node 0's port for the process group"})
     distributed_timeout: float = dataclasses.field(default=300.0, metadata={
         "help": "seconds a step or collective may take before the run is ended with an error"})
+    speculative_config: str | None = dataclasses.field(default=None, metadata={
+        "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -81,7 +89,10 @@ class EngineArgs:
 
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
-                              enable_expert_parallel=self.enable_expert_parallel, nnodes=self.nnodes,
+                              enable_expert_parallel=self.enable_expert_parallel,
+                              num_redundant_experts=self.num_redundant_experts,
+                              expert_placement=None if self.expert_placement is None else str(self.expert_placement),
+                              nnodes=self.nnodes,
                               node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
                               timeout_s=self.distributed_timeout)
 
@@ -102,6 +113,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value not in PARSER_CHOICES:
                 raise ValueError(f"{name}: expected one of {PARSER_CHOICES} or None, got {value!r}")
+        from rocm_k3.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")
@@ -141,6 +155,15 @@ class ServerArgs:
         "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
     max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
         "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
+    responses_store_size: int = dataclasses.field(default=1000, metadata={
+        "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
+                "(least recently used dropped first; 0: none)"})
+    reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
+        "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
+                "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
+    shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
+        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
+                "rest are ended with an error event; a second signal exits at once"})
     uvicorn_log_level: str = dataclasses.field(default="info", metadata={
         "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
 
@@ -165,6 +188,15 @@ class ServerArgs:
         if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
                 or self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        size = self.responses_store_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
+        from rocm_k3.formats.chat_base import parse_effort_budgets
+
+        parse_effort_budgets(self.reasoning_effort_budgets)  # ValueError naming a bad entry
+        timeout = self.shutdown_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ValueError(f"shutdown_timeout: expected seconds in [0, 86400], got {timeout!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,9 @@ class Settings:
     triton_interpret: TRITON_INTERPRET  Triton's CPU interpreter (read so tests can tell which tier runs).
     check_values:   ROCM_K3_CHECK_VALUES  validate device-resident index values on every op call, also inside
                                         the model (a host read per call: debugging only).
+    vllm_override:  ROCM_K3_VLLM_OVERRIDE  the vLLM plugin replaces vLLM's own Kimi K3 / Kimi Linear classes on every
+                                        platform (default: only where vLLM's cannot run, i.e. the CPU).
+    vllm_disable:   ROCM_K3_VLLM_DISABLE   the vLLM plugin registers nothing (vLLM's own classes serve).
     """
 
     backend: str = "auto"
@@ -39,6 +42,8 @@ class Settings:
     rocm_path: Path | None = None
     triton_interpret: bool = False
     check_values: bool = False
+    vllm_override: bool = False
+    vllm_disable: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -66,6 +71,8 @@ class Settings:
             rocm_path=Path(rocm) if rocm else None,
             triton_interpret=flag("TRITON_INTERPRET"),
             check_values=flag("ROCM_K3_CHECK_VALUES"),
+            vllm_override=flag("ROCM_K3_VLLM_OVERRIDE"),
+            vllm_disable=flag("ROCM_K3_VLLM_DISABLE"),
         )
 
 

@@ -108,8 +108,9 @@ class SimEngine:
         self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None
     ):
         self.executor = SimExecutor(num_blocks, num_slots, config.cache.block_size, vocab)
-        self.core = EngineCore(config, self.executor, num_blocks=num_blocks, num_slots=num_slots,
-                               vocab_size=10**9)
+        geometry = config.cache.geometry(num_blocks=num_blocks, num_slots=num_slots,
+                                         max_model_len=config.max_model_len)
+        self.core = EngineCore(config, self.executor, geometry=geometry, vocab_size=10**9)
         self.block_size = config.cache.block_size
         self.vocab = vocab
         self.stop_token = stop_token

@@ -19,16 +19,14 @@ def core_for(model, config: EngineConfig, *, tokenizer=None, enforce_eager: bool
     model_path / output_family: where the worker finds the tokenizer for grammars, and their family."""
     worker = WorkerConfig(model_path=model_path, dtype=model.dtype, device=model.device, enforce_eager=enforce_eager,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                          block_size=config.cache.block_size, output_family=output_family)
+                          output_family=output_family)
     executor = UniprocExecutor(worker, model=model, vision_model=vision_model)
     info = executor.info()
-    num_blocks, num_slots = config.cache.resolve(bytes_per_block=info.bytes_per_block,
-                                                 bytes_per_slot=info.bytes_per_slot,
-                                                 max_model_len=config.max_model_len)
-    executor.init_cache(num_blocks, num_slots, config.max_model_len)
+    geometry = config.cache.plan(bytes_per_token=info.bytes_per_token, bytes_per_slot=info.bytes_per_slot,
+                                 max_model_len=config.max_model_len)
+    executor.init_cache(geometry)
     eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
-    return EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=eos, tokenizer=tokenizer, accepts_images=info.accepts_images)
+    return EngineCore(config, executor, geometry=geometry, vocab_size=info.vocab_size, eos_token_ids=eos, tokenizer=tokenizer, accepts_images=info.accepts_images)
 
 
 def pools_of(core: EngineCore) -> KVPools:

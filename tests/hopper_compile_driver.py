@@ -1,7 +1,7 @@
 """Cross-compile the warp-specialised Hopper MoE GEMM (``rocm_k3.triton_kernels.moe.gemm_hopper``) for sm_90 and
 print a JSON summary ``{"<variant>": {"ok", "error", "mnemonics", "registers", "sass_loops"}}``.
 
-Run by ``tests/test_triton_ops.py`` (compile tier) in a fresh interpreter without ``TRITON_INTERPRET``, like
+Run by ``tests/kernels/triton/test_triton_ops.py`` (compile tier) in a fresh interpreter without ``TRITON_INTERPRET``, like
 ``triton_compile_driver.py``; the kernel is sm_90 only (wgmma, TMA, setmaxnreg), so AMD targets are not built.
 """
 

@@ -18,7 +18,7 @@ import uvicorn
 
 from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
-from rocm_k3.engine.llm import build_engine
+from rocm_k3.engine.assembly import assemble_engine
 from rocm_k3.entrypoints.openai.api_server import build_app, served_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ class RunningServer:
 
     def __init__(self, served, server: uvicorn.Server, thread: threading.Thread) -> None:
         self.served = served
-        self.engine: AsyncLLM = served.engine
+        self.engine: AsyncLLM | None = served.engine if served is not None else None
         self._server = server
         self._thread = thread
         sockets = server.servers[0].sockets
@@ -60,13 +60,23 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
     """Build the engine, serve it on a free port, yield the server; stop both at the end. ``core_hook(core)`` may
     change the engine core before it starts (e.g. inject failures)."""
     server_args = server_args or ServerArgs(port=0, uvicorn_log_level="warning")
-    core, path, tokenizer = build_engine(engine_args)
+    assembled = assemble_engine(engine_args)
     if core_hook is not None:
-        core_hook(core)
-    engine = AsyncLLM(core)
-    served = served_model(engine, path, tokenizer, engine_args, server_args)
-    config = uvicorn.Config(build_app(served), host="127.0.0.1", port=0, log_level=server_args.uvicorn_log_level,
-                            timeout_graceful_shutdown=2, lifespan="off")
+        core_hook(assembled.core)
+    engine = AsyncLLM(assembled.core)
+    served = served_model(engine, assembled, server_args)
+    running = start_app(build_app(served), server_args.uvicorn_log_level, served)
+    try:
+        yield running
+    finally:
+        running.stop()
+        engine.shutdown()
+
+
+def start_app(app, log_level: str = "warning", served=None) -> RunningServer:
+    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a background thread; the caller stops it."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, timeout_graceful_shutdown=2,
+                            lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
@@ -75,12 +85,7 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    running = RunningServer(served, server, thread)
-    try:
-        yield running
-    finally:
-        running.stop()
-        engine.shutdown()
+    return RunningServer(served, server, thread)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.kv_pools import PoolShapes, KVPools
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.forward_batch import ForwardBatch
 
@@ -39,7 +39,7 @@ class SimpleCache:
         self.pages_per_seq = math.ceil(max_model_len / block_size)
         self.device = torch.device(device)
         # the engine's tensor pools, laid out contiguously: pages of sequence s, then KDA slot s
-        self._pools = KVPools(CacheGeometry.from_model_config(cfg, dtype), block_size=block_size,
+        self._pools = KVPools(PoolShapes.from_model_config(cfg, dtype), block_size=block_size,
                                   num_blocks=max_seqs * self.pages_per_seq, num_slots=max_seqs + spare_slots,
                                   device=self.device)
         self.lengths = [0] * max_seqs  # tokens already cached per sequence

@@ -83,3 +83,24 @@ def write_k3_tokenizer(directory: Path, words: Iterable[str] = ()) -> dict[bytes
 
 def write_config(directory: Path, model_type: str, eos_token_id: int | list[int]) -> None:
     (directory / "config.json").write_text(json.dumps({"model_type": model_type, "eos_token_id": eos_token_id}))
+
+
+# A small template in the K2 shape of SERVING_SPEC 2.3 (written for these tests; Kimi Linear's renderer).
+K2_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}<|im_end|>{%- endif -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'user' -%}<|im_user|>{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
+    "{%- else -%}<|im_system|>{%- endif -%}\n"
+    "{{ message.get('name') or message['role'] }}<|im_middle|>"
+    "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}{{ '\\n' }}{%- endif -%}"
+    "{{ message['content'] or '' }}"
+    "{%- if message.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{{ call['function']['arguments'] }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "<|im_end|>\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)

@@ -1,6 +1,6 @@
 """Cross-compile every rocm-k3 Triton kernel for sm_90, gfx942 and gfx950 and print a JSON summary.
 
-Run by ``tests/test_triton_ops.py`` (compile tier) in a fresh interpreter *without* ``TRITON_INTERPRET``:
+Run by ``tests/kernels/triton/test_triton_ops.py`` (compile tier) in a fresh interpreter *without* ``TRITON_INTERPRET``:
 Triton decides at import time whether every ``@triton.jit`` (its own standard library included) is interpreted,
 so the interpreter tier and real compilation cannot share one process. Output: one JSON object
 ``{"<kernel>/<target>": {"ok": bool, "error": str, "mnemonics": [...], "registers": int, "spills": int,

@@ -1,6 +1,6 @@
 """Cross-compile every Triton KDA kernel for sm_90, gfx942 and gfx950 at K3 shapes and print a JSON summary.
 
-Run by ``tests/test_triton_kda.py`` (compile tier) in a fresh interpreter without ``TRITON_INTERPRET`` (Triton
+Run by ``tests/kernels/triton/test_triton_kda.py`` (compile tier) in a fresh interpreter without ``TRITON_INTERPRET`` (Triton
 decides at import time whether every ``@triton.jit`` is interpreted). The launch options (num_warps,
 num_stages) and constexprs are the ones the wrappers use for bf16 activations, H = 96, K = V = 128.
 Output: ``{"<kernel>/<target>": {"ok", "error", "mnemonics", "registers", "spills", "scratch"}}`` on stdout.

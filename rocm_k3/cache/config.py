@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from rocm_k3.cache.errors import AlignmentError, CacheBudgetError, MatchUnitError
+from rocm_k3.cache.geometry import CacheGeometry
 
 _MiB = 1 << 20
 
@@ -99,6 +100,27 @@ class CacheConfig:
             self.num_state_slots if self.num_state_slots is not None else self.state_cache_bytes // bytes_per_slot
         )
         return num_blocks, num_slots
+
+    def geometry(self, *, num_blocks: int, num_slots: int, max_model_len: int, bytes_per_block: int = 1,
+                 bytes_per_slot: int = 1) -> CacheGeometry:
+        """The :class:`CacheGeometry` of these granularities with the given pool sizes (see :meth:`resolve`)."""
+        return CacheGeometry(block_size=self.block_size, match_unit=self.match_unit, alignment=self.alignment,
+                             kda_save_grid=self.kda_save_grid, num_blocks=num_blocks, num_slots=num_slots,
+                             max_model_len=max_model_len, bytes_per_block=bytes_per_block,
+                             bytes_per_slot=bytes_per_slot, enable_prefix_caching=self.enable_prefix_caching)
+
+    def bytes_per_block(self, bytes_per_token: int) -> int:
+        """One page of every MLA layer of a rank that caches ``bytes_per_token`` per token (at least 1)."""
+        return max(1, bytes_per_token * self.block_size)
+
+    def plan(self, *, bytes_per_token: int, bytes_per_slot: int, max_model_len: int) -> CacheGeometry:
+        """The geometry of these knobs on a rank caching ``bytes_per_token`` per MLA token and ``bytes_per_slot``
+        per KDA slot (pool sizes from :meth:`resolve`; raises CacheBudgetError when one request cannot fit)."""
+        per_block = self.bytes_per_block(bytes_per_token)
+        num_blocks, num_slots = self.resolve(bytes_per_block=per_block, bytes_per_slot=bytes_per_slot,
+                                             max_model_len=max_model_len)
+        return self.geometry(num_blocks=num_blocks, num_slots=num_slots, max_model_len=max_model_len,
+                             bytes_per_block=per_block, bytes_per_slot=bytes_per_slot)
 
     def resolve(self, *, bytes_per_block: int, bytes_per_slot: int, max_model_len: int) -> tuple[int, int]:
         """(num_blocks, num_state_slots) from the byte budgets (or the explicit counts).

@@ -28,3 +28,15 @@ class TokenBudgetError(CacheConfigError):
 
 class RequestTooLargeError(ValueError):
     """A request that no amount of waiting or preemption can make fit (too long for the model or the cache)."""
+
+
+class PromptTooLongError(RequestTooLargeError):
+    """A prompt with more tokens than the model's ``max_model_len``."""
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, where: str) -> None:
+    """The one prompt-length check (the engine core runs it on every request): PromptTooLongError naming
+    ``where`` when the prompt does not fit."""
+    if num_tokens > max_model_len:
+        raise PromptTooLongError(f"{where}: {num_tokens} tokens exceed max_model_len={max_model_len}, this model's "
+                                 "maximum context length; reduce the length of the input")

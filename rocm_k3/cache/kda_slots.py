@@ -52,6 +52,12 @@ class KDASlotPool:
         """A private slot that the model fills with a saved state this step (None when all slots are busy)."""
         return self.pool.allocate()
 
+    def adopt_running(self, slot: int, seq_id: int) -> None:
+        """A private save slot becomes ``seq_id``'s running slot (speculative rollback picks a per-position state)."""
+        if slot in self._owner:
+            raise RuntimeError(f"KDA slot {slot} is already a running slot")
+        self._owner[slot] = seq_id
+
     def publish(self, slot: int) -> None:
         """The saved state in ``slot`` becomes a cache entry (read-only, evictable when unpinned)."""
         if slot in self._owner:

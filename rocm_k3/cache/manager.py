@@ -276,6 +276,35 @@ class CacheManager:
             self._pending_saves.discard(slot)
             self.slots.discard(slot)
 
+    # ---- speculative decoding ------------------------------------------------------------------------------
+    def allocate_spec_slots(self, count: int) -> list[int]:
+        """Up to ``count`` private slots for the states after each drafted position of a verification step
+        (never published: a speculative state is no prefix-cache entry). Given back by :meth:`settle_spec_slots`
+        or :meth:`abandon_saves`."""
+        slots: list[int] = []
+        for _ in range(count):
+            slot = self.slots.allocate_save()
+            if slot is None:
+                break
+            self._pending_saves.add(slot)
+            slots.append(slot)
+        return slots
+
+    def settle_spec_slots(self, seq_id: int, slots: Sequence[int], keep: int | None) -> None:
+        """After a verification step: ``keep`` (one of ``slots``, or None when every draft was accepted) holds the
+        state after the last accepted token and becomes the sequence's running slot; the rest are given back."""
+        seq = self._seq(seq_id)
+        for slot in slots:
+            self._pending_saves.discard(slot)
+            if slot != keep:
+                self.slots.discard(slot)
+        if keep is not None:
+            if keep not in slots:
+                raise ValueError(f"settle_spec_slots: slot {keep} is not one of {list(slots)}")
+            self.slots.release_running(seq.slot)
+            self.slots.adopt_running(keep, seq_id)
+            seq.slot = keep
+
     # ---- introspection -------------------------------------------------------------------------------------
     def table(self, seq_id: int) -> list[int]:
         return self._seq(seq_id).block_table

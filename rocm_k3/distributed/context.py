@@ -28,6 +28,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -41,6 +43,16 @@ class ParallelConfig:
                 raise LayoutError(f"{name}: expected a positive int, got {v!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise LayoutError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise LayoutError(f"num_redundant_experts: expected an int >= 0, got {r!r}")
+        if (r or self.expert_placement is not None) and not self.enable_expert_parallel:
+            raise LayoutError("num_redundant_experts / expert_placement need enable_expert_parallel")
+        if r and self.tensor_parallel_size == 1:
+            raise LayoutError("num_redundant_experts: expert parallelism over one rank has nothing to balance "
+                              "(tensor_parallel_size must be > 1)")
+        if self.expert_placement is not None and not isinstance(self.expert_placement, str):
+            raise LayoutError(f"expert_placement: expected a path, got {self.expert_placement!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise LayoutError(f"node_rank: expected an int in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
@@ -79,7 +91,9 @@ class ParallelContext:
     """One rank's view of the layout plus its groups (None in the single-process context).
 
     tp_group / pp_group / world_group: device groups (NCCL on GPUs, gloo on the CPU); *_cpu_group: gloo twins
-    for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues).
+    for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues), the
+    bytes they carried from this rank (``collective_bytes``) and the routed rows it ran (``moe_rows``, beside the
+    ``moe_picks`` = T x k of the steps).
     """
 
     rank: int = 0
@@ -89,6 +103,8 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     ep_enabled: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None  # a placement file (rocm_k3.model.expert_placement); None = uniform
     tp_group: Any = None
     tp_cpu_group: Any = None
     pp_group: Any = None
@@ -126,7 +142,11 @@ class ParallelContext:
         return (self.pp_size - 1) * self.tp_size
 
     def count(self, name: str) -> None:
-        self.stats[name] = self.stats.get(name, 0) + 1
+        self.add(name, 1)
+
+    def add(self, name: str, n: int) -> None:
+        """Add ``n`` to the counter ``name`` (collectives issued, rows moved, ...)."""
+        self.stats[name] = self.stats.get(name, 0) + n
 
     def shard(self, size: int, what: str, parts: int | None = None, index: int | None = None) -> tuple[int, int]:
         """(start, length) of this rank's equal share of ``size`` along a TP-split dim; LayoutError if uneven."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rocm_k3.distributed.context import LayoutError, ParallelConfig, ParallelContext
 
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface (gloo's pairs of a one-node group bind there)
 
 
 def rank_env(config: ParallelConfig, rank: int) -> dict[str, str]:
@@ -27,9 +28,14 @@ def rank_env(config: ParallelConfig, rank: int) -> dict[str, str]:
             "WORLD_SIZE": str(config.world_size), "LOCAL_RANK": str(rank % config.gpus_per_node)}
 
 
-def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: str) -> ParallelContext:
+def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: str,
+                  store_file: str | None = None) -> ParallelContext:
     """Join the process group described by ``env`` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) and
-    build this rank's groups. ``device_type`` "cuda" selects NCCL/RCCL for the device groups, "cpu" gloo."""
+    build this rank's groups. ``device_type`` "cuda" selects NCCL/RCCL for the device groups, "cpu" gloo.
+
+    ``store_file``: the ranks of one node meet through this FileStore instead of a TCP store at MASTER_ADDR, and
+    gloo binds to the loopback interface (unless ``GLOO_SOCKET_IFNAME`` is set), so nothing listens beyond
+    127.0.0.1."""
     missing = [k for k in ENV_KEYS if k not in env]
     if missing:
         raise LayoutError(f"distributed init needs {missing} in the environment (torchrun sets them)")
@@ -49,11 +55,17 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
     os.environ.update({k: env[k] for k in ENV_KEYS})  # env:// reads the process environment
     timeout = datetime.timedelta(seconds=config.timeout_s)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    init_method = "env://"
+    if store_file is not None:
+        init_method = f"file://{store_file}"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     world_cpu = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     ctx = ParallelContext(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp,
-                          pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu)
+                          pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu,
+                          num_redundant_experts=config.num_redundant_experts,
+                          expert_placement=config.expert_placement)
     for stage in range(pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * tp, (stage + 1) * tp))
         group = dist.new_group(ranks, timeout=timeout)
@@ -72,3 +84,15 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
 def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def reduce_ints(values: list[int], group, op: str) -> list[int]:
+    """``values`` reduced element-wise over ``group`` ("max" or "min"); the identity without a group."""
+    if group is None:
+        return list(values)
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"reduce_ints: op must be one of {sorted(ops)}, got {op!r}")
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=ops[op], group=group)
+    return [int(v) for v in t.tolist()]

@@ -11,7 +11,8 @@ it through a command queue:
   under continuous batching;
 - closing or cancelling a stream before it finished (a client that disconnects) aborts its request: the engine
   thread frees its cache before the next step;
-- an exception escaping ``step()`` marks the engine dead: every in-flight request fails with
+- an exception escaping ``step()``, or a worker process found dead (checked every ``HEALTH_POLL_S`` while idle),
+  marks the engine dead: every in-flight request fails with
   :class:`EngineDeadError` (nothing hangs), later requests are refused with it, and :attr:`AsyncLLM.is_dead` is set
   (the server answers 503).
 
@@ -34,6 +35,8 @@ from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.sampling_params import SamplingParams
 
 log = logging.getLogger("rocm_k3.engine")
+
+HEALTH_POLL_S = 1.0  # an idle engine thread checks its workers' processes this often
 
 
 class EngineDeadError(RuntimeError):
@@ -117,7 +120,11 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # guarded by _cond
         self._stop = False
         self._dead: BaseException | None = None
+        self._shut_down = False  # shutdown() before any failure
         self._stats: dict[str, float] = core.stats()
+        self._expert_loads: dict[int, list[int]] = {}
+        self._loads_wanted = False
+        self._loads_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rocm-k3-engine", daemon=True)
         self._thread.start()
 
@@ -125,6 +132,11 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def failed(self) -> bool:
+        """True when the engine died of an error (a shut-down engine is dead but has not failed)."""
+        return self._dead is not None and not self._shut_down
 
     @property
     def dead_reason(self) -> str | None:
@@ -179,6 +191,18 @@ class AsyncLLM:
         """The engine counters after the latest step (see ``EngineCore.stats``)."""
         return dict(self._stats)
 
+    def expert_loads(self, timeout: float = 2.0) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer (``EngineCore.expert_loads``), read by the engine thread
+        between two steps; waits at most ``timeout`` seconds for it, else returns the previous reading."""
+        with self._cond:
+            if self._dead is not None or self._stop:
+                return dict(self._expert_loads)
+            self._loads_done.clear()
+            self._loads_wanted = True
+            self._cond.notify()
+        self._loads_done.wait(timeout)
+        return dict(self._expert_loads)
+
     @property
     def num_streams(self) -> int:
         with self._cond:
@@ -191,6 +215,7 @@ class AsyncLLM:
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self._shut_down = self._shut_down or self._dead is None  # a second call keeps the first answer
         self._fail(EngineDeadError("the engine was shut down"), log_it=False)
 
     def _check_alive(self) -> None:
@@ -204,18 +229,24 @@ class AsyncLLM:
         core = self.core
         while True:
             with self._cond:
-                while not self._stop and not self._commands and not core.has_unfinished():
-                    self._cond.wait()
+                while not self._stop and not self._commands and not core.has_unfinished() and not self._loads_wanted:
+                    if not self._cond.wait(HEALTH_POLL_S):
+                        break  # idle for a while: check the workers below
                 if self._stop:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+                loads_wanted, self._loads_wanted = self._loads_wanted, False
             try:
+                core.check_workers()  # a rank that died while idle fails the engine now, not at the next request
                 for cmd in commands:
                     self._apply(cmd)
                 if core.has_unfinished():
                     self._deliver(core.step())
                 self._stats = core.stats()
+                if loads_wanted:
+                    self._expert_loads = core.expert_loads()
+                    self._loads_done.set()
             except BaseException as exc:  # the engine is unusable: fail everything, never hang
                 self._fail(exc)
                 return

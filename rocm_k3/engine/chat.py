@@ -30,9 +30,10 @@ from typing import Any
 
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, parse_output
-from rocm_k3.formats.parsers.types import named_tool_choice, tool_names
+from rocm_k3.formats.parsers.types import ToolCallDelta, named_tool_choice, tool_names
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.formats import load_chat_renderer, thinking_options
+from rocm_k3.formats.chat_base import DEFAULT_EFFORT_BUDGETS
 
 STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -73,11 +74,15 @@ class PreparedChat:
     thinking_token_budget: int | None
     image_positions: tuple[int, ...] = ()
 
+    def sampling_changes(self) -> dict[str, Any]:
+        """The SamplingParams fields the chat sets (see the module docstring)."""
+        return {"skip_special_tokens": False, "structured_outputs": self.constraint,
+                "prompt_in_think": self.prompt_in_think,
+                "thinking_token_budget": self.thinking_token_budget if self.prompt_in_think else None}
+
     def sampling(self, base: SamplingParams) -> SamplingParams:
-        """``base`` with the chat's changes (see the module docstring)."""
-        return dataclasses.replace(base, skip_special_tokens=False, structured_outputs=self.constraint,
-                                   prompt_in_think=self.prompt_in_think,
-                                   thinking_token_budget=self.thinking_token_budget if self.prompt_in_think else None)
+        """``base`` (a caller's SamplingParams) with the chat's changes."""
+        return dataclasses.replace(base, **self.sampling_changes())
 
     def parser(self, call_id_prefix: str = "call_") -> StreamParser:
         return StreamParser(self.family, tools=self.tools, tool_choice=self.tool_choice, thinking=self.thinking,
@@ -89,6 +94,11 @@ class PreparedChat:
                               call_id_prefix=call_id_prefix)
         parsed.tool_calls = self.allowed_calls(parsed.tool_calls, 0)
         return parsed
+
+    def allowed_call_deltas(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        """The streamed call pieces of the calls :meth:`allowed_calls` keeps (the first only without parallel
+        calls)."""
+        return deltas if self.parallel_tool_calls else [d for d in deltas if d.index == 0]
 
     def allowed_calls(self, calls: list[ToolCall], num_before: int) -> list[ToolCall]:
         """``calls`` after ``num_before`` earlier ones, cut to one call in all when parallel calls are off."""
@@ -165,10 +175,12 @@ class ModelFrontend:
     family: the output family ("kimi_k3" / "kimi_k2") or None (no tools, reasoning parsing or grammars).
     """
 
-    def __init__(self, path: Path, tokenizer: Any, family: str | None) -> None:
+    def __init__(self, path: Path, tokenizer: Any, family: str | None,
+                 effort_budgets: Mapping[str, int] | None = None) -> None:
         self.path = Path(path)
         self.tokenizer = tokenizer
         self.family = family
+        self.effort_budgets = dict(DEFAULT_EFFORT_BUDGETS if effort_budgets is None else effort_budgets)
 
     @functools.cached_property
     def renderer(self):
@@ -228,6 +240,8 @@ class ModelFrontend:
                              "take images yet (LLM.generate takes them: prompt_token_ids + image_positions + "
                              "multi_modal_data)")
         budget = request.thinking_token_budget
+        if budget is None and options.thinking is not False:
+            budget = self.effort_budgets.get(request.reasoning_effort)  # the effort's default think budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"thinking_token_budget: expected an int >= 0, got {budget!r}")
         return PreparedChat(

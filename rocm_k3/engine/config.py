@@ -6,6 +6,7 @@ import dataclasses
 
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import TokenBudgetError
+from rocm_k3.spec_decode.config import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -16,6 +17,7 @@ class EngineConfig:
     max_num_seqs:           running sequences at once.
     max_model_len:          prompt + generated tokens of one request; also sizes the cache budget check.
     cache:                  the hybrid cache (block size, match unit, alignment, budgets, prefix caching).
+    speculative:            speculative decoding (``--speculative-config``), or None.
 
     A step must be able to carry one aligned prefill chunk next to a decode token of every other running
     sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
@@ -25,6 +27,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int = 4096
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -33,6 +36,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}: expected a positive int, got {value!r}")
         if not isinstance(self.cache, CacheConfig):
             raise TypeError(f"EngineConfig.cache: expected CacheConfig, got {type(self.cache).__name__}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"EngineConfig.speculative: expected SpeculativeConfig or None, "
+                            f"got {type(self.speculative).__name__}")
         need = self.cache.alignment + self.max_num_seqs - 1
         if self.max_num_batched_tokens < need:
             raise TokenBudgetError(

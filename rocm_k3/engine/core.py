@@ -26,7 +26,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from rocm_k3.cache.config import CacheConfig
-from rocm_k3.cache.errors import RequestTooLargeError
+from rocm_k3.cache.errors import check_prompt_length
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.cache.image_salt import prefix_cache_key
 from rocm_k3.cache.manager import CacheManager
 from rocm_k3.engine.config import EngineConfig
@@ -43,9 +44,10 @@ log = logging.getLogger("rocm_k3.engine")
 
 
 def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, max_model_len: int | None,
-               explicit_kv: bool, explicit_state: bool) -> tuple[CacheConfig, int, int, int]:
-    """Resolve the cache size and ``max_model_len``: (cache config, num_blocks, num_slots, max_model_len).
+               explicit_kv: bool, explicit_state: bool) -> tuple[CacheConfig, CacheGeometry]:
+    """Resolve the cache size and ``max_model_len``: (cache config with the budgets used, its geometry).
 
+    ``info``: the worker's ``bytes_per_token`` / ``bytes_per_slot`` and ``max_position_embeddings``.
     ``budget`` = bytes measured on the device (None on the CPU: the configured budgets apply); explicit budgets
     win over measured ones. ``max_model_len`` None = what one request can hold, at most max_position_embeddings
     (logged when that is less); an explicit value that cannot fit raises CacheBudgetError.
@@ -59,9 +61,10 @@ def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, ma
             changes["state_cache_bytes"] = max(1, state)
         if changes:
             cache = dataclasses.replace(cache, **changes)
+    per_block, per_slot = cache.bytes_per_block(info.bytes_per_token), info.bytes_per_slot
     limit = info.max_position_embeddings
     if max_model_len is None:
-        blocks, _ = cache.counts(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot)
+        blocks, _ = cache.counts(bytes_per_block=per_block, bytes_per_slot=per_slot)
         fits = cache.max_len_for(blocks)
         max_model_len = min(limit, fits) if fits > 0 else limit  # limit then fails below with the named error
         if max_model_len < limit:
@@ -70,22 +73,20 @@ def plan_cache(cache: CacheConfig, info: Any, budget: tuple[int, int] | None, ma
     elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
         raise ValueError(f"max_model_len: expected an int in [1, max_position_embeddings={limit}], "
                          f"got {max_model_len!r}")
-    num_blocks, num_slots = cache.resolve(bytes_per_block=info.bytes_per_block, bytes_per_slot=info.bytes_per_slot,
-                                          max_model_len=max_model_len)
-    return cache, num_blocks, num_slots, max_model_len
+    return cache, cache.plan(bytes_per_token=info.bytes_per_token, bytes_per_slot=per_slot,
+                             max_model_len=max_model_len)
 
 
 class EngineCore:
     """Requests in, deltas out (see the module docstring).
 
-    config: the engine config (its cache sizes already resolved, see :func:`plan_cache`); num_blocks / num_slots:
-    the pools the executor allocated; tokenizer: optional ``decode(ids) -> str`` (text outputs, stop strings);
+    config: the engine config (its cache sizes already resolved, see :func:`plan_cache`); geometry: the planned
+    cache the executor allocated (its granularities must be ``config.cache``'s); tokenizer: optional ``decode(ids) -> str`` (text outputs, stop strings);
     accepts_images: the workers hold a vision tower (``WorkerInfo.accepts_images``).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, *, num_blocks: int, num_slots: int,
-                 vocab_size: int, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
-                 accepts_images: bool = False) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, *, geometry: CacheGeometry, vocab_size: int,
+                 eos_token_ids: Seq[int] = (), tokenizer: Any = None, accepts_images: bool = False) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -94,7 +95,18 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.accepts_images = accepts_images
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+        if not isinstance(geometry, CacheGeometry):
+            raise TypeError(f"geometry: expected CacheGeometry, got {type(geometry).__name__}")
+        c = config.cache
+        if (geometry.block_size, geometry.match_unit, geometry.alignment, geometry.kda_save_grid,
+                geometry.enable_prefix_caching) != (c.block_size, c.match_unit, c.alignment, c.kda_save_grid,
+                                                   c.enable_prefix_caching):
+            raise ValueError(f"geometry: {geometry} does not match the engine's cache config {c}")
+        if geometry.max_model_len < config.max_model_len:
+            raise ValueError(f"geometry: planned for max_model_len={geometry.max_model_len}, the engine allows "
+                             f"{config.max_model_len}")
+        self.geometry = geometry
+        self.num_blocks, self.num_slots = geometry.num_blocks, geometry.num_slots
         self.guard = InterruptGuard()
         self._seq_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -115,7 +127,8 @@ class EngineCore:
         images: the prompt's images (:class:`~rocm_k3.worker.step_io.ImageInput`, from
         :mod:`rocm_k3.engine.multimodal`), their pad spans ascending and inside the prompt; the prefix cache then
         matches on the prompt with each image's pads salted by its content hash.
-        RequestTooLargeError if the prompt exceeds max_model_len; generation is capped so that prompt +
+        PromptTooLongError (a RequestTooLargeError) if the prompt exceeds max_model_len (the only length check:
+        ``LLM`` and the server rely on it); generation is capped so that prompt +
         generated tokens fit (finish reason "length").
         """
         if not isinstance(request_id, str) or not request_id:
@@ -132,10 +145,7 @@ class EngineCore:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
-        if len(prompt) > limit:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: {len(prompt)} prompt tokens exceed max_model_len={limit}"
-            )
+        check_prompt_length(len(prompt), limit, f"request {request_id!r}: prompt")
         images = self._check_images(request_id, images, len(prompt))
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
@@ -186,6 +196,12 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Raise the executor's error if one of its worker processes has ended (a no-op in one process)."""
+        check = getattr(self.executor, "check_alive", None)
+        if check is not None:
+            check()
+
     def step(self) -> list[RequestDelta]:
         """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
         try:
@@ -213,6 +229,15 @@ class EngineCore:
                 if d.finished:
                     self._seqs.pop(d.request_id, None)
         return deltas
+
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer, as the expert-parallel ranks counted them ({} without
+        expert parallelism); every TP rank of a stage counts the same routing, so TP rank 0 of each speaks."""
+        out: dict[int, list[int]] = {}
+        for r in self.executor.rank_stats(reset):
+            if r["tp_rank"] == 0:
+                out.update({int(k): list(v) for k, v in r.get("expert_load", {}).items()})
+        return dict(sorted(out.items()))
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until every queued request finished; outputs by request id."""
@@ -267,4 +292,5 @@ class EngineCore:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
         )
+        out.update(self.scheduler.spec.stats.as_dict())
         return out

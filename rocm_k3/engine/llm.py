@@ -28,124 +28,28 @@ import numpy as np
 import torch
 
 from rocm_k3.args import EngineArgs
-from rocm_k3.cache.config import CacheConfig
+from rocm_k3.cache.errors import PromptTooLongError  # noqa: F401 (raised by the engine core; callers catch it here)
 from rocm_k3.engine.chat_images import images_from_messages
-from rocm_k3.engine.chat import ChatOutput, ChatRequest, ModelFrontend, chat_finish_reason
-from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.core import EngineCore, plan_cache
+from rocm_k3.engine.chat import ChatOutput, ChatRequest, chat_finish_reason
+from rocm_k3.engine.assembly import assemble_engine, resolve_device, resolve_dtype, run_headless_node
+from rocm_k3.engine.core import EngineCore
 from rocm_k3.engine.multimodal import MultiModalProcessor, MultiModalPrompt, multi_modal_images, named_image_error
 from rocm_k3.engine.outputs import RequestOutput
-from rocm_k3.executor.multiproc import MultiprocExecutor
-from rocm_k3.formats.parsers.registry import checkpoint_family
-from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.vision.preprocess import ImageError
 from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
-from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.tokenizers import load_tokenizer
 from rocm_k3.worker.step_io import ImageInput
-from rocm_k3.worker.worker import WorkerConfig
 
 Prompt = str | Sequence[int] | Mapping[str, Any]  # also a 1-d integer numpy array / torch tensor
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "image_positions")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-class PromptTooLongError(ValueError):
-    """A prompt with more tokens than the model's ``max_model_len``."""
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The torch device to serve on: default the current GPU if there is one, else the CPU; a bare "cuda" gets
-    the current index."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from exc
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: expected 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def run_headless_node(args: EngineArgs) -> int:
-    """Node ``node_rank > 0`` of a multi-node run: this node's ranks, headless, until node 0 ends the group."""
-    from rocm_k3.executor.multiproc import run_headless
-
-    args.validated()
-    device = resolve_device(args.device)
-    path = Path(args.model) if args.model is not None else ensure_embedded_model()
-    return run_headless(worker_config_for(args, path, device, resolve_dtype(args.dtype, device)))
-
-
-def worker_config_for(args: EngineArgs, path: Path, device: torch.device, dtype: torch.dtype) -> WorkerConfig:
-    family = checkpoint_family(path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    parallel = args.parallel_config()
-    if device.type == "cuda" and parallel.gpus_per_node > 1 and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if parallel.gpus_per_node > count:
-            from rocm_k3.distributed.context import LayoutError
-
-            raise LayoutError(f"{parallel.gpus_per_node} ranks per node (tensor x pipeline parallel / nnodes) but "
-                              f"this node has {count} GPU(s)")
-    return WorkerConfig(
-        model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
-        progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        parallel=parallel, output_family=family,
-    )
 
 
 def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) -> tuple[EngineCore, Path, Any]:
-    """(EngineCore over an in-process executor, checkpoint path, tokenizer) for ``args``.
-
-    model: an already loaded model to serve (tests); tokenizer: overrides the checkpoint's.
-    """
-    args.validated()
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    path = Path(args.model) if args.model is not None else ensure_embedded_model()
-    worker_config = worker_config_for(args, path, device, dtype)
-    check_layout(ModelConfig.from_pretrained(path), worker_config.parallel)  # before any process starts
-    if worker_config.parallel.is_single:
-        executor = UniprocExecutor(worker_config, model=model)
-    else:
-        if model is not None:
-            raise ValueError("model: a loaded model can only be served by one process (tensor_parallel_size 1)")
-        executor = MultiprocExecutor(worker_config)
-    info = executor.info()
-    budgets = {name: value for name, value in (("kv_cache_bytes", args.kv_cache_bytes),
-                                               ("state_cache_bytes", args.state_cache_bytes)) if value is not None}
-    cache = CacheConfig(block_size=args.block_size, match_unit=args.match_unit, alignment=args.alignment,
-                        kda_save_grid=info.kda_save_grid, enable_prefix_caching=args.enable_prefix_caching, **budgets)
-    explicit = args.kv_cache_bytes is not None, args.state_cache_bytes is not None
-    measured = None if all(explicit) else executor.cache_budget()
-    cache, num_blocks, num_slots, max_model_len = plan_cache(cache, info, measured, args.max_model_len, *explicit)
-    config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          max_model_len=max_model_len, cache=cache)
-    executor.init_cache(num_blocks, num_slots, max_model_len)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(path)
-    # stop ids: the config's eos ids and the tokenizer's generation stop ids (K3: <|end_of_msg|> and [EOS])
-    eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
-    core = EngineCore(config, executor, num_blocks=num_blocks, num_slots=num_slots, vocab_size=info.vocab_size,
-                      eos_token_ids=eos, tokenizer=tokenizer, accepts_images=info.accepts_images)
-    return core, path, tokenizer
+    """(core, checkpoint path, tokenizer) of :func:`~rocm_k3.engine.assembly.assemble_engine` (kept for callers of
+    the tuple form)."""
+    engine = assemble_engine(args, model=model, tokenizer=tokenizer)
+    return engine.core, engine.path, engine.tokenizer
 
 
 class LLM:
@@ -184,16 +88,14 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        self.engine, self.path, self.tokenizer = build_engine(args)
+        assembled = assemble_engine(args)
+        self.engine, self.path, self.tokenizer = assembled.core, assembled.path, assembled.tokenizer
         self.args = args
-        self.frontend = ModelFrontend(self.path, self.tokenizer, checkpoint_family(
-            self.path, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser))
+        self.frontend = assembled.frontend
+        self.multimodal = assembled.multimodal  # MultiModalProcessor of a vision checkpoint
         self.max_model_len = self.engine.config.max_model_len
         self.eos_token_ids = self.engine.eos_token_ids
         self.vocab_size = self.engine.vocab_size
-        self.multimodal = None  # MultiModalProcessor of a vision checkpoint
-        if self.engine.accepts_images and self.tokenizer is not None:
-            self.multimodal = MultiModalProcessor.from_checkpoint(self.path, self.tokenizer)
         self._request_ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -308,6 +210,13 @@ class LLM:
         with self._lock:
             return self.engine.stats()
 
+    def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
+        """Picks per logical expert of each MoE layer since the start (or the last reset), as counted by the
+        expert-parallel ranks; {} without expert parallelism. ``rocm-k3 expert-placement`` turns a JSON dump
+        of it (``{"layers": {layer: loads}}``) into a placement for ``--expert-placement``."""
+        with self._lock:
+            return self.engine.expert_loads(reset)
+
     # ------------------------------------------------------------------ internals
     def _multimodal(self, where: str) -> MultiModalProcessor:
         if self.multimodal is not None:
@@ -377,10 +286,6 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt {index}: token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt {index}: {len(ids)} tokens exceed max_model_len={self.max_model_len}"
-            )
         return ids
 
     def _run_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],

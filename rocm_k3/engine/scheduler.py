@@ -32,6 +32,7 @@ from rocm_k3.cache.manager import CacheManager, CopyPlan
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.outputs import RequestDelta, RequestOutput
 from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.spec_decode.planner import SpecPlanner
 from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput, StepOutput
 
 
@@ -41,7 +42,9 @@ class ScheduledSeq:
 
     is_prefill: the chunk belongs to a (re)computed prefill (its full units are indexed afterwards).
     samples: the chunk computes the sequence's last token, so the step samples its next token.
-    saves: (absolute position, KDA slot) pairs to save during this chunk (prefill only).
+    saves: (absolute position, KDA slot) pairs to save during this chunk (prefill), or the per-position state
+           slots of a verification chunk (the state after each drafted position; speculative, never published).
+    drafts: speculative tokens appended after the sequence's last token (a verification chunk), else empty.
     """
 
     seq: Sequence
@@ -50,9 +53,10 @@ class ScheduledSeq:
     is_prefill: bool
     samples: bool = dataclasses.field(init=False)
     saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.samples = self.end == self.seq.num_tokens
+        self.samples = self.end - len(self.drafts) == self.seq.num_tokens
 
     @property
     def end(self) -> int:
@@ -90,6 +94,7 @@ class Scheduler:
         self.step_id = 0
         self.in_flight: SchedulerOutput | None = None
         self._finished_ids: list[str] = []
+        self.spec = SpecPlanner(config.speculative, cache, config.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -139,9 +144,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
             if self._grow(seq, seq.num_computed_tokens + 1, taken, preempted):
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, is_prefill=False))
+                drafts = self.spec.propose(seq, budget - 1)  # blocks for drafts only while free (no preemption)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), is_prefill=False,
+                                              drafts=drafts))
                 taken.add(seq.seq_id)
-                budget -= 1
+                budget -= 1 + len(drafts)
 
         for seq in [s for s in self.running if not s.is_decoding]:
             if seq.status is not SequenceStatus.RUNNING:
@@ -179,6 +186,8 @@ class Scheduler:
                     item.end,
                     last_chunk=item.end == item.seq.prefill_len,
                 )
+            elif item.drafts:
+                self.spec.plan_slots(item)
         copies = self.cache.take_copies()
         step = self._step_input(scheduled, copies)
         self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
@@ -189,10 +198,15 @@ class Scheduler:
         tokens, check the stop conditions and finish requests. Returns one delta per request that sampled."""
         out = self._take_in_flight(output.step_id)
         self.cache.finish_copies(out.copies)
+        accepted_of = {t.request_id: t.accepted for t in output.sampled}
         for item in out.scheduled:
             if item.is_prefill:
                 self.cache.commit_prefill(item.seq.seq_id, item.seq.cache_key_ids, item.end, item.saves)
             item.seq.num_computed_tokens = item.end
+            if item.drafts:  # verified: keep the state after the last accepted token, give back the rest
+                accepted = accepted_of.get(item.seq.request_id, ())
+                item.seq.num_computed_tokens = item.start + 1 + len(accepted)
+                self.spec.settle(item, len(accepted))
         samplers = [item.seq for item in out.scheduled if item.samples]
         if len(samplers) != len(output.sampled):
             raise RuntimeError(f"step {output.step_id}: {len(output.sampled)} sampled tokens for "
@@ -202,7 +216,15 @@ class Scheduler:
             if token.request_id != seq.request_id:
                 raise RuntimeError(f"step {output.step_id}: sampled token of {token.request_id!r} where "
                                    f"{seq.request_id!r} was expected")
-            deltas.append(self._append(seq, token.token_id, token.logprobs, token.error))
+            delta = None
+            draft_logprobs = token.accepted_logprobs or (None,) * len(token.accepted)
+            for draft, lp in zip(token.accepted, draft_logprobs):  # drafts first; a stop drops the rest
+                delta = _merge(delta, self._append(seq, draft, lp, ""))
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
+            deltas.append(delta)
         return deltas
 
     def abandon(self) -> None:
@@ -244,7 +266,8 @@ class Scheduler:
     # ---- step contract -------------------------------------------------------------------------------------
     def _step_input(self, scheduled: list[ScheduledSeq], copies: CopyPlan) -> StepInput:
         """The workers' view of the step: decodes first, new requests once, block-table deltas."""
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].is_prefill)  # stable: decodes first
+        order = sorted(range(len(scheduled)),  # stable: one-token decodes first, then verifications, then prefills
+                       key=lambda i: (scheduled[i].is_prefill, bool(scheduled[i].drafts)))
         scheduled[:] = [scheduled[i] for i in order]
         new_requests, chunks = [], []
         for item in scheduled:
@@ -259,7 +282,9 @@ class Scheduler:
             sent = 0 if admitted else seq.blocks_sent
             images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted else ()
             chunks.append(ScheduledChunk(
-                request_id=seq.request_id, token_ids=tuple(seq.token_ids[item.start : item.end]), start=item.start,
+                request_id=seq.request_id,
+                token_ids=tuple(seq.token_ids[item.start : item.end - len(item.drafts)]) + tuple(item.drafts),
+                start=item.start, num_draft=len(item.drafts), slot_moved=self.spec.take_moved(seq.seq_id),
                 admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
                 is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,
             ))
@@ -268,7 +293,7 @@ class Scheduler:
         self.step_id += 1
         return StepInput(
             step_id=self.step_id, new_requests=tuple(new_requests), chunks=tuple(chunks),
-            num_decodes=sum(not item.is_prefill for item in scheduled),
+            num_decodes=sum(not item.is_prefill and not item.drafts for item in scheduled),
             block_copies=tuple(copies.block_copies), state_copies=tuple(copies.state_copies),
             finished_request_ids=tuple(self.take_finished_ids()),
         )
@@ -369,6 +394,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, count: bool = True) -> None:
+        self.spec.forget(seq.seq_id)
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
@@ -379,10 +405,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self.spec.forget(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.registered:
             self._finished_ids.append(seq.request_id)
+
+
+def _merge(first: RequestDelta | None, then: RequestDelta) -> RequestDelta:
+    """One delta for the tokens a verification step added to a request (``then`` happened after ``first``)."""
+    if first is None:
+        return then
+    logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
+        [*(first.new_logprobs or []), *(then.new_logprobs or [])]
+    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
+                               new_text=first.new_text + then.new_text, new_logprobs=logprobs)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -34,7 +34,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rocm_k3.engine.llm import LLM, run_headless_node
+    from rocm_k3.engine.assembly import run_headless_node
+    from rocm_k3.engine.llm import LLM
     from rocm_k3.sampling_params import SamplingParams
 
     # errors propagate to rocm_k3.cli.main, which prints one line (or the traceback with --debug)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rocm-k3 serve: error: {exc}", file=sys.stderr)
         return 2
     if engine_args.node_rank > 0:
-        from rocm_k3.engine.llm import run_headless_node
+        from rocm_k3.engine.assembly import run_headless_node
 
         return run_headless_node(engine_args)
     from rocm_k3.entrypoints.openai.api_server import serve

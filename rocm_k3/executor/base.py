@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.worker.step_io import StepInput, StepOutput
 
 
@@ -11,17 +12,18 @@ class Executor(Protocol):
     """Runs steps on one or more workers.
 
     info():                      model facts (vocab_size, max_position_embeddings, eos ids, cache bytes).
-    cache_budget():              (kv_cache_bytes, state_cache_bytes) measured on the device, or None (use configured).
-    init_cache(blocks, slots, max_model_len): allocate the pools (and capture decode graphs).
+    cache_budget(block_size):    (kv_cache_bytes, state_cache_bytes) measured on the device, or None (use configured).
+    init_cache(geometry):        allocate the pools and block tables the planned CacheGeometry gives (and capture
+                                 decode graphs).
     execute(step):               run one step; the sampling rank's output.
     shutdown():                  release the workers (idempotent).
     """
 
     def info(self): ...
 
-    def cache_budget(self) -> tuple[int, int] | None: ...
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None: ...
 
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None: ...
+    def init_cache(self, geometry: CacheGeometry) -> None: ...
 
     def execute(self, step: StepInput) -> StepOutput: ...
 

@@ -7,7 +7,14 @@ world group, so all ranks run the same step in the same order and issue the same
 failure anywhere is named. Nodes other than 0 run headless (:func:`run_headless`): their ranks join the same
 group over TCP (``--master-addr`` / ``--master-port``) and follow rank 0's broadcasts.
 
-No hang: the driver watches its ranks' processes while it waits; a rank that dies ends the whole group with
+Idle ranks live as long as the server: while no command comes, rank 0 broadcasts a ``ping`` every
+``idle_ping_s(timeout_s)`` seconds, so the other ranks' waits (collectives bounded by ``timeout_s``) never expire;
+``timeout_s`` guards the collectives of a step, not the wait for work. On one node the group meets through a
+:class:`~torch.distributed.FileStore` in a private temporary folder and gloo binds to the loopback interface, so no
+socket of the ranks listens beyond 127.0.0.1 (several nodes meet at ``--master-addr:--master-port``).
+
+No hang: the driver watches its ranks' processes while it waits (and :meth:`MultiprocExecutor.check_alive` between
+steps); a rank that dies ends the whole group with
 :class:`WorkerDiedError` naming it, a rank that raises ends it with :class:`WorkerError` naming it, and a step that
 takes longer than ``timeout_s`` (a collective stuck on a lost remote rank) ends it with :class:`WorkerTimeoutError`.
 """
@@ -16,15 +23,24 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import os
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
 
 _POLL_S = 0.2
+
+
+def idle_ping_s(timeout_s: float) -> float:
+    """How often rank 0 pings idle ranks: a third of the collective timeout, between 0.5 s and 30 s."""
+    return min(30.0, max(0.5, timeout_s / 3))
 
 
 class WorkerError(RuntimeError):
@@ -39,8 +55,9 @@ class WorkerTimeoutError(WorkerError):
     """No answer from the ranks within the timeout (e.g. a collective waiting on a lost rank)."""
 
 
-def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
-    """One rank: join the group, load this rank's shard, then follow rank 0's commands until shutdown."""
+def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = None) -> None:
+    """One rank: join the group, load this rank's shard, then follow rank 0's commands until shutdown.
+    ``store_file``: the FileStore the ranks of a one-node group meet in (None: env:// at master_addr:port)."""
     import torch.distributed as dist
 
     from rocm_k3.distributed.groups import destroy_parallel, init_parallel, rank_env
@@ -49,7 +66,7 @@ def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
     par = config.parallel
     try:
         cfg = config.for_rank(rank)
-        ctx = init_parallel(par, rank_env(par, rank), cfg.device.type)
+        ctx = init_parallel(par, rank_env(par, rank), cfg.device.type, store_file=store_file)
         worker = Worker(cfg, ctx=ctx)
     except BaseException as exc:  # report a failed start to the driver (rank 0) or just exit non-zero
         if conn is not None:
@@ -59,12 +76,15 @@ def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
     status = _gather_status(dist, group, rank, None)
     if conn is not None:
         conn.send(("ready", status))
+    ping_s = idle_ping_s(par.timeout_s)
     while True:
-        box = [conn.recv() if rank == 0 else None]
+        box = [_next_command(conn, ping_s) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         name, args = box[0]
         if name == "shutdown":
             break
+        if name == "ping":
+            continue
         result, error = None, None
         try:
             result = _run(worker, name, args)
@@ -86,11 +106,21 @@ def _rank_main(rank: int, config: WorkerConfig, conn) -> None:
     destroy_parallel()
 
 
+def _next_command(conn, ping_s: float) -> tuple[str, tuple]:
+    """Rank 0: the driver's next command, or a ``ping`` for the other ranks when none came within ``ping_s``."""
+    if conn.poll(ping_s):
+        try:
+            return conn.recv()
+        except EOFError:  # the driver is gone: end the group
+            return ("shutdown", ())
+    return ("ping", ())
+
+
 def _run(worker, name: str, args: tuple) -> Any:
     if name == "info":
         return worker.info()
     if name == "cache_budget":
-        return worker.cache_budget()
+        return worker.cache_budget(*args)
     if name == "init_cache":
         return worker.init_cache(*args)
     if name == "execute":
@@ -127,8 +157,11 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._procs = []
+        # one node: the ranks meet in a private FileStore (no TCP store listening on every interface)
+        self._store_dir = tempfile.mkdtemp(prefix="rocm-k3-group-") if par.nnodes == 1 else None
+        store_file = os.path.join(self._store_dir, "store") if self._store_dir else None
         for rank in par.node_ranks():
-            proc = ctx.Process(target=_rank_main, args=(rank, config, child if rank == 0 else None),
+            proc = ctx.Process(target=_rank_main, args=(rank, config, child if rank == 0 else None, store_file),
                                name=f"rocm-k3-rank{rank}", daemon=True)
             proc.start()
             self._procs.append((rank, proc))
@@ -139,11 +172,11 @@ class MultiprocExecutor:
     def info(self) -> WorkerInfo:
         return self._call("info")
 
-    def cache_budget(self) -> tuple[int, int] | None:
-        return self._call("cache_budget")
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None:
+        return self._call("cache_budget", block_size)
 
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
-        self._call("init_cache", num_blocks, num_slots, max_model_len)
+    def init_cache(self, geometry: CacheGeometry) -> None:
+        self._call("init_cache", geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._call("execute", step)
@@ -152,8 +185,17 @@ class MultiprocExecutor:
         """Per rank (in rank order): bytes it loaded and the collectives it issued since the last reset."""
         return self._call("rank_stats", reset)
 
+    def check_alive(self) -> None:
+        """Between steps: raise :class:`WorkerDiedError` (and end the group) if a rank's process has ended."""
+        if self._closed:
+            raise WorkerError("the worker group has shut down (an earlier error ended it)")
+        for rank, proc in self._procs:
+            if not proc.is_alive():
+                self._fail(WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"))
+
     def shutdown(self) -> None:
         if self._closed:
+            self._remove_store()
             return
         self._closed = True
         try:
@@ -165,6 +207,12 @@ class MultiprocExecutor:
         for _, proc in self._procs:
             proc.join(max(0.1, deadline - time.monotonic()))
         self._kill_all()
+        self._remove_store()
+
+    def _remove_store(self) -> None:
+        if getattr(self, "_store_dir", None):
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
     def __del__(self) -> None:
         try:
@@ -205,6 +253,7 @@ class MultiprocExecutor:
     def _fail(self, error: WorkerError) -> None:
         self._closed = True
         self._kill_all()
+        self._remove_store()
         raise error
 
     def _kill_all(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import Worker, WorkerConfig, WorkerInfo
 
@@ -16,11 +17,11 @@ class UniprocExecutor:
     def info(self) -> WorkerInfo:
         return self.worker.info()
 
-    def cache_budget(self) -> tuple[int, int] | None:
-        return self.worker.cache_budget()
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None:
+        return self.worker.cache_budget(block_size)
 
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
-        self.worker.init_cache(num_blocks, num_slots, max_model_len)
+    def init_cache(self, geometry: CacheGeometry) -> None:
+        self.worker.init_cache(geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)

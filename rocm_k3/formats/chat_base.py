@@ -22,6 +22,10 @@ ROLES = ("system", "user", "assistant", "tool")
 TEXT_PART = "text"
 IMAGE_PARTS = ("image_url", "image")
 THINKING_EFFORTS = ("low", "high", "max")  # K3 accepts these; "medium" is rejected although its note names it
+# OpenAI's reasoning_effort values (and K3's "max") -> the K3 effort written in the prompt
+REASONING_EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
+# think-token budget of each reasoning_effort when the request names no thinking_token_budget ("max": none)
+DEFAULT_EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 1024, "high": 4096}
 
 
 class RenderedChat(NamedTuple):
@@ -59,7 +63,8 @@ def thinking_options(chat_template_kwargs: Mapping[str, Any] | None,
     """vLLM's request conventions -> (thinking, effort) for ``render``; None leaves the renderer's default.
 
     ``chat_template_kwargs`` ``thinking`` (or ``enable_thinking``) and ``thinking_effort`` are explicit and win;
-    otherwise ``reasoning_effort`` "none" turns thinking off and "low" / "high" / "max" set the effort.
+    otherwise ``reasoning_effort`` "none" turns thinking off and "minimal" / "low" / "medium" / "high" / "max"
+    set the effort (K3's nearest: :data:`REASONING_EFFORTS`).
     """
     kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
     if not isinstance(kwargs, Mapping):
@@ -77,9 +82,11 @@ def thinking_options(chat_template_kwargs: Mapping[str, Any] | None,
             if thinking is None:
                 thinking = False
         else:
-            check_thinking_effort(reasoning_effort, field="reasoning_effort", allow_none=True)
+            if reasoning_effort not in REASONING_EFFORTS:
+                choices = ", ".join(repr(e) for e in ("none", *REASONING_EFFORTS))
+                raise ValueError(f"reasoning_effort: expected one of {choices}, got {reasoning_effort!r}")
             if effort is None:
-                effort = reasoning_effort
+                effort = REASONING_EFFORTS[reasoning_effort]
     return ThinkingOptions(thinking, effort)
 
 
@@ -209,3 +216,15 @@ def compact_json(value: Any, field: str) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{field}: not JSON-serialisable ({exc})") from exc
+
+
+def parse_effort_budgets(text: str) -> dict[str, int]:
+    """``"low=256,medium=1024"`` -> the default budgets with those replaced (ValueError naming a bad entry)."""
+    budgets = dict(DEFAULT_EFFORT_BUDGETS)
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, value = entry.partition("=")
+        if not sep or name.strip() not in REASONING_EFFORTS or not value.strip().isdigit():
+            raise ValueError(f"reasoning_effort_budgets: expected EFFORT=TOKENS entries with EFFORT one of "
+                             f"{', '.join(REASONING_EFFORTS)}, got {entry!r}")
+        budgets[name.strip()] = int(value)
+    return budgets

@@ -33,7 +33,7 @@ MLA_QK_ROPE_HEAD_DIM = 64
 MLA_V_HEAD_DIM = 128
 # q_a_layernorm / kv_a_layernorm: transformers' Kimi Linear (KimiLinearRMSNorm(q_lora_rank / kv_lora_rank)) and
 # Moonshot's modeling code build them with the RMSNorm default eps 1e-6, whatever rms_norm_eps says (every other
-# norm uses rms_norm_eps). tests/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
+# norm uses rms_norm_eps). tests/model/test_mla_geometry.py checks this against transformers with rms_norm_eps = 0.1.
 MLA_NORM_EPS = 1e-6
 MAX_LAYERS = 4096  # a sane bound (K3: 93): layer counts drive Python loops over range(num_hidden_layers)
 
@@ -451,12 +451,12 @@ def _from_text_config(model_type: str, raw: Mapping[str, Any], quant: Any, weigh
         tie_word_embeddings=get("tie_word_embeddings", False),
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos_ids,
-        expert_format=_expert_format(quant),
+        expert_format=parse_expert_format(quant),
         weight_prefix=weight_prefix,
     )
 
 
-def _expert_format(quant: Any) -> str:
+def parse_expert_format(quant: Any) -> str:
     """``"mxfp4"`` for a compressed-tensors mxfp4-pack-quantized config, ``"bf16"`` when unquantised."""
     if quant is None:
         return "bf16"

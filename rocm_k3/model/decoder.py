@@ -63,7 +63,8 @@ class DecoderLayer(WeightTargets):
         mixer = MLALayer if cfg.is_mla_layer(index) else KDALayer
         self.attn = mixer(cfg, ctx, table, p + "self_attn.", cache_index, **kw)
         if cfg.is_moe_layer(index):
-            self.ffn: DenseMLP | MoEBlock = MoEBlock(cfg, p + "block_sparse_moe.", ctx, table, act_quant, **kw)
+            self.ffn: DenseMLP | MoEBlock = MoEBlock(cfg, p + "block_sparse_moe.", ctx, table, act_quant, layer=index,
+                                                        **kw)
         else:
             self.ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, p + "mlp.", activation_for(cfg), ctx, table,
                                 **kw)

@@ -30,7 +30,8 @@ def check_layout(cfg: ModelConfig, parallel: ParallelConfig) -> None:
             divides(cfg.intermediate_size, "intermediate_size (dense MLP)")
         if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
             if parallel.enable_expert_parallel:
-                divides(cfg.num_experts, "num_experts (expert parallelism)")
+                divides(cfg.num_experts + parallel.num_redundant_experts,
+                        "num_experts + num_redundant_experts (expert parallelism)")
             else:
                 unit = MXFP4_GROUP if cfg.expert_format == "mxfp4" else 1
                 divides(cfg.moe_intermediate_size, "moe_intermediate_size (routed experts)", unit=unit)

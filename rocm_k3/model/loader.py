@@ -41,7 +41,8 @@ from rocm_k3.ops.registry import bind
 
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "MissingTensorError", "TensorShapeError", "UnexpectedTensorError",
-    "UnsafePathError", "CheckpointFiles", "checkpoint_files", "plan_load", "load_model",
+    "UnsafePathError", "CheckpointFiles", "checkpoint_files", "check_coverage", "fill_target", "plan_load",
+    "load_model",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -219,15 +220,7 @@ def _read_targets(plan: dict[str, tuple[Path, str, TensorSpec]], targets: dict[s
                         sl = f.get_slice(name)
                         t = sl[target.read.index(len(sl.get_shape()))]  # only this rank's slice leaves the file
                         loaded += t.numel() * t.element_size()
-                        if canon.endswith("self_attn.A_log"):
-                            _check_a_log(cfg, name, t)
-                        if target.read.transform is not None:
-                            t = target.read.transform(t)
-                        if tuple(t.shape) != tuple(target.dst.shape):
-                            raise TensorShapeError(f"{name}: this rank's slice has shape {list(t.shape)}, its "
-                                                   f"parameter {list(target.dst.shape)}")
-                        with torch.no_grad():
-                            target.dst.copy_(t.to(dtype=target.dst.dtype))
+                        fill_target(cfg, canon, name, target, t)
                         bar.update(1)
             except (SafetensorError, OSError) as exc:
                 raise CorruptCheckpointError(f"{file}: cannot read tensor data ({exc})") from exc
@@ -236,7 +229,21 @@ def _read_targets(plan: dict[str, tuple[Path, str, TensorSpec]], targets: dict[s
     return loaded
 
 
-def _check_coverage(model: KimiModel, targets: dict[str, Target]) -> None:
+def fill_target(cfg: ModelConfig, canon: str, name: str, target: Target, t: torch.Tensor) -> None:
+    """Copy ``t`` (this rank's slice of checkpoint tensor ``name``, canonical name ``canon``) into its parameter:
+    the A_log layout check, the target's transform, a shape check (TensorShapeError naming the tensor), the cast."""
+    if canon.endswith("self_attn.A_log"):
+        _check_a_log(cfg, name, t)
+    if target.read.transform is not None:
+        t = target.read.transform(t)
+    if tuple(t.shape) != tuple(target.dst.shape):
+        raise TensorShapeError(f"{name}: this rank's slice has shape {list(t.shape)}, its "
+                               f"parameter {list(target.dst.shape)}")
+    with torch.no_grad():
+        target.dst.copy_(t.to(dtype=target.dst.dtype))
+
+
+def check_coverage(model: KimiModel, targets: dict[str, Target]) -> None:
     """Every element of every parameter is some target's destination (a layer that forgot a tensor fails here)."""
     covered: dict[int, int] = {}
     for t in targets.values():
@@ -299,7 +306,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device:
     if unknown:
         raise MissingTensorError(f"{len(unknown)} tensors the model needs are not in the checkpoint: "
                                  f"{_listed(unknown)}")
-    _check_coverage(model, targets)
+    check_coverage(model, targets)
     model.loaded_bytes = _read_targets(plan, targets, cfg, progress)
     model.post_load()
     return model

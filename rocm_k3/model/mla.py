@@ -74,14 +74,27 @@ class MLALayer(WeightTargets):
         with record_function("mla"):
             return self._forward(x, batch, cache)
 
-    def _forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        cfg, table = self.cfg, self.table
-        t, h = x.shape[0], self.heads
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs of ``x [T, hidden]``: q [T, Hl, Dn + P] (nope | pe, never rotated: NoPE), the
+        normalised latent c_kv [T, R], k_pe [T, P] and the output-gate logits [T, Hl Dv] (empty without a gate)."""
+        table = self.table
         q_in, c_kv, k_pe, gate = self.in_proj(x).split(self.split, dim=-1)
         if self.q_b is not None:
             q_in = self.q_b(ops.rms_norm(q_in, self.q_a_norm, MLA_NORM_EPS, backend=table))
-        q = q_in.reshape(t, h, cfg.q_head_dim)  # [T, Hl, Dn + P] = nope | pe (never rotated: NoPE)
-        c_kv = ops.rms_norm(c_kv, self.kv_a_norm, MLA_NORM_EPS, backend=table)  # [T, R]
+        q = q_in.reshape(x.shape[0], self.heads, self.cfg.q_head_dim)  # [T, Hl, Dn + P]
+        return q, ops.rms_norm(c_kv, self.kv_a_norm, MLA_NORM_EPS, backend=table), k_pe, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the attention output ``out [T, Hl, Dv]``, gated by ``sigmoid(gate)`` when the model has an
+        output gate; [T, hidden]."""
+        out = out.reshape(out.shape[0], self.heads * self.cfg.v_head_dim)
+        if self.cfg.mla_use_output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
+        cfg, table = self.cfg, self.table
+        q, c_kv, k_pe, gate = self.project(x)
         kv_cache = cache.mla_kv(self.cache_index)  # [num_blocks, block_size, R + P]
         latent = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)  # [T, R + P]
         ops.mla_write_cache(latent, kv_cache, batch.slot_mapping, backend=table)
@@ -100,7 +113,4 @@ class MLALayer(WeightTargets):
                 q.to(kv_cache.dtype).contiguous(), kv_cache, batch.block_table, batch.cu_seqlens, batch.seq_lens,
                 self.kv_b.weight.to(kv_cache.dtype), scale=self.scale, backend=table,
             ).to(x.dtype)  # [T, Hl, Dv]
-        out = out.reshape(t, h * cfg.v_head_dim)
-        if cfg.mla_use_output_gate:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.output(out, gate)

@@ -6,10 +6,12 @@ routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose re
 ``x`` and are added. Activation everywhere: SiTU-and-mul (K3) or SiLU-and-mul (Kimi Linear).
 
 Tensor parallelism (PARALLEL_SPEC 1.1-1.2): router, bias and the latent down-projection are replicated; every
-routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2), or, with expert
-parallelism, whole experts are split over the TP ranks (``E / tp`` each; picks of other ranks' experts get weight
-0 on this rank). Either way each rank's expert output is a partial sum. LatentMoE then all-reduces the
-``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
+routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2; each rank's expert output
+is a partial sum), or, with expert parallelism, whole experts are split over the TP ranks (``E / tp`` each): the
+tokens are split over the TP ranks, each rank's picks travel to their expert's rank and back
+(:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / tp`` rows and holds the full routed
+output of its token slice (zeros elsewhere: again a partial sum for the same reductions). LatentMoE then
+all-reduces the ``[T, latent]`` partial (the norm needs the full sum), and each rank adds its ``hidden / tp`` columns of
 ``up_proj(norm(r))`` into its unreduced shared-expert output before one ``[T, hidden]`` all-reduce: two
 collectives per MoE layer. Without a latent (Kimi Linear) routed and shared partials are summed by one.
 """
@@ -24,6 +26,8 @@ from torch.profiler import record_function
 from rocm_k3 import ops
 from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.expert_dispatch import combine, dispatch
+from rocm_k3.model.expert_placement import ExpertPlacement
 from rocm_k3.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -99,17 +103,37 @@ class RoutedExperts(WeightTargets):
     """This rank's routed experts, stacked as the ops want them (checkpoint layout, then re-laid once by the
     serving backend's ``prepare_weights`` after loading: the checkpoint copy is not kept).
 
-    Without EP: all E experts, intermediate rows ``[r N/tp, (r+1) N/tp)``; with EP: experts ``[r E/tp, ...)``, whole.
+    Without EP: all E experts, intermediate rows ``[r N/tp, (r+1) N/tp)``; with EP: physical expert slots
+    ``[r P/tp, (r+1) P/tp)`` of the ``P = E + num_redundant_experts`` placed by
+    :mod:`rocm_k3.model.expert_placement` (``slots[j]`` = the logical expert slot ``j`` holds), whole.
     """
 
     def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, layer: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ctx, self.table, self.prefix = cfg, ctx, table, prefix
+        self.cfg, self.ctx, self.table, self.prefix, self.layer = cfg, ctx, table, prefix, layer
         e, n, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_hidden_size
+        self.slots: tuple[int, ...] = tuple(range(e))  # logical expert of each physical slot
+        self.replicas = None  # [E, max replicas] physical slots of each logical expert (EP)
+        self.load = None  # int64 [E]: picks per logical expert, counted under EP (EPLB's load profile)
         if ctx.ep_enabled:
-            self.first, self.count = ctx.shard(e, f"{prefix} num_experts (expert parallelism)")
+            placement = (ExpertPlacement.read(ctx.expert_placement) if ctx.expert_placement is not None
+                         else ExpertPlacement.uniform(e, ctx.num_redundant_experts, ctx.ep_size))
+            if (placement.num_experts, placement.ep_size, placement.num_redundant_experts) != \
+                    (e, ctx.ep_size, ctx.num_redundant_experts):
+                raise LayoutError(f"expert placement for {placement.num_experts} experts + "
+                                  f"{placement.num_redundant_experts} redundant over {placement.ep_size} ranks; this "
+                                  f"run has {e} + {ctx.num_redundant_experts} over {ctx.ep_size}")
+            self.slots = placement.slots(layer)
+            self.first, self.count = ctx.shard(len(self.slots), f"{prefix} num_experts + num_redundant_experts "
+                                                                f"(expert parallelism)")
             self.n_local, self.n_start = n, 0
+            per = [[s for s, x in enumerate(self.slots) if x == ex] for ex in range(e)]
+            width = max(len(p) for p in per)
+            self.replicas = torch.tensor([p + [p[0]] * (width - len(p)) for p in per], dtype=torch.int64,
+                                         device=device)  # [E, width]
+            self.replica_count = torch.tensor([len(p) for p in per], dtype=torch.int64, device=device)  # [E]
+            self.load = torch.zeros(e, dtype=torch.int64, device=device)
         else:
             self.first, self.count = 0, e
             self.n_start, self.n_local = ctx.shard(n, f"{prefix} moe_intermediate_size")
@@ -134,7 +158,7 @@ class RoutedExperts(WeightTargets):
         out: dict[str, Target] = {}
         nl, n0 = self.n_local, self.n_start
         for j in range(self.count):
-            x = f"{self.prefix}experts.{self.first + j}."
+            x = f"{self.prefix}experts.{self.slots[self.first + j]}."
             if self.fmt == "mxfp4":
                 for w, rows in (("w1", slice(0, nl)), ("w3", slice(nl, 2 * nl))):
                     out[x + f"{w}.weight_packed"] = Target(self.w13[j, rows], Read(0, n0, nl))
@@ -158,21 +182,50 @@ class RoutedExperts(WeightTargets):
             for name in ("w13", "w13_scale", "w2", "w2_scale"):
                 setattr(self, name, None)
 
-    def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed (weights, ids) for this rank's experts: with EP, ids become local and other ranks' picks get
-        weight 0 (on local expert 0, contributing exactly nothing)."""
-        if not self.ctx.ep_enabled or self.ctx.tp_size == 1:
-            return weights, ids
-        local = ids - self.first
-        mine = (local >= 0) & (local < self.count)  # [T, k]
-        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+    def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: MoEActivation,
+                act_quant: ActQuant) -> torch.Tensor:
+        """``z`` [T, width] through the routed picks (``weights`` fp32 / ``ids`` int32 [T, k], global expert ids)
+        -> [T, width], a partial sum under TP / EP (the caller all-reduces it).
+
+        With EP the T tokens (replicated over the TP ranks) are split into ``ep`` contiguous slices; each rank
+        dispatches the picks of its slice to their experts' ranks and combines them back
+        (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / ep`` rows, and returns the full
+        routed output on its slice, zeros elsewhere: the caller's all-reduce stitches the slices."""
+        ctx = self.ctx
+        tokens, top_k = ids.shape
+        ctx.add("moe_picks", tokens * top_k)
+        if not ctx.ep_enabled or ctx.tp_size == 1:
+            ctx.add("moe_rows", tokens * top_k)
+            return self._run(z, weights, ids, activation, act_quant)
+        self.load.index_add_(0, ids.reshape(-1).to(torch.int64), torch.ones_like(self.load[:1]).expand(ids.numel()))
+        lo, hi = ctx.ep_rank * tokens // ctx.ep_size, (ctx.ep_rank + 1) * tokens // ctx.ep_size
+        sent = dispatch(z[lo:hi], weights[lo:hi], self.physical(ids[lo:hi], lo), self.count, ctx, self.table)
+        ctx.add("moe_rows", sent.rows.shape[0])
+        if sent.rows.shape[0]:
+            out = self._run(sent.rows, sent.weights, sent.ids, activation, act_quant)  # [R, width], weighted
+        else:
+            out = sent.rows.new_empty((0, z.shape[1]))
+        r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
+        r[lo:hi] = combine(out, sent.plan, ctx, self.table)
+        return r
+
+    def physical(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots: pick ``p`` (counted from the batch's first token) of
+        expert ``e`` runs on replica ``p mod replicas(e)`` (all hold ``e``'s weights)."""
+        flat = ids.to(torch.int64)  # [T, k]
+        pick = torch.arange(ids.numel(), device=ids.device).view(ids.shape) + first_token * ids.shape[1]  # [T, k]
+        return self.replicas[flat, pick % self.replica_count[flat]].to(torch.int32)  # [T, k]
+
+    def _run(self, z, weights, ids, activation, act_quant) -> torch.Tensor:
+        return ops.fused_moe(z, self.weights, weights, ids, activation=activation, act_quant=act_quant.mode,
+                             fp8_dtype=act_quant.fp8_dtype, backend=self.table)
 
 
 class MoEBlock(WeightTargets):
     """Router + routed experts (optionally LatentMoE) + shared experts; ``forward(x [T, hidden]) -> [T, hidden]``."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, ctx: ParallelContext, table, act_quant: ActQuant, *,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, layer: int = 0) -> None:
         super().__init__()
         self.cfg, self.ctx, self.table, self.act_quant = cfg, ctx, table, act_quant
         self.activation = activation_for(cfg)
@@ -180,7 +233,7 @@ class MoEBlock(WeightTargets):
         self.router = ReplicatedLinear(hid, e, prefix + "gate.weight", dtype=torch.float32, device=device)
         self.bias = new_param((e,), torch.float32, device)  # [E]
         self.prefix = prefix
-        self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device)
+        self.experts = RoutedExperts(cfg, prefix, ctx, table, dtype=dtype, device=device, layer=layer)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = DenseMLP(hid, cfg.moe_intermediate_size * cfg.num_shared_experts, prefix + "shared_experts.",
@@ -213,11 +266,8 @@ class MoEBlock(WeightTargets):
         logits = self.router(x.float())  # fp32 [T, E]
         routed = ops.route(logits, cfg.num_experts_per_token, correction_bias=self.bias,
                            renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor, backend=table)
-        weights, ids = self.experts.local_routes(routed.weights, routed.ids)
         z = x if self.latent_down is None else self.latent_down(x)  # [T, expert width]
-        r = ops.fused_moe(z, self.experts.weights, weights, ids, activation=self.activation,
-                          act_quant=self.act_quant.mode, fp8_dtype=self.act_quant.fp8_dtype,
-                          backend=table)  # [T, expert width]; a partial sum under TP / EP
+        r = self.experts(z, routed.weights, routed.ids, self.activation, self.act_quant)  # [T, expert width]
         shared = self.shared(x) if self.shared is not None else None  # [T, hidden]; partial under TP
         if not self.latent:
             y = r if shared is None else r + shared

@@ -3,7 +3,9 @@
 - ``all_reduce(x, group) -> sum of x over the group`` (a new tensor; ``x`` is not modified);
 - ``all_gather(x, group, dim=-1) -> the group's tensors concatenated along dim`` in rank order;
 - ``reduce_scatter(x, group, dim=0) -> this rank's 1/n slice of the sum`` (dim divisible by the group size);
-- ``all_to_all(x, group) -> rank r's r-th chunk of every rank, concatenated`` (dim 0 split in n equal chunks).
+- ``all_to_all(x, group, in_splits=None, out_splits=None) -> rank r's r-th chunk of every rank, concatenated``
+  (dim 0 split in n equal chunks, or in ``in_splits`` rows per peer, receiving ``out_splits`` rows from each:
+  the expert-parallel dispatch).
 
 ``group`` None (the single-process layout) makes every op the identity. Backends may register fused or faster
 versions (an all-reduce fused with the next RMSNorm, an EP dispatch/combine) with the same signatures; the
@@ -55,14 +57,13 @@ def reduce_scatter_reference(x: torch.Tensor, group, dim: int = 0) -> torch.Tens
     return out
 
 
-def all_to_all_reference(x: torch.Tensor, group) -> torch.Tensor:
-    n = _size(group)
-    out = torch.empty_like(x)
-    if x.device.type == "cpu":  # gloo lacks all_to_all_single: gather everything, keep the chunks meant for us
-        full = all_gather_reference(x, group, dim=0).chunk(n * n, dim=0)
-        me = dist.get_rank(group)
-        return torch.cat([full[src * n + me] for src in range(n)], dim=0)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+def all_to_all_reference(x: torch.Tensor, group, in_splits: list[int] | None = None,
+                         out_splits: list[int] | None = None) -> torch.Tensor:
+    if out_splits is None:
+        out = torch.empty_like(x)
+    else:
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -90,14 +91,25 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, backend=None) -> tor
     return registry.dispatch("reduce_scatter", backend, x, group, dim)
 
 
-def all_to_all(x: torch.Tensor, group, *, backend=None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group, *, in_splits: list[int] | None = None, out_splits: list[int] | None = None,
+               backend=None) -> torch.Tensor:
     x = _check(x, "x")
     n = _size(group)
+    if (in_splits is None) != (out_splits is None):
+        raise ValueError("all_to_all: give both in_splits and out_splits, or neither")
+    if in_splits is not None:
+        if len(in_splits) != n or len(out_splits) != n:
+            raise ValueError(f"all_to_all: in_splits / out_splits need one entry per rank of the group ({n}), got "
+                             f"{len(in_splits)} / {len(out_splits)}")
+        if sum(in_splits) != x.shape[0]:
+            raise ValueError(f"all_to_all: in_splits sum to {sum(in_splits)}, x has {x.shape[0]} rows")
     if n == 1:
         return x
-    if x.shape[0] % n:
+    if in_splits is None and x.shape[0] % n:
         raise ValueError(f"all_to_all: dim 0 of size {x.shape[0]} is not divisible by the group size {n}")
-    return registry.dispatch("all_to_all", backend, x, group)
+    if in_splits is None:
+        return registry.dispatch("all_to_all", backend, x, group)
+    return registry.dispatch("all_to_all", backend, x, group, in_splits, out_splits)
 
 
 REFERENCE_IMPLS = {

@@ -12,7 +12,7 @@ place or through a cache: the short conv (``F.conv1d``), the chunked delta rule
 and the AttnRes block bank kept as a list. Rows are independent sequences starting at position 0; right padding
 only affects the padded positions (everything is causal).
 
-This adapter stands in until the model's layers are ``torch.nn.Module``s; ``tests/test_training_forward.py``
+This adapter stands in until the model's layers are ``torch.nn.Module``s; ``tests/training/test_training_forward.py``
 checks it against ``KimiModel.forward`` on the embedded tiny model's weights.
 """
 

@@ -20,8 +20,9 @@ from rocm_k3.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheGeometry:
-    """Per-layer cache shapes of a model.
+class PoolShapes:
+    """Per-layer cache tensor shapes of one rank (the pools' sizes come from the planned
+    :class:`~rocm_k3.cache.geometry.CacheGeometry`).
 
     num_mla_layers / num_kda_layers: layers of each kind; kda_heads (H), kda_head_dim (K = V), conv_width (W);
     mla_latent_width: values cached per token per MLA layer (kv_lora_rank + qk_rope_head_dim; 576 for K3);
@@ -37,7 +38,7 @@ class CacheGeometry:
     mla_latent_width: int = 576
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> CacheGeometry:
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> PoolShapes:
         return cls(
             len(cfg.mla_layers),
             len(cfg.kda_layers),
@@ -49,7 +50,7 @@ class CacheGeometry:
         )
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype) -> CacheGeometry:
+    def from_model(cls, model, dtype: torch.dtype) -> PoolShapes:
         """The pools of one rank: its stage's layers and its share of the KDA heads."""
         cfg = model.cfg
         return cls(model.num_mla_layers, model.num_kda_layers, cfg.kda.num_heads // model.ctx.tp_size,
@@ -59,10 +60,14 @@ class CacheGeometry:
     def conv_channels(self) -> int:
         return 3 * self.kda_heads * self.kda_head_dim  # q | k | v
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """One page of every MLA layer: num_mla_layers * block_size * latent width * itemsize (at least 1)."""
+    def bytes_per_token(self) -> int:
+        """One token of every MLA layer: num_mla_layers * latent width * itemsize (0 on a stage without MLA)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return max(1, self.num_mla_layers * block_size * self.mla_latent_width * itemsize)
+        return self.num_mla_layers * self.mla_latent_width * itemsize
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """One page of every MLA layer: bytes_per_token * block_size (at least 1)."""
+        return max(1, self.bytes_per_token() * block_size)
 
     def bytes_per_slot(self) -> int:
         """One slot of every KDA layer: fp32 [H, K, V] state + [3*H*K, W-1] conv state (at least 1)."""
@@ -77,7 +82,7 @@ class KVPools:
 
     def __init__(
         self,
-        geometry: CacheGeometry,
+        shapes: PoolShapes,
         *,
         block_size: int,
         num_blocks: int,
@@ -87,12 +92,12 @@ class KVPools:
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("num_slots", num_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        self.geometry = geometry
+        self.shapes = shapes
         self._block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_slots
         self.device = torch.device(device)
-        g = geometry
+        g = shapes
         nb, ns = num_blocks + 1, num_slots + 1  # + the scratch block / slot of padded graph rows
         self._mla = [
             torch.zeros(nb, block_size, g.mla_latent_width, dtype=g.dtype, device=self.device)

@@ -62,7 +62,7 @@ class HostPlan:
     block_table: np.ndarray  # int32 [N, width]
     kda_slots: np.ndarray  # int32 [N]
     has_initial_state: np.ndarray  # bool [N]
-    logits_indices: np.ndarray  # int64 [S] rows of the sampling chunks' last tokens
+    logits_indices: np.ndarray  # int64 [R] rows of the sampling chunks' last 1 + num_draft tokens
     save_positions: np.ndarray | None  # int32 [M, 2]
     save_slots: np.ndarray | None  # int32 [M]
     is_decode: bool
@@ -97,6 +97,8 @@ class ModelRunner:
                 row = self.rows.get(chunk.request_id)
                 if row is None:
                     raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} was never admitted")
+                if chunk.slot_moved:  # a speculative rollback picked the state slot of a drafted position
+                    row.kda_slot = chunk.kda_slot
                 if row.kda_slot != chunk.kda_slot:
                     raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} changed KDA slot "
                                        f"{row.kda_slot} -> {chunk.kda_slot} without re-admission")
@@ -131,14 +133,13 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(n), lens)  # [T]
         blocks = table[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        sampling = [i for i, c in enumerate(chunks) if c.sample]
         saves = [(i, pos - c.start, slot) for i, c in enumerate(chunks) for pos, slot in c.saves]
         return HostPlan(
             input_ids=ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens=cu.astype(np.int32),
             seq_lens=seq_lens, block_table=table,
             kda_slots=np.fromiter((self.rows[c.request_id].kda_slot for c in chunks), dtype=np.int32, count=n),
             has_initial_state=starts > 0,
-            logits_indices=(cu[1:] - 1)[sampling],
+            logits_indices=logits_rows(chunks, cu),
             save_positions=np.array([[i, p] for i, p, _ in saves], dtype=np.int32).reshape(-1, 2) if saves else None,
             save_slots=np.array([s for _, _, s in saves], dtype=np.int32) if saves else None,
             is_decode=step.is_decode_only and bool((starts > 0).all()),
@@ -183,3 +184,10 @@ class ModelRunner:
 def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:
     """The chunks whose next token the step samples, in the order of the logits rows."""
     return [c for c in step.chunks if c.sample]
+
+
+def logits_rows(chunks: tuple[ScheduledChunk, ...], cu: np.ndarray) -> np.ndarray:
+    """Token rows whose logits a step returns: the last 1 + num_draft tokens of each sampling chunk (a plain
+    chunk: its last token; a verification: its last confirmed token and every draft)."""
+    rows = [r for i, c in enumerate(chunks) if c.sample for r in range(int(cu[i + 1]) - 1 - c.num_draft, int(cu[i + 1]))]
+    return np.array(rows, dtype=np.int64)

@@ -111,7 +111,7 @@ class RequestTable:
         for c in step.chunks:
             state = self._states[c.request_id]
             if state.penalties is None and state.constraint is None:
-                state.num_seen = max(state.num_seen, c.end)
+                state.num_seen = max(state.num_seen, c.end - c.num_draft)  # drafts are not confirmed
                 continue
             tokens = state.observe(c)
             if tokens and state.penalties is not None:

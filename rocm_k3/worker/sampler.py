@@ -65,7 +65,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         processed = logits.clone()
         for processor in logits_processors:
             processor(processed)
-    chosen = processed.argmax(dim=-1)  # [N]
+    # NaN (e.g. inf - inf from an extreme penalty) never wins a pick: the top logit among the rest does
+    chosen = torch.nan_to_num(processed, nan=float("-inf")).argmax(dim=-1)  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
         scaled = processed / temps.clamp_min(1e-6)[:, None]  # [N, V]
@@ -73,8 +74,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         scaled = _apply_top_k(scaled, [p.top_k for p in params])
         scaled = _apply_top_p(scaled, [float(p.top_p) for p in params])
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
+        # a row whose processed probabilities are not a distribution (NaN from +-inf logits after an extreme
+        # repetition penalty, or all zero) keeps its top logit instead of a draw from garbage
+        usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()  # [N], one host read
         for i, (p, gen) in enumerate(zip(params, generators)):
-            if p.temperature == 0:
+            if p.temperature == 0 or not usable[i]:
                 continue
             race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
             chosen[i] = torch.argmax(probs[i] / race)
@@ -113,20 +117,28 @@ def _apply_top_p(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 
 
 def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]) -> list[dict[int, float] | None]:
+    """The chosen token's log-probability and the top ``logprobs`` alternatives of the rows that ask, computed
+    for those rows at once and read to the host in one transfer (no per-row synchronisation)."""
     wanted = [p.logprobs for p in params]
-    if all(w is None for w in wanted):
+    rows = [i for i, w in enumerate(wanted) if w is not None]
+    if not rows:
         return [None] * len(params)
-    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
-    out: list[dict[int, float] | None] = []
-    for i, w in enumerate(wanted):
-        if w is None:
-            out.append(None)
-            continue
-        tok = int(chosen[i])
-        entry = {tok: float(logp[i, tok])}
-        if w > 0:
-            top = torch.topk(logp[i], min(w, logp.shape[1]))
-            for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                entry.setdefault(t, v)
-        out.append(entry)
+    idx = torch.tensor(rows, device=logits.device)  # [R]
+    logp = torch.log_softmax(logits[idx], dim=-1)  # [R, V]
+    picked = chosen[idx]  # [R]
+    k = min(max(wanted[i] for i in rows), logp.shape[1])
+    top = torch.topk(logp, k) if k > 0 else None  # [R, k]
+    parts = [picked, logp.gather(1, picked[:, None])[:, 0].double()]
+    if top is not None:
+        parts += [top.indices.reshape(-1).to(picked.dtype), top.values.reshape(-1).double()]
+    host = torch.cat([p.double() for p in parts]).tolist()  # the one device -> host read
+    r = len(rows)
+    tokens, values = host[:r], host[r : 2 * r]
+    top_ids, top_vals = host[2 * r : 2 * r + r * k], host[2 * r + r * k :]
+    out: list[dict[int, float] | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        entry = {int(tokens[j]): values[j]}
+        for t, v in zip(top_ids[j * k : j * k + wanted[i]], top_vals[j * k : j * k + wanted[i]]):
+            entry.setdefault(int(t), v)
+        out[i] = entry
     return out

@@ -52,6 +52,7 @@ class StageLink:
         dst = self.ctx.pp_ranks[self.ctx.pp_rank + 1]
         self.ctx.count("pp_send")
         for t in self._tensors(state):
+            self.ctx.add("collective_bytes", t.numel() * t.element_size())
             dist.send(t.contiguous(), dst, group=self.ctx.pp_group)
 
     def _recv(self, num_tokens: int) -> StackState:

@@ -6,6 +6,8 @@ lists, tuples, :class:`~rocm_k3.sampling_params.SamplingParams` (a frozen datacl
 pixel arrays of :class:`ImageInput` appear here (no torch tensors), so a step pickles and can be broadcast to the
 ranks of a multi-process executor unchanged.
 
+Before the first step the workers get the planned cache once, a :class:`~rocm_k3.cache.geometry.CacheGeometry`
+(``Executor.init_cache``): block size, pool sizes and block-table width all come from it.
 A request travels once as :class:`NewRequest` (its sampling parameters and seed); every step then names it by
 ``request_id`` in a :class:`ScheduledChunk` with the tokens to run and the cache deltas (block ids appended to
 its table, or the whole table and KDA slot when it was (re-)admitted). Workers keep per-request state (block
@@ -103,9 +105,13 @@ class ScheduledChunk:
                    ``kda_slot`` its running KDA slot (after a preemption both change; the worker resets the row).
     block_ids:     blocks appended to its table before this step (the whole table when admitted).
     kda_slot:      its running KDA slot (recurrent + conv state of every KDA layer).
-    is_prefill:    the chunk belongs to a (re)computed prefill (else a one-token decode).
+    is_prefill:    the chunk belongs to a (re)computed prefill (else a decode, or a verification when num_draft > 0).
     sample:        the chunk ends at the request's last known token: the step samples its next token.
     saves:         (absolute position, destination KDA slot): save the KDA states after that position.
+    num_draft:     the last ``num_draft`` tokens are speculative drafts to verify: logits come back for the
+                   last ``1 + num_draft`` positions and ``saves`` hold the per-position state slots.
+    slot_moved:    the request's running state moved to ``kda_slot`` (a speculative rollback picked the slot
+                   of a drafted position) since its last chunk; not set on an admitted chunk.
     images:        on an admitted chunk, the request's images whose pads end after ``start`` (see the module
                    docstring); empty otherwise.
     """
@@ -120,6 +126,8 @@ class ScheduledChunk:
     sample: bool
     saves: tuple[tuple[int, int], ...] = ()
     images: tuple[ImageInput, ...] = ()
+    num_draft: int = 0
+    slot_moved: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -167,17 +175,22 @@ class SampledToken:
 
     logprobs: ``((token, logprob), ...)`` with the chosen token first, then the top alternatives; None if not asked.
     error:    non-empty when the request's logits were not finite (NaN/Inf): ``token_id`` is then meaningless.
+    accepted: the drafts of a verification chunk that were accepted (they come before ``token_id``).
+    accepted_logprobs: with ``logprobs`` asked, one entry (as ``logprobs``) per accepted draft, else empty.
     """
 
     request_id: str
     token_id: int
     logprobs: tuple[tuple[int, float], ...] | None = None
     error: str = ""
+    accepted: tuple[int, ...] = ()
+    accepted_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """What the sampling worker returns for one step: one entry per chunk with ``sample`` set, in chunk order."""
+    """What the sampling worker returns for one step: one entry per chunk with ``sample`` set, in chunk order
+    (a verification chunk's entry carries its accepted drafts)."""
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()

@@ -1,10 +1,10 @@
 """The worker: one per device. Owns the model, the KV/state pools, the runner, decode graphs and the sampler.
 
 Life cycle (driven by an executor): ``Worker(config)`` loads the model onto the device; :meth:`Worker.info`
-reports what the control plane needs (vocabulary, eos ids, cache bytes per block/slot, position limit);
+reports what the control plane needs (vocabulary, eos ids, cache bytes per token/slot, position limit);
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
-for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and captures the
-decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and block tables the
+engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
 
 A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
 (:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
@@ -21,13 +21,17 @@ from pathlib import Path
 
 import torch
 
+from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
+from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.model.loader import load_model
+from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
-from rocm_k3.worker.kv_pools import CacheGeometry, KVPools
+from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import sample
@@ -60,7 +64,6 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
-    block_size: int = 128
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
 
@@ -102,7 +105,7 @@ class WorkerInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    bytes_per_block: int
+    bytes_per_token: int  # MLA latent bytes of one token over this rank's layers (a block is block_size of them)
     bytes_per_slot: int
     device: str
     dtype: str
@@ -135,19 +138,29 @@ class Worker:
                 vision_model = load_vision_model(config.model_path, vision, dtype=config.dtype, device=self.device,
                                                  backend=config.backend)
         self.vision_model = vision_model if self.ctx.is_first_stage else None
-        self.geometry = CacheGeometry.from_model(self.model, config.dtype)
+        self.shapes = PoolShapes.from_model(self.model, config.dtype)
+        self.geometry: CacheGeometry | None = None  # the planned cache, from init_cache
         self.stage = StageLink(self.model, self.ctx)
         self.runner: ModelRunner | None = None
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
 
+    def _common_unit_bytes(self) -> tuple[int, int]:
+        """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
+        rank needs (a collective over the world group: every rank runs it). A pipeline stage without MLA (or KDA)
+        layers needs 0 (1) of that kind, so the stage that has them sets the size, and budgets in these units
+        give each stage at most the blocks / slots it can hold."""
+        token, slot = reduce_ints([self.shapes.bytes_per_token(), self.shapes.bytes_per_slot()],
+                                  self.ctx.world_cpu_group, "max")
+        return token, slot
+
     def info(self) -> WorkerInfo:
         cfg = self.model.cfg
+        token, slot = self._common_unit_bytes()
         return WorkerInfo(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-            eos_token_ids=tuple(cfg.eos_token_id),
-            bytes_per_block=self.geometry.bytes_per_block(self.config.block_size),
-            bytes_per_slot=self.geometry.bytes_per_slot(), device=str(self.device), dtype=str(self.config.dtype),
+            eos_token_ids=tuple(cfg.eos_token_id), bytes_per_token=token, bytes_per_slot=slot,
+            device=str(self.device), dtype=str(self.config.dtype),
             kda_save_grid=self._kda_save_grid(), accepts_images=self.vision_model is not None,
         )
 
@@ -159,9 +172,23 @@ class Worker:
         return 1 if chosen == "reference" else KDA_KERNEL_SAVE_GRID
 
     # ---- memory sizing -------------------------------------------------------------------------------------
-    def cache_budget(self) -> tuple[int, int] | None:
+    def cache_budget(self, block_size: int) -> tuple[int, int] | None:
+        """(kv_cache_bytes, state_cache_bytes) in the units of the common geometry (:meth:`info`'s bytes per
+        token / slot) for the fewest blocks and slots any rank can hold on pages of ``block_size`` (see
+        :meth:`_local_cache_budget`); None on the CPU."""
+        local = self._local_cache_budget(block_size)
+        if local is None:
+            return None
+        kv, state = local
+        blocks, slots = reduce_ints([kv // self.shapes.bytes_per_block(block_size),
+                                     state // self.shapes.bytes_per_slot()], self.ctx.world_cpu_group, "min")
+        token, slot = self._common_unit_bytes()
+        return blocks * max(1, token * block_size), slots * slot
+
+    def _local_cache_budget(self, block_size: int) -> tuple[int, int] | None:
         """(kv_cache_bytes, state_cache_bytes) that fit in ``gpu_memory_utilization`` of the GPU after a profiled
-        forward of ``max_num_batched_tokens`` tokens; None on the CPU (the configured budgets apply).
+        forward of ``max_num_batched_tokens`` tokens on pages of ``block_size``; None on the CPU (the configured
+        budgets apply).
 
         Split: the KDA state slots get room for two per running request (running + one saved state for the
         prefix cache) plus one, but at most half of what is free; the MLA pages get the rest.
@@ -174,7 +201,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        pools, peak = self._profile_forward()
+        pools, peak = self._profile_forward(block_size)
         activation_peak = peak - before - pools
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
@@ -184,39 +211,45 @@ class Worker:
                 f"no GPU memory left for the cache: {total / 2**30:.1f} GiB x gpu_memory_utilization="
                 f"{cfg.gpu_memory_utilization} holds weights {before / 2**30:.2f} GiB + activations "
                 f"{activation_peak / 2**30:.2f} GiB + other {max(0, non_torch) / 2**30:.2f} GiB")
-        slot = self.geometry.bytes_per_slot()
+        slot = self.shapes.bytes_per_slot()
         state = min(available // 2, slot * (2 * cfg.max_num_seqs + 1))
         log.info("GPU cache budget: %.2f GiB (KV %.2f GiB, KDA states %.2f GiB) after %.2f GiB weights and "
                  "%.2f GiB activations", available / 2**30, (available - state) / 2**30, state / 2**30,
                  before / 2**30, activation_peak / 2**30)
         return available - state, state
 
-    def _profile_forward(self) -> tuple[int, int]:
-        """Run one prefill of ``max_num_batched_tokens`` dummy tokens on scratch pools; (pool bytes, peak bytes)."""
+    def _profile_forward(self, bs: int) -> tuple[int, int]:
+        """Run one prefill of ``max_num_batched_tokens`` dummy tokens on scratch pools of ``bs``-token pages;
+        (pool bytes, peak bytes)."""
         tokens = self.config.max_num_batched_tokens
-        bs = self.config.block_size
         blocks = math.ceil(tokens / bs)
-        pools = KVPools(self.geometry, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
+        pools = KVPools(self.shapes, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
         runner = ModelRunner(self.stage, pools, blocks)
         chunk = ScheduledChunk(request_id="profile", token_ids=(0,) * tokens, start=0, admitted=True,
                                block_ids=tuple(range(blocks)), kda_slot=0, is_prefill=True, sample=True)
         runner.execute(StepInput(step_id=0, chunks=(chunk,)))
         torch.cuda.synchronize(self.device)
-        pool_bytes = (blocks + 1) * self.geometry.bytes_per_block(bs) + 2 * self.geometry.bytes_per_slot()
+        pool_bytes = (blocks + 1) * self.shapes.bytes_per_block(bs) + 2 * self.shapes.bytes_per_slot()
         peak = torch.cuda.max_memory_allocated(self.device)
         del runner, pools
+        for m in self._counting_experts():  # the dummy tokens are no load
+            m.load.zero_()
         torch.cuda.empty_cache()
         return pool_bytes, peak
 
     # ---- cache and graphs ----------------------------------------------------------------------------------
-    def init_cache(self, num_blocks: int, num_slots: int, max_model_len: int) -> None:
-        """Allocate the pools (plus the scratch block and slot) and capture the decode graphs (GPU, not eager)."""
-        bs = self.config.block_size
+    def init_cache(self, geometry: CacheGeometry) -> None:
+        """Allocate the pools ``geometry`` plans (plus the scratch block and slot) and its block tables, and capture
+        the decode graphs (GPU, not eager)."""
+        if not isinstance(geometry, CacheGeometry):
+            raise TypeError(f"init_cache: expected a CacheGeometry, got {type(geometry).__name__}")
+        self.geometry = geometry
         if self.device.type == "cuda":  # memory a dropped engine still caches would fragment a pool this large
             gc.collect()
             torch.cuda.empty_cache()
-        pools = KVPools(self.geometry, block_size=bs, num_blocks=num_blocks, num_slots=num_slots, device=self.device)
-        width = math.ceil(max_model_len / bs) + 1
+        pools = KVPools(self.shapes, block_size=geometry.block_size, num_blocks=geometry.num_blocks,
+                        num_slots=geometry.num_slots, device=self.device)
+        width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
@@ -235,7 +268,10 @@ class Worker:
             self.runner.graphs = graphs
 
     def _graph_safe(self) -> tuple[bool, str]:
-        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)."""
+        """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
+        and no expert-parallel dispatch (its all-to-all split sizes are read on the host)."""
+        if self.ctx.ep_size > 1:
+            return False, "expert-parallel dispatch sizes its all-to-all on the host"
         table = getattr(self.model, "backend", None)
         if not hasattr(table, "chosen"):
             return False, "the model's ops are not bound to a table"
@@ -259,26 +295,38 @@ class Worker:
         if not self.ctx.is_sampling_rank:  # only TP rank 0 of the last stage samples (and keeps grammars)
             self.runner.execute(step)
             return StepOutput(step.step_id)
-        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
+        rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
+        batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [S, vocab] fp32
+            logits = self.runner.execute(step)  # [R, vocab] fp32
             if not chunks:
                 return StepOutput(step.step_id)
             out = sample(logits, batch.params, batch.generators, batch.processors())
             tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
         finally:
             batch.close()
+        if len(rows) != len(chunks):
+            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, out.logprobs, batch.error,
+                                                          NON_FINITE))
         sampled = []
         for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
             error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
 
+    def _counting_experts(self) -> list[RoutedExperts]:
+        return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
+
     def rank_stats(self, reset: bool = False) -> dict:
         """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats)}
+               "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
+               "expert_load": {}}
+        for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
+            out["expert_load"][m.layer] = m.load.tolist()
+            if reset:
+                m.load.zero_()
         if reset:
             ctx.stats.clear()
         return out

@@ -8,7 +8,7 @@ with server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST 
 a watcher on the connection cancels the handler).
 
 :func:`build_app` makes the app (tests drive it with uvicorn on a free port); :func:`serve` is ``rocm-k3 serve``:
-build the engine, then run uvicorn until Ctrl-C, and shut the engine down.
+assemble the engine (:func:`~rocm_k3.engine.assembly.assemble_engine`), then run uvicorn until Ctrl-C, and shut the engine down.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from pathlib import Path
+import threading
+import time
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
-from rocm_k3.engine.chat import ModelFrontend
+from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
@@ -35,10 +37,12 @@ from rocm_k3.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
-from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
+from rocm_k3.entrypoints.openai.serving_common import RETRY_AFTER_S, ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats import thinking_options
+from rocm_k3.formats.chat_base import parse_effort_budgets
 
 log = logging.getLogger("rocm_k3.server")
 
@@ -63,6 +67,9 @@ def build_app(served: ServedModel) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if served.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         if served.engine.is_dead:
             return JSONResponse({"status": "engine failed", "reason": served.engine.dead_reason}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -106,6 +113,7 @@ def build_app(served: ServedModel) -> FastAPI:
                            param="tokens")
         return JSONResponse({"prompt": served.tokenizer.decode(req.tokens)})
 
+    install_responses_routes(app, served, auth)
     return app
 
 
@@ -137,45 +145,100 @@ def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
         raise bad_request(exc, "messages") from None
 
 
-def served_model(engine: AsyncLLM, path: Path, tokenizer, engine_args: EngineArgs, server_args: ServerArgs
-                 ) -> ServedModel:
-    """The handlers' view of a built engine (see ``build_engine``)."""
-    from rocm_k3.formats.parsers.registry import checkpoint_family
-
-    family = checkpoint_family(path, tool_call_parser=engine_args.tool_call_parser,
-                               reasoning_parser=engine_args.reasoning_parser)
-    core = engine.core
-    names = server_args.served_model_name or [engine_args.model or path.name]
-    from rocm_k3.engine.multimodal import MultiModalProcessor
-
-    multimodal = MultiModalProcessor.from_checkpoint(path, tokenizer) if tokenizer is not None else None
-    return ServedModel(engine=engine, frontend=ModelFrontend(path, tokenizer, family), names=list(names),
-                       max_model_len=core.config.max_model_len, vocab_size=core.vocab_size,
+def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
+    """The handlers' view of an assembled engine (``engine`` drives ``assembled.core``)."""
+    names = server_args.served_model_name or [assembled.args.model or assembled.path.name]
+    assembled.frontend.effort_budgets = parse_effort_budgets(server_args.reasoning_effort_budgets)
+    return ServedModel(engine=engine, frontend=assembled.frontend, names=list(names),
+                       max_model_len=assembled.max_model_len, vocab_size=assembled.core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
-                       max_request_bytes=server_args.max_request_bytes, multimodal=multimodal,
+                       max_request_bytes=server_args.max_request_bytes, multimodal=assembled.multimodal,
                        allow_remote_images=server_args.allow_remote_images,
-                       max_image_bytes=server_args.max_image_bytes)
+                       max_image_bytes=server_args.max_image_bytes,
+                       responses_store_size=server_args.responses_store_size)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """``rocm-k3 serve``: load the model, serve until interrupted; returns the exit status."""
-    import uvicorn
-
-    from rocm_k3.engine.llm import build_engine
-
-    core, path, tokenizer = build_engine(engine_args)
-    engine = AsyncLLM(core)
+    assembled = assemble_engine(engine_args)
+    engine = AsyncLLM(assembled.core)
     try:
-        served = served_model(engine, path, tokenizer, engine_args, server_args)
+        served = served_model(engine, assembled, server_args)
         app = build_app(served)
-        log.info("serving %s as %s on http://%s:%d (max_model_len %d)", path, served.names, server_args.host,
+        log.info("serving %s as %s on http://%s:%d (max_model_len %d)", assembled.path, served.names, server_args.host,
                     server_args.port, served.max_model_len)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        server = DrainingServer(config, served, server_args.shutdown_timeout)
+        watchdog = EngineWatchdog(engine, server)
+        watchdog.start()
         with contextlib.suppress(KeyboardInterrupt):
-            uvicorn.Server(config).run()
+            server.run()
+        watchdog.stop()
     finally:
         engine.shutdown()
-        core.executor.shutdown()  # the worker processes of a parallel run
+        assembled.shutdown()  # the worker processes of a parallel run
+    if engine.failed:
+        log.error("exiting with status 1: %s", engine.dead_reason)
+        return 1  # an orchestrator restarts a server whose engine failed (vLLM's behaviour); never a zombie
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful drain on SIGTERM / SIGINT (what Kubernetes and vLLM users expect).
+
+    First signal: ``/health`` and new requests answer 503 with ``Retry-After``; running requests have up to
+    ``shutdown_timeout`` seconds to finish; then the engine is shut down, so the rest end with an error event
+    and ``data: [DONE]``, and the server stops (exit status 0). A second signal exits at once."""
+
+    def __init__(self, config, served: ServedModel, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._served, self._timeout = served, shutdown_timeout
+        self._drain: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # uvicorn's signal handler (main thread)
+        if self._drain is not None:
+            log.warning("second signal: exiting now")
+            self.force_exit = self.should_exit = True
+            return
+        log.info("signal %d: draining (%d requests running, up to %.0f s), new requests get 503", sig,
+                 self._served.engine.num_streams, self._timeout)
+        self._served.draining = True
+        self._drain = threading.Thread(target=self._drain_then_exit, name="rocm-k3-drain", daemon=True)
+        self._drain.start()
+
+    def _drain_then_exit(self) -> None:
+        engine = self._served.engine
+        deadline = time.monotonic() + self._timeout
+        while engine.num_streams and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        left = engine.num_streams
+        if left:
+            log.warning("shutdown timeout: ending %d running requests with an error", left)
+        engine.shutdown()  # the rest get EngineDeadError -> an error event and [DONE]; their cache is freed
+        self.should_exit = True
+
+
+class EngineWatchdog:
+    """Ends the HTTP server once the engine has failed (a worker rank died or hung, a step raised): ``/health``
+    answers 503 from the failure on, in-flight requests have their error, and :func:`serve` exits non-zero."""
+
+    def __init__(self, engine: AsyncLLM, server, poll_s: float = 0.5) -> None:
+        self._engine, self._server, self._poll_s = engine, server, poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rocm-k3-engine-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._poll_s):
+            if self._engine.failed:
+                log.error("the engine failed (%s): stopping the server", self._engine.dead_reason)
+                self._server.should_exit = True
+                return

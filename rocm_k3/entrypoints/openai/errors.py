@@ -32,11 +32,13 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 class APIError(Exception):
     """An error answered as an OpenAI error object with ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def bad_request(exc: Exception, default_param: str | None = None) -> APIError:
@@ -79,8 +81,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -89,7 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -4,7 +4,10 @@ Per request (recorded by the serving code as outputs stream out): prompt and gen
 finished requests by finish reason, time to first token, inter-token latency (per token: the gap between two
 deltas divided by the tokens the later one brought) and end-to-end latency histograms. From the engine's
 stats snapshot at scrape time: requests running / waiting, free and total KV blocks and KDA state slots,
-prefix-cache queries, hits and hit rate, preemptions, steps, and whether the engine is healthy.
+prefix-cache queries, hits and hit rate, preemptions, steps, speculative decoding (drafts, drafted and accepted
+tokens, accepted tokens per draft position: vLLM's ``spec_decode_*`` names), and whether the engine is healthy;
+with expert parallelism the picks per logical expert of each MoE layer (``rocm_k3_expert_load_total{layer,
+expert}``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ _ENGINE_METRICS = (
     ("hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", "counter"),
     ("preemptions", "preemptions", "requests preempted (to be recomputed)", "counter"),
     ("steps", "engine_steps", "engine steps run", "counter"),
+    # speculative decoding, vLLM's names (vllm:spec_decode_*) under our prefix
+    ("spec_num_drafts", "spec_decode_num_drafts", "verification steps of drafted tokens", "counter"),
+    ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "drafted tokens verified", "counter"),
+    ("spec_num_accepted_tokens", "spec_decode_num_accepted_tokens", "drafted tokens accepted", "counter"),
 )
+_SPEC_POS_PREFIX = "spec_num_accepted_tokens_pos"
 
 
 class _EngineCollector:
@@ -49,6 +57,21 @@ class _EngineCollector:
         for key, name, doc, kind in _ENGINE_METRICS:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(PREFIX + name, doc)
             family.add_metric([], float(stats.get(key, 0.0)))
+            yield family
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "drafted tokens accepted, by draft position", labels=["position"])
+        for key, value in stats.items():
+            if key.startswith(_SPEC_POS_PREFIX):
+                per_pos.add_metric([key.removeprefix(_SPEC_POS_PREFIX)], float(value))
+        yield per_pos
+        loads = self._engine.expert_loads()
+        if loads:
+            family = CounterMetricFamily(PREFIX + "expert_load", "routed picks per logical expert and MoE layer "
+                                         "(expert parallelism; rocm-k3 expert-placement balances from them)",
+                                         labels=["layer", "expert"])
+            for layer, per_expert in loads.items():
+                for expert, n in enumerate(per_expert):
+                    family.add_metric([str(layer), str(expert)], float(n))
             yield family
         healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine serves requests, 0 once it failed")
         healthy.add_metric([], 0.0 if self._engine.is_dead else 1.0)

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: a conversation rendered in the checkpoint's chat format, n choices, the output
 parsed into ``reasoning_content``, ``content`` and ``tool_calls`` (``finish_reason`` "tool_calls" when the turn
-stopped with calls), streamed as server-sent events (reasoning, content and tool-call deltas; a call arrives
-whole once closed) or answered whole. Tools, tool_choice, response_format, structured_outputs and thinking are
+stopped with calls), streamed as server-sent events (reasoning, content and tool-call deltas the vLLM way: index,
+id, type and name first, then the arguments JSON text as the model writes it) or answered whole. Tools, tool_choice, response_format, structured_outputs and thinking are
 prepared by :mod:`rocm_k3.engine.chat` (shared with ``LLM.chat``)."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ChatRun:
     async def _streams(self):
         prompt = self.prompt
         streams = await start_streams(self.served, self.request_id, [prompt] * len(self.params), self.params,
-                                      self.images)
+                                      self.images, field="messages")
         self.served.metrics.prompt_tokens.inc(len(prompt) * len(self.params))
         return streams
 
@@ -127,11 +127,11 @@ class ChatRun:
                     parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
                     parsed.content = _join(parsed.content, tail.content)
                     parsed.tool_calls += tail.tool_calls
-                calls = self.prepared.allowed_calls(parsed.tool_calls, c.num_calls)
-                tool_deltas = [DeltaToolCall(index=c.num_calls + k, id=t.id, type="function",
-                                             function=DeltaFunctionCall(name=t.name, arguments=t.arguments_json))
-                               for k, t in enumerate(calls)]
-                c.num_calls += len(calls)
+                    parsed.call_deltas += tail.call_deltas
+                c.num_calls += len(self.prepared.allowed_calls(parsed.tool_calls, c.num_calls))
+                tool_deltas = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                             function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                               for d in self.prepared.allowed_call_deltas(parsed.call_deltas)]
                 lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
                 body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
                                     tool_calls=tool_deltas or None)
@@ -179,15 +179,10 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         prompt, images = _with_images(served, req, prepared)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
-    served.check_prompt(prompt, "messages")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    base = sampling_params(req, max_tokens=max_tokens, logprobs=top, skip_special_tokens=False)
-    try:
-        params = prepared.sampling(base)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(exc) from None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=top, **prepared.sampling_changes())
     return ChatRun(served, req, model, prepared, params, prompt, images)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from rocm_k3.cache.errors import PromptTooLongError
 from rocm_k3.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from rocm_k3.engine.chat import ModelFrontend
 from rocm_k3.engine.outputs import RequestDelta
@@ -53,6 +54,8 @@ class ServedModel:
     multimodal: Any = None  # MultiModalProcessor of a checkpoint with a vision tower, else None
     allow_remote_images: bool = False
     max_image_bytes: int = 20 * 2**20
+    responses_store_size: int = 1000
+    draining: bool = False  # set on SIGTERM / SIGINT: running requests finish, new ones get 503 + Retry-After
 
     @property
     def tokenizer(self):
@@ -67,14 +70,11 @@ class ServedModel:
         return name
 
     def check_alive(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         if self.engine.is_dead:
             raise APIError(503, f"the engine has failed ({self.engine.dead_reason}); restart the server")
-
-    def check_prompt(self, ids: Sequence[int], field: str) -> None:
-        if len(ids) > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your request has {len(ids)} input tokens. Please reduce the length of the input.",
-                           param=field)
 
 
 async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
@@ -108,8 +108,9 @@ def new_request_id(prefix: str) -> str:
 
 
 def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                    skip_special_tokens: bool) -> SamplingParams:
-    """SamplingParams from the request fields (400 naming the field for a bad value)."""
+                    skip_special_tokens: bool, **changes: Any) -> SamplingParams:
+    """The request's SamplingParams, built (and validated) once from its fields plus ``changes`` (the chat's
+    or the completion's constraint fields); 400 naming the field for a bad value."""
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -129,6 +130,7 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         "stop_token_ids": tuple(req.stop_token_ids or ()), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens,
     }
+    values.update(changes)
     try:
         return SamplingParams(**values)
     except (ValueError, TypeError) as exc:
@@ -137,15 +139,17 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The params of n choices: seeds seed, seed + 1, ... when a seed is given (reproducible), else random."""
-    if params.seed is None:
+    if params.seed is None or n == 1:
         return [params] * n
     return [dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS) for i in range(n)]
 
 
 async def start_streams(served: ServedModel, request_id: str, prompts: Sequence[Sequence[int]],
-                        params: Sequence[SamplingParams], images: Sequence[Any] = ()) -> list[RequestStream]:
+                        params: Sequence[SamplingParams], images: Sequence[Any] = (), *,
+                        field: str = "prompt") -> list[RequestStream]:
     """Queue one engine request per (prompt, params) pair (ids ``{request_id}-{i}``); all or none: a refused one
-    aborts those already queued. 400 for a bad request, 503 when the engine is dead."""
+    aborts those already queued. 400 for a bad request (the engine's checks, a too long prompt naming ``field``),
+    503 when the engine is dead."""
     streams: list[RequestStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -156,7 +160,7 @@ async def start_streams(served: ServedModel, request_id: str, prompts: Sequence[
         if isinstance(exc, EngineDeadError):
             raise APIError(503, str(exc)) from None
         if isinstance(exc, (ValueError, TypeError)):
-            raise bad_request(exc) from None
+            raise bad_request(exc, field if isinstance(exc, PromptTooLongError) else None) from None
         raise
     return streams
 
@@ -267,6 +271,7 @@ def sse(body: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+RETRY_AFTER_S = 5  # what a draining server tells clients (another replica, or this one restarted, by then)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:

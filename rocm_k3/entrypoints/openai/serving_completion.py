@@ -112,13 +112,10 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
     prompts = _prompt_ids(served, req.prompt)
-    for i, ids in enumerate(prompts):
-        served.check_prompt(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     if req.max_tokens is None:
         max_tokens = max(1, served.max_model_len - max(len(p) for p in prompts) + 1)
     else:
         max_tokens = req.max_tokens
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, skip_special_tokens=True)
     try:
         constraint = response_format_constraint(req.response_format.as_dict() if req.response_format else None)
         extension = structured_outputs_from(req.structured_outputs)
@@ -126,7 +123,12 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
             raise ValueError("structured_outputs: cannot be combined with a json response_format")
         constraint = constraint if constraint is not None else extension
         if constraint is not None:  # a completion's text is the value itself: no chat channel wrappers
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, bare=True))
+            constraint = dataclasses.replace(constraint, bare=True)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, skip_special_tokens=True,
+                             structured_outputs=constraint)
+    try:
         served.frontend.check_sampling(params)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None

@@ -42,6 +42,18 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     return ToolCall(id=call_id, name=name, arguments_json=arguments.strip() or "{}", index=index)
 
 
+def partial_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
+    """The call being written once its header is complete; the argument text so far (leading and trailing
+    whitespace held back, since the final arguments are stripped) is a prefix of the final arguments."""
+    if ARGUMENT_BEGIN not in body:
+        return None
+    header, _, arguments = body.partition(ARGUMENT_BEGIN)
+    call = parse_call(header + ARGUMENT_BEGIN, index, opts)
+    if call is None:
+        return None
+    return ToolCall(id=call.id, name=call.name, arguments_json=arguments.strip(), index=index)
+
+
 KIMI_K2 = FamilySpec(
     name="kimi_k2",
     markers=FamilyMarkers(think_open=THINK_OPEN, think_close=THINK_CLOSE, tools_open=SECTION_BEGIN,
@@ -50,4 +62,5 @@ KIMI_K2 = FamilySpec(
     special_texts=(THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END,
                    IM_END, EOS),
     parse_call=parse_call,
+    partial_call=partial_call,
 )

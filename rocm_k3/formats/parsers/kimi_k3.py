@@ -14,6 +14,8 @@ opener of the first channel. Rules beyond the happy path:
   ``<|close|>call<|sep|>``; typed argument values become JSON (``string`` raw, other types parsed with
   ``json``, unparsable values kept as strings); attribute values are unescaped (``&quot;`` then ``&amp;``); a
   call without a tool name is dropped; a call cut off before its close is dropped;
+- a call's arguments are the first ``json`` block when the call starts with one, else its argument blocks (a
+  key seen twice keeps its first value), so that streamed argument pieces are a prefix of the final JSON;
 - markers are matched exactly as the detokenizer writes them (no spaces between special tokens). A string
   argument that literally contains ``<|close|>argument<|sep|>`` cannot be told from the real close.
 """
@@ -93,17 +95,51 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     attrs = parse_attrs(header)
     if attrs is None or not attrs.get("tool"):
         return None
+    raw_json, arguments = _arguments(rest)
+    args_json = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=args_json, index=index)
+
+
+def _arguments(rest: str) -> tuple[str | None, dict[str, object]]:
+    """(the raw text of a leading json block, or None; the typed argument blocks, first value of a key wins)."""
     arguments: dict[str, object] = {}
-    raw_json: str | None = None
     for m in _BLOCK.finditer(rest):
         kind, block_attrs, value = m.group(1), parse_attrs(m.group(2)) or {}, m.group(3)
         if kind == "json":
-            if raw_json is None:
-                raw_json = value
-        elif block_attrs.get("key"):
+            if not arguments:
+                return value, {}
+        elif block_attrs.get("key") and block_attrs["key"] not in arguments:
             arguments[block_attrs["key"]] = typed_value(block_attrs.get("type"), value)
-    args_json = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=args_json, index=index)
+    return None, arguments
+
+
+_JSON_OPEN = open_tag("json")
+_JSON_CLOSE = close_tag("json")
+
+
+def partial_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
+    """The call being written, with the fixed prefix of its arguments JSON: a leading json block's text as it
+    arrives, or ``{"k": v`` + ``, "k2": v2`` ... for each argument block once closed (json.dumps' separators)."""
+    header, sep, rest = body.partition(SEP)
+    if not sep or (header and not header[0].isspace()):
+        return None
+    attrs = parse_attrs(header)
+    if attrs is None or not attrs.get("tool"):
+        return None
+    start = rest.lstrip()
+    if start.startswith(_JSON_OPEN):
+        raw = start[len(_JSON_OPEN):]
+        end = raw.find(_JSON_CLOSE)
+        if end >= 0:
+            raw = raw[:end]
+        else:  # hold back a tail that may be the start of the block's close
+            raw = raw[:len(raw) - next((k for k in range(min(len(raw), len(_JSON_CLOSE)), 0, -1)
+                                        if _JSON_CLOSE.startswith(raw[-k:])), 0)]
+        prefix = raw
+    else:
+        _, arguments = _arguments(rest)
+        prefix = json.dumps(arguments, ensure_ascii=False)[:-1] if arguments else ""
+    return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=prefix, index=index)
 
 
 KIMI_K3 = FamilySpec(
@@ -113,4 +149,5 @@ KIMI_K3 = FamilySpec(
                           wrappers=(RESPONSE_OPEN, RESPONSE_CLOSE), ends=(MESSAGE_CLOSE, END_OF_MSG, EOS)),
     special_texts=(OPEN, CLOSE, SEP, END_OF_MSG, EOS),
     parse_call=parse_call,
+    partial_call=partial_call,
 )

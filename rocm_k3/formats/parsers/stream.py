@@ -9,7 +9,11 @@ on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` wh
 
 Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
 whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
-has arrived; a call still open at the end is dropped.
+has arrived. Nothing is lost: a call that does not parse, names a function the request did not declare, or is
+still open at the end (cut off) comes back as content text, its markers removed. While a call is written, ``call_deltas`` carry it the
+way vLLM streams calls: a first piece with index, id and name once the name is known (only for a declared
+function when tools are declared), then the new fixed part of its arguments JSON (the family's
+``partial_call``), the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from rocm_k3.formats.parsers.types import (
     ParsedOutput,
     ParseOptions,
     State,
+    ToolCallDelta,
     Transition,
     merge_deltas,
+    tool_names,
 )
 
 
@@ -74,6 +80,8 @@ class StreamParser:
         self._pending_space = ""
         self._finished = False
         self._out = ParsedDelta()
+        self._declared = frozenset(tool_names(tools))
+        self._sent: str | None = None  # the arguments text streamed for the open call (None: not started)
 
     @property
     def options(self) -> ParseOptions:
@@ -86,6 +94,7 @@ class StreamParser:
             raise TypeError(f"delta_text: expected str, got {type(delta_text).__name__}")
         self._buf += delta_text
         self._drain(final=False)
+        self._stream_call()
         return self._take()
 
     def finish(self) -> ParsedDelta:
@@ -93,6 +102,8 @@ class StreamParser:
         if self._finished:
             raise ValueError("finish: the parser has already finished")
         self._drain(final=True)
+        if self._call is not None:  # cut off before its close (max_tokens): its text is content
+            self._keep_text(self._call)
         self._finished = True
         self._pending_space = ""
         self._call = None
@@ -125,11 +136,19 @@ class StreamParser:
         nxt = tr.next if tr.next is not None else self._call_return
         if leaving is State.CALL:
             body, self._call = self._call, None
+            call = None
             if tr.closes_call and body is not None:
+                self._stream_call()
                 call = self._spec.parse_call("".join(body), self._n_calls, self._opts)
+                if call is not None and self._declared and call.name not in self._declared:
+                    call = None  # a function the request did not declare: its text is content
                 if call is not None:
                     self._out.tool_calls.append(call)
+                    self._close_call_deltas(call)
                     self._n_calls += 1
+            if call is None and body is not None:
+                self._keep_text(body)
+            self._sent = None
         if nxt is State.CALL:
             self._call = []
             if leaving is not State.CALL:
@@ -156,6 +175,45 @@ class StreamParser:
         elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
             self._call.append(text)
         # TOOLS (text between calls) and END (after the turn) drop their text
+
+    def _keep_text(self, body: list[str]) -> None:
+        """A call that is not a call (malformed, undeclared, unclosed): its text goes on as content, the family's
+        special-token markers removed."""
+        text = "".join(body)
+        for special in self._spec.special_texts:
+            text = text.replace(special, " ")
+        text = re.sub(r" {2,}", " ", text).strip(" ")
+        state, self._state = self._state, State.CONTENT
+        self._emit(text)
+        self._state = state
+
+    def _stream_call(self) -> None:
+        """The new argument piece of the open call (see the module docstring)."""
+        partial_call = self._spec.partial_call
+        if self._call is None or partial_call is None:
+            return
+        part = partial_call("".join(self._call), self._n_calls, self._opts)
+        if part is None or (self._declared and part.name not in self._declared):
+            return
+        if self._sent is None:
+            self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json, part.id, part.name))
+            self._sent = part.arguments_json
+        elif len(part.arguments_json) > len(self._sent) and part.arguments_json.startswith(self._sent):
+            self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json[len(self._sent):]))
+            self._sent = part.arguments_json
+
+    def _close_call_deltas(self, call) -> None:
+        if self._declared and call.name not in self._declared:
+            return
+        if self._sent is None:
+            self._out.call_deltas.append(ToolCallDelta(call.index, call.arguments_json, call.id, call.name))
+        elif call.arguments_json.startswith(self._sent):
+            rest = call.arguments_json[len(self._sent):]
+            if rest:
+                self._out.call_deltas.append(ToolCallDelta(call.index, rest))
+        else:  # cannot happen for a family whose partial_call returns prefixes (checked by the parser tests)
+            raise RuntimeError(f"streamed arguments {self._sent!r} are not a prefix of {call.arguments_json!r}")
+        self._sent = None
 
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()

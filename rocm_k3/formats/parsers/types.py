@@ -37,16 +37,30 @@ class ParsedOutput:
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a call as the model writes it (vLLM's streamed tool calls): the first piece of call ``index``
+    carries its ``id`` and ``name``, every piece a text ``arguments`` to append; a call's pieces concatenate to
+    its final ``arguments_json``."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
 @dataclasses.dataclass
 class ParsedDelta:
-    """What one streamed piece of text adds: new reasoning text, new content text, calls closed in it."""
+    """What one streamed piece of text adds: new reasoning text, new content text, calls closed in it, and the
+    argument pieces of calls as they are written (``call_deltas``)."""
 
     reasoning: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    call_deltas: list[ToolCallDelta] = dataclasses.field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return self.reasoning is None and self.content is None and not self.tool_calls
+        return self.reasoning is None and self.content is None and not self.tool_calls and not self.call_deltas
 
 
 def merge_deltas(deltas: Iterable[ParsedDelta]) -> ParsedOutput:
@@ -223,3 +237,6 @@ class FamilySpec:
     markers: FamilyMarkers
     special_texts: tuple[str, ...]
     parse_call: Callable[[str, int, ParseOptions], ToolCall | None]
+    # partial_call(body so far, index, opts) -> the call with the part of its arguments JSON text already fixed
+    # (a prefix of the final ``arguments_json``), or None while its name is not known yet
+    partial_call: Callable[[str, int, ParseOptions], ToolCall | None] | None = None

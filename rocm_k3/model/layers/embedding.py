@@ -72,4 +72,5 @@ class ParallelLMHead(WeightTargets):
         if self.ctx.tp_size == 1:
             return logits[:, : self.vocab_size]
         self.ctx.count("lm_head_all_gather")
+        self.ctx.add("collective_bytes", logits.numel() * logits.element_size() * self.ctx.tp_size)
         return comm.all_gather(logits, self.ctx.tp_group, dim=-1, backend=self.ops)[:, : self.vocab_size]

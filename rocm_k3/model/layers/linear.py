@@ -26,6 +26,7 @@ def all_reduce(x: torch.Tensor, ctx: ParallelContext, ops, what: str = "all_redu
     if ctx.tp_size == 1:
         return x
     ctx.count(what)
+    ctx.add("collective_bytes", x.numel() * x.element_size())
     return comm.all_reduce(x, ctx.tp_group, backend=ops)
 
 

@@ -253,7 +253,8 @@ def _plan_chunks(bounds: list[int], positions: list[list[int]], device: torch.de
             by_rank[rank].append(chunk_id)
             end_chunk[(seq, cut)] = chunk_id
             prev = cut
-    offsets = torch.arange(CHUNK, device=device)
+    # padded to the longest chunk, not CHUNK: short segments (decode-sized verifications, save cuts) stay cheap
+    offsets = torch.arange(max(lengths, default=1), device=device)
     start_t = torch.tensor(starts, dtype=torch.int64, device=device)
     length_t = torch.tensor(lengths, dtype=torch.int64, device=device)
     valid = offsets < length_t[:, None]  # [NC, C]

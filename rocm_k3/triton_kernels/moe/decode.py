@@ -62,7 +62,7 @@ mul.rn.bf16x2 $3, $3, t0;
 """
 ASM_FOLD = tl.constexpr("{" + _UNPACK + _SCALE + "}")  # scale register = bf16x2 2^(s - 1)
 ASM_TWO_MUL = tl.constexpr("{" + _UNPACK + _BIAS + _SCALE + "}")  # x 2^126, then x 2^(s - 127)
-ASM_TEXTS = {True: ASM_FOLD.value, False: ASM_TWO_MUL.value}  # for tests (tests/test_moe_layout.py emulates them)
+ASM_TEXTS = {True: ASM_FOLD.value, False: ASM_TWO_MUL.value}  # for tests (tests/ops/test_moe_layout.py emulates them)
 
 
 @triton.jit

@@ -1,0 +1,1 @@
+"""Integrations of rocm-k3 into other serving engines (imported only by those engines)."""

@@ -1,0 +1,9 @@
+"""Prefill/decode disaggregation: moving a prompt's MLA latent KV blocks and KDA state between instances.
+
+- ``base``: the connector interface, in the shape of vLLM's KV connector (a scheduler half and a worker half),
+  with the KDA recurrent + short-conv state as one more transfer group beside the MLA latent KV blocks.
+- ``checksum``: the per-block digest every transferred block and state carries (xxhash, or blake2b without it).
+- ``socket_transport``: a TCP transport on loopback (a producer-side block store and a consumer-side client).
+- ``socket_connector``: ``SocketConnector``, the connector over that transport.
+- ``config``: the validated ``--kv-transfer-config`` (vLLM's keys).
+"""

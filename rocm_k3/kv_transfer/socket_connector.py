@@ -1,0 +1,225 @@
+"""``SocketConnector``: the KV connector over the loopback TCP transport (``socket_transport``).
+
+The producer publishes each layer's slice of a request's MLA pages (``GROUP_MLA``) or KDA state slot
+(``GROUP_KDA``) into its ``BlockStore`` as it is computed; the consumer fetches every layer on a background thread
+(so layer i+1 is on the wire while layer i is copied in), verifies each checksum, and copies into its own blocks.
+Any failure (mismatch, timeout, producer gone) marks the request failed: the engine recomputes its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import torch
+
+from rocm_k3.kv_transfer.base import (GROUP_KDA, GROUP_MLA, ConnectorMeta, FinishedTransfers, KVConnectorScheduler,
+                                      KVConnectorWorker, ReqTransfer)
+from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_transport import BlockClient, BlockStore, TransferError, entry_key
+
+
+@dataclasses.dataclass
+class KVTransferStats:
+    """Counters exported on /metrics (monotonic)."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    failed_transfers: int = 0
+    checksum_failures: int = 0
+    timeouts: int = 0
+
+
+def tensor_to_bytes(t: torch.Tensor) -> tuple[bytes, dict[str, Any]]:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes(), {"dtype": str(t.dtype).removeprefix("torch."),
+                                                   "shape": list(t.shape)}
+
+
+def tensor_from_bytes(payload: bytes, meta: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, meta["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"unknown dtype {meta['dtype']!r} in transfer")
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(meta["shape"])
+
+
+class SocketConnectorScheduler(KVConnectorScheduler):
+    """Consumer: a request whose ``kv_transfer_params`` name a remote transfer gets ``num_tokens`` from it.
+    Producer: every finished request's blocks wait for the consumer (or the store's ttl) before being freed."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self._params: dict[str, dict[str, Any]] = {}
+        self._loads: list[ReqTransfer] = []
+        self._saves: list[ReqTransfer] = []
+
+    def get_num_new_matched_tokens(self, req_id: str, prompt_len: int, num_computed_tokens: int,
+                                   kv_transfer_params: dict[str, Any] | None) -> tuple[int, bool]:
+        if not self.config.is_consumer or not kv_transfer_params:
+            return 0, False
+        remote = kv_transfer_params.get("remote_transfer_id")
+        num = kv_transfer_params.get("remote_num_tokens")
+        if not isinstance(remote, str) or not isinstance(num, int) or num < 0:
+            raise ValueError("kv_transfer_params needs remote_transfer_id (str) and remote_num_tokens (int >= 0)")
+        self._params[req_id] = kv_transfer_params
+        return max(0, min(num, prompt_len) - num_computed_tokens), True
+
+    def update_state_after_alloc(self, req_id: str, block_ids: tuple[int, ...], kda_slot: int | None,
+                                 num_external_tokens: int) -> None:
+        params = self._params.pop(req_id, None)
+        if params is None or num_external_tokens == 0:
+            return
+        self._loads.append(ReqTransfer(req_id, params["remote_transfer_id"], tuple(block_ids), kda_slot,
+                                       num_external_tokens))
+
+    def add_save(self, req: ReqTransfer) -> None:
+        """Producer: publish ``req``'s blocks in the next step."""
+        if self.config.is_producer:
+            self._saves.append(req)
+
+    def build_connector_meta(self) -> ConnectorMeta:
+        meta = ConnectorMeta(loads=tuple(self._loads), saves=tuple(self._saves))
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(self, req_id: str, block_ids: tuple[int, ...], kda_slot: int | None,
+                         num_tokens: int) -> tuple[bool, dict[str, Any] | None]:
+        if not self.config.is_producer:
+            return False, None
+        host, port = self.config.kv_ip, self.config.kv_port
+        return True, {"remote_transfer_id": req_id, "remote_num_tokens": num_tokens,
+                      "remote_host": host, "remote_port": port}
+
+
+class SocketConnectorWorker(KVConnectorWorker):
+    """Worker half; a producer owns a ``BlockStore`` on (kv_ip, kv_port), a consumer a ``BlockClient`` to it."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.stats = KVTransferStats()
+        self._caches: dict[str, tuple[str, torch.Tensor]] = {}
+        self.store = BlockStore(config.kv_ip, config.kv_port) if config.is_producer else None
+        self._lock = threading.Lock()
+        self._fetched: dict[tuple[str, str], tuple[bytes, dict[str, Any]] | TransferError] = {}
+        self._layer_ready: dict[str, threading.Event] = {}
+        self._loads: tuple[ReqTransfer, ...] = ()
+        self._failed: set[str] = set()
+        self._received: set[str] = set()
+        self._sent: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], kda_states: dict[str, Any] | None = None) -> None:
+        for name, t in kv_caches.items():
+            self._caches[name] = (GROUP_MLA, t)
+        for name, t in (kda_states or {}).items():
+            if name in self._caches:
+                raise ValueError(f"layer {name!r} registered in both the MLA and the KDA group")
+            self._caches[name] = (GROUP_KDA, t)
+
+    def _index(self, group: str, req: ReqTransfer) -> Any:
+        if group == GROUP_MLA:
+            return list(req.block_ids)
+        if req.kda_slot is None:
+            raise ValueError(f"request {req.req_id!r} has KDA layers but no kda_slot")
+        return req.kda_slot
+
+    # -- producer ---------------------------------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, meta: ConnectorMeta) -> None:
+        if self.store is None or not meta.saves:
+            return
+        group, cache = self._caches[layer_name]
+        for req in meta.saves:
+            payload, tmeta = tensor_to_bytes(cache[self._index(group, req)])
+            self.store.put(entry_key(req.transfer_id, layer_name), payload, tmeta)
+            self.stats.blocks_sent += len(req.block_ids) if group == GROUP_MLA else 1
+            self.stats.bytes_sent += len(payload)
+
+    def wait_for_save(self) -> None:
+        """Saves are synchronous puts into the local store: nothing to wait for."""
+
+    # -- consumer ---------------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        self._loads = meta.loads
+        self._fetched = {}
+        self._layer_ready = {name: threading.Event() for name in self._caches}
+        if not meta.loads:
+            for ev in self._layer_ready.values():
+                ev.set()
+            return
+        threading.Thread(target=self._fetch_all, args=(meta.loads,), name="kv-load", daemon=True).start()
+
+    def _fetch_all(self, loads: tuple[ReqTransfer, ...]) -> None:
+        client = BlockClient(self.config.kv_ip, self.config.kv_port, self.config.timeout_s)
+        try:
+            for name in self._caches:
+                for req in loads:
+                    try:
+                        got: Any = client.get(entry_key(req.transfer_id, name))
+                    except TransferError as exc:
+                        got = exc
+                    with self._lock:
+                        self._fetched[(req.req_id, name)] = got
+                self._layer_ready[name].set()
+            for req in loads:
+                try:
+                    client.release(req.transfer_id)
+                except TransferError:
+                    pass  # the producer's ttl frees it
+        finally:
+            client.close()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        ready = self._layer_ready[layer_name]
+        if not ready.wait(self.config.timeout_s * (len(self._loads) + 1)):
+            for req in self._loads:
+                self._fail(req.req_id, TransferError(f"timed out loading {layer_name!r}"))
+            return
+        group, cache = self._caches[layer_name]
+        for req in self._loads:
+            if req.req_id in self._failed:
+                continue
+            with self._lock:
+                got = self._fetched.pop((req.req_id, layer_name))
+            if isinstance(got, TransferError):
+                self._fail(req.req_id, got)
+                continue
+            payload, tmeta = got
+            try:
+                src = tensor_from_bytes(payload, tmeta)
+                dst_index = self._index(group, req)
+                dst = cache[dst_index]
+                if tuple(src.shape) != tuple(dst.shape) or src.dtype != cache.dtype:
+                    raise TransferError(f"{layer_name!r}: got {tuple(src.shape)} {src.dtype}, "
+                                        f"expected {tuple(dst.shape)} {cache.dtype}")
+            except TransferError as exc:
+                self._fail(req.req_id, exc)
+                continue
+            cache[dst_index] = src.to(cache.device)
+            self.stats.blocks_received += len(req.block_ids) if group == GROUP_MLA else 1
+            self.stats.bytes_received += len(payload)
+        if layer_name == next(reversed(self._caches)):
+            self._received |= {r.req_id for r in self._loads if r.req_id not in self._failed}
+
+    def _fail(self, req_id: str, exc: TransferError) -> None:
+        if req_id in self._failed:
+            return
+        self._failed.add(req_id)
+        self.stats.failed_transfers += 1
+        msg = str(exc)
+        if "checksum" in msg:
+            self.stats.checksum_failures += 1
+        elif "timed out" in msg:
+            self.stats.timeouts += 1
+
+    def get_finished(self) -> FinishedTransfers:
+        out = FinishedTransfers(frozenset(self._sent), frozenset(self._received), frozenset(self._failed))
+        self._sent, self._received, self._failed = set(), set(), set()
+        return out
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

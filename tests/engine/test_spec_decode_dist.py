@@ -1,0 +1,33 @@
+"""dist tier: n-gram speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
+on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
+in the next step's chunk)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rocm_k3.engine.llm import LLM
+from rocm_k3.model.tiny import EMBEDDED_DIR
+from rocm_k3.sampling_params import SamplingParams
+from tests.parallel.test_dist import ENGINE, free_port
+
+pytestmark = pytest.mark.dist
+PROMPTS = ["hello hello hello hello hello hello", "def f(x):\n    return x\ndef f(x):\n    return x\n",
+           "The file", "1 2 3 4 5 6 7 8 9 10 11 12"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _tokens(**kw) -> tuple[list[list[int]], dict]:
+    llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **kw)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.stats()
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_speculation_matches_one_process_without_it() -> None:
+    single, _ = _tokens()
+    spec, stats = _tokens(tensor_parallel_size=2,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec == single
+    assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]

@@ -1,0 +1,47 @@
+"""Speculative decoding behind the real server (embedded tiny K3, CPU): streamed and whole completions with
+n-gram speculation equal the non-speculative engine's greedy text, a stop string cuts the text exactly where the
+non-speculative run cuts it, and /metrics reports vLLM's spec_decode counters."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from rocm_k3.args import EngineArgs
+from rocm_k3.engine.llm import LLM
+from rocm_k3.sampling_params import SamplingParams
+from tests.server_fixtures import running_server
+
+PROMPT = "hello hello hello hello hello hello"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256)
+    try:
+        yield llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].text
+    finally:
+        llm.shutdown()
+
+
+def test_server_with_speculation_streams_the_greedy_text(reference):
+    args = EngineArgs(dtype="float32", device="cpu", max_model_len=256, speculative_config=SPEC)
+    with running_server(args) as server:
+        client = server.client()
+        model = server.served.names[0]
+        kw = dict(model=model, prompt=PROMPT, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        assert whole == reference and streamed == reference
+        stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
+        cut = client.completions.create(stop=[stop], **kw).choices[0]
+        assert cut.text == reference[: reference.index(stop)] and cut.finish_reason == "stop"
+        with urllib.request.urlopen(server.url("/metrics"), timeout=60) as resp:
+            text = resp.read().decode()
+        drafted = float(re.search(r"^rocm_k3_spec_decode_num_draft_tokens_total (\S+)$", text, re.M).group(1))
+        accepted = float(re.search(r"^rocm_k3_spec_decode_num_accepted_tokens_total (\S+)$", text, re.M).group(1))
+        assert drafted > 0 and 0 < accepted <= drafted
+        assert 'rocm_k3_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text

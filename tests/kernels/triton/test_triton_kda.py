@@ -1,0 +1,394 @@
+"""Triton KDA kernels (rocm_k3/triton_kernels/kda) against the reference ops and the naive recurrence.
+
+Tiers:
+- ``interpret``: small fp32/fp16 shapes (T <= 150, H = 2, D = 32) under ``TRITON_INTERPRET=1`` on the CPU.
+  Triton 3.6-3.9 read that variable at decoration time, and triton's own standard library is decorated when
+  triton is first imported, so this module sets it before importing triton (a monkeypatch fixture would come
+  too late). If triton was already imported in this process without it, the tier re-runs this module in a
+  subprocess (``test_kda_interpret_tier_in_subprocess``) and the in-process copies skip.
+- ``compile``: every KDA kernel cross-compiled for sm_90, gfx942 and gfx950 at K3 shapes in bf16
+  (tests/triton_kda_compile_driver.py, fresh interpreter), asserting the matrix instructions of the dot kernels.
+- ``cuda``: K3 shapes (H = 96 and the TP-8 shard H = 12, D = 128, bf16, T = 4096) on an NVIDIA GPU.
+
+Tolerances (relative L2 error, tests/helpers.rel_err):
+- fp32 kernels: 1e-5 (fp32 arithmetic, different summation order; measured ~1e-6).
+- fp16 prefill in the interpreter: 5e-3 (q', k', W, U, QG, KD, Aqk travel in fp16: a few 2^-11 roundings).
+- bf16 on the GPU: outputs 2e-2 and states 1e-2 for prefill (bf16 operands in the chunk dots, 2^-9 per rounding,
+  several in a chain); decode y 1e-2 (one bf16 rounding of the output, fp32 math), decode state 1e-5 (fp32
+  throughout); short conv 1e-2 (bf16 output), its conv state copied exactly (0).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_GPU = torch.cuda.is_available() and torch.version.hip is None
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: see the module docstring
+
+triton = pytest.importorskip("triton")
+
+from rocm_k3.ops.kda import reference as ref  # noqa: E402
+from rocm_k3.ops.kda.datatypes import KDAGateParams  # noqa: E402
+from rocm_k3.ops.kda.naive import kda_recurrent_naive  # noqa: E402
+from rocm_k3.triton_kernels.kda import KERNELS  # noqa: E402
+from rocm_k3.triton_kernels.kda.gate import kda_gate_kernel  # noqa: E402
+from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
+from tests.helpers import assert_rel, run_compile_driver, seeded  # noqa: E402
+
+# in-process only when triton itself (its standard library) was imported under the interpreter too
+_INTERPRETED = interpreted(kda_gate_kernel) and interpreted(triton.language.standard.zeros_like)
+needs_interp = pytest.mark.skipif(
+    not _INTERPRETED, reason="kernels are compiled in this process (GPU host, or triton imported before "
+                             "TRITON_INTERPRET=1); the tier runs in test_kda_interpret_tier_in_subprocess")
+
+
+def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0, dtype: torch.dtype = torch.float32,
+           device: str = "cpu") -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _fn(op: str):
+    return KERNELS[op][0]
+
+
+def _supports(op: str):
+    return KERNELS[op][1]
+
+
+# ----------------------------------------------------------------------------------------------- shared checks
+def _naive_per_sequence(q, k, v, g, beta, cu, state0, idx, has_init, scale):
+    """Independent twin: the token-by-token recurrence (fp64) per sequence on activated inputs.
+    Returns (o [T, H, V], {slot: final state}, list of per-sequence callables for prefix states)."""
+    o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    finals = {}
+    for i in range(cu.numel() - 1):
+        s, e = int(cu[i]), int(cu[i + 1])
+        init = state0[int(idx[i])].double() if bool(has_init[i]) else None
+        oi, fi = kda_recurrent_naive(q[s:e].double(), k[s:e].double(), v[s:e].double(), g[s:e].double(),
+                                     beta[s:e].double(), scale, init)
+        o[s:e] = oi
+        finals[int(idx[i])] = fi
+    return o, finals
+
+
+def _prefix_state(q, k, v, g, beta, cu, state0, idx, has_init, scale, seq: int, p: int) -> torch.Tensor:
+    s = int(cu[seq])
+    init = state0[int(idx[seq])].double() if bool(has_init[seq]) else None
+    sl = slice(s, s + p)
+    return kda_recurrent_naive(q[sl].double(), k[sl].double(), v[sl].double(), g[sl].double(),
+                               beta[sl].double(), scale, init)[1]
+
+
+def _activated(q, k, beta, f, gate_params, qk_l2norm, beta_logits):
+    """The inputs of the recurrence after the prefill's fused prologue, computed by the reference ops."""
+    qf, kf = q.float(), k.float()
+    if qk_l2norm:
+        qf, kf = ref.l2norm(qf), ref.l2norm(kf)
+    b = torch.sigmoid(beta.float()) if beta_logits else beta.float()
+    g = f.float() if gate_params is None else ref.kda_gate(f, *gate_params)
+    return qf, kf, g, b
+
+
+# ------------------------------------------------------------------------------------------------ interpret tier
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe", "softplus"])
+def test_kda_gate_interpret(lower_bound: float | None) -> None:
+    gen = seeded(1)
+    f, a_log, dt_bias = _randn(37, 2, 32, gen=gen), _randn(2, gen=gen, scale=0.5), _randn(64, gen=gen)
+    assert_rel(_fn("kda_gate")(f, a_log, dt_bias, lower_bound), ref.kda_gate(f, a_log, dt_bias, lower_bound), 1e-5, "g")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "nostate"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+def test_short_conv_interpret(with_state: bool, dtype: torch.dtype, tol: float) -> None:
+    gen = seeded(2)
+    C = 96
+    cu = torch.tensor([0, 2, 70, 150], dtype=torch.int32)
+    x, w = _randn(150, C, gen=gen, dtype=dtype), _randn(C, 4, gen=gen, scale=0.5, dtype=dtype)
+    kw = {}
+    if with_state:
+        pool = _randn(5, C, 3, gen=gen, dtype=dtype)
+        kw = dict(state_indices=torch.tensor([4, 1, 2], dtype=torch.int32),
+                  has_initial_state=torch.tensor([True, False, True]))
+        pool_tri, pool_ref = pool.clone(), pool.clone()
+    y = _fn("short_conv")(x, w, cu, conv_state=pool_tri if with_state else None, **kw)
+    y_ref = ref.short_conv(x, w, cu, conv_state=pool_ref if with_state else None, **kw)
+    assert y.dtype == dtype
+    assert_rel(y, y_ref, tol, "y")
+    if with_state:
+        assert torch.equal(pool_tri, pool_ref), "conv state slots differ (they are plain copies of inputs)"
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "identity"])
+def test_short_conv_update_interpret(activation: str | None) -> None:
+    gen = seeded(3)
+    C = 96
+    x, w, pool = _randn(3, C, gen=gen), _randn(C, 4, gen=gen), _randn(6, C, 3, gen=gen)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    y = _fn("short_conv_update")(x, w, pool_tri, idx, activation)
+    assert_rel(y, ref.short_conv_update(x, w, pool_ref, idx, activation), 1e-5, "y")
+    assert torch.equal(pool_tri, pool_ref)
+
+
+# (id, lengths, dtype, gate, qk_l2norm, beta_logits, has_init, intermediate rows, o tol, state tol)
+_PREFILL_CASES = [
+    ("T150-H2-D32-fp32-safe-init", [150], torch.float32, -5.0, True, True, [True],
+     [[0, 64], [0, 128], [0, 64]], 1e-5, 1e-5),  # a repeated row gets the same state
+    ("T37+64+49-H2-D32-fp16-softplus", [37, 64, 49], torch.float16, None, True, True, [False, True, True],
+     [[1, 64]], 5e-3, 5e-3),
+    ("T100-H2-D32-fp32-rawg-probs", [100], torch.float32, "raw", False, False, [True], [], 1e-5, 1e-5),
+]
+
+
+def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="cpu", H=2, D=32):
+    T = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    qk_scale = 1.0 if qk_l2norm else D**-0.5  # unnormalised q, k must stay small for a stable recurrence
+    q = _randn(T, H, D, gen=gen, scale=qk_scale, dtype=dtype, device=device)
+    k = _randn(T, H, D, gen=gen, scale=qk_scale, dtype=dtype, device=device)
+    v = _randn(T, H, D, gen=gen, dtype=dtype, device=device)
+    beta = _randn(T, H, gen=gen, dtype=dtype, device=device)
+    if not beta_logits:
+        beta = torch.sigmoid(beta.float()).to(dtype)
+    if gate == "raw":  # the fp32 log-decay itself over K3's whole safe-gate range (-5, 0): the sub-block
+        f = -torch.rand(T, H, D, generator=gen).mul(5.0).to(device)  # decay factors reach exp(+-40)
+        params = None
+    else:
+        f = _randn(T, H, D, gen=gen, dtype=dtype, device=device)
+        params = KDAGateParams(_randn(H, gen=gen, scale=0.5, device=device),
+                               _randn(H * D, gen=gen, scale=0.5, device=device), gate)
+    return q, k, v, f, beta, cu, params
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("case", _PREFILL_CASES, ids=[c[0] for c in _PREFILL_CASES])
+def test_kda_prefill_interpret(case) -> None:
+    _, lengths, dtype, gate, qk_l2norm, beta_logits, has_init_l, inter_rows, o_tol, s_tol = case
+    gen = seeded(4)
+    q, k, v, f, beta, cu, params = _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen)
+    N, H, D = len(lengths), 2, 32
+    pool = _randn(N + 2, H, D, D, gen=gen, scale=0.3)
+    idx = torch.arange(N + 1, 0, -1, dtype=torch.int32)[:N]  # slots N+1, N, ...: never 0
+    has_init = torch.tensor(has_init_l)
+    positions = torch.tensor(inter_rows, dtype=torch.int32).view(-1, 2) if inter_rows else None
+    assert _supports("kda_prefill")(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params,
+                                    qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                                    intermediate_positions=positions)[0]
+    pool_tri = pool.clone()
+    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                             qk_l2norm=qk_l2norm, beta_logits=beta_logits, intermediate_positions=positions)
+    qa, ka, ga, ba = _activated(q, k, beta, f, params, qk_l2norm, beta_logits)
+    scale = D**-0.5
+    o_ref, finals = _naive_per_sequence(qa, ka, v.float(), ga, ba, cu, pool, idx, has_init, scale)
+    assert out.o.dtype == dtype
+    assert_rel(out.o, o_ref, o_tol, "o")
+    for slot, fin in finals.items():
+        assert_rel(pool_tri[slot], fin, s_tol, f"final state of slot {slot}")
+    untouched = [s for s in range(pool.shape[0]) if s not in finals]
+    assert torch.equal(pool_tri[untouched], pool[untouched]), "slots not in state_indices were modified"
+    if positions is None:
+        assert out.intermediate_states is None
+    else:
+        for r, (seq, p) in enumerate(inter_rows):
+            want = _prefix_state(qa, ka, v.float(), ga, ba, cu, pool, idx, has_init, scale, seq, p)
+            assert_rel(out.intermediate_states[r], want, s_tol, f"intermediate state ({seq}, {p})")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("split_output", [False, True], ids=["fused-output", "split-output"])
+def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
+    output computed inside the state walk or by the separate output launch."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    monkeypatch.setattr(tri_prefill, "SPLIT_OUTPUT", split_output)
+    gen = seeded(5)
+    q, k, v, f, beta, cu, params = _prefill_inputs([90, 41], torch.float32, -5.0, True, True, gen)
+    pool = _randn(3, 2, 32, 32, gen=gen, scale=0.3)
+    idx, has_init = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([True, False])
+    pos = torch.tensor([[0, 64]], dtype=torch.int32)
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                             intermediate_positions=pos)
+    want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
+                           intermediate_positions=pos)
+    assert_rel(out.o, want.o, 1e-5, "o")
+    assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
+    assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate state")
+
+
+@pytest.mark.parametrize("op", sorted(KERNELS))
+def test_kernel_signatures_match_the_contract(op: str) -> None:
+    """Implementation and supports() take exactly the reference op's parameters (names, kinds, defaults)."""
+    import inspect
+
+    from rocm_k3.ops.kda import REFERENCE_IMPLS
+
+    def params(fn) -> list[tuple]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    fn, supports = KERNELS[op]
+    assert params(fn) == params(REFERENCE_IMPLS[op])
+    assert params(supports) == params(REFERENCE_IMPLS[op])
+
+
+def test_kda_prefill_supports_reasons() -> None:
+    gen = seeded(6)
+    q, k, v, f, beta, cu, params = _prefill_inputs([70], torch.float32, -5.0, True, True, gen)
+    pool, idx, has_init = torch.zeros(1, 2, 32, 32), torch.zeros(1, dtype=torch.int32), torch.tensor([False])
+    ok, reason = _supports("kda_prefill")(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params,
+                                          intermediate_positions=torch.tensor([[0, 50]], dtype=torch.int32))
+    assert not ok and "p % 64 == 0" in reason and "50" in reason
+    q48 = torch.zeros(70, 2, 48)
+    ok, reason = _supports("kda_prefill")(q48, q48, v, f, beta, cu, pool, idx, has_init)
+    assert not ok and "power of two" in reason and "48" in reason
+    ok, reason = _supports("kda_prefill")(q, k, v, f, beta, cu, pool.double(), idx, has_init)
+    assert not ok and "fp32" in reason
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("lower_bound,prefetch", [(-5.0, True), (None, True), (-5.0, False)],
+                         ids=["safe", "softplus", "safe-late-state-load"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+def test_kda_decode_interpret(lower_bound: float | None, prefetch: bool, dtype: torch.dtype, tol: float,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from rocm_k3.triton_kernels.kda import decode as tri_decode
+
+    monkeypatch.setattr(tri_decode, "DECODE_PREFETCH", prefetch)
+    gen = seeded(7)
+    N, H, K, S = 3, 2, 32, 5
+    args = [_randn(N, 3 * H * K, gen=gen, dtype=dtype), _randn(N, H * K, gen=gen, dtype=dtype),
+            _randn(N, H, gen=gen, dtype=dtype), _randn(N, H * K, gen=gen, dtype=dtype),
+            _randn(3 * H * K, 4, gen=gen, scale=0.5, dtype=dtype), _randn(S, 3 * H * K, 3, gen=gen, dtype=dtype),
+            _randn(H, gen=gen, scale=0.3), _randn(H * K, gen=gen, scale=0.3), _randn(K, gen=gen, dtype=dtype),
+            _randn(S, H, K, K, gen=gen, scale=0.3), torch.tensor([4, 0, 2], dtype=torch.int32)]
+    tri, refa = list(args), list(args)
+    for i in (5, 9):  # conv state and recurrent state are updated in place
+        tri[i], refa[i] = args[i].clone(), args[i].clone()
+    y = _fn("kda_decode")(*tri, num_heads=H, lower_bound=lower_bound)
+    y_ref = ref.kda_decode(*refa, num_heads=H, lower_bound=lower_bound)
+    assert y.dtype == dtype and y.shape == (N, H * K)
+    assert_rel(y, y_ref, tol, "y")
+    assert_rel(tri[9], refa[9], 1e-5, "state pool")
+    assert torch.equal(tri[5], refa[5]), "conv state slots differ (they are plain copies of inputs)"
+    assert torch.equal(tri[9][[1, 3]], args[9][[1, 3]]), "unused state slots were modified"
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(_INTERPRETED or _GPU, reason="the interpreter tier ran in this process (or a GPU is present)")
+def test_kda_interpret_tier_in_subprocess() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# -------------------------------------------------------------------------------------------------- compile tier
+_KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_intra",
+                "chunk_solve", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+# The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
+# chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
+_MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
+        "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
+        "chunk_output": ("wgmma.mma_async", "v_mfma")}
+
+
+@pytest.fixture(scope="module")
+def kda_compiled() -> dict:
+    return run_compile_driver("triton_kda_compile_driver.py")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+@pytest.mark.parametrize("kernel", _KDA_KERNELS)
+def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> None:
+    res = kda_compiled[f"{kernel}/{target}"]
+    assert res["ok"], res["error"]
+    if kernel in _MMA:
+        want = _MMA[kernel][0 if target == "sm_90" else 1]
+        assert any(m.startswith(want) for m in res["mnemonics"]), (
+            f"{kernel} on {target}: no {want}; matrix ops {[m for m in res['mnemonics'] if 'mma' in m or 'mfma' in m]}")
+    elif target != "sm_90":
+        assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
+
+
+# ----------------------------------------------------------------------------------------------------- cuda tier
+_K3_PREFILL = [
+    pytest.param(96, [4096], [[0, 1024], [0, 4096]], id="T4096-H96-D128-bf16"),
+    pytest.param(12, [1000, 3096], [[1, 2048]], id="T1000+3096-H12-D128-bf16-tp8"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,lengths,inter_rows", _K3_PREFILL)
+def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]]) -> None:
+    gen = seeded(20)
+    q, k, v, f, beta, cu, params = _prefill_inputs(lengths, torch.bfloat16, -5.0, True, True, gen,
+                                                   device="cuda", H=H, D=128)
+    N = len(lengths)
+    pool = _randn(N + 1, H, 128, 128, gen=gen, scale=0.05, device="cuda")
+    idx = torch.arange(1, N + 1, dtype=torch.int32, device="cuda")
+    has_init = torch.tensor([True] + [False] * (N - 1), device="cuda")
+    pos = torch.tensor(inter_rows, dtype=torch.int32, device="cuda")
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                             intermediate_positions=pos)
+    want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
+                           intermediate_positions=pos)
+    assert_rel(out.o, want.o, 2e-2, "o")
+    assert_rel(pool_tri, pool_ref, 1e-2, "state pool")
+    assert_rel(out.intermediate_states, want.intermediate_states, 1e-2, "intermediate states")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,H", [(64, 96), (256, 12)], ids=["N64-H96-D128-bf16", "N256-H12-D128-bf16-tp8"])
+def test_kda_decode_k3_cuda(N: int, H: int) -> None:
+    gen = seeded(21)
+    K, S = 128, N + 3
+    bf = torch.bfloat16
+    args = [_randn(N, 3 * H * K, gen=gen, dtype=bf, device="cuda"), _randn(N, H * K, gen=gen, dtype=bf, device="cuda"),
+            _randn(N, H, gen=gen, dtype=bf, device="cuda"), _randn(N, H * K, gen=gen, dtype=bf, device="cuda"),
+            _randn(3 * H * K, 4, gen=gen, scale=0.5, dtype=bf, device="cuda"),
+            _randn(S, 3 * H * K, 3, gen=gen, dtype=bf, device="cuda"),
+            _randn(H, gen=gen, scale=0.3, device="cuda"), _randn(H * K, gen=gen, scale=0.3, device="cuda"),
+            _randn(K, gen=gen, dtype=bf, device="cuda"), _randn(S, H, K, K, gen=gen, scale=0.05, device="cuda"),
+            torch.randperm(S, generator=gen)[:N].to(device="cuda", dtype=torch.int32)]
+    tri, refa = list(args), list(args)
+    for i in (5, 9):
+        tri[i], refa[i] = args[i].clone(), args[i].clone()
+    y = _fn("kda_decode")(*tri, num_heads=H, lower_bound=-5.0)
+    assert_rel(y, ref.kda_decode(*refa, num_heads=H, lower_bound=-5.0), 1e-2, "y")
+    assert_rel(tri[9], refa[9], 1e-5, "state pool")
+    assert torch.equal(tri[5], refa[5])
+
+
+@pytest.mark.cuda
+def test_short_conv_k3_cuda() -> None:
+    gen = seeded(22)
+    C, lengths = 3 * 96 * 128, [3000, 2, 1094]
+    cu = torch.tensor([0, 3000, 3002, 4096], dtype=torch.int32, device="cuda")
+    x = _randn(sum(lengths), C, gen=gen, dtype=torch.bfloat16, device="cuda")
+    w = _randn(C, 4, gen=gen, scale=0.5, dtype=torch.bfloat16, device="cuda")
+    pool = _randn(4, C, 3, gen=gen, dtype=torch.bfloat16, device="cuda")
+    kw = dict(state_indices=torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, True, False], device="cuda"))
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    y = _fn("short_conv")(x, w, cu, conv_state=pool_tri, **kw)
+    assert_rel(y, ref.short_conv(x, w, cu, conv_state=pool_ref, **kw), 1e-2, "y")
+    assert torch.equal(pool_tri, pool_ref)

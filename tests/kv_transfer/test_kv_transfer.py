@@ -1,0 +1,162 @@
+"""kv_transfer: the connector interface, the loopback TCP transport and its checksums (unit level, no engine)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rocm_k3.kv_transfer import checksum
+from rocm_k3.kv_transfer.base import ConnectorMeta, ReqTransfer
+from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_connector import SocketConnectorScheduler, SocketConnectorWorker
+from rocm_k3.kv_transfer.socket_transport import BlockStore, entry_key
+
+MLA_LAYERS = ("layers.1.mla", "layers.3.mla")
+KDA_LAYERS = ("layers.0.kda.recurrent", "layers.0.kda.conv", "layers.2.kda.recurrent", "layers.2.kda.conv")
+
+
+def _caches(fill: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    make = (lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)) if fill else \
+        (lambda *s: torch.zeros(*s, dtype=torch.bfloat16))
+    mla = {n: make(8, 4, 16) for n in MLA_LAYERS}  # [num_blocks, block_size, kv_lora + rope]
+    kda = {n: (make(4, 2, 8, 8) if "recurrent" in n else make(4, 2, 8, 3)) for n in KDA_LAYERS}  # [slots, H, ...]
+    return mla, kda
+
+
+def _pair(timeout_s: float = 2.0) -> tuple[SocketConnectorWorker, SocketConnectorWorker]:
+    prod = SocketConnectorWorker(KVTransferConfig("SocketConnector", "kv_producer", kv_port=0))
+    port = prod.store.address[1]
+    cons = SocketConnectorWorker(KVTransferConfig("SocketConnector", "kv_consumer", kv_port=port,
+                                                  timeout_s=timeout_s))
+    prod.register_kv_caches(*_caches(True))
+    cons.register_kv_caches(*_caches(False))
+    return prod, cons
+
+
+SRC = ReqTransfer("p-req", "p-req", (1, 5, 2), 3, 11)
+DST = ReqTransfer("d-req", "p-req", (0, 6, 7), 1, 11)
+
+
+def _publish(prod: SocketConnectorWorker) -> None:
+    meta = ConnectorMeta(saves=(SRC,))
+    for name in (*MLA_LAYERS, *KDA_LAYERS):
+        prod.save_kv_layer(name, meta)
+    prod.wait_for_save()
+
+
+def _load(cons: SocketConnectorWorker) -> None:
+    cons.start_load_kv(ConnectorMeta(loads=(DST,)))
+    for name in (*MLA_LAYERS, *KDA_LAYERS):
+        cons.wait_for_layer_load(name)
+
+
+def test_checksum_uses_xxhash_when_installed():
+    pytest.importorskip("xxhash")
+    assert checksum.ALGORITHM == "xxh3_64"
+    assert checksum.verify(b"abc", checksum.digest(b"abc"))
+    assert not checksum.verify(b"abd", checksum.digest(b"abc"))
+
+
+def test_round_trip_moves_mla_blocks_and_kda_state_and_frees_producer():
+    prod, cons = _pair()
+    try:
+        _publish(prod)
+        assert prod.store.num_entries() == len(MLA_LAYERS) + len(KDA_LAYERS)
+        _load(cons)
+        fin = cons.get_finished()
+        assert fin.received == {"d-req"} and not fin.failed
+        for name in MLA_LAYERS:
+            assert torch.equal(cons._caches[name][1][[0, 6, 7]], prod._caches[name][1][[1, 5, 2]])
+            assert cons._caches[name][1][1].abs().sum() == 0  # untouched blocks stay untouched
+        for name in KDA_LAYERS:
+            assert torch.equal(cons._caches[name][1][1], prod._caches[name][1][3])
+        assert cons.stats.blocks_received == 3 * len(MLA_LAYERS) + len(KDA_LAYERS)
+        assert cons.stats.bytes_received == prod.stats.bytes_sent > 0
+        deadline = time.monotonic() + 5
+        while prod.store.num_entries() and time.monotonic() < deadline:  # the consumer's release is async
+            time.sleep(0.01)
+        assert prod.store.num_entries() == 0
+    finally:
+        prod.close()
+
+
+def test_corrupted_block_is_detected_and_not_used():
+    prod, cons = _pair()
+    try:
+        _publish(prod)
+        entry = prod.store.entry(entry_key("p-req", KDA_LAYERS[2]))
+        flipped = bytearray(entry.payload)
+        flipped[5] ^= 0x40
+        entry.payload = bytes(flipped)  # injected corruption: the stored checksum is of the original bytes
+        _load(cons)
+        fin = cons.get_finished()
+        assert fin.failed == {"d-req"} and not fin.received
+        assert cons.stats.checksum_failures == 1 and cons.stats.failed_transfers == 1
+        assert cons._caches[KDA_LAYERS[2]][1].abs().sum() == 0
+    finally:
+        prod.close()
+
+
+def test_missing_transfer_times_out_and_fails_the_request():
+    prod, cons = _pair(timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        _load(cons)  # nothing was published
+        assert time.monotonic() - t0 < 10
+        fin = cons.get_finished()
+        assert fin.failed == {"d-req"}
+        assert cons.stats.timeouts == 1
+    finally:
+        prod.close()
+
+
+def test_dead_producer_fails_the_request():
+    prod, cons = _pair(timeout_s=0.5)
+    prod.close()
+    _load(cons)
+    assert cons.get_finished().failed == {"d-req"}
+
+
+def test_store_entries_expire_after_ttl():
+    store = BlockStore(ttl_s=0.05)
+    try:
+        store.put("t/x", b"123", {})
+        time.sleep(0.1)
+        assert store.num_entries() == 0
+    finally:
+        store.close()
+
+
+def test_scheduler_halves_hand_the_transfer_over():
+    prod = SocketConnectorScheduler(KVTransferConfig("SocketConnector", "kv_producer", kv_port=15000))
+    delay, params = prod.request_finished("p-req", (1, 5, 2), 3, 11)
+    assert delay and params["remote_transfer_id"] == "p-req" and params["remote_num_tokens"] == 11
+    cons = SocketConnectorScheduler(KVTransferConfig("SocketConnector", "kv_consumer", kv_port=15000))
+    assert cons.get_num_new_matched_tokens("d-req", 12, 0, None) == (0, False)
+    assert cons.get_num_new_matched_tokens("d-req", 12, 4, params) == (7, True)
+    cons.update_state_after_alloc("d-req", (0, 6, 7), 1, 7)
+    meta = cons.build_connector_meta()
+    assert meta.loads == (ReqTransfer("d-req", "p-req", (0, 6, 7), 1, 7),) and not meta.saves
+    assert cons.build_connector_meta() == ConnectorMeta()
+    with pytest.raises(ValueError, match="remote_transfer_id"):
+        cons.get_num_new_matched_tokens("x", 12, 0, {"remote_num_tokens": 3})
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{", "not valid JSON"),
+    ('{"kv_role": "kv_producer"}', "kv_connector"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be one of"),
+    ('{"kv_connector": "SocketConnector", "kv_role": "producer"}', "kv_role must be one of"),
+    ('{"kv_connector": "SocketConnector", "kv_role": "kv_both", "bogus": 1}', "unknown keys"),
+])
+def test_kv_transfer_config_rejects_bad_input(text, match):
+    with pytest.raises(ValueError, match=match):
+        KVTransferConfig.from_json(text)
+
+
+def test_kv_transfer_config_parses_vllm_keys():
+    cfg = KVTransferConfig.from_json('{"kv_connector": "SocketConnector", "kv_role": "kv_both", "kv_port": 0}')
+    assert cfg.is_producer and cfg.is_consumer

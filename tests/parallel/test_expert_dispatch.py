@@ -1,0 +1,120 @@
+"""dist tier: expert-parallel dispatch and combine over gloo (two real ranks, one spawned process each).
+
+Each rank holds half of the tiny K3's 8 MXFP4 experts; the routed experts of a batch, run through
+:class:`RoutedExperts` with EP (token slice -> all-to-all dispatch -> local experts -> all-to-all combine) and the
+caller's all-reduce, equal one process running all experts on all picks. On a balanced batch each rank runs
+exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed batch still gives the right sum.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rocm_k3.distributed.context import ParallelContext
+from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.layers.linear import all_reduce
+from rocm_k3.model.moe import ActQuant, RoutedExperts, activation_for
+from rocm_k3.model.tiny import tiny_config
+from rocm_k3.ops import comm, moe, quant
+
+pytestmark = pytest.mark.dist
+TOKENS = 64
+
+
+def _experts(cfg: ModelConfig) -> moe.ExpertWeights:
+    gen = torch.Generator().manual_seed(11)
+    e, n, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_hidden_size
+    w13 = torch.randn(e, 2 * n, k, generator=gen) / k**0.5
+    w2 = torch.randn(e, k, n, generator=gen) / n**0.5
+    return moe.ExpertWeights("mxfp4", *quant.quantize_mxfp4(w13), *quant.quantize_mxfp4(w2))
+
+
+def _batches(cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """name -> (z [T, width], weights fp32 [T, k], ids int32 [T, k])."""
+    gen = torch.Generator().manual_seed(12)
+    e, top_k = cfg.num_experts, cfg.num_experts_per_token
+    t = torch.arange(TOKENS)
+    balanced = torch.stack([(t + 3 * j) % e for j in range(top_k)], dim=1)  # each slice half on each rank's experts
+    skewed = torch.stack([torch.full_like(t, 1), torch.where(t % 4 == 0, t % 3 + 5, 2)], dim=1)  # 7 of 8 on rank 0
+    out = {}
+    for name, ids in (("balanced", balanced), ("skewed", skewed)):
+        z = torch.randn(TOKENS, cfg.expert_hidden_size, generator=gen)
+        w = torch.rand(TOKENS, top_k, generator=gen) + 0.1
+        out[name] = (z, w / w.sum(-1, keepdim=True), ids.to(torch.int32))
+    return out
+
+
+def _slice(w: moe.ExpertWeights, first: int, count: int) -> moe.ExpertWeights:
+    part = [None if x is None else x[first : first + count].contiguous() for x in (w.w13, w.w13_scale, w.w2,
+                                                                                    w.w2_scale)]
+    return moe.ExpertWeights(w.fmt, *part)
+
+
+def _rank(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        ctx = ParallelContext(rank=rank, world_size=2, tp_rank=rank, tp_size=2, ep_enabled=True, tp_group=group)
+        cfg = ModelConfig.from_hf_dict(tiny_config())
+        experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+        full = _experts(cfg)
+        experts.weights = _slice(full, experts.first, experts.count)
+        activation, act_quant = activation_for(cfg), ActQuant()
+        out = {}
+        for name, (z, w, ids) in _batches(cfg).items():
+            ctx.stats.clear()
+            got = all_reduce(experts(z, w, ids, activation, act_quant), ctx, "reference")
+            want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
+            out[name] = (float((got - want).abs().max() / want.abs().max()), dict(ctx.stats))
+        # 2 redundant experts: 10 physical slots, the replicas' weights are their logical expert's
+        ctx.num_redundant_experts = 2
+        spread = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+        mine = list(spread.slots[spread.first : spread.first + spread.count])
+        spread.weights = moe.ExpertWeights(full.fmt, *(None if x is None else x[mine].contiguous()
+                                                        for x in (full.w13, full.w13_scale, full.w2, full.w2_scale)))
+        z, w, ids = _batches(cfg)["skewed"]
+        got = all_reduce(spread(z, w, ids, activation, act_quant), ctx, "reference")
+        want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
+        out["redundant"] = (float((got - want).abs().max() / want.abs().max()), spread.slots)
+        # the variable-size all-to-all names a bad split at the boundary
+        try:
+            comm.all_to_all(torch.zeros(3, 2), group, in_splits=[1, 1], out_splits=[1, 1])
+            out["bad_splits"] = ""
+        except ValueError as e:
+            out["bad_splits"] = str(e)
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
+        results = dict(results)
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    picks = TOKENS * cfg.num_experts_per_token
+    for rank, out in results.items():
+        for name in ("balanced", "skewed"):
+            err, stats = out[name]
+            assert err < 1e-5, (rank, name, err)
+            assert stats["moe_picks"] == picks, stats
+            assert stats["moe_dispatch"] == stats["moe_combine"] == 1, stats
+        rows = out["balanced"][1]["moe_rows"]
+        assert abs(rows - picks / 2) <= 0.1 * picks / 2, (rank, rows, picks)  # T x k / 2, never T x k
+        assert "in_splits sum to 2, x has 3 rows" in out["bad_splits"], out["bad_splits"]
+        err, slots = out["redundant"]
+        assert err < 1e-5 and len(slots) == 10 and sorted(set(slots)) == list(range(8)), (err, slots)
+    skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
+    assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives
