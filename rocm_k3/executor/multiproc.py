@@ -21,10 +21,12 @@ takes longer than ``timeout_s`` (a collective stuck on a lost remote rank) ends 
 
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -106,6 +108,29 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
     destroy_parallel()
 
 
+def _refuse_unguarded_main() -> None:
+    """Spawned ranks re-import the user's script: one that builds a parallel LLM outside an
+    ``if __name__ == "__main__":`` block would build it again in every rank. Name the guard before spawning."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None or not path or not os.path.isfile(path):
+        return  # not reached from a script's top level (a function of an imported module, a REPL, pytest)
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)} if isinstance(node, ast.If) else set()
+        if "__name__" in names:
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return
+    raise RuntimeError(f"{path}:{line} creates a parallel LLM (several ranks) at the script's top level; its worker "
+                       f"processes are spawned and re-import the script: put that code under "
+                       f"`if __name__ == \"__main__\":`")
+
+
 def _next_command(conn, ping_s: float) -> tuple[str, tuple]:
     """Rank 0: the driver's next command, or a ``ping`` for the other ranks when none came within ``ping_s``."""
     if conn.poll(ping_s):
@@ -149,6 +174,7 @@ class MultiprocExecutor:
     """See the module docstring. ``config.parallel`` gives the layout; this process is node 0's driver."""
 
     def __init__(self, config: WorkerConfig) -> None:
+        _refuse_unguarded_main()
         par = config.parallel
         if par.node_rank != 0:
             raise ValueError("MultiprocExecutor runs on node 0; nodes > 0 run rocm_k3.executor.multiproc.run_headless")
