@@ -88,24 +88,31 @@ def start_app(app, log_level: str = "warning", served=None) -> RunningServer:
     return RunningServer(served, server, thread)
 
 
-@contextlib.contextmanager
-def serve_subprocess(workdir, *flags: str, startup_s: float = 120) -> Iterator[tuple[int, subprocess.Popen]]:
-    """``python -m rocm_k3.cli serve --port 0 FLAGS`` as a user starts it (cwd and log in ``workdir``); yields
-    (port, process) once uvicorn reports its port; stops it with Ctrl-C and checks it exits with status 0."""
+def spawn_serve(workdir, *flags: str, startup_s: float = 120) -> tuple[subprocess.Popen, int, Path]:
+    """Start ``python -m rocm_k3.cli serve --port 0 FLAGS`` as a user would (cwd and log in ``workdir``); returns
+    (process, port, log path) once uvicorn reports its port. The caller stops the process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = Path(workdir) / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "rocm_k3.cli", "serve", "--port", "0", *flags],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(10)
+            raise RuntimeError(f"rocm-k3 serve did not start:\n{log.read_text()[-4000:]}")
+        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_text())
+        if match:
+            return proc, int(match.group(1)), log
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serve_subprocess(workdir, *flags: str, startup_s: float = 120) -> Iterator[tuple[int, subprocess.Popen]]:
+    """:func:`spawn_serve`, yielding (port, process); stops it with Ctrl-C and checks it exits with status 0."""
+    proc, port, log = spawn_serve(workdir, *flags, startup_s=startup_s)
     try:
-        port = None
-        deadline = time.monotonic() + startup_s
-        while port is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rocm-k3 serve did not start:\n{log.read_text()[-4000:]}")
-            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_text())
-            port = int(match.group(1)) if match else None
-            time.sleep(0.2)
         yield port, proc
     finally:
         proc.send_signal(signal.SIGINT)

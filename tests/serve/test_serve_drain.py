@@ -7,11 +7,8 @@ after the signal get 503 with ``Retry-After``; the process exits 0 (the same wit
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,28 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_fixtures import ROOT
+from tests.server_fixtures import spawn_serve
 
 STREAMS = 64
 MAX_TOKENS = 64
 
 
 def _start(workdir: Path, *flags: str) -> tuple[subprocess.Popen, int, Path]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = workdir / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rocm_k3.cli", "serve", "--port", "0", "--dtype", "float32",
-                                 "--max-model-len", "256", "--max-num-seqs", str(STREAMS), *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    deadline = time.monotonic() + 240
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rocm-k3 serve did not start:\n{log.read_text()[-4000:]}")
-        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_text())
-        if match:
-            return proc, int(match.group(1)), log
-        time.sleep(0.2)
+    return spawn_serve(workdir, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(STREAMS),
+                       *flags, startup_s=240)
 
 
 def _stream(port: int, i: int, results: dict, started: set) -> None:

@@ -7,20 +7,19 @@ answers; no socket of the server or of its ranks listens beyond loopback; a rank
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
-
-import json
 import urllib.error
 import urllib.request
+from pathlib import Path
+
 import pytest
 
-from tests.server_fixtures import ROOT
+from tests.server_fixtures import spawn_serve
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -94,22 +93,8 @@ def test_listening_addresses_reads_this_process(tmp_path) -> None:
 
 
 def _start(workdir: Path) -> tuple[subprocess.Popen, int, Path]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = workdir / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rocm_k3.cli", "serve", "--port", "0", "--host", "127.0.0.1",
-                                 "-tp", "2", "--distributed-timeout", "5", "--dtype", "float32",
-                                 "--max-model-len", "256", "--max-num-seqs", "4"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    deadline = time.monotonic() + 240
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rocm-k3 serve -tp 2 did not start:\n{log.read_text()[-4000:]}")
-        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log.read_text())
-        if match:
-            return proc, int(match.group(1)), log
-        time.sleep(0.2)
+    return spawn_serve(workdir, "--host", "127.0.0.1", "-tp", "2", "--distributed-timeout", "5", "--dtype", "float32",
+                       "--max-model-len", "256", "--max-num-seqs", "4", startup_s=240)
 
 
 def _complete(port: int) -> dict:
