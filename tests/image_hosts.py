@@ -131,7 +131,7 @@ def image_host(body: bytes, address: str = "127.0.0.1") -> Iterator[ImageHost]:
     host = ImageHost(body)
     httpd = http.server.ThreadingHTTPServer((address, 0), _handler(host))
     httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, name="test-image-host", daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), name="test-image-host", daemon=True)
     thread.start()
     host.base = f"http://{address}:{httpd.server_address[1]}"
     try:
