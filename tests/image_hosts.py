@@ -21,6 +21,7 @@ import contextlib
 import http.server
 import select
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -126,14 +127,16 @@ def _handler(host: ImageHost) -> type[http.server.BaseHTTPRequestHandler]:
 
 
 @contextlib.contextmanager
-def image_host(body: bytes, address: str = "127.0.0.1") -> Iterator[ImageHost]:
-    """Serve an :class:`ImageHost` on ``address`` (a free port) for the block."""
+def image_host(body: bytes, address: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> Iterator[ImageHost]:
+    """Serve an :class:`ImageHost` on ``address`` (a free port) for the block; over TLS with a server context."""
     host = ImageHost(body)
     httpd = http.server.ThreadingHTTPServer((address, 0), _handler(host))
     httpd.daemon_threads = True
+    if tls is not None:
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), name="test-image-host", daemon=True)
     thread.start()
-    host.base = f"http://{address}:{httpd.server_address[1]}"
+    host.base = f"{'https' if tls else 'http'}://{address}:{httpd.server_address[1]}"
     try:
         yield host
     finally:

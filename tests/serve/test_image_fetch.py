@@ -6,6 +6,9 @@ limits with every hop re-checked, and a pool whose threads come back at the dead
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 import time
 
 import pytest
@@ -151,6 +154,24 @@ def test_a_failed_image_ends_the_request_s_other_fetches(host) -> None:
     took = _fails(fetcher, host.url("/slow"), host.url("/missing"), match=r"content\[1\]: .*answered 404")
     assert took < 2
     wait_until(lambda: host.active == 0, 2, "the slow fetch to hang up")
+
+
+def test_https_checks_the_certificate_against_the_host_name(tmp_path, monkeypatch) -> None:
+    """The connection goes to the resolved address, but TLS still verifies the certificate for the URL's host."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True, timeout=30)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    with image_host(BODY, tls=server_tls) as host:
+        port = host.base.rsplit(":", 1)[1]
+        _fails(_fetcher(), host.url("/ok.png"), match="CERTIFICATE_VERIFY_FAILED")  # not a trusted certificate
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust it (read when the fetch makes its TLS context)
+        assert _fetch(_fetcher(), f"https://localhost:{port}/hops/1") == {f"https://localhost:{port}/hops/1": BODY}
+        _fails(_fetcher(), host.url("/ok.png"), match="IP address mismatch|doesn't match")  # issued for localhost
 
 
 def test_limits_are_validated() -> None:
