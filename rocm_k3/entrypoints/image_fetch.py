@@ -155,7 +155,7 @@ class ImageFetcher:
     def _fetch(self, url: str, job: _Job) -> bytes:
         """One image, following redirects (runs in a pool thread)."""
         original = url
-        for hop in range(self.limits.max_redirects + 1):
+        for _ in range(self.limits.max_redirects + 1):
             status, location, body = self._get(url, job)
             if status not in REDIRECTS:
                 return body

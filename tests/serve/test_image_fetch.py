@@ -181,3 +181,25 @@ def test_limits_are_validated() -> None:
             FetchLimits(**bad)
     with pytest.raises(ValueError, match="workers"):
         ImageFetcher(0, FetchLimits())
+
+
+def test_server_flags() -> None:
+    import argparse
+
+    from rocm_k3.args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli(parser.parse_args(["--allow-remote-images", "--image-fetch-timeout", "2.5",
+                                                  "--image-fetch-workers", "8", "--image-fetch-max-redirects", "0",
+                                                  "--allow-private-image-hosts"]))
+    assert (args.allow_remote_images, args.image_fetch_timeout, args.image_fetch_workers,
+            args.image_fetch_max_redirects, args.allow_private_image_hosts) == (True, 2.5, 8, 0, True)
+    defaults = ServerArgs()
+    assert (defaults.image_fetch_timeout, defaults.image_fetch_workers, defaults.allow_private_image_hosts) == \
+        (10.0, 4, False)
+    for field, bad in [("image_fetch_timeout", 0), ("image_fetch_timeout", -1.0), ("image_fetch_workers", 0),
+                       ("image_fetch_workers", 1000), ("image_fetch_max_redirects", -1),
+                       ("allow_private_image_hosts", "yes")]:
+        with pytest.raises(ValueError, match=field):
+            ServerArgs(**{field: bad})
