@@ -161,7 +161,7 @@ class ServerArgs:
                 "VLLM_IMAGE_FETCH_TIMEOUT)"})
     image_fetch_workers: int = dataclasses.field(default=4, metadata={
         "help": "with --allow-remote-images: threads of the pool that fetches remote images (slow image hosts "
-                "wait there, never in the threads that serve other requests)"})
+                "wait there, never in the threads that serve other requests); one request uses at most half"})
     image_fetch_max_redirects: int = dataclasses.field(default=3, metadata={
         "help": "with --allow-remote-images: redirects followed per image (each hop is checked like the URL)"})
     allow_private_image_hosts: bool = dataclasses.field(default=False, metadata={

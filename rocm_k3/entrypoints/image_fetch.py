@@ -3,7 +3,9 @@ server.
 
 - A dedicated pool of ``workers`` threads (``--image-fetch-workers``) does every fetch; request handlers await
   it, so neither the event loop nor the threads that render other requests ever wait on an image host. Text
-  requests and requests with only ``data:`` URLs never touch the pool.
+  requests and requests with only ``data:`` URLs never touch the pool. One request has at most half the pool's
+  threads (at least one) fetching or queued at a time, so its images take turns with other requests' images
+  instead of filling the queue.
 - One deadline per request (``--image-fetch-timeout`` seconds from when its fetches are queued) covers all of its
   images together, queueing included: a request with ten slow images fails after about ``timeout_s``, not ten
   times that. At the deadline (or at a request's first failed image) its open sockets are shut down, so the pool's
@@ -116,6 +118,7 @@ class ImageFetcher:
         self.limits = limits
         self.policy = AddressPolicy(limits.allow_private)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rocm-k3-image-fetch")
+        self.per_request = max(1, workers // 2)  # one request with many slow images holds at most half the pool
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -130,7 +133,13 @@ class ImageFetcher:
             return {}
         job = _Job(time.monotonic() + self.limits.timeout_s)
         loop = asyncio.get_running_loop()
-        tasks = {loop.run_in_executor(self._pool, self._fetch, url, job): url for url in first_where}
+        share = asyncio.Semaphore(self.per_request)
+
+        async def fetch(url: str) -> bytes:
+            async with share:  # a request keeps at most per_request fetches queued or running at a time
+                return await loop.run_in_executor(self._pool, self._fetch, url, job)
+
+        tasks = {asyncio.ensure_future(fetch(url)): url for url in first_where}
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.limits.timeout_s,
                                                return_when=asyncio.FIRST_EXCEPTION)
@@ -148,7 +157,7 @@ class ImageFetcher:
         finally:
             job.end()
             for task in tasks:
-                task.cancel()  # a queued fetch never starts; a running one sees its sockets shut
+                task.cancel()  # a waiting or queued fetch never starts; a running one sees its sockets shut
                 if task.done() and not task.cancelled():
                     task.exception()  # retrieved: no "exception was never retrieved" log
 

@@ -149,8 +149,26 @@ def test_one_deadline_covers_every_image_of_a_request(host) -> None:
     assert time.monotonic() - start < 1
 
 
+def test_a_request_with_many_slow_images_leaves_pool_threads_to_others(host) -> None:
+    fetcher = _fetcher(workers=4, timeout_s=3.0)  # 2 threads at most for one request
+
+    async def both() -> tuple[float, BaseException | None]:
+        slow = asyncio.ensure_future(fetcher.fetch_all([(f"a[{i}]", host.url(f"/slow?{i}")) for i in range(8)]))
+        await asyncio.sleep(0.2)  # the slow request has taken its share of the pool
+        start = time.monotonic()
+        got = await fetcher.fetch_all([("b", host.url("/ok.png"))])
+        took = time.monotonic() - start
+        assert got == {host.url("/ok.png"): BODY} and not slow.done()
+        return took, (await asyncio.gather(slow, return_exceptions=True))[0]
+
+    took, slow_error = asyncio.run(both())
+    assert took < 1
+    assert isinstance(slow_error, ImageFetchError) and "still waiting for 8" in str(slow_error)
+    assert host.connections <= 2 + 1 + 2  # the slow request never held more than its two threads (+ a race)
+
+
 def test_a_failed_image_ends_the_request_s_other_fetches(host) -> None:
-    fetcher = _fetcher(workers=2, timeout_s=10.0)
+    fetcher = _fetcher(workers=4, timeout_s=10.0)  # both fetches of the request run at once
     took = _fails(fetcher, host.url("/slow"), host.url("/missing"), match=r"content\[1\]: .*answered 404")
     assert took < 2
     wait_until(lambda: host.active == 0, 2, "the slow fetch to hang up")

@@ -23,7 +23,7 @@ from tests.vision_engine_fixtures import noise_image
 
 KNOBS = {"dtype": "float32", "block_size": 16, "match_unit": 8, "alignment": 16, "max_num_batched_tokens": 256,
          "max_num_seqs": 4, "max_model_len": 512}
-SLOW_REQUESTS, WORKERS, TIMEOUT_S = 40, 2, 4.0
+SLOW_REQUESTS, WORKERS, TIMEOUT_S = 40, 2, 5.0
 
 
 def _png() -> bytes:
@@ -99,7 +99,7 @@ def test_slow_image_hosts_do_not_starve_other_requests(vision_dir) -> None:
             asked = time.monotonic()
             assert _chat(client, url).choices[0].finish_reason == "length"
             answered = time.monotonic()
-            assert answered - asked < TIMEOUT_S / 2, f"a {'text' if url is None else 'data: URL'} request waited"
+            assert answered - asked < 0.6 * TIMEOUT_S, f"a {'text' if url is None else 'data: URL'} request waited"
             assert not any(ended), "a slow request ended before the other requests were answered"
         for t in threads:
             t.join(3 * TIMEOUT_S)
