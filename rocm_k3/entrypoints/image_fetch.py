@@ -20,7 +20,8 @@ server.
 Every failure is an :class:`ImageFetchError` (a ValueError: the server answers 400 naming the image part, the URL
 and the problem; a timeout too, since the client's request was well-formed but cannot be served as sent).
 Name resolution (``getaddrinfo``) cannot be interrupted: a request still fails at its deadline, but a pool thread
-may stay in the resolver until the system resolver's own timeout.
+may stay in the resolver until the system resolver's own timeout. Proxy variables (``http_proxy``) are not used:
+the address that is checked is the address connected to.
 """
 
 from __future__ import annotations
