@@ -76,6 +76,9 @@ class EngineArgs:
     speculative_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                 '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
+    kv_transfer_config: str | None = dataclasses.field(default=None, metadata={
+        "help": 'prefill/decode disaggregation as JSON (vLLM keys), e.g. \'{"kv_connector": "SocketConnector", '
+                '"kv_role": "kv_producer", "kv_port": 14579}\' (LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -116,6 +119,12 @@ class EngineArgs:
         from rocm_k3.spec_decode.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
+        from rocm_k3.kv_transfer.config import KVTransferConfig
+
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None and (
+                self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1 for now")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")

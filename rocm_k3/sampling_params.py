@@ -44,6 +44,10 @@ class SamplingParams:
                         grammar then starts once the reasoning has ended.
     thinking_token_budget: with ``prompt_in_think``, at most this many tokens of reasoning; then the think-close
                         marker is forced (None = unlimited).
+    kv_transfer_params: prefill/decode disaggregation, vLLM's convention: ``{"do_remote_decode": true}`` asks a
+                        kv_producer to publish the prompt's cache; the producer's answer (``remote_transfer_id``,
+                        ``remote_num_tokens``, ``remote_host``, ``remote_port``) given to a kv_consumer makes it
+                        fetch that cache instead of computing the prompt. None = off.
 
     Numbers may be Python or numpy / other ``numbers`` scalars (stored as int / float); a value of the wrong type
     or range raises ValueError naming the field.
@@ -66,6 +70,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = dataclasses.field(default=None, hash=False)
     prompt_in_think: bool = False
     thinking_token_budget: int | None = None
+    kv_transfer_params: dict[str, Any] | None = dataclasses.field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         # store plain ints / floats / tuples, so the params stay hashable and the sampler sees Python numbers
@@ -73,6 +78,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         set_("stop", _stop_strings(self.stop))
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params: expected a dict or None, got {type(self.kv_transfer_params).__name__}")
         set_("stop_token_ids", _stop_ids(self.stop_token_ids))
         temperature = _number("temperature", self.temperature)
         if not (math.isfinite(temperature) and temperature >= 0):

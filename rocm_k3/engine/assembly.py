@@ -25,6 +25,7 @@ from rocm_k3.engine.multimodal import MultiModalProcessor
 from rocm_k3.executor.multiproc import MultiprocExecutor
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.formats.parsers.registry import checkpoint_family
+from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.tiny import ensure_embedded_model
@@ -110,6 +111,7 @@ def _worker_config(args: EngineArgs) -> WorkerConfig:
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, parallel=parallel, output_family=family,
+        kv_transfer=KVTransferConfig.parse(args.kv_transfer_config),
     )
 
 
@@ -144,7 +146,8 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     cache, geometry = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           max_model_len=geometry.max_model_len, cache=cache,
-                          speculative=SpeculativeConfig.parse(args.speculative_config))
+                          speculative=SpeculativeConfig.parse(args.speculative_config),
+                          kv_transfer=worker_config.kv_transfer)
     executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

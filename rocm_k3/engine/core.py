@@ -19,6 +19,7 @@ Robustness (each a tested promise):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -37,6 +38,7 @@ from rocm_k3.engine.scheduler import Scheduler
 from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.executor.base import Executor
+from rocm_k3.kv_transfer.socket_scheduler import remote_prefill
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.step_io import ImageInput
 
@@ -113,11 +115,12 @@ class EngineCore:
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_recoveries = 0
+        self.kv_stats: collections.Counter = collections.Counter()  # prefill/decode transfers (see Scheduler)
         self._new_bookkeeping()
 
     def _new_bookkeeping(self) -> None:
         self.cache_manager = CacheManager(self.config.cache, self.num_blocks, self.num_slots)
-        self.scheduler = Scheduler(self.config, self.cache_manager)
+        self.scheduler = Scheduler(self.config, self.cache_manager, self.kv_stats)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
@@ -147,12 +150,14 @@ class EngineCore:
         limit = self.config.max_model_len
         check_prompt_length(len(prompt), limit, f"request {request_id!r}: prompt")
         images = self._check_images(request_id, images, len(prompt))
+        remote_prefill(params.kv_transfer_params)  # ValueError naming a malformed key
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer, max_tokens)  # ValueError: stop w/o tokenizer
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt,
                        max_tokens=max_tokens, sampling=params, stop=stop,
                        logprobs=[] if params.logprobs is not None else None, images=images,
+                       kv_transfer_params=params.kv_transfer_params,
                        prompt_cache_key=prefix_cache_key(prompt, images) if images else None)
         with self.guard.section():
             self.scheduler.add(seq)
@@ -291,6 +296,8 @@ class EngineCore:
             free_state_slots=mgr.slots.pool.num_available,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+            **{f"kv_transfer_{k}": self.kv_stats[k]
+               for k in ("loaded", "failures", "published", "bytes_received", "bytes_sent")},
         )
         out.update(self.scheduler.spec.stats.as_dict())
         return out

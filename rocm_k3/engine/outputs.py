@@ -18,6 +18,8 @@ class RequestOutput:
                        "abort", or "error" (see ``error``).
     error:             why the request failed (finish_reason "error"), e.g. non-finite logits; else None.
     num_cached_tokens: prompt tokens served from the prefix cache at the request's last admission.
+    kv_transfer_params: a kv_producer's answer to ``do_remote_decode``: where a decode instance fetches the
+                       prompt's cache (vLLM's convention); else None.
     """
 
     prompt_token_ids: list[int]
@@ -27,6 +29,7 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass

@@ -34,6 +34,10 @@ class Sequence:
     sampling:             the request's sampling parameters.
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
+    kv_transfer_params:   prefill/decode disaggregation (``SamplingParams.kv_transfer_params``): a remote prefill
+                          to load (consumer), or ``do_remote_decode`` (producer); cleared after a failed load so
+                          the prompt is recomputed here. kv_params_out: the producer's answer once finished.
+    kv_loading:           the step in flight loads this sequence's prompt cache.
     """
 
     seq_id: int
@@ -56,6 +60,9 @@ class Sequence:
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()
     prompt_cache_key: list[int] | None = None
+    kv_transfer_params: dict | None = None
+    kv_params_out: dict | None = None
+    kv_loading: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -24,6 +24,8 @@ import torch
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.moe import RoutedExperts
@@ -66,6 +68,7 @@ class WorkerConfig:
     max_num_seqs: int = 32
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (one rank only)
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -144,6 +147,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
+        self.connector: SocketConnectorWorker | None = None
+        self._kv_step: dict[str, int | tuple[str, ...]] = {}
 
     def _common_unit_bytes(self) -> tuple[int, int]:
         """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
@@ -251,6 +256,11 @@ class Worker:
                         num_slots=geometry.num_slots, device=self.device)
         width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
+        if self.config.kv_transfer is not None:
+            if self.connector is None:
+                self.connector = SocketConnectorWorker(self.config.kv_transfer)
+            self.connector.register_kv_caches(*pools.transfer_groups())
+            self.runner.before_forward = self._transfer_kv
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
@@ -281,7 +291,33 @@ class Worker:
         return True, "ok"
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def _transfer_kv(self, step: StepInput) -> None:
+        """Publish the step's saves, then load its loads layer by layer (the fetch of the next layer overlaps the
+        copy of this one), each payload checksum-verified; runs after the step's copies, before its forward."""
+        meta, conn = step.kv_connector_meta, self.connector
+        if meta is None or conn is None or not (meta.saves or meta.loads):
+            return
+        sent, received = conn.stats.bytes_sent, conn.stats.bytes_received
+        names = list(conn.layer_names())
+        if meta.saves:
+            for name in names:
+                conn.save_kv_layer(name, meta)
+            conn.wait_for_save()
+        if meta.loads:
+            conn.start_load_kv(meta)
+            for name in names:
+                conn.wait_for_layer_load(name)
+        fin = conn.get_finished()
+        self._kv_step = {"kv_received": tuple(sorted(fin.received)), "kv_failed": tuple(sorted(fin.failed)),
+                         "kv_bytes_sent": conn.stats.bytes_sent - sent,
+                         "kv_bytes_received": conn.stats.bytes_received - received}
+
     def execute(self, step: StepInput) -> StepOutput:
+        self._kv_step = {}
+        out = self._execute(step)
+        return dataclasses.replace(out, **self._kv_step) if self._kv_step else out
+
+    def _execute(self, step: StepInput) -> StepOutput:
         if self.runner is None:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
@@ -313,6 +349,12 @@ class Worker:
             error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         return StepOutput(step.step_id, tuple(sampled))
+
+    def close(self) -> None:
+        """Stop the KV connector's transfer server (a producer's block store), if any."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
 
     def _counting_experts(self) -> list[RoutedExperts]:
         return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
