@@ -1,8 +1,8 @@
 """pd-proxy: a prefill server, a decode server and the proxy on 127.0.0.1 with the embedded model.
 
-The engines do not yet consume transferred KV (see rocm_k3/kv_transfer), so the decode server prefills itself;
-these tests check the routing: greedy outputs through the proxy equal one plain server's, streaming and not, and
-a dead prefill server makes the proxy fall back and still answer.
+Both servers here run without ``--kv-transfer-config``, so the decode server prefills itself (the transfer is
+tested in test_pd_end_to_end.py); these tests check the routing: greedy outputs through the proxy equal one plain
+server's, streaming and not, and a dead prefill server makes the proxy fall back and still answer.
 """
 
 from __future__ import annotations

@@ -38,6 +38,13 @@ _ENGINE_METRICS = (
     ("hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", "counter"),
     ("preemptions", "preemptions", "requests preempted (to be recomputed)", "counter"),
     ("steps", "engine_steps", "engine steps run", "counter"),
+    # prefill/decode disaggregation (--kv-transfer-config)
+    ("kv_transfer_loaded", "kv_transfer_requests", "prompt caches loaded from a prefill instance", "counter"),
+    ("kv_transfer_failures", "kv_transfer_failures",
+     "prompt cache loads that failed (checksum mismatch, timeout, producer gone): the prompt was recomputed", "counter"),
+    ("kv_transfer_published", "kv_transfer_published", "prompt caches published for a decode instance", "counter"),
+    ("kv_transfer_bytes_received", "kv_transfer_received_bytes", "prompt cache bytes loaded", "counter"),
+    ("kv_transfer_bytes_sent", "kv_transfer_sent_bytes", "prompt cache bytes published", "counter"),
     # speculative decoding, vLLM's names (vllm:spec_decode_*) under our prefix
     ("spec_num_drafts", "spec_decode_num_drafts", "verification steps of drafted tokens", "counter"),
     ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "drafted tokens verified", "counter"),

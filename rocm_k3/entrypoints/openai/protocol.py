@@ -73,6 +73,7 @@ class SamplingRequest(OpenAIBody):
     return_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's convention)
 
 
 class CompletionRequest(SamplingRequest):
@@ -222,6 +223,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a kv_producer's answer: where to fetch the prompt's cache
 
 
 class ChatCompletionChunk(BaseModel):
@@ -241,6 +243,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a kv_producer's answer: where to fetch the prompt's cache
 
 
 class ModelCard(BaseModel):

@@ -92,7 +92,8 @@ class ChatRun:
                                   token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
-            prompt_token_ids=self.prompt if self.req.return_token_ids else None)
+            prompt_token_ids=self.prompt if self.req.return_token_ids else None,
+            kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()

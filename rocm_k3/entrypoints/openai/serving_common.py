@@ -144,6 +144,7 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(stop),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
         "skip_special_tokens": skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens,
+        "kv_transfer_params": req.kv_transfer_params,
     }
     values.update(changes)
     try:
@@ -246,6 +247,7 @@ class ChoiceState:
     finish_reason: str | None = None
     cached: int = 0
     num_calls: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, delta: RequestDelta, *, text: bool = True) -> None:
         self.token_ids += delta.new_token_ids
@@ -255,6 +257,7 @@ class ChoiceState:
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.cached = delta.output.num_cached_tokens if delta.output is not None else 0
+            self.kv_transfer_params = delta.output.kv_transfer_params if delta.output is not None else None
 
 
 async def collect(served: ServedModel, streams: Sequence[RequestStream]) -> list[ChoiceState]:

@@ -59,7 +59,8 @@ class CompletionRun:
                 index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
                 token_ids=c.token_ids if self.req.return_token_ids else None,
                 prompt_token_ids=self.prompts[i // self.n] if self.req.return_token_ids else None))
-        return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices))
+        return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
+                                  kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     def _usage(self, choices: list[ChoiceState]):
         cached = sum(c.cached for c in choices[:: self.n])
