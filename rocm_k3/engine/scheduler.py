@@ -211,7 +211,8 @@ class Scheduler:
         self.cache.finish_copies(out.copies)
         accepted_of = {t.request_id: t.accepted for t in output.sampled}
         failed = set(output.kv_failed)
-        self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent)
+        self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
+                             seconds=output.kv_transfer_s)
         for item in out.scheduled:
             if item.seq.request_id in failed:  # its step ran on a cache that did not arrive: nothing is kept
                 self.cache.abandon_saves(item.saves)

@@ -198,7 +198,8 @@ class StepOutput:
 
     kv_received / kv_failed: requests whose prompt cache this step loaded, or failed to load (checksum mismatch,
     timeout, producer gone: the engine recomputes those prompts and drops this step's token for them);
-    kv_bytes_received / kv_bytes_sent: transferred payload bytes of this step.
+    kv_bytes_received / kv_bytes_sent: transferred payload bytes of this step; kv_transfer_s: seconds this step
+    spent publishing and loading (before its forward).
     """
 
     step_id: int
@@ -207,3 +208,4 @@ class StepOutput:
     kv_failed: tuple[str, ...] = ()
     kv_bytes_received: int = 0
     kv_bytes_sent: int = 0
+    kv_transfer_s: float = 0.0

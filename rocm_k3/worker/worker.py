@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -297,7 +298,7 @@ class Worker:
         meta, conn = step.kv_connector_meta, self.connector
         if meta is None or conn is None or not (meta.saves or meta.loads):
             return
-        sent, received = conn.stats.bytes_sent, conn.stats.bytes_received
+        sent, received, t0 = conn.stats.bytes_sent, conn.stats.bytes_received, time.perf_counter()
         names = list(conn.layer_names())
         if meta.saves:
             for name in names:
@@ -310,7 +311,8 @@ class Worker:
         fin = conn.get_finished()
         self._kv_step = {"kv_received": tuple(sorted(fin.received)), "kv_failed": tuple(sorted(fin.failed)),
                          "kv_bytes_sent": conn.stats.bytes_sent - sent,
-                         "kv_bytes_received": conn.stats.bytes_received - received}
+                         "kv_bytes_received": conn.stats.bytes_received - received,
+                         "kv_transfer_s": time.perf_counter() - t0}
 
     def execute(self, step: StepInput) -> StepOutput:
         self._kv_step = {}
