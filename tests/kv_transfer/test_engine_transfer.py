@@ -5,20 +5,14 @@ pages past its cached prefix, and always the KDA state), and a load that fails (
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 
 from rocm_k3 import LLM, SamplingParams
+from tests.pd_fixtures import free_port as _free_port
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,12 @@ import urllib.request
 import pytest
 
 from rocm_k3.args import EngineArgs
-from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
-from tests.server_fixtures import running_server, start_app
+from tests.pd_fixtures import chat as _chat
+from tests.pd_fixtures import complete as _complete
+from tests.pd_fixtures import free_port as _free_port
+from tests.pd_fixtures import running_proxy as _proxy
+from tests.server_fixtures import running_server
 
 ENGINE = dict(dtype="float32", max_model_len=1024)
 PROMPTS = ("The capital of France is", "1, 2, 3, 4,", "Once upon a time", "a", "The quick brown fox jumps over the",
@@ -34,30 +37,9 @@ MESSAGES = ([{"role": "user", "content": "Say hello."}], [{"role": "user", "cont
             [{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Write a haiku."}])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kv(role: str, **extra) -> EngineArgs:
     return EngineArgs(**ENGINE, kv_transfer_config=json.dumps({"kv_connector": "SocketConnector", "kv_role": role,
                                                                **extra}))
-
-
-def _complete(client, model, prompt, stream):
-    kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0.0)
-    if not stream:
-        return client.completions.create(**kw).choices[0].text
-    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
-
-
-def _chat(client, model, messages, stream):
-    kw = dict(model=model, messages=messages, max_tokens=8, temperature=0.0)
-    if not stream:
-        return client.chat.completions.create(**kw).choices[0].message.content
-    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-                   if c.choices)
 
 
 def _answers(client, prompts=PROMPTS, messages=MESSAGES) -> list[str]:
@@ -96,15 +78,6 @@ def servers():
             running_server(_kv("kv_producer", kv_port=port, kv_connector_extra_config={"ttl_s": 3.0})) as prefill, \
             running_server(_kv("kv_consumer", timeout_s=5.0)) as decode:
         yield plain, prefill, decode
-
-
-@contextlib.contextmanager
-def _proxy(prefill_url: str, decode_url: str):
-    srv = start_app(build_proxy_app(ProxyConfig((prefill_url,), (decode_url,), timeout_s=60)))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("requests", [pytest.param(_quick, id="12-requests"),
@@ -217,6 +190,9 @@ def test_unfetched_prompt_cache_leaves_the_producer_within_its_ttl(servers):
             "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}}
     params = _post(prefill.url("/v1/completions"), body)["kv_transfer_params"]
     assert any(k.startswith(params["remote_transfer_id"] + "/") for k in list(store._entries))
+    deadline = time.monotonic() + 2  # the stats snapshot follows the engine's last step
+    while (lambda st: st["free_blocks"] != st["num_blocks"])(prefill.engine.stats()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     stats = prefill.engine.stats()
     assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == 0  # blocks freed at once
     deadline = time.monotonic() + 10  # ttl 3 s: the consumer never came (died mid-transfer)
