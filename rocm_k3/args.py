@@ -45,6 +45,9 @@ class EngineArgs:
     match_unit: int = dataclasses.field(default=64, metadata={"help": "prefix-cache hash granularity in tokens"})
     alignment: int = dataclasses.field(default=256, metadata={"help": "prefill chunk grid in tokens (KDA saves)"})
     max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={"help": "new tokens per engine step"})
+    long_prefill_token_threshold: int = dataclasses.field(default=0, metadata={
+        "help": "most tokens one prefill chunk takes per step (rounded up to --alignment), so a long prompt "
+                "shares the step with decodes and other prefills instead of filling it; 0: no cap (vLLM's flag)"})
     max_num_seqs: int = dataclasses.field(default=32, metadata={"help": "requests running at once"})
     gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata={
         "help": "fraction of GPU memory for weights, activations and the cache (GPU only)"})
