@@ -160,6 +160,8 @@ class Worker:
         self.proposer: DraftProposer | None = None  # draft_model speculation: the drafter (sampling rank only)
         if config.drafts_on_worker and self.ctx.is_sampling_rank:
             self.proposer = DraftProposer.for_model(config.speculative, self.model)
+        elif hasattr(self.model, "tap_layers"):  # a model served before by a drafting worker taps nothing here
+            self.model.tap_layers = ()
 
     def _common_unit_bytes(self) -> tuple[int, int]:
         """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
