@@ -119,3 +119,33 @@ def test_generate_shows_the_acceptance_out_of_the_box(capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("speculative decoding:"))
     assert "mean accepted tokens per step" in line
     assert float(line.rsplit(" ", 1)[1]) > 1.0, line
+
+
+def test_requests_with_penalties_decode_one_token_at_a_time_with_the_drafter():
+    from rocm_k3.engine.llm import LLM
+    from rocm_k3.sampling_params import SamplingParams
+
+    prompts = acceptance_prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.5, repetition_penalty=1.2)
+    outs = []
+    for spec in (None, {"method": "draft_model", "model": EMBEDDED_DRAFTER, "num_speculative_tokens": 3}):
+        llm = LLM(ensure_embedded_model(), dtype="float32", backend="reference", speculative_config=spec)
+        outs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.stats()))
+    (base, _), (spec_out, stats) = outs
+    assert spec_out == base
+    assert stats["spec_num_drafts"] == 0
+
+
+def test_fit_drafter_is_seeded():
+    from rocm_k3.training.drafter import DrafterRecipe, fit_drafter
+
+    cfg = DrafterConfig(tap_layer_ids=(1, 2), target_hidden_size=8, target_num_hidden_layers=2, vocab_size=11,
+                        hidden_size=8)
+    gen = torch.Generator().manual_seed(3)
+    taps, inputs = torch.randn(64, 2, 8, generator=gen), torch.randint(0, 11, (64, 3), generator=gen)
+    targets = torch.randint(0, 11, (64, 3), generator=gen)
+    recipe = DrafterRecipe(steps=5, batch=16, unroll=3)
+    runs = [fit_drafter(cfg, taps, inputs, targets, recipe, log=lambda _: None) for _ in range(2)]
+    assert runs[0][1] == runs[1][1]
+    for (n, a), b in zip(runs[0][0].state_dict().items(), runs[1][0].state_dict().values()):
+        assert torch.equal(a, b), n
