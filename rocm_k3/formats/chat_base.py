@@ -7,7 +7,7 @@ A renderer turns OpenAI-format messages into prompt token ids::
         -> RenderedChat(token_ids, text, prompt_in_think, image_positions)
 
 ``renderer.family`` is "kimi_k3" (XTML) or "kimi_k2" (the checkpoint's Jinja template). Messages are dicts:
-``role`` (system | user | assistant | tool), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
+``role`` (system | developer | user | assistant | tool; OpenAI's ``developer`` is rendered as ``system``), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
 optional ``name``; assistant messages may carry ``reasoning_content`` and ``tool_calls`` (``function.arguments``
 as a JSON string or a dict); tool messages ``tool_call_id``. A bad message is a ValueError naming the field.
 """
@@ -18,7 +18,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+RENDERED_AS = {"developer": "system"}  # OpenAI's newer name for system instructions
 TEXT_PART = "text"
 IMAGE_PARTS = ("image_url", "image")
 THINKING_EFFORTS = ("low", "high", "max")  # K3 accepts these; "medium" is rejected although its note names it
@@ -105,14 +106,15 @@ def check_bool(value: Any, field: str) -> bool:
 
 # ---- messages -------------------------------------------------------------------------------------------------
 def validate_messages(messages: Any) -> list[Mapping[str, Any]]:
-    """Check the shape of every message (roles, content, names, tool calls); returns them as a list."""
+    """Check the shape of every message (roles, content, names, tool calls); returns them as a list, with each
+    role as the formats render it (``developer`` -> ``system``)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages: expected a list of message objects, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages: expected at least one message")
     for i, message in enumerate(messages):
         _validate_message(message, f"messages[{i}]")
-    return list(messages)
+    return [{**m, "role": RENDERED_AS[m["role"]]} if m["role"] in RENDERED_AS else m for m in messages]
 
 
 def _validate_message(message: Any, where: str) -> None:
@@ -121,6 +123,7 @@ def _validate_message(message: Any, where: str) -> None:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
+    role = RENDERED_AS.get(role, role)
     for key in ("name",) + (("tool", "tool_call_id") if role == "tool" else ()):
         value = message.get(key)
         if value is not None and not isinstance(value, str):

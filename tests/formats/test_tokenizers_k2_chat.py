@@ -117,3 +117,10 @@ def test_template_from_tokenizer_config(tmp_path, tok) -> None:
     config.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="chat_template: expected a string"):
         load_chat_renderer(root, tok)
+
+
+def test_developer_role_renders_as_system(renderer: K2ChatRenderer) -> None:
+    """The checkpoint template sees OpenAI's ``developer`` message as ``system`` (templates know no developer)."""
+    as_dev = renderer.render([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    as_sys = renderer.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert as_dev == as_sys and "Be brief." in as_dev.text

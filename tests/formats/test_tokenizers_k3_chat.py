@@ -389,3 +389,14 @@ def test_renderer_needs_the_control_specials(tmp_path) -> None:
     write_kimi_tokenizer(tmp_path, K2_TABLE)
     with pytest.raises(ValueError, match="needs the special tokens"):
         K3ChatRenderer(load_tokenizer(tmp_path))
+
+
+def test_developer_role_renders_as_system(byte_renderer: K3ChatRenderer) -> None:
+    """OpenAI's ``developer`` role is K3's ``system`` message: the same ids, name kept."""
+    for extra in ({}, {"name": "ops"}):
+        as_dev = byte_renderer.render([{"role": "developer", "content": "Be brief.", **extra},
+                                       {"role": "user", "content": "Hi"}])
+        as_sys = byte_renderer.render([{"role": "system", "content": "Be brief.", **extra},
+                                       {"role": "user", "content": "Hi"}])
+        assert as_dev == as_sys
+    assert msg("system", "Be brief.") in as_dev.text.replace(' name="ops"', "")
