@@ -3,8 +3,11 @@
 A renderer turns OpenAI-format messages into prompt token ids::
 
     renderer.render(messages, *, tools=None, tool_choice=None, response_format=None, thinking=None,
-                    thinking_effort=None, add_generation_prompt=True)
+                    thinking_effort=None, add_generation_prompt=True, continue_final_message=False)
         -> RenderedChat(token_ids, text, prompt_in_think, image_positions)
+
+``continue_final_message`` (vLLM's): the final message is left open (no end markers), so generation continues
+it; it excludes ``add_generation_prompt`` and a final tool message.
 
 ``renderer.family`` is "kimi_k3" (XTML) or "kimi_k2" (the checkpoint's Jinja template). Messages are dicts:
 ``role`` (system | developer | user | assistant | tool; OpenAI's ``developer`` is rendered as ``system``), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
@@ -51,7 +54,32 @@ class ChatRenderer(Protocol):
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
                response_format: Mapping[str, Any] | None = None, thinking: bool | None = None,
-               thinking_effort: str | None = None, add_generation_prompt: bool = True) -> RenderedChat: ...
+               thinking_effort: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> RenderedChat: ...
+
+
+def check_continuation(messages: Sequence[Mapping[str, Any]], add_generation_prompt: Any,
+                       continue_final_message: Any) -> bool:
+    """Whether the final message is continued (validated: bools, not both, not a tool message)."""
+    check_bool(add_generation_prompt, "add_generation_prompt")
+    if not check_bool(continue_final_message, "continue_final_message"):
+        return False
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true "
+                         "(send add_generation_prompt=false)")
+    if messages[-1]["role"] == "tool":
+        raise ValueError(f"continue_final_message: the final message (messages[{len(messages) - 1}]) is a tool "
+                         "result, which cannot be continued")
+    return True
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content (a string, or its text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == TEXT_PART)
 
 
 class ThinkingOptions(NamedTuple):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over one :class:`~rocm_k3.engine.async_llm.AsyncLLM`.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers
 with server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``
 (200, or 503 once the engine failed), ``GET /metrics`` (Prometheus text). With an API key, every route except
 ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``. Errors are OpenAI error objects
@@ -78,10 +78,16 @@ def build_app(served: ServedModel) -> FastAPI:
     async def metrics() -> Response:
         return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=str(served.frontend.path), max_model_len=served.max_model_len)
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        root = str(served.frontend.path)
-        return ModelList(data=[ModelCard(id=n, root=root, max_model_len=served.max_model_len) for n in served.names])
+        return ModelList(data=[card(n) for n in served.names])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> ModelCard:
+        return card(served.check_model(model_id))  # 404 naming the model when unknown
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -123,7 +129,7 @@ async def _answer(request: Request, served: ServedModel, model, prepare) -> Resp
     run = await asyncio.to_thread(prepare, served, body)  # rendering and tokenizing: off the event loop
     if run.req.stream:
         return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
+    return JSONResponse((await unless_disconnected(request, run.respond())).model_dump())  # null keys kept
 
 
 def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:

@@ -266,7 +266,7 @@ def error_event(exc: APIError) -> str:
 
 def sse(body: BaseModel | dict) -> str:
     if isinstance(body, BaseModel):
-        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+        return f"data: {body.model_dump_json()}\n\n"  # every key, null where empty (as OpenAI's schemas)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
