@@ -142,3 +142,32 @@ def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[Sampl
             entry.setdefault(int(t), v)
         out[i] = entry
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int],
+                          top: Sequence[int]) -> tuple[list[tuple[tuple[int, float], ...]], list[int]]:
+    """Per row of ``logits`` fp32 [M, V]: ``((targets[i], logprob), then the top[i] most likely (token, logprob))``
+    and the target's rank (1 = most likely), of the model's distribution ``log_softmax(logits)``; read to the
+    host in one transfer."""
+    m = len(targets)
+    if logits.shape[0] != m or len(top) != m:
+        raise ValueError(f"prompt logprobs: {logits.shape[0]} logits rows for {m} targets and {len(top)} top counts")
+    logp = torch.log_softmax(logits, dim=-1)  # [M, V]
+    tgt = torch.tensor(list(targets), dtype=torch.int64, device=logits.device)  # [M]
+    picked = logp.gather(1, tgt[:, None])[:, 0]  # [M]
+    ranks = (logp > picked[:, None]).sum(dim=-1) + 1  # [M]
+    k = min(max(top, default=0), logp.shape[1])
+    parts = [picked.double(), ranks.double()]
+    if k > 0:
+        best = torch.topk(logp, k)  # [M, k]
+        parts += [best.indices.reshape(-1).double(), best.values.reshape(-1).double()]
+    host = torch.cat(parts).tolist()  # the one device -> host read
+    values, rank_list = host[:m], [int(r) for r in host[m : 2 * m]]
+    ids, vals = host[2 * m : 2 * m + m * k], host[2 * m + m * k :]
+    entries = []
+    for i in range(m):
+        entry = {int(targets[i]): values[i]}
+        for t, v in zip(ids[i * k : i * k + top[i]], vals[i * k : i * k + top[i]]):
+            entry.setdefault(int(t), v)
+        entries.append(tuple(entry.items()))
+    return entries, rank_list

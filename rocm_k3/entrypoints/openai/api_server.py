@@ -24,10 +24,10 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rocm_k3.args import EngineArgs, ServerArgs
+from rocm_k3.args import EngineArgs, ServerArgs, read_chat_template_arg
 from rocm_k3.engine.async_llm import AsyncLLM
 from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
-from rocm_k3.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from rocm_k3.entrypoints.openai.errors import APIError, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,10 +38,9 @@ from rocm_k3.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
-from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
+from rocm_k3.entrypoints.openai.serving_chat import chat_prompt, prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import RETRY_AFTER_S, ServedModel, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
-from rocm_k3.formats import thinking_options
 from rocm_k3.formats.chat_base import parse_effort_budgets
 
 log = logging.getLogger("rocm_k3.server")
@@ -101,7 +100,7 @@ def build_app(served: ServedModel) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         req = await read_body(request, TokenizeRequest, served.max_request_bytes)
         served.check_model(req.model)
-        ids = _tokenize(served, req)
+        ids = await asyncio.to_thread(_tokenize, served, req)
         body: dict = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = [served.tokenizer.decode([t]) for t in ids]
@@ -139,22 +138,17 @@ def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
         raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
         return served.tokenizer.encode(req.prompt)
-    renderer = served.frontend.renderer
-    if renderer is None:
-        raise APIError(400, "messages: this model has no chat format", param="messages")
-    try:
-        options = thinking_options(req.chat_template_kwargs, None)
-        return list(renderer.render(req.messages, tools=req.tools, thinking=options.thinking,
-                                    thinking_effort=options.effort,
-                                    add_generation_prompt=req.add_generation_prompt).token_ids)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(exc, "messages") from None
+    return chat_prompt(served, req)[1]  # the chat API's own rendering: the very ids generation runs
 
 
 def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
     """The handlers' view of an assembled engine (``engine`` drives ``assembled.core``)."""
     names = server_args.served_model_name or [assembled.args.model or assembled.path.name]
     assembled.frontend.effort_budgets = parse_effort_budgets(server_args.reasoning_effort_budgets)
+    if server_args.chat_template is not None:
+        assembled.frontend.chat_template = read_chat_template_arg(server_args.chat_template)
+        if assembled.frontend.renderer is None:  # compiles it now: a bad template fails the start, naming it
+            raise ValueError("--chat-template: this model has no tokenizer to render chats with")
     return ServedModel(engine=engine, frontend=assembled.frontend, names=list(names),
                        max_model_len=assembled.max_model_len, vocab_size=assembled.core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,

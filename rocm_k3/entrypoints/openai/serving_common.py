@@ -137,6 +137,20 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         raise bad_request(exc) from None
 
 
+def structured_outputs_of(req: SamplingRequest) -> dict[str, Any] | None:
+    """``structured_outputs``, or vLLM's older ``guided_*`` fields as one (400 when both kinds are sent)."""
+    guided = req.guided()
+    if guided is not None and req.structured_outputs is not None:
+        field = f"guided_{next(iter(guided))}"
+        raise APIError(400, f"{field}: cannot be combined with structured_outputs (send one of them)", param=field)
+    return guided if guided is not None else req.structured_outputs
+
+
+def usage_every_chunk(req: SamplingRequest) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The params of n choices: seeds seed, seed + 1, ... when a seed is given (reproducible), else random."""
     if params.seed is None or n == 1:

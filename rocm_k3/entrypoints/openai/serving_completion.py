@@ -23,7 +23,9 @@ from rocm_k3.entrypoints.openai.serving_common import (
     sampling_params,
     sse,
     start_streams,
+    structured_outputs_of,
     usage,
+    usage_every_chunk,
 )
 from rocm_k3.sampling_params import SamplingParams
 
@@ -91,9 +93,10 @@ class CompletionRun:
                     continue  # e.g. a token that is the first byte of a character still being completed
                 choice = CompletionChoice(index=i, text=delta.new_text, logprobs=lp, finish_reason=delta.finish_reason,
                                           token_ids=delta.new_token_ids if self.req.return_token_ids else None)
-                yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice]))
+                running = self._usage(choices) if usage_every_chunk(self.req) else None
+                yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=running))
             opts = self.req.stream_options
-            if opts is not None and opts.include_usage:
+            if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
                 yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[],
                                              usage=self._usage(choices)))
         except APIError as exc:
@@ -118,7 +121,7 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
         max_tokens = req.max_tokens
     try:
         constraint = response_format_constraint(req.response_format.as_dict() if req.response_format else None)
-        extension = structured_outputs_from(req.structured_outputs)
+        extension = structured_outputs_from(structured_outputs_of(req))
         if constraint is not None and extension is not None:
             raise ValueError("structured_outputs: cannot be combined with a json response_format")
         constraint = constraint if constraint is not None else extension
