@@ -142,6 +142,9 @@ class DetokenizeRequest(OpenAIBody):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     audio_tokens: int | None = None
+    image_tokens: int | None = None
+    text_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
 
 class Usage(BaseModel):
@@ -264,6 +267,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     system_fingerprint: str | None = None
     service_tier: str | None = None
     metadata: dict[str, str] | None = None

@@ -44,6 +44,7 @@ from rocm_k3.entrypoints.openai.serving_common import (
     structured_outputs_of,
     usage,
     usage_every_chunk,
+    vllm_prompt_logprobs,
 )
 from rocm_k3.sampling_params import SamplingParams
 
@@ -96,7 +97,9 @@ class ChatRun:
                                   token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
-            prompt_token_ids=self.prompt if self.req.return_token_ids else None)
+            prompt_token_ids=self.prompt if self.req.return_token_ids else None,
+            prompt_logprobs=vllm_prompt_logprobs(self.served.tokenizer, self.prompt, choices[0].prompt_logprobs,
+                                                 choices[0].prompt_ranks, self.req.prompt_logprobs))
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
@@ -186,9 +189,9 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
     served.check_alive()
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
-    if req.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs: only /v1/completions returns prompt logprobs here",
-                       param="prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs: not returned in chat streams (send stream=false, or use "
+                       "/v1/completions, whose stream carries them)", param="prompt_logprobs")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
