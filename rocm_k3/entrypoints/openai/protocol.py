@@ -14,7 +14,7 @@ older spellings ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guide
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
@@ -22,9 +22,29 @@ StrictBool = Annotated[bool, Strict()]
 
 
 class OpenAIBody(BaseModel):
-    """Unknown fields are kept (``model_extra``) so the server can name them in a warning."""
+    """Unknown fields are kept (``model_extra``) so the server can name them in a warning (vLLM's way).
+
+    ``REFUSED``: OpenAI fields this server does not serve and must not drop silently (name -> why): sent with a
+    value other than null (or one of ``ALLOWED_VALUES[name]``) they are a 400 naming the field. ``IGNORED``:
+    OpenAI fields accepted without effect by design (docs/openai_compat.md gives each reason), so not warned of.
+    """
 
     model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[dict[str, str]] = {}
+    ALLOWED_VALUES: ClassVar[dict[str, list[Any]]] = {}
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(name, why) of the first refused field sent with a value, or None."""
+        extra = self.model_extra or {}
+        for name, why in self.REFUSED.items():
+            value = extra.get(name)
+            if value is not None and value not in self.ALLOWED_VALUES.get(name, []):
+                return name, why
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or ()) - set(self.REFUSED) - self.IGNORED)
 
 
 # ---- requests -----------------------------------------------------------------------------------------------
@@ -91,6 +111,8 @@ class SamplingRequest(OpenAIBody):
 
 
 class CompletionRequest(SamplingRequest):
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"user"})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -114,6 +136,17 @@ class ChatPromptFields(OpenAIBody):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
+    REFUSED: ClassVar[dict[str, str]] = {
+        "audio": "audio output is not served",
+        "modalities": "only text output is served",
+        "functions": "legacy function calling: send tools",
+        "function_call": "legacy function calling: send tool_choice",
+        "web_search_options": "no web search is served",
+    }
+    ALLOWED_VALUES: ClassVar[dict[str, list[Any]]] = {"modalities": [["text"]]}
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+        "prompt_cache_retention", "safety_identifier", "verbosity", "prediction", "moderation"})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False

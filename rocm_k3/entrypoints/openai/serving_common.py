@@ -23,6 +23,7 @@ from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_valida
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
     CompletionLogprobs,
+    OpenAIBody,
     PromptLogprob,
     PromptTokensDetails,
     SamplingRequest,
@@ -99,8 +100,12 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
         body = model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if body.model_extra:
-        log.warning("%s: ignoring unknown fields %s", request.url.path, sorted(body.model_extra))
+    refused = body.refused_field() if isinstance(body, OpenAIBody) else None
+    if refused is not None:
+        raise APIError(400, f"{refused[0]}: not supported by this server ({refused[1]})", param=refused[0])
+    unknown = body.unknown_fields() if isinstance(body, OpenAIBody) else sorted(body.model_extra or ())
+    if unknown:
+        log.warning("%s: ignoring unknown fields %s", request.url.path, unknown)
     return body
 
 
