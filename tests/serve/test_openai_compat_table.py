@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from rocm_k3.args import EngineArgs, ServerArgs
+from rocm_k3.args import EngineArgs
 from rocm_k3.entrypoints.openai.api_server import build_app
 from rocm_k3.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -25,7 +25,7 @@ from rocm_k3.entrypoints.openai.protocol import (
 )
 from rocm_k3.entrypoints.openai.protocol_responses import ResponsesRequest
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
-from tests.server_fixtures import ROOT, running_server
+from tests.server_fixtures import ROOT, serve_module
 
 TABLE = ROOT / "docs" / "openai_compat.md"
 STATUSES = ("supported", "refused", "ignored")
@@ -80,9 +80,7 @@ ENDPOINTS, FIELDS = parse_table(TABLE.read_text())
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(EngineArgs(dtype="float32", max_model_len=1024),
-                        ServerArgs(port=0, enable_auto_tool_choice=True, uvicorn_log_level="warning")) as srv:
-        yield srv
+    yield from serve_module(EngineArgs(dtype="float32", max_model_len=1024), enable_auto_tool_choice=True)
 
 
 def _call(server, method: str, route: str, body: dict | None = None) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from rocm_k3.args import EngineArgs, ServerArgs
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
-from tests.server_fixtures import running_server
+from tests.server_fixtures import running_server, serve_module
 
 ENGINE = EngineArgs(dtype="float32", max_model_len=2048)
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -29,8 +29,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(ENGINE, ServerArgs(port=0, enable_auto_tool_choice=True, uvicorn_log_level="warning")) as srv:
-        yield srv
+    yield from serve_module(ENGINE, enable_auto_tool_choice=True)
 
 
 @pytest.fixture(scope="module")
