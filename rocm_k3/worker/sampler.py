@@ -21,6 +21,7 @@ import torch
 from rocm_k3.sampling_params import SamplingParams
 
 MAX_SEED = (1 << 63) - 1
+PROMPT_LOGPROB_ROWS = 512  # prompt positions per log-softmax slice (bounds the transient [rows, vocab] copy)
 
 # edits a [N, V] fp32 logits tensor in place (rows it does not concern stay untouched)
 LogitsProcessor = Callable[[torch.Tensor], None]
@@ -152,15 +153,21 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int],
     m = len(targets)
     if logits.shape[0] != m or len(top) != m:
         raise ValueError(f"prompt logprobs: {logits.shape[0]} logits rows for {m} targets and {len(top)} top counts")
-    logp = torch.log_softmax(logits, dim=-1)  # [M, V]
     tgt = torch.tensor(list(targets), dtype=torch.int64, device=logits.device)  # [M]
-    picked = logp.gather(1, tgt[:, None])[:, 0]  # [M]
-    ranks = (logp > picked[:, None]).sum(dim=-1) + 1  # [M]
-    k = min(max(top, default=0), logp.shape[1])
-    parts = [picked.double(), ranks.double()]
+    k = min(max(top, default=0), logits.shape[1])
+    picked, ranks, best_ids, best_vals = [], [], [], []
+    for lo in range(0, m, PROMPT_LOGPROB_ROWS):  # a long prompt's [M, V] log-softmax in slices, not at once
+        logp = torch.log_softmax(logits[lo : lo + PROMPT_LOGPROB_ROWS], dim=-1)  # [m', V]
+        chosen = logp.gather(1, tgt[lo : lo + PROMPT_LOGPROB_ROWS, None])[:, 0]  # [m']
+        picked.append(chosen)
+        ranks.append((logp > chosen[:, None]).sum(dim=-1) + 1)  # [m']
+        if k > 0:
+            best = torch.topk(logp, k)  # [m', k]
+            best_ids.append(best.indices.reshape(-1))
+            best_vals.append(best.values.reshape(-1))
+    parts = [torch.cat(picked).double(), torch.cat(ranks).double()]
     if k > 0:
-        best = torch.topk(logp, k)  # [M, k]
-        parts += [best.indices.reshape(-1).double(), best.values.reshape(-1).double()]
+        parts += [torch.cat(best_ids).double(), torch.cat(best_vals).double()]
     host = torch.cat(parts).tolist()  # the one device -> host read
     values, rank_list = host[:m], [int(r) for r in host[m : 2 * m]]
     ids, vals = host[2 * m : 2 * m + m * k], host[2 * m + m * k :]
