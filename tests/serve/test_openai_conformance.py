@@ -11,6 +11,7 @@ import typing
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -183,6 +184,16 @@ def test_echo_and_prompt_logprobs(server, client) -> None:
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     first = chunks[0].choices[0].logprobs
     assert first.token_logprobs[0] is None and first.tokens[: len(ids)] == lp.tokens[: len(ids)]
+    # max_tokens 0 with echo: the prompt alone, scored (how evaluation harnesses use it), streamed or not
+    scored = client.completions.create(model=_model(server), prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    part = scored.choices[0]
+    assert part.text == prompt and part.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert part.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[: len(ids)], abs=1e-5)
+    chunks = list(client.completions.create(model=_model(server), prompt=prompt, max_tokens=0, logprobs=1, echo=True,
+                                            stream=True))
+    assert [c.choices[0].text for c in chunks] == [prompt] and chunks[0].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens: 0 is only allowed with echo"):
+        client.completions.create(model=_model(server), prompt=prompt, max_tokens=0)
     # echo without logprobs: only the text
     bare = client.completions.create(model=_model(server), prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
@@ -233,6 +244,10 @@ def test_guided_fields_and_continuous_usage(server, client) -> None:
     status, body = _post(server, "/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"},
                                                          "structured_outputs": {"regex": "a"}})
     assert status == 400 and "guided_json" in json.loads(body)["error"]["message"]
+    status, body = _post(server, "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "guided_regex" and "guided_choice" in body
+    status, body = _post(server, "/v1/completions", {"prompt": "x", "guided_choice": []})
+    assert status == 400 and json.loads(body)["error"]["param"] == "guided_choice"
     chunks = list(client.completions.create(model=_model(server), prompt="Hi", max_tokens=4, stream=True,
                                             stream_options={"continuous_usage_stats": True},
                                             extra_body={"ignore_eos": True}))

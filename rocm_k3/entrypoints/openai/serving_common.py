@@ -145,13 +145,23 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         raise bad_request(exc) from None
 
 
-def structured_outputs_of(req: SamplingRequest) -> dict[str, Any] | None:
-    """``structured_outputs``, or vLLM's older ``guided_*`` fields as one (400 when both kinds are sent)."""
+def structured_outputs_of(req: SamplingRequest) -> Any:
+    """``structured_outputs``, or vLLM's older ``guided_*`` fields as one StructuredOutputs (400 naming the guided
+    field when both kinds, or two guided fields, are sent, or its value is bad)."""
     guided = req.guided()
-    if guided is not None and req.structured_outputs is not None:
-        field = f"guided_{next(iter(guided))}"
-        raise APIError(400, f"{field}: cannot be combined with structured_outputs (send one of them)", param=field)
-    return guided if guided is not None else req.structured_outputs
+    if guided is None:
+        return req.structured_outputs
+    fields = [f"guided_{key}" for key in guided]
+    if req.structured_outputs is not None or len(fields) > 1:
+        others = fields[1:] or ["structured_outputs"]
+        raise APIError(400, f"{fields[0]}: cannot be combined with {', '.join(others)} (send one of them)",
+                       param=fields[0])
+    from rocm_k3.structured import StructuredOutputs
+
+    try:
+        return StructuredOutputs(**guided)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"{fields[0]}: {exc}", param=fields[0]) from None
 
 
 def usage_every_chunk(req: SamplingRequest) -> bool:

@@ -3,7 +3,8 @@ whole. A batch of prompts gives ``len(prompts) * n`` choices, choice ``p * n + i
 
 ``echo`` puts the prompt before each choice's text (a stream sends it as the choice's first chunk); with
 ``logprobs`` the prompt tokens come first in the logprobs block, the first one's logprob null (OpenAI's and vLLM's
-form), computed by the engine as prompt log-probabilities. vLLM's ``prompt_logprobs`` comes back on each choice."""
+form), computed by the engine as prompt log-probabilities. ``echo`` with ``max_tokens: 0`` returns only the prompt
+(how evaluation harnesses score a text): the engine runs the prompt and its one sampled token is dropped. vLLM's ``prompt_logprobs`` comes back on each choice."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class CompletionRun:
         self.params = choice_params(params, req.n)
         self.request_id = new_request_id("cmpl")
         self.n = req.n
+        self.prompt_only = req.max_tokens == 0  # echo with max_tokens 0: the prompt alone
 
     async def _streams(self):
         engine_prompts = [p for p in self.prompts for _ in range(self.n)]
@@ -65,6 +67,7 @@ class CompletionRun:
         choices = await collect(self.served, streams)
         out = []
         for i, c in enumerate(choices):
+            self._drop_output(c)
             out.append(self._choice(i, c, c.text, c.token_ids, c.logprobs, c.finish_reason, head=True))
         return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices))
 
@@ -87,6 +90,12 @@ class CompletionRun:
             prompt_logprobs=vllm_prompt_logprobs(self.served.tokenizer, prompt, c.prompt_logprobs, c.prompt_ranks,
                                                  self.req.prompt_logprobs) if head else None)
 
+    def _drop_output(self, c: ChoiceState) -> None:
+        """A prompt-only choice: nothing generated, finished by its length limit (0)."""
+        if self.prompt_only:
+            c.text, c.token_ids, c.logprobs = "", [], []
+            c.finish_reason = "length" if c.finish_reason is not None else None
+
     def _usage(self, choices: list[ChoiceState]):
         cached = sum(c.cached for c in choices[:: self.n])
         return usage(sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in choices), cached)
@@ -108,6 +117,10 @@ class CompletionRun:
                 if delta.finish_reason == "error":
                     yield error_event(failed_choice(i, delta))
                     continue
+                if self.prompt_only:
+                    self._drop_output(c)
+                    delta = dataclasses.replace(delta, new_text="", new_token_ids=[], new_logprobs=None,
+                                                finish_reason=c.finish_reason)
                 head = not started[i] and (self.req.echo or self.req.prompt_logprobs is not None)
                 wanted = head or (self.req.return_token_ids and delta.new_token_ids) or (
                     self.params[0].logprobs is not None and delta.new_logprobs)
@@ -139,6 +152,10 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
     prompts, texts = _prompt_ids(served, req.prompt)
     if req.max_tokens is None:
         max_tokens = max(1, served.max_model_len - max(len(p) for p in prompts) + 1)
+    elif req.max_tokens == 0:
+        if not req.echo:
+            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (the prompt alone)", param="max_tokens")
+        max_tokens = 1  # the engine samples one token, which the answer drops
     else:
         max_tokens = req.max_tokens
     try:
