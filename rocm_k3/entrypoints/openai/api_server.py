@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rocm_k3.args import EngineArgs, ServerArgs, read_chat_template_arg
 from rocm_k3.engine.async_llm import AsyncLLM
 from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
+from rocm_k3.entrypoints.image_fetch import FetchLimits, ImageFetcher
 from rocm_k3.entrypoints.openai.errors import APIError, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
@@ -39,7 +40,13 @@ from rocm_k3.entrypoints.openai.protocol import (
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import chat_prompt, prepare_chat
-from rocm_k3.entrypoints.openai.serving_common import RETRY_AFTER_S, ServedModel, read_body, unless_disconnected
+from rocm_k3.entrypoints.openai.serving_common import (
+    RETRY_AFTER_S,
+    ServedModel,
+    fetch_remote_images,
+    read_body,
+    unless_disconnected,
+)
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats.chat_base import parse_effort_budgets
 
@@ -94,13 +101,14 @@ def build_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, served, ChatCompletionRequest, prepare_chat)
+        return await _answer(request, served, ChatCompletionRequest, prepare_chat, fetch_images=True)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
         req = await read_body(request, TokenizeRequest, served.max_request_bytes)
         served.check_model(req.model)
-        ids = await asyncio.to_thread(_tokenize, served, req)
+        remote = await fetch_remote_images(served, req.messages) if req.messages is not None else None
+        ids = await asyncio.to_thread(_tokenize, served, req, remote)
         body: dict = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = [served.tokenizer.decode([t]) for t in ids]
@@ -122,23 +130,25 @@ def build_app(served: ServedModel) -> FastAPI:
     return app
 
 
-async def _answer(request: Request, served: ServedModel, model, prepare) -> Response:
-    """Read, check and run one completions / chat request: SSE when it streams, else one JSON body."""
+async def _answer(request: Request, served: ServedModel, model, prepare, fetch_images: bool = False) -> Response:
+    """Read, check and run one completions / chat request: SSE when it streams, else one JSON body. A chat's
+    remote images are fetched first, in the image fetch pool (never in the threads that render requests)."""
     body = await read_body(request, model, served.max_request_bytes)
-    run = await asyncio.to_thread(prepare, served, body)  # rendering and tokenizing: off the event loop
+    fetched = (await fetch_remote_images(served, body.messages),) if fetch_images else ()
+    run = await asyncio.to_thread(prepare, served, body, *fetched)  # rendering and tokenizing: off the event loop
     if run.req.stream:
         return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse((await unless_disconnected(request, run.respond())).model_dump())  # null keys kept
 
 
-def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
+def _tokenize(served: ServedModel, req: TokenizeRequest, remote: dict[str, bytes] | None) -> list[int]:
     if served.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
         return served.tokenizer.encode(req.prompt)
-    return chat_prompt(served, req)[1]  # the chat API's own rendering: the very ids generation runs
+    return chat_prompt(served, req, remote)[1]  # the chat API's own rendering: the very ids generation runs
 
 
 def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
@@ -154,9 +164,19 @@ def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: Serv
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
                        max_request_bytes=server_args.max_request_bytes, multimodal=assembled.multimodal,
-                       allow_remote_images=server_args.allow_remote_images,
+                       image_fetcher=image_fetcher(server_args),
                        max_image_bytes=server_args.max_image_bytes,
                        responses_store_size=server_args.responses_store_size)
+
+
+def image_fetcher(server_args: ServerArgs) -> ImageFetcher | None:
+    """The pool that fetches remote images (``--allow-remote-images``), else None (http(s) images refused)."""
+    if not server_args.allow_remote_images:
+        return None
+    limits = FetchLimits(timeout_s=server_args.image_fetch_timeout, max_bytes=server_args.max_image_bytes,
+                         max_redirects=server_args.image_fetch_max_redirects,
+                         allow_private=server_args.allow_private_image_hosts)
+    return ImageFetcher(server_args.image_fetch_workers, limits)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:

@@ -164,10 +164,11 @@ def _join(a: str | None, b: str | None) -> str | None:
     return a if b is None else a + b
 
 
-def chat_prompt(served: ServedModel, req: ChatPromptFields, *, structured_outputs=None,
-                thinking_token_budget: int | None = None) -> tuple[PreparedChat, list[int], tuple]:
+def chat_prompt(served: ServedModel, req: ChatPromptFields, remote: dict[str, bytes] | None = None, *,
+                structured_outputs=None, thinking_token_budget: int | None = None) -> tuple[PreparedChat, list[int], tuple]:
     """The one rendering of a chat request, for ``/v1/chat/completions`` and ``/tokenize`` alike: the prepared
-    chat, the prompt ids the engine runs (image blocks inserted) and the images; 400 naming the field."""
+    chat, the prompt ids the engine runs (image blocks inserted) and the images; 400 naming the field.
+    ``remote``: the fetched http(s) images (:func:`fetch_remote_images`; None: refused)."""
     chat = ChatRequest(
         req.messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
@@ -177,13 +178,13 @@ def chat_prompt(served: ServedModel, req: ChatPromptFields, *, structured_output
     try:
         prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice,
                                                 allow_images=True)
-        prompt, images = _with_images(served, req, prepared)
+        prompt, images = _with_images(served, req, prepared, remote)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
     return prepared, prompt, images
 
 
-def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
+def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[str, bytes] | None = None) -> ChatRun:
     """Check and render a chat request (404 / 400 / 503 raised here, before any output)."""
     model = served.check_model(req.model)
     served.check_alive()
@@ -198,7 +199,7 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs")
-    prepared, prompt, images = chat_prompt(served, req, structured_outputs=structured_outputs_of(req),
+    prepared, prompt, images = chat_prompt(served, req, remote, structured_outputs=structured_outputs_of(req),
                                            thinking_token_budget=req.thinking_token_budget)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
@@ -207,9 +208,11 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
     return ChatRun(served, req, model, prepared, params, prompt, images)
 
 
-def _with_images(served: ServedModel, req: ChatPromptFields, prepared: PreparedChat) -> tuple[list[int], tuple]:
+def _with_images(served: ServedModel, req: ChatPromptFields, prepared: PreparedChat,
+                 remote: dict[str, bytes] | None) -> tuple[list[int], tuple]:
     """The prompt ids with each image's block inserted, and the images (ValueError -> 400 for a bad or refused
-    image, or images sent to a model without a vision tower)."""
+    image, or images sent to a model without a vision tower); ``remote``: the fetched http(s) images
+    (:func:`fetch_remote_images`; None: refused)."""
     if not prepared.image_positions:
         return list(prepared.prompt_token_ids), ()
     if served.multimodal is None:
@@ -219,8 +222,7 @@ def _with_images(served: ServedModel, req: ChatPromptFields, prepared: PreparedC
     from rocm_k3.model.vision.preprocess import ImageError
     from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
 
-    pictures = images_from_messages(req.messages, allow_remote=served.allow_remote_images,
-                                    max_bytes=served.max_image_bytes)
+    pictures = images_from_messages(req.messages, remote=remote, max_bytes=served.max_image_bytes)
     try:
         mm = served.multimodal.process_images(prepared.prompt_token_ids, prepared.image_positions, pictures)
     except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:
