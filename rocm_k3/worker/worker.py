@@ -36,8 +36,8 @@ from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
-from rocm_k3.worker.sampler import sample
-from rocm_k3.worker.step_io import SampledToken, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.sampler import prompt_token_logprobs, sample
+from rocm_k3.worker.step_io import PromptLogprobs, SampledToken, ScheduledChunk, StepInput, StepOutput
 from rocm_k3.worker.structured_sampling import StructuredSampling
 
 log = logging.getLogger("rocm_k3.worker")
@@ -319,10 +319,11 @@ class Worker:
         rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
         batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [R, vocab] fp32
+            logits = self.runner.execute(step)  # [R + prompt rows, vocab] fp32
+            prompt = self._prompt_logprobs(step, logits[len(rows):])
             if not chunks:
-                return StepOutput(step.step_id)
-            out = sample(logits, batch.params, batch.generators, batch.processors())
+                return StepOutput(step.step_id, prompt_logprobs=prompt)
+            out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors())
             tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
         finally:
             batch.close()
@@ -335,7 +336,27 @@ class Worker:
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
             sampled = self.proposer.attach(chunks, sampled, batch.params)
-        return StepOutput(step.step_id, tuple(sampled))
+        return StepOutput(step.step_id, tuple(sampled), prompt)
+
+    def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:
+        """The prompt log-probabilities of the chunks with ``prompt_logprob_rows`` from their logits rows
+        (``logits`` [sum of those rows, vocab], in chunk order)."""
+        asking = [c for c in step.chunks if c.prompt_logprob_rows]
+        if not asking:
+            return ()
+        targets, ks = [], []
+        for c in asking:
+            state = self.requests.state(c.request_id)
+            targets += state.prompt_token_ids[c.start + 1 : c.start + 1 + c.prompt_logprob_rows]
+            ks += [state.sampling.prompt_logprobs] * c.prompt_logprob_rows
+        entries, ranks = prompt_token_logprobs(logits, targets, ks)
+        out, at = [], 0
+        for c in asking:
+            n = c.prompt_logprob_rows
+            out.append(PromptLogprobs(c.request_id, c.start + 1, tuple(entries[at : at + n]),
+                                      tuple(ranks[at : at + n])))
+            at += n
+        return tuple(out)
 
     def _counting_experts(self) -> list[RoutedExperts]:
         return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
