@@ -19,8 +19,10 @@ and across the chunks of one sequence, with the state S [K, V] at the chunk star
     O  = (Q * exp(G)) S + Aqk V'
     S  = diag(exp(G_last)) S + (exp(G_last - G) * K)^T V'
 
-The pairwise factor exp(G_i - G_j) is formed from the difference, never as exp(G_i) * exp(-G_j): with the safe
-gate the in-chunk decay can reach -5 * 64, which over/underflows fp32 when factored.
+The pairwise factor exp(G_i - G_j) is the product exp(G_i - G_0) exp(G_0 - G_j) (two matmuls) in the chunks
+whose decay stays within FACTOR_LIMIT, where both factors lie inside fp32's range; in the others (the safe gate's
+in-chunk decay can reach -5 * 64) it is formed from the difference. Everything is differentiable (no in-place
+write into a tensor autograd keeps), so training runs through the same code.
 
 Chunks start at every multiple of 64 from each sequence's start; a requested intermediate position p that is
 not on such a boundary splits its chunk at p, so the state after p tokens is exact. Intra-chunk work runs
@@ -41,6 +43,8 @@ L2NORM_EPS = 1e-6
 CHUNK = 64
 # Bound on the elements of the [chunks, H, C, C, K] pairwise-decay temporaries built at once (64 MiB fp32).
 _PAIRWISE_BLOCK_ELEMS = 1 << 24
+# Largest in-chunk decay max |G_i - G_j| (log space) for the factored products: exp(+-80) is inside fp32's range.
+FACTOR_LIMIT = 80.0
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -277,33 +281,38 @@ def _pairwise_decayed_products(
     """Aqk[i, j] = sum_d q_i k_j exp(G_i - G_j) for j <= i, and Akk the same with k_i and j < i.
 
     q, k, G: [NC, H, C, K]. Returns (Aqk, Akk), each [NC, H, C, C], zero above (Akk: on and above) the diagonal.
+    Chunks whose decay spans at most FACTOR_LIMIT take the factored products; the others form G_i - G_j
+    explicitly in blocks of [b, H, C, C, K] (exact for any decay).
     """
     NC, H, C, K = G.shape
     causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()  # [C, C] j <= i
+    span = (G.amax(dim=2) - G.amin(dim=2)).detach().flatten(1).amax(dim=1)  # [NC]
     Aqk = torch.zeros(NC, H, C, C, dtype=G.dtype, device=G.device)
     Akk = torch.zeros_like(Aqk)
+    factored = torch.nonzero(span <= FACTOR_LIMIT).flatten()
+    if factored.numel():
+        Gf = G[factored]
+        rel = Gf - Gf[:, :, :1]  # G_i - G_0
+        k_out = (k[factored] * torch.exp(-rel)).transpose(-1, -2)  # [n, H, K, C(j)]: k_j exp(G_0 - G_j)
+        Aqk[factored] = (q[factored] * torch.exp(rel)) @ k_out
+        Akk[factored] = (k[factored] * torch.exp(rel)) @ k_out
+    steep = torch.nonzero(span > FACTOR_LIMIT).flatten()
     step = max(1, _PAIRWISE_BLOCK_ELEMS // max(1, H * C * C * K))
-    for lo in range(0, NC, step):
-        blk = slice(lo, lo + step)
+    for lo in range(0, steep.numel(), step):
+        blk = steep[lo : lo + step]
         diff = G[blk].unsqueeze(-2) - G[blk].unsqueeze(-3)  # [b, H, C(i), C(j), K]: G_i - G_j
-        decay = diff.masked_fill_(~causal[:, :, None], float("-inf")).exp_()  # 0 where j > i
+        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()  # 0 where j > i
         k_decayed = (k[blk].unsqueeze(-3) * decay).transpose(-1, -2)  # [b, H, C(i), K, C(j)]
         Aqk[blk] = (q[blk].unsqueeze(-2) @ k_decayed).squeeze(-2)
         Akk[blk] = (k[blk].unsqueeze(-2) @ k_decayed).squeeze(-2)
-    Akk.diagonal(dim1=-2, dim2=-1).zero_()
-    return Aqk, Akk
+    return torch.where(causal, Aqk, 0.0), torch.where(causal.tril(-1), Akk, 0.0)
 
 
 def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower triangular A [..., C, C], by forward substitution row by row.
-
-    Row i of T = (I + A)^-1 satisfies T_i = e_i - sum_{j<i} A[i, j] T_j.
-    """
-    C = A.shape[-1]
-    T = torch.eye(C, dtype=A.dtype, device=A.device).expand_as(A).clone()  # [..., C, C]
-    for i in range(1, C):
-        T[..., i, :i] = -(A[..., i : i + 1, :i] @ T[..., :i, :i]).squeeze(-2)
-    return T
+    """(I + A)^-1 for strictly lower triangular A [..., C, C]: a unit-triangular solve against the identity
+    (differentiable, so training runs through it)."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
 
 
 def kda_prefill(
