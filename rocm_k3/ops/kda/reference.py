@@ -52,9 +52,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def kda_gate(
-    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
-) -> torch.Tensor:
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
     """Log-space decay gate, fp32 [T, H, K], from the raw gate input f [T, H, K].
 
     lower_bound L given (safe gate): ``g = L * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))``, in (L, 0).
@@ -73,16 +71,9 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return F.silu(y) if activation == "silu" else y
 
 
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    conv_state: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, *,
+               conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+               has_initial_state: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
     """Causal depthwise convolution (no bias) per sequence of a varlen batch, then SiLU (or identity).
 
     ``y[t, c] = sum_j weight[c, j] * h[t - (W-1) + j, c]`` where h is the sequence's inputs preceded by its
@@ -115,10 +106,8 @@ def short_conv(
     return _activate(y, activation).to(x.dtype)
 
 
-def _short_conv_update_fp32(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
-    activation: str | None,
-) -> torch.Tensor:
+def _short_conv_update_fp32(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                            state_indices: torch.Tensor, activation: str | None) -> torch.Tensor:
     """One decode token per sequence; returns fp32 [N, C] and shifts the conv state slots in place."""
     slots = state_indices.long()
     window = torch.cat([conv_state[slots].float(), x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
@@ -127,13 +116,8 @@ def _short_conv_update_fp32(
     return _activate(y, activation)
 
 
-def short_conv_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                      activation: str | None = "silu") -> torch.Tensor:
     """Decode step of :func:`short_conv`: one token per sequence.
 
     x [N, C], weight [C, W], conv_state [S, C, W-1] (oldest first), state_indices int32 [N].
@@ -143,9 +127,7 @@ def short_conv_update(
     return _short_conv_update_fp32(x, weight, conv_state, state_indices, activation).to(x.dtype)
 
 
-def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
-) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """``x * rsqrt(mean_D(x^2) + eps) * weight * sigmoid(gate)`` over the last dim D, fp32 math.
 
     x, gate [T, H, D], weight [D]; returns [T, H, D] in x's dtype.
@@ -155,9 +137,8 @@ def gated_rms_norm(
     return (normed * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-def delta_rule_step(
-    S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the KDA recurrence for a batch of states (K3_SPEC section 2 step 5), fp32.
 
     S [N, H, K, V]; q (already scaled), k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay; beta [N, H] in (0, 1).
@@ -170,24 +151,10 @@ def delta_rule_step(
     return S, o
 
 
-def kda_decode(
-    qkv: torch.Tensor,
-    f: torch.Tensor,
-    beta: torch.Tensor,
-    out_gate: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    o_norm_weight: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    num_heads: int,
-    lower_bound: float | None,
-    scale: float | None = None,
-    eps: float = 1e-5,
-) -> torch.Tensor:
+def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, out_gate: torch.Tensor,
+               conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm_weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, *, num_heads: int,
+               lower_bound: float | None, scale: float | None = None, eps: float = 1e-5) -> torch.Tensor:
     """One decode token per sequence through the whole KDA layer up to (not including) o_proj.
 
     qkv [N, 3*H*K] pre-conv projections (q | k | v, head-major), f [N, H*K] raw gate input, beta [N, H]
@@ -275,9 +242,7 @@ def _to_chunks(x: torch.Tensor, plan: _ChunkPlan) -> torch.Tensor:
     return gathered.transpose(1, 2)
 
 
-def _pairwise_decayed_products(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairwise_decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Aqk[i, j] = sum_d q_i k_j exp(G_i - G_j) for j <= i, and Akk the same with k_i and j < i.
 
     q, k, G: [NC, H, C, K]. Returns (Aqk, Akk), each [NC, H, C, C], zero above (Akk: on and above) the diagonal.
@@ -315,23 +280,11 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
 
 
-def kda_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-) -> KDAPrefillOutput:
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor, *, scale: float | None = None,
+                gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                intermediate_positions: torch.Tensor | None = None) -> KDAPrefillOutput:
     """Chunked KDA over a varlen batch (see the module docstring for the math).
 
     q, k [T, H, K]; v [T, H, V]; g [T, H, K] (fp32 log-decay, or the raw gate input when gate_params is given);
