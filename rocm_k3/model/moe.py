@@ -172,7 +172,7 @@ class RoutedExperts(WeightTargets):
         return out
 
     def finish_load(self) -> None:
-        # the parameters themselves: under training their values carry the autograd graph of the loaded tensors
+        # the parameters themselves, not detached views: training reaches them through the reference fused_moe
         raw = ExpertWeights(fmt=self.fmt, w13=self.w13, w13_scale=self.w13_scale, w2=self.w2,
                             w2_scale=self.w2_scale)
         self.weights = ops.prepare_expert_weights(raw, backend=self.table)  # backend layout, once
