@@ -20,7 +20,7 @@ from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK
-from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN, kda_decode_lane
+from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN
 
 
 def build_kda_chunk_prep(config):
@@ -45,11 +45,7 @@ def build_kda_chunk_prep(config):
         CuSeq: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor, Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor,
         B: fx.Tensor, scale: fx.Float32,
     ):
-        tid = gpu.thread_idx.x
-        c, half = kda_decode_lane(tid)
-        lead = half == 0
-        ch = gpu.block_idx.x
-        h = gpu.block_idx.y
+        tid, c, _, lead, ch, h = common.kda_lane()
         t0 = fx.Int32(ChunkStart[ch])
         t_end = fx.min(fx.Int32(CuSeq[fx.Int32(ChunkSeq[ch]) + 1]), t0 + CHUNK)
         red = fx.SharedAllocator().allocate(Shared).peek().red.view(fx.make_layout(8, 1))
