@@ -207,6 +207,16 @@ def fill_rmem(n: int, value: float):
     return reg
 
 
+def kda_log_decay(gate: str, graw, a, bias, lower_bound: float | None):
+    """One channel's log-decay from its raw gate input ``graw`` (ops.kda.kda_gate), ``gate`` static: "safe"
+    ``L * sigmoid(a (graw + bias))``, "softplus" ``-a * softplus(graw + bias)``, else ``graw`` is the log-decay."""
+    if gate == "safe":
+        return sigmoid(a * (graw + bias)) * float(lower_bound)
+    if gate == "softplus":
+        return -a * softplus(graw + bias)
+    return graw
+
+
 class KdaLane(NamedTuple):
     """This lane of a KDA column-pair workgroup: thread id, key channel c, half (:func:`plans.kda_decode_lane`),
     lead (the pair's writing lane), and the workgroup's grid coordinates x (sequence or chunk) and y (head)."""

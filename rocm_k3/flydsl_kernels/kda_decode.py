@@ -27,15 +27,11 @@ import dataclasses
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import const_expr, gpu, range_constexpr
+from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.plans import (
-    KDA_HEAD_DIMS,
-    KDA_LANES_PER_COLUMN,
-    kda_decode_row,
-)
+from rocm_k3.flydsl_kernels.plans import KDA_HEAD_DIMS, KDA_LANES_PER_COLUMN, kda_decode_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +118,9 @@ def build_kda_decode(config: KdaDecodeConfig):
         q, k, v = mixed
 
         # gate (log decay) of key channel c
-        z = fx.Float32(F[n, h * K + c]) + fx.Float32(DtBias[h * K + c])
         a = fmath.exp(fx.Float32(ALog[h]))
-        if const_expr(lower is None):
-            g = -a * common.softplus(z)
-        else:
-            g = common.sigmoid(a * z) * float(lower)
+        g = common.kda_log_decay("softplus" if lower is None else "safe", fx.Float32(F[n, h * K + c]), a,
+                                 fx.Float32(DtBias[h * K + c]), lower)
         beta = common.sigmoid(fx.Float32(Beta[n, h]))
 
         # L2 norms of q and k over the K channels (each channel counted once, by its even lane)
