@@ -192,9 +192,11 @@ class KimiModel(WeightTargets):
             x = scatter_image_embeddings(x, batch.image_rows, batch.image_embeds)
         return x
 
-    def hidden_states(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor:
-        """Final-normed hidden states of every new token, [T, hidden] (single-stage model)."""
-        with torch.inference_mode():
+    def hidden_states(self, batch: ForwardBatch, cache: HybridCacheView, *, autograd: bool = False) -> torch.Tensor:
+        """Final-normed hidden states of every new token, [T, hidden] (single-stage model).
+
+        autograd: record the graph instead of running in inference mode (training, with the reference ops)."""
+        with torch.inference_mode(not autograd):
             cfg = self.cfg
             state = StackState.start(self.embed_inputs(batch), cfg.num_hidden_layers, cfg.attn_res_block_size)
             for layer in self.layers:

@@ -26,26 +26,9 @@ from rocm_k3.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallOut,
 )
-from rocm_k3.entrypoints.openai.serving_common import (
-    MAX_LOGPROBS,
-    SSE_DONE,
-    ChoiceState,
-    ServedModel,
-    chat_logprobs,
-    collect,
-    choice_params,
-    error_event,
-    failed_choice,
-    merge_streams,
-    new_request_id,
-    sampling_params,
-    sse,
-    start_streams,
-    structured_outputs_of,
-    usage,
-    usage_every_chunk,
-    vllm_prompt_logprobs,
-)
+from rocm_k3.entrypoints.openai.serving_common import (MAX_LOGPROBS, SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
+    collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params, sse,
+    start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import SamplingParams
 
 

@@ -13,32 +13,10 @@ from collections.abc import AsyncIterator
 
 from rocm_k3.engine.chat import response_format_constraint, structured_outputs_from
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request
-from rocm_k3.entrypoints.openai.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-)
-from rocm_k3.entrypoints.openai.serving_common import (
-    SSE_DONE,
-    ChoiceState,
-    ServedModel,
-    choice_params,
-    collect,
-    completion_logprobs,
-    echo_logprobs,
-    error_event,
-    failed_choice,
-    merge_streams,
-    new_request_id,
-    sampling_params,
-    sse,
-    start_streams,
-    structured_outputs_of,
-    usage,
-    usage_every_chunk,
-    vllm_prompt_logprobs,
-)
+from rocm_k3.entrypoints.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from rocm_k3.entrypoints.openai.serving_common import (SSE_DONE, ChoiceState, ServedModel, choice_params, collect,
+    completion_logprobs, echo_logprobs, error_event, failed_choice, merge_streams, new_request_id, sampling_params, sse,
+    start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import SamplingParams
 
 
