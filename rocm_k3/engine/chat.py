@@ -223,6 +223,10 @@ class ModelFrontend:
         tool_choice = _tool_choice(tools, request.tool_choice, enable_auto_tool_choice)
         if not isinstance(request.parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls: expected a bool, got {request.parallel_tool_calls!r}")
+        if tools:
+            from rocm_k3.structured.tool_schemas import check_tool_schemas
+
+            check_tool_schemas(tools)  # for every tool_choice: auto shows the schemas to the model too
         constraint = _constraint(tools, tool_choice, request)
         if (tools or constraint is not None) and self.family is None:
             raise ValueError("tools / structured output: this checkpoint has no output family; serve it with "
