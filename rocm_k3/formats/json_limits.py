@@ -30,6 +30,10 @@ class JSONLimitError(ValueError):
     """JSON text that is not valid JSON or breaks one of the limits above; the message names where and which."""
 
 
+class NotJSONError(JSONLimitError):
+    """Text that is not JSON at all (a syntax or encoding error)."""
+
+
 def _number(kind: type):
     def parse(text: str) -> Any:
         if len(text) > MAX_NUMBER_CHARS:
@@ -56,7 +60,7 @@ def load_json(text: str | bytes, where: str) -> Any:
     except RecursionError:
         raise JSONLimitError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise JSONLimitError(f"{where}: not valid JSON ({exc})") from None
+        raise NotJSONError(f"{where}: not valid JSON ({exc})") from None
     check_json_value(value, where)
     return value
 

@@ -5,7 +5,8 @@ a wrong type or a bad value is a 400 naming the field. Value ranges are checked 
 :class:`~rocm_k3.sampling_params.SamplingParams` or a chat prompt (the error names the field there); the models
 check types. Extensions beyond OpenAI's fields are vLLM's: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``, ``structured_outputs``,
-``chat_template_kwargs``, ``thinking_token_budget``.
+``chat_template_kwargs``, ``thinking_token_budget``, and the older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (read as ``structured_outputs``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 StrictBool = Annotated[bool, Strict()]
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class OpenAIBody(BaseModel):
@@ -73,6 +78,24 @@ class SamplingRequest(OpenAIBody):
     return_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_request(self) -> tuple[dict[str, Any] | None, str]:
+        """(the ``structured_outputs`` object, the field it came from): vLLM's older ``guided_json`` /
+        ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` extras are that object's json / regex / choice /
+        grammar. ValueError when more than one is given."""
+        guided = {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None}
+        if not guided:
+            return self.structured_outputs, "structured_outputs"
+        if len(guided) > 1 or self.structured_outputs is not None:
+            given = [*guided, *(["structured_outputs"] if self.structured_outputs is not None else [])]
+            raise ValueError(f"{given[0]}: give only one of structured_outputs, {', '.join(GUIDED_FIELDS)}; "
+                             f"got {given}")
+        ((field, value),) = guided.items()
+        return {GUIDED_FIELDS[field]: value}, field
 
 
 class CompletionRequest(SamplingRequest):

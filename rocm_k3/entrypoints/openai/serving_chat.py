@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason
+from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason, structured_outputs_from
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request
 from rocm_k3.formats.parsers import ToolCall
 from rocm_k3.entrypoints.openai.protocol import (
@@ -168,10 +168,14 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs")
+    try:
+        structured = structured_outputs_from(*req.structured_request())
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from None
     chat = ChatRequest(
         req.messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
-        structured_outputs=req.structured_outputs, chat_template_kwargs=req.chat_template_kwargs,
+        structured_outputs=structured, chat_template_kwargs=req.chat_template_kwargs,
         reasoning_effort=req.reasoning_effort, thinking_token_budget=req.thinking_token_budget)
     try:
         prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice,

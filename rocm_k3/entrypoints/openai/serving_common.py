@@ -29,6 +29,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     TopLogprob,
     Usage,
 )
+from rocm_k3.formats.json_limits import JSONLimitError, load_json
 from rocm_k3.sampling_params import SamplingParams
 
 log = logging.getLogger("rocm_k3.server")
@@ -89,9 +90,9 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        data = load_json(b"".join(chunks), "request body")  # depth, number, NaN and surrogate limits
+    except JSONLimitError as exc:
+        raise APIError(400, str(exc)) from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}")
     try:

@@ -118,7 +118,7 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
         max_tokens = req.max_tokens
     try:
         constraint = response_format_constraint(req.response_format.as_dict() if req.response_format else None)
-        extension = structured_outputs_from(req.structured_outputs)
+        extension = structured_outputs_from(*req.structured_request())
         if constraint is not None and extension is not None:
             raise ValueError("structured_outputs: cannot be combined with a json response_format")
         constraint = constraint if constraint is not None else extension

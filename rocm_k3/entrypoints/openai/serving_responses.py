@@ -152,6 +152,9 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, f"text.format: expected an object with a type, got {type(fmt).__name__}",
+                       param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
