@@ -135,7 +135,7 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{field}: expected an object, got {type(value).__name__}")
-    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    given = {k: v for k, v in value.items() if v is not None and not (v is False and k != "json")}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KEYS))
     if unknown:
         raise ValueError(f"{field}: unknown keys {unknown}; expected one of {list(STRUCTURED_OUTPUT_KEYS)}")
