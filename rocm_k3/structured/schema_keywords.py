@@ -23,6 +23,8 @@ keeps each verdict: for every keyword allowed here, an output breaking it is rej
   other than ``type`` (and values of another type), ``required`` naming a property not in ``properties``, and an
   empty ``anyOf`` (no value could be written).
 
+Lengths and counts (``minLength`` ... ``maxProperties``) are ints in [0, ``MAX_SCHEMA_COUNT``].
+
 Annotations (``title``, ``description``, ``default``, ``examples``, ...) and ``x-`` extensions are accepted and do
 not constrain.
 """
@@ -48,6 +50,8 @@ TYPED = {
 ENFORCED = GENERIC | set(TYPED)
 ENFORCED_FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uuid", "uri", "uri-reference",
                               "uri-template", "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer"})
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+MAX_SCHEMA_COUNT = 1_000_000  # a length or count bound past any context length (xgrammar fails past 10**15)
 REFUSED = {
     "oneOf": "use anyOf (the grammar enforces oneOf as anyOf: an output matching two branches would pass)",
     "not": "the grammar cannot exclude values", "if": "conditional schemas are not enforced",
@@ -136,6 +140,11 @@ def _check_details(node: Mapping[str, Any], path: str, types: tuple[str, ...]) -
         raise ValueError(f"{path}.anyOf: an empty list accepts no value")
     if node.get("uniqueItems", False) is not False:
         raise _refuse(path, "uniqueItems", "not enforced (only uniqueItems: false is accepted)")
+    for key in COUNTS:
+        value = node.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= MAX_SCHEMA_COUNT):
+            raise ValueError(f"{path}.{key}: expected an int in [0, {MAX_SCHEMA_COUNT}], got {value!r}")
     fmt = node.get("format")
     if fmt is not None and fmt not in ENFORCED_FORMATS:
         raise _refuse(path, "format", f"format {fmt!r} is not enforced; enforced: {sorted(ENFORCED_FORMATS)}")
