@@ -73,30 +73,30 @@ _JSON_TYPES = {"object": (dict,), "array": (list,), "string": (str,), "boolean":
 
 def check_schema_keywords(schema: Any, where: str = "schema") -> None:
     """ValueError naming the first keyword (and its path under ``where``) the grammar would not enforce."""
-    stack: list[tuple[Any, str]] = [(schema, where)]
+    stack: list[tuple[Any, str, tuple[str, ...]]] = [(schema, where, ())]
     while stack:
-        node, path = stack.pop()
+        node, path, implied = stack.pop()
         if isinstance(node, bool):
             continue
         if not isinstance(node, Mapping):
             raise ValueError(f"{path}: expected a JSON schema (an object or a boolean), got {type(node).__name__}")
-        _check_node(node, path)
+        _check_node(node, path, implied)
         for key in _SUBSCHEMA:
-            if key in node:
-                stack.append((node[key], f"{path}.{key}"))
+            if key in node:  # property names are strings whether or not their schema says so
+                stack.append((node[key], f"{path}.{key}", ("string",) if key == "propertyNames" else ()))
         for key in _SUBSCHEMA_MAPS:
             if isinstance(node.get(key), Mapping):
-                stack.extend((sub, f"{path}.{key}.{name}") for name, sub in node[key].items())
+                stack.extend((sub, f"{path}.{key}.{name}", ()) for name, sub in node[key].items())
         for key in _SUBSCHEMA_LISTS:
             if isinstance(node.get(key), list):
-                stack.extend((sub, f"{path}.{key}[{i}]") for i, sub in enumerate(node[key]))
+                stack.extend((sub, f"{path}.{key}[{i}]", ()) for i, sub in enumerate(node[key]))
 
 
 def _refuse(path: str, key: str, why: str) -> ValueError:
     return ValueError(f"{path}: JSON-schema keyword {key!r} is not supported: {why}")
 
 
-def _check_node(node: Mapping[str, Any], path: str) -> None:
+def _check_node(node: Mapping[str, Any], path: str, implied: tuple[str, ...]) -> None:
     for key in node:
         if not isinstance(key, str):
             raise ValueError(f"{path}: keys must be strings")
@@ -106,7 +106,7 @@ def _check_node(node: Mapping[str, Any], path: str) -> None:
             raise _refuse(path, key, REFUSED[key])
         raise _refuse(path, key, "the grammar does not enforce it (see README.md, \"Structured output\")")
     constraints = [k for k in node if k in ENFORCED and k not in DEFINITIONS]
-    types = _types(node.get("type"), path)
+    types = _types(node.get("type"), path) or implied
     for key in constraints:
         kinds = TYPED.get(key)
         if kinds is not None and not any(t in types for t in kinds):
