@@ -70,6 +70,13 @@ DEEP = f"nested deeper than {MAX_JSON_DEPTH} levels"
 LONG_NUMBER = f"(the limit is {MAX_NUMBER_CHARS})"
 NO_IMAGES = "this model takes no images"
 
+# (field, value, route): a 400 naming the field
+SAMPLING_EXTREMES = [
+    ("top_p", 0, CHAT), ("top_p", 1.5, COMP), ("top_k", -5, CHAT), ("min_p", 2, CHAT), ("repetition_penalty", 0, CHAT),
+    ("repetition_penalty", -1, COMP), ("presence_penalty", 5, CHAT), ("frequency_penalty", -5, CHAT),
+    ("max_tokens", 0, COMP), ("max_tokens", -1, CHAT), ("n", 0, CHAT), ("n", 100000, COMP), ("seed", -1, CHAT),
+    ("logprobs", 100, COMP), ("stop_token_ids", [-1], CHAT),
+]
 # (id, route, body (dict, or raw bytes), status, substring of the error message)
 CASES = [
     # -- sampling extremes ------------------------------------------------------------------------------------
@@ -77,22 +84,9 @@ CASES = [
     ("temperature-nan", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
      "NaN is not a JSON number"),
     ("temperature-overflow", COMP, b'{"prompt": "hi", "temperature": 1e999}', 400, "inf is not a JSON number"),
-    ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p"),
-    ("top-p-above-1", COMP, comp(top_p=1.5), 400, "top_p"),
-    ("top-k-negative", CHAT, chat(top_k=-5), 400, "top_k"),
-    ("min-p-above-1", CHAT, chat(min_p=2), 400, "min_p"),
-    ("repetition-penalty-zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
-    ("repetition-penalty-negative", COMP, comp(repetition_penalty=-1), 400, "repetition_penalty"),
-    ("presence-penalty-huge", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
-    ("frequency-penalty-huge", CHAT, chat(frequency_penalty=-5), 400, "frequency_penalty"),
-    ("max-tokens-zero", COMP, comp(max_tokens=0), 400, "max_tokens"),
-    ("max-tokens-negative", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
-    ("n-zero", CHAT, chat(n=0), 400, "n: expected an int in [1, 128]"),
-    ("n-huge", COMP, comp(n=100000), 400, "n: expected an int in [1, 128]"),
-    ("seed-negative", CHAT, chat(seed=-1), 400, "seed"),
-    ("logprobs-too-many", COMP, comp(logprobs=100), 400, "logprobs"),
+    *((f"{field}={value}", route, (chat if route == CHAT else comp)(**{field: value}), 400, f"{field}:")
+      for field, value, route in SAMPLING_EXTREMES),
     ("top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
-    ("stop-token-negative", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("logit-bias", CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
     # -- JSON-schema keywords the grammar does not enforce ------------------------------------------------------
     ("schema-allOf", CHAT, schema({"allOf": [{"type": "integer"}, {"minimum": 3}]}), 400, "'allOf'"),
