@@ -11,8 +11,10 @@ keeps each verdict: for every keyword allowed here, an output breaking it is rej
   ``maxItems``; strings: ``minLength``, ``maxLength``, ``pattern``, ``format`` (the formats in
   ``ENFORCED_FORMATS``); numbers: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, and
   ``multipleOf`` for integers;
-- ignored by xgrammar, so refused: ``allOf`` of several subschemas, ``oneOf`` (enforced as ``anyOf``: an output
-  matching two branches would pass), ``not``, ``if``/``then``/``else``, ``dependentRequired``,
+- ``oneOf`` when its branches cannot overlap (disjoint types, or objects told apart by a required ``const`` /
+  ``enum`` property, as pydantic writes tagged unions): xgrammar enforces it as ``anyOf``, which is then exact;
+  other ``oneOf`` is refused (an output matching two branches would pass);
+- ignored by xgrammar, so refused: ``allOf`` of several subschemas, ``not``, ``if``/``then``/``else``, ``dependentRequired``,
   ``dependentSchemas``, ``dependencies``, ``patternProperties`` (it rejects every object), ``uniqueItems: true``,
   ``contains``/``minContains``/``maxContains``, ``additionalItems``, ``$anchor``/``$dynamicRef`` and other
   anchors, ``contentEncoding``/``contentMediaType``/``contentSchema``, OpenAPI's ``nullable``, ``multipleOf`` on
@@ -37,7 +39,7 @@ from typing import Any
 ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
                          "readOnly", "writeOnly", "discriminator"})
 DEFINITIONS = ("$defs", "definitions")
-GENERIC = frozenset({"type", "enum", "const", "anyOf", "allOf", "$ref", *DEFINITIONS})
+GENERIC = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", *DEFINITIONS})
 # keyword -> the JSON types (of ``type``) it constrains; it needs one of them named in ``type``
 TYPED = {
     **dict.fromkeys(("properties", "required", "additionalProperties", "unevaluatedProperties", "propertyNames",
@@ -53,7 +55,6 @@ ENFORCED_FORMATS = frozenset({"email", "date", "date-time", "time", "duration", 
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 MAX_SCHEMA_COUNT = 1_000_000  # a length or count bound past any context length (xgrammar fails past 10**15)
 REFUSED = {
-    "oneOf": "use anyOf (the grammar enforces oneOf as anyOf: an output matching two branches would pass)",
     "not": "the grammar cannot exclude values", "if": "conditional schemas are not enforced",
     "then": "conditional schemas are not enforced", "else": "conditional schemas are not enforced",
     "dependentRequired": "dependencies between properties are not enforced",
@@ -66,7 +67,7 @@ REFUSED = {
 }
 _SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "unevaluatedItems")
 _SUBSCHEMA_MAPS = ("properties", *DEFINITIONS)
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _JSON_TYPES = {"object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,), "null": (type(None),),
                "integer": (int,), "number": (int, float)}
 
@@ -80,7 +81,7 @@ def check_schema_keywords(schema: Any, where: str = "schema") -> None:
             continue
         if not isinstance(node, Mapping):
             raise ValueError(f"{path}: expected a JSON schema (an object or a boolean), got {type(node).__name__}")
-        _check_node(node, path, implied)
+        _check_node(node, path, implied, schema)
         for key in _SUBSCHEMA:
             if key in node:  # property names are strings whether or not their schema says so
                 stack.append((node[key], f"{path}.{key}", ("string",) if key == "propertyNames" else ()))
@@ -96,7 +97,7 @@ def _refuse(path: str, key: str, why: str) -> ValueError:
     return ValueError(f"{path}: JSON-schema keyword {key!r} is not supported: {why}")
 
 
-def _check_node(node: Mapping[str, Any], path: str, implied: tuple[str, ...]) -> None:
+def _check_node(node: Mapping[str, Any], path: str, implied: tuple[str, ...], root: Any) -> None:
     for key in node:
         if not isinstance(key, str):
             raise ValueError(f"{path}: keys must be strings")
@@ -111,13 +112,15 @@ def _check_node(node: Mapping[str, Any], path: str, implied: tuple[str, ...]) ->
         kinds = TYPED.get(key)
         if kinds is not None and not any(t in types for t in kinds):
             raise _refuse(path, key, f"it needs \"type\": {' or '.join(map(repr, kinds))} next to it")
-    for key in ("$ref", "anyOf", "allOf", "enum", "const"):
+    for key in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const"):
         if key in node:
             allowed = {key, "type"} if key in ("enum", "const") else {key}
             others = [k for k in constraints if k not in allowed]
             if others:
                 raise _refuse(path, others[0], f"the grammar ignores it next to {key!r}")
     _check_details(node, path, types)
+    if "oneOf" in node:
+        _check_one_of(node["oneOf"], path, root)
 
 
 def _types(value: Any, path: str) -> tuple[str, ...]:
@@ -136,8 +139,9 @@ def _check_details(node: Mapping[str, Any], path: str, types: tuple[str, ...]) -
         raise ValueError(f"{path}.$ref: only local references ('#' or '#/...') are supported, got {ref!r}")
     if "allOf" in node and (not isinstance(node["allOf"], list) or len(node["allOf"]) != 1):
         raise _refuse(path, "allOf", "only one subschema is enforced; merge the subschemas into one")
-    if "anyOf" in node and node["anyOf"] == []:
-        raise ValueError(f"{path}.anyOf: an empty list accepts no value")
+    for key in ("anyOf", "oneOf"):
+        if node.get(key) == []:
+            raise ValueError(f"{path}.{key}: an empty list accepts no value")
     if node.get("uniqueItems", False) is not False:
         raise _refuse(path, "uniqueItems", "not enforced (only uniqueItems: false is accepted)")
     for key in COUNTS:
@@ -167,3 +171,82 @@ def _check_details(node: Mapping[str, Any], path: str, types: tuple[str, ...]) -
         if missing:
             raise ValueError(f"{path}.required: {missing[0]!r} is not in properties (the grammar cannot require a "
                              "property it does not describe)")
+
+
+def _check_one_of(branches: Any, path: str, root: Any) -> None:
+    """The grammar enforces oneOf as anyOf; that is exact when no value can match two branches. Proven disjoint:
+    branches of disjoint JSON types (from ``type`` or ``const``/``enum`` values), ``const``/``enum`` branches
+    without a common value, or objects that require one
+    property with disjoint ``const``/``enum`` values (a discriminator, as pydantic writes tagged unions)."""
+    if not isinstance(branches, list):
+        return
+    resolved = [_resolve_ref(b, root) for b in branches]
+    for i, a in enumerate(resolved):
+        for j in range(i):
+            if not _disjoint(a, resolved[j], root):
+                raise _refuse(path, "oneOf", f"branches {j} and {i} may both match (the grammar enforces oneOf as "
+                                             "anyOf); use anyOf, or tell them apart by type or a required const")
+
+
+def _resolve_ref(schema: Any, root: Any) -> Any:
+    for _ in range(8):
+        ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return schema
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, Mapping) else None
+        schema = target
+    return schema
+
+
+def _json_types(schema: Mapping[str, Any]) -> set[str] | None:
+    """The JSON types a schema admits (integer counted as number), or None when not known."""
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return {_json_type(v) for v in values}
+    t = schema.get("type")
+    names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
+    return None if names is None else {"number" if n == "integer" else n for n in names}
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", dict: "object", list: "array"}.get(type(value), "null")
+
+
+def _values(schema: Any) -> list | None:
+    if not isinstance(schema, Mapping):
+        return None
+    return [schema["const"]] if "const" in schema else schema.get("enum") if isinstance(schema.get("enum"), list) \
+        else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return _json_type(a) == _json_type(b) and a == b
+
+
+def _disjoint(a: Any, b: Any, root: Any) -> bool:
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+        return False
+    ta, tb = _json_types(a), _json_types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    if _no_common_value(_values(a), _values(b)):
+        return True
+    pa, pb = a.get("properties"), b.get("properties")
+    if not isinstance(pa, Mapping) or not isinstance(pb, Mapping):
+        return False
+    required = set(a.get("required") or ()) & set(b.get("required") or ())
+    for key in required & set(pa) & set(pb):
+        if _no_common_value(_values(_resolve_ref(pa[key], root)), _values(_resolve_ref(pb[key], root))):
+            return True
+    return False
+
+
+def _no_common_value(va: list | None, vb: list | None) -> bool:
+    return va is not None and vb is not None and not any(_same(x, y) for x in va for y in vb)

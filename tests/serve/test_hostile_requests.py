@@ -231,6 +231,7 @@ ACCEPTED = [
     ("stop-token-30-digits", COMP, comp(stop_token_ids=[10**30])),
     ("valid-surrogate-pair", COMP, comp(prompt="\U0001F600", stop=["\U0001F600"])),
     ("guided-choice", COMP, comp(guided_choice=["yes", "no"], max_tokens=8)),
+    ("oneOf-disjoint", CHAT, schema({"oneOf": [{"type": "integer"}, {"type": "string"}]})),
 ]
 
 

@@ -19,6 +19,12 @@ from rocm_k3.structured.json_schema import normalize_json_schema
 from rocm_k3.structured.schema_keywords import ENFORCED, ENFORCED_FORMATS, check_schema_keywords
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+# a tagged union as pydantic writes it (Union[Cat, Dog] with Field(discriminator="kind"))
+TAGGED = {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"},
+          "$defs": {"Cat": {"type": "object", "title": "Cat", "required": ["kind", "lives"], "properties": {
+              "kind": {"const": "cat", "type": "string"}, "lives": {"type": "integer"}}},
+              "Dog": {"type": "object", "title": "Dog", "required": ["kind", "bark"], "properties": {
+                  "kind": {"enum": ["dog", "wolf"], "type": "string"}, "bark": {"type": "boolean"}}}}}
 
 
 def grammar(schema) -> xgr.Grammar:
@@ -33,6 +39,7 @@ ENFORCED_CASES = {
     "enum": ({"type": "integer", "enum": [1, 2]}, "1", "3"),
     "const": ({"const": "x"}, '"x"', '"y"'),
     "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "boolean"}]}, "true", '"s"'),
+    "oneOf": (TAGGED, '{"kind": "cat", "lives": 9}', '{"kind": "cat", "bark": true}'),
     "allOf": ({"allOf": [{"type": "integer", "minimum": 3}]}, "3", "2"),
     "$ref": ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A"}, "1", '"s"'),
     "$defs": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "integer"}}},
@@ -127,6 +134,24 @@ def test_refused_keywords_are_named(keyword: str) -> None:
 def test_refused_keywords_are_ignored_by_xgrammar(keyword: str) -> None:
     schema, bad = REFUSED_CASES[keyword]
     assert _is_grammar_accept_string(grammar(schema), bad)  # the grammar lets the breaking value through
+
+
+@pytest.mark.parametrize("branches, ok", [
+    ([{"type": "string"}, {"type": ["integer", "null"]}], True),
+    ([{"const": 1}, {"enum": [2, True]}], True),
+    ([{"type": "integer"}, {"type": "number"}], False),
+    ([{"const": 1}, {"type": "number"}], False),
+    ([{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+      {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]}], False),
+    ([{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+      {"type": "object", "properties": {"k": {"const": "b"}}}], False),  # k is optional in the second: overlap
+])
+def test_one_of_is_accepted_only_for_disjoint_branches(branches, ok: bool) -> None:
+    if ok:
+        check_schema_keywords({"oneOf": branches})
+    else:
+        with pytest.raises(ValueError, match="'oneOf' is not supported: branches 0 and 1 may both match"):
+            check_schema_keywords({"oneOf": branches})
 
 
 def test_the_error_names_the_path() -> None:
