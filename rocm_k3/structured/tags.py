@@ -18,11 +18,12 @@ prompt ended in the response channel):
   optional ones may be left out) + ``<|close|>call<|sep|>``; an argument is ``<|open|>argument key="K"
   type="T"<|sep|>VALUE<|close|>argument<|sep|>`` with T from the property's JSON-schema type (integer ->
   number); string values are free text without markers (``enum``/``const`` = those strings, ``pattern`` = that
-  regex, ``maxLength`` bounds the characters), other values are JSON under the property's schema (the root
-  ``$defs`` re-attached); union or untyped properties may take any of their types; a tool without properties
-  takes any argument tags. What this XTML grammar cannot hold is refused (ValueError naming the keyword): a
-  string argument's ``minLength`` / ``format``, constraints other than ``type`` / ``maxLength`` on a union or
-  untyped argument, ``minProperties`` / ``maxProperties`` / ``propertyNames`` on the parameters, and
+  regex, ``minLength`` / ``maxLength`` bound the characters, the first ``minLength`` of them not ``<``), other
+  values are JSON under the property's schema (the root ``$defs`` re-attached); union or untyped properties may
+  take any of their types; a tool without properties takes any argument tags. What this XTML grammar cannot
+  hold is refused (ValueError naming the keyword): a string argument's ``format``, constraints other than
+  ``type`` / ``maxLength`` on a union or untyped argument, ``minProperties`` / ``maxProperties`` /
+  ``propertyNames`` on the parameters, and
   ``additionalProperties`` on parameters without ``properties``.
 
 Kimi K2 / Kimi Linear (after ``</think>``, or from the start when thinking is off): content constraints are the
@@ -192,10 +193,18 @@ class _Builder:
         if isinstance(prop.get("pattern"), str):
             return st.RegexFormat(pattern=prop["pattern"])
         max_len = prop.get("maxLength")
-        return self.free_text(max_chars=max_len if isinstance(max_len, int) and max_len >= 0 else None)
+        max_len = max_len if isinstance(max_len, int) and max_len >= 0 else None
+        min_len = prop.get("minLength")
+        if not isinstance(min_len, int) or min_len <= 0:
+            return self.free_text(max_chars=max_len)
+        # the first minLength characters without "<" (no marker can start there), then free text for the rest
+        head = st.RegexFormat(pattern=f"[^<]{{{min_len}}}")
+        if max_len is not None and max_len <= min_len:
+            return head
+        return self.seq(head, self.free_text(max_chars=None if max_len is None else max_len - min_len))
 
 
-_K3_STRING_KEYS = frozenset({"type", "enum", "const", "pattern", "maxLength"})
+_K3_STRING_KEYS = frozenset({"type", "enum", "const", "pattern", "minLength", "maxLength"})
 _K3_UNION_KEYS = frozenset({"type", "maxLength"})
 
 
@@ -214,8 +223,8 @@ def _check_k3_parameters(tool: ToolSchema) -> None:
 
 
 def _check_k3_argument(key: str, prop: Any, types: list[str] | None) -> None:
-    """Refuse what the XTML argument grammar would drop: string arguments are free text (enum/const, pattern and
-    maxLength held), union or untyped ones take any value of their types (only maxLength held)."""
+    """Refuse what the XTML argument grammar would drop: string arguments are free text (enum/const, pattern,
+    minLength and maxLength held), union or untyped ones take any value of their types (only maxLength held)."""
     if not isinstance(prop, Mapping):
         return
     where = f"parameters.properties.{key}"
@@ -226,8 +235,8 @@ def _check_k3_argument(key: str, prop: Any, types: list[str] | None) -> None:
         allowed = allowed | {"anyOf"}
     for k in prop:
         if k not in allowed and k not in ANNOTATIONS and k not in DEFINITIONS and not k.startswith("x-"):
-            raise _k3_refused(where, k, "string arguments hold enum/const, pattern and maxLength only; arguments of "
-                                        "several types hold their types (and maxLength) only")
+            raise _k3_refused(where, k, "string arguments hold enum/const, pattern, minLength and maxLength only; "
+                                        "arguments of several types hold their types (and maxLength) only")
 
 
 def _escape_attr(value: str) -> str:

@@ -127,8 +127,8 @@ CASES = [
     ("tool-allOf-required", CHAT, tool({"type": "object", "properties": {"a": {"allOf": [{"type": "integer"},
                                                                                         {"minimum": 1}]}}}),
      400, "'allOf'"),
-    ("tool-string-minLength-required", CHAT, tool({"type": "object", "properties": {"a": {
-        "type": "string", "minLength": 3}}}), 400, "'minLength' is not supported in a Kimi K3 tool call"),
+    ("tool-string-format-required", CHAT, tool({"type": "object", "properties": {"a": {
+        "type": "string", "format": "email"}}}), 400, "'format' is not supported in a Kimi K3 tool call"),
     ("tool-unknown-named", CHAT, tool(OBJ, {"type": "function", "function": {"name": "nope"}}), 400,
      "function 'nope' is not in tools"),
     ("tool-no-name", CHAT, chat(tools=[{"type": "function", "function": {"parameters": OBJ}}]), 400,

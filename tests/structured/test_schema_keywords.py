@@ -6,6 +6,7 @@ empty-language check (structured/emptiness.py) and the JSON input limits (format
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -202,3 +203,34 @@ def test_json_within_limits_loads() -> None:
     assert load_json('{"a": "\\ud83d\\ude00", "n": ' + "9" * MAX_NUMBER_CHARS + "}", "x")["a"] == "\U0001F600"
     with pytest.raises(NotJSONError):
         load_json("{", "x")
+
+
+def test_k3_string_arguments_hold_min_and_max_length() -> None:
+    from grammar_drive import generate
+    from grammar_tokenizer import TinyTokenizer
+    from rocm_k3.formats.parsers import parse_output
+    from rocm_k3.structured import GrammarRejectedError, StructuredCompiler, StructuredOutputs, tool_call_constraint
+
+    tok = TinyTokenizer("kimi_k3")
+    compiler = StructuredCompiler(tok, "kimi_k3")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 3, "maxLength": 5}}, "required": ["s"]}}}]
+    spec = StructuredOutputs(tools=tool_call_constraint(tools, "required"))
+
+    def accepts(value: str) -> bool:
+        state = compiler.new_state(spec, thinking=False)
+        text = (f'<|open|>call tool="f" index="1"<|sep|><|open|>argument key="s" type="string"<|sep|>{value}'
+                "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>")
+        try:
+            for t in tok.encode(text):
+                state.accept(t)
+        except GrammarRejectedError:
+            return False
+        return state.is_completed
+
+    assert [accepts(v) for v in ("ab", "abc", "a b\nc", "abcde", "abcdef", "<ab")] == [False, True, True, True,
+                                                                                       False, False]
+    for seed in range(4):
+        ids = generate(compiler.new_state(spec, thinking=False), compiler.vocab_size, seed=seed)
+        calls = parse_output("kimi_k3", tok.decode(ids), thinking=False, tools=tools, tool_choice="required").tool_calls
+        assert calls and all(3 <= len(json.loads(c.arguments_json)["s"]) <= 5 for c in calls)
