@@ -130,6 +130,7 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
     if value is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if isinstance(value, StructuredOutputs):
         return value
@@ -140,9 +141,12 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
     if unknown:
         raise ValueError(f"{field}: unknown keys {unknown}; expected one of {list(STRUCTURED_OUTPUT_KEYS)}")
     try:
-        return StructuredOutputs(**given)
+        out = StructuredOutputs(**given)
     except ValueError as exc:
         raise ValueError(f"{field}.{exc}") from None
+    if out.kind == "json":  # named by the request's field here; the compiler checks again (LLM.generate)
+        check_schema_keywords(out.json, f"{field}.json" if field == "structured_outputs" else field)
+    return out
 
 
 def response_format_constraint(response_format: Mapping[str, Any] | None):
@@ -150,6 +154,7 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
     if response_format is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if not isinstance(response_format, Mapping):
         raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
@@ -163,9 +168,11 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
         if not isinstance(spec, Mapping) or "schema" not in spec:
             raise ValueError("response_format.json_schema.schema: required for type 'json_schema'")
         try:
-            return StructuredOutputs(json=spec["schema"])
+            out = StructuredOutputs(json=spec["schema"])
         except ValueError as exc:
             raise ValueError(f"response_format.json_schema.schema: {exc}") from None
+        check_schema_keywords(out.json, "response_format.json_schema.schema")
+        return out
     raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 

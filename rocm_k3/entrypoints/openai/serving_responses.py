@@ -449,6 +449,16 @@ def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesR
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions, "_instructions": True})
     messages += input_messages(req.input)
-    chat = prepare_chat(served, chat_request(req, [{k: v for k, v in m.items() if k != "_instructions"}
-                                                   for m in messages]))
+    try:
+        chat = prepare_chat(served, chat_request(req, [{k: v for k, v in m.items() if k != "_instructions"}
+                                                       for m in messages]))
+    except APIError as exc:  # the chat request's field names -> this request's
+        for chat_field, field in _CHAT_FIELDS:
+            if exc.message.startswith(chat_field):
+                raise APIError(exc.status, field + exc.message[len(chat_field):], param=field) from None
+        raise
     return ResponsesRun(served, store, req, messages, chat)
+
+
+_CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+                ("max_completion_tokens", "max_output_tokens"))
