@@ -22,7 +22,9 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rocm_k3.entrypoints.openai.errors import APIError
+from pydantic import ValidationError
+
+from rocm_k3.entrypoints.openai.errors import APIError, from_validation_error
 from rocm_k3.entrypoints.openai.protocol import ChatCompletionRequest
 from rocm_k3.entrypoints.openai.protocol_responses import ResponsesRequest
 from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResponse
@@ -160,6 +162,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), (dict, bool)):
+            raise APIError(400, "text.format.schema: a JSON-schema object is required for type json_schema",
+                           param="text.format.schema")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
                                                        "strict": fmt.get("strict")}}
     raise APIError(400, f"text.format.type: expected text, json_object or json_schema, got {fmt.get('type')!r}",
@@ -179,7 +184,10 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
     for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty"):
         body[key] = getattr(req, key)
-    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:  # a field of this request with a type the chat request refuses
+        raise from_validation_error(exc) from None
 
 
 # ---- output -> Response ---------------------------------------------------------------------------------------
@@ -461,4 +469,4 @@ def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesR
 
 
 _CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-                ("max_completion_tokens", "max_output_tokens"))
+                ("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"))
