@@ -78,7 +78,8 @@ class EngineArgs:
         "help": "seconds a step or collective may take before the run is ended with an error"})
     speculative_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
+                '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
+                '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",

@@ -224,6 +224,7 @@ class Scheduler:
                     break
             if not seq.is_finished:
                 delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
+                seq.proposal = (seq.num_tokens, token.draft_token_ids)
             deltas.append(delta)
         return deltas
 

@@ -34,6 +34,8 @@ class Sequence:
     sampling:             the request's sampling parameters.
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
+    proposal:             draft_model speculation: (num_tokens when proposed, the drafter's tokens continuing
+                          token_ids then); used only while num_tokens is unchanged.
     """
 
     seq_id: int
@@ -56,6 +58,7 @@ class Sequence:
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()
     prompt_cache_key: list[int] | None = None
+    proposal: tuple[int, tuple[int, ...]] = (0, ())
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
