@@ -91,3 +91,25 @@ def test_malformed_kv_transfer_params_are_refused_before_queueing(engines):
         cons.engine.add_request("bad", [1, 2, 3], SamplingParams(kv_transfer_params={
             "remote_transfer_id": "x", "remote_num_tokens": "3", "remote_host": "h", "remote_port": 1}))
     assert not cons.engine.has_unfinished()
+
+
+def test_concurrent_requests_publish_and_load_in_the_same_steps(engines):
+    plain, prod, cons = engines
+    rng = random.Random(2)
+    prompts = {f"c{i}": [rng.randrange(1, 200) for _ in range(n)] for i, n in enumerate((17, 64, 130, 5))}
+    for rid, ids in prompts.items():
+        plain.engine.add_request(rid, ids, SamplingParams(**GREEDY))
+        prod.engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=1,
+                                                         kv_transfer_params={"do_remote_decode": True}))
+    expected = plain.engine.run_to_completion()
+    published = prod.engine.run_to_completion()
+    before = cons.engine.stats()
+    for rid, ids in prompts.items():  # queued together: their loads ride the same step
+        params = published[rid].kv_transfer_params
+        cons.engine.add_request(rid, ids, SamplingParams(**GREEDY, kv_transfer_params=params))
+    got = cons.engine.run_to_completion()
+    after = cons.engine.stats()
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in expected.items()}
+    assert after["kv_transfer_loaded"] - before["kv_transfer_loaded"] == len(prompts)
+    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts)
