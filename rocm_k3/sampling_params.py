@@ -83,7 +83,8 @@ class SamplingParams:
 
         set_("stop", _stop_strings(self.stop))
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
-            raise ValueError(f"kv_transfer_params: expected a dict or None, got {type(self.kv_transfer_params).__name__}")
+            raise ValueError(f"kv_transfer_params: expected a dict or None, got "
+                             f"{type(self.kv_transfer_params).__name__}")
         set_("stop_token_ids", _stop_ids(self.stop_token_ids))
         temperature = _number("temperature", self.temperature)
         if not (math.isfinite(temperature) and temperature >= 0):

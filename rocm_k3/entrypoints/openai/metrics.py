@@ -41,7 +41,8 @@ _ENGINE_METRICS = (
     # prefill/decode disaggregation (--kv-transfer-config)
     ("kv_transfer_loaded", "kv_transfer_requests", "prompt caches loaded from a prefill instance", "counter"),
     ("kv_transfer_failures", "kv_transfer_failures",
-     "prompt cache loads that failed (checksum mismatch, timeout, producer gone): the prompt was recomputed", "counter"),
+     "prompt cache loads that failed (checksum mismatch, timeout, producer gone): the prompt was recomputed",
+     "counter"),
     ("kv_transfer_published", "kv_transfer_published", "prompt caches published for a decode instance", "counter"),
     ("kv_transfer_bytes_received", "kv_transfer_received_bytes", "prompt cache bytes loaded", "counter"),
     ("kv_transfer_bytes_sent", "kv_transfer_sent_bytes", "prompt cache bytes published", "counter"),
