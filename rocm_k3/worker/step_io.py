@@ -190,7 +190,12 @@ class SampledToken:
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What the sampling worker returns for one step: one entry per chunk with ``sample`` set, in chunk order
-    (a verification chunk's entry carries its accepted drafts)."""
+    (a verification chunk's entry carries its accepted drafts).
+
+    sampler_fallbacks: sampling rows of this step whose processed probabilities were unusable (NaN, all zero,
+                       every token masked), so the sampler took the top logit instead of a draw.
+    """
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
+    sampler_fallbacks: int = 0

@@ -42,7 +42,7 @@ log = logging.getLogger("rocm_k3.worker")
 
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
-NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this request"
+NON_FINITE = "non-finite logits: the model produced NaN or Inf logits for this request"
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -302,17 +302,19 @@ class Worker:
             if not chunks:
                 return StepOutput(step.step_id)
             out = sample(logits, batch.params, batch.generators, batch.processors())
-            tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+            # [3, R] tokens, finite flags, fallback flags: the step's one device -> host read
+            tokens, finite, fallback = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()]).tolist()
         finally:
             batch.close()
+        fallbacks = sum(fallback)
         if len(rows) != len(chunks):
-            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, out.logprobs, batch.error,
-                                                          NON_FINITE))
+            return StepOutput(step.step_id, verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs,
+                                                          batch.error, NON_FINITE), sampler_fallbacks=fallbacks)
         sampled = []
         for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
             error = batch.error(i) or ("" if ok else NON_FINITE)
             sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
-        return StepOutput(step.step_id, tuple(sampled))
+        return StepOutput(step.step_id, tuple(sampled), sampler_fallbacks=fallbacks)
 
     def _counting_experts(self) -> list[RoutedExperts]:
         return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]

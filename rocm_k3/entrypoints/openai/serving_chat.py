@@ -26,11 +26,11 @@ from rocm_k3.entrypoints.openai.protocol import (
     ToolCallOut,
 )
 from rocm_k3.entrypoints.openai.serving_common import (
-    MAX_LOGPROBS,
     SSE_DONE,
     ChoiceState,
     ServedModel,
     chat_logprobs,
+    check_range,
     collect,
     choice_params,
     error_event,
@@ -42,7 +42,7 @@ from rocm_k3.entrypoints.openai.serving_common import (
     start_streams,
     usage,
 )
-from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.sampling_params import RANGES, SamplingParams
 
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
@@ -165,9 +165,7 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs")
+        check_range("top_logprobs", req.top_logprobs)
     chat = ChatRequest(
         req.messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
@@ -179,6 +177,11 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
         prompt, images = _with_images(served, req, prepared)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
+    if req.max_completion_tokens is not None:  # named here: SamplingParams would call it max_tokens
+        try:
+            RANGES["max_tokens"].check("max_completion_tokens", req.max_completion_tokens)
+        except ValueError as exc:
+            raise bad_request(exc) from None
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None

@@ -29,13 +29,27 @@ from rocm_k3.entrypoints.openai.protocol import (
     TopLogprob,
     Usage,
 )
-from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.sampling_params import Range, SamplingParams
 
 log = logging.getLogger("rocm_k3.server")
 
 MAX_LOGPROBS = 20
 MAX_N = 128
 SEED_MODULUS = 2**63
+# the server's own limits on request fields, beyond SamplingParams.RANGES (docs/sampling.md has the table)
+SERVER_RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_N, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "top_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
+
+
+def check_range(name: str, value: Any) -> None:
+    """400 naming ``name`` and its range when ``value`` is outside :data:`SERVER_RANGES`."""
+    try:
+        SERVER_RANGES[name].check(name, value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=name) from None
 
 
 @dataclasses.dataclass
@@ -113,10 +127,9 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
     or the completion's constraint fields); 400 naming the field for a bad value."""
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs: expected an int in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(400, f"n: expected an int in [1, {MAX_N}], got {req.n}", param="n")
+    if logprobs is not None:
+        check_range("logprobs", logprobs)
+    check_range("n", req.n)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     values: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
