@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import logging.config
 import threading
 import time
 
@@ -39,7 +40,14 @@ from rocm_k3.entrypoints.openai.protocol import (
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
-from rocm_k3.entrypoints.openai.serving_common import RETRY_AFTER_S, ServedModel, read_body, unless_disconnected
+from rocm_k3.entrypoints.openai.request_ids import RequestIdMiddleware, serve_log_config
+from rocm_k3.entrypoints.openai.serving_common import (
+    RETRY_AFTER_S,
+    ServedModel,
+    logged_stream,
+    read_body,
+    unless_disconnected,
+)
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats import thinking_options
 from rocm_k3.formats.chat_base import parse_effort_budgets
@@ -49,9 +57,17 @@ log = logging.getLogger("rocm_k3.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class _App(FastAPI):
+    """FastAPI with :class:`RequestIdMiddleware` outside every other layer, so that even a 500 answered by the
+    server-error layer carries ``x-request-id`` and its log line the id."""
+
+    def build_middleware_stack(self):
+        return RequestIdMiddleware(super().build_middleware_stack())
+
+
 def build_app(served: ServedModel) -> FastAPI:
     """The app serving ``served`` (the caller owns the engine and shuts it down)."""
-    app = FastAPI(title="rocm-k3", docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="rocm-k3", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
     install_error_handlers(app)
 
@@ -122,7 +138,8 @@ async def _answer(request: Request, served: ServedModel, model, prepare) -> Resp
     body = await read_body(request, model, served.max_request_bytes)
     run = await asyncio.to_thread(prepare, served, body)  # rendering and tokenizing: off the event loop
     if run.req.stream:
-        return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(logged_stream(await run.stream(), request.url.path), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
 
 
@@ -161,6 +178,9 @@ def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: Serv
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """``rocm-k3 serve``: load the model, serve until interrupted; returns the exit status."""
+    uvicorn_level = server_args.resolved_uvicorn_log_level
+    log_config = serve_log_config(server_args.resolved_log_level, uvicorn_level)
+    logging.config.dictConfig(log_config)  # from the start: the loading's lines look like the serving's
     assembled = assemble_engine(engine_args)
     engine = AsyncLLM(assembled.core)
     try:
@@ -168,8 +188,9 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         app = build_app(served)
         log.info("serving %s as %s on http://%s:%d (max_model_len %d)", assembled.path, served.names, server_args.host,
                     server_args.port, served.max_model_len)
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        # lifespan off: the app has no startup / shutdown hooks, and a cancelled lifespan task printed a traceback
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=uvicorn_level,
+                                log_config=log_config, timeout_graceful_shutdown=5, lifespan="off")
         server = DrainingServer(config, served, server_args.shutdown_timeout)
         watchdog = EngineWatchdog(engine, server)
         watchdog.start()
@@ -215,7 +236,8 @@ class DrainingServer(uvicorn.Server):
             time.sleep(0.05)
         left = engine.num_streams
         if left:
-            log.warning("shutdown timeout: ending %d running requests with an error", left)
+            log.warning("%s: ending %d running requests with an error",
+                        "second signal" if self.force_exit else "shutdown timeout", left)
         engine.shutdown()  # the rest get EngineDeadError -> an error event and [DONE]; their cache is freed
         self.should_exit = True
 

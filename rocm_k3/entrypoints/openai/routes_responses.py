@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rocm_k3.entrypoints.openai.errors import APIError
 from rocm_k3.entrypoints.openai.protocol_responses import ResponsesRequest
 from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
+from rocm_k3.entrypoints.openai.serving_common import ServedModel, logged_stream, read_body, unless_disconnected
 from rocm_k3.entrypoints.openai.serving_responses import prepare_responses
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -33,7 +33,8 @@ def install_responses_routes(app: FastAPI, served: ServedModel, auth: list) -> R
         if body.background:
             return JSONResponse(run.start_background())
         if body.stream:
-            return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(logged_stream(await run.stream(), request.url.path),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await unless_disconnected(request, run.respond()))
 
     @app.get("/v1/responses/{response_id}", dependencies=auth)

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from rocm_k3.engine.chat import ModelFrontend
 from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
+from rocm_k3.entrypoints.openai.request_ids import engine_request_id
 from rocm_k3.entrypoints.openai.protocol import (
     CompletionLogprobs,
     PromptTokensDetails,
@@ -118,7 +118,8 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The engine request id of the request being handled: ``{prefix}-{x-request-id}`` (see ``request_ids``)."""
+    return engine_request_id(prefix)
 
 
 def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
@@ -221,7 +222,8 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work):
-    """Await ``work`` (a coroutine), cancelling it when the client disconnects first (its requests abort)."""
+    """Await ``work`` (a coroutine), cancelling it when the client disconnects first (its requests abort; one INFO
+    line says so)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
@@ -230,8 +232,21 @@ async def unless_disconnected(request: Request, work):
         watcher.cancel()
     if not task.done():
         task.cancel()
+        log.info("%s: the client disconnected; its request was aborted", request.url.path)
         raise APIError(499, "the client disconnected")
     return task.result()
+
+
+async def logged_stream(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+    """``events`` as they come; when the stream is cancelled (the client disconnected, or a second signal ended
+    the server) one INFO line says so, and no traceback follows (the engine requests abort as the stream ends)."""
+    try:
+        async for event in events:
+            yield event
+    except asyncio.CancelledError:
+        log.info("%s: the stream was cancelled (client disconnected or server stopped); its request was aborted",
+                 path)
+        raise
 
 
 @dataclasses.dataclass
