@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -237,16 +237,18 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def logged_stream(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+async def logged_stream(events: AsyncGenerator[str, None], path: str) -> AsyncIterator[str]:
     """``events`` as they come; when the stream is cancelled (the client disconnected, or a second signal ended
     the server) one INFO line says so, and no traceback follows (the engine requests abort as the stream ends)."""
     try:
         async for event in events:
             yield event
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, GeneratorExit):  # cancelled mid-await, or closed unfinished at a yield
         log.info("%s: the stream was cancelled (client disconnected or server stopped); its request was aborted",
                  path)
         raise
+    finally:
+        await events.aclose()  # its engine requests abort now, not when the generator is collected
 
 
 @dataclasses.dataclass
