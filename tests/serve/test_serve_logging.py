@@ -6,6 +6,7 @@ stream in flight (once: the drain ends it with an error event and ``[DONE]``; tw
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import socket
@@ -38,6 +39,39 @@ def test_log_level_flag_sets_ours_and_uvicorns() -> None:
         build_parser().parse_args(["serve", "--log-level", "loud"])
     with pytest.raises(ValueError, match="log_level: expected one of"):
         ServerArgs(log_level="loud")
+
+
+def test_an_unexpected_500_carries_the_id_in_its_header_and_log_line() -> None:
+    """The id wraps every layer: the server-error layer's 500 and its traceback line name it too."""
+    from rocm_k3.entrypoints.openai.api_server import _App
+    from rocm_k3.entrypoints.openai.errors import install_error_handlers
+    from rocm_k3.entrypoints.openai.request_ids import RequestIdFilter
+    from tests.server_fixtures import start_app
+
+    app = _App()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("kaboom")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.addFilter(RequestIdFilter())
+    handler.emit = records.append
+    logger = logging.getLogger("rocm_k3.server")
+    logger.addHandler(handler)
+    running = start_app(app)
+    try:
+        req = urllib.request.Request(running.url("/boom"), headers={"x-request-id": "boom-1"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 500 and err.value.headers["x-request-id"] == "boom-1"
+        assert "kaboom" in json.loads(err.value.read())["error"]["message"]
+    finally:
+        running.stop()
+        logger.removeHandler(handler)
+    assert [r.request_id for r in records if "unexpected error" in r.getMessage()] == ["boom-1"]
 
 
 # ------------------------------------------------------------------------------------- a real server, its log
