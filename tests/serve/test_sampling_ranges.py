@@ -132,19 +132,33 @@ def test_every_documented_bound_holds_on_the_server(server, row) -> None:
             assert error["message"].startswith(f"{field}: ") and text in error["message"], (value, error)
 
 
-def test_extreme_repetition_penalty_answers_and_counts_a_fallback(server) -> None:
-    def fallbacks() -> float:
-        with urllib.request.urlopen(server.url("/metrics"), timeout=30) as resp:
-            text = resp.read().decode()
-        m = re.search(r"^rocm_k3_sampler_fallbacks_total (\S+)$", text, re.M)
-        assert m, "rocm_k3_sampler_fallbacks_total is not in /metrics"
-        return float(m.group(1))
+def _fallbacks(server) -> float:
+    with urllib.request.urlopen(server.url("/metrics"), timeout=30) as resp:
+        text = resp.read().decode()
+    m = re.search(r"^rocm_k3_sampler_fallbacks_total (\S+)$", text, re.M)
+    assert m, "rocm_k3_sampler_fallbacks_total is not in /metrics"
+    return float(m.group(1))
 
-    before = fallbacks()
+
+def _extreme_penalty_counts_a_fallback(server) -> None:
+    before = _fallbacks(server)
     # the prompt's own tokens get logits divided by 1e-300 (0 in fp32): +inf, then inf - inf = NaN in the softmax
     status, answer = _post(server, "/v1/completions", {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 4,
                                                        "repetition_penalty": 1e-300, "ignore_eos": True,
                                                        "temperature": 1.0, "seed": 1})
     assert status == 200, answer
     assert "\x00" not in answer["choices"][0]["text"]
-    assert fallbacks() > before
+    assert _fallbacks(server) > before
+
+
+def test_extreme_repetition_penalty_answers_and_counts_a_fallback(server) -> None:
+    _extreme_penalty_counts_a_fallback(server)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_fallback_count_crosses_the_rank_boundary() -> None:
+    """Under -tp 2 (gloo, two CPU ranks) the sampling rank's count reaches /metrics through the step broadcast."""
+    with running_server(EngineArgs(dtype="float32", max_model_len=MAX_LEN, tensor_parallel_size=2),
+                        ServerArgs(port=0, uvicorn_log_level="warning")) as tp2:
+        _extreme_penalty_counts_a_fallback(tp2)
