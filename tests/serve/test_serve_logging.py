@@ -160,6 +160,12 @@ def test_one_info_line_per_client_disconnect(served) -> None:
         time.sleep(0.3)
         sock.close()
         ids.append(rid)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)  # gone while its body is being read
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"x-request-id: half-body\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    time.sleep(0.3)
+    sock.close()
+    ids.append("half-body")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = log.read_text()
