@@ -67,6 +67,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(0, SEED_MAX, integer=True, optional=True),
     "max_tokens": Range(1, _INF, hi_open=True, integer=True),
     "logprobs": Range(0, _INF, hi_open=True, integer=True, optional=True),
+    "prompt_logprobs": Range(0, _INF, hi_open=True, integer=True, optional=True),
     "thinking_token_budget": Range(0, _INF, hi_open=True, integer=True, optional=True),
 }
 
@@ -87,6 +88,9 @@ class SamplingParams:
                     a single string or None are accepted.
     logprobs:       None, or the number of most likely alternatives to report per generated token (0 = only
                     the chosen token's log-probability); log-probabilities are of the model's distribution.
+    prompt_logprobs: None, or the number of alternatives to report for each prompt token after the first (vLLM's:
+                    the prompt token's own log-probability first, 0 = only that); the request then reads no
+                    prefix from the cache (every prompt position is computed), though it still fills the cache.
     ignore_eos:     keep generating past the model's end-of-sequence token.
     skip_special_tokens: leave special tokens (e.g. ``<|end_of_msg|>``) out of the output text (the ids stay).
     presence_penalty:   subtracted from the logit of every token generated so far (in [-2, 2]; 0 = off).
@@ -113,6 +117,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_p: float = 0.0

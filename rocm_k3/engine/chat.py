@@ -51,6 +51,8 @@ class ChatRequest:
     chat_template_kwargs: Mapping[str, Any] | None = None
     reasoning_effort: str | None = None
     thinking_token_budget: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,19 +132,23 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
     if value is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if isinstance(value, StructuredOutputs):
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{field}: expected an object, got {type(value).__name__}")
-    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    given = {k: v for k, v in value.items() if v is not None and not (v is False and k != "json")}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KEYS))
     if unknown:
         raise ValueError(f"{field}: unknown keys {unknown}; expected one of {list(STRUCTURED_OUTPUT_KEYS)}")
     try:
-        return StructuredOutputs(**given)
+        out = StructuredOutputs(**given)
     except ValueError as exc:
         raise ValueError(f"{field}.{exc}") from None
+    if out.kind == "json":  # named by the request's field here; the compiler checks again (LLM.generate)
+        check_schema_keywords(out.json, f"{field}.json" if field == "structured_outputs" else field)
+    return out
 
 
 def response_format_constraint(response_format: Mapping[str, Any] | None):
@@ -150,6 +156,7 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
     if response_format is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if not isinstance(response_format, Mapping):
         raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
@@ -163,9 +170,11 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
         if not isinstance(spec, Mapping) or "schema" not in spec:
             raise ValueError("response_format.json_schema.schema: required for type 'json_schema'")
         try:
-            return StructuredOutputs(json=spec["schema"])
+            out = StructuredOutputs(json=spec["schema"])
         except ValueError as exc:
             raise ValueError(f"response_format.json_schema.schema: {exc}") from None
+        check_schema_keywords(out.json, "response_format.json_schema.schema")
+        return out
     raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -181,10 +190,16 @@ class ModelFrontend:
         self.tokenizer = tokenizer
         self.family = family
         self.effort_budgets = dict(DEFAULT_EFFORT_BUDGETS if effort_budgets is None else effort_budgets)
+        self.chat_template: tuple[str, str] | None = None  # (Jinja text, where it came from): --chat-template
 
     @functools.cached_property
     def renderer(self):
-        """The checkpoint's chat renderer, or None (no tokenizer or no chat format)."""
+        """The chat renderer: ``chat_template`` (``--chat-template``) when set, else the checkpoint's; None without
+        a tokenizer or a chat format."""
+        if self.chat_template is not None and self.tokenizer is not None:
+            from rocm_k3.formats import K2ChatRenderer
+
+            return K2ChatRenderer(self.tokenizer, self.chat_template[0], source=self.chat_template[1])
         return load_chat_renderer(self.path, self.tokenizer)
 
     @functools.cached_property
@@ -223,6 +238,10 @@ class ModelFrontend:
         tool_choice = _tool_choice(tools, request.tool_choice, enable_auto_tool_choice)
         if not isinstance(request.parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls: expected a bool, got {request.parallel_tool_calls!r}")
+        if tools:
+            from rocm_k3.structured.tool_schemas import check_tool_schemas
+
+            check_tool_schemas(tools)  # for every tool_choice: auto shows the schemas to the model too
         constraint = _constraint(tools, tool_choice, request)
         if (tools or constraint is not None) and self.family is None:
             raise ValueError("tools / structured output: this checkpoint has no output family; serve it with "
@@ -234,7 +253,8 @@ class ModelFrontend:
         options = thinking_options(request.chat_template_kwargs, request.reasoning_effort)
         rendered = renderer.render(request.messages, tools=tools, tool_choice=tool_choice,
                                    response_format=request.response_format, thinking=options.thinking,
-                                   thinking_effort=options.effort)
+                                   thinking_effort=options.effort, add_generation_prompt=request.add_generation_prompt,
+                                   continue_final_message=request.continue_final_message)
         if rendered.image_positions and not allow_images:
             raise ValueError(f"messages: {len(rendered.image_positions)} image part(s), but this chat path does not "
                              "take images yet (LLM.generate takes them: prompt_token_ids + image_positions + "
