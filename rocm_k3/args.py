@@ -19,6 +19,7 @@ from rocm_k3.settings import BACKEND_CHOICES
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 PARSER_CHOICES = tuple(PARSER_ALIASES)
 MOE_ACT_QUANT_CHOICES = ("bf16", "mxfp8")
+SERVER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # SGLang's / vLLM's --log-level choices
 
 
 @dataclasses.dataclass
@@ -192,8 +193,12 @@ class ServerArgs:
     shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
         "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
                 "rest are ended with an error event; a second signal exits at once"})
-    uvicorn_log_level: str = dataclasses.field(default="info", metadata={
-        "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
+    log_level: str | None = dataclasses.field(default=None, metadata={
+        "help": "log level of rocm-k3's log lines, and of uvicorn's unless --uvicorn-log-level is given "
+                "(default: ROCM_K3_LOG_LEVEL, else warning)", "choices": SERVER_LOG_LEVELS})
+    uvicorn_log_level: str | None = dataclasses.field(default=None, metadata={
+        "help": "uvicorn's log level (default: --log-level, else info)",
+        "choices": (*SERVER_LOG_LEVELS, "trace")})
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -236,6 +241,23 @@ class ServerArgs:
         timeout = self.shutdown_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
             raise ValueError(f"shutdown_timeout: expected seconds in [0, 86400], got {timeout!r}")
+        if self.log_level is not None and self.log_level not in SERVER_LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {SERVER_LOG_LEVELS} or None, got {self.log_level!r}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in (*SERVER_LOG_LEVELS, "trace"):
+            raise ValueError(f"uvicorn_log_level: expected one of {(*SERVER_LOG_LEVELS, 'trace')} or None, got "
+                             f"{self.uvicorn_log_level!r}")
+
+    @property
+    def resolved_log_level(self) -> str:
+        """The ``rocm_k3`` loggers' level: ``log_level``, else ROCM_K3_LOG_LEVEL (lower case)."""
+        from rocm_k3.settings import get_settings
+
+        return self.log_level or get_settings().log_level.lower()
+
+    @property
+    def resolved_uvicorn_log_level(self) -> str:
+        """uvicorn's level: ``uvicorn_log_level``, else ``log_level``, else info."""
+        return self.uvicorn_log_level or self.log_level or "info"
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -115,6 +115,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_recoveries = 0
+        self.num_sampler_fallbacks = 0
         self.kv_stats: collections.Counter = collections.Counter()  # prefill/decode transfers (see Scheduler)
         self._new_bookkeeping()
 
@@ -231,6 +232,7 @@ class EngineCore:
         with self.guard.section():
             deltas = self._bookkeeping(lambda: self.scheduler.update(output))
             self.num_steps += 1
+            self.num_sampler_fallbacks += output.sampler_fallbacks
             self.num_prefill_tokens += sum(c.num_tokens for c in step.chunks if c.is_prefill)
             for d in deltas:
                 if d.finished:
@@ -284,6 +286,7 @@ class EngineCore:
     def stats(self) -> dict[str, float]:
         """Prefix-cache counters (queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
         cow_copies, state_restores, block/state evictions) plus steps, computed prefill tokens, preemptions,
+        sampler fallbacks (rows whose processed probabilities were unusable: the top logit was taken),
         cache sizes and what is free now (free_blocks / free_state_slots count free and evictable ids)."""
         mgr = self.cache_manager
         out = mgr.stats.as_dict()
@@ -292,6 +295,7 @@ class EngineCore:
             prefill_tokens=self.num_prefill_tokens,
             preemptions=self.scheduler.num_preemptions,
             recoveries=self.num_recoveries,
+            sampler_fallbacks=self.num_sampler_fallbacks,
             num_blocks=mgr.blocks.size,
             num_state_slots=mgr.slots.size,
             free_blocks=mgr.blocks.num_available,

@@ -216,6 +216,8 @@ class StepOutput:
     (a verification chunk's entry carries its accepted drafts), and the prompt log-probabilities of the chunks
     with ``prompt_logprob_rows``.
 
+    sampler_fallbacks: sampling rows of this step whose processed probabilities were unusable (NaN, all zero,
+                       every token masked), so the sampler took the top logit instead of a draw.
     kv_received / kv_failed: requests whose prompt cache this step loaded, or failed to load (checksum mismatch,
     timeout, producer gone: the engine recomputes those prompts and drops this step's token for them);
     kv_bytes_received / kv_bytes_sent: transferred payload bytes of this step; kv_transfer_s: seconds this step
@@ -224,9 +226,10 @@ class StepOutput:
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    sampler_fallbacks: int = 0
     kv_received: tuple[str, ...] = ()
     kv_failed: tuple[str, ...] = ()
     kv_bytes_received: int = 0
     kv_bytes_sent: int = 0
     kv_transfer_s: float = 0.0
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

@@ -47,7 +47,7 @@ log = logging.getLogger("rocm_k3.worker")
 
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
-NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this request"
+NON_FINITE = "non-finite logits: the model produced NaN or Inf logits for this request"
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -362,11 +362,14 @@ class Worker:
             if not chunks:
                 return StepOutput(step.step_id, prompt_logprobs=prompt)
             out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors())
-            tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+            # [3, R] tokens, finite flags, fallback flags: the step's one device -> host read
+            tokens, finite, fallback = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()]).tolist()
         finally:
             batch.close()
+        fallbacks = sum(fallback)
         if len(rows) != len(chunks):
-            sampled = verify_rows(chunks, tokens, finite, out.logprobs, batch.error, NON_FINITE)
+            sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
+                                  NON_FINITE)
         else:
             sampled = []
             for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
@@ -374,7 +377,7 @@ class Worker:
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
             sampled = self.proposer.attach(chunks, sampled, batch.params)
-        return StepOutput(step.step_id, tuple(sampled), prompt)
+        return StepOutput(step.step_id, tuple(sampled), prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:
         """The prompt log-probabilities of the chunks with ``prompt_logprob_rows`` from their logits rows
