@@ -19,9 +19,9 @@ and across the chunks of one sequence, with the state S [K, V] at the chunk star
     O  = (Q * exp(G)) S + Aqk V'
     S  = diag(exp(G_last)) S + (exp(G_last - G) * K)^T V'
 
-The pairwise factor exp(G_i - G_j) is the product exp(G_i - G_0) exp(G_0 - G_j) (two matmuls) in the chunks
-whose decay stays within FACTOR_LIMIT, where both factors lie inside fp32's range; in the others (the safe gate's
-in-chunk decay can reach -5 * 64) it is formed from the difference. Everything is differentiable (no in-place
+The pairwise factor exp(G_i - G_j) is formed from the difference. Under autograd (training) it is the product
+exp(G_i - G_0) exp(G_0 - G_j) (two matmuls) in the chunks whose decay stays within FACTOR_LIMIT, where both factors
+lie inside fp32's range (the safe gate's in-chunk decay can reach -5 * 64), and the difference in the others. Everything is differentiable (no in-place
 write into a tensor autograd keeps), so training runs through the same code.
 
 Chunks start at every multiple of 64 from each sequence's start; a requested intermediate position p that is
@@ -254,14 +254,18 @@ def _pairwise_decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
     span = (G.amax(dim=2) - G.amin(dim=2)).detach().flatten(1).amax(dim=1)  # [NC]
     Aqk = torch.zeros(NC, H, C, C, dtype=G.dtype, device=G.device)
     Akk = torch.zeros_like(Aqk)
-    factored = torch.nonzero(span <= FACTOR_LIMIT).flatten()
+    # training (autograd on) takes the factored products where they are safe, for speed; inference keeps the
+    # exact difference form everywhere (the factored sums round differently, and a greedy comparison of a random
+    # bf16 model against this reference flips at near-ties on such changes)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, G))
+    factored = torch.nonzero(span <= FACTOR_LIMIT).flatten() if training else span.new_zeros(0, dtype=torch.long)
     if factored.numel():
         Gf = G[factored]
         rel = Gf - Gf[:, :, :1]  # G_i - G_0
         k_out = (k[factored] * torch.exp(-rel)).transpose(-1, -2)  # [n, H, K, C(j)]: k_j exp(G_0 - G_j)
         Aqk[factored] = (q[factored] * torch.exp(rel)) @ k_out
         Akk[factored] = (k[factored] * torch.exp(rel)) @ k_out
-    steep = torch.nonzero(span > FACTOR_LIMIT).flatten()
+    steep = torch.nonzero(span > FACTOR_LIMIT).flatten() if training else torch.arange(NC, device=G.device)
     step = max(1, _PAIRWISE_BLOCK_ELEMS // max(1, H * C * C * K))
     for lo in range(0, steep.numel(), step):
         blk = steep[lo : lo + step]
