@@ -214,6 +214,9 @@ TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
         "required": ["city", "days"], "additionalProperties": False}
 
 
+SEEDS = range(4)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_low_effort_budget_closes_think_so_json_follows(ahead, seed) -> None:
     """Thinking on, reasoning_effort "low", a json_schema response_format, sampled: the low budget (256 think
@@ -284,7 +287,6 @@ def test_tool_call_cut_off_by_max_tokens_keeps_its_text(ahead) -> None:
 
 
 # ---- the long requests, sent ahead at once (see the module docstring) ---------------------------------------
-SEEDS = range(4)
 TRIP_FORMAT = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}}
 CURRENCY_CHAT = dict(model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0,
                      tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
