@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import agents  # openai-agents, pinned in the test extra
 import pytest
+from openai.types.shared import Reasoning
 
-agents = pytest.importorskip("agents", reason="openai-agents is in the test extra (pip install -e '.[test]')")
-from openai.types.shared import Reasoning  # noqa: E402
-
-from rocm_k3.args import EngineArgs, ServerArgs  # noqa: E402
-from tests.server_fixtures import running_server  # noqa: E402
+from rocm_k3.args import EngineArgs, ServerArgs
+from tests.server_fixtures import running_server
 
 QUESTION = "What's the weather in Paris?"
 
