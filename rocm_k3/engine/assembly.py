@@ -143,6 +143,7 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     measured = None if all(explicit) else executor.cache_budget(cache.block_size)
     cache, geometry = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
                           max_model_len=geometry.max_model_len, cache=cache,
                           speculative=SpeculativeConfig.parse(args.speculative_config))
     executor.init_cache(geometry)

@@ -336,7 +336,9 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of the next prefill chunk: the rest of the prefill if it fits, else up to the last aligned
-        position within the budget (0 when none is reachable this step)."""
+        position within the budget (0 when none is reachable this step). A chunk never takes more than the
+        config's ``prefill_chunk_cap`` (``--long-prefill-token-threshold``)."""
+        budget = min(budget, self.config.prefill_chunk_cap)
         start = seq.num_computed_tokens
         remaining = seq.prefill_len - start
         if remaining <= budget:
