@@ -78,7 +78,8 @@ class EngineArgs:
         "help": "seconds a step or collective may take before the run is ended with an error"})
     speculative_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
+                '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
+                '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -173,6 +174,9 @@ class ServerArgs:
     responses_store_size: int = dataclasses.field(default=1000, metadata={
         "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
                 "(least recently used dropped first; 0: none)"})
+    chat_template: str | None = dataclasses.field(default=None, metadata={
+        "help": "a Jinja chat template (a file, or the template text itself) used instead of the checkpoint's "
+                "chat format; it runs in jinja2's immutable sandbox"})
     reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
         "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
                 "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
@@ -215,6 +219,8 @@ class ServerArgs:
         size = self.responses_store_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
+        if self.chat_template is not None:
+            read_chat_template_arg(self.chat_template)  # ValueError naming a missing or unreadable file
         from rocm_k3.formats.chat_base import parse_effort_budgets
 
         parse_effort_budgets(self.reasoning_effort_budgets)  # ValueError naming a bad entry
@@ -229,6 +235,20 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+def read_chat_template_arg(value: str) -> tuple[str, str]:
+    """``--chat-template`` (vLLM's): a file's text, or the value itself when it is a template (has ``{{`` or
+    ``{%``); returns (template, where it came from)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template: expected a file or a Jinja template, got {value!r}")
+    if "{{" in value or "{%" in value:
+        return value, "--chat-template"
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8"), f"--chat-template {path}"
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"chat_template: cannot read {value!r} as a template file ({exc})") from None
 
 
 _FLAG_TYPES = {"int | None": int, "int": int, "float": float}

@@ -31,6 +31,9 @@ class SamplingParams:
                     a single string or None are accepted.
     logprobs:       None, or the number of most likely alternatives to report per generated token (0 = only
                     the chosen token's log-probability); log-probabilities are of the model's distribution.
+    prompt_logprobs: None, or the number of alternatives to report for each prompt token after the first (vLLM's:
+                    the prompt token's own log-probability first, 0 = only that); the request then reads no
+                    prefix from the cache (every prompt position is computed), though it still fills the cache.
     ignore_eos:     keep generating past the model's end-of-sequence token.
     skip_special_tokens: leave special tokens (e.g. ``<|end_of_msg|>``) out of the output text (the ids stay).
     presence_penalty:   subtracted from the logit of every token generated so far (in [-2, 2]; 0 = off).
@@ -57,6 +60,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_p: float = 0.0
@@ -95,11 +99,12 @@ class SamplingParams:
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
         set_("max_tokens", max_tokens)
-        if self.logprobs is not None:
-            logprobs = _integer("logprobs", self.logprobs, or_none=True)
-            if logprobs < 0:
-                raise ValueError(f"logprobs: expected None or an int >= 0, got {self.logprobs!r}")
-            set_("logprobs", logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _integer(name, getattr(self, name), or_none=True)
+                if value < 0:
+                    raise ValueError(f"{name}: expected None or an int >= 0, got {getattr(self, name)!r}")
+                set_(name, value)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):

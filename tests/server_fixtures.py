@@ -74,6 +74,13 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
         engine.shutdown()
 
 
+def serve_module(engine_args: EngineArgs, **server_kwargs) -> Iterator[RunningServer]:
+    """The body of a module-scoped server fixture: ``yield from serve_module(ENGINE, enable_auto_tool_choice=True)``
+    (ServerArgs on a free port, uvicorn warnings only, plus ``server_kwargs``)."""
+    with running_server(engine_args, ServerArgs(port=0, uvicorn_log_level="warning", **server_kwargs)) as srv:
+        yield srv
+
+
 def start_app(app, log_level: str = "warning", served=None) -> RunningServer:
     """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a background thread; the caller stops it."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, timeout_graceful_shutdown=2,

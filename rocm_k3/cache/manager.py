@@ -94,8 +94,9 @@ class CacheManager:
         self._in_flight: list[CopyPlan] = []
 
     # ---- admission and growth ------------------------------------------------------------------------------
-    def admit(self, seq_id: int, token_ids: Sequence[int]) -> int | None:
-        """Give a new sequence a running KDA slot and reuse the longest usable cached prefix.
+    def admit(self, seq_id: int, token_ids: Sequence[int], reuse: bool = True) -> int | None:
+        """Give a new sequence a running KDA slot and reuse the longest usable cached prefix (none when not
+        ``reuse``: a request that needs every prompt position computed).
 
         Returns the number of prefix tokens served from the cache (0 without a hit), or None (nothing changed)
         when no slot or block is available. A hit shares the blocks below the match, copies a partially
@@ -110,7 +111,7 @@ class CacheManager:
         if slot is None:
             return None
         path = []
-        if self.caching:
+        if self.caching and reuse:
             # at least one token must be computed: its logits are what the step is for
             path = self.index.longest_state_match(token_ids, (len(token_ids) - 1) // self.match_unit)
         matched = len(path) * self.match_unit

@@ -51,6 +51,8 @@ class ChatRequest:
     chat_template_kwargs: Mapping[str, Any] | None = None
     reasoning_effort: str | None = None
     thinking_token_budget: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +183,16 @@ class ModelFrontend:
         self.tokenizer = tokenizer
         self.family = family
         self.effort_budgets = dict(DEFAULT_EFFORT_BUDGETS if effort_budgets is None else effort_budgets)
+        self.chat_template: tuple[str, str] | None = None  # (Jinja text, where it came from): --chat-template
 
     @functools.cached_property
     def renderer(self):
-        """The checkpoint's chat renderer, or None (no tokenizer or no chat format)."""
+        """The chat renderer: ``chat_template`` (``--chat-template``) when set, else the checkpoint's; None without
+        a tokenizer or a chat format."""
+        if self.chat_template is not None and self.tokenizer is not None:
+            from rocm_k3.formats import K2ChatRenderer
+
+            return K2ChatRenderer(self.tokenizer, self.chat_template[0], source=self.chat_template[1])
         return load_chat_renderer(self.path, self.tokenizer)
 
     @functools.cached_property
@@ -234,7 +242,8 @@ class ModelFrontend:
         options = thinking_options(request.chat_template_kwargs, request.reasoning_effort)
         rendered = renderer.render(request.messages, tools=tools, tool_choice=tool_choice,
                                    response_format=request.response_format, thinking=options.thinking,
-                                   thinking_effort=options.effort)
+                                   thinking_effort=options.effort, add_generation_prompt=request.add_generation_prompt,
+                                   continue_final_message=request.continue_final_message)
         if rendered.image_positions and not allow_images:
             raise ValueError(f"messages: {len(rendered.image_positions)} image part(s), but this chat path does not "
                              "take images yet (LLM.generate takes them: prompt_token_ids + image_positions + "

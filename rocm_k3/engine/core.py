@@ -153,6 +153,8 @@ class EngineCore:
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt,
                        max_tokens=max_tokens, sampling=params, stop=stop,
                        logprobs=[] if params.logprobs is not None else None, images=images,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                       prompt_logprob_ranks=None if params.prompt_logprobs is None else [None],
                        prompt_cache_key=prefix_cache_key(prompt, images) if images else None)
         with self.guard.section():
             self.scheduler.add(seq)

@@ -32,7 +32,6 @@ from rocm_k3.cache.errors import PromptTooLongError  # noqa: F401 (raised by the
 from rocm_k3.engine.chat_images import images_from_messages
 from rocm_k3.engine.chat import ChatOutput, ChatRequest, chat_finish_reason
 from rocm_k3.engine.assembly import assemble_engine, resolve_device, resolve_dtype, run_headless_node
-from rocm_k3.engine.core import EngineCore
 from rocm_k3.engine.multimodal import MultiModalProcessor, MultiModalPrompt, multi_modal_images, named_image_error
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.model.config import ModelConfig
@@ -43,13 +42,6 @@ from rocm_k3.worker.step_io import ImageInput
 
 Prompt = str | Sequence[int] | Mapping[str, Any]  # also a 1-d integer numpy array / torch tensor
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "image_positions")
-
-
-def build_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = None) -> tuple[EngineCore, Path, Any]:
-    """(core, checkpoint path, tokenizer) of :func:`~rocm_k3.engine.assembly.assemble_engine` (kept for callers of
-    the tuple form)."""
-    engine = assemble_engine(args, model=model, tokenizer=tokenizer)
-    return engine.core, engine.path, engine.tokenizer
 
 
 class LLM:

@@ -18,6 +18,9 @@ class RequestOutput:
                        "abort", or "error" (see ``error``).
     error:             why the request failed (finish_reason "error"), e.g. non-finite logits; else None.
     num_cached_tokens: prompt tokens served from the prefix cache at the request's last admission.
+    prompt_logprobs:   with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+                       ``{token_id: logprob}`` (the prompt token first, then the top alternatives); else None.
+    prompt_logprob_ranks: the prompt tokens' ranks in their distributions (1 = most likely; None for the first).
     """
 
     prompt_token_ids: list[int]
@@ -27,6 +30,8 @@ class RequestOutput:
     finish_reason: str
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclasses.dataclass
@@ -34,6 +39,7 @@ class RequestDelta:
     """What one step added to a request (for streaming): new token ids and text, and the final output once done.
 
     new_text holds back a tail that could still become a stop string; it is released when the request finishes.
+    prompt_logprobs / prompt_logprob_ranks: on the request's first delta, as in :class:`RequestOutput`.
     """
 
     request_id: str
@@ -44,3 +50,5 @@ class RequestDelta:
     finish_reason: str | None
     error: str | None
     output: RequestOutput | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -207,6 +207,7 @@ class Scheduler:
                 accepted = accepted_of.get(item.seq.request_id, ())
                 item.seq.num_computed_tokens = item.start + 1 + len(accepted)
                 self.spec.settle(item, len(accepted))
+        self._take_prompt_logprobs(out.scheduled, output)
         samplers = [item.seq for item in out.scheduled if item.samples]
         if len(samplers) != len(output.sampled):
             raise RuntimeError(f"step {output.step_id}: {len(output.sampled)} sampled tokens for "
@@ -224,8 +225,23 @@ class Scheduler:
                     break
             if not seq.is_finished:
                 delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
+                seq.proposal = (seq.num_tokens, token.draft_token_ids)
             deltas.append(delta)
         return deltas
+
+    @staticmethod
+    def _take_prompt_logprobs(scheduled: list[ScheduledSeq], output: StepOutput) -> None:
+        """Append the prompt log-probabilities the step computed (a recomputed prefill's repeats are skipped)."""
+        by_id = {item.seq.request_id: item.seq for item in scheduled}
+        for part in output.prompt_logprobs:
+            seq = by_id.get(part.request_id)
+            if seq is None or seq.prompt_logprobs is None:
+                raise RuntimeError(f"step {output.step_id}: prompt logprobs of {part.request_id!r}, which did not "
+                                   "ask for them this step")
+            for i, (entry, rank) in enumerate(zip(part.entries, part.ranks)):
+                if part.first + i == len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                    seq.prompt_logprobs.append(dict(entry))
+                    seq.prompt_logprob_ranks.append(rank)
 
     def abandon(self) -> None:
         """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
@@ -273,7 +289,8 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             if not seq.registered:
-                needs_prompt = seq.sampling is not None and seq.sampling.repetition_penalty != 1
+                needs_prompt = seq.sampling is not None and (seq.sampling.repetition_penalty != 1
+                                                             or seq.sampling.prompt_logprobs is not None)
                 new_requests.append(NewRequest(seq.request_id, seq.sampling, seq.num_prompt_tokens,
                                                tuple(seq.prompt_token_ids) if needs_prompt else ()))
                 seq.registered = True
@@ -287,6 +304,8 @@ class Scheduler:
                 start=item.start, num_draft=len(item.drafts), slot_moved=self.spec.take_moved(seq.seq_id),
                 admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
                 is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,
+                prompt_logprob_rows=max(0, min(item.end, seq.num_prompt_tokens - 1) - item.start)
+                if item.is_prefill and seq.needs_prompt_logprobs else 0,
             ))
             seq.blocks_sent = len(table)
             seq.admitted_this_step = False
@@ -309,11 +328,13 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None,
                 error: str) -> RequestDelta:
         """One sampled token of a running sequence: append it, check stops, finish when done."""
+        first = seq.num_tokens == seq.num_prompt_tokens  # the request's first delta carries its prompt logprobs
+        prompt_lp = (seq.prompt_logprobs, seq.prompt_logprob_ranks) if first else (None, None)
         if error:
             self.finish(seq, "error")
             seq.error = error
             return RequestDelta(seq.request_id, [], "", None, True, "error", error,
-                                self._output(seq))
+                                self._output(seq), *prompt_lp)
         seq.token_ids.append(token)
         entry = None
         if logprobs is not None:
@@ -326,12 +347,13 @@ class Scheduler:
         finished = seq.is_finished
         return RequestDelta(seq.request_id, [token], seq.stop.take_text_delta(),
                             None if entry is None else [entry], finished, seq.finish_reason, None,
-                            self._output(seq) if finished else None)
+                            self._output(seq) if finished else None, *prompt_lp)
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         return RequestOutput(list(seq.prompt_token_ids), seq.output_token_ids, seq.stop.text, seq.logprobs,
-                             seq.finish_reason or "abort", seq.error, seq.num_cached_tokens)
+                             seq.finish_reason or "abort", seq.error, seq.num_cached_tokens, seq.prompt_logprobs,
+                             seq.prompt_logprob_ranks)
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -351,7 +373,7 @@ class Scheduler:
         prefill in flight (running, or admitted earlier in this step) than the cache can serve now stays queued
         until that prefill has saved its states, instead of computing the same prefix side by side. The prefill
         it waits for is running and advances every step, so the wait is bounded."""
-        if not self.cache.caching:
+        if not self.cache.caching or seq.needs_prompt_logprobs:
             return False
         limit = seq.num_tokens - 1  # one token is always computed
         shared = 0
@@ -365,7 +387,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
         seq.prefill_len = seq.num_tokens
-        cached = self.cache.admit(seq.seq_id, seq.cache_key_ids)
+        cached = self.cache.admit(seq.seq_id, seq.cache_key_ids, reuse=not seq.needs_prompt_logprobs)
         if cached is None:
             return 0
         seq.num_computed_tokens = cached

@@ -34,6 +34,8 @@ class Sequence:
     sampling:             the request's sampling parameters.
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
+    proposal:             draft_model speculation: (num_tokens when proposed, the drafter's tokens continuing
+                          token_ids then); used only while num_tokens is unchanged.
     """
 
     seq_id: int
@@ -51,11 +53,14 @@ class Sequence:
     error: str | None = None
     stop: Any = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # asked: [None] + one entry per later prompt token
+    prompt_logprob_ranks: list[int | None] | None = None
     registered: bool = False
     admitted_this_step: bool = False
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()
     prompt_cache_key: list[int] | None = None
+    proposal: tuple[int, tuple[int, ...]] = (0, ())
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -101,6 +106,11 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Past its prefill: one new token per step."""
         return self.status is SequenceStatus.RUNNING and self.num_computed_tokens >= self.prefill_len
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked and are not all in yet (every prompt position must be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

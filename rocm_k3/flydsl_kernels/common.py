@@ -8,10 +8,14 @@ Conventions: a wave is 64 lanes (CDNA3/CDNA4); all reductions accumulate in fp32
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flydsl.expr as fx
 import torch
 from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
+
+from rocm_k3.flydsl_kernels.plans import kda_decode_lane
 
 WAVE = 64
 DEFAULT_STREAM = fx.Stream(None)  # launcher default: the null stream (host wrappers pass torch's current one)
@@ -201,3 +205,32 @@ def fill_rmem(n: int, value: float):
     reg = fx.make_rmem_tensor(n, fx.Float32)
     reg.store(fx.Vector.filled(n, value, fx.Float32))
     return reg
+
+
+def kda_log_decay(gate: str, graw, a, bias, lower_bound: float | None):
+    """One channel's log-decay from its raw gate input ``graw`` (ops.kda.kda_gate), ``gate`` static: "safe"
+    ``L * sigmoid(a (graw + bias))``, "softplus" ``-a * softplus(graw + bias)``, else ``graw`` is the log-decay."""
+    if gate == "safe":
+        return sigmoid(a * (graw + bias)) * float(lower_bound)
+    if gate == "softplus":
+        return -a * softplus(graw + bias)
+    return graw
+
+
+class KdaLane(NamedTuple):
+    """This lane of a KDA column-pair workgroup: thread id, key channel c, half (:func:`plans.kda_decode_lane`),
+    lead (the pair's writing lane), and the workgroup's grid coordinates x (sequence or chunk) and y (head)."""
+
+    tid: object
+    c: object
+    half: object
+    lead: object
+    x: object
+    y: object
+
+
+def kda_lane() -> KdaLane:
+    tid = gpu.thread_idx.x
+    c, half = kda_decode_lane(tid)
+    return KdaLane(tid, c, half, half == 0, gpu.block_idx.x, gpu.block_idx.y)
+

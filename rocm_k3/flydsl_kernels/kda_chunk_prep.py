@@ -20,7 +20,7 @@ from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK
-from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN, kda_decode_lane
+from rocm_k3.flydsl_kernels.plans import KDA_LANES_PER_COLUMN
 
 
 def build_kda_chunk_prep(config):
@@ -45,14 +45,11 @@ def build_kda_chunk_prep(config):
         CuSeq: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor, Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor,
         B: fx.Tensor, scale: fx.Float32,
     ):
-        tid = gpu.thread_idx.x
-        c, half = kda_decode_lane(tid)
-        lead = half == 0
-        ch = gpu.block_idx.x
-        h = gpu.block_idx.y
+        tid, c, _, lead, ch, h = common.kda_lane()
         t0 = fx.Int32(ChunkStart[ch])
         t_end = fx.min(fx.Int32(CuSeq[fx.Int32(ChunkSeq[ch]) + 1]), t0 + CHUNK)
         red = fx.SharedAllocator().allocate(Shared).peek().red.view(fx.make_layout(8, 1))
+        a_h = bias_c = None  # read by the safe and softplus gates only
         if const_expr(config.gate != "logdecay"):
             a_h = fmath.exp(fx.Float32(ALog[h]))
             bias_c = fx.Float32(DtBias[h * K + c])
@@ -60,12 +57,7 @@ def build_kda_chunk_prep(config):
         gsum = fx.Float32(0.0)
         for t in range(t0, t_end):
             q, k, graw = fx.Float32(Q[t, h, c]), fx.Float32(Kt[t, h, c]), fx.Float32(G[t, h, c])
-            if const_expr(config.gate == "safe"):
-                g = common.sigmoid(a_h * (graw + bias_c)) * float(config.lower_bound)
-            elif const_expr(config.gate == "softplus"):
-                g = -a_h * common.softplus(graw + bias_c)
-            else:
-                g = graw
+            g = common.kda_log_decay(config.gate, graw, a_h, bias_c, config.lower_bound)
             gsum = gsum + g
             qs, ks = scale, fx.Float32(1.0)
             if const_expr(config.qk_l2norm):

@@ -27,16 +27,11 @@ import dataclasses
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import const_expr, gpu, range_constexpr
+from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.plans import (
-    KDA_HEAD_DIMS,
-    KDA_LANES_PER_COLUMN,
-    kda_decode_lane,
-    kda_decode_row,
-)
+from rocm_k3.flydsl_kernels.plans import KDA_HEAD_DIMS, KDA_LANES_PER_COLUMN, kda_decode_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +55,27 @@ class KdaDecodeConfig:
             raise ValueError(f"unsupported dtype {self.dtype}")
 
 
+def token_scratch_struct(K: int):
+    """The LDS scratch of one token in the KDA decode and recurrent prefill kernels, fp32: the normalised q, k and
+    exp(g) [K] and the block-reduction scratch [8] (built at kernel build time)."""
+
+    @fx.struct
+    class Shared:
+        q: fx.Array[fx.Float32, K, 16]
+        k: fx.Array[fx.Float32, K, 16]
+        eg: fx.Array[fx.Float32, K, 16]
+        red: fx.Array[fx.Float32, 8, 16]
+
+    return Shared
+
+
+def token_scratch_views(shared, K: int):
+    """(q, k, exp(g), reduction) views of a workgroup's :func:`token_scratch_struct` allocation (in a kernel)."""
+    lds = fx.SharedAllocator().allocate(shared).peek()
+    return tuple(getattr(lds, name).view(fx.make_layout(size, 1)) for name, size in
+                 (("q", K), ("k", K), ("eg", K), ("red", 8)))
+
+
 def build_kda_decode(config: KdaDecodeConfig):
     """``launch(qkv, f, beta, out_gate, conv_w, conv_state, A_log, dt_bias, o_norm_w, state, slots, y, N, scale, eps)``.
 
@@ -73,12 +89,7 @@ def build_kda_decode(config: KdaDecodeConfig):
     act = common.fx_dtype(config.dtype)
     lower = config.lower_bound
 
-    @fx.struct
-    class Shared:
-        q: fx.Array[fx.Float32, K, 16]
-        k: fx.Array[fx.Float32, K, 16]
-        eg: fx.Array[fx.Float32, K, 16]
-        red: fx.Array[fx.Float32, 8, 16]
+    Shared = token_scratch_struct(K)
 
     @flyc.kernel
     def kda_decode_kernel(
@@ -86,17 +97,9 @@ def build_kda_decode(config: KdaDecodeConfig):
         ALog: fx.Tensor, DtBias: fx.Tensor, ONormW: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor, Y: fx.Tensor,
         scale: fx.Float32, eps: fx.Float32,
     ):
-        tid = gpu.thread_idx.x
-        c, half = kda_decode_lane(tid)
-        lead = half == 0
-        n = gpu.block_idx.x
-        h = gpu.block_idx.y
+        tid, c, half, lead, n, h = common.kda_lane()
         slot = fx.Int32(Slots[n])
-        lds = fx.SharedAllocator().allocate(Shared).peek()
-        sq = lds.q.view(fx.make_layout(K, 1))
-        sk = lds.k.view(fx.make_layout(K, 1))
-        seg = lds.eg.view(fx.make_layout(K, 1))
-        red = lds.red.view(fx.make_layout(8, 1))
+        sq, sk, seg, red = token_scratch_views(Shared, K)
 
         # short conv update + SiLU of channel c of q, k and v (the conv state keeps the last W-1 inputs)
         mixed = []
@@ -115,12 +118,9 @@ def build_kda_decode(config: KdaDecodeConfig):
         q, k, v = mixed
 
         # gate (log decay) of key channel c
-        z = fx.Float32(F[n, h * K + c]) + fx.Float32(DtBias[h * K + c])
         a = fmath.exp(fx.Float32(ALog[h]))
-        if const_expr(lower is None):
-            g = -a * common.softplus(z)
-        else:
-            g = common.sigmoid(a * z) * float(lower)
+        g = common.kda_log_decay("softplus" if lower is None else "safe", fx.Float32(F[n, h * K + c]), a,
+                                 fx.Float32(DtBias[h * K + c]), lower)
         beta = common.sigmoid(fx.Float32(Beta[n, h]))
 
         # L2 norms of q and k over the K channels (each channel counted once, by its even lane)

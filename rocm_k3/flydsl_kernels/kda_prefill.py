@@ -53,12 +53,8 @@ from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.plans import (
-    KDA_HEAD_DIMS,
-    KDA_LANES_PER_COLUMN,
-    kda_decode_lane,
-    kda_decode_row,
-)
+from rocm_k3.flydsl_kernels.kda_decode import token_scratch_struct, token_scratch_views
+from rocm_k3.flydsl_kernels.plans import KDA_HEAD_DIMS, KDA_LANES_PER_COLUMN, kda_decode_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +91,7 @@ def build_kda_prefill(config: KdaPrefillConfig):
     rows = K // KDA_LANES_PER_COLUMN
     act = common.fx_dtype(config.dtype)
 
-    @fx.struct
-    class Shared:
-        q: fx.Array[fx.Float32, K, 16]
-        k: fx.Array[fx.Float32, K, 16]
-        eg: fx.Array[fx.Float32, K, 16]
-        red: fx.Array[fx.Float32, 8, 16]
+    Shared = token_scratch_struct(K)
 
     @flyc.kernel
     def kda_prefill_kernel(
@@ -109,20 +100,13 @@ def build_kda_prefill(config: KdaPrefillConfig):
         SegEnd: fx.Tensor, SegRow: fx.Tensor, Inter: fx.Tensor, O: fx.Tensor, ALog: fx.Tensor, DtBias: fx.Tensor,
         tokens: fx.Int32, scale: fx.Float32,
     ):
-        tid = gpu.thread_idx.x
-        c, half = kda_decode_lane(tid)
-        lead = half == 0
-        n = gpu.block_idx.x
-        h = gpu.block_idx.y
+        tid, c, half, lead, n, h = common.kda_lane()
         bos = fx.Int32(CuSeq[n])
         slot = fx.Int32(Slots[n])
-        lds = fx.SharedAllocator().allocate(Shared).peek()
-        sq = lds.q.view(fx.make_layout(K, 1))
-        sk = lds.k.view(fx.make_layout(K, 1))
-        seg = lds.eg.view(fx.make_layout(K, 1))
-        red = lds.red.view(fx.make_layout(8, 1))
+        sq, sk, seg, red = token_scratch_views(Shared, K)
         f32 = common.copy_atom("f32", 1)
         tile = common.flat_vectors(common.static_view(fx.slice(State, (slot, h, None, None)), K * K), 1)
+        a_h = bias_c = None  # read by the safe and softplus gates only
         if const_expr(config.gate != "logdecay"):
             a_h = fmath.exp(fx.Float32(ALog[h]))
             bias_c = fx.Float32(DtBias[h * K + c])
@@ -148,12 +132,7 @@ def build_kda_prefill(config: KdaPrefillConfig):
                 tp = fx.min(t + 1, last)
                 nq, nk, nv = fx.Float32(Q[tp, h, c]), fx.Float32(Kt[tp, h, c]), fx.Float32(V[tp, h, c])
                 ng, nb = fx.Float32(G[tp, h, c]), fx.Float32(Beta[tp, h])
-                if const_expr(config.gate == "safe"):
-                    g = common.sigmoid(a_h * (graw + bias_c)) * float(config.lower_bound)
-                elif const_expr(config.gate == "softplus"):
-                    g = -a_h * common.softplus(graw + bias_c)
-                else:
-                    g = graw
+                g = common.kda_log_decay(config.gate, graw, a_h, bias_c, config.lower_bound)
                 if const_expr(config.beta_logits):
                     beta = common.sigmoid(beta)
                 if const_expr(config.qk_l2norm):

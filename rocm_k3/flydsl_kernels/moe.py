@@ -15,12 +15,11 @@ Compile-verified only (gfx942, gfx950); not yet run on an AMD GPU.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from rocm_k3.flydsl_kernels.ops_impl import stream_of
+from rocm_k3.flydsl_kernels.ops_impl import lazy_builder, stream_of
 from rocm_k3.flydsl_kernels.plans import MOE_BLOCK_M, MOE_K_GROUP
 from rocm_k3.flydsl_kernels.weights import (
     layout_for_arch,
@@ -124,25 +123,13 @@ def fused_moe_supports(x, weights, topk_weights, topk_ids, *, activation=DEFAULT
     return True, f"flydsl MXFP4 MoE ({'A8W4' if act_quant == 'mxfp8' else 'A16W4'}, {arch})"
 
 
-@functools.cache
-def _gemm(cfg):
-    from rocm_k3.flydsl_kernels.moe_gemm import build_moe_gemm
-
-    return build_moe_gemm(cfg)
+_gemm = lazy_builder("rocm_k3.flydsl_kernels.moe_gemm", "build_moe_gemm")
 
 
-@functools.cache
-def _quant(cfg):
-    from rocm_k3.flydsl_kernels.moe_aux import build_mxfp8_quant
-
-    return build_mxfp8_quant(cfg)
+_quant = lazy_builder("rocm_k3.flydsl_kernels.moe_aux", "build_mxfp8_quant")
 
 
-@functools.cache
-def _reduce(cfg):
-    from rocm_k3.flydsl_kernels.moe_aux import build_moe_reduce
-
-    return build_moe_reduce(cfg)
+_reduce = lazy_builder("rocm_k3.flydsl_kernels.moe_aux", "build_moe_reduce")
 
 
 def _mx_quant(t: torch.Tensor, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,9 @@ Compile-verified only (gfx942, gfx950); not yet run on an AMD GPU.
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,25 +32,23 @@ def stream_of(t: torch.Tensor) -> dict:
     return {"stream": torch.cuda.current_stream(t.device)} if t.is_cuda else {}
 
 
-@functools.cache
-def _norm_launcher(cfg):
-    from rocm_k3.flydsl_kernels.norm import build_norm
+def lazy_builder(module: str, name: str) -> Callable[[Any], Any]:
+    """``module.name(cfg)`` (a kernel's ``build_*``), memoised per config, the module imported on first use (so
+    importing the backend does not import FlyDSL)."""
+    @functools.cache
+    def build(cfg):
+        return getattr(importlib.import_module(module), name)(cfg)
 
-    return build_norm(cfg)
-
-
-@functools.cache
-def _attn_res_launcher(cfg):
-    from rocm_k3.flydsl_kernels.attn_res import build_attn_res_step
-
-    return build_attn_res_step(cfg)
+    return build
 
 
-@functools.cache
-def _kda_decode_launcher(cfg):
-    from rocm_k3.flydsl_kernels.kda_decode import build_kda_decode
+_norm_launcher = lazy_builder("rocm_k3.flydsl_kernels.norm", "build_norm")
 
-    return build_kda_decode(cfg)
+
+_attn_res_launcher = lazy_builder("rocm_k3.flydsl_kernels.attn_res", "build_attn_res_step")
+
+
+_kda_decode_launcher = lazy_builder("rocm_k3.flydsl_kernels.kda_decode", "build_kda_decode")
 
 
 def _row_ok(x: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[bool, str]:
@@ -212,11 +213,7 @@ def kda_decode(qkv, f, beta, out_gate, conv_weight, conv_state, A_log, dt_bias, 
 # --- kda_prefill (chunked form; the recurrent kernel serves off-grid intermediate positions) -----------------
 
 
-@functools.cache
-def _kda_prefill_launcher(cfg):
-    from rocm_k3.flydsl_kernels.kda_prefill import build_kda_prefill
-
-    return build_kda_prefill(cfg)
+_kda_prefill_launcher = lazy_builder("rocm_k3.flydsl_kernels.kda_prefill", "build_kda_prefill")
 
 
 @functools.cache
@@ -351,11 +348,7 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, state, state_indices, has_initial_
 # --- situ_and_mul / silu_and_mul ---------------------------------------------------------------------------
 
 
-@functools.cache
-def _gated_act_launcher(cfg):
-    from rocm_k3.flydsl_kernels.gated_act import build_gated_act
-
-    return build_gated_act(cfg)
+_gated_act_launcher = lazy_builder("rocm_k3.flydsl_kernels.gated_act", "build_gated_act")
 
 
 def _gated_act(x: torch.Tensor, activation: tuple) -> torch.Tensor:
@@ -393,11 +386,7 @@ def silu_and_mul(x):
 # --- short_conv (prefill) ----------------------------------------------------------------------------------
 
 
-@functools.cache
-def _short_conv_launcher(cfg):
-    from rocm_k3.flydsl_kernels.short_conv import build_short_conv
-
-    return build_short_conv(cfg)
+_short_conv_launcher = lazy_builder("rocm_k3.flydsl_kernels.short_conv", "build_short_conv")
 
 
 def short_conv_supports(x, weight, cu_seqlens, *, conv_state=None, state_indices=None, has_initial_state=None,
@@ -441,11 +430,7 @@ def short_conv(x, weight, cu_seqlens, *, conv_state=None, state_indices=None, ha
 # --- route ----------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _route_launcher(cfg):
-    from rocm_k3.flydsl_kernels.route import build_route
-
-    return build_route(cfg)
+_route_launcher = lazy_builder("rocm_k3.flydsl_kernels.route", "build_route")
 
 
 def route_supports(router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):

@@ -3,11 +3,14 @@
 A renderer turns OpenAI-format messages into prompt token ids::
 
     renderer.render(messages, *, tools=None, tool_choice=None, response_format=None, thinking=None,
-                    thinking_effort=None, add_generation_prompt=True)
+                    thinking_effort=None, add_generation_prompt=True, continue_final_message=False)
         -> RenderedChat(token_ids, text, prompt_in_think, image_positions)
 
+``continue_final_message`` (vLLM's): the final message is left open (no end markers), so generation continues
+it; it excludes ``add_generation_prompt`` and a final tool message.
+
 ``renderer.family`` is "kimi_k3" (XTML) or "kimi_k2" (the checkpoint's Jinja template). Messages are dicts:
-``role`` (system | user | assistant | tool), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
+``role`` (system | developer | user | assistant | tool; OpenAI's ``developer`` is rendered as ``system``), ``content`` (a string or a list of ``text`` / ``image_url`` parts),
 optional ``name``; assistant messages may carry ``reasoning_content`` and ``tool_calls`` (``function.arguments``
 as a JSON string or a dict); tool messages ``tool_call_id``. A bad message is a ValueError naming the field.
 """
@@ -18,7 +21,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+RENDERED_AS = {"developer": "system"}  # OpenAI's newer name for system instructions
 TEXT_PART = "text"
 IMAGE_PARTS = ("image_url", "image")
 THINKING_EFFORTS = ("low", "high", "max")  # K3 accepts these; "medium" is rejected although its note names it
@@ -50,7 +54,32 @@ class ChatRenderer(Protocol):
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
                response_format: Mapping[str, Any] | None = None, thinking: bool | None = None,
-               thinking_effort: str | None = None, add_generation_prompt: bool = True) -> RenderedChat: ...
+               thinking_effort: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> RenderedChat: ...
+
+
+def check_continuation(messages: Sequence[Mapping[str, Any]], add_generation_prompt: Any,
+                       continue_final_message: Any) -> bool:
+    """Whether the final message is continued (validated: bools, not both, not a tool message)."""
+    check_bool(add_generation_prompt, "add_generation_prompt")
+    if not check_bool(continue_final_message, "continue_final_message"):
+        return False
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true "
+                         "(send add_generation_prompt=false)")
+    if messages[-1]["role"] == "tool":
+        raise ValueError(f"continue_final_message: the final message (messages[{len(messages) - 1}]) is a tool "
+                         "result, which cannot be continued")
+    return True
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content (a string, or its text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == TEXT_PART)
 
 
 class ThinkingOptions(NamedTuple):
@@ -105,14 +134,15 @@ def check_bool(value: Any, field: str) -> bool:
 
 # ---- messages -------------------------------------------------------------------------------------------------
 def validate_messages(messages: Any) -> list[Mapping[str, Any]]:
-    """Check the shape of every message (roles, content, names, tool calls); returns them as a list."""
+    """Check the shape of every message (roles, content, names, tool calls); returns them as a list, with each
+    role as the formats render it (``developer`` -> ``system``)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages: expected a list of message objects, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages: expected at least one message")
     for i, message in enumerate(messages):
         _validate_message(message, f"messages[{i}]")
-    return list(messages)
+    return [{**m, "role": RENDERED_AS[m["role"]]} if m["role"] in RENDERED_AS else m for m in messages]
 
 
 def _validate_message(message: Any, where: str) -> None:
@@ -121,6 +151,7 @@ def _validate_message(message: Any, where: str) -> None:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
+    role = RENDERED_AS.get(role, role)
     for key in ("name",) + (("tool", "tool_call_id") if role == "tool" else ()):
         value = message.get(key)
         if value is not None and not isinstance(value, str):

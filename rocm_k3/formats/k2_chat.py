@@ -20,7 +20,14 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rocm_k3.tokenizers.base import Tokenizer, read_json_if_present
-from rocm_k3.formats.chat_base import RenderedChat, check_bool, validate_messages, validate_tools
+from rocm_k3.formats.chat_base import (
+    RenderedChat,
+    check_bool,
+    check_continuation,
+    content_text,
+    validate_messages,
+    validate_tools,
+)
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 THINK_OPEN = "<think>"
@@ -95,9 +102,14 @@ class K2ChatRenderer:
                     tools: Sequence[Mapping[str, Any]] | None = None,
                     tool_choice: str | Mapping[str, Any] | None = None,
                     response_format: Mapping[str, Any] | None = None, thinking: bool | None = None,
-                    thinking_effort: str | None = None, add_generation_prompt: bool = True) -> str:
+                    thinking_effort: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The template's text; ``continue_final_message`` cuts it after the final message's content (vLLM's
+        way: the template writes that content verbatim, and everything after it closes the message)."""
+        messages = validate_messages(messages)
+        continued = check_continuation(messages, add_generation_prompt, continue_final_message)
         variables: dict[str, Any] = {
-            "messages": [dict(m) for m in validate_messages(messages)],
+            "messages": [dict(m) for m in messages],
             "tools": None if tools is None else [dict(t) for t in validate_tools(tools)],
             "add_generation_prompt": check_bool(add_generation_prompt, "add_generation_prompt"),
             "tool_choice": tool_choice,
@@ -108,18 +120,28 @@ class K2ChatRenderer:
         if thinking_effort is not None:
             variables["thinking_effort"] = thinking_effort
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except SecurityError as exc:
             raise ValueError(f"{self.source}: the chat template attempted an unsafe operation: {exc}") from exc
         except Exception as exc:  # the template is the checkpoint's code: any failure is reported as its error
             raise ValueError(f"{self.source}: rendering the chat template failed: {exc}") from exc
+        if not continued:
+            return text
+        final = content_text(messages[-1].get("content"))
+        cut = text.rfind(final) if final else -1
+        if cut < 0:
+            raise ValueError(f"continue_final_message: the final message (messages[{len(messages) - 1}]) needs "
+                             f"text content that {self.source} writes verbatim")
+        return text[: cut + len(final)]
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
                response_format: Mapping[str, Any] | None = None, thinking: bool | None = None,
-               thinking_effort: str | None = None, add_generation_prompt: bool = True) -> RenderedChat:
+               thinking_effort: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> RenderedChat:
         text = self.render_text(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                 thinking=thinking, thinking_effort=thinking_effort,
-                                add_generation_prompt=add_generation_prompt)
+                                add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message)
         ids = self.tokenizer.encode(text, allow_special=True)
         return RenderedChat(ids, text, add_generation_prompt and text.endswith(THINK_OPEN))

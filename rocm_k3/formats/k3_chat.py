@@ -12,7 +12,8 @@ merges across a segment boundary, so the segmentation is part of the format:
 
 Order: tool declarations, the thinking-effort note (thinking on), the conversation, the tool_choice and
 response_format notes, then the generation prompt, which ends inside ``<|open|>think<|sep|>`` (thinking on) or
-``<|open|>response<|sep|>``. No BOS, no default system prompt. An image part is an image segment: it adds no ids
+``<|open|>response<|sep|>``. With ``continue_final_message`` the final message comes after the notes and stays
+open: an assistant's ends inside its think channel (thinking on, no content yet) or its response channel. No BOS, no default system prompt. An image part is an image segment: it adds no ids
 (its index in the ids is reported in ``RenderedChat.image_positions``, where the image's media block is inserted)
 and reads as the ``<|kimi_image_placeholder|>`` string in the text. Placeholder text typed in a message is a text
 segment like any other, so it never gets an image slot.
@@ -29,6 +30,7 @@ from rocm_k3.formats.chat_base import (
     IMAGE_PARTS,
     RenderedChat,
     check_bool,
+    check_continuation,
     check_thinking_effort,
     compact_json,
     deep_sorted,
@@ -206,12 +208,12 @@ def order_tool_results(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int,
 def k3_segments(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                 tool_choice: str | Mapping[str, Any] | None = None, response_format: Mapping[str, Any] | None = None,
                 thinking: bool | None = None, thinking_effort: str | None = None,
-                add_generation_prompt: bool = True) -> list[Segment]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[Segment]:
     """The K3 prompt as segments (see the module docstring); invalid input is a ValueError naming the field."""
     messages = validate_messages(messages)
     thinking = True if thinking is None else check_bool(thinking, "thinking")
     effort = DEFAULT_THINKING_EFFORT if thinking_effort is None else check_thinking_effort(thinking_effort)
-    check_bool(add_generation_prompt, "add_generation_prompt")
+    continued = len(messages) - 1 if check_continuation(messages, add_generation_prompt, continue_final_message) else -1
     notes = _request_notes(tool_choice, response_format)
     if tools is not None:
         tools = validate_tools(tools)
@@ -225,17 +227,15 @@ def k3_segments(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mappin
     for k, matched_name in order_tool_results(messages):
         message, where = messages[k], f"messages[{k}]"
         role = message["role"]
+        if k == continued:
+            continue  # after the notes, left open
         if role == "system" and message.get("tools"):
             _tool_declare(out, message["tools"], DYNAMIC_TOOL_DECLARE_HEAD, f"{where}.tools")
-        elif role in ("system", "user"):
-            out.open_tag("message", _with_name([("role", role)], message))
-            out.content(message.get("content"))
-            out.end_message()
-        elif role == "assistant":
-            calls = message.get("tool_calls") or ()
-            tool_index = 0
-            out.open_tag("message", _with_name([("role", "assistant")], message))
-            _assistant_body(out, message, thinking, where)
+        elif role in ("system", "user", "assistant"):
+            if role == "assistant":
+                calls = message.get("tool_calls") or ()
+                tool_index = 0
+            _message(out, message, thinking, where)
             out.end_message()
         else:  # tool
             tool_index += 1
@@ -250,6 +250,8 @@ def k3_segments(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mappin
             out.end_message()
     for kind, body in notes:
         out.system_note(kind, body)
+    if continued >= 0:
+        _message(out, messages[continued], thinking, f"messages[{continued}]", keep_open=True)
     if add_generation_prompt:
         out.open_tag("message", [("role", "assistant")])
         out.open_tag("think" if thinking else "response")
@@ -267,19 +269,38 @@ def _tool_declare(out: _Segments, tools: Any, head: str, field: str) -> None:
     out.end_message()
 
 
-def _assistant_body(out: _Segments, message: Mapping[str, Any], thinking: bool, where: str) -> None:
+def _message(out: _Segments, message: Mapping[str, Any], thinking: bool, where: str, keep_open: bool = False) -> None:
+    """A system, user or assistant message without its end (``keep_open``: a continued message, see
+    :func:`_assistant_body`)."""
+    role = message["role"]
+    out.open_tag("message", _with_name([("role", role)], message))
+    if role == "assistant":
+        _assistant_body(out, message, thinking, where, keep_open)
+    else:
+        out.content(message.get("content"))
+
+
+def _assistant_body(out: _Segments, message: Mapping[str, Any], thinking: bool, where: str,
+                    keep_open: bool = False) -> None:
+    """Think (thinking on), response and tool calls; ``keep_open`` leaves the last channel with text open (think
+    when there is no content or call yet, else response; a message with calls is written whole)."""
+    calls = message.get("tool_calls")
+    answered = bool(message.get("content")) or bool(calls)
     if thinking:  # the think channel is always there in thinking mode, even empty
         reasoning = message.get("reasoning_content")
         if reasoning is None:
             reasoning = message.get("reasoning")
         out.open_tag("think")
-        if reasoning and reasoning.strip():
+        if reasoning and (reasoning.strip() or keep_open):
             out.text(reasoning)
+        if keep_open and not answered:
+            return
         out.close_tag("think")
     out.open_tag("response")
     out.content(message.get("content"))
+    if keep_open and not calls:
+        return
     out.close_tag("response")
-    calls = message.get("tool_calls")
     if not calls:
         return
     out.open_tag("tools")
@@ -351,10 +372,12 @@ class K3ChatRenderer:
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
                response_format: Mapping[str, Any] | None = None, thinking: bool | None = None,
-               thinking_effort: str | None = None, add_generation_prompt: bool = True) -> RenderedChat:
+               thinking_effort: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> RenderedChat:
         segments = k3_segments(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                thinking=thinking, thinking_effort=thinking_effort,
-                               add_generation_prompt=add_generation_prompt)
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message)
         ids: list[int] = []
         images: list[int] = []
         for seg in segments:
@@ -364,5 +387,21 @@ class K3ChatRenderer:
                 ids.append(self._control_ids[seg.text])
             else:
                 ids.extend(self.tokenizer.encode(seg.text))
-        in_think = add_generation_prompt and thinking is not False
-        return RenderedChat(ids, "".join(seg.text for seg in segments), in_think, tuple(images))
+        return RenderedChat(ids, "".join(seg.text for seg in segments), open_channel(segments) == "think",
+                            tuple(images))
+
+
+def open_channel(segments: Sequence[Segment]) -> str | None:
+    """The innermost tag still open at the end of ``segments`` (``think``, ``response``, ``message``...)."""
+    stack: list[str] = []
+    after = None  # the control marker just seen: the next text segment names its tag
+    for seg in segments:
+        if seg.control:
+            after = seg.text
+            continue
+        if after == OPEN:
+            stack.append(seg.text)
+        elif after == CLOSE and stack:
+            stack.pop()
+        after = None
+    return stack[-1] if stack else None

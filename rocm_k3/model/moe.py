@@ -172,11 +172,9 @@ class RoutedExperts(WeightTargets):
         return out
 
     def finish_load(self) -> None:
-        def data(p):
-            return None if p is None else p.data
-
-        raw = ExpertWeights(fmt=self.fmt, w13=data(self.w13), w13_scale=data(self.w13_scale), w2=data(self.w2),
-                            w2_scale=data(self.w2_scale))
+        # the parameters themselves, not detached views: training reaches them through the reference fused_moe
+        raw = ExpertWeights(fmt=self.fmt, w13=self.w13, w13_scale=self.w13_scale, w2=self.w2,
+                            w2_scale=self.w2_scale)
         self.weights = ops.prepare_expert_weights(raw, backend=self.table)  # backend layout, once
         if self.weights.layout != "checkpoint":  # re-laid: the backend's tensors are the only copy kept
             for name in ("w13", "w13_scale", "w2", "w2_scale"):

@@ -87,7 +87,9 @@ def _source_logit(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _attn_res_mix_reference(partial: torch.Tensor, blocks: torch.Tensor, num_blocks: int,
                             proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    sources = [blocks[i] for i in range(num_blocks)] + [partial]  # each [T, Hd]
+    # under autograd (training) the bank is written again after this read: keep copies for backward, not views
+    bank = blocks[:num_blocks].clone() if blocks.requires_grad else blocks
+    sources = [bank[i] for i in range(num_blocks)] + [partial]  # each [T, Hd]
     w = norm_weight.float() * proj_weight.float()  # [Hd]
     logits = torch.stack([_source_logit(v, w, eps) for v in sources])  # [S, T]
     weights = torch.softmax(logits, dim=0)  # [S, T]

@@ -65,9 +65,8 @@ def _check_gated_input(x: object) -> torch.Tensor:
     return x
 
 
-def situ_and_mul(
-    x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0, *, backend: str | None = None
-) -> torch.Tensor:
+def situ_and_mul(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0, *,
+                 backend: str | None = None) -> torch.Tensor:
     """SiTU-and-mul: ``x [..., 2N]`` (bf16/fp16/fp32) -> ``[..., N]`` in x dtype.
 
     ``beta*tanh(g/beta)*sigmoid(g) * (linear_beta*tanh(u/linear_beta) if linear_beta is not None else u)`` with
@@ -85,15 +84,8 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     return registry.dispatch("silu_and_mul", backend, x)
 
 
-def route(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    correction_bias: torch.Tensor | None = None,
-    renormalize: bool = True,
-    scaling_factor: float = 1.0,
-    backend: str | None = None,
-) -> RouteResult:
+def route(router_logits: torch.Tensor, top_k: int, *, correction_bias: torch.Tensor | None = None,
+          renormalize: bool = True, scaling_factor: float = 1.0, backend: str | None = None) -> RouteResult:
     """noaux_tc sigmoid router (one group): ``router_logits fp32 [T, E]`` -> ``RouteResult``.
 
     ``RouteResult.weights`` fp32 [T, k], ``RouteResult.ids`` int32 [T, k].
@@ -139,17 +131,9 @@ def _check_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_ids must lie in [0, E={num_experts}), got values in [{low}, {high}]")
 
 
-def fused_moe(
-    x: torch.Tensor,
-    weights: ExpertWeights,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    activation: MoEActivation = DEFAULT_ACTIVATION,
-    act_quant: str = "bf16",
-    fp8_dtype: torch.dtype | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              activation: MoEActivation = DEFAULT_ACTIVATION, act_quant: str = "bf16",
+              fp8_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Routed experts: ``x [T, K]`` (bf16/fp16/fp32) -> ``[T, Kout]`` in x dtype.
 
     ``out[t] = sum_j topk_weights[t, j] * W2_e act(W13_e x_t)`` with ``e = topk_ids[t, j]`` (int32 [T, k], in

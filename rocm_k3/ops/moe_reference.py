@@ -33,14 +33,8 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(x[..., :n].to(torch.float32)) * x[..., n:].to(torch.float32)).to(x.dtype)
 
 
-def route_reference(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    correction_bias: torch.Tensor | None = None,
-    renormalize: bool = True,
-    scaling_factor: float = 1.0,
-) -> RouteResult:
+def route_reference(router_logits: torch.Tensor, top_k: int, *, correction_bias: torch.Tensor | None = None,
+                    renormalize: bool = True, scaling_factor: float = 1.0) -> RouteResult:
     """noaux_tc routing with one group: top-k of ``sigmoid(logits) + bias``; weights from ``sigmoid(logits)``.
 
     Ties in ``s + bias`` go to the lower expert index (stable sort); ids are ordered by descending score.
@@ -76,16 +70,9 @@ def _expert_fp32(weights: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Te
     return w13.to(torch.float32), w2.to(torch.float32)
 
 
-def fused_moe_reference(
-    x: torch.Tensor,
-    weights: ExpertWeights,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    activation: MoEActivation = DEFAULT_ACTIVATION,
-    act_quant: str = "bf16",
-    fp8_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def fused_moe_reference(x: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                        activation: MoEActivation = DEFAULT_ACTIVATION, act_quant: str = "bf16",
+                        fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * W2_e act(W13_e x_t)``, ``e = topk_ids[t, j]``; fp32 inside, x dtype out.
 
     act_quant "mxfp8" (A8W4): x and the activation output are MXFP8 round-tripped (ct rule, ``fp8_dtype``)

@@ -37,20 +37,8 @@ from rocm_k3.quant.mxfp8 import (
     quantize_mxfp8_reference,
 )
 
-__all__ = [
-    "BLOCK_SIZE",
-    "E2M1_MAGNITUDES",
-    "E2M1_MAX",
-    "E8M0_NAN",
-    "FP8_FORMATS",
-    "REFERENCE_IMPLS",
-    "SCALE_RULES",
-    "dequantize_mxfp4",
-    "dequantize_mxfp8",
-    "fp8_dtype_for_arch",
-    "quantize_mxfp4",
-    "quantize_mxfp8",
-]
+__all__ = ["BLOCK_SIZE", "E2M1_MAGNITUDES", "E2M1_MAX", "E8M0_NAN", "FP8_FORMATS", "REFERENCE_IMPLS", "SCALE_RULES",
+           "dequantize_mxfp4", "dequantize_mxfp8", "fp8_dtype_for_arch", "quantize_mxfp4", "quantize_mxfp8"]
 
 
 def quantize_mxfp4(

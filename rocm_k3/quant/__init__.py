@@ -18,25 +18,7 @@ from rocm_k3.quant.e8m0 import E8M0_NAN, SCALE_RULES, decode_e8m0, encode_e8m0, 
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from rocm_k3.quant.mxfp8 import FP8_FORMATS, FP8Format, dequantize_mxfp8, fp8_dtype_for_arch, quantize_mxfp8
 
-__all__ = [
-    "BLOCK_SIZE",
-    "E2M1_MAGNITUDES",
-    "E2M1_MAX",
-    "E8M0_NAN",
-    "FP8_FORMATS",
-    "FP8Format",
-    "SCALE_RULES",
-    "decode_e2m1",
-    "decode_e8m0",
-    "dequantize_mxfp4",
-    "dequantize_mxfp8",
-    "e2m1_values",
-    "encode_e2m1",
-    "encode_e8m0",
-    "fp8_dtype_for_arch",
-    "pack_nibbles",
-    "quantize_mxfp4",
-    "quantize_mxfp8",
-    "scale_exponent",
-    "unpack_nibbles",
-]
+__all__ = ["BLOCK_SIZE", "E2M1_MAGNITUDES", "E2M1_MAX", "E8M0_NAN", "FP8_FORMATS", "FP8Format", "SCALE_RULES",
+           "decode_e2m1", "decode_e8m0", "dequantize_mxfp4", "dequantize_mxfp8", "e2m1_values", "encode_e2m1",
+           "encode_e8m0", "fp8_dtype_for_arch", "pack_nibbles", "quantize_mxfp4", "quantize_mxfp8", "scale_exponent",
+           "unpack_nibbles"]

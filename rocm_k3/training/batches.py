@@ -7,13 +7,13 @@ Rows of similar length are grouped so that ``rows x longest row <= max_tokens`` 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.decoder import KimiModel
 from rocm_k3.training.corpus import Example
 from rocm_k3.training.forward import forward_logits
 
@@ -60,10 +60,9 @@ def _collate(rows: Sequence[Example], pad_id: int) -> Batch:
     return Batch(ids, target)
 
 
-def target_loss(cfg: ModelConfig, params: Mapping[str, torch.Tensor], batch: Batch,
-                expert_counts: dict[int, torch.Tensor] | None = None) -> LossSum:
-    """Summed next-token NLL over the batch's target tokens."""
-    logits = forward_logits(cfg, params, batch.input_ids, expert_counts=expert_counts)  # [B, L, vocab]
+def target_loss(model: KimiModel, batch: Batch, expert_counts: dict[int, torch.Tensor] | None = None) -> LossSum:
+    """Summed next-token NLL over the batch's target tokens (``model``: a training model)."""
+    logits = forward_logits(model, batch.input_ids, expert_counts=expert_counts)  # [B, L, vocab]
     mask = batch.target[:, 1:]
     nll = F.cross_entropy(logits[:, :-1][mask], batch.input_ids[:, 1:][mask], reduction="sum")
     return LossSum(nll, int(mask.sum()))

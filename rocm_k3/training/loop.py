@@ -1,7 +1,8 @@
 """The training loop: AdamW over the checkpoint's tensors, linear warmup then a cosine schedule, gradient
 clipping, auxiliary-loss-free expert balancing, and held-out loss reports.
 
-Everything runs on the CPU in fp32 through :func:`rocm_k3.training.forward.forward_logits`. The router's
+The trained tensors are the parameters of the serving model's modules (:mod:`rocm_k3.training.forward`: fp32,
+reference ops, on the CPU for the committed checkpoint). The router's
 ``e_score_correction_bias`` is not a gradient parameter: after every step each MoE layer moves it by
 ``bias_update_rate`` towards balance (``+rate`` for experts that got fewer than the mean number of tokens,
 ``-rate`` for those that got more), as K3's noaux_tc routing is trained. Seeded: the same corpus, config and
@@ -19,9 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.decoder import KimiModel
+from rocm_k3.model.moe import MoEBlock
 from rocm_k3.training.batches import Batch, make_batches, target_loss
 from rocm_k3.training.corpus import DRILL, PROSE, Example
-from rocm_k3.training.params import init_params, is_trainable
+from rocm_k3.training.forward import checkpoint_tensors_of, decayed_parameters, training_model
+from rocm_k3.training.params import init_params
 
 Log = Callable[[str], None]
 
@@ -97,9 +101,10 @@ def train(cfg: ModelConfig, rows: Sequence[Example], config: TrainConfig, pad_id
     if config.drill_steps and not drills:
         raise ValueError(f"drills: drill_steps is {config.drill_steps} but no drill rows were given")
     torch.manual_seed(config.seed)
-    params = {n: t.to(device).requires_grad_(is_trainable(n)) for n, t in init_params(cfg, config.seed).items()}
-    decayed = [t for n, t in params.items() if t.requires_grad and t.dim() == 2 and not n.endswith("_res_proj.weight")]
-    plain = [t for n, t in params.items() if t.requires_grad and not any(t is d for d in decayed)]
+    model = training_model(cfg, init_params(cfg, config.seed), device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decayed = decayed_parameters(model)
+    plain = [p for p in trainable if not any(p is d for d in decayed)]
     opt = torch.optim.AdamW([{"params": decayed, "weight_decay": config.weight_decay},
                              {"params": plain, "weight_decay": 0.0}], lr=config.lr, betas=config.betas)
     rng = random.Random(f"batches-{config.seed}")
@@ -116,40 +121,40 @@ def train(cfg: ModelConfig, rows: Sequence[Example], config: TrainConfig, pad_id
         for group in opt.param_groups:
             group["lr"] = config.lr_at(step)
         counts: dict[int, torch.Tensor] = {}
-        loss = target_loss(cfg, params, batch.to(device), expert_counts=counts)
+        loss = target_loss(model, batch.to(device), expert_counts=counts)
         mean = loss.nll / max(1, loss.count)
         opt.zero_grad(set_to_none=True)
         mean.backward()
-        torch.nn.utils.clip_grad_norm_([t for t in params.values() if t.requires_grad], config.clip)
+        torch.nn.utils.clip_grad_norm_(trainable, config.clip)
         opt.step()
-        _balance_experts(cfg, params, counts, config.bias_update_rate)
+        _balance_experts(model, counts, config.bias_update_rate)
         losses.append(float(mean.detach()))
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
             recent = losses[-config.log_every:]
             log(f"step {step + 1:5d}/{config.steps}  loss {sum(recent) / len(recent):.4f} nats/token  "
                 f"lr {config.lr_at(step):.2e}  {time.perf_counter() - start:7.1f} s")
-    return TrainResult({n: t.detach().cpu() for n, t in params.items()}, losses, time.perf_counter() - start)
+    return TrainResult(checkpoint_tensors_of(model), losses, time.perf_counter() - start)
 
 
 @torch.no_grad()
-def _balance_experts(cfg: ModelConfig, params: Mapping[str, torch.Tensor], counts: Mapping[int, torch.Tensor],
-                     rate: float) -> None:
-    for layer, load in counts.items():
-        bias = params[f"{cfg.weight_prefix}model.layers.{layer}.block_sparse_moe.gate.e_score_correction_bias"]
-        bias += rate * torch.sign(load.float().mean() - load.float())
+def _balance_experts(model: KimiModel, counts: Mapping[int, torch.Tensor], rate: float) -> None:
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoEBlock) and layer.index in counts:
+            load = counts[layer.index].float()
+            layer.ffn.bias += rate * torch.sign(load.mean() - load)
 
 
 @torch.no_grad()
 def heldout_loss(cfg: ModelConfig, params: Mapping[str, torch.Tensor], rows: Sequence[Example],
                  batch_tokens: int, pad_id: int, device: str | torch.device = "cpu") -> dict[str, float]:
     """Mean target NLL (nats/token) of ``rows`` per group ("prose", "chat"), computed on ``device``."""
-    params = {n: t.to(device) for n, t in params.items()}
+    model = training_model(cfg, params, device)
     out = {}
     for group in sorted({group_of(r) for r in rows}):
         members = [r for r in rows if group_of(r) == group]
         nll, count = 0.0, 0
         for batch in make_batches(members, batch_tokens, random.Random(0), pad_id):
-            loss = target_loss(cfg, params, batch.to(device))
+            loss = target_loss(model, batch.to(device))
             nll, count = nll + float(loss.nll), count + loss.count
         out[group] = nll / max(1, count)
     return out

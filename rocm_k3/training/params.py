@@ -33,6 +33,12 @@ def dense_expert_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, expert_format="bf16")
 
 
+def stored_shape(cfg: ModelConfig, canon: str, spec_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a checkpoint stores tensor ``canon`` in: its spec's, except K3's ``A_log``, stored as
+    ``[head_dim]`` (the H per-head values, then zero padding)."""
+    return (cfg.kda.head_dim,) if cfg.is_k3 and canon.endswith("A_log") else spec_shape
+
+
 def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Seeded fp32 initial weights for every tensor of ``cfg`` (dense experts), by checkpoint name.
 
@@ -59,8 +65,8 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
                 t = torch.zeros(shape)
             else:
                 t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
-            if cfg.is_k3:  # the K3 release stores A_log as [head_dim]: H real entries, then zero padding
-                t = torch.cat([t.reshape(-1)[:cfg.kda.num_heads], torch.zeros(cfg.kda.head_dim - cfg.kda.num_heads)])
+            t = torch.cat([t.reshape(-1)[:cfg.kda.num_heads], torch.zeros(cfg.kda.head_dim)])[
+                :math.prod(stored_shape(cfg, name, shape))].reshape(stored_shape(cfg, name, shape))
         elif name.endswith("dt_bias"):
             if safe_gate:  # per-token log-decay L * sigmoid(dt_bias) log-uniform in -[1e-3, 0.7]: memories of
                 # about 1.5 to 1000 tokens, so some channels track the last few tokens from the first step

@@ -188,6 +188,8 @@ def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:
 
 def logits_rows(chunks: tuple[ScheduledChunk, ...], cu: np.ndarray) -> np.ndarray:
     """Token rows whose logits a step returns: the last 1 + num_draft tokens of each sampling chunk (a plain
-    chunk: its last token; a verification: its last confirmed token and every draft)."""
+    chunk: its last token; a verification: its last confirmed token and every draft), then, after all of those,
+    the first ``prompt_logprob_rows`` tokens of each chunk that asks for prompt log-probabilities."""
     rows = [r for i, c in enumerate(chunks) if c.sample for r in range(int(cu[i + 1]) - 1 - c.num_draft, int(cu[i + 1]))]
+    rows += [r for i, c in enumerate(chunks) for r in range(int(cu[i]), int(cu[i]) + c.prompt_logprob_rows)]
     return np.array(rows, dtype=np.int64)

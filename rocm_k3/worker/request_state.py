@@ -43,6 +43,7 @@ class RequestState:
     penalties: PenaltyState | None = None
     constraint: Any = None
     num_seen: int = 0
+    prompt_token_ids: tuple[int, ...] = ()  # kept when the request asks for prompt log-probabilities
 
     def observe(self, chunk: ScheduledChunk) -> list[int]:
         """The output tokens ``chunk`` confirms for the first time (empty for prompt tokens and repeats)."""
@@ -97,9 +98,14 @@ class RequestTable:
         state = RequestState(req.request_id, p, make_generator(p.seed, self.device), req.num_prompt_tokens)
         if p.has_penalties:
             state.penalties = PenaltyState(p, req.prompt_token_ids)
+        if p.prompt_logprobs is not None:
+            state.prompt_token_ids = tuple(req.prompt_token_ids)
         if p.needs_logits_mask:
             state.constraint = self.structured.new_constraint(p)
         self._states[req.request_id] = state
+
+    def state(self, request_id: str) -> RequestState:
+        return self._states[request_id]
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -21,6 +21,7 @@ import torch
 from rocm_k3.sampling_params import SamplingParams
 
 MAX_SEED = (1 << 63) - 1
+PROMPT_LOGPROB_ROWS = 512  # prompt positions per log-softmax slice (bounds the transient [rows, vocab] copy)
 
 # edits a [N, V] fp32 logits tensor in place (rows it does not concern stay untouched)
 LogitsProcessor = Callable[[torch.Tensor], None]
@@ -142,3 +143,38 @@ def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[Sampl
             entry.setdefault(int(t), v)
         out[i] = entry
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int],
+                          top: Sequence[int]) -> tuple[list[tuple[tuple[int, float], ...]], list[int]]:
+    """Per row of ``logits`` fp32 [M, V]: ``((targets[i], logprob), then the top[i] most likely (token, logprob))``
+    and the target's rank (1 = most likely), of the model's distribution ``log_softmax(logits)``; read to the
+    host in one transfer."""
+    m = len(targets)
+    if logits.shape[0] != m or len(top) != m:
+        raise ValueError(f"prompt logprobs: {logits.shape[0]} logits rows for {m} targets and {len(top)} top counts")
+    tgt = torch.tensor(list(targets), dtype=torch.int64, device=logits.device)  # [M]
+    k = min(max(top, default=0), logits.shape[1])
+    picked, ranks, best_ids, best_vals = [], [], [], []
+    for lo in range(0, m, PROMPT_LOGPROB_ROWS):  # a long prompt's [M, V] log-softmax in slices, not at once
+        logp = torch.log_softmax(logits[lo : lo + PROMPT_LOGPROB_ROWS], dim=-1)  # [m', V]
+        chosen = logp.gather(1, tgt[lo : lo + PROMPT_LOGPROB_ROWS, None])[:, 0]  # [m']
+        picked.append(chosen)
+        ranks.append((logp > chosen[:, None]).sum(dim=-1) + 1)  # [m']
+        if k > 0:
+            best = torch.topk(logp, k)  # [m', k]
+            best_ids.append(best.indices.reshape(-1))
+            best_vals.append(best.values.reshape(-1))
+    parts = [torch.cat(picked).double(), torch.cat(ranks).double()]
+    if k > 0:
+        parts += [torch.cat(best_ids).double(), torch.cat(best_vals).double()]
+    host = torch.cat(parts).tolist()  # the one device -> host read
+    values, rank_list = host[:m], [int(r) for r in host[m : 2 * m]]
+    ids, vals = host[2 * m : 2 * m + m * k], host[2 * m + m * k :]
+    entries = []
+    for i in range(m):
+        entry = {int(targets[i]): values[i]}
+        for t, v in zip(ids[i * k : i * k + top[i]], vals[i * k : i * k + top[i]]):
+            entry.setdefault(int(t), v)
+        entries.append(tuple(entry.items()))
+    return entries, rank_list

@@ -114,6 +114,9 @@ class ScheduledChunk:
                    of a drafted position) since its last chunk; not set on an admitted chunk.
     images:        on an admitted chunk, the request's images whose pads end after ``start`` (see the module
                    docstring); empty otherwise.
+    prompt_logprob_rows: the first this many positions of the chunk predict prompt tokens whose log-probabilities
+                   the request asked for (``SamplingParams.prompt_logprobs``): the step returns them in
+                   ``StepOutput.prompt_logprobs`` (the targets ``prompt[start + 1 : start + 1 + rows]``).
     """
 
     request_id: str
@@ -128,6 +131,7 @@ class ScheduledChunk:
     images: tuple[ImageInput, ...] = ()
     num_draft: int = 0
     slot_moved: bool = False
+    prompt_logprob_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +181,8 @@ class SampledToken:
     error:    non-empty when the request's logits were not finite (NaN/Inf): ``token_id`` is then meaningless.
     accepted: the drafts of a verification chunk that were accepted (they come before ``token_id``).
     accepted_logprobs: with ``logprobs`` asked, one entry (as ``logprobs``) per accepted draft, else empty.
+    draft_token_ids: ``draft_model`` speculation: the drafter's proposal continuing after ``token_id`` (the next
+                     step verifies them), else empty.
     """
 
     request_id: str
@@ -185,12 +191,27 @@ class SampledToken:
     error: str = ""
     accepted: tuple[int, ...] = ()
     accepted_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """The log-probabilities of prompt tokens ``first`` .. ``first + len(entries) - 1`` of one request (a chunk's
+    ``prompt_logprob_rows``): each entry ``((token, logprob), ...)`` with the prompt token first, then the top
+    alternatives; ``ranks[i]`` is the prompt token's rank in its distribution (1 = the most likely)."""
+
+    request_id: str
+    first: int
+    entries: tuple[tuple[tuple[int, float], ...], ...]
+    ranks: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What the sampling worker returns for one step: one entry per chunk with ``sample`` set, in chunk order
-    (a verification chunk's entry carries its accepted drafts)."""
+    (a verification chunk's entry carries its accepted drafts), and the prompt log-probabilities of the chunks
+    with ``prompt_logprob_rows``."""
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

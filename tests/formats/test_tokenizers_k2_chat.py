@@ -117,3 +117,23 @@ def test_template_from_tokenizer_config(tmp_path, tok) -> None:
     config.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="chat_template: expected a string"):
         load_chat_renderer(root, tok)
+
+
+def test_developer_role_renders_as_system(renderer: K2ChatRenderer) -> None:
+    """The checkpoint template sees OpenAI's ``developer`` message as ``system`` (templates know no developer)."""
+    as_dev = renderer.render([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    as_sys = renderer.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert as_dev == as_sys and "Be brief." in as_dev.text
+
+
+def test_continue_final_message(renderer: K2ChatRenderer) -> None:
+    """The template's text cut after the final message's content (vLLM's way)."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, wor"}]
+    whole = renderer.render(chat, add_generation_prompt=False)
+    cont = renderer.render(chat, add_generation_prompt=False, continue_final_message=True)
+    assert cont.text.endswith("Hello, wor") and whole.text.startswith(cont.text) and len(cont.text) < len(whole.text)
+    with pytest.raises(ValueError, match="continue_final_message: cannot be combined"):
+        renderer.render(chat, continue_final_message=True)
+    with pytest.raises(ValueError, match="needs text content"):
+        renderer.render(chat[:1] + [{"role": "assistant", "content": ""}], add_generation_prompt=False,
+                        continue_final_message=True)

@@ -389,3 +389,37 @@ def test_renderer_needs_the_control_specials(tmp_path) -> None:
     write_kimi_tokenizer(tmp_path, K2_TABLE)
     with pytest.raises(ValueError, match="needs the special tokens"):
         K3ChatRenderer(load_tokenizer(tmp_path))
+
+
+def test_developer_role_renders_as_system(byte_renderer: K3ChatRenderer) -> None:
+    """OpenAI's ``developer`` role is K3's ``system`` message: the same ids, name kept."""
+    for extra in ({}, {"name": "ops"}):
+        as_dev = byte_renderer.render([{"role": "developer", "content": "Be brief.", **extra},
+                                       {"role": "user", "content": "Hi"}])
+        as_sys = byte_renderer.render([{"role": "system", "content": "Be brief.", **extra},
+                                       {"role": "user", "content": "Hi"}])
+        assert as_dev == as_sys
+    assert msg("system", "Be brief.") in as_dev.text.replace(' name="ops"', "")
+
+
+def test_continue_final_message(byte_renderer: K3ChatRenderer) -> None:
+    """vLLM's continue_final_message: the final assistant message stays open in the channel it writes (think
+    while it has no answer, else response), after the request notes; the generation prompt is excluded."""
+    chat = [{"role": "user", "content": "Hi"}]
+    user = msg("user", "Hi")
+    started = byte_renderer.render(chat + [{"role": "assistant", "content": "Hel"}], add_generation_prompt=False,
+                                   continue_final_message=True, thinking=False,
+                                   response_format={"type": "json_object"})
+    assert started.text.endswith(f'{OPEN}message role="assistant"{SEP}{OPEN}response{SEP}Hel')
+    assert user + note("response-format", started.text.split('type="response-format"' + SEP)[1].split(CLOSE)[0]) \
+        in started.text and not started.prompt_in_think
+    thinking = byte_renderer.render(chat + [{"role": "assistant", "content": "", "reasoning_content": "Hmm, "}],
+                                    add_generation_prompt=False, continue_final_message=True)
+    assert thinking.text.endswith(f'{OPEN}message role="assistant"{SEP}{OPEN}think{SEP}Hmm, ') and thinking.prompt_in_think
+    assert byte_renderer.render(chat, add_generation_prompt=False, continue_final_message=True).text.endswith(
+        f'{OPEN}message role="user"{SEP}Hi')
+    with pytest.raises(ValueError, match="continue_final_message: cannot be combined with add_generation_prompt"):
+        byte_renderer.render(chat, continue_final_message=True)
+    with pytest.raises(ValueError, match="final message .* is a tool result"):
+        byte_renderer.render(chat + [{"role": "tool", "name": "f", "content": "1"}], add_generation_prompt=False,
+                             continue_final_message=True)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from rocm_k3.ops import kda
 from rocm_k3.ops.kda import KDAGateParams
 from rocm_k3.ops.kda.naive import kda_prefill_naive, kda_recurrent_naive
+from rocm_k3.ops.kda.reference import FACTOR_LIMIT
 from tests.helpers import assert_rel, seeded
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
@@ -137,6 +138,46 @@ def test_prefill_strong_decay_stays_finite():
     o_ref, s_ref = case.naive(0, True)
     assert_rel(out.o, o_ref, FP32_TOL, "o")
     assert_rel(state[0], s_ref, FP32_TOL, "final state")
+
+
+def _weak_decay(case: Case) -> Case:
+    """Per-token decay above -FACTOR_LIMIT / 64: every chunk stays within the limit (the factored products)."""
+    case.A_log = torch.zeros_like(case.A_log)  # a = 1
+    case.dt_bias = torch.full_like(case.dt_bias, -7.0)
+    g = _gate64(case.f, case.A_log, case.dt_bias, case.lower_bound)
+    assert -g.min() * 64 < FACTOR_LIMIT
+    return case
+
+
+def test_prefill_weak_decay_factored_products_match_recurrence():
+    case = _weak_decay(Case((128, 5), 2, 32, 32, seed=13))
+    out, state = case.run([False, True])
+    for i in range(2):
+        o_ref, s_ref = case.naive(i, i == 1)
+        sl = slice(int(case.cu[i]), int(case.cu[i + 1]))
+        assert_rel(out.o[sl], o_ref, FP32_TOL, f"o of seq {i}")
+        assert_rel(state[case.slots[i]], s_ref, FP32_TOL, f"final state of seq {i}")
+
+
+@pytest.mark.parametrize("decay", ["weak", "safe_gate"])
+def test_prefill_gradients_match_recurrence(decay):
+    """The reference is differentiable (training runs through it): the gradients of a weighted sum of its outputs
+    with respect to every input match autograd through the float64 recurrence, on both product paths (weak:
+    factored; safe gate: pairwise differences)."""
+    case = Case((70,), 2, 16, 16, seed=17)
+    if decay == "weak":
+        _weak_decay(case)
+    leaves = [t.clone().requires_grad_() for t in (case.q, case.k, case.v, case.f, case.beta)]
+    weight = torch.randn(70, 2, 16, generator=seeded(3))
+    q, k, v, f, beta = leaves
+    out = kda.kda_prefill(q, k, v, f, beta, case.cu, torch.zeros(1, 2, 16, 16), torch.zeros(1, dtype=torch.int32),
+                          torch.zeros(1, dtype=torch.bool), gate_params=case.gate_params, backend="reference")
+    grads = torch.autograd.grad((out.o * weight).sum(), leaves)
+    o_ref, _ = kda_recurrent_naive(_l2norm64(q), _l2norm64(k), v.double(), _gate64(f, case.A_log, case.dt_bias, -5.0),
+                                   torch.sigmoid(beta.double()), 16**-0.5)
+    refs = torch.autograd.grad((o_ref * weight.double()).sum(), leaves)
+    for name, g, ref in zip("q k v f beta".split(), grads, refs):
+        assert_rel(g, ref, 1e-4, f"d/d{name}")
 
 
 def test_intermediate_states_match_recurrence():

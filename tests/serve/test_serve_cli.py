@@ -37,6 +37,20 @@ def test_serve_subprocess_answers_and_stops_on_ctrl_c(tmp_path) -> None:
         assert done.usage.completion_tokens == 3 or done.choices[0].finish_reason == "stop"
 
 
+def test_vllm_spellings_of_the_chat_flags(tmp_path) -> None:
+    """--chat-template FILE, --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser as vLLM users type
+    them reach ServerArgs / EngineArgs."""
+    from rocm_k3.args import EngineArgs, ServerArgs
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    ns = build_parser().parse_args(["serve", "--chat-template", str(template), "--enable-auto-tool-choice",
+                                    "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"])
+    server, engine = ServerArgs.from_cli(ns), EngineArgs.from_cli(ns)
+    assert server.chat_template == str(template) and server.enable_auto_tool_choice
+    assert engine.tool_call_parser == engine.reasoning_parser == "kimi_k2"
+
+
 # A meta-path finder that makes the given top-level modules unimportable, as on `pip install rocm-k3` without the
 # server extra; loaded by Python at startup as sitecustomize (first on PYTHONPATH).
 _BLOCKER = '''import importlib.abc, sys

@@ -224,7 +224,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "x" * (MAX_LEN + 1)}, 400, "prompt", "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model", "does not exist"),
     ("/v1/completions", {}, 400, "prompt", "Field required"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", "valid string"),

@@ -142,3 +142,20 @@ def test_extreme_processed_logits_never_draw_from_nan(case: str, temperature: fl
         out = sample(logits, params, [make_generator(seed)], [extreme])
         assert int(out.token_ids[0]) == best, (case, seed, int(out.token_ids[0]))
         assert bool(out.finite[0])  # the model's own logits were finite: the request is not failed
+
+
+def test_prompt_token_logprobs_in_slices_match_one_log_softmax() -> None:
+    """Rows past one slice (PROMPT_LOGPROB_ROWS) give what one log_softmax over all rows gives."""
+    from rocm_k3.worker import sampler
+
+    m, vocab = sampler.PROMPT_LOGPROB_ROWS + 7, 50
+    logits = torch.randn(m, vocab, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(1)).tolist()
+    entries, ranks = sampler.prompt_token_logprobs(logits, targets, [2] * m)
+    logp = torch.log_softmax(logits, dim=-1)
+    for i in (0, sampler.PROMPT_LOGPROB_ROWS - 1, sampler.PROMPT_LOGPROB_ROWS, m - 1):
+        entry = dict(entries[i])
+        assert next(iter(entry)) == targets[i] and abs(entry[targets[i]] - logp[i, targets[i]].item()) < 1e-5
+        assert ranks[i] == int((logp[i] > logp[i, targets[i]]).sum()) + 1
+        top2 = logp[i].topk(2).indices.tolist()
+        assert set(top2) <= set(entry) and len(entry) <= 3

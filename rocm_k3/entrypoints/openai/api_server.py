@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over one :class:`~rocm_k3.engine.async_llm.AsyncLLM`.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers
 with server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``
 (200, or 503 once the engine failed), ``GET /metrics`` (Prometheus text). With an API key, every route except
 ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``. Errors are OpenAI error objects
@@ -24,11 +24,11 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rocm_k3.args import EngineArgs, ServerArgs
+from rocm_k3.args import EngineArgs, ServerArgs, read_chat_template_arg
 from rocm_k3.engine.async_llm import AsyncLLM
 from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
 from rocm_k3.entrypoints.image_fetch import FetchLimits, ImageFetcher
-from rocm_k3.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from rocm_k3.entrypoints.openai.errors import APIError, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,7 +39,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
-from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
+from rocm_k3.entrypoints.openai.serving_chat import chat_prompt, prepare_chat
 from rocm_k3.entrypoints.openai.serving_common import (
     RETRY_AFTER_S,
     ServedModel,
@@ -48,7 +48,6 @@ from rocm_k3.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
-from rocm_k3.formats import thinking_options
 from rocm_k3.formats.chat_base import parse_effort_budgets
 
 log = logging.getLogger("rocm_k3.server")
@@ -85,10 +84,16 @@ def build_app(served: ServedModel) -> FastAPI:
     async def metrics() -> Response:
         return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=str(served.frontend.path), max_model_len=served.max_model_len)
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        root = str(served.frontend.path)
-        return ModelList(data=[ModelCard(id=n, root=root, max_model_len=served.max_model_len) for n in served.names])
+        return ModelList(data=[card(n) for n in served.names])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> ModelCard:
+        return card(served.check_model(model_id))  # 404 naming the model when unknown
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -102,7 +107,8 @@ def build_app(served: ServedModel) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         req = await read_body(request, TokenizeRequest, served.max_request_bytes)
         served.check_model(req.model)
-        ids = _tokenize(served, req)
+        remote = await fetch_remote_images(served, req.messages) if req.messages is not None else None
+        ids = await asyncio.to_thread(_tokenize, served, req, remote)
         body: dict = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = [served.tokenizer.decode([t]) for t in ids]
@@ -132,32 +138,27 @@ async def _answer(request: Request, served: ServedModel, model, prepare, fetch_i
     run = await asyncio.to_thread(prepare, served, body, *fetched)  # rendering and tokenizing: off the event loop
     if run.req.stream:
         return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
+    return JSONResponse((await unless_disconnected(request, run.respond())).model_dump())  # null keys kept
 
 
-def _tokenize(served: ServedModel, req: TokenizeRequest) -> list[int]:
+def _tokenize(served: ServedModel, req: TokenizeRequest, remote: dict[str, bytes] | None) -> list[int]:
     if served.tokenizer is None:
         raise APIError(400, "this model has no tokenizer")
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'", param="prompt")
     if req.prompt is not None:
         return served.tokenizer.encode(req.prompt)
-    renderer = served.frontend.renderer
-    if renderer is None:
-        raise APIError(400, "messages: this model has no chat format", param="messages")
-    try:
-        options = thinking_options(req.chat_template_kwargs, None)
-        return list(renderer.render(req.messages, tools=req.tools, thinking=options.thinking,
-                                    thinking_effort=options.effort,
-                                    add_generation_prompt=req.add_generation_prompt).token_ids)
-    except (ValueError, TypeError) as exc:
-        raise bad_request(exc, "messages") from None
+    return chat_prompt(served, req, remote)[1]  # the chat API's own rendering: the very ids generation runs
 
 
 def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: ServerArgs) -> ServedModel:
     """The handlers' view of an assembled engine (``engine`` drives ``assembled.core``)."""
     names = server_args.served_model_name or [assembled.args.model or assembled.path.name]
     assembled.frontend.effort_budgets = parse_effort_budgets(server_args.reasoning_effort_budgets)
+    if server_args.chat_template is not None:
+        assembled.frontend.chat_template = read_chat_template_arg(server_args.chat_template)
+        if assembled.frontend.renderer is None:  # compiles it now: a bad template fails the start, naming it
+            raise ValueError("--chat-template: this model has no tokenizer to render chats with")
     return ServedModel(engine=engine, frontend=assembled.frontend, names=list(names),
                        max_model_len=assembled.max_model_len, vocab_size=assembled.core.vocab_size,
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,

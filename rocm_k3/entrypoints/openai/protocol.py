@@ -4,14 +4,17 @@ Requests follow vLLM: fields the server does not know are accepted and ignored (
 a wrong type or a bad value is a 400 naming the field. Value ranges are checked once, where the values become a
 :class:`~rocm_k3.sampling_params.SamplingParams` or a chat prompt (the error names the field there); the models
 check types. Extensions beyond OpenAI's fields are vLLM's: ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``, ``structured_outputs``,
-``chat_template_kwargs``, ``thinking_token_budget``.
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``return_token_ids``, ``structured_outputs`` (and its
+older spellings ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``),
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``, ``thinking_token_budget``,
+``prompt_logprobs``, ``stream_options.continuous_usage_stats``. Every field is in
+``docs/openai_compat.md`` (supported, refused with a 400, or ignored by design), which a test keeps in step.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
@@ -19,14 +22,35 @@ StrictBool = Annotated[bool, Strict()]
 
 
 class OpenAIBody(BaseModel):
-    """Unknown fields are kept (``model_extra``) so the server can name them in a warning."""
+    """Unknown fields are kept (``model_extra``) so the server can name them in a warning (vLLM's way).
+
+    ``REFUSED``: OpenAI fields this server does not serve and must not drop silently (name -> why): sent with a
+    value other than null (or one of ``ALLOWED_VALUES[name]``) they are a 400 naming the field. ``IGNORED``:
+    OpenAI fields accepted without effect by design (docs/openai_compat.md gives each reason), so not warned of.
+    """
 
     model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[dict[str, str]] = {}
+    ALLOWED_VALUES: ClassVar[dict[str, list[Any]]] = {}
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(name, why) of the first refused field sent with a value, or None."""
+        extra = self.model_extra or {}
+        for name, why in self.REFUSED.items():
+            value = extra.get(name)
+            if value is not None and value not in self.ALLOWED_VALUES.get(name, []):
+                return name, why
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or ()) - set(self.REFUSED) - self.IGNORED)
 
 
 # ---- requests -----------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIBody):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage (so far) on every chunk
 
 
 class JsonSchemaFormat(OpenAIBody):
@@ -73,9 +97,22 @@ class SamplingRequest(OpenAIBody):
     return_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
+
+    def guided(self) -> dict[str, Any] | None:
+        """vLLM's older ``guided_*`` fields as a ``structured_outputs`` object (None when none is set)."""
+        given = {key: getattr(self, f"guided_{key}") for key in ("json", "regex", "choice", "grammar")}
+        given = {k: v for k, v in given.items() if v is not None}
+        return given or None
 
 
 class CompletionRequest(SamplingRequest):
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"user"})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -84,29 +121,46 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatPromptFields(OpenAIBody):
+    """What renders a chat prompt: shared by ``/v1/chat/completions`` and ``/tokenize`` (one rendering path)."""
+
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+
+class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
+    REFUSED: ClassVar[dict[str, str]] = {
+        "audio": "audio output is not served",
+        "modalities": "only text output is served",
+        "functions": "legacy function calling: send tools",
+        "function_call": "legacy function calling: send tool_choice",
+        "web_search_options": "no web search is served",
+    }
+    ALLOWED_VALUES: ClassVar[dict[str, list[Any]]] = {"modalities": [["text"]]}
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+        "prompt_cache_retention", "safety_identifier", "verbosity", "prediction", "moderation"})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     thinking_token_budget: int | None = None
 
 
-class TokenizeRequest(OpenAIBody):
-    """Either ``prompt`` (text) or ``messages`` (a chat, rendered as the chat API would)."""
+class TokenizeRequest(ChatPromptFields):
+    """Either ``prompt`` (text) or ``messages`` (a chat, rendered exactly as the chat API renders it)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
 
 
@@ -116,8 +170,14 @@ class DetokenizeRequest(OpenAIBody):
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
+# Every response model carries every key of OpenAI's schema (``null`` where it has no value: the server dumps
+# them without excluding None), so clients that index keys directly find them; vLLM's extras come as keys too.
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    audio_tokens: int | None = None
+    image_tokens: int | None = None
+    text_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
 
 class Usage(BaseModel):
@@ -125,6 +185,7 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class FunctionCall(BaseModel):
@@ -162,6 +223,7 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -174,8 +236,12 @@ class CompletionLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -189,8 +255,11 @@ class ChatChoice(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: DeltaFunctionCall | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -201,6 +270,14 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one candidate token (keyed by its id as a string)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -208,6 +285,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 def _now() -> int:
@@ -222,6 +300,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -232,6 +315,10 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    moderation: dict[str, Any] | None = None
+    obfuscation: str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -241,6 +328,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
@@ -250,6 +338,7 @@ class ModelCard(BaseModel):
     owned_by: str = "rocm-k3"
     root: str | None = None
     max_model_len: int | None = None
+    shutdown_date: int | None = None
 
 
 class ModelList(BaseModel):

@@ -7,12 +7,22 @@ are kept (``model_extra``) and named in a warning, as for the other routes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rocm_k3.entrypoints.openai.protocol import OpenAIBody, StrictBool
 
 
 class ResponsesRequest(OpenAIBody):
+    REFUSED: ClassVar[dict[str, str]] = {
+        "conversation": "the Conversations API is not served: send previous_response_id or the whole input",
+        "prompt": "stored prompt templates are not served: send instructions and input",
+        "max_tool_calls": "tool-call limits are not enforced: run the tool loop in the client",
+        "top_logprobs": "the responses API returns no logprobs here: use /v1/chat/completions",
+    }
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "include", "service_tier", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+        "safety_identifier", "stream_options", "moderation", "background_options", "access_programs",
+        "context_management", "image"})
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

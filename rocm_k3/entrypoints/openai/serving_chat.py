@@ -17,6 +17,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatPromptFields,
     ChatLogprobs,
     ChatMessage,
     DeltaFunctionCall,
@@ -25,23 +26,9 @@ from rocm_k3.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallOut,
 )
-from rocm_k3.entrypoints.openai.serving_common import (
-    MAX_LOGPROBS,
-    SSE_DONE,
-    ChoiceState,
-    ServedModel,
-    chat_logprobs,
-    collect,
-    choice_params,
-    error_event,
-    failed_choice,
-    merge_streams,
-    new_request_id,
-    sampling_params,
-    sse,
-    start_streams,
-    usage,
-)
+from rocm_k3.entrypoints.openai.serving_common import (MAX_LOGPROBS, SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
+    collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params, sse,
+    start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import SamplingParams
 
 
@@ -59,6 +46,7 @@ class ChatRun:
         self.params = choice_params(params, req.n)
         self.request_id = new_request_id("chatcmpl")
         self.top = params.logprobs
+        self._choices: list[ChoiceState] = []  # the streamed choices so far (usage on every chunk)
 
     def _call_prefix(self, i: int) -> str:
         return f"call_{self.request_id[9:25]}_{i}_"
@@ -92,7 +80,9 @@ class ChatRun:
                                   token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
-            prompt_token_ids=self.prompt if self.req.return_token_ids else None)
+            prompt_token_ids=self.prompt if self.req.return_token_ids else None,
+            prompt_logprobs=vllm_prompt_logprobs(self.served.tokenizer, self.prompt, choices[0].prompt_logprobs,
+                                                 choices[0].prompt_ranks, self.req.prompt_logprobs))
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
@@ -102,10 +92,11 @@ class ChatRun:
                token_ids: list[int] | None = None) -> str:
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                  token_ids=token_ids if self.req.return_token_ids else None)
-        return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice]))
+        running = self._usage(self._choices) if usage_every_chunk(self.req) else None
+        return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], usage=running))
 
     async def _events(self, streams) -> AsyncIterator[str]:
-        choices = [ChoiceState() for _ in streams]
+        choices = self._choices = [ChoiceState() for _ in streams]
         parsers = [self.prepared.parser(self._call_prefix(i)) for i in range(len(streams))]
         timers = [self.served.metrics.timer() for _ in streams]
         if self.req.return_token_ids:
@@ -142,7 +133,7 @@ class ChatRun:
                     c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
                     yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
             opts = self.req.stream_options
-            if opts is not None and opts.include_usage:
+            if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
                 yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
                                               usage=self._usage(choices)))
         except APIError as exc:
@@ -156,29 +147,43 @@ def _join(a: str | None, b: str | None) -> str | None:
     return a if b is None else a + b
 
 
-def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[str, bytes] | None = None) -> ChatRun:
-    """Check and render a chat request (404 / 400 / 503 raised here, before any output)."""
-    model = served.check_model(req.model)
-    served.check_alive()
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs")
+def chat_prompt(served: ServedModel, req: ChatPromptFields, remote: dict[str, bytes] | None = None, *,
+                structured_outputs=None, thinking_token_budget: int | None = None) -> tuple[PreparedChat, list[int], tuple]:
+    """The one rendering of a chat request, for ``/v1/chat/completions`` and ``/tokenize`` alike: the prepared
+    chat, the prompt ids the engine runs (image blocks inserted) and the images; 400 naming the field.
+    ``remote``: the fetched http(s) images (:func:`fetch_remote_images`; None: refused)."""
     chat = ChatRequest(
         req.messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=req.response_format.as_dict() if req.response_format is not None else None,
-        structured_outputs=req.structured_outputs, chat_template_kwargs=req.chat_template_kwargs,
-        reasoning_effort=req.reasoning_effort, thinking_token_budget=req.thinking_token_budget)
+        structured_outputs=structured_outputs, chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort, thinking_token_budget=thinking_token_budget,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
     try:
         prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice,
                                                 allow_images=True)
         prompt, images = _with_images(served, req, prepared, remote)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
+    return prepared, prompt, images
+
+
+def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[str, bytes] | None = None) -> ChatRun:
+    """Check and render a chat request (404 / 400 / 503 raised here, before any output)."""
+    model = served.check_model(req.model)
+    served.check_alive()
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs: not returned in chat streams (send stream=false, or use "
+                       "/v1/completions, whose stream carries them)", param="prompt_logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+    prepared, prompt, images = chat_prompt(served, req, remote, structured_outputs=structured_outputs_of(req),
+                                           thinking_token_budget=req.thinking_token_budget)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -186,7 +191,7 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[s
     return ChatRun(served, req, model, prepared, params, prompt, images)
 
 
-def _with_images(served: ServedModel, req: ChatCompletionRequest, prepared: PreparedChat,
+def _with_images(served: ServedModel, req: ChatPromptFields, prepared: PreparedChat,
                  remote: dict[str, bytes] | None) -> tuple[list[int], tuple]:
     """The prompt ids with each image's block inserted, and the images (ValueError -> 400 for a bad or refused
     image, or images sent to a model without a vision tower); ``remote``: the fetched http(s) images

@@ -23,6 +23,8 @@ from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_valida
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
     CompletionLogprobs,
+    OpenAIBody,
+    PromptLogprob,
     PromptTokensDetails,
     SamplingRequest,
     TokenLogprob,
@@ -98,8 +100,12 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
         body = model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if body.model_extra:
-        log.warning("%s: ignoring unknown fields %s", request.url.path, sorted(body.model_extra))
+    refused = body.refused_field() if isinstance(body, OpenAIBody) else None
+    if refused is not None:
+        raise APIError(400, f"{refused[0]}: not supported by this server ({refused[1]})", param=refused[0])
+    unknown = body.unknown_fields() if isinstance(body, OpenAIBody) else sorted(body.model_extra or ())
+    if unknown:
+        log.warning("%s: ignoring unknown fields %s", request.url.path, unknown)
     return body
 
 
@@ -128,8 +134,9 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
     or the completion's constraint fields); 400 naming the field for a bad value."""
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs: expected an int in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{name}: expected an int in [0, {MAX_LOGPROBS}], got {value}", param=name)
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n: expected an int in [1, {MAX_N}], got {req.n}", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
@@ -143,6 +150,7 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
         "seed": req.seed, "max_tokens": max_tokens, "stop": tuple(stop),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
+        "prompt_logprobs": req.prompt_logprobs,
         "skip_special_tokens": skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens,
     }
     values.update(changes)
@@ -150,6 +158,30 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         return SamplingParams(**values)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc) from None
+
+
+def structured_outputs_of(req: SamplingRequest) -> Any:
+    """``structured_outputs``, or vLLM's older ``guided_*`` fields as one StructuredOutputs (400 naming the guided
+    field when both kinds, or two guided fields, are sent, or its value is bad)."""
+    guided = req.guided()
+    if guided is None:
+        return req.structured_outputs
+    fields = [f"guided_{key}" for key in guided]
+    if req.structured_outputs is not None or len(fields) > 1:
+        others = fields[1:] or ["structured_outputs"]
+        raise APIError(400, f"{fields[0]}: cannot be combined with {', '.join(others)} (send one of them)",
+                       param=fields[0])
+    from rocm_k3.structured import StructuredOutputs
+
+    try:
+        return StructuredOutputs(**guided)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"{fields[0]}: {exc}", param=fields[0]) from None
+
+
+def usage_every_chunk(req: SamplingRequest) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -246,8 +278,12 @@ class ChoiceState:
     finish_reason: str | None = None
     cached: int = 0
     num_calls: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs, first delta
+    prompt_ranks: list[int | None] | None = None
 
     def add(self, delta: RequestDelta, *, text: bool = True) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = delta.prompt_logprobs, delta.prompt_logprob_ranks
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.new_logprobs or []
         if text:
@@ -281,7 +317,7 @@ def error_event(exc: APIError) -> str:
 
 def sse(body: BaseModel | dict) -> str:
     if isinstance(body, BaseModel):
-        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+        return f"data: {body.model_dump_json()}\n\n"  # every key, null where empty (as OpenAI's schemas)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -330,6 +366,37 @@ def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Seque
         out.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in _top(entry, k)} if k else None)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer: Any, prompt: Sequence[int], entries: Sequence[dict[int, float] | None] | None,
+                         ranks: Sequence[int | None] | None,
+                         k: int | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` body: None for the first prompt token, then ``{token id: {logprob, rank,
+    decoded_token}}`` with the prompt token and its top ``k`` alternatives (ranked 1..k)."""
+    if entries is None or k is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for tok, entry, rank in zip(prompt, entries, ranks or ()):
+        if entry is None:
+            out.append(None)
+            continue
+        body = {str(tok): PromptLogprob(logprob=entry[tok], rank=rank, decoded_token=token_text(tokenizer, tok))}
+        for r, (t, lp) in enumerate(_top(entry, k), start=1):
+            body.setdefault(str(t), PromptLogprob(logprob=lp, rank=r, decoded_token=token_text(tokenizer, t)))
+        out.append(body)
+    return out
+
+
+def echo_logprobs(tokenizer: Any, prompt: Sequence[int], entries: Sequence[dict[int, float] | None],
+                  k: int) -> CompletionLogprobs:
+    """The completions API's logprobs block of an echoed prompt: the first token's logprob is null (nothing
+    predicts it), as OpenAI and vLLM return it."""
+    out = completion_logprobs(tokenizer, prompt[1:], entries[1:], k, len(token_text(tokenizer, prompt[0])))
+    out.tokens.insert(0, token_text(tokenizer, prompt[0]))
+    out.token_logprobs.insert(0, None)
+    out.top_logprobs.insert(0, None)
+    out.text_offset.insert(0, 0)
     return out
 
 

@@ -40,14 +40,8 @@ def _check_gate_params(op: str, A_log: object, dt_bias: object, lower_bound: obj
     check.lower_bound(op, lower_bound)
 
 
-def kda_gate(
-    f: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    *,
-    backend: str | None = None,
-) -> torch.Tensor:
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, *,
+             backend: str | None = None) -> torch.Tensor:
     """Log-space decay gate g fp32 [T, H, K] from the raw gate input f [T, H, K] (bf16/fp16/fp32).
 
     Safe gate (lower_bound L < 0): ``g = L * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))``, in (L, 0).
@@ -63,17 +57,10 @@ def kda_gate(
     return registry.dispatch(op, backend, f, A_log, dt_bias, lower_bound)
 
 
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    conv_state: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-    backend: str | None = None,
-) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, *,
+               conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+               has_initial_state: torch.Tensor | None = None, activation: str | None = "silu",
+               backend: str | None = None) -> torch.Tensor:
     """Causal depthwise conv (no bias) per sequence of a varlen batch, then SiLU (activation None: identity).
 
     x [T, C], weight [C, W], cu_seqlens int32 [N+1]; returns y [T, C] in x's dtype, with
@@ -85,22 +72,15 @@ def short_conv(
     W-1 inputs of (history, sequence), oldest first.
     """
     op = "short_conv"
-    x = check.rank(op, "x", x, 2, "[T, C]")
-    check.activation_dtype(op, "x", x)
-    T, C = x.shape
-    weight = check.rank(op, "weight", weight, 2, "[C, W]")
-    W = weight.shape[1]
-    check.shape(op, "weight", weight, (C, W), "[C, W]")
-    check.activation_dtype(op, "weight", weight)
+    x, weight = check.conv_inputs(op, x, weight, "[T, C]")
+    (T, C), W = x.shape, weight.shape[1]
     N = check.cu_seqlens(op, cu_seqlens, T, values=registry.checks_values(backend))
     if conv_state is None:
         for name, value in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
             if value is not None:
                 raise ValueError(f"{op}: {name} was given without conv_state")
     else:
-        conv_state = check.rank(op, "conv_state", conv_state, 3, "[S, C, W-1]")
-        check.shape(op, "conv_state", conv_state, (conv_state.shape[0], C, W - 1), "[S, C, W-1]")
-        check.activation_dtype(op, "conv_state", conv_state)
+        conv_state = check.conv_state(op, conv_state, C, W)
         if state_indices is None:
             raise ValueError(f"{op}: conv_state needs state_indices int32 [N] (N={N}), got None")
         check.state_indices(op, state_indices, N, conv_state.shape[0], values=registry.checks_values(backend))
@@ -118,15 +98,8 @@ def short_conv(
     )
 
 
-def short_conv_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-    *,
-    backend: str | None = None,
-) -> torch.Tensor:
+def short_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                      activation: str | None = "silu", *, backend: str | None = None) -> torch.Tensor:
     """Decode step of :func:`short_conv`: one new token per sequence.
 
     x [N, C], weight [C, W], conv_state [S, C, W-1] (oldest first), state_indices int32 [N].
@@ -134,40 +107,20 @@ def short_conv_update(
     is shifted in place to the window's last W-1 inputs. Returns y [N, C] in x's dtype.
     """
     op = "short_conv_update"
-    x = check.rank(op, "x", x, 2, "[N, C]")
-    check.activation_dtype(op, "x", x)
-    N, C = x.shape
-    weight = check.rank(op, "weight", weight, 2, "[C, W]")
-    W = weight.shape[1]
-    check.shape(op, "weight", weight, (C, W), "[C, W]")
-    check.activation_dtype(op, "weight", weight)
-    conv_state = check.rank(op, "conv_state", conv_state, 3, "[S, C, W-1]")
-    check.shape(op, "conv_state", conv_state, (conv_state.shape[0], C, W - 1), "[S, C, W-1]")
-    check.activation_dtype(op, "conv_state", conv_state)
+    x, weight = check.conv_inputs(op, x, weight, "[N, C]")
+    (N, C), W = x.shape, weight.shape[1]
+    conv_state = check.conv_state(op, conv_state, C, W)
     check.state_indices(op, state_indices, N, conv_state.shape[0], values=registry.checks_values(backend))
     check.conv_activation(op, activation)
     check.same_device(op, {"x": x, "weight": weight, "conv_state": conv_state, "state_indices": state_indices})
     return registry.dispatch(op, backend, x, weight, conv_state, state_indices, activation)
 
 
-def kda_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-    backend: str | None = None,
-) -> KDAPrefillOutput:
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor, *, scale: float | None = None,
+                gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                intermediate_positions: torch.Tensor | None = None, backend: str | None = None) -> KDAPrefillOutput:
     """KDA over a varlen batch of new tokens, continuing (or starting) each sequence's recurrent state.
 
     q, k [T, H, K] and v [T, H, V] share one dtype (bf16/fp16/fp32); beta [T, H]; cu_seqlens int32 [N+1];
@@ -229,25 +182,11 @@ def kda_prefill(
     )
 
 
-def kda_decode(
-    qkv: torch.Tensor,
-    f: torch.Tensor,
-    beta: torch.Tensor,
-    out_gate: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    o_norm_weight: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    num_heads: int,
-    lower_bound: float | None,
-    scale: float | None = None,
-    eps: float = 1e-5,
-    backend: str | None = None,
-) -> torch.Tensor:
+def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, out_gate: torch.Tensor,
+               conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm_weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, *, num_heads: int,
+               lower_bound: float | None, scale: float | None = None, eps: float = 1e-5,
+               backend: str | None = None) -> torch.Tensor:
     """One decode token per sequence through a KDA layer, up to (not including) o_proj. V = K.
 
     qkv [N, 3*H*K] pre-conv projections (q | k | v, head-major) in bf16/fp16/fp32; f [N, H*K] raw gate input;
@@ -299,14 +238,8 @@ def kda_decode(
     )
 
 
-def gated_rms_norm(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-5,
-    *,
-    backend: str | None = None,
-) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+                   backend: str | None = None) -> torch.Tensor:
     """``RMSNorm_D(x) * weight * sigmoid(gate)``: x, gate [T, H, D]; weight [D]; fp32 math; returns x's dtype."""
     op = "gated_rms_norm"
     x = check.rank(op, "x", x, 3, "[T, H, D]")

@@ -38,15 +38,8 @@ def _recur(
     return o, S, snapshots
 
 
-def kda_recurrent_naive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_recurrent_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the gated delta rule with channel-wise decay over ONE sequence, one token at a time.
 
     Per token t and head h, with the state ``S`` [K, V]::
@@ -93,24 +86,12 @@ def _gate(f: torch.Tensor, params: KDAGateParams) -> torch.Tensor:
     return params.lower_bound * torch.sigmoid(a * x)
 
 
-def kda_prefill_naive(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float64,
-) -> KDAPrefillOutput:
+def kda_prefill_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                      has_initial_state: torch.Tensor, *, scale: float | None = None,
+                      gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                      intermediate_positions: torch.Tensor | None = None,
+                      compute_dtype: torch.dtype = torch.float64) -> KDAPrefillOutput:
     """The ``kda_prefill`` op computed token by token, sequence by sequence (same arguments and semantics).
 
     Gate, L2 norm (``x / sqrt(sum x^2 + 1e-6)``, q then times scale, default K^-0.5) and beta sigmoid are

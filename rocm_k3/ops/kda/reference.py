@@ -19,8 +19,10 @@ and across the chunks of one sequence, with the state S [K, V] at the chunk star
     O  = (Q * exp(G)) S + Aqk V'
     S  = diag(exp(G_last)) S + (exp(G_last - G) * K)^T V'
 
-The pairwise factor exp(G_i - G_j) is formed from the difference, never as exp(G_i) * exp(-G_j): with the safe
-gate the in-chunk decay can reach -5 * 64, which over/underflows fp32 when factored.
+The pairwise factor exp(G_i - G_j) is the product exp(G_i - G_0) exp(G_0 - G_j) (two matmuls) in the chunks
+whose decay stays within FACTOR_LIMIT, where both factors lie inside fp32's range; in the others (the safe gate's
+in-chunk decay can reach -5 * 64) it is formed from the difference. Everything is differentiable (no in-place
+write into a tensor autograd keeps), so training runs through the same code.
 
 Chunks start at every multiple of 64 from each sequence's start; a requested intermediate position p that is
 not on such a boundary splits its chunk at p, so the state after p tokens is exact. Intra-chunk work runs
@@ -41,6 +43,8 @@ L2NORM_EPS = 1e-6
 CHUNK = 64
 # Bound on the elements of the [chunks, H, C, C, K] pairwise-decay temporaries built at once (64 MiB fp32).
 _PAIRWISE_BLOCK_ELEMS = 1 << 24
+# Largest in-chunk decay max |G_i - G_j| (log space) for the factored products: exp(+-80) is inside fp32's range.
+FACTOR_LIMIT = 80.0
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -48,9 +52,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def kda_gate(
-    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
-) -> torch.Tensor:
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
     """Log-space decay gate, fp32 [T, H, K], from the raw gate input f [T, H, K].
 
     lower_bound L given (safe gate): ``g = L * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))``, in (L, 0).
@@ -69,16 +71,9 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return F.silu(y) if activation == "silu" else y
 
 
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    conv_state: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, *,
+               conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+               has_initial_state: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
     """Causal depthwise convolution (no bias) per sequence of a varlen batch, then SiLU (or identity).
 
     ``y[t, c] = sum_j weight[c, j] * h[t - (W-1) + j, c]`` where h is the sequence's inputs preceded by its
@@ -111,10 +106,8 @@ def short_conv(
     return _activate(y, activation).to(x.dtype)
 
 
-def _short_conv_update_fp32(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
-    activation: str | None,
-) -> torch.Tensor:
+def _short_conv_update_fp32(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                            state_indices: torch.Tensor, activation: str | None) -> torch.Tensor:
     """One decode token per sequence; returns fp32 [N, C] and shifts the conv state slots in place."""
     slots = state_indices.long()
     window = torch.cat([conv_state[slots].float(), x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
@@ -123,13 +116,8 @@ def _short_conv_update_fp32(
     return _activate(y, activation)
 
 
-def short_conv_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                      activation: str | None = "silu") -> torch.Tensor:
     """Decode step of :func:`short_conv`: one token per sequence.
 
     x [N, C], weight [C, W], conv_state [S, C, W-1] (oldest first), state_indices int32 [N].
@@ -139,9 +127,7 @@ def short_conv_update(
     return _short_conv_update_fp32(x, weight, conv_state, state_indices, activation).to(x.dtype)
 
 
-def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
-) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """``x * rsqrt(mean_D(x^2) + eps) * weight * sigmoid(gate)`` over the last dim D, fp32 math.
 
     x, gate [T, H, D], weight [D]; returns [T, H, D] in x's dtype.
@@ -151,9 +137,8 @@ def gated_rms_norm(
     return (normed * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-def delta_rule_step(
-    S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the KDA recurrence for a batch of states (K3_SPEC section 2 step 5), fp32.
 
     S [N, H, K, V]; q (already scaled), k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay; beta [N, H] in (0, 1).
@@ -166,24 +151,10 @@ def delta_rule_step(
     return S, o
 
 
-def kda_decode(
-    qkv: torch.Tensor,
-    f: torch.Tensor,
-    beta: torch.Tensor,
-    out_gate: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    o_norm_weight: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    num_heads: int,
-    lower_bound: float | None,
-    scale: float | None = None,
-    eps: float = 1e-5,
-) -> torch.Tensor:
+def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, out_gate: torch.Tensor,
+               conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm_weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, *, num_heads: int,
+               lower_bound: float | None, scale: float | None = None, eps: float = 1e-5) -> torch.Tensor:
     """One decode token per sequence through the whole KDA layer up to (not including) o_proj.
 
     qkv [N, 3*H*K] pre-conv projections (q | k | v, head-major), f [N, H*K] raw gate input, beta [N, H]
@@ -271,58 +242,49 @@ def _to_chunks(x: torch.Tensor, plan: _ChunkPlan) -> torch.Tensor:
     return gathered.transpose(1, 2)
 
 
-def _pairwise_decayed_products(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairwise_decayed_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Aqk[i, j] = sum_d q_i k_j exp(G_i - G_j) for j <= i, and Akk the same with k_i and j < i.
 
     q, k, G: [NC, H, C, K]. Returns (Aqk, Akk), each [NC, H, C, C], zero above (Akk: on and above) the diagonal.
+    Chunks whose decay spans at most FACTOR_LIMIT take the factored products; the others form G_i - G_j
+    explicitly in blocks of [b, H, C, C, K] (exact for any decay).
     """
     NC, H, C, K = G.shape
     causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()  # [C, C] j <= i
+    span = (G.amax(dim=2) - G.amin(dim=2)).detach().flatten(1).amax(dim=1)  # [NC]
     Aqk = torch.zeros(NC, H, C, C, dtype=G.dtype, device=G.device)
     Akk = torch.zeros_like(Aqk)
+    factored = torch.nonzero(span <= FACTOR_LIMIT).flatten()
+    if factored.numel():
+        Gf = G[factored]
+        rel = Gf - Gf[:, :, :1]  # G_i - G_0
+        k_out = (k[factored] * torch.exp(-rel)).transpose(-1, -2)  # [n, H, K, C(j)]: k_j exp(G_0 - G_j)
+        Aqk[factored] = (q[factored] * torch.exp(rel)) @ k_out
+        Akk[factored] = (k[factored] * torch.exp(rel)) @ k_out
+    steep = torch.nonzero(span > FACTOR_LIMIT).flatten()
     step = max(1, _PAIRWISE_BLOCK_ELEMS // max(1, H * C * C * K))
-    for lo in range(0, NC, step):
-        blk = slice(lo, lo + step)
+    for lo in range(0, steep.numel(), step):
+        blk = steep[lo : lo + step]
         diff = G[blk].unsqueeze(-2) - G[blk].unsqueeze(-3)  # [b, H, C(i), C(j), K]: G_i - G_j
-        decay = diff.masked_fill_(~causal[:, :, None], float("-inf")).exp_()  # 0 where j > i
+        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()  # 0 where j > i
         k_decayed = (k[blk].unsqueeze(-3) * decay).transpose(-1, -2)  # [b, H, C(i), K, C(j)]
         Aqk[blk] = (q[blk].unsqueeze(-2) @ k_decayed).squeeze(-2)
         Akk[blk] = (k[blk].unsqueeze(-2) @ k_decayed).squeeze(-2)
-    Akk.diagonal(dim1=-2, dim2=-1).zero_()
-    return Aqk, Akk
+    return torch.where(causal, Aqk, 0.0), torch.where(causal.tril(-1), Akk, 0.0)
 
 
 def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower triangular A [..., C, C], by forward substitution row by row.
-
-    Row i of T = (I + A)^-1 satisfies T_i = e_i - sum_{j<i} A[i, j] T_j.
-    """
-    C = A.shape[-1]
-    T = torch.eye(C, dtype=A.dtype, device=A.device).expand_as(A).clone()  # [..., C, C]
-    for i in range(1, C):
-        T[..., i, :i] = -(A[..., i : i + 1, :i] @ T[..., :i, :i]).squeeze(-2)
-    return T
+    """(I + A)^-1 for strictly lower triangular A [..., C, C]: a unit-triangular solve against the identity
+    (differentiable, so training runs through it)."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
 
 
-def kda_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-) -> KDAPrefillOutput:
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor, *, scale: float | None = None,
+                gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                intermediate_positions: torch.Tensor | None = None) -> KDAPrefillOutput:
     """Chunked KDA over a varlen batch (see the module docstring for the math).
 
     q, k [T, H, K]; v [T, H, V]; g [T, H, K] (fp32 log-decay, or the raw gate input when gate_params is given);

@@ -85,6 +85,24 @@ def conv_activation(op: str, value: object) -> None:
         raise ValueError(f"{op}: activation must be 'silu' or None, got {value!r}")
 
 
+def conv_inputs(op: str, x: object, weight: object, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations ``x`` (2-d, ``layout`` e.g. "[T, C]") and depthwise taps ``weight [C, W]`` of a short conv."""
+    x = rank(op, "x", x, 2, layout)
+    activation_dtype(op, "x", x)
+    weight = rank(op, "weight", weight, 2, "[C, W]")
+    shape(op, "weight", weight, (x.shape[1], weight.shape[1]), "[C, W]")
+    activation_dtype(op, "weight", weight)
+    return x, weight
+
+
+def conv_state(op: str, t: object, channels: int, width: int) -> torch.Tensor:
+    """A conv state pool [S, C, W-1] in an activation dtype."""
+    t = rank(op, "conv_state", t, 3, "[S, C, W-1]")
+    shape(op, "conv_state", t, (t.shape[0], channels, width - 1), "[S, C, W-1]")
+    activation_dtype(op, "conv_state", t)
+    return t
+
+
 def _host_values(t: torch.Tensor, values: bool = True) -> list | None:
     """The tensor's values on the host, or None when value checks are off (calls through a bound op table) or
     while a CUDA graph is being captured (no host reads then)."""

@@ -101,24 +101,11 @@ def kda_decode_kernel(
     tl.store(y_ptr + n.to(tl.int64) * (H * V) + h * V + rv, y.to(y_ptr.dtype.element_ty))
 
 
-def supports_kda_decode(
-    qkv: torch.Tensor,
-    f: torch.Tensor,
-    beta: torch.Tensor,
-    out_gate: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    o_norm_weight: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    num_heads: int,
-    lower_bound: float | None,
-    scale: float | None = None,
-    eps: float = 1e-5,
-) -> tuple[bool, str]:
+def supports_kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, out_gate: torch.Tensor,
+                        conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                        o_norm_weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, *,
+                        num_heads: int, lower_bound: float | None, scale: float | None = None,
+                        eps: float = 1e-5) -> tuple[bool, str]:
     """(ok, reason): head dim a power of two <= 128, width >= 2, contiguous fp32 state and contiguous conv state."""
     K = qkv.shape[1] // (3 * num_heads)
     if not (is_pow2(K) and K <= 128):
@@ -132,24 +119,10 @@ def supports_kda_decode(
     return True, "supported"
 
 
-def kda_decode(
-    qkv: torch.Tensor,
-    f: torch.Tensor,
-    beta: torch.Tensor,
-    out_gate: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    o_norm_weight: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    *,
-    num_heads: int,
-    lower_bound: float | None,
-    scale: float | None = None,
-    eps: float = 1e-5,
-) -> torch.Tensor:
+def kda_decode(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, out_gate: torch.Tensor,
+               conv_weight: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               o_norm_weight: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor, *, num_heads: int,
+               lower_bound: float | None, scale: float | None = None, eps: float = 1e-5) -> torch.Tensor:
     """One fused decode step (module docstring). Returns y [N, H*V] in qkv's dtype; state and conv_state are
     updated in place at ``state_indices``."""
     N = qkv.shape[0]

@@ -57,23 +57,11 @@ def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
     return min(16, V), 4
 
 
-def supports_kda_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-) -> tuple[bool, str]:
+def supports_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                         has_initial_state: torch.Tensor, *, scale: float | None = None,
+                         gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                         intermediate_positions: torch.Tensor | None = None) -> tuple[bool, str]:
     """(ok, reason): head dims powers of two in [16, 128], one activation dtype, fp32 contiguous state,
     intermediate positions at chunk ends (p % 64 == 0)."""
     K, V = q.shape[-1], v.shape[-1]
@@ -104,23 +92,11 @@ def _inter_map(positions: torch.Tensor, seq_first_chunk: torch.Tensor, num_chunk
     return inter_map, (None if bool((source == rows).all()) else source)
 
 
-def kda_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate_params: KDAGateParams | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    intermediate_positions: torch.Tensor | None = None,
-) -> KDAPrefillOutput:
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor, *, scale: float | None = None,
+                gate_params: KDAGateParams | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+                intermediate_positions: torch.Tensor | None = None) -> KDAPrefillOutput:
     """Chunked KDA prefill (see module docstring); q, k [T, H, K], v [T, H, V], g [T, H, K], beta [T, H],
     state fp32 [S, H, K, V] updated in place at ``state_indices``. Returns (o [T, H, V] in v's dtype,
     intermediate states fp32 [M, H, K, V] or None)."""

@@ -131,16 +131,10 @@ def _check_activation(activation: str | None) -> tuple[bool, str]:
     return True, "supported"
 
 
-def supports_short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    conv_state: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> tuple[bool, str]:
+def supports_short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                        conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                        has_initial_state: torch.Tensor | None = None,
+                        activation: str | None = "silu") -> tuple[bool, str]:
     """(ok, reason): width >= 2, contiguous conv state (updated in place), silu or no activation."""
     if weight.shape[1] < 2:
         return False, f"triton short_conv needs a kernel width >= 2, got {weight.shape[1]}"
@@ -149,16 +143,9 @@ def supports_short_conv(
     return _check_activation(activation)
 
 
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    conv_state: torch.Tensor | None = None,
-    state_indices: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, *,
+               conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+               has_initial_state: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
     """Varlen causal depthwise conv + activation: x [T, C], weight [C, W], cu_seqlens int32 [N+1] -> y [T, C]
     (x dtype); conv_state [S, C, W-1] updated in place at state_indices when given."""
     T, C = x.shape
@@ -190,13 +177,8 @@ def short_conv(
     return y
 
 
-def supports_short_conv_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-) -> tuple[bool, str]:
+def supports_short_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                               state_indices: torch.Tensor, activation: str | None = "silu") -> tuple[bool, str]:
     """(ok, reason): width >= 2, contiguous conv state, silu or no activation."""
     if weight.shape[1] < 2:
         return False, f"triton short_conv_update needs a kernel width >= 2, got {weight.shape[1]}"
@@ -205,13 +187,8 @@ def supports_short_conv_update(
     return _check_activation(activation)
 
 
-def short_conv_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+def short_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                      activation: str | None = "silu") -> torch.Tensor:
     """One decode token per sequence: x [N, C], weight [C, W], conv_state [S, C, W-1] (shifted in place)
     -> y [N, C] in x's dtype."""
     N, C = x.shape
