@@ -132,19 +132,23 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
     if value is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if isinstance(value, StructuredOutputs):
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{field}: expected an object, got {type(value).__name__}")
-    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    given = {k: v for k, v in value.items() if v is not None and not (v is False and k != "json")}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KEYS))
     if unknown:
         raise ValueError(f"{field}: unknown keys {unknown}; expected one of {list(STRUCTURED_OUTPUT_KEYS)}")
     try:
-        return StructuredOutputs(**given)
+        out = StructuredOutputs(**given)
     except ValueError as exc:
         raise ValueError(f"{field}.{exc}") from None
+    if out.kind == "json":  # named by the request's field here; the compiler checks again (LLM.generate)
+        check_schema_keywords(out.json, f"{field}.json" if field == "structured_outputs" else field)
+    return out
 
 
 def response_format_constraint(response_format: Mapping[str, Any] | None):
@@ -152,6 +156,7 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
     if response_format is None:
         return None
     from rocm_k3.structured import StructuredOutputs
+    from rocm_k3.structured.schema_keywords import check_schema_keywords
 
     if not isinstance(response_format, Mapping):
         raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
@@ -165,9 +170,11 @@ def response_format_constraint(response_format: Mapping[str, Any] | None):
         if not isinstance(spec, Mapping) or "schema" not in spec:
             raise ValueError("response_format.json_schema.schema: required for type 'json_schema'")
         try:
-            return StructuredOutputs(json=spec["schema"])
+            out = StructuredOutputs(json=spec["schema"])
         except ValueError as exc:
             raise ValueError(f"response_format.json_schema.schema: {exc}") from None
+        check_schema_keywords(out.json, "response_format.json_schema.schema")
+        return out
     raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -231,6 +238,10 @@ class ModelFrontend:
         tool_choice = _tool_choice(tools, request.tool_choice, enable_auto_tool_choice)
         if not isinstance(request.parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls: expected a bool, got {request.parallel_tool_calls!r}")
+        if tools:
+            from rocm_k3.structured.tool_schemas import check_tool_schemas
+
+            check_tool_schemas(tools)  # for every tool_choice: auto shows the schemas to the model too
         constraint = _constraint(tools, tool_choice, request)
         if (tools or constraint is not None) and self.family is None:
             raise ValueError("tools / structured output: this checkpoint has no output family; serve it with "

@@ -38,6 +38,7 @@ from rocm_k3.formats.chat_base import (
     validate_messages,
     validate_tools,
 )
+from rocm_k3.formats.json_limits import NotJSONError, load_json
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -155,8 +156,8 @@ def parse_arguments(arguments: Any, field: str) -> tuple[dict[str, Any], str | N
     if not arguments.strip():
         return {}, None
     try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
+        parsed = load_json(arguments, field)  # too deep, too long a number: ValueError naming the field
+    except NotJSONError:
         return {}, arguments
     if not isinstance(parsed, dict):
         raise ValueError(f"{field}: expected a JSON object, got {type(parsed).__name__}")

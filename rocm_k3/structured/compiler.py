@@ -17,6 +17,7 @@ import threading
 import pydantic
 import xgrammar as xgr
 
+from rocm_k3.structured.emptiness import accepts_some_text
 from rocm_k3.structured.gate import ReasoningGate
 from rocm_k3.structured.spec import StructuredOutputs
 from rocm_k3.structured.state import GrammarState
@@ -43,9 +44,16 @@ def check_spec(spec: StructuredOutputs, tokens: FamilyTokens) -> None:
     if not isinstance(spec, StructuredOutputs):
         raise TypeError(f"spec: expected StructuredOutputs, got {type(spec).__name__}")
     try:
-        xgr.Grammar.from_structural_tag(structural_tag_for(spec, tokens))
+        grammar = xgr.Grammar.from_structural_tag(structural_tag_for(spec, tokens))
     except _COMPILE_ERRORS as e:
         raise ValueError(f"{spec.kind}: {_clean(e)}") from None
+    _check_not_empty(spec, grammar)
+
+
+def _check_not_empty(spec: StructuredOutputs, grammar: xgr.Grammar) -> None:
+    if not accepts_some_text(str(grammar)):
+        raise ValueError(f"{spec.kind}: the grammar accepts no text (its language is empty: a pattern, regex or "
+                         "schema that nothing matches)")
 
 
 class StructuredCompiler:
@@ -94,6 +102,7 @@ class StructuredCompiler:
             compiled = self._compiler.compile_structural_tag(tag)
         except _COMPILE_ERRORS as e:
             raise ValueError(f"{spec.kind}: {_clean(e)}") from None
+        _check_not_empty(spec, compiled.grammar)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:

@@ -14,6 +14,7 @@ import json as _json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rocm_k3.formats.json_limits import MAX_JSON_DEPTH, JSONLimitError, load_json
 from rocm_k3.formats.parsers.types import named_tool_choice, tool_names
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "tools")
@@ -89,10 +90,14 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, tool_choice:
 
 def _as_json_value(name: str, value: Any) -> Any:
     """``value`` parsed when it is JSON text, else a plain-JSON deep copy of it (dicts, lists, scalars)."""
+    if isinstance(value, (str, bytes)):
+        return load_json(value, name)
     try:
-        if isinstance(value, (str, bytes)):
-            return _json.loads(value)
-        return _json.loads(_json.dumps(value, default=_plain))
+        return load_json(_json.dumps(value, default=_plain), name)
+    except RecursionError:
+        raise JSONLimitError(f"{name}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except JSONLimitError:
+        raise
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name}: not valid JSON ({e})") from None
 

@@ -18,9 +18,13 @@ prompt ended in the response channel):
   optional ones may be left out) + ``<|close|>call<|sep|>``; an argument is ``<|open|>argument key="K"
   type="T"<|sep|>VALUE<|close|>argument<|sep|>`` with T from the property's JSON-schema type (integer ->
   number); string values are free text without markers (``enum``/``const`` = those strings, ``pattern`` = that
-  regex, ``maxLength`` bounds the characters; ``minLength`` is not enforced), other values are JSON under the
-  property's schema (the root ``$defs`` re-attached); union or untyped properties may take any type; a tool
-  without properties takes any argument tags.
+  regex, ``minLength`` / ``maxLength`` bound the characters, the first ``minLength`` of them not ``<``), other
+  values are JSON under the property's schema (the root ``$defs`` re-attached); union or untyped properties may
+  take any of their types; a tool without properties takes any argument tags. What this XTML grammar cannot
+  hold is refused (ValueError naming the keyword): a string argument's ``format``, constraints other than
+  ``type`` / ``maxLength`` on a union or untyped argument, ``minProperties`` / ``maxProperties`` /
+  ``propertyNames`` on the parameters, and
+  ``additionalProperties`` on parameters without ``properties``.
 
 Kimi K2 / Kimi Linear (after ``</think>``, or from the start when thinking is off): content constraints are the
 bare value; tool calls are ``[text] [<|tool_calls_section_begin|>] (<|tool_call_begin|>functions.NAME:IDX
@@ -36,6 +40,7 @@ from xgrammar import structural_tag as st
 
 from rocm_k3.formats.parsers import kimi_k2, kimi_k3
 from rocm_k3.structured.json_schema import normalize_json_schema
+from rocm_k3.structured.schema_keywords import ANNOTATIONS, DEFINITIONS, check_schema_keywords
 from rocm_k3.structured.spec import StructuredOutputs, ToolCallConstraint, ToolSchema
 from rocm_k3.structured.vocab import FamilyTokens
 
@@ -134,6 +139,7 @@ class _Builder:
                         self.marker(kimi_k2.CALL_END))
 
     def _k3_call(self, tool: ToolSchema) -> st.Format:
+        _check_k3_parameters(tool)
         head = self.seq(self.marker(f'{kimi_k3.CALL_OPEN} tool="{_escape_attr(tool.name)}" index="'),
                         st.RegexFormat(pattern=r"[1-9][0-9]{0,2}"), self.marker('"' + kimi_k3.SEP))
         params = tool.parameters or {}
@@ -148,6 +154,7 @@ class _Builder:
 
     def _k3_argument(self, key: str, prop: Any, root: Mapping[str, Any]) -> st.Format:
         types = _xtml_types(prop)
+        _check_k3_argument(key, prop, types)
         if types is not None and len(types) == 1:
             (t,) = types
             value = self._k3_string_value(prop) if t == "string" else self.json_value(_with_defs(prop, root))
@@ -186,7 +193,50 @@ class _Builder:
         if isinstance(prop.get("pattern"), str):
             return st.RegexFormat(pattern=prop["pattern"])
         max_len = prop.get("maxLength")
-        return self.free_text(max_chars=max_len if isinstance(max_len, int) and max_len >= 0 else None)
+        max_len = max_len if isinstance(max_len, int) and max_len >= 0 else None
+        min_len = prop.get("minLength")
+        if not isinstance(min_len, int) or min_len <= 0:
+            return self.free_text(max_chars=max_len)
+        # the first minLength characters without "<" (no marker can start there), then free text for the rest
+        head = st.RegexFormat(pattern=f"[^<]{{{min_len}}}")
+        if max_len is not None and max_len <= min_len:
+            return head
+        return self.seq(head, self.free_text(max_chars=None if max_len is None else max_len - min_len))
+
+
+_K3_STRING_KEYS = frozenset({"type", "enum", "const", "pattern", "minLength", "maxLength"})
+_K3_UNION_KEYS = frozenset({"type", "maxLength"})
+
+
+def _k3_refused(where: str, key: str, why: str) -> ValueError:
+    return ValueError(f"{where}: JSON-schema keyword {key!r} is not supported in a Kimi K3 tool call: {why}")
+
+
+def _check_k3_parameters(tool: ToolSchema) -> None:
+    params = tool.parameters or {}
+    where = f"tools[{tool.name!r}].function.parameters"
+    for key in ("minProperties", "maxProperties", "propertyNames"):
+        if key in params:
+            raise _k3_refused(where, key, "each argument is a tag of its own; the count and names are not bounded")
+    if not params.get("properties") and params.get("additionalProperties", True) is not True:
+        raise _k3_refused(where, "additionalProperties", "a tool without properties takes any arguments")
+
+
+def _check_k3_argument(key: str, prop: Any, types: list[str] | None) -> None:
+    """Refuse what the XTML argument grammar would drop: string arguments are free text (enum/const, pattern,
+    minLength and maxLength held), union or untyped ones take any value of their types (only maxLength held)."""
+    if not isinstance(prop, Mapping):
+        return
+    where = f"parameters.properties.{key}"
+    if types is not None and len(types) == 1 and types != ["string"]:
+        return  # JSON under the property's own schema: every keyword holds
+    allowed = _K3_STRING_KEYS if types == ["string"] else _K3_UNION_KEYS
+    if "anyOf" in prop and all(isinstance(b, Mapping) and set(b) - ANNOTATIONS <= {"type"} for b in prop["anyOf"]):
+        allowed = allowed | {"anyOf"}
+    for k in prop:
+        if k not in allowed and k not in ANNOTATIONS and k not in DEFINITIONS and not k.startswith("x-"):
+            raise _k3_refused(where, k, "string arguments hold enum/const, pattern, minLength and maxLength only; "
+                                        "arguments of several types hold their types (and maxLength) only")
 
 
 def _escape_attr(value: str) -> str:
@@ -245,6 +295,12 @@ def structural_tag_for(spec: StructuredOutputs, tokens: FamilyTokens) -> st.Stru
     """The structural tag of ``spec`` for ``tokens.family``."""
     if spec.kind == "structural_tag":
         return st.StructuralTag.model_validate(spec.structural_tag)
+    if spec.kind == "json":
+        check_schema_keywords(spec.json, "schema")
+    elif spec.kind == "tools":
+        for tool in spec.tools.tools:
+            if tool.parameters is not None:
+                check_schema_keywords(tool.parameters, f"tools[{tool.name!r}].function.parameters")
     builder = _Builder(tokens)
     fmt = builder.tool_calls(spec.tools) if spec.kind == "tools" else builder.content(spec)
     return st.StructuralTag(format=fmt)

@@ -21,6 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 StrictBool = Annotated[bool, Strict()]
 
 
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 class OpenAIBody(BaseModel):
     """Unknown fields are kept (``model_extra``) so the server can name them in a warning (vLLM's way).
 
@@ -103,11 +107,19 @@ class SamplingRequest(OpenAIBody):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None
 
-    def guided(self) -> dict[str, Any] | None:
-        """vLLM's older ``guided_*`` fields as a ``structured_outputs`` object (None when none is set)."""
-        given = {key: getattr(self, f"guided_{key}") for key in ("json", "regex", "choice", "grammar")}
-        given = {k: v for k, v in given.items() if v is not None}
-        return given or None
+    def structured_request(self) -> tuple[dict[str, Any] | None, str]:
+        """(the ``structured_outputs`` object, the field it came from): vLLM's older ``guided_json`` /
+        ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` extras are that object's json / regex / choice /
+        grammar. ValueError when more than one is given."""
+        guided = {f: getattr(self, f) for f in GUIDED_FIELDS if getattr(self, f) is not None}
+        if not guided:
+            return self.structured_outputs, "structured_outputs"
+        if len(guided) > 1 or self.structured_outputs is not None:
+            given = [*guided, *(["structured_outputs"] if self.structured_outputs is not None else [])]
+            raise ValueError(f"{given[0]}: give only one of structured_outputs, {', '.join(GUIDED_FIELDS)}; "
+                             f"got {given}")
+        ((field, value),) = guided.items()
+        return {GUIDED_FIELDS[field]: value}, field
 
 
 class CompletionRequest(SamplingRequest):

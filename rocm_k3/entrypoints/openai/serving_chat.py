@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason
+from rocm_k3.engine.chat import ChatRequest, PreparedChat, chat_finish_reason, structured_outputs_from
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request
 from rocm_k3.formats.parsers import ToolCall
 from rocm_k3.entrypoints.openai.protocol import (

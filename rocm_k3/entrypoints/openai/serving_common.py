@@ -22,6 +22,7 @@ from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
+    GUIDED_FIELDS,
     CompletionLogprobs,
     OpenAIBody,
     PromptLogprob,
@@ -31,6 +32,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     TopLogprob,
     Usage,
 )
+from rocm_k3.formats.json_limits import JSONLimitError, load_json
 from rocm_k3.sampling_params import SamplingParams
 
 log = logging.getLogger("rocm_k3.server")
@@ -91,9 +93,9 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        data = load_json(b"".join(chunks), "request body")  # depth, number, NaN and surrogate limits
+    except JSONLimitError as exc:
+        raise APIError(400, str(exc)) from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}")
     try:
@@ -161,22 +163,19 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
 
 
 def structured_outputs_of(req: SamplingRequest) -> Any:
-    """``structured_outputs``, or vLLM's older ``guided_*`` fields as one StructuredOutputs (400 naming the guided
-    field when both kinds, or two guided fields, are sent, or its value is bad)."""
-    guided = req.guided()
-    if guided is None:
-        return req.structured_outputs
-    fields = [f"guided_{key}" for key in guided]
-    if req.structured_outputs is not None or len(fields) > 1:
-        others = fields[1:] or ["structured_outputs"]
-        raise APIError(400, f"{fields[0]}: cannot be combined with {', '.join(others)} (send one of them)",
-                       param=fields[0])
-    from rocm_k3.structured import StructuredOutputs
+    """``structured_outputs``, or vLLM's older ``guided_*`` fields, as one StructuredOutputs (None when none is sent);
+    a 400 naming the field when two are sent or the value is bad (a schema keyword the grammar cannot enforce,
+    an empty choice, ...)."""
+    from rocm_k3.engine.chat import structured_outputs_from
 
+    field = "structured_outputs"
     try:
-        return StructuredOutputs(**guided)
+        value, field = req.structured_request()
+        return structured_outputs_from(value, field)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, f"{fields[0]}: {exc}", param=fields[0]) from None
+        named = str(exc).split(":", 1)[0].split(".", 1)[0]
+        raise APIError(400, str(exc), param=named if named in (*GUIDED_FIELDS, "structured_outputs") else field) \
+            from None
 
 
 def usage_every_chunk(req: SamplingRequest) -> bool:

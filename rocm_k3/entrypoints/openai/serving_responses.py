@@ -22,7 +22,9 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rocm_k3.entrypoints.openai.errors import APIError
+from pydantic import ValidationError
+
+from rocm_k3.entrypoints.openai.errors import APIError, from_validation_error
 from rocm_k3.entrypoints.openai.protocol import ChatCompletionRequest
 from rocm_k3.entrypoints.openai.protocol_responses import ResponsesRequest
 from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResponse
@@ -152,11 +154,17 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, f"text.format: expected an object with a type, got {type(fmt).__name__}",
+                       param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), (dict, bool)):
+            raise APIError(400, "text.format.schema: a JSON-schema object is required for type json_schema",
+                           param="text.format.schema")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
                                                        "strict": fmt.get("strict")}}
     raise APIError(400, f"text.format.type: expected text, json_object or json_schema, got {fmt.get('type')!r}",
@@ -176,7 +184,10 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
     for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty"):
         body[key] = getattr(req, key)
-    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:  # a field of this request with a type the chat request refuses
+        raise from_validation_error(exc) from None
 
 
 # ---- output -> Response ---------------------------------------------------------------------------------------
@@ -454,6 +465,16 @@ def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesR
         raise APIError(400, "background: streaming a background response is not supported; poll GET "
                             "/v1/responses/{id} instead", param="background")
     messages = conversation(store, req)
-    chat = prepare_chat(served, chat_request(req, [{k: v for k, v in m.items() if k != "_instructions"}
-                                                   for m in messages]), remote)
+    try:
+        chat = prepare_chat(served, chat_request(req, [{k: v for k, v in m.items() if k != "_instructions"}
+                                                       for m in messages]), remote)
+    except APIError as exc:  # the chat request's field names -> this request's
+        for chat_field, field in _CHAT_FIELDS:
+            if exc.message.startswith(chat_field):
+                raise APIError(exc.status, field + exc.message[len(chat_field):], param=field) from None
+        raise
     return ResponsesRun(served, store, req, messages, chat)
+
+
+_CHAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+                ("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"))
