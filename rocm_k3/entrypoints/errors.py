@@ -17,7 +17,8 @@ EXIT_INTERRUPTED = 130
 
 # top-level module -> the pyproject extra that installs it (`rocm-k3 serve` / `pd-proxy` without the server extra)
 EXTRA_OF_MODULE: dict[str, str] = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve",
-                                   "pydantic": "serve", "prometheus_client": "serve", "xgrammar": "serve"}
+                                   "pydantic": "serve", "prometheus_client": "serve", "xgrammar": "serve",
+                                   "jsonschema": "serve"}
 
 
 def describe(exc: BaseException) -> str:
