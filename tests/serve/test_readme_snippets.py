@@ -67,6 +67,7 @@ def test_readme_openai_snippet(port, tmp_path) -> None:
                           env=env)
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
-    # the tool example: a parsed call to get_weather (JSON arguments with a city), then the reasoning text
-    assert "function=Function(arguments='{\"city\": " in first and "name='get_weather'" in first, done.stdout
-    assert len(done.stdout.splitlines()) >= 2, done.stdout
+    # the tool example: a parsed call to get_weather (JSON arguments with a city), then the reasoning text; the
+    # streamed answer follows (sampled: its text is not checked, the loop over the chunks ran without an error)
+    assert first.startswith("[ChatCompletionMessageFunctionToolCall(") and "name='get_weather'" in first, done.stdout
+    assert re.search(r"arguments=(['\"])\{\\?\"city\\?\": ", first), done.stdout  # repr quotes vary
