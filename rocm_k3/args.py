@@ -19,6 +19,7 @@ from rocm_k3.settings import BACKEND_CHOICES
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 PARSER_CHOICES = tuple(PARSER_ALIASES)
 MOE_ACT_QUANT_CHOICES = ("bf16", "mxfp8")
+SERVER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # SGLang's / vLLM's --log-level choices
 
 
 @dataclasses.dataclass
@@ -80,6 +81,9 @@ class EngineArgs:
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                 '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
                 '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
+    kv_transfer_config: str | None = dataclasses.field(default=None, metadata={
+        "help": 'prefill/decode disaggregation as JSON (vLLM keys), e.g. \'{"kv_connector": "SocketConnector", '
+                '"kv_role": "kv_producer", "kv_port": 14579}\' (LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -120,6 +124,12 @@ class EngineArgs:
         from rocm_k3.spec_decode.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
+        from rocm_k3.kv_transfer.config import KVTransferConfig
+
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None and (
+                self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with tensor_parallel_size 1 and "
+                             "pipeline_parallel_size 1 for now")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")
@@ -183,8 +193,12 @@ class ServerArgs:
     shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
         "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
                 "rest are ended with an error event; a second signal exits at once"})
-    uvicorn_log_level: str = dataclasses.field(default="info", metadata={
-        "help": "uvicorn's log level", "choices": ("critical", "error", "warning", "info", "debug", "trace")})
+    log_level: str | None = dataclasses.field(default=None, metadata={
+        "help": "log level of rocm-k3's log lines, and of uvicorn's unless --uvicorn-log-level is given "
+                "(default: ROCM_K3_LOG_LEVEL, else warning)", "choices": SERVER_LOG_LEVELS})
+    uvicorn_log_level: str | None = dataclasses.field(default=None, metadata={
+        "help": "uvicorn's log level (default: --log-level, else info)",
+        "choices": (*SERVER_LOG_LEVELS, "trace")})
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -227,6 +241,23 @@ class ServerArgs:
         timeout = self.shutdown_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
             raise ValueError(f"shutdown_timeout: expected seconds in [0, 86400], got {timeout!r}")
+        if self.log_level is not None and self.log_level not in SERVER_LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {SERVER_LOG_LEVELS} or None, got {self.log_level!r}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in (*SERVER_LOG_LEVELS, "trace"):
+            raise ValueError(f"uvicorn_log_level: expected one of {(*SERVER_LOG_LEVELS, 'trace')} or None, got "
+                             f"{self.uvicorn_log_level!r}")
+
+    @property
+    def resolved_log_level(self) -> str:
+        """The ``rocm_k3`` loggers' level: ``log_level``, else ROCM_K3_LOG_LEVEL (lower case)."""
+        from rocm_k3.settings import get_settings
+
+        return self.log_level or get_settings().log_level.lower()
+
+    @property
+    def resolved_uvicorn_log_level(self) -> str:
+        """uvicorn's level: ``uvicorn_log_level``, else ``log_level``, else info."""
+        return self.uvicorn_log_level or self.log_level or "info"
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

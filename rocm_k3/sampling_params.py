@@ -13,13 +13,70 @@ if TYPE_CHECKING:  # the structured package imports xgrammar, which only constra
 
 SEED_MAX = 2**63 - 1  # seeds are non-negative 63-bit ints (a negative seed must not alias 2**64 + seed)
 MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2] (the OpenAI range)
+MAX_TEMPERATURE = 2.0  # vLLM's and OpenAI's upper bound
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """An interval of allowed values: ``[lo, hi]`` with either end open, of ints or of real numbers. ``str()`` is
+    how errors and docs/sampling.md write it (``(0, 1]``, ``[-1, inf)``); NaN is in no range, and an end at
+    +-inf is always open (so the values are finite)."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    optional: bool = False  # None is allowed too (off / random)
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{_bound(self.lo)}, {_bound(self.hi)}{')' if self.hi_open else ']'}"
+
+    def contains(self, value: float) -> bool:
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below and (isinstance(value, int) or math.isfinite(value))
+
+    def check(self, name: str, value: Any) -> int | float:
+        """``value`` as a plain int / float, or a ValueError naming ``name`` and the range."""
+        kind = "an int" if self.integer else "a number"
+        number = _integer(name, value, self.optional) if self.integer else _number(name, value)
+        if not self.contains(number):
+            raise ValueError(f"{name}: expected {kind} in {self}{' or None' if self.optional else ''}, got {value!r}")
+        return number
+
+
+def _bound(value: float) -> str:
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == SEED_MAX:
+        return "2**63 - 1"
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+_INF = math.inf
+# every numeric field of SamplingParams and its allowed values (vLLM's ranges; docs/sampling.md has the table)
+RANGES: dict[str, Range] = {
+    "temperature": Range(0, MAX_TEMPERATURE),
+    "top_p": Range(0, 1, lo_open=True),
+    "top_k": Range(-1, _INF, hi_open=True, integer=True),
+    "min_p": Range(0, 1),
+    "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Range(0, _INF, lo_open=True, hi_open=True),
+    "seed": Range(0, SEED_MAX, integer=True, optional=True),
+    "max_tokens": Range(1, _INF, hi_open=True, integer=True),
+    "logprobs": Range(0, _INF, hi_open=True, integer=True, optional=True),
+    "prompt_logprobs": Range(0, _INF, hi_open=True, integer=True, optional=True),
+    "thinking_token_budget": Range(0, _INF, hi_open=True, integer=True, optional=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature:    0 = greedy (argmax); a finite number > 0 scales the logits before sampling.
+    temperature:    0 = greedy (argmax); a number in (0, 2] scales the logits before sampling.
     top_k:          keep the k most likely tokens (0 or -1 = all).
     top_p:          keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = all).
     min_p:          drop tokens less likely than ``min_p`` times the most likely one (0 = off), after temperature.
@@ -47,9 +104,13 @@ class SamplingParams:
                         grammar then starts once the reasoning has ended.
     thinking_token_budget: with ``prompt_in_think``, at most this many tokens of reasoning; then the think-close
                         marker is forced (None = unlimited).
+    kv_transfer_params: prefill/decode disaggregation, vLLM's convention: ``{"do_remote_decode": true}`` asks a
+                        kv_producer to publish the prompt's cache; the producer's answer (``remote_transfer_id``,
+                        ``remote_num_tokens``, ``remote_host``, ``remote_port``) given to a kv_consumer makes it
+                        fetch that cache instead of computing the prompt. None = off.
 
     Numbers may be Python or numpy / other ``numbers`` scalars (stored as int / float); a value of the wrong type
-    or range raises ValueError naming the field.
+    or outside its :data:`RANGES` entry raises ValueError naming the field and the range.
     """
 
     temperature: float = 1.0
@@ -70,6 +131,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = dataclasses.field(default=None, hash=False)
     prompt_in_think: bool = False
     thinking_token_budget: int | None = None
+    kv_transfer_params: dict[str, Any] | None = dataclasses.field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         # store plain ints / floats / tuples, so the params stay hashable and the sampler sees Python numbers
@@ -77,52 +139,18 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         set_("stop", _stop_strings(self.stop))
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params: expected a dict or None, got "
+                             f"{type(self.kv_transfer_params).__name__}")
         set_("stop_token_ids", _stop_ids(self.stop_token_ids))
-        temperature = _number("temperature", self.temperature)
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
-        set_("temperature", temperature)
-        top_k = _integer("top_k", self.top_k)
-        if top_k < -1:
-            raise ValueError(f"top_k: expected an int >= -1 (0 or -1 = disabled), got {self.top_k!r}")
-        set_("top_k", top_k)
-        top_p = _number("top_p", self.top_p)
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        set_("top_p", top_p)
-        if self.seed is not None:
-            seed = _integer("seed", self.seed, or_none=True)
-            if not 0 <= seed <= SEED_MAX:
-                raise ValueError(f"seed: expected an int in [0, 2**63 - 1] or None, got {self.seed!r}")
-            set_("seed", seed)
-        max_tokens = _integer("max_tokens", self.max_tokens)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
-        set_("max_tokens", max_tokens)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                value = _integer(name, getattr(self, name), or_none=True)
-                if value < 0:
-                    raise ValueError(f"{name}: expected None or an int >= 0, got {getattr(self, name)!r}")
-                set_(name, value)
+        for name, bounds in RANGES.items():
+            value = getattr(self, name)
+            if value is not None or not bounds.optional:
+                set_(name, bounds.check(name, value))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens: expected a bool, got {self.skip_special_tokens!r}")
-        min_p = _number("min_p", self.min_p)
-        if not 0 <= min_p <= 1:
-            raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
-        set_("min_p", min_p)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = _number(name, getattr(self, name))
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name}: expected a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got "
-                                 f"{getattr(self, name)!r}")
-            set_(name, value)
-        repetition = _number("repetition_penalty", self.repetition_penalty)
-        if not (math.isfinite(repetition) and repetition > 0):
-            raise ValueError(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty!r}")
-        set_("repetition_penalty", repetition)
         self._check_structured()
 
     def _check_structured(self) -> None:
@@ -130,8 +158,6 @@ class SamplingParams:
             raise ValueError(f"prompt_in_think: expected a bool, got {self.prompt_in_think!r}")
         budget = self.thinking_token_budget
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-                raise ValueError(f"thinking_token_budget: expected an int >= 0 or None, got {budget!r}")
             if not self.prompt_in_think:
                 raise ValueError("thinking_token_budget: only applies when the prompt ends inside the think channel "
                                  "(prompt_in_think=True)")

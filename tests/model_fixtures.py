@@ -100,3 +100,19 @@ def default_sigint():
         yield previous
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def nan_embedding_checkpoint(ckpt: Path, directory: Path, token_id: int = 42) -> Path:
+    """A copy of the checkpoint ``ckpt`` in ``directory`` whose embedding row ``token_id`` is NaN: any sequence
+    holding that token gets NaN logits from the model (a broken model, not a sampling extreme)."""
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.suffix != ".safetensors":
+            (directory / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    tensors[name][token_id] = float("nan")
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory

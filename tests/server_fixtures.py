@@ -66,7 +66,7 @@ def running_server(engine_args: EngineArgs, server_args: ServerArgs | None = Non
         core_hook(assembled.core)
     engine = AsyncLLM(assembled.core)
     served = served_model(engine, assembled, server_args)
-    running = start_app(build_app(served), server_args.uvicorn_log_level, served)
+    running = start_app(build_app(served), server_args.resolved_uvicorn_log_level, served)
     try:
         yield running
     finally:

@@ -25,6 +25,7 @@ from rocm_k3.engine.multimodal import MultiModalProcessor
 from rocm_k3.executor.multiproc import MultiprocExecutor
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.formats.parsers.registry import checkpoint_family
+from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.layout_check import check_layout
 from rocm_k3.model.tiny import ensure_embedded_model
@@ -111,6 +112,7 @@ def _worker_config(args: EngineArgs) -> WorkerConfig:
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, parallel=parallel, output_family=family,
         speculative=SpeculativeConfig.parse(args.speculative_config),
+        kv_transfer=KVTransferConfig.parse(args.kv_transfer_config),
     )
 
 
@@ -146,7 +148,8 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           max_model_len=geometry.max_model_len, cache=cache,
-                          speculative=worker_config.speculative)
+                          speculative=worker_config.speculative,
+                          kv_transfer=worker_config.kv_transfer)
     executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

@@ -31,7 +31,7 @@ from typing import Any
 from rocm_k3.engine.outputs import RequestOutput
 from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, parse_output
 from rocm_k3.formats.parsers.types import ToolCallDelta, named_tool_choice, tool_names
-from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.sampling_params import RANGES, SamplingParams
 from rocm_k3.formats import load_chat_renderer, thinking_options
 from rocm_k3.formats.chat_base import DEFAULT_EFFORT_BUDGETS
 
@@ -262,8 +262,8 @@ class ModelFrontend:
         budget = request.thinking_token_budget
         if budget is None and options.thinking is not False:
             budget = self.effort_budgets.get(request.reasoning_effort)  # the effort's default think budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"thinking_token_budget: expected an int >= 0, got {budget!r}")
+        if budget is not None:
+            RANGES["thinking_token_budget"].check("thinking_token_budget", budget)  # ValueError naming the range
         return PreparedChat(
             prompt_token_ids=list(rendered.token_ids), prompt_text=rendered.text, family=self.family or renderer.family,
             thinking=options.thinking is not False, prompt_in_think=rendered.prompt_in_think, constraint=constraint,

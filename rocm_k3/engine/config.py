@@ -6,6 +6,7 @@ import dataclasses
 
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import TokenBudgetError
+from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.spec_decode.config import SpeculativeConfig
 
 
@@ -20,6 +21,7 @@ class EngineConfig:
     max_model_len:          prompt + generated tokens of one request; also sizes the cache budget check.
     cache:                  the hybrid cache (block size, match unit, alignment, budgets, prefix caching).
     speculative:            speculative decoding (``--speculative-config``), or None.
+    kv_transfer:            prefill/decode disaggregation (``--kv-transfer-config``), or None.
 
     A step must be able to carry one aligned prefill chunk next to a decode token of every other running
     sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
@@ -31,6 +33,7 @@ class EngineConfig:
     max_model_len: int = 4096
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -46,6 +49,9 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"EngineConfig.speculative: expected SpeculativeConfig or None, "
                             f"got {type(self.speculative).__name__}")
+        if self.kv_transfer is not None and not isinstance(self.kv_transfer, KVTransferConfig):
+            raise TypeError(f"EngineConfig.kv_transfer: expected KVTransferConfig or None, "
+                            f"got {type(self.kv_transfer).__name__}")
         need = self.cache.alignment + self.max_num_seqs - 1
         if self.max_num_batched_tokens < need:
             raise TokenBudgetError(

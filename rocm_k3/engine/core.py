@@ -19,6 +19,7 @@ Robustness (each a tested promise):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -37,6 +38,7 @@ from rocm_k3.engine.scheduler import Scheduler
 from rocm_k3.engine.sequence import Sequence
 from rocm_k3.engine.stop import StopChecker
 from rocm_k3.executor.base import Executor
+from rocm_k3.kv_transfer.socket_scheduler import remote_prefill
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.step_io import ImageInput
 
@@ -113,11 +115,13 @@ class EngineCore:
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_recoveries = 0
+        self.num_sampler_fallbacks = 0
+        self.kv_stats: collections.Counter = collections.Counter()  # prefill/decode transfers (see Scheduler)
         self._new_bookkeeping()
 
     def _new_bookkeeping(self) -> None:
         self.cache_manager = CacheManager(self.config.cache, self.num_blocks, self.num_slots)
-        self.scheduler = Scheduler(self.config, self.cache_manager)
+        self.scheduler = Scheduler(self.config, self.cache_manager, self.kv_stats)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
@@ -147,6 +151,7 @@ class EngineCore:
         limit = self.config.max_model_len
         check_prompt_length(len(prompt), limit, f"request {request_id!r}: prompt")
         images = self._check_images(request_id, images, len(prompt))
+        remote_prefill(params.kv_transfer_params)  # ValueError naming a malformed key
         # the last generated token is never fed back, so prompt + max_tokens - 1 positions are needed
         max_tokens = min(params.max_tokens, limit - len(prompt) + 1)
         stop = StopChecker(params, self.eos_token_ids, self.tokenizer, max_tokens)  # ValueError: stop w/o tokenizer
@@ -155,6 +160,7 @@ class EngineCore:
                        logprobs=[] if params.logprobs is not None else None, images=images,
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
                        prompt_logprob_ranks=None if params.prompt_logprobs is None else [None],
+                       kv_transfer_params=params.kv_transfer_params,
                        prompt_cache_key=prefix_cache_key(prompt, images) if images else None)
         with self.guard.section():
             self.scheduler.add(seq)
@@ -226,6 +232,7 @@ class EngineCore:
         with self.guard.section():
             deltas = self._bookkeeping(lambda: self.scheduler.update(output))
             self.num_steps += 1
+            self.num_sampler_fallbacks += output.sampler_fallbacks
             self.num_prefill_tokens += sum(c.num_tokens for c in step.chunks if c.is_prefill)
             for d in deltas:
                 if d.finished:
@@ -279,6 +286,7 @@ class EngineCore:
     def stats(self) -> dict[str, float]:
         """Prefix-cache counters (queries, query_tokens, hit_requests, hit_tokens, hit_rate, saved_states,
         cow_copies, state_restores, block/state evictions) plus steps, computed prefill tokens, preemptions,
+        sampler fallbacks (rows whose processed probabilities were unusable: the top logit was taken),
         cache sizes and what is free now (free_blocks / free_state_slots count free and evictable ids)."""
         mgr = self.cache_manager
         out = mgr.stats.as_dict()
@@ -287,12 +295,15 @@ class EngineCore:
             prefill_tokens=self.num_prefill_tokens,
             preemptions=self.scheduler.num_preemptions,
             recoveries=self.num_recoveries,
+            sampler_fallbacks=self.num_sampler_fallbacks,
             num_blocks=mgr.blocks.size,
             num_state_slots=mgr.slots.size,
             free_blocks=mgr.blocks.num_available,
             free_state_slots=mgr.slots.pool.num_available,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+            **{f"kv_transfer_{k}": self.kv_stats[k]
+               for k in ("loaded", "failures", "published", "bytes_received", "bytes_sent", "seconds")},
         )
         out.update(self.scheduler.spec.stats.as_dict())
         return out

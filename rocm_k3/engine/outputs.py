@@ -21,6 +21,8 @@ class RequestOutput:
     prompt_logprobs:   with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
                        ``{token_id: logprob}`` (the prompt token first, then the top alternatives); else None.
     prompt_logprob_ranks: the prompt tokens' ranks in their distributions (1 = most likely; None for the first).
+    kv_transfer_params: a kv_producer's answer to ``do_remote_decode``: where a decode instance fetches the
+                       prompt's cache (vLLM's convention); else None.
     """
 
     prompt_token_ids: list[int]
@@ -32,6 +34,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass

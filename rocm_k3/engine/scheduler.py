@@ -32,6 +32,8 @@ from rocm_k3.cache.manager import CacheManager, CopyPlan
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.outputs import RequestDelta, RequestOutput
 from rocm_k3.engine.sequence import Sequence, SequenceStatus
+from rocm_k3.kv_transfer.base import ReqTransfer
+from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler, wants_remote_decode
 from rocm_k3.spec_decode.planner import SpecPlanner
 from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput, StepOutput
 
@@ -82,7 +84,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
+    """See the module docstring. kv_stats: the engine's prefill/decode transfer counters (kept across rebuilt
+    schedulers): loaded / failures (prompts recomputed after a failed load) / published / bytes."""
+
+    def __init__(self, config: EngineConfig, cache: CacheManager,
+                 kv_stats: collections.Counter | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
         self.config = config
@@ -95,6 +101,9 @@ class Scheduler:
         self.in_flight: SchedulerOutput | None = None
         self._finished_ids: list[str] = []
         self.spec = SpecPlanner(config.speculative, cache, config.max_model_len)
+        kv = config.kv_transfer
+        self.connector = None if kv is None else SocketConnectorScheduler(kv, config.cache.block_size)
+        self.kv_stats = collections.Counter() if kv_stats is None else kv_stats
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -188,6 +197,8 @@ class Scheduler:
                 )
             elif item.drafts:
                 self.spec.plan_slots(item)
+            if item.is_prefill and item.start == self._publish_boundary(item.seq):
+                self._publish(item.seq)
         copies = self.cache.take_copies()
         step = self._step_input(scheduled, copies)
         self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
@@ -199,7 +210,18 @@ class Scheduler:
         out = self._take_in_flight(output.step_id)
         self.cache.finish_copies(out.copies)
         accepted_of = {t.request_id: t.accepted for t in output.sampled}
+        failed = set(output.kv_failed)
+        self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
+                             seconds=output.kv_transfer_s)
         for item in out.scheduled:
+            if item.seq.request_id in failed:  # its step ran on a cache that did not arrive: nothing is kept
+                self.cache.abandon_saves(item.saves)
+                item.saves = []
+                continue
+            if item.seq.kv_loading:
+                item.seq.kv_loading = False
+                item.seq.kv_transfer_params = None
+                self.kv_stats["loaded"] += 1
             if item.is_prefill:
                 self.cache.commit_prefill(item.seq.seq_id, item.seq.cache_key_ids, item.end, item.saves)
             item.seq.num_computed_tokens = item.end
@@ -217,6 +239,8 @@ class Scheduler:
             if token.request_id != seq.request_id:
                 raise RuntimeError(f"step {output.step_id}: sampled token of {token.request_id!r} where "
                                    f"{seq.request_id!r} was expected")
+            if seq.request_id in failed:
+                continue
             delta = None
             draft_logprobs = token.accepted_logprobs or (None,) * len(token.accepted)
             for draft, lp in zip(token.accepted, draft_logprobs):  # drafts first; a stop drops the rest
@@ -227,6 +251,9 @@ class Scheduler:
                 delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
                 seq.proposal = (seq.num_tokens, token.draft_token_ids)
             deltas.append(delta)
+        for item in out.scheduled:
+            if item.seq.request_id in failed:
+                self._recompute_prompt(item.seq)
         return deltas
 
     @staticmethod
@@ -243,6 +270,18 @@ class Scheduler:
                     seq.prompt_logprobs.append(dict(entry))
                     seq.prompt_logprob_ranks.append(rank)
 
+    def _recompute_prompt(self, seq: Sequence) -> None:
+        """A failed prompt-cache load (checksum mismatch, timeout, producer gone): back to the front of the queue
+        to compute the prompt here; the workers drop and re-register the request (its sampling state saw this
+        step's token). Not a preemption; counted as a transfer failure."""
+        seq.kv_loading = False
+        seq.kv_transfer_params = None
+        self.kv_stats["failures"] += 1
+        self._preempt(seq, count=False)
+        if seq.registered:
+            self._finished_ids.append(seq.request_id)
+            seq.registered = False
+
     def abandon(self) -> None:
         """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
         sequences back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published
@@ -257,6 +296,7 @@ class Scheduler:
             item.saves = []
         for item in reversed(out.scheduled):
             item.seq.registered = False  # told again next time (a worker keeps a request it already knows)
+            item.seq.kv_loading = False
             if item.seq.status is SequenceStatus.RUNNING:
                 self._preempt(item.seq, count=False)
 
@@ -310,11 +350,13 @@ class Scheduler:
             seq.blocks_sent = len(table)
             seq.admitted_this_step = False
         self.step_id += 1
+        meta = None if self.connector is None else self.connector.build_connector_meta()
         return StepInput(
             step_id=self.step_id, new_requests=tuple(new_requests), chunks=tuple(chunks),
             num_decodes=sum(not item.is_prefill and not item.drafts for item in scheduled),
             block_copies=tuple(copies.block_copies), state_copies=tuple(copies.state_copies),
             finished_request_ids=tuple(self.take_finished_ids()),
+            kv_connector_meta=meta if meta is not None and (meta.loads or meta.saves) else None,
         )
 
     def _take_in_flight(self, step_id: int) -> SchedulerOutput:
@@ -353,7 +395,7 @@ class Scheduler:
     def _output(seq: Sequence) -> RequestOutput:
         return RequestOutput(list(seq.prompt_token_ids), seq.output_token_ids, seq.stop.text, seq.logprobs,
                              seq.finish_reason or "abort", seq.error, seq.num_cached_tokens, seq.prompt_logprobs,
-                             seq.prompt_logprob_ranks)
+                             seq.prompt_logprob_ranks, kv_transfer_params=seq.kv_params_out)
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -362,7 +404,9 @@ class Scheduler:
         config's ``prefill_chunk_cap`` (``--long-prefill-token-threshold``)."""
         budget = min(budget, self.config.prefill_chunk_cap)
         start = seq.num_computed_tokens
-        remaining = seq.prefill_len - start
+        boundary = self._publish_boundary(seq)
+        end = boundary if boundary is not None and start < boundary else seq.prefill_len
+        remaining = end - start
         if remaining <= budget:
             return remaining
         end = (start + budget) // self.alignment * self.alignment
@@ -390,19 +434,49 @@ class Scheduler:
         cached = self.cache.admit(seq.seq_id, seq.cache_key_ids, reuse=not seq.needs_prompt_logprobs)
         if cached is None:
             return 0
-        seq.num_computed_tokens = cached
+        remote = 0  # prompt tokens a prefill instance computed for this request (loaded in this step)
+        if self.connector is not None and seq.kv_transfer_params and seq.prefill_len == seq.num_prompt_tokens \
+                and not seq.needs_prompt_logprobs:  # prompt logprobs need the prompt computed here
+            remote, _ = self.connector.get_num_new_matched_tokens(seq.request_id, seq.num_prompt_tokens, cached,
+                                                                 seq.kv_transfer_params)
+        seq.num_computed_tokens = cached + remote
         seq.num_cached_tokens = cached
         seq.status = SequenceStatus.RUNNING
         seq.admitted_this_step = True
         n = self._chunk(seq, budget)
-        if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + n):
+        if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + remote + n):
+            if remote:
+                self.connector.update_state_after_alloc(seq.request_id, (), None, 0)  # forget the pending load
             self.cache.cancel_admission(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.WAITING
             seq.admitted_this_step = False
             return 0
+        if remote:
+            self.connector.update_state_after_alloc(seq.request_id, tuple(self.cache.table(seq.seq_id)),
+                                                    self.cache.slot(seq.seq_id), remote)
+            seq.kv_loading = True
         return n
+
+    def _publish_boundary(self, seq: Sequence) -> int | None:
+        """A kv_producer's request asked to publish its prompt (``do_remote_decode``): the position N - 1 whose
+        state is published (its prefill stops there once, so the running slot holds that state when the chunk of
+        the last prompt token starts); None otherwise."""
+        if self.connector is None or not self.connector.config.is_producer:
+            return None
+        n = seq.num_prompt_tokens
+        if n < 2 or seq.prefill_len != n or not wants_remote_decode(seq.kv_transfer_params):
+            return None
+        return n - 1
+
+    def _publish(self, seq: Sequence) -> None:
+        """Publish the MLA pages of the first N - 1 prompt tokens and the running KDA slot (the state after them)
+        in this step, before its forward computes the last prompt token."""
+        n = seq.num_prompt_tokens - 1
+        blocks = tuple(self.cache.table(seq.seq_id)[: -(-n // self.config.cache.block_size)])
+        self.connector.add_save(ReqTransfer(seq.request_id, seq.request_id, blocks, self.cache.slot(seq.seq_id), n))
+        self.kv_stats["published"] += 1
 
     def _grow(self, seq: Sequence, num_tokens: int, taken: set[int], preempted: list[Sequence]) -> bool:
         """Cover ``num_tokens`` positions of ``seq``, preempting the newest unscheduled running sequences
@@ -430,6 +504,10 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.spec.forget(seq.seq_id)
+        if self.connector is not None and reason not in ("abort", "error") and \
+                wants_remote_decode(seq.kv_transfer_params):
+            _, seq.kv_params_out = self.connector.request_finished(seq.request_id, (), None,
+                                                                   max(0, seq.num_prompt_tokens - 1))
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.registered:

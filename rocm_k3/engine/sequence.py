@@ -36,6 +36,10 @@ class Sequence:
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
     proposal:             draft_model speculation: (num_tokens when proposed, the drafter's tokens continuing
                           token_ids then); used only while num_tokens is unchanged.
+    kv_transfer_params:   prefill/decode disaggregation (``SamplingParams.kv_transfer_params``): a remote prefill
+                          to load (consumer), or ``do_remote_decode`` (producer); cleared after a failed load so
+                          the prompt is recomputed here. kv_params_out: the producer's answer once finished.
+    kv_loading:           the step in flight loads this sequence's prompt cache.
     """
 
     seq_id: int
@@ -61,6 +65,9 @@ class Sequence:
     images: tuple[ImageInput, ...] = ()
     prompt_cache_key: list[int] | None = None
     proposal: tuple[int, tuple[int, ...]] = (0, ())
+    kv_transfer_params: dict | None = None
+    kv_params_out: dict | None = None
+    kv_loading: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -70,7 +70,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                         "prefills that failed and were left to the decode instance", registry=registry)
 
     def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        pbody = {**body, "max_tokens": 1, "stream": False}
+        # one choice, one token; the prefill instance publishes the prompt's cache and answers where it is
+        pbody = {**body, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1

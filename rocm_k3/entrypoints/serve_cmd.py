@@ -24,14 +24,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"rocm-k3 serve: error: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger("rocm_k3").setLevel(server_args.resolved_log_level.upper())  # --log-level, else the env's
     if engine_args.node_rank > 0:
         from rocm_k3.engine.assembly import run_headless_node
 
         return run_headless_node(engine_args)
     from rocm_k3.entrypoints.openai.api_server import serve
-    from rocm_k3.settings import get_settings
 
-    logging.basicConfig(level=get_settings().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return serve(engine_args, server_args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

@@ -30,4 +30,6 @@ class UniprocExecutor:
         return [self.worker.rank_stats(reset)]
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.worker = None

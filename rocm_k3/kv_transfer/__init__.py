@@ -4,6 +4,7 @@
   with the KDA recurrent + short-conv state as one more transfer group beside the MLA latent KV blocks.
 - ``checksum``: the per-block digest every transferred block and state carries (xxhash, or blake2b without it).
 - ``socket_transport``: a TCP transport on loopback (a producer-side block store and a consumer-side client).
-- ``socket_connector``: ``SocketConnector``, the connector over that transport.
+- ``socket_scheduler``: ``SocketConnector``'s scheduler half (integers only; the N - 1 boundary convention).
+- ``socket_connector``: ``SocketConnector``'s worker half over that transport.
 - ``config``: the validated ``--kv-transfer-config`` (vLLM's keys).
 """

@@ -23,6 +23,8 @@ class ReqTransfer:
     transfer_id: the key both sides agree on (the producer's request id, passed to the decode request by the
     proxy in ``kv_transfer_params``); block_ids: the request's MLA pages on this instance; kda_slot: its KDA
     state slot on this instance (None for a model without KDA layers); num_tokens: prompt tokens covered.
+    first_block: a load's first block in the producer's list (blocks before it the consumer's prefix cache
+    already holds; ``block_ids`` then start at that block); remote_host / remote_port: a load's producer.
     """
 
     req_id: str
@@ -30,12 +32,17 @@ class ReqTransfer:
     block_ids: tuple[int, ...]
     kda_slot: int | None
     num_tokens: int
+    first_block: int = 0
+    remote_host: str = ""
+    remote_port: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
         if any(b < 0 for b in self.block_ids):
             raise ValueError(f"block_ids must be >= 0, got {self.block_ids}")
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
 
 @dataclasses.dataclass(frozen=True)

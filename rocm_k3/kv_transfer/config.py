@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-KV_CONNECTORS = ("SocketConnector",)
+KV_CONNECTORS = ("SocketConnector", "NixlConnector")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +26,16 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
+        if self.kv_connector == "NixlConnector":
+            if importlib.util.find_spec("nixl") is None:
+                raise ValueError("kv_connector 'NixlConnector' needs the nixl package (pip install nixl); "
+                                 "without it use 'SocketConnector'")
+            raise ValueError("kv_connector 'NixlConnector' is not built in rocm-k3 yet; use 'SocketConnector'")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port must be an int in [0, 65535], got {self.kv_port!r}")
-        if not self.timeout_s > 0:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
 
     @property
@@ -39,6 +45,17 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | KVTransferConfig | None") -> "KVTransferConfig | None":
+        """None, a JSON string (the CLI) or a dict (``LLM(kv_transfer_config=...)``) -> the config or None."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, dict):
+            return cls.from_json(json.dumps(value))
+        if isinstance(value, str):
+            return cls.from_json(value)
+        raise TypeError(f"kv_transfer_config: expected a JSON string or a dict, got {type(value).__name__}")
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from rocm_k3.kv_transfer.base import (GROUP_KDA, GROUP_MLA, ConnectorMeta, FinishedTransfers, KVConnectorScheduler,
-                                      KVConnectorWorker, ReqTransfer)
+from rocm_k3.kv_transfer.base import (GROUP_KDA, GROUP_MLA, ConnectorMeta, FinishedTransfers, KVConnectorWorker,
+                                      ReqTransfer)
 from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler  # noqa: F401 (the connector's two halves)
 from rocm_k3.kv_transfer.socket_transport import BlockClient, BlockStore, TransferError, entry_key
 
 
@@ -46,54 +47,6 @@ def tensor_from_bytes(payload: bytes, meta: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(meta["shape"])
 
 
-class SocketConnectorScheduler(KVConnectorScheduler):
-    """Consumer: a request whose ``kv_transfer_params`` name a remote transfer gets ``num_tokens`` from it.
-    Producer: every finished request's blocks wait for the consumer (or the store's ttl) before being freed."""
-
-    def __init__(self, config: KVTransferConfig) -> None:
-        self.config = config
-        self._params: dict[str, dict[str, Any]] = {}
-        self._loads: list[ReqTransfer] = []
-        self._saves: list[ReqTransfer] = []
-
-    def get_num_new_matched_tokens(self, req_id: str, prompt_len: int, num_computed_tokens: int,
-                                   kv_transfer_params: dict[str, Any] | None) -> tuple[int, bool]:
-        if not self.config.is_consumer or not kv_transfer_params:
-            return 0, False
-        remote = kv_transfer_params.get("remote_transfer_id")
-        num = kv_transfer_params.get("remote_num_tokens")
-        if not isinstance(remote, str) or not isinstance(num, int) or num < 0:
-            raise ValueError("kv_transfer_params needs remote_transfer_id (str) and remote_num_tokens (int >= 0)")
-        self._params[req_id] = kv_transfer_params
-        return max(0, min(num, prompt_len) - num_computed_tokens), True
-
-    def update_state_after_alloc(self, req_id: str, block_ids: tuple[int, ...], kda_slot: int | None,
-                                 num_external_tokens: int) -> None:
-        params = self._params.pop(req_id, None)
-        if params is None or num_external_tokens == 0:
-            return
-        self._loads.append(ReqTransfer(req_id, params["remote_transfer_id"], tuple(block_ids), kda_slot,
-                                       num_external_tokens))
-
-    def add_save(self, req: ReqTransfer) -> None:
-        """Producer: publish ``req``'s blocks in the next step."""
-        if self.config.is_producer:
-            self._saves.append(req)
-
-    def build_connector_meta(self) -> ConnectorMeta:
-        meta = ConnectorMeta(loads=tuple(self._loads), saves=tuple(self._saves))
-        self._loads, self._saves = [], []
-        return meta
-
-    def request_finished(self, req_id: str, block_ids: tuple[int, ...], kda_slot: int | None,
-                         num_tokens: int) -> tuple[bool, dict[str, Any] | None]:
-        if not self.config.is_producer:
-            return False, None
-        host, port = self.config.kv_ip, self.config.kv_port
-        return True, {"remote_transfer_id": req_id, "remote_num_tokens": num_tokens,
-                      "remote_host": host, "remote_port": port}
-
-
 class SocketConnectorWorker(KVConnectorWorker):
     """Worker half; a producer owns a ``BlockStore`` on (kv_ip, kv_port), a consumer a ``BlockClient`` to it."""
 
@@ -101,7 +54,8 @@ class SocketConnectorWorker(KVConnectorWorker):
         self.config = config
         self.stats = KVTransferStats()
         self._caches: dict[str, tuple[str, torch.Tensor]] = {}
-        self.store = BlockStore(config.kv_ip, config.kv_port) if config.is_producer else None
+        ttl_s = float(config.kv_connector_extra_config.get("ttl_s", 60.0))
+        self.store = BlockStore(config.kv_ip, config.kv_port, ttl_s=ttl_s) if config.is_producer else None
         self._lock = threading.Lock()
         self._fetched: dict[tuple[str, str], tuple[bytes, dict[str, Any]] | TransferError] = {}
         self._layer_ready: dict[str, threading.Event] = {}
@@ -117,6 +71,10 @@ class SocketConnectorWorker(KVConnectorWorker):
             if name in self._caches:
                 raise ValueError(f"layer {name!r} registered in both the MLA and the KDA group")
             self._caches[name] = (GROUP_KDA, t)
+
+    def layer_names(self) -> tuple[str, ...]:
+        """Registered layers in registration order (MLA first, then KDA): the order loads arrive in."""
+        return tuple(self._caches)
 
     def _index(self, group: str, req: ReqTransfer) -> Any:
         if group == GROUP_MLA:
@@ -151,12 +109,18 @@ class SocketConnectorWorker(KVConnectorWorker):
         threading.Thread(target=self._fetch_all, args=(meta.loads,), name="kv-load", daemon=True).start()
 
     def _fetch_all(self, loads: tuple[ReqTransfer, ...]) -> None:
-        client = BlockClient(self.config.kv_ip, self.config.kv_port, self.config.timeout_s)
+        clients: dict[tuple[str, int], BlockClient] = {}
+        client_of = {}
+        for req in loads:  # a load names its producer; the configured address is the default
+            addr = (req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port)
+            if addr not in clients:
+                clients[addr] = BlockClient(*addr, self.config.timeout_s)
+            client_of[req.req_id] = clients[addr]
         try:
             for name in self._caches:
                 for req in loads:
                     try:
-                        got: Any = client.get(entry_key(req.transfer_id, name))
+                        got: Any = client_of[req.req_id].get(entry_key(req.transfer_id, name))
                     except TransferError as exc:
                         got = exc
                     with self._lock:
@@ -164,11 +128,12 @@ class SocketConnectorWorker(KVConnectorWorker):
                 self._layer_ready[name].set()
             for req in loads:
                 try:
-                    client.release(req.transfer_id)
+                    client_of[req.req_id].release(req.transfer_id)
                 except TransferError:
                     pass  # the producer's ttl frees it
         finally:
-            client.close()
+            for client in clients.values():
+                client.close()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
@@ -190,6 +155,8 @@ class SocketConnectorWorker(KVConnectorWorker):
             payload, tmeta = got
             try:
                 src = tensor_from_bytes(payload, tmeta)
+                if group == GROUP_MLA:  # the producer's blocks from first_block on (the rest are cached here)
+                    src = src[req.first_block : req.first_block + len(req.block_ids)]
                 dst_index = self._index(group, req)
                 dst = cache[dst_index]
                 if tuple(src.shape) != tuple(dst.shape) or src.dtype != cache.dtype:

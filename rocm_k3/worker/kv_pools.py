@@ -136,6 +136,15 @@ class KVPools:
     def conv_state(self, kda_layer_idx: int) -> torch.Tensor:
         return self._conv[kda_layer_idx]
 
+    def transfer_groups(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The pools by name for a KV connector: MLA pages ``mla.<i>`` ([num_blocks + 1, block_size, latent]) and
+        per KDA layer ``kda.<i>.recurrent`` / ``kda.<i>.conv`` ([num_slots + 1, ...])."""
+        mla = {f"mla.{i}": t for i, t in enumerate(self._mla)}
+        kda = {}
+        for i, (rec, conv) in enumerate(zip(self._kda, self._conv)):
+            kda[f"kda.{i}.recurrent"], kda[f"kda.{i}.conv"] = rec, conv
+        return mla, kda
+
     # ---- copy-on-write -------------------------------------------------------------------------------------
     def apply_copies(self, block_copies: Sequence[tuple[int, int, int]],
                      state_copies: Sequence[tuple[int, int]]) -> None:

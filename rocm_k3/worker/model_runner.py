@@ -83,6 +83,7 @@ class ModelRunner:
         self.rows: dict[str, _Row] = {}
         self.graphs = None  # DecodeGraphs, set by the worker once captured
         self.images: ImageInputs | None = None  # set by the worker on the first stage of a vision model
+        self.before_forward = None  # (StepInput) -> None after the copies, before the forward (KV transfer)
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_deltas(self, step: StepInput) -> None:
@@ -169,6 +170,8 @@ class ModelRunner:
             self.images.apply(step)
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
+        if self.before_forward is not None:
+            self.before_forward(step)
         plan = self.plan(step)
         if plan.is_decode and self.graphs is not None:
             logits = self.graphs.run(plan)

@@ -9,6 +9,11 @@ request's own ``torch.Generator`` (the exponential-race form of a categorical dr
 works row by row too). Log-probabilities are those of the unmodified distribution ``log_softmax(logits)``.
 A row with a NaN or infinite logit is flagged (``finite[i]`` False); its token is meaningless and the engine
 finishes that request with an error, leaving its batch mates alone.
+
+A row whose model logits are finite but whose processed logits are not a distribution (NaN from ``inf - inf`` or
+``x / 1e-30`` after an extreme penalty, every token masked, all-zero probabilities after a tiny top-p / min-p)
+never draws from it: it takes the top non-NaN processed logit (the top model logit when none is left) and is
+flagged ``fallback[i]`` (counted in ``/metrics`` as ``rocm_k3_sampler_fallbacks_total``).
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ LogitsProcessor = Callable[[torch.Tensor], None]
 
 class SampleOutput(NamedTuple):
     """token_ids int64 [N]; logprobs[i] = {token: logprob} (chosen token first, then the top alternatives) or None;
-    finite bool [N]: the row's logits were all finite."""
+    finite bool [N]: the row's logits were all finite; fallback bool [N]: the row's processed probabilities were
+    unusable (NaN, nothing left, all zero) and its token is the top logit instead of a draw."""
 
     token_ids: torch.Tensor
     logprobs: list[dict[int, float] | None]
     finite: torch.Tensor
+    fallback: torch.Tensor
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -67,7 +74,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         for processor in logits_processors:
             processor(processed)
     # NaN (e.g. inf - inf from an extreme penalty) never wins a pick: the top logit among the rest does
-    chosen = torch.nan_to_num(processed, nan=float("-inf")).argmax(dim=-1)  # [N]
+    cleaned = _nan_to_neg_inf(processed)  # [N, V]
+    chosen = cleaned.argmax(dim=-1)  # [N]
+    top = cleaned.max(dim=-1).values  # [N]
+    # nothing left to pick from (every logit NaN or masked): the model's own top logit, never token 0 by default
+    empty = top == float("-inf")  # [N]
+    chosen = torch.where(empty, _nan_to_neg_inf(logits).argmax(dim=-1), chosen)
+    fallback = (torch.isnan(processed).any(dim=-1) | empty) & finite  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
         scaled = processed / temps.clamp_min(1e-6)[:, None]  # [N, V]
@@ -77,13 +90,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
         # a row whose processed probabilities are not a distribution (NaN from +-inf logits after an extreme
         # repetition penalty, or all zero) keeps its top logit instead of a draw from garbage
-        usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()  # [N], one host read
+        usable_t = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # [N]
+        sampled_t = torch.tensor([p.temperature != 0 for p in params], device=dev)  # [N]
+        fallback |= sampled_t & ~usable_t & finite
+        usable = usable_t.tolist()  # one host read
         for i, (p, gen) in enumerate(zip(params, generators)):
             if p.temperature == 0 or not usable[i]:
                 continue
             race = torch.empty(vocab, device=dev).exponential_(generator=gen)  # [V] ~ Exp(1)
             chosen[i] = torch.argmax(probs[i] / race)
-    return SampleOutput(chosen, _logprobs(logits, chosen, params), finite)
+    return SampleOutput(chosen, _logprobs(logits, chosen, params), finite, fallback)
+
+
+def _nan_to_neg_inf(x: torch.Tensor) -> torch.Tensor:
+    """NaN entries as -inf, infinities kept (``torch.nan_to_num`` would clamp them to finite values)."""
+    return x.masked_fill(torch.isnan(x), float("-inf"))
 
 
 def _apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

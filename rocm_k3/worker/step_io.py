@@ -26,6 +26,7 @@ import re
 
 import numpy as np
 
+from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.sampling_params import SamplingParams
 
 
@@ -153,6 +154,8 @@ class StepInput:
     block_copies:          copy-on-write before the forward: (src block, dst block, rows) in every MLA layer.
     state_copies:          (src slot, dst slot): copy the recurrent + conv state of every KDA layer.
     finished_request_ids:  requests that ended since the last step (aborted, stopped, failed): drop their state.
+    kv_connector_meta:     prefill/decode disaggregation: the prompt caches to publish (producer) and to load
+                           (consumer) in this step, after the copies and before the forward; None = none.
     """
 
     step_id: int
@@ -162,6 +165,7 @@ class StepInput:
     block_copies: tuple[tuple[int, int, int], ...] = ()
     state_copies: tuple[tuple[int, int], ...] = ()
     finished_request_ids: tuple[str, ...] = ()
+    kv_connector_meta: ConnectorMeta | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -210,8 +214,22 @@ class PromptLogprobs:
 class StepOutput:
     """What the sampling worker returns for one step: one entry per chunk with ``sample`` set, in chunk order
     (a verification chunk's entry carries its accepted drafts), and the prompt log-probabilities of the chunks
-    with ``prompt_logprob_rows``."""
+    with ``prompt_logprob_rows``.
+
+    sampler_fallbacks: sampling rows of this step whose processed probabilities were unusable (NaN, all zero,
+                       every token masked), so the sampler took the top logit instead of a draw.
+    kv_received / kv_failed: requests whose prompt cache this step loaded, or failed to load (checksum mismatch,
+    timeout, producer gone: the engine recomputes those prompts and drops this step's token for them);
+    kv_bytes_received / kv_bytes_sent: transferred payload bytes of this step; kv_transfer_s: seconds this step
+    spent publishing and loading (before its forward).
+    """
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    sampler_fallbacks: int = 0
+    kv_received: tuple[str, ...] = ()
+    kv_failed: tuple[str, ...] = ()
+    kv_bytes_received: int = 0
+    kv_bytes_sent: int = 0
+    kv_transfer_s: float = 0.0

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ import torch
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
@@ -44,7 +47,7 @@ log = logging.getLogger("rocm_k3.worker")
 
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
-NON_FINITE = "the model produced non-finite logits (NaN or Inf) for this request"
+NON_FINITE = "non-finite logits: the model produced NaN or Inf logits for this request"
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -69,6 +72,7 @@ class WorkerConfig:
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
     speculative: SpeculativeConfig | None = None  # the worker acts on method "draft_model" (it runs the drafter)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (one rank only)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -162,6 +166,8 @@ class Worker:
             self.proposer = DraftProposer.for_model(config.speculative, self.model)
         elif hasattr(self.model, "tap_layers"):  # a model served before by a drafting worker taps nothing here
             self.model.tap_layers = ()
+        self.connector: SocketConnectorWorker | None = None
+        self._kv_step: dict[str, int | tuple[str, ...]] = {}
 
     def _common_unit_bytes(self) -> tuple[int, int]:
         """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
@@ -269,6 +275,11 @@ class Worker:
                         num_slots=geometry.num_slots, device=self.device)
         width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
+        if self.config.kv_transfer is not None:
+            if self.connector is None:
+                self.connector = SocketConnectorWorker(self.config.kv_transfer)
+            self.connector.register_kv_caches(*pools.transfer_groups())
+            self.runner.before_forward = self._transfer_kv
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
@@ -302,7 +313,34 @@ class Worker:
         return True, "ok"
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def _transfer_kv(self, step: StepInput) -> None:
+        """Publish the step's saves, then load its loads layer by layer (the fetch of the next layer overlaps the
+        copy of this one), each payload checksum-verified; runs after the step's copies, before its forward."""
+        meta, conn = step.kv_connector_meta, self.connector
+        if meta is None or conn is None or not (meta.saves or meta.loads):
+            return
+        sent, received, t0 = conn.stats.bytes_sent, conn.stats.bytes_received, time.perf_counter()
+        names = list(conn.layer_names())
+        if meta.saves:
+            for name in names:
+                conn.save_kv_layer(name, meta)
+            conn.wait_for_save()
+        if meta.loads:
+            conn.start_load_kv(meta)
+            for name in names:
+                conn.wait_for_layer_load(name)
+        fin = conn.get_finished()
+        self._kv_step = {"kv_received": tuple(sorted(fin.received)), "kv_failed": tuple(sorted(fin.failed)),
+                         "kv_bytes_sent": conn.stats.bytes_sent - sent,
+                         "kv_bytes_received": conn.stats.bytes_received - received,
+                         "kv_transfer_s": time.perf_counter() - t0}
+
     def execute(self, step: StepInput) -> StepOutput:
+        self._kv_step = {}
+        out = self._execute(step)
+        return dataclasses.replace(out, **self._kv_step) if self._kv_step else out
+
+    def _execute(self, step: StepInput) -> StepOutput:
         if self.runner is None:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
@@ -324,11 +362,14 @@ class Worker:
             if not chunks:
                 return StepOutput(step.step_id, prompt_logprobs=prompt)
             out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors())
-            tokens, finite = out.token_ids.tolist(), out.finite.tolist()  # the step's one device -> host read
+            # [3, R] tokens, finite flags, fallback flags: the step's one device -> host read
+            tokens, finite, fallback = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()]).tolist()
         finally:
             batch.close()
+        fallbacks = sum(fallback)
         if len(rows) != len(chunks):
-            sampled = verify_rows(chunks, tokens, finite, out.logprobs, batch.error, NON_FINITE)
+            sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
+                                  NON_FINITE)
         else:
             sampled = []
             for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
@@ -336,7 +377,7 @@ class Worker:
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
             sampled = self.proposer.attach(chunks, sampled, batch.params)
-        return StepOutput(step.step_id, tuple(sampled), prompt)
+        return StepOutput(step.step_id, tuple(sampled), prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:
         """The prompt log-probabilities of the chunks with ``prompt_logprob_rows`` from their logits rows
@@ -357,6 +398,12 @@ class Worker:
                                       tuple(ranks[at : at + n])))
             at += n
         return tuple(out)
+
+    def close(self) -> None:
+        """Stop the KV connector's transfer server (a producer's block store), if any."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
 
     def _counting_experts(self) -> list[RoutedExperts]:
         return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]

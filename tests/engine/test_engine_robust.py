@@ -14,13 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.worker import DeviceError
-from tests.model_fixtures import default_sigint, one_thread  # noqa: F401 (fixtures; one_thread is autouse)
+from tests.model_fixtures import default_sigint, nan_embedding_checkpoint, one_thread  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -165,15 +164,7 @@ def test_real_ctrl_c_at_random_times(ckpt: Path, alone) -> None:
 
 
 def test_non_finite_logits_fail_only_that_request(ckpt: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "nan_embedding"
-    bad.mkdir()
-    for f in ckpt.iterdir():
-        if f.suffix != ".safetensors":
-            (bad / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    name = next(n for n in tensors if n.endswith("embed_tokens.weight"))
-    tensors[name][42] = float("nan")  # token 42 poisons any sequence that contains it
-    save_file(tensors, str(bad / "model.safetensors"))
+    bad = nan_embedding_checkpoint(ckpt, tmp_path / "nan_embedding", 42)  # token 42 poisons its sequence
     llm = _llm(bad)
     good_alone = _llm(ckpt).generate([PROMPTS[0]], GREEDY)[0].token_ids
     outs = llm.generate([PROMPTS[0], [1, 2, 42, 3]], GREEDY)

@@ -133,22 +133,32 @@ def test_store_entries_expire_after_ttl():
 def test_scheduler_halves_hand_the_transfer_over():
     prod = SocketConnectorScheduler(KVTransferConfig("SocketConnector", "kv_producer", kv_port=15000))
     delay, params = prod.request_finished("p-req", (1, 5, 2), 3, 11)
-    assert delay and params["remote_transfer_id"] == "p-req" and params["remote_num_tokens"] == 11
-    cons = SocketConnectorScheduler(KVTransferConfig("SocketConnector", "kv_consumer", kv_port=15000))
+    assert not delay  # the store holds a copy: the producer's blocks are freed at once
+    assert params == {"remote_transfer_id": "p-req", "remote_num_tokens": 11, "remote_host": "127.0.0.1",
+                      "remote_port": 15000}
+    cons = SocketConnectorScheduler(KVTransferConfig("SocketConnector", "kv_consumer"), block_size=4)
     assert cons.get_num_new_matched_tokens("d-req", 12, 0, None) == (0, False)
-    assert cons.get_num_new_matched_tokens("d-req", 12, 4, params) == (7, True)
-    cons.update_state_after_alloc("d-req", (0, 6, 7), 1, 7)
+    assert cons.get_num_new_matched_tokens("d-req", 12, 4, {"do_remote_decode": True}) == (0, False)
+    assert cons.get_num_new_matched_tokens("d-req", 12, 4, params) == (7, False)  # 11 remote, 4 cached here
+    cons.update_state_after_alloc("d-req", (0, 6, 7, 9), 1, 7)
     meta = cons.build_connector_meta()
-    assert meta.loads == (ReqTransfer("d-req", "p-req", (0, 6, 7), 1, 7),) and not meta.saves
+    # blocks of tokens [4, 11) only: the first (cached) block stays; the producer's list is read from block 1
+    assert meta.loads == (ReqTransfer("d-req", "p-req", (6, 7), 1, 11, first_block=1, remote_host="127.0.0.1",
+                                      remote_port=15000),) and not meta.saves
     assert cons.build_connector_meta() == ConnectorMeta()
-    with pytest.raises(ValueError, match="remote_transfer_id"):
-        cons.get_num_new_matched_tokens("x", 12, 0, {"remote_num_tokens": 3})
+    assert cons.get_num_new_matched_tokens("e", 11, 0, params) == (10, False)  # the last prompt token is computed
+    for bad, key in (({"remote_transfer_id": "x", "remote_num_tokens": -1}, "remote_num_tokens"),
+                     ({**params, "remote_transfer_id": 3}, "remote_transfer_id"),
+                     ({**params, "remote_port": "80"}, "remote_port")):
+        with pytest.raises(ValueError, match=key):
+            cons.get_num_new_matched_tokens("x", 12, 0, bad)
 
 
 @pytest.mark.parametrize("text,match", [
     ("{", "not valid JSON"),
     ('{"kv_role": "kv_producer"}', "kv_connector"),
-    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be one of"),
+    ('{"kv_connector": "LMCacheConnector", "kv_role": "kv_producer"}', "kv_connector must be one of"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "pip install nixl"),
     ('{"kv_connector": "SocketConnector", "kv_role": "producer"}', "kv_role must be one of"),
     ('{"kv_connector": "SocketConnector", "kv_role": "kv_both", "bogus": 1}', "unknown keys"),
 ])

@@ -1,49 +1,27 @@
 """pd-proxy: a prefill server, a decode server and the proxy on 127.0.0.1 with the embedded model.
 
-The engines do not yet consume transferred KV (see rocm_k3/kv_transfer), so the decode server prefills itself;
-these tests check the routing: greedy outputs through the proxy equal one plain server's, streaming and not, and
-a dead prefill server makes the proxy fall back and still answer.
+Both servers here run without ``--kv-transfer-config``, so the decode server prefills itself (the transfer is
+tested in test_pd_end_to_end.py); these tests check the routing: greedy outputs through the proxy equal one plain
+server's, streaming and not, and a dead prefill server makes the proxy fall back and still answer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import urllib.request
 
 import pytest
 
 from rocm_k3.args import EngineArgs
-from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
+from rocm_k3.entrypoints.pd_proxy import ProxyConfig
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
-from tests.server_fixtures import running_server, start_app
+from tests.pd_fixtures import chat as _chat
+from tests.pd_fixtures import complete as _complete
+from tests.pd_fixtures import running_proxy as _proxy
+from tests.server_fixtures import running_server
 
 ENGINE = EngineArgs(dtype="float32", max_model_len=1024)
 PROMPTS = ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")
 MESSAGES = ([{"role": "user", "content": "Say hello."}], [{"role": "user", "content": "Count to five."}])
-
-
-@contextlib.contextmanager
-def _proxy(prefill_url: str, decode_url: str):
-    srv = start_app(build_proxy_app(ProxyConfig((prefill_url,), (decode_url,), timeout_s=60)))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def _complete(client, model, prompt, stream):
-    kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0.0)
-    if not stream:
-        return client.completions.create(**kw).choices[0].text
-    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
-
-
-def _chat(client, model, messages, stream):
-    kw = dict(model=model, messages=messages, max_tokens=8, temperature=0.0)
-    if not stream:
-        return client.chat.completions.create(**kw).choices[0].message.content
-    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-                   if c.choices)
 
 
 def _answers(client) -> list[str]:

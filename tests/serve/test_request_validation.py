@@ -29,9 +29,10 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 # ---------------------------------------------------------------------------------------------- SamplingParams
 @pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": math.inf}, r"temperature: expected a finite number >= 0, got inf"),
-    ({"temperature": -math.inf}, r"temperature: expected a finite number >= 0, got -inf"),
-    ({"temperature": math.nan}, r"temperature: expected a finite number >= 0, got nan"),
+    ({"temperature": math.inf}, r"temperature: expected a number in \[0, 2\], got inf"),
+    ({"temperature": -math.inf}, r"temperature: expected a number in \[0, 2\], got -inf"),
+    ({"temperature": math.nan}, r"temperature: expected a number in \[0, 2\], got nan"),
+    ({"temperature": 2.5}, r"temperature: expected a number in \[0, 2\], got 2.5"),
     ({"temperature": "0.7"}, r"temperature: expected a number, got '0.7' \(str\)"),
     ({"seed": -1}, r"seed: expected an int in \[0, 2\*\*63 - 1\] or None, got -1"),
     ({"seed": 2**63}, r"seed: expected an int in \[0, 2\*\*63 - 1\]"),

@@ -25,7 +25,7 @@ def test_greedy_is_argmax() -> None:
 
 def test_top_k_one_is_greedy_at_any_temperature() -> None:
     logits = _logits()
-    params = [SamplingParams(temperature=5.0, top_k=1)] * 3
+    params = [SamplingParams(temperature=2.0, top_k=1)] * 3
     gens = [make_generator(i) for i in range(3)]
     assert sample(logits, params, gens).token_ids.tolist() == logits.argmax(-1).tolist()
 
@@ -142,6 +142,36 @@ def test_extreme_processed_logits_never_draw_from_nan(case: str, temperature: fl
         out = sample(logits, params, [make_generator(seed)], [extreme])
         assert int(out.token_ids[0]) == best, (case, seed, int(out.token_ids[0]))
         assert bool(out.finite[0])  # the model's own logits were finite: the request is not failed
+        # a fallback (counted in /metrics) unless greedy had a well-defined pick (an inf logit and no NaN)
+        assert bool(out.fallback[0]) == (temperature > 0 or case != "inf_logit")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fallback_is_flagged_per_row_and_an_empty_row_takes_the_model_top_logit(temperature: float) -> None:
+    """Row 0 healthy, row 1 processed to all NaN (nothing left: the model's top logit, not token 0), row 2 with a
+    NaN model logit (a failed request, not a fallback), row 3 fully masked by a processor."""
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(5)) - 10
+    logits[:, 9] = 5.0  # the model's top logit in every row; token 0 is never it
+    logits[2, 4] = float("nan")
+
+    def breaks_rows(x: torch.Tensor) -> None:
+        x[1] = float("nan")
+        x[3] = float("-inf")
+
+    params = [SamplingParams(temperature=temperature, seed=1)] * 4
+    out = sample(logits, params, [make_generator(i) for i in range(4)], [breaks_rows])
+    assert out.fallback.tolist() == [False, True, False, True]
+    assert out.finite.tolist() == [True, True, False, True]
+    assert int(out.token_ids[1]) == 9 and int(out.token_ids[3]) == 9
+
+
+def test_tiny_top_p_and_min_p_are_not_fallbacks() -> None:
+    """Extreme but valid values keep the most likely token in the support: a real distribution, no fallback."""
+    logits = _logits(n=2)
+    params = [SamplingParams(temperature=1.0, top_p=1e-9, seed=0), SamplingParams(temperature=2.0, min_p=1.0, seed=0)]
+    out = sample(logits, params, [make_generator(0), make_generator(1)])
+    assert out.fallback.tolist() == [False, False]
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_prompt_token_logprobs_in_slices_match_one_log_softmax() -> None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import logging.config
 import threading
 import time
 
@@ -40,10 +41,12 @@ from rocm_k3.entrypoints.openai.protocol import (
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import chat_prompt, prepare_chat
+from rocm_k3.entrypoints.openai.request_ids import RequestIdMiddleware, serve_log_config
 from rocm_k3.entrypoints.openai.serving_common import (
     RETRY_AFTER_S,
     ServedModel,
     fetch_remote_images,
+    logged_stream,
     read_body,
     unless_disconnected,
 )
@@ -55,9 +58,17 @@ log = logging.getLogger("rocm_k3.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class _App(FastAPI):
+    """FastAPI with :class:`RequestIdMiddleware` outside every other layer, so that even a 500 answered by the
+    server-error layer carries ``x-request-id`` and its log line the id."""
+
+    def build_middleware_stack(self):
+        return RequestIdMiddleware(super().build_middleware_stack())
+
+
 def build_app(served: ServedModel) -> FastAPI:
     """The app serving ``served`` (the caller owns the engine and shuts it down)."""
-    app = FastAPI(title="rocm-k3", docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="rocm-k3", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
     install_error_handlers(app)
 
@@ -137,7 +148,8 @@ async def _answer(request: Request, served: ServedModel, model, prepare, fetch_i
     fetched = (await fetch_remote_images(served, body.messages),) if fetch_images else ()
     run = await asyncio.to_thread(prepare, served, body, *fetched)  # rendering and tokenizing: off the event loop
     if run.req.stream:
-        return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(logged_stream(await run.stream(), request.url.path), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     return JSONResponse((await unless_disconnected(request, run.respond())).model_dump())  # null keys kept
 
 
@@ -181,6 +193,9 @@ def image_fetcher(server_args: ServerArgs) -> ImageFetcher | None:
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """``rocm-k3 serve``: load the model, serve until interrupted; returns the exit status."""
+    uvicorn_level = server_args.resolved_uvicorn_log_level
+    log_config = serve_log_config(server_args.resolved_log_level, uvicorn_level)
+    logging.config.dictConfig(log_config)  # from the start: the loading's lines look like the serving's
     assembled = assemble_engine(engine_args)
     engine = AsyncLLM(assembled.core)
     try:
@@ -188,8 +203,9 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         app = build_app(served)
         log.info("serving %s as %s on http://%s:%d (max_model_len %d)", assembled.path, served.names, server_args.host,
                     server_args.port, served.max_model_len)
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        # lifespan off: the app has no startup / shutdown hooks, and a cancelled lifespan task printed a traceback
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=uvicorn_level,
+                                log_config=log_config, timeout_graceful_shutdown=5, lifespan="off")
         server = DrainingServer(config, served, server_args.shutdown_timeout)
         watchdog = EngineWatchdog(engine, server)
         watchdog.start()
@@ -235,7 +251,8 @@ class DrainingServer(uvicorn.Server):
             time.sleep(0.05)
         left = engine.num_streams
         if left:
-            log.warning("shutdown timeout: ending %d running requests with an error", left)
+            log.warning("%s: ending %d running requests with an error",
+                        "second signal" if self.force_exit else "shutdown timeout", left)
         engine.shutdown()  # the rest get EngineDeadError -> an error event and [DONE]; their cache is freed
         self.should_exit = True
 

@@ -7,6 +7,7 @@ Every error is ``{"error": {"message", "type", "param", "code"}}`` (``code`` = t
 - 401 ``authentication_error``: a missing or wrong API key when the server was started with ``--api-key``;
 - 404 ``not_found_error``: an unknown model or route;
 - 413 ``invalid_request_error``: a body larger than ``--max-request-bytes``;
+- 499: the client disconnected (nobody reads it; one INFO line is logged, no traceback);
 - 503 ``service_unavailable``: the engine has failed;
 - 500 ``internal_error``: anything else (logged with its traceback; the server keeps serving).
 """
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("rocm_k3.server")
 
@@ -101,6 +103,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"{request.method} {request.url.path}: no such route"
         return error_response(exc.status_code, message)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> JSONResponse:  # an expected event: one line
+        log.info("%s: the client disconnected before its request was read", request.url.path)
+        return error_response(499, "the client disconnected")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

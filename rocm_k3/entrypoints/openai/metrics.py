@@ -4,8 +4,10 @@ Per request (recorded by the serving code as outputs stream out): prompt and gen
 finished requests by finish reason, time to first token, inter-token latency (per token: the gap between two
 deltas divided by the tokens the later one brought) and end-to-end latency histograms. From the engine's
 stats snapshot at scrape time: requests running / waiting, free and total KV blocks and KDA state slots,
-prefix-cache queries, hits and hit rate, preemptions, steps, speculative decoding (drafts, drafted and accepted
-tokens, accepted tokens per draft position: vLLM's ``spec_decode_*`` names), and whether the engine is healthy;
+prefix-cache queries, hits and hit rate, preemptions, steps, sampler fallbacks (``rocm_k3_sampler_fallbacks_total``:
+tokens taken as the top logit because the processed probabilities were unusable), speculative decoding (drafts,
+drafted and accepted tokens, accepted tokens per draft position: vLLM's ``spec_decode_*`` names), and whether the
+engine is healthy;
 with expert parallelism the picks per logical expert of each MoE layer (``rocm_k3_expert_load_total{layer,
 expert}``).
 """
@@ -38,6 +40,16 @@ _ENGINE_METRICS = (
     ("hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", "counter"),
     ("preemptions", "preemptions", "requests preempted (to be recomputed)", "counter"),
     ("steps", "engine_steps", "engine steps run", "counter"),
+    ("sampler_fallbacks", "sampler_fallbacks", "sampled tokens taken as the top logit because the processed "
+     "probabilities were unusable (NaN, all zero or every token masked after extreme sampling values)", "counter"),
+    # prefill/decode disaggregation (--kv-transfer-config)
+    ("kv_transfer_loaded", "kv_transfer_requests", "prompt caches loaded from a prefill instance", "counter"),
+    ("kv_transfer_failures", "kv_transfer_failures",
+     "prompt cache loads that failed (checksum mismatch, timeout, producer gone): the prompt was recomputed",
+     "counter"),
+    ("kv_transfer_published", "kv_transfer_published", "prompt caches published for a decode instance", "counter"),
+    ("kv_transfer_bytes_received", "kv_transfer_received_bytes", "prompt cache bytes loaded", "counter"),
+    ("kv_transfer_bytes_sent", "kv_transfer_sent_bytes", "prompt cache bytes published", "counter"),
     # speculative decoding, vLLM's names (vllm:spec_decode_*) under our prefix
     ("spec_num_drafts", "spec_decode_num_drafts", "verification steps of drafted tokens", "counter"),
     ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "drafted tokens verified", "counter"),

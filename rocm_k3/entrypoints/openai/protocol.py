@@ -106,6 +106,7 @@ class SamplingRequest(OpenAIBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's convention)
 
     def structured_request(self) -> tuple[dict[str, Any] | None, str]:
         """(the ``structured_outputs`` object, the field it came from): vLLM's older ``guided_json`` /
@@ -317,6 +318,7 @@ class ChatCompletionResponse(BaseModel):
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     moderation: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a kv_producer's answer: where to fetch the prompt's cache
 
 
 class ChatCompletionChunk(BaseModel):
@@ -341,6 +343,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a kv_producer's answer: where to fetch the prompt's cache
 
 
 class ModelCard(BaseModel):

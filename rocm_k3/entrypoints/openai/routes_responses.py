@@ -13,6 +13,7 @@ from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResp
 from rocm_k3.entrypoints.openai.serving_common import (
     ServedModel,
     fetch_remote_images,
+    logged_stream,
     read_body,
     unless_disconnected,
 )
@@ -39,7 +40,8 @@ def install_responses_routes(app: FastAPI, served: ServedModel, auth: list) -> R
         if body.background:
             return JSONResponse(run.start_background())
         if body.stream:
-            return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(logged_stream(await run.stream(), request.url.path),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await unless_disconnected(request, run.respond()))
 
     @app.get("/v1/responses/{response_id}", dependencies=auth)

@@ -26,10 +26,10 @@ from rocm_k3.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallOut,
 )
-from rocm_k3.entrypoints.openai.serving_common import (MAX_LOGPROBS, SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
-    collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params, sse,
-    start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
-from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.entrypoints.openai.serving_common import (SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
+    check_range, collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params,
+    sse, start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
+from rocm_k3.sampling_params import RANGES, SamplingParams
 
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
@@ -82,7 +82,8 @@ class ChatRun:
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
             prompt_token_ids=self.prompt if self.req.return_token_ids else None,
             prompt_logprobs=vllm_prompt_logprobs(self.served.tokenizer, self.prompt, choices[0].prompt_logprobs,
-                                                 choices[0].prompt_ranks, self.req.prompt_logprobs))
+                                                 choices[0].prompt_ranks, self.req.prompt_logprobs),
+            kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
@@ -179,11 +180,14 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[s
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs")
+        check_range("top_logprobs", req.top_logprobs)
     prepared, prompt, images = chat_prompt(served, req, remote, structured_outputs=structured_outputs_of(req),
                                            thinking_token_budget=req.thinking_token_budget)
+    if req.max_completion_tokens is not None:  # named here: SamplingParams would call it max_tokens
+        try:
+            RANGES["max_tokens"].check("max_completion_tokens", req.max_completion_tokens)
+        except ValueError as exc:
+            raise bad_request(exc) from None
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else max(1, served.max_model_len - len(prompt) + 1)
     top = (req.top_logprobs or 0) if req.logprobs else None

@@ -8,8 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +20,7 @@ from rocm_k3.engine.chat import ModelFrontend
 from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
+from rocm_k3.entrypoints.openai.request_ids import engine_request_id
 from rocm_k3.entrypoints.openai.protocol import (
     GUIDED_FIELDS,
     CompletionLogprobs,
@@ -33,13 +33,28 @@ from rocm_k3.entrypoints.openai.protocol import (
     Usage,
 )
 from rocm_k3.formats.json_limits import JSONLimitError, load_json
-from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.sampling_params import Range, SamplingParams
 
 log = logging.getLogger("rocm_k3.server")
 
 MAX_LOGPROBS = 20
 MAX_N = 128
 SEED_MODULUS = 2**63
+# the server's own limits on request fields, beyond SamplingParams.RANGES (docs/sampling.md has the table)
+SERVER_RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_N, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "top_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
+
+
+def check_range(name: str, value: Any) -> None:
+    """400 naming ``name`` and its range when ``value`` is outside :data:`SERVER_RANGES`."""
+    try:
+        SERVER_RANGES[name].check(name, value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=name) from None
 
 
 @dataclasses.dataclass
@@ -127,7 +142,8 @@ async def fetch_remote_images(served: ServedModel, messages: Sequence[Any]) -> d
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The engine request id of the request being handled: ``{prefix}-{x-request-id}`` (see ``request_ids``)."""
+    return engine_request_id(prefix)
 
 
 def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
@@ -137,10 +153,9 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", req.prompt_logprobs)):
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise APIError(400, f"{name}: expected an int in [0, {MAX_LOGPROBS}], got {value}", param=name)
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(400, f"n: expected an int in [1, {MAX_N}], got {req.n}", param="n")
+        if value is not None:
+            check_range(name, value)
+    check_range("n", req.n)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     values: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -154,6 +169,7 @@ def sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | No
         "stop_token_ids": tuple(req.stop_token_ids or ()), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
         "prompt_logprobs": req.prompt_logprobs,
         "skip_special_tokens": skip_special_tokens if req.skip_special_tokens is None else req.skip_special_tokens,
+        "kv_transfer_params": req.kv_transfer_params,
     }
     values.update(changes)
     try:
@@ -254,7 +270,8 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work):
-    """Await ``work`` (a coroutine), cancelling it when the client disconnects first (its requests abort)."""
+    """Await ``work`` (a coroutine), cancelling it when the client disconnects first (its requests abort; one INFO
+    line says so)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
@@ -263,8 +280,23 @@ async def unless_disconnected(request: Request, work):
         watcher.cancel()
     if not task.done():
         task.cancel()
+        log.info("%s: the client disconnected; its request was aborted", request.url.path)
         raise APIError(499, "the client disconnected")
     return task.result()
+
+
+async def logged_stream(events: AsyncGenerator[str, None], path: str) -> AsyncIterator[str]:
+    """``events`` as they come; when the stream is cancelled (the client disconnected, or a second signal ended
+    the server) one INFO line says so, and no traceback follows (the engine requests abort as the stream ends)."""
+    try:
+        async for event in events:
+            yield event
+    except (asyncio.CancelledError, GeneratorExit):  # cancelled mid-await, or closed unfinished at a yield
+        log.info("%s: the stream was cancelled (client disconnected or server stopped); its request was aborted",
+                 path)
+        raise
+    finally:
+        await events.aclose()  # its engine requests abort now, not when the generator is collected
 
 
 @dataclasses.dataclass
@@ -279,6 +311,7 @@ class ChoiceState:
     num_calls: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs, first delta
     prompt_ranks: list[int | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, delta: RequestDelta, *, text: bool = True) -> None:
         if delta.prompt_logprobs is not None:
@@ -290,6 +323,7 @@ class ChoiceState:
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.cached = delta.output.num_cached_tokens if delta.output is not None else 0
+            self.kv_transfer_params = delta.output.kv_transfer_params if delta.output is not None else None
 
 
 async def collect(served: ServedModel, streams: Sequence[RequestStream]) -> list[ChoiceState]:

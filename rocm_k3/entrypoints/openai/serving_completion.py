@@ -47,7 +47,8 @@ class CompletionRun:
         for i, c in enumerate(choices):
             self._drop_output(c)
             out.append(self._choice(i, c, c.text, c.token_ids, c.logprobs, c.finish_reason, head=True))
-        return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices))
+        return CompletionResponse(id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
+                                  kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     def _choice(self, i: int, c: ChoiceState, text: str, token_ids: list[int], entries, finish_reason: str | None,
                 *, head: bool) -> CompletionChoice:
@@ -132,7 +133,8 @@ def prepare_completion(served: ServedModel, req: CompletionRequest) -> Completio
         max_tokens = max(1, served.max_model_len - max(len(p) for p in prompts) + 1)
     elif req.max_tokens == 0:
         if not req.echo:
-            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (the prompt alone)", param="max_tokens")
+            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (the prompt alone); else expected an "
+                           "int in [1, inf)", param="max_tokens")
         max_tokens = 1  # the engine samples one token, which the answer drops
     else:
         max_tokens = req.max_tokens

@@ -1,0 +1,41 @@
+"""Test support for prefill/decode disaggregation: the proxy on a free port and greedy completion / chat calls
+(streamed or not) whose texts the PD tests compare."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
+from tests.server_fixtures import start_app
+
+
+@contextlib.contextmanager
+def running_proxy(prefill_url: str, decode_url: str):
+    srv = start_app(build_proxy_app(ProxyConfig((prefill_url,), (decode_url,), timeout_s=60)))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def complete(client, model, prompt, stream) -> str:
+    kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0.0)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+
+def chat(client, model, messages, stream) -> str:
+    kw = dict(model=model, messages=messages, max_tokens=8, temperature=0.0)
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a producer's block store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
