@@ -1,9 +1,8 @@
-# Two entry points for a fresh machine: `make demo` (generate with the embedded tiny K3) and `make test`.
+# Two entry points for a fresh machine: `make demo` (`rocm-k3 demo` on the embedded tiny K3) and `make test`.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-PROMPT  ?= Hello
 
 .PHONY: demo test toolchain test-cuda test-rocm clean
 
@@ -16,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rocm-k3 generate "$(PROMPT)"
+	$(BIN)/rocm-k3 demo
 
 # lld-19 for FlyDSL's compile-only link (the `compile` tier); best effort, the tier skips with a reason without it.
 toolchain:

@@ -20,6 +20,8 @@ _DEBUG_HELP = "show the full traceback of an error (also: ROCM_K3_LOG_LEVEL=debu
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "ops": ("rocm_k3.entrypoints.ops_cmd", "show which backend each op resolves to on this machine, and why"),
+    "demo": ("rocm_k3.entrypoints.demo_cmd",
+             "show the embedded tiny K3: a chat turn in K3's XTML format, its reasoning and answer, a parsed tool call"),
     "generate": ("rocm_k3.entrypoints.generate_cmd", "generate text (default model: the embedded tiny K3)"),
     "serve": ("rocm_k3.entrypoints.serve_cmd", "serve an OpenAI-compatible API (default model: the embedded tiny K3)"),
     "pd-proxy": ("rocm_k3.entrypoints.pd_proxy_cmd",

@@ -39,15 +39,16 @@ class RunningServer:
     def url(self, route: str) -> str:
         return self.base_url + route
 
-    def client(self, api_key: str = "unused", **kw):
+    def client(self, api_key: str = "unused", timeout: float = 120, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout, **kw)
 
-    def async_client(self, api_key: str = "unused", **kw):
+    def async_client(self, api_key: str = "unused", timeout: float = 120, **kw):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout,
+                                  **kw)
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -15,10 +15,19 @@ from rocm_k3.ops.registry import BackendError
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
+# top-level module -> the pyproject extra that installs it (`rocm-k3 serve` / `pd-proxy` without the server extra)
+EXTRA_OF_MODULE: dict[str, str] = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve",
+                                   "pydantic": "serve", "prometheus_client": "serve", "xgrammar": "serve",
+                                   "jsonschema": "serve"}
+
 
 def describe(exc: BaseException) -> str:
     """One line: what went wrong and how to fix it."""
     message = " ".join(str(exc).split()) or type(exc).__name__
+    missing = (exc.name or "").partition(".")[0] if isinstance(exc, ModuleNotFoundError) else ""
+    if missing in EXTRA_OF_MODULE:
+        extra = EXTRA_OF_MODULE[missing]
+        return f"{missing} is not installed; install the {extra} extra: pip install 'rocm-k3[{extra}]'"
     if isinstance(exc, BackendError):
         return (f"{message}; choose a backend that runs here with --backend (`rocm-k3 ops` shows what each op "
                 "resolves to on this machine) or leave it unset to pick automatically")

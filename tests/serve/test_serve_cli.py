@@ -3,10 +3,16 @@ the openai client, stopped with Ctrl-C (exit status 0); every engine flag is on 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import openai
+import pytest
 
 from rocm_k3.cli import build_parser
-from tests.server_fixtures import serve_subprocess
+from rocm_k3.entrypoints.errors import EXTRA_OF_MODULE
+from tests.server_fixtures import ROOT, serve_subprocess
 
 
 def test_serve_flags() -> None:
@@ -43,3 +49,60 @@ def test_vllm_spellings_of_the_chat_flags(tmp_path) -> None:
     server, engine = ServerArgs.from_cli(ns), EngineArgs.from_cli(ns)
     assert server.chat_template == str(template) and server.enable_auto_tool_choice
     assert engine.tool_call_parser == engine.reasoning_parser == "kimi_k2"
+
+
+# A meta-path finder that makes the given top-level modules unimportable, as on `pip install rocm-k3` without the
+# server extra; loaded by Python at startup as sitecustomize (first on PYTHONPATH).
+_BLOCKER = '''import importlib.abc, sys
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, _NotInstalled())
+'''
+
+
+def _serve_extra_modules() -> set[str]:
+    """The top-level modules that pyproject's ``serve`` extra installs."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    wanted = {re.split(r"[=<>!~\[ ;]", req)[0].lower().replace("_", "-") for req in extra}
+    modules = {module for module, dists in importlib.metadata.packages_distributions().items()
+               if any(d.lower().replace("_", "-") in wanted for d in dists) and not module.startswith("_")}
+    assert len(modules) >= len(wanted), (wanted, modules)  # each distribution is installed here (the test venv)
+    return modules
+
+
+def test_every_serve_extra_module_names_the_extra() -> None:
+    assert _serve_extra_modules() <= set(EXTRA_OF_MODULE)
+    assert {EXTRA_OF_MODULE[m] for m in _serve_extra_modules()} == {"serve"}
+
+
+def test_without_the_server_extra_one_line_names_the_install(tmp_path) -> None:
+    """``pip install rocm-k3`` (no ``[serve]``), then ``rocm-k3 serve`` (or ``pd-proxy``): one line on stderr
+    naming ``pip install 'rocm-k3[serve]'``, exit status 2, no traceback; ``--help`` and ``generate`` still work."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(_serve_extra_modules())))
+    env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rocm_k3.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    blocked = subprocess.run([sys.executable, "-c", "import fastapi"], env=env, capture_output=True, text=True)
+    assert "No module named 'fastapi'" in blocked.stderr, blocked  # the blocker works
+    for command in (["serve", "--port", "0"], ["pd-proxy", "--prefill", "http://127.0.0.1:1", "--decode",
+                                                "http://127.0.0.1:2"]):
+        proc = cli(*command)
+        assert proc.returncode == 2, proc
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "pip install 'rocm-k3[serve]'" in lines[0], proc.stderr
+        assert lines[0].startswith(f"rocm-k3 {command[0]}: error: ") and proc.stdout == ""
+        helped = cli(command[0], "--help")
+        assert helped.returncode == 0 and "usage: rocm-k3" in helped.stdout, helped
+    generated = cli("generate", "--max-tokens", "2", "Hello")
+    assert generated.returncode == 0 and "output: " in generated.stdout, generated

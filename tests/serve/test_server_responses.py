@@ -2,14 +2,19 @@
 plain and streamed answers (typed events in order, numbered, their deltas adding up to the final items), the
 token budget ending a response as ``incomplete``, a function tool through a call / ``function_call_output`` round
 trip (by ``previous_response_id`` and by sending the items back), ``text.format`` json_schema output that
-validates, the store (GET, DELETE, LRU bound) and background requests with cancel."""
+validates, the store (GET, DELETE, LRU bound) and background requests with cancel.
+
+The module's long generations are sent at once before its first test (the ``ahead`` fixture): the engine batches
+them, so the module costs about its longest request instead of their sum (greedy outputs do not depend on the
+batch: tests/model/test_embedded_model.py); each test reads its own results and checks them."""
 
 from __future__ import annotations
 
 import json
 import time
-
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 
@@ -35,8 +40,16 @@ def client(server):
     return server.client()
 
 
-def test_plain_response_has_reasoning_and_message_items(client) -> None:
-    got = client.responses.create(model=None, input="What is 2 + 3?", max_output_tokens=200, temperature=0.0)
+@pytest.fixture(scope="module")
+def ahead(server):
+    """name -> Future of each request in ``LONG``, all submitted at once (a batch for the engine)."""
+    client = server.client(timeout=600)
+    with ThreadPoolExecutor(len(LONG)) as pool:
+        yield {name: pool.submit(request, client) for name, request in LONG.items()}
+
+
+def test_plain_response_has_reasoning_and_message_items(ahead) -> None:
+    got = ahead["plain"].result()
     assert got.object == "response" and got.id.startswith("resp_")
     kinds = [item.type for item in got.output]
     assert got.status in ("completed", "incomplete"), got
@@ -55,9 +68,8 @@ def test_token_budget_ends_incomplete_with_details(client) -> None:
     assert got.usage.output_tokens == 5
 
 
-def test_stream_sends_typed_numbered_events_that_add_up(client) -> None:
-    events = list(client.responses.create(input="What is 4 + 4?", max_output_tokens=200, temperature=0.0,
-                                          stream=True))
+def test_stream_sends_typed_numbered_events_that_add_up(client, ahead) -> None:
+    events = ahead["stream"].result()
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"], types
     assert types[-1] in ("response.completed", "response.incomplete"), types
@@ -94,8 +106,8 @@ def _weather_call(client, **kw):
     return got, calls[0]
 
 
-def test_function_tool_round_trip_by_previous_response_id(client) -> None:
-    first, call = _weather_call(client)
+def test_function_tool_round_trip_by_previous_response_id(client, ahead) -> None:
+    first, call = ahead["weather_stored"].result()
     second = client.responses.create(
         previous_response_id=first.id, tools=[WEATHER], max_output_tokens=40, temperature=0.0, extra_body=NO_THINK,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}])
@@ -104,8 +116,8 @@ def test_function_tool_round_trip_by_previous_response_id(client) -> None:
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
 
 
-def test_function_tool_round_trip_by_items(client, server) -> None:
-    first, call = _weather_call(client, store=False)
+def test_function_tool_round_trip_by_items(client, server, ahead) -> None:
+    first, call = ahead["weather_unstored"].result()
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)  # store=False: not kept
     items = [{"role": "user", "content": "What is the weather in Paris?"},
@@ -131,13 +143,8 @@ def test_undeclared_function_call_item_is_refused(client) -> None:
         client.responses.create(input=[{"type": "bogus"}])
 
 
-def test_json_schema_text_format_validates(client) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "days": {"type": "integer", "minimum": 1, "maximum": 30}},
-              "required": ["city", "days"], "additionalProperties": False}
-    got = client.responses.create(input="Plan a trip to Rome.", temperature=0.0, max_output_tokens=400,
-                                  text={"format": {"type": "json_schema", "name": "trip", "schema": schema,
-                                                   "strict": True}}, extra_body=NO_THINK)
+def test_json_schema_text_format_validates(ahead) -> None:
+    got = ahead["json_schema"].result()
     assert got.status == "completed", got
     value = json.loads(got.output_text)
     assert set(value) == {"city", "days"} and isinstance(value["city"], str) and isinstance(value["days"], int)
@@ -207,14 +214,14 @@ TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
         "required": ["city", "days"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_low_effort_budget_closes_think_so_json_follows(client, seed) -> None:
+SEEDS = range(4)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_low_effort_budget_closes_think_so_json_follows(ahead, seed) -> None:
     """Thinking on, reasoning_effort "low", a json_schema response_format, sampled: the low budget (256 think
     tokens) closes the think channel, so valid JSON content comes back within 1,000 tokens for every seed."""
-    got = client.chat.completions.create(
-        model=None, messages=[{"role": "user", "content": "Plan a trip to Rome."}], reasoning_effort="low",
-        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}},
-        max_tokens=1000, temperature=1.0, seed=seed)
+    got = ahead[f"low_effort_json_{seed}"].result()
     choice = got.choices[0]
     assert choice.finish_reason == "stop", choice
     assert choice.message.reasoning_content, choice  # it did think
@@ -222,10 +229,8 @@ def test_low_effort_budget_closes_think_so_json_follows(client, seed) -> None:
     assert set(value) == {"city", "days"}
 
 
-def test_responses_reasoning_effort_low_json(client) -> None:
-    got = client.responses.create(input="Plan a trip to Rome.", reasoning={"effort": "low"}, temperature=1.0,
-                                  max_output_tokens=1000, extra_body={"seed": 7},
-                                  text={"format": {"type": "json_schema", "name": "trip", "schema": TRIP}})
+def test_responses_reasoning_effort_low_json(ahead) -> None:
+    got = ahead["responses_low_effort_json"].result()
     assert got.status == "completed" and got.reasoning.effort == "low", got
     assert any(i.type == "reasoning" for i in got.output)
     assert set(json.loads(got.output_text)) == {"city", "days"}
@@ -246,29 +251,21 @@ CURRENCY = {"name": "convert_currency", "description": "Convert money between cu
 ASK = "Convert 20 dollars to euros."
 
 
-def test_chat_stream_tool_arguments_arrive_in_pieces(client) -> None:
-    chunks = list(client.chat.completions.create(
-        model=None, messages=[{"role": "user", "content": ASK}], stream=True, temperature=0.0, max_tokens=300,
-        tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
-        tool_choice={"type": "function", "function": {"name": "convert_currency"}}))
+def test_chat_stream_tool_arguments_arrive_in_pieces(ahead) -> None:
+    chunks = ahead["currency_chat_stream"].result()
     pieces = [t for ch in chunks for c in ch.choices for t in c.delta.tool_calls or []]
     assert pieces and pieces[0].id and pieces[0].type == "function" and pieces[0].function.name == CURRENCY["name"]
     assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
     assert len(pieces) > 2, pieces  # multi-field arguments: more than one argument delta
     streamed = "".join(p.function.arguments or "" for p in pieces)
-    whole = client.chat.completions.create(
-        model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0, max_tokens=300,
-        tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
-        tool_choice={"type": "function", "function": {"name": "convert_currency"}})
+    whole = ahead["currency_chat"].result()
     assert streamed == whole.choices[0].message.tool_calls[0].function.arguments
     assert set(json.loads(streamed)) == {"amount", "from_currency", "to_currency"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_responses_stream_function_call_arguments_arrive_in_pieces(client) -> None:
-    events = list(client.responses.create(input=ASK, tools=[{"type": "function", **CURRENCY}], stream=True,
-                                          tool_choice={"type": "function", "name": "convert_currency"},
-                                          temperature=0.0, max_output_tokens=300, extra_body=NO_THINK))
+def test_responses_stream_function_call_arguments_arrive_in_pieces(ahead) -> None:
+    events = ahead["currency_responses_stream"].result()
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert len(deltas) > 1 and "".join(deltas) == done.arguments
@@ -278,15 +275,51 @@ def test_responses_stream_function_call_arguments_arrive_in_pieces(client) -> No
     assert set(json.loads(call.arguments)) == {"amount", "from_currency", "to_currency"}
 
 
-def test_tool_call_cut_off_by_max_tokens_keeps_its_text(client) -> None:
+def test_tool_call_cut_off_by_max_tokens_keeps_its_text(ahead) -> None:
     """A forced call cut off by max_tokens: no tool call, its text as content (markers removed), finish_reason
     "length"; streamed content adds up to the same text."""
-    kw = dict(model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0, max_tokens=70,
-              tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
-              tool_choice={"type": "function", "function": {"name": "convert_currency"}})
-    whole = client.chat.completions.create(**kw).choices[0]
+    whole = ahead["currency_cut_off"].result().choices[0]
     assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
     assert "convert_currency" in whole.message.content and "<|" not in whole.message.content
-    chunks = list(client.chat.completions.create(stream=True, **kw))
+    chunks = ahead["currency_cut_off_stream"].result()
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- the long requests, sent ahead at once (see the module docstring) ---------------------------------------
+TRIP_FORMAT = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}}
+CURRENCY_CHAT = dict(model=None, messages=[{"role": "user", "content": ASK}], temperature=0.0,
+                     tools=[{"type": "function", "function": CURRENCY}], extra_body=NO_THINK,
+                     tool_choice={"type": "function", "function": {"name": "convert_currency"}})
+
+
+def _low_effort_json(seed: int):
+    return lambda client: client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "Plan a trip to Rome."}], reasoning_effort="low",
+        response_format=TRIP_FORMAT, max_tokens=1000, temperature=1.0, seed=seed)
+
+
+LONG = {
+    "plain": lambda client: client.responses.create(model=None, input="What is 2 + 3?", max_output_tokens=200,
+                                                    temperature=0.0),
+    "stream": lambda client: list(client.responses.create(input="What is 4 + 4?", max_output_tokens=200,
+                                                          temperature=0.0, stream=True)),
+    "weather_stored": _weather_call,
+    "weather_unstored": lambda client: _weather_call(client, store=False),
+    "json_schema": lambda client: client.responses.create(
+        input="Plan a trip to Rome.", temperature=0.0, max_output_tokens=400, extra_body=NO_THINK,
+        text={"format": {"type": "json_schema", "name": "trip", "schema": TRIP, "strict": True}}),
+    **{f"low_effort_json_{seed}": _low_effort_json(seed) for seed in SEEDS},
+    "responses_low_effort_json": lambda client: client.responses.create(
+        input="Plan a trip to Rome.", reasoning={"effort": "low"}, temperature=1.0, max_output_tokens=1000,
+        extra_body={"seed": 7}, text={"format": {"type": "json_schema", "name": "trip", "schema": TRIP}}),
+    "currency_chat_stream": lambda client: list(client.chat.completions.create(
+        stream=True, max_tokens=300, **CURRENCY_CHAT)),
+    "currency_chat": lambda client: client.chat.completions.create(max_tokens=300, **CURRENCY_CHAT),
+    "currency_responses_stream": lambda client: list(client.responses.create(
+        input=ASK, tools=[{"type": "function", **CURRENCY}], stream=True, temperature=0.0, max_output_tokens=300,
+        tool_choice={"type": "function", "name": "convert_currency"}, extra_body=NO_THINK)),
+    "currency_cut_off": lambda client: client.chat.completions.create(max_tokens=70, **CURRENCY_CHAT),
+    "currency_cut_off_stream": lambda client: list(client.chat.completions.create(
+        stream=True, max_tokens=70, **CURRENCY_CHAT)),
+}
