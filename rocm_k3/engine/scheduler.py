@@ -81,6 +81,20 @@ class SchedulerOutput:
         return bool(self.scheduled) and all(not s.is_prefill and s.num_new_tokens == 1 for s in self.scheduled)
 
 
+@dataclasses.dataclass
+class UpdateCheckpoint:
+    """What :meth:`Scheduler.update` may change, taken before it runs so that an exception can undo it.
+
+    running: the running queue; num_finished_ids: length of the finished-id list; samplers: per sequence that
+    samples in the step (the only ones whose tokens, text and status change): (sequence, token count, logprob
+    count or None, characters of text emitted).
+    """
+
+    running: list[Sequence]
+    num_finished_ids: int
+    samplers: list[tuple[Sequence, int, int | None, int]]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
         if not isinstance(config, EngineConfig):
@@ -115,7 +129,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
-        self._finish(seq, "abort")
+        self.retire(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """A running sequence is done (stop condition met): free its cache."""
@@ -123,7 +137,7 @@ class Scheduler:
             raise ValueError(f"finish: sequence {seq.request_id!r} is {seq.status.value}, expected running")
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
-        self._finish(seq, reason)
+        self.retire(seq, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,6 +205,7 @@ class Scheduler:
         copies = self.cache.take_copies()
         step = self._step_input(scheduled, copies)
         self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
+        del self._finished_ids[:len(step.finished_request_ids)]  # now the step in flight carries them
         return step
 
     def update(self, output: StepOutput) -> list[RequestDelta]:
@@ -227,6 +242,29 @@ class Scheduler:
             deltas.append(delta)
         return deltas
 
+    def checkpoint(self) -> UpdateCheckpoint:
+        """What :meth:`update` of the step in flight may change (see :meth:`roll_back`)."""
+        if self.in_flight is None:
+            raise RuntimeError("checkpoint: no step in flight")
+        samplers = [(item.seq, item.seq.num_tokens, None if item.seq.logprobs is None else len(item.seq.logprobs),
+                     item.seq.stop.num_chars_emitted) for item in self.in_flight.scheduled if item.samples]
+        return UpdateCheckpoint(list(self.running), len(self._finished_ids), samplers)
+
+    def roll_back(self, checkpoint: UpdateCheckpoint) -> list[Sequence]:
+        """Undo an :meth:`update` that an exception cut short: the sampling sequences get back their tokens, text,
+        logprobs and running status (a request it finished is unfinished again), and the queue its order. The
+        cache is not restored: the caller rebuilds it (:meth:`EngineCore.recover`). Returns those sequences."""
+        self.in_flight = None
+        self.running[:] = checkpoint.running
+        del self._finished_ids[checkpoint.num_finished_ids:]
+        for seq, num_tokens, num_logprobs, emitted in checkpoint.samplers:
+            del seq.token_ids[num_tokens:]
+            if num_logprobs is not None:
+                del seq.logprobs[num_logprobs:]
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.RUNNING, None, None
+            seq.stop.rewind(seq.output_token_ids, emitted)
+        return [seq for seq, *_ in checkpoint.samplers]
+
     def abandon(self) -> None:
         """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
         sequences back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published
@@ -234,6 +272,7 @@ class Scheduler:
         out = self.in_flight
         if out is None:
             return
+        self._finished_ids[:0] = out.step.finished_request_ids  # sent again (dropping twice is harmless)
         self.in_flight = None
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
@@ -259,8 +298,10 @@ class Scheduler:
             self.waiting.append(seq)
 
     def take_finished_ids(self) -> list[str]:
-        """Requests the workers know of that ended since the last step (their worker state can be dropped)."""
-        ids, self._finished_ids = self._finished_ids, []
+        """Requests the workers know of that ended and were not yet told of (their worker state can be dropped),
+        including those of a step in flight (it may never run)."""
+        pending = self.in_flight.step.finished_request_ids if self.in_flight is not None else ()
+        ids, self._finished_ids = list(dict.fromkeys([*pending, *self._finished_ids])), []
         return ids
 
     # ---- step contract -------------------------------------------------------------------------------------
@@ -276,7 +317,7 @@ class Scheduler:
                 needs_prompt = seq.sampling is not None and seq.sampling.repetition_penalty != 1
                 new_requests.append(NewRequest(seq.request_id, seq.sampling, seq.num_prompt_tokens,
                                                tuple(seq.prompt_token_ids) if needs_prompt else ()))
-                seq.registered = True
+                seq.registered = seq.known_to_workers = True
             table = self.cache.table(seq.seq_id)
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
@@ -295,7 +336,7 @@ class Scheduler:
             step_id=self.step_id, new_requests=tuple(new_requests), chunks=tuple(chunks),
             num_decodes=sum(not item.is_prefill and not item.drafts for item in scheduled),
             block_copies=tuple(copies.block_copies), state_copies=tuple(copies.state_copies),
-            finished_request_ids=tuple(self.take_finished_ids()),
+            finished_request_ids=tuple(self._finished_ids),
         )
 
     def _take_in_flight(self, step_id: int) -> SchedulerOutput:
@@ -361,24 +402,28 @@ class Scheduler:
         return reachable > 0 and reachable > self.cache.match_length(key)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
+        """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step. When
+        the longest hit does not fit (its copy-on-write pins one block more), a hit on whole blocks is tried."""
         seq.prefill_len = seq.num_tokens
-        cached = self.cache.admit(seq.seq_id, seq.cache_key_ids)
-        if cached is None:
-            return 0
-        seq.num_computed_tokens = cached
-        seq.num_cached_tokens = cached
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_this_step = True
-        n = self._chunk(seq, budget)
-        if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + n):
+        for whole_blocks in (False, True):
+            cached = self.cache.admit(seq.seq_id, seq.cache_key_ids, whole_blocks=whole_blocks)
+            if cached is None:
+                continue
+            seq.num_computed_tokens = cached
+            seq.num_cached_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_this_step = True
+            n = self._chunk(seq, budget)
+            if n and self.cache.ensure_capacity(seq.seq_id, cached + n):
+                return n
             self.cache.cancel_admission(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.WAITING
             seq.admitted_this_step = False
-            return 0
-        return n
+            if cached % self.cache.block_size == 0:  # no copy-on-write to leave out
+                return 0
+        return 0
 
     def _grow(self, seq: Sequence, num_tokens: int, taken: set[int], preempted: list[Sequence]) -> bool:
         """Cover ``num_tokens`` positions of ``seq``, preempting the newest unscheduled running sequences
@@ -404,11 +449,12 @@ class Scheduler:
             self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def retire(self, seq: Sequence, reason: str) -> None:
+        """Mark a sequence finished (it holds no cache any more) and tell the workers to drop it."""
         self.spec.forget(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.registered:
+        if seq.known_to_workers:  # also after an abandoned step reset ``registered``
             self._finished_ids.append(seq.request_id)
 
 

@@ -34,6 +34,7 @@ class Sequence:
     sampling:             the request's sampling parameters.
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
+    known_to_workers:     the request was sent to the workers once (they hold state for it until told it finished).
     """
 
     seq_id: int
@@ -52,6 +53,7 @@ class Sequence:
     stop: Any = None
     logprobs: list[dict[int, float]] | None = None
     registered: bool = False
+    known_to_workers: bool = False
     admitted_this_step: bool = False
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()
