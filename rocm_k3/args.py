@@ -45,6 +45,9 @@ class EngineArgs:
     match_unit: int = dataclasses.field(default=64, metadata={"help": "prefix-cache hash granularity in tokens"})
     alignment: int = dataclasses.field(default=256, metadata={"help": "prefill chunk grid in tokens (KDA saves)"})
     max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={"help": "new tokens per engine step"})
+    long_prefill_token_threshold: int = dataclasses.field(default=0, metadata={
+        "help": "most tokens one prefill chunk takes per step (rounded up to --alignment), so a long prompt "
+                "shares the step with decodes and other prefills instead of filling it; 0: no cap (vLLM's flag)"})
     max_num_seqs: int = dataclasses.field(default=32, metadata={"help": "requests running at once"})
     gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata={
         "help": "fraction of GPU memory for weights, activations and the cache (GPU only)"})
@@ -75,7 +78,8 @@ class EngineArgs:
         "help": "seconds a step or collective may take before the run is ended with an error"})
     speculative_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                '"prompt_lookup_max": 4}\' (LLM(): a dict or JSON string)'})
+                '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
+                '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
 
     tool_call_parser: str | None = dataclasses.field(default=None, metadata={
         "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
@@ -155,6 +159,18 @@ class ServerArgs:
         "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
     max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
         "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
+    image_fetch_timeout: float = dataclasses.field(default=10.0, metadata={
+        "help": "with --allow-remote-images: seconds a request's remote images may take, all of them together "
+                "(queueing, every redirect and byte included); past it the request gets 400 (vLLM's "
+                "VLLM_IMAGE_FETCH_TIMEOUT)"})
+    image_fetch_workers: int = dataclasses.field(default=4, metadata={
+        "help": "with --allow-remote-images: threads of the pool that fetches remote images (slow image hosts "
+                "wait there, never in the threads that serve other requests); one request uses at most half"})
+    image_fetch_max_redirects: int = dataclasses.field(default=3, metadata={
+        "help": "with --allow-remote-images: redirects followed per image (each hop is checked like the URL)"})
+    allow_private_image_hosts: bool = dataclasses.field(default=False, metadata={
+        "help": "with --allow-remote-images: also fetch from loopback, private and link-local addresses "
+                "(default: only public addresses; unspecified, multicast and reserved ones never)"})
     responses_store_size: int = dataclasses.field(default=1000, metadata={
         "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
                 "(least recently used dropped first; 0: none)"})
@@ -188,6 +204,15 @@ class ServerArgs:
         if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
                 or self.max_image_bytes < 1:
             raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        timeout = self.image_fetch_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise ValueError(f"image_fetch_timeout: expected seconds in (0, 3600], got {timeout!r}")
+        for name, low, high in (("image_fetch_workers", 1, 256), ("image_fetch_max_redirects", 0, 20)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
+        if not isinstance(self.allow_private_image_hosts, bool):
+            raise ValueError(f"allow_private_image_hosts: expected a bool, got {self.allow_private_image_hosts!r}")
         size = self.responses_store_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")

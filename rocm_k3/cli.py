@@ -29,6 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("rocm_k3.entrypoints.make_tiny_cmd", "write the small seeded K3-architecture checkpoint to DIR"),
     "train-tiny": ("rocm_k3.entrypoints.train_tiny_cmd",
                    "train the embedded tiny K3 on the CPU and write its checkpoint to DIR (developer command)"),
+    "train-tiny-drafter": ("rocm_k3.entrypoints.train_tiny_drafter_cmd",
+                           "train the embedded tiny K3's speculative drafter on the CPU and write it to DIR "
+                           "(developer command)"),
 }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 BACKEND_CHOICES = ("auto", "reference", "triton", "flydsl", "aiter")
+VLLM_MLA_CHOICES = ("auto", "latent", "expanded")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -32,6 +33,9 @@ class Settings:
     vllm_override:  ROCM_K3_VLLM_OVERRIDE  the vLLM plugin replaces vLLM's own Kimi K3 / Kimi Linear classes on every
                                         platform (default: only where vLLM's cannot run, i.e. the CPU).
     vllm_disable:   ROCM_K3_VLLM_DISABLE   the vLLM plugin registers nothing (vLLM's own classes serve).
+    vllm_mla:       ROCM_K3_VLLM_MLA    how the vLLM plugin runs MLA: "auto" (vLLM's latent MLA layer where its
+                                        MLA backends take the model's page, else expanded heads), "latent" or
+                                        "expanded" (forced).
     """
 
     backend: str = "auto"
@@ -44,12 +48,15 @@ class Settings:
     check_values: bool = False
     vllm_override: bool = False
     vllm_disable: bool = False
+    vllm_mla: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
             raise ValueError(f"ROCM_K3_BACKEND={self.backend!r} is not one of {BACKEND_CHOICES}")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"ROCM_K3_LOG_LEVEL={self.log_level!r} is not one of {_LOG_LEVELS}")
+        if self.vllm_mla not in VLLM_MLA_CHOICES:
+            raise ValueError(f"ROCM_K3_VLLM_MLA={self.vllm_mla!r} is not one of {VLLM_MLA_CHOICES}")
         if self.flydsl_arch is not None and self.flydsl_arch not in ("gfx942", "gfx950"):
             raise ValueError(f"ARCH={self.flydsl_arch!r}: rocm-k3 targets gfx942 and gfx950 only")
 
@@ -73,6 +80,7 @@ class Settings:
             check_values=flag("ROCM_K3_CHECK_VALUES"),
             vllm_override=flag("ROCM_K3_VLLM_OVERRIDE"),
             vllm_disable=flag("ROCM_K3_VLLM_DISABLE"),
+            vllm_mla=env.get("ROCM_K3_VLLM_MLA", "auto").strip().lower() or "auto",
         )
 
 

@@ -19,7 +19,7 @@ def core_for(model, config: EngineConfig, *, tokenizer=None, enforce_eager: bool
     model_path / output_family: where the worker finds the tokenizer for grammars, and their family."""
     worker = WorkerConfig(model_path=model_path, dtype=model.dtype, device=model.device, enforce_eager=enforce_eager,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                          output_family=output_family)
+                          output_family=output_family, speculative=config.speculative)
     executor = UniprocExecutor(worker, model=model, vision_model=vision_model)
     info = executor.info()
     geometry = config.cache.plan(bytes_per_token=info.bytes_per_token, bytes_per_slot=info.bytes_per_slot,

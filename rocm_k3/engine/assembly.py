@@ -110,6 +110,7 @@ def _worker_config(args: EngineArgs) -> WorkerConfig:
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
         progress=args.progress, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, parallel=parallel, output_family=family,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 
@@ -143,8 +144,9 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
     measured = None if all(explicit) else executor.cache_budget(cache.block_size)
     cache, geometry = plan_cache(cache, info, measured, args.max_model_len, *explicit)
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
                           max_model_len=geometry.max_model_len, cache=cache,
-                          speculative=SpeculativeConfig.parse(args.speculative_config))
+                          speculative=worker_config.speculative)
     executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

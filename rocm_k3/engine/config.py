@@ -14,6 +14,8 @@ class EngineConfig:
     """Validated engine knobs.
 
     max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+    long_prefill_token_threshold: most tokens of one prefill chunk per step, rounded up to ``cache.alignment``
+                            (chunks that do not end a prompt end on the alignment grid); 0: no cap beyond the budget.
     max_num_seqs:           running sequences at once.
     max_model_len:          prompt + generated tokens of one request; also sizes the cache budget check.
     cache:                  the hybrid cache (block size, match unit, alignment, budgets, prefix caching).
@@ -24,6 +26,7 @@ class EngineConfig:
     """
 
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
     max_num_seqs: int = 32
     max_model_len: int = 4096
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -34,6 +37,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name}: expected a positive int, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(f"EngineConfig.long_prefill_token_threshold: expected an int >= 0 (0: no cap), "
+                             f"got {threshold!r}")
         if not isinstance(self.cache, CacheConfig):
             raise TypeError(f"EngineConfig.cache: expected CacheConfig, got {type(self.cache).__name__}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -45,3 +52,11 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below alignment={self.cache.alignment} "
                 f"+ max_num_seqs={self.max_num_seqs} - 1 = {need}: an aligned prefill chunk could starve behind decodes"
             )
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """Most tokens of one prefill chunk in a step: the threshold rounded up to the alignment, or the budget."""
+        if self.long_prefill_token_threshold == 0:
+            return self.max_num_batched_tokens
+        align = self.cache.alignment
+        return min(self.max_num_batched_tokens, -(-self.long_prefill_token_threshold // align) * align)

@@ -239,6 +239,7 @@ class Scheduler:
                     break
             if not seq.is_finished:
                 delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
+                seq.proposal = (seq.num_tokens, token.draft_token_ids)
             deltas.append(delta)
         return deltas
 
@@ -377,7 +378,9 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of the next prefill chunk: the rest of the prefill if it fits, else up to the last aligned
-        position within the budget (0 when none is reachable this step)."""
+        position within the budget (0 when none is reachable this step). A chunk never takes more than the
+        config's ``prefill_chunk_cap`` (``--long-prefill-token-threshold``)."""
+        budget = min(budget, self.config.prefill_chunk_cap)
         start = seq.num_computed_tokens
         remaining = seq.prefill_len - start
         if remaining <= budget:

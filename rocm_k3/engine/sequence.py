@@ -35,6 +35,8 @@ class Sequence:
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
     known_to_workers:     the request was sent to the workers once (they hold state for it until told it finished).
+    proposal:             draft_model speculation: (num_tokens when proposed, the drafter's tokens continuing
+                          token_ids then); used only while num_tokens is unchanged.
     """
 
     seq_id: int
@@ -58,6 +60,7 @@ class Sequence:
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()
     prompt_cache_key: list[int] | None = None
+    proposal: tuple[int, tuple[int, ...]] = (0, ())
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

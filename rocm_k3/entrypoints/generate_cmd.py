@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(engine_args)
     try:
         outputs = llm.generate(prompts, params)
+        stats = llm.stats()
     finally:
         llm.shutdown()
     failed = 0
@@ -59,4 +60,16 @@ def run(args: argparse.Namespace) -> int:
         if out.finish_reason == "error":
             failed += 1
             print(f"rocm-k3 generate: error: prompt {prompt!r} failed: {out.error}", file=sys.stderr)
+    if engine_args.speculative_config is not None:
+        print(speculation_line(stats))
     return 1 if failed else 0
+
+
+def speculation_line(stats: dict[str, float]) -> str:
+    """One line of the speculative counters of ``stats``: steps, drafted / accepted tokens, acceptance."""
+    per_pos = [stats[f"spec_acceptance_rate_pos{j}"] for j in range(8) if f"spec_acceptance_rate_pos{j}" in stats]
+    return (f"speculative decoding: {int(stats.get('spec_num_drafts', 0))} verification steps, "
+            f"{int(stats.get('spec_num_draft_tokens', 0))} drafted, {int(stats.get('spec_num_accepted_tokens', 0))} "
+            f"accepted (rate {stats.get('spec_acceptance_rate', 0.0):.2f}; per position "
+            f"{', '.join(f'{r:.2f}' for r in per_pos)}); mean accepted tokens per step "
+            f"{stats.get('spec_mean_accepted_length', 0.0):.2f}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -82,11 +82,15 @@ class StackState:
         return cls(h0, None, blocks)
 
 
+Tap = Callable[[int, torch.Tensor], None]  # (layer index, its normed attention input [T, hidden])
+
+
 def run_layers(state: StackState, layers: Sequence[StackLayer], block_size: int | None, eps: float,
-               table) -> StackState:
-    """Run ``layers`` (consecutive depths) from ``state``; returns the state after the last of them."""
+               table, tap: Tap | None = None) -> StackState:
+    """Run ``layers`` (consecutive depths) from ``state``; returns the state after the last of them. ``tap``, if
+    given, sees each layer's normed attention input (what a speculative drafter reads)."""
     if block_size is None:
-        return _plain_layers(state, layers, eps, table)
+        return _plain_layers(state, layers, eps, table, tap)
     partial: torch.Tensor | None = state.running
     delta, blocks = state.delta, state.blocks
     for layer in layers:
@@ -96,6 +100,8 @@ def run_layers(state: StackState, layers: Sequence[StackLayer], block_size: int 
                                  proj_weight=layer.attn_site.proj, norm_weight=layer.attn_site.norm,
                                  rms_weight=layer.input_norm, eps=eps, backend=table)
         partial = None if write else p
+        if tap is not None:
+            tap(layer.index, x)
         a = layer.attn_forward(x)
         x, partial = ops.attn_res_step(partial, a, blocks, num_blocks + int(write), write_block=False,
                                        proj_weight=layer.mlp_site.proj, norm_weight=layer.mlp_site.norm,
@@ -116,13 +122,15 @@ def finish(state: StackState, output_site: AttnResSite | None, final_norm: torch
     return h
 
 
-def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, table) -> StackState:
+def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, table, tap: Tap | None) -> StackState:
     residual, delta = state.running, state.delta
     for layer in layers:
         if delta is None:  # layer 0: nothing to add yet
             x = ops.rms_norm(residual, layer.input_norm, eps, backend=table)
         else:
             x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, eps, backend=table)
+        if tap is not None:
+            tap(layer.index, x)
         a = layer.attn_forward(x)
         x, residual = ops.add_rms_norm(a, residual, layer.post_norm, eps, backend=table)
         delta = layer.mlp_forward(x)

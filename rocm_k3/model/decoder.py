@@ -118,6 +118,11 @@ class KimiModel(WeightTargets):
         if ctx.is_first_stage or cfg.tie_word_embeddings:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", ctx,
                                                 table, **kw)
+        # speculative drafting (set by the worker): tapped depths, 0..num_hidden_layers - 1 = that layer's normed
+        # attention input, num_hidden_layers = the final-normed hidden state; each forward of a single-stage model
+        # then leaves ``tapped`` [N, len(tap_layers), hidden] at the logits rows
+        self.tap_layers: tuple[int, ...] = ()
+        self.tapped: torch.Tensor | None = None
         self.final_norm = self.lm_head = self.output_site = None
         if ctx.is_last_stage:
             self.final_norm = new_param((cfg.hidden_size,), dtype, self._device)
@@ -161,11 +166,23 @@ class KimiModel(WeightTargets):
                 state = StackState.start(self.embed_inputs(batch), cfg.num_hidden_layers, cfg.attn_res_block_size)
             for layer in self.layers:
                 layer.bind_step(batch, cache)
-            state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend)
+            taps: dict[int, torch.Tensor] = {}
+            wanted = set(self.tap_layers)
+
+            def tap(index: int, x: torch.Tensor) -> None:
+                if index in wanted:
+                    taps[index] = x[batch.logits_indices]  # [N, hidden]
+
+            state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend,
+                               tap if wanted else None)
             if not self.ctx.is_last_stage:
                 return state
             hidden = finish(state, self.output_site, self.final_norm, cfg.rms_norm_eps, self.backend)  # [T, hidden]
-            return self.lm_head(hidden[batch.logits_indices])  # [N, vocab]
+            out = hidden[batch.logits_indices]  # [N, hidden]
+            if wanted:
+                taps[cfg.num_hidden_layers] = out
+                self.tapped = torch.stack([taps[i] for i in self.tap_layers], dim=1)  # [N, len(tap_layers), hidden]
+            return self.lm_head(out)  # [N, vocab]
 
     def embed_inputs(self, batch: ForwardBatch) -> torch.Tensor:
         """The input embeddings [T, hidden] of the step: the token embeddings, with ``batch.image_embeds`` at rows

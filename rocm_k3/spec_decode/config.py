@@ -1,7 +1,10 @@
 """``--speculative-config``: vLLM's JSON keys, validated.
 
-Keys: ``method`` ("ngram"), ``num_speculative_tokens`` (1..8), ``prompt_lookup_min`` / ``prompt_lookup_max``
-(n-gram sizes tried, longest first). Unknown keys are refused with their names.
+Keys: ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (1..8), ``prompt_lookup_min`` /
+``prompt_lookup_max`` (n-gram sizes tried, longest first), ``model`` (draft_model: a drafter directory, or
+"embedded-drafter" for the one shipped beside the embedded tiny K3). Unknown keys are refused with their names;
+vLLM's other methods (eagle, eagle3, mtp, medusa, ...) are refused by name: rocm-k3's hidden-state drafter (the
+EAGLE / DSpark shape) is ``draft_model``.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 8
+EMBEDDED_DRAFTER = "embedded-drafter"  # the model name of the drafter shipped beside the embedded tiny K3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +25,19 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r}")
+            raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r} (a drafter "
+                             "that reads the target's hidden states, EAGLE / DSpark style, is method 'draft_model')")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model: method 'draft_model' needs the drafter's directory (or "
+                                 f"{EMBEDDED_DRAFTER!r}), got {self.model!r}")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model: method {self.method!r} takes no draft model, got "
+                             f"{self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -74,7 +74,11 @@ class SpecPlanner:
                    self.max_model_len - seq.num_computed_tokens - 1)
         if room <= 0:
             return []
-        drafts = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.method == "draft_model":  # the worker's drafter proposed them after the step that made the last token
+            at, proposed = seq.proposal
+            drafts = list(proposed[:room]) if at == seq.num_tokens else []
+        else:
+            drafts = propose_ngram(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if drafts and not self.cache.ensure_capacity(seq.seq_id, seq.num_computed_tokens + 1 + len(drafts)):
             return []
         return drafts

@@ -177,6 +177,8 @@ class SampledToken:
     error:    non-empty when the request's logits were not finite (NaN/Inf): ``token_id`` is then meaningless.
     accepted: the drafts of a verification chunk that were accepted (they come before ``token_id``).
     accepted_logprobs: with ``logprobs`` asked, one entry (as ``logprobs``) per accepted draft, else empty.
+    draft_token_ids: ``draft_model`` speculation: the drafter's proposal continuing after ``token_id`` (the next
+                     step verifies them), else empty.
     """
 
     request_id: str
@@ -185,6 +187,7 @@ class SampledToken:
     error: str = ""
     accepted: tuple[int, ...] = ()
     accepted_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

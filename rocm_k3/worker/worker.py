@@ -25,6 +25,8 @@ from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
+from rocm_k3.spec_decode.config import SpeculativeConfig
+from rocm_k3.spec_decode.draft_proposer import DraftProposer
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
@@ -66,8 +68,15 @@ class WorkerConfig:
     max_num_seqs: int = 32
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
+    speculative: SpeculativeConfig | None = None  # the worker acts on method "draft_model" (it runs the drafter)
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative: expected SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        if self.drafts_on_worker and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: method 'draft_model' reads hidden states from layers across the "
+                             "whole model, which pipeline parallelism splits over stages; use pipeline_parallel_size "
+                             "1 or method 'ngram'")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
         if self.output_family not in (None, "kimi_k3", "kimi_k2"):
@@ -76,6 +85,10 @@ class WorkerConfig:
             raise TypeError(f"parallel: expected ParallelConfig, got {type(self.parallel).__name__}")
         if self.parallel.is_single:
             check_device(self.device)
+
+    @property
+    def drafts_on_worker(self) -> bool:
+        return self.speculative is not None and self.speculative.method == "draft_model"
 
     def for_rank(self, rank: int) -> WorkerConfig:
         """This config on global ``rank``: GPU ranks use their node-local GPU."""
@@ -144,6 +157,11 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
+        self.proposer: DraftProposer | None = None  # draft_model speculation: the drafter (sampling rank only)
+        if config.drafts_on_worker and self.ctx.is_sampling_rank:
+            self.proposer = DraftProposer.for_model(config.speculative, self.model)
+        elif hasattr(self.model, "tap_layers"):  # a model served before by a drafting worker taps nothing here
+            self.model.tap_layers = ()
 
     def _common_unit_bytes(self) -> tuple[int, int]:
         """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
@@ -258,6 +276,9 @@ class Worker:
             return
         if self.ctx.pp_size > 1:
             log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
+        elif self.config.drafts_on_worker:
+            log.warning("decode graphs off: draft_model speculation reads tapped hidden states the graphs do not "
+                        "capture")
         else:
             safe, why = self._graph_safe()
             if not safe:
@@ -306,12 +327,14 @@ class Worker:
         finally:
             batch.close()
         if len(rows) != len(chunks):
-            return StepOutput(step.step_id, verify_rows(chunks, tokens, finite, out.logprobs, batch.error,
-                                                          NON_FINITE))
-        sampled = []
-        for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
-            error = batch.error(i) or ("" if ok else NON_FINITE)
-            sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
+            sampled = verify_rows(chunks, tokens, finite, out.logprobs, batch.error, NON_FINITE)
+        else:
+            sampled = []
+            for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
+                error = batch.error(i) or ("" if ok else NON_FINITE)
+                sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
+        if self.proposer is not None:
+            sampled = self.proposer.attach(chunks, sampled, batch.params)
         return StepOutput(step.step_id, tuple(sampled))
 
     def _counting_experts(self) -> list[RoutedExperts]:

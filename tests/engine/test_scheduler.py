@@ -175,3 +175,56 @@ def test_request_waits_for_a_shared_prefix_in_flight_instead_of_recomputing_it()
     for r in reqs:
         off.add(r)
     assert [(it.seq.request_id, it.num_new_tokens) for it in off.step().scheduled] == [("a", 42), ("b", 32)]
+
+
+def _capped(threshold: int, **kw) -> "EngineConfig":
+    import dataclasses
+
+    return dataclasses.replace(small_config(**kw), long_prefill_token_threshold=threshold)
+
+
+def test_long_prefill_token_threshold_caps_each_chunk_on_the_grid():
+    """``--long-prefill-token-threshold 12`` on an 8-token grid: chunks of at most 16 tokens (the threshold rounded
+    up to the alignment), though the step budget (40) would take 40; the tokens are unchanged."""
+    cfg = _capped(12, block=8, unit=4, align=8, budget=40, max_seqs=2, max_len=64)
+    assert cfg.prefill_chunk_cap == 16
+    eng = SimEngine(cfg, num_blocks=16, num_slots=4)
+    reqs = [Request("a", list(range(60)), 3)]
+    eng.add(reqs[0])
+    ends = []
+    while eng.sched.has_unfinished():
+        ends += [(it.end, it.is_prefill) for it in eng.step().scheduled]
+    assert [e for e, pre in ends if pre] == [16, 32, 48, 60]
+    assert eng.seqs["a"].output_token_ids == reference_outputs(reqs)["a"]
+
+
+def test_long_prefills_share_a_step_with_decodes_and_each_other():
+    """Two long prompts arrive while a short one decodes: under a cap of 8 the next step carries the decode and an
+    8-token chunk of each (without the cap the first prompt takes 40 of the 48 and the second waits); the largest
+    step shrinks from 41 to 17 new tokens; outputs as the reference either way."""
+    reqs = [Request("short", [3, 1, 4], 12), Request("long1", list(range(1, 57)), 4),
+            Request("long2", list(range(2, 58)), 4)]
+    for threshold, first_chunks, largest in ((8, [8, 8], 17), (0, [40], 41)):
+        cfg = _capped(threshold, block=8, unit=4, align=8, budget=48, max_seqs=3, max_len=64)
+        eng = SimEngine(cfg, num_blocks=24, num_slots=6)
+        eng.add(reqs[0])
+        eng.step()  # the short prompt is prefilled and decoding
+        for r in reqs[1:]:
+            eng.add(r)
+        sizes, firsts = [], None
+        while eng.sched.has_unfinished():
+            out = eng.step()
+            prefills = [it.end - it.start for it in out.scheduled if it.is_prefill]
+            firsts = prefills if firsts is None else firsts
+            assert all(n <= cfg.prefill_chunk_cap for n in prefills)
+            sizes.append(sum(it.end - it.start for it in out.scheduled))
+        assert firsts == first_chunks and max(sizes) == largest, (threshold, firsts, sizes)
+        want = reference_outputs(reqs)
+        assert {r.request_id: eng.seqs[r.request_id].output_token_ids for r in reqs} == want
+        assert not eng.cache.seqs
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_long_prefill_token_threshold_is_validated(bad):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        _capped(bad)

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram proposer) on the embedded tiny K3 (fp32, reference ops, CPU).
+"""Speculative decoding (n-gram proposer and the embedded hidden-state drafter) on the embedded tiny K3 (fp32,
+reference ops, CPU).
 
-Greedy outputs are identical with and without speculation (k in {1, 3, 7}, prefix caching on/off, preemption
-forced; the issue's 200 prompts are scaled down to 10 per configuration to keep CI under budget); the cache
+Greedy outputs are identical with and without speculation for both methods (k in {1, 3, 7}, prefix caching on/off,
+preemption forced; the issue's 200 prompts are scaled down to 10 per configuration to keep CI under budget); the cache
 invariants hold after every step and nothing is leaked at the end; the acceptance rule preserves the target
 distribution (chi-square at p = 0.001) and a broken rule is caught; n-gram drafts are accepted on a repetitive
 prompt; config errors name the bad key.
@@ -25,7 +26,7 @@ from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode import acceptance
 from rocm_k3.spec_decode.acceptance import accept_drafts
-from rocm_k3.spec_decode.config import SpeculativeConfig
+from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
 from rocm_k3.spec_decode.ngram import propose_ngram
 from rocm_k3.worker.sampler import make_generator, sample
 from tests.engine_fixtures import core_for
@@ -58,6 +59,15 @@ def _prompts(vocab: int, n: int = 10) -> list[list[int]]:
     return out
 
 
+METHODS = ("ngram", "draft_model")
+
+
+def _spec(method: str, k: int) -> SpeculativeConfig:
+    """k-token speculation by ``method`` (draft_model: the drafter shipped beside the embedded model)."""
+    model = EMBEDDED_DRAFTER if method == "draft_model" else None
+    return SpeculativeConfig(method=method, model=model, num_speculative_tokens=k)
+
+
 def _run(engine, prompts, params) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -76,14 +86,15 @@ def _run(engine, prompts, params) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
-def test_greedy_identical_with_speculation(model, caching, tight):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_with_speculation(model, method, caching, tight):
     prompts = _prompts(model.cfg.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     base_engine = _engine(model, None, caching=caching, tight=tight)
     base = _run(base_engine, prompts, params)
     accepted = 0
     for k in (1, 3, 7):
-        eng = _engine(model, SpeculativeConfig(num_speculative_tokens=k), caching=caching, tight=tight)
+        eng = _engine(model, _spec(method, k), caching=caching, tight=tight)
         assert _run(eng, prompts, params) == base, f"k={k}"
         stats = eng.stats()
         assert stats["spec_num_draft_tokens"] > 0
@@ -95,27 +106,26 @@ def test_greedy_identical_with_speculation(model, caching, tight):
     assert accepted > 0  # rollbacks at several accepted lengths happened, and full acceptances too
 
 
-def test_max_tokens_and_stop_tokens_never_overshoot(model):
+@pytest.mark.parametrize("method", METHODS)
+def test_max_tokens_and_stop_tokens_never_overshoot(model, method):
     prompts = _prompts(model.cfg.vocab_size, 4)[::2]  # repetitive ones: long accepted runs
     base = _run(_engine(model, None, caching=True, tight=False), prompts,
                 SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     for max_tokens in (1, 2, 5):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        out = _run(_engine(model, SpeculativeConfig(num_speculative_tokens=7), caching=True, tight=False),
-                   prompts, params)
+        out = _run(_engine(model, _spec(method, 7), caching=True, tight=False), prompts, params)
         assert out == {r: t[:max_tokens] for r, t in base.items()}
     stop = base["0"][6]  # a token that occurs mid-way in the first output
     params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop])
-    spec = _run(_engine(model, SpeculativeConfig(num_speculative_tokens=7), caching=True, tight=False),
-                prompts[:1], params)
+    spec = _run(_engine(model, _spec(method, 7), caching=True, tight=False), prompts[:1], params)
     assert spec["0"] == base["0"][: base["0"].index(stop) + 1]
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(model):
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_with_speculation_is_reproducible(model, method):
     prompts = _prompts(model.cfg.vocab_size, 4)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, min_p=0.01, max_tokens=12, seed=5, ignore_eos=True)
-    runs = [_run(_engine(model, SpeculativeConfig(num_speculative_tokens=3), caching=True, tight=False),
-                 prompts, params) for _ in range(2)]
+    runs = [_run(_engine(model, _spec(method, 3), caching=True, tight=False), prompts, params) for _ in range(2)]
     assert runs[0] == runs[1]
     assert all(len(t) == 12 for t in runs[0].values())
 
@@ -235,7 +245,10 @@ def test_ngram_proposer():
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "eagle"}', "method"),
+    ('{"method": "eagle"}', "draft_model"),
+    ('{"method": "dspark", "model": "x"}', "draft_model"),
+    ('{"method": "draft_model"}', "needs the drafter"),
+    ('{"method": "ngram", "model": "some/dir"}', "takes no draft model"),
     ('{"num_speculative_tokens": 9}', "at most 8"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),

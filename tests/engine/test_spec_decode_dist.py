@@ -1,6 +1,6 @@
-"""dist tier: n-gram speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
+"""dist tier: n-gram and drafter speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
 on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
-in the next step's chunk)."""
+in the next step's chunk; the drafter runs on the sampling rank)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def _tokens(**kw) -> tuple[list[list[int]], dict]:
         llm.shutdown()
 
 
-def test_tp2_speculation_matches_one_process_without_it() -> None:
+@pytest.mark.parametrize("spec_config", [{"method": "ngram", "num_speculative_tokens": 3},
+                                         {"method": "draft_model", "model": "embedded-drafter",
+                                          "num_speculative_tokens": 3}], ids=["ngram", "draft_model"])
+def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
     single, _ = _tokens()
-    spec, stats = _tokens(tensor_parallel_size=2,
-                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec, stats = _tokens(tensor_parallel_size=2, speculative_config=spec_config)
     assert spec == single
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]

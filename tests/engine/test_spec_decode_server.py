@@ -1,5 +1,5 @@
 """Speculative decoding behind the real server (embedded tiny K3, CPU): streamed and whole completions with
-n-gram speculation equal the non-speculative engine's greedy text, a stop string cuts the text exactly where the
+n-gram or drafter speculation equal the non-speculative engine's greedy text, a stop string cuts the text exactly where the
 non-speculative run cuts it, and /metrics reports vLLM's spec_decode counters."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from rocm_k3.sampling_params import SamplingParams
 from tests.server_fixtures import running_server
 
 PROMPT = "hello hello hello hello hello hello"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+SPECS = {"ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+         "draft_model": '{"method": "draft_model", "model": "embedded-drafter", "num_speculative_tokens": 4}'}
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,9 @@ def reference():
         llm.shutdown()
 
 
-def test_server_with_speculation_streams_the_greedy_text(reference):
-    args = EngineArgs(dtype="float32", device="cpu", max_model_len=256, speculative_config=SPEC)
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_server_with_speculation_streams_the_greedy_text(reference, method):
+    args = EngineArgs(dtype="float32", device="cpu", max_model_len=256, speculative_config=SPECS[method])
     with running_server(args) as server:
         client = server.client()
         model = server.served.names[0]

@@ -7,6 +7,9 @@ CPU, in its own venv: ``.ci/run`` builds ``.venv-vllm``). Skipped with a reason 
   prefill forced by a small ``max_num_batched_tokens``; with prefix caching on, a repeated prompt is served from
   the cache (``num_cached_tokens`` > 0) and still gives the same tokens.
 - The same under vLLM's tensor parallelism (TP2 over vLLM's gloo group, experts split whole: expert parallelism).
+- MLA through vLLM's own latent MLA layer (the CPU MLA backend, on a Kimi Linear checkpoint without KDA layers whose
+  latent is 512 + 64 wide: the model the CPU MLA backend takes) gives transformers' and rocm-k3's greedy tokens, and
+  so does the expanded-head path forced with ``ROCM_K3_VLLM_MLA=expanded`` on the same checkpoint.
 - vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server --model DIR``, no tokenizer flag) answers a
   chat request on the embedded model with the tokens rocm-k3 generates from the same K3 XTML prompt.
 
@@ -32,6 +35,7 @@ vllm = pytest.importorskip("vllm", reason="vllm tier: vllm is not installed here
 from model_fixtures import hf_greedy, write_kimi_linear_checkpoint  # noqa: E402
 
 import rocm_k3  # noqa: E402
+from rocm_k3 import settings  # noqa: E402
 from rocm_k3.model.tiny import ensure_embedded_model  # noqa: E402
 from rocm_k3.formats.k3_chat import K3ChatRenderer  # noqa: E402
 from rocm_k3.tokenizers.loader import load_tokenizer  # noqa: E402
@@ -156,6 +160,48 @@ def test_kimi_linear_matches_transformers(models) -> None:
     """rocm-k3's tokens (which the vLLM runs above equal) are transformers' own greedy tokens."""
     kl = models["kimi_linear"]
     assert kl["want"][2] == kl["hf"]
+
+
+# ------------------------------------------------------------------------------------------ vLLM's latent MLA layer
+MLA_ONLY_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def mla_only_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A Kimi Linear checkpoint written by transformers with MLA in every layer (no KDA): latent 512 + 64."""
+    path = tmp_path_factory.mktemp("kimi-linear-mla-only")
+    lin = {"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4, "full_attn_layers": [1, 2, 3],
+           "kda_layers": []}
+    hf = write_kimi_linear_checkpoint(path, seed=5, num_hidden_layers=3, linear_attn_config=lin)
+    prompts = [[5, 17, 42, 99, 250, 7, 7, 131], [(11 * i + 2) % 290 + 5 for i in range(40)], [9, 9, 9]]
+    ref = rocm_k3.LLM(path, dtype="float32", backend="reference")
+    params = rocm_k3.SamplingParams(temperature=0, max_tokens=MLA_ONLY_STEPS, ignore_eos=True)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    return {"path": path, "prompts": prompts, "want": want, "hf": hf_greedy(hf, prompts[0], MLA_ONLY_STEPS)}
+
+
+@pytest.mark.parametrize("mode,latent", [("auto", True), ("expanded", False)])
+def test_latent_mla_layer_gives_the_reference_tokens(mla_only_model, mode: str, latent: bool) -> None:
+    """``auto`` picks vLLM's latent MLA layer for this checkpoint on the CPU (``use_mla``: one 576-wide KV head);
+    ``ROCM_K3_VLLM_MLA=expanded`` forces expanded heads. Both give rocm-k3's and transformers' greedy tokens."""
+    m = mla_only_model
+    assert m["want"][0] == m["hf"], "rocm-k3 and transformers disagree on the MLA-only checkpoint"
+    env = pytest.MonkeyPatch()
+    env.setenv("ROCM_K3_VLLM_MLA", mode)  # read by vLLM's engine and worker processes (spawned after this)
+    try:
+        with settings.override(vllm_mla=mode):  # this process read its settings already
+            llm = vllm.LLM(str(m["path"]), dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+                           skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4)
+    finally:
+        env.undo()
+    try:
+        model_config = llm.llm_engine.vllm_config.model_config
+        assert model_config.use_mla == latent
+        assert model_config.get_head_size() == (512 + 64 if latent else 192)
+        got = [list(o.outputs[0].token_ids) for o in _generate(llm, m["prompts"], MLA_ONLY_STEPS)]
+        assert got == m["want"], f"{mode}: vLLM + plugin {got}\nrocm-k3          {m['want']}"
+    finally:
+        _shutdown(llm)
 
 
 # ------------------------------------------------------------------------------------------ the OpenAI server

@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from rocm_k3 import settings
-from rocm_k3.integrations.vllm.arch import expanded_head_size, takes_released_names
+from types import SimpleNamespace as NS
+
+from rocm_k3.integrations.vllm.arch import choose_mla_path, expanded_head_size, layers_block_type, \
+    takes_released_names
 from rocm_k3.integrations.vllm.tokenizer import RocmK3Tokenizer
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.formats.k3_chat import K3ChatRenderer
@@ -33,9 +36,54 @@ def test_released_names_only_where_vllm_cannot_run_them() -> None:
 
 
 def test_settings_read_the_plugin_switches() -> None:
-    s = settings.Settings.from_env({"ROCM_K3_VLLM_OVERRIDE": "1", "ROCM_K3_VLLM_DISABLE": "true"})
-    assert s.vllm_override and s.vllm_disable
-    assert not settings.Settings.from_env({}).vllm_override
+    s = settings.Settings.from_env({"ROCM_K3_VLLM_OVERRIDE": "1", "ROCM_K3_VLLM_DISABLE": "true",
+                                    "ROCM_K3_VLLM_MLA": "Latent"})
+    assert s.vllm_override and s.vllm_disable and s.vllm_mla == "latent"
+    default = settings.Settings.from_env({})
+    assert not default.vllm_override and default.vllm_mla == "auto"
+    with pytest.raises(ValueError, match="ROCM_K3_VLLM_MLA='fast'"):
+        settings.Settings.from_env({"ROCM_K3_VLLM_MLA": "fast"})
+
+
+def _kimi_text_config(full: list[int], layers: int = 4, kv_lora_rank: int = 512, rope: int = 64) -> NS:
+    return NS(num_hidden_layers=layers, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+              linear_attn_config={"full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1)
+                                                                           if i not in full]})
+
+
+def test_layers_block_type_from_either_config_spelling() -> None:
+    assert layers_block_type(_kimi_text_config([2, 4])) == ["mamba", "attention", "mamba", "attention"]
+    hf = NS(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "full_attention"])
+    assert layers_block_type(hf) == ["mamba", "attention", "attention"]
+
+
+@pytest.mark.parametrize("case", [
+    # (full-attention layers, kv_lora_rank, is_cpu, mode, VLLM_MLA_DISABLE) -> latent?, a word of the reason
+    ([2, 4], 512, True, "auto", False, False, "KDA layers force a hybrid page"),
+    ([1, 2, 3, 4], 512, True, "auto", False, True, "no KDA layers, latent 576"),
+    ([1, 2, 3, 4], 256, True, "auto", False, False, "takes only 576"),
+    ([2, 4], 512, False, "auto", False, True, "split the hybrid page into kernel blocks"),
+    ([2, 4], 512, False, "expanded", False, False, "ROCM_K3_VLLM_MLA=expanded"),
+    ([1, 2, 3, 4], 512, True, "expanded", False, False, "ROCM_K3_VLLM_MLA=expanded"),
+    ([2, 4], 512, False, "latent", False, True, "ROCM_K3_VLLM_MLA=latent"),
+    ([2, 4], 512, False, "auto", True, False, "VLLM_MLA_DISABLE=1"),
+], ids=["cpu-hybrid", "cpu-mla-only", "cpu-narrow-latent", "gpu", "gpu-forced-expanded", "cpu-forced-expanded",
+        "gpu-forced-latent", "vllm-mla-disabled"])
+def test_choose_mla_path(case) -> None:
+    """Latent MLA (vLLM's MLA layer) wherever the platform's MLA backend takes the model's page; expanded heads
+    elsewhere; the reason is logged with the choice."""
+    full, rank, is_cpu, mode, disabled, latent, why = case
+    path = choose_mla_path(_kimi_text_config(full, kv_lora_rank=rank), is_cpu=is_cpu, where="cuda:0", mode=mode,
+                           mla_disabled=disabled)
+    assert path.latent == latent and path.name == ("latent" if latent else "expanded")
+    assert why in path.reason
+
+
+def test_forced_latent_mla_that_cannot_run_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="ROCM_K3_VLLM_MLA=latent.*KDA layers.*takes only 576"):
+        choose_mla_path(_kimi_text_config([2, 4], kv_lora_rank=128), is_cpu=True, where="cpu", mode="latent")
+    with pytest.raises(ValueError, match="contradicts VLLM_MLA_DISABLE"):
+        choose_mla_path(_kimi_text_config([2, 4]), is_cpu=False, where="cuda:0", mode="latent", mla_disabled=True)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rocm_k3.args import EngineArgs, ServerArgs
 from rocm_k3.engine.async_llm import AsyncLLM
 from rocm_k3.engine.assembly import AssembledEngine, assemble_engine
+from rocm_k3.entrypoints.image_fetch import FetchLimits, ImageFetcher
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
 from rocm_k3.entrypoints.openai.metrics import ServerMetrics
 from rocm_k3.entrypoints.openai.protocol import (
@@ -39,7 +40,13 @@ from rocm_k3.entrypoints.openai.protocol import (
 )
 from rocm_k3.entrypoints.openai.routes_responses import install_responses_routes
 from rocm_k3.entrypoints.openai.serving_chat import prepare_chat
-from rocm_k3.entrypoints.openai.serving_common import RETRY_AFTER_S, ServedModel, read_body, unless_disconnected
+from rocm_k3.entrypoints.openai.serving_common import (
+    RETRY_AFTER_S,
+    ServedModel,
+    fetch_remote_images,
+    read_body,
+    unless_disconnected,
+)
 from rocm_k3.entrypoints.openai.serving_completion import prepare_completion
 from rocm_k3.formats import thinking_options
 from rocm_k3.formats.chat_base import parse_effort_budgets
@@ -89,7 +96,7 @@ def build_app(served: ServedModel) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, served, ChatCompletionRequest, prepare_chat)
+        return await _answer(request, served, ChatCompletionRequest, prepare_chat, fetch_images=True)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
@@ -117,10 +124,12 @@ def build_app(served: ServedModel) -> FastAPI:
     return app
 
 
-async def _answer(request: Request, served: ServedModel, model, prepare) -> Response:
-    """Read, check and run one completions / chat request: SSE when it streams, else one JSON body."""
+async def _answer(request: Request, served: ServedModel, model, prepare, fetch_images: bool = False) -> Response:
+    """Read, check and run one completions / chat request: SSE when it streams, else one JSON body. A chat's
+    remote images are fetched first, in the image fetch pool (never in the threads that render requests)."""
     body = await read_body(request, model, served.max_request_bytes)
-    run = await asyncio.to_thread(prepare, served, body)  # rendering and tokenizing: off the event loop
+    fetched = (await fetch_remote_images(served, body.messages),) if fetch_images else ()
+    run = await asyncio.to_thread(prepare, served, body, *fetched)  # rendering and tokenizing: off the event loop
     if run.req.stream:
         return StreamingResponse(await run.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse((await unless_disconnected(request, run.respond())).model_dump(exclude_none=True))
@@ -154,9 +163,19 @@ def served_model(engine: AsyncLLM, assembled: AssembledEngine, server_args: Serv
                        metrics=ServerMetrics(engine), api_key=server_args.api_key,
                        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
                        max_request_bytes=server_args.max_request_bytes, multimodal=assembled.multimodal,
-                       allow_remote_images=server_args.allow_remote_images,
+                       image_fetcher=image_fetcher(server_args),
                        max_image_bytes=server_args.max_image_bytes,
                        responses_store_size=server_args.responses_store_size)
+
+
+def image_fetcher(server_args: ServerArgs) -> ImageFetcher | None:
+    """The pool that fetches remote images (``--allow-remote-images``), else None (http(s) images refused)."""
+    if not server_args.allow_remote_images:
+        return None
+    limits = FetchLimits(timeout_s=server_args.image_fetch_timeout, max_bytes=server_args.max_image_bytes,
+                         max_redirects=server_args.image_fetch_max_redirects,
+                         allow_private=server_args.allow_private_image_hosts)
+    return ImageFetcher(server_args.image_fetch_workers, limits)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:

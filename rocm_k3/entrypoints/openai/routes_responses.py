@@ -10,8 +10,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rocm_k3.entrypoints.openai.errors import APIError
 from rocm_k3.entrypoints.openai.protocol_responses import ResponsesRequest
 from rocm_k3.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from rocm_k3.entrypoints.openai.serving_common import ServedModel, read_body, unless_disconnected
-from rocm_k3.entrypoints.openai.serving_responses import prepare_responses
+from rocm_k3.entrypoints.openai.serving_common import (
+    ServedModel,
+    fetch_remote_images,
+    read_body,
+    unless_disconnected,
+)
+from rocm_k3.entrypoints.openai.serving_responses import conversation, prepare_responses
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -29,7 +34,8 @@ def install_responses_routes(app: FastAPI, served: ServedModel, auth: list) -> R
     @app.post("/v1/responses", dependencies=auth)
     async def create(request: Request) -> Response:
         body = await read_body(request, ResponsesRequest, served.max_request_bytes)
-        run = await asyncio.to_thread(prepare_responses, served, store, body)
+        fetched = await fetch_remote_images(served, conversation(store, body))  # in the image fetch pool
+        run = await asyncio.to_thread(prepare_responses, served, store, body, fetched)
         if body.background:
             return JSONResponse(run.start_background())
         if body.stream:

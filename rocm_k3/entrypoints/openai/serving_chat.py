@@ -156,7 +156,7 @@ def _join(a: str | None, b: str | None) -> str | None:
     return a if b is None else a + b
 
 
-def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
+def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[str, bytes] | None = None) -> ChatRun:
     """Check and render a chat request (404 / 400 / 503 raised here, before any output)."""
     model = served.check_model(req.model)
     served.check_alive()
@@ -176,7 +176,7 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
     try:
         prepared = served.frontend.prepare_chat(chat, enable_auto_tool_choice=served.enable_auto_tool_choice,
                                                 allow_images=True)
-        prompt, images = _with_images(served, req, prepared)
+        prompt, images = _with_images(served, req, prepared, remote)
     except (ValueError, TypeError) as exc:
         raise bad_request(exc, "messages") from None
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -186,9 +186,11 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest) -> ChatRun:
     return ChatRun(served, req, model, prepared, params, prompt, images)
 
 
-def _with_images(served: ServedModel, req: ChatCompletionRequest, prepared: PreparedChat) -> tuple[list[int], tuple]:
+def _with_images(served: ServedModel, req: ChatCompletionRequest, prepared: PreparedChat,
+                 remote: dict[str, bytes] | None) -> tuple[list[int], tuple]:
     """The prompt ids with each image's block inserted, and the images (ValueError -> 400 for a bad or refused
-    image, or images sent to a model without a vision tower)."""
+    image, or images sent to a model without a vision tower); ``remote``: the fetched http(s) images
+    (:func:`fetch_remote_images`; None: refused)."""
     if not prepared.image_positions:
         return list(prepared.prompt_token_ids), ()
     if served.multimodal is None:
@@ -198,8 +200,7 @@ def _with_images(served: ServedModel, req: ChatCompletionRequest, prepared: Prep
     from rocm_k3.model.vision.preprocess import ImageError
     from rocm_k3.model.vision.prompt import ImagePlacementError, MediaTokenInPromptError
 
-    pictures = images_from_messages(req.messages, allow_remote=served.allow_remote_images,
-                                    max_bytes=served.max_image_bytes)
+    pictures = images_from_messages(req.messages, remote=remote, max_bytes=served.max_image_bytes)
     try:
         mm = served.multimodal.process_images(prepared.prompt_token_ids, prepared.image_positions, pictures)
     except (ImageError, ImagePlacementError, MediaTokenInPromptError) as exc:

@@ -52,7 +52,7 @@ class ServedModel:
     enable_auto_tool_choice: bool = False
     max_request_bytes: int = 32 * 2**20
     multimodal: Any = None  # MultiModalProcessor of a checkpoint with a vision tower, else None
-    allow_remote_images: bool = False
+    image_fetcher: Any = None  # ImageFetcher with --allow-remote-images (entrypoints/image_fetch.py), else None
     max_image_bytes: int = 20 * 2**20
     responses_store_size: int = 1000
     draining: bool = False  # set on SIGTERM / SIGINT: running requests finish, new ones get 503 + Retry-After
@@ -101,6 +101,21 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
     if body.model_extra:
         log.warning("%s: ignoring unknown fields %s", request.url.path, sorted(body.model_extra))
     return body
+
+
+async def fetch_remote_images(served: ServedModel, messages: Sequence[Any]) -> dict[str, bytes] | None:
+    """The bytes of the http(s) image URLs of ``messages``, fetched in the server's image fetch pool within one
+    deadline (None when this server does not fetch: rendering then refuses them); 400 naming the image part and
+    the problem (refused host, timeout, too large, bad answer)."""
+    if served.image_fetcher is None or served.multimodal is None:
+        return None
+    from rocm_k3.engine.chat_images import remote_image_urls
+    from rocm_k3.entrypoints.image_fetch import ImageFetchError
+
+    try:
+        return await served.image_fetcher.fetch_all(remote_image_urls(messages))
+    except ImageFetchError as exc:
+        raise bad_request(exc, "messages") from None
 
 
 def new_request_id(prefix: str) -> str:

@@ -425,14 +425,9 @@ class _OutputBuilder:
         return out
 
 
-def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesRequest) -> ResponsesRun:
-    """Check and render a Responses request (400 / 404 before any output)."""
-    if req.background and not req.store:
-        raise APIError(400, "background: needs store=true (the result is fetched with GET /v1/responses/{id})",
-                       param="background")
-    if req.background and req.stream:
-        raise APIError(400, "background: streaming a background response is not supported; poll GET "
-                            "/v1/responses/{id} instead", param="background")
+def conversation(store: ResponseStore, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of a Responses request: the previous response's (``previous_response_id``), the
+    ``instructions`` as a system message (marked ``_instructions``), then ``input``; 404 / 400 when they cannot be."""
     messages: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
@@ -445,7 +440,20 @@ def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesR
         messages += [m for m in previous.messages if not (m["role"] == "system" and m.get("_instructions"))]
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions, "_instructions": True})
-    messages += input_messages(req.input)
+    return messages + input_messages(req.input)
+
+
+def prepare_responses(served: ServedModel, store: ResponseStore, req: ResponsesRequest,
+                      remote: dict[str, bytes] | None = None) -> ResponsesRun:
+    """Check and render a Responses request (400 / 404 before any output); ``remote``: its fetched http(s)
+    images (``fetch_remote_images`` over :func:`conversation`)."""
+    if req.background and not req.store:
+        raise APIError(400, "background: needs store=true (the result is fetched with GET /v1/responses/{id})",
+                       param="background")
+    if req.background and req.stream:
+        raise APIError(400, "background: streaming a background response is not supported; poll GET "
+                            "/v1/responses/{id} instead", param="background")
+    messages = conversation(store, req)
     chat = prepare_chat(served, chat_request(req, [{k: v for k, v in m.items() if k != "_instructions"}
-                                                   for m in messages]))
+                                                   for m in messages]), remote)
     return ResponsesRun(served, store, req, messages, chat)

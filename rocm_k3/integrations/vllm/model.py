@@ -23,7 +23,8 @@ from rocm_k3.checkpoint_errors import MissingTensorError, TensorShapeError, Unex
 from rocm_k3.distributed.context import ParallelContext
 from rocm_k3.integrations.vllm.arch import logger
 from rocm_k3.integrations.vllm.kda_layer import KDAStateLayer, state_shapes
-from rocm_k3.integrations.vllm.mla_layer import ExpandedMLA, describe_mla_path
+from rocm_k3.integrations.vllm.config_view import mla_path_here
+from rocm_k3.integrations.vllm.mla_layer import ExpandedMLA, LatentMLA, describe_mla_path
 from rocm_k3.model.attn_res import StackState, finish, run_layers
 from rocm_k3.model.checkpoint_names import canonical_name, expected_tensors
 from rocm_k3.model.config import ModelConfig
@@ -90,15 +91,21 @@ class RocmK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixC
             device = torch.device("cuda", torch.cuda.current_device())
         table = bind(device, None)  # ROCM_K3_BACKEND, else the device's automatic choice
         self.model = KimiModel(cfg, parallel_context(vllm_config), table, dtype=dtype, device=device)
+        path = mla_path_here(vllm_config.model_config.hf_text_config)
+        if path.latent != vllm_config.model_config.use_mla:
+            raise ValueError(f"vLLM's model config has use_mla={vllm_config.model_config.use_mla} but the plugin "
+                             f"chose the {path.name} MLA path ({path.reason}): is the rocm-k3 config view registered?")
+        mla_cls = LatentMLA if path.latent else ExpandedMLA
         for layer in self.model.layers:
             name = f"model.layers.{layer.index}.self_attn"
             if isinstance(layer.attn, KDALayer):
                 layer.attn = KDAStateLayer(layer.attn, vllm_config, name)
             else:
-                layer.attn = ExpandedMLA(layer.attn, vllm_config, name)
-        mla = next((lay.attn for lay in self.model.layers if isinstance(lay.attn, ExpandedMLA)), None)
+                layer.attn = mla_cls(layer.attn, vllm_config, name)
+        mla = next((lay.attn for lay in self.model.layers if isinstance(lay.attn, mla_cls)), None)
+        self.mla_path = path
         logger.info("rocm-k3 vLLM plugin: %s layers on the %r op table (%s)", cfg.model_type, table.backend,
-                    describe_mla_path(mla.head_size, mla.mla.heads) if mla else "no MLA layers")
+                    describe_mla_path(path, mla))
 
     # ------------------------------------------------------------------ vLLM's model interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ It registers, unless ``ROCM_K3_VLLM_DISABLE=1``:
 - the model classes under the plugin's own names, and under the released Kimi K3 / Kimi Linear names where the
   plugin takes them (:func:`~.arch.takes_released_names`: the CPU, or ``ROCM_K3_VLLM_OVERRIDE=1``), clearing
   vLLM's cached class lookups so an earlier inspection cannot win;
-- the architecture view of the served configs (:class:`~.arch.ExpandedMLAConvertor`);
+- the architecture view of the served configs (:class:`~.config_view.RocmK3ArchConvertor`);
 - the KDA layers' state-metadata backend (:mod:`.kda_backend`);
 - the ``rocm_k3_mxfp4`` quantization method (:mod:`.quant`), which claims MXFP4 checkpoints the plugin serves;
 - the ``kimi_k3`` tokenizer mode (vLLM's default for the K3 architecture) as rocm-k3's tokenizer, which reads the
@@ -34,7 +34,7 @@ def register() -> None:
     from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
 
     import rocm_k3.integrations.vllm.quant  # noqa: F401  (registers the quantization method on import)
-    from rocm_k3.integrations.vllm.config_view import ExpandedMLAConvertor
+    from rocm_k3.integrations.vllm.config_view import RocmK3ArchConvertor
     from rocm_k3.integrations.vllm.kda_backend import register_backend
 
     classes = dict(PLUGIN_ARCHS)
@@ -48,7 +48,7 @@ def register() -> None:
         getattr(getattr(model_registry, cached, None), "cache_clear", lambda: None)()
     register_backend()  # the KDA state type: every process unpickles it in the layers' cache specs
     for model_type in SERVED_MODEL_TYPES:
-        MODEL_ARCH_CONFIG_CONVERTORS[model_type] = ExpandedMLAConvertor
+        MODEL_ARCH_CONFIG_CONVERTORS[model_type] = RocmK3ArchConvertor
     if released and TokenizerRegistry.tokenizers.get(TOKENIZER_MODE) != TOKENIZER_CLASS:
         TokenizerRegistry.tokenizers[TOKENIZER_MODE] = TOKENIZER_CLASS
     logger.info("rocm-k3 vLLM plugin: registered %s (%s)", sorted(classes), why)

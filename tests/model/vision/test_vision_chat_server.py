@@ -1,6 +1,7 @@
 """Images through ``LLM.chat`` and the server's chat API (``image_url`` parts) on the tiny vision K3, CPU, fp32:
 the same tokens as ``LLM.generate`` with the same image, data: URLs taken, http(s) URLs refused unless the server
-allows them (then fetched from a server on 127.0.0.1 with a size limit), bad images and image-less models named
+allows them (then fetched from a server on 127.0.0.1, with --allow-private-image-hosts, with a size limit; the
+fetcher's own tests are tests/serve/test_image_fetch.py and test_server_image_fetch.py), bad images and image-less models named
 with a 400, and different images never sharing prefix cache."""
 
 from __future__ import annotations
@@ -124,13 +125,15 @@ def test_server_chat_images(vision_dir, llm, image_host) -> None:
             _chat(client, _messages("data:image/png;base64,bm90IGFuIGltYWdl"))
         with pytest.raises(openai.BadRequestError, match="unsupported image URL"):
             _chat(client, _messages("file:///etc/passwd"))
-    allowed = ServerArgs(port=0, uvicorn_log_level="warning", allow_remote_images=True, max_image_bytes=1 << 20)
+    allowed = ServerArgs(port=0, uvicorn_log_level="warning", allow_remote_images=True, max_image_bytes=1 << 20,
+                         allow_private_image_hosts=True)  # the image host is on loopback
     with running_server(EngineArgs(model=str(vision_dir), **KNOBS), allowed) as server:
         client = server.client()
         remote = _chat(client, _messages(image_host))
         local = llm.chat(_messages(_data_url(_png(3))), GREEDY, chat_template_kwargs={"thinking": False})[0]
         assert remote.choices[0].model_extra["token_ids"] == local.output.token_ids
-    small = ServerArgs(port=0, uvicorn_log_level="warning", allow_remote_images=True, max_image_bytes=1024)
+    small = ServerArgs(port=0, uvicorn_log_level="warning", allow_remote_images=True, max_image_bytes=1024,
+                       allow_private_image_hosts=True)
     with running_server(EngineArgs(model=str(vision_dir), **KNOBS), small) as server:
         with pytest.raises(openai.BadRequestError, match="larger than the limit"):
             _chat(server.client(), _messages(image_host))

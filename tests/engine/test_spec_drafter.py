@@ -1,0 +1,151 @@
+"""The ``draft_model`` method: the drafter shipped beside the embedded tiny K3 (``embedded-drafter``) is accepted
+(a measured property of the committed weights), a draft checkpoint is validated when it loads, and the method is
+refused where it cannot run. Greedy identity, no overshoot and seeded reproducibility with the drafter are in
+``test_spec_decode.py`` (parametrized over both methods)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rocm_k3.distributed.context import ParallelConfig
+from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.tiny import ensure_embedded_model
+from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
+from rocm_k3.spec_decode.drafter import (CONFIG_FILE, EMBEDDED_DRAFTER_DIR, WEIGHTS_FILE, DrafterConfig, TapDrafter,
+                                         load_drafter, save_drafter)
+from rocm_k3.training.drafter import acceptance_prompts, measure_acceptance
+from rocm_k3.worker.worker import WorkerConfig
+from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
+
+MIN_MEAN_ACCEPTED = 1.3  # the issue's bar for the embedded drafter
+
+
+@pytest.fixture(scope="module")
+def target_cfg() -> ModelConfig:
+    return ModelConfig.from_pretrained(ensure_embedded_model())
+
+
+def _load(path, cfg: ModelConfig) -> TapDrafter:
+    return load_drafter(path, target_hidden_size=cfg.hidden_size, target_num_hidden_layers=cfg.num_hidden_layers,
+                        vocab_size=cfg.vocab_size, device=torch.device("cpu"))
+
+
+def test_the_embedded_drafter_is_small_and_loads(target_cfg):
+    size = sum(f.stat().st_size for f in EMBEDDED_DRAFTER_DIR.iterdir() if f.is_file())
+    assert size < 1_000_000, size
+    drafter = _load(EMBEDDED_DRAFTER, target_cfg)
+    assert drafter.cfg.tap_layer_ids[-1] <= target_cfg.num_hidden_layers
+
+
+def test_the_embedded_drafter_accepts_more_than_1_3_tokens_per_step():
+    stats = measure_acceptance(ensure_embedded_model(), EMBEDDED_DRAFTER, k=3, prompts=acceptance_prompts())
+    mean = stats["spec_mean_accepted_length"]
+    print(f"embedded drafter, k=3, {len(acceptance_prompts())} prompts: mean accepted tokens per step {mean:.3f}, "
+          f"acceptance rate {stats['spec_acceptance_rate']:.3f}, per position "
+          f"{[round(stats[f'spec_acceptance_rate_pos{j}'], 3) for j in range(3)]}")
+    assert stats["spec_num_drafts"] > 50
+    assert mean > MIN_MEAN_ACCEPTED, stats
+
+
+def _written(tmp_path, cfg: ModelConfig, **overrides):
+    dcfg = DrafterConfig(**{"tap_layer_ids": (2, 6), "target_hidden_size": cfg.hidden_size,
+                            "target_num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
+                            "hidden_size": 16, **overrides})
+    return save_drafter(TapDrafter(dcfg), tmp_path / "d")
+
+
+def test_a_written_drafter_round_trips(tmp_path, target_cfg):
+    root = _written(tmp_path, target_cfg)
+    drafter = _load(root, target_cfg)
+    taps = torch.randn(3, 2, target_cfg.hidden_size)
+    drafts = drafter.propose(taps, torch.tensor([1, 2, 3]), 4)
+    assert drafts.shape == (3, 4) and drafts.dtype == torch.int64
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"target_hidden_size": 64}, "target_hidden_size=64"),
+    ({"vocab_size": 300}, "vocab_size=300"),
+    ({"target_num_hidden_layers": 8, "tap_layer_ids": (2, 8)}, "target_num_hidden_layers=8"),
+])
+def test_a_drafter_for_another_target_is_refused(tmp_path, target_cfg, overrides, message):
+    root = _written(tmp_path, target_cfg, **overrides)
+    with pytest.raises(ValueError, match=message):
+        _load(root, target_cfg)
+
+
+def test_bad_drafter_files_are_named(tmp_path, target_cfg):
+    with pytest.raises(ValueError, match="train-tiny-drafter"):
+        _load(tmp_path / "missing", target_cfg)
+    root = _written(tmp_path, target_cfg)
+    tensors = load_file(str(root / WEIGHTS_FILE))
+    tensors["head.weight"] = tensors["head.weight"][:, :8].contiguous()
+    save_file(tensors, str(root / WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="'head.weight' has shape"):
+        _load(root, target_cfg)
+    del tensors["head.bias"]
+    save_file(tensors, str(root / WEIGHTS_FILE))
+    with pytest.raises(ValueError, match=r"missing \['head.bias'\]"):
+        _load(root, target_cfg)
+    raw = json.loads((root / CONFIG_FILE).read_text())
+    (root / CONFIG_FILE).write_text(json.dumps({**raw, "tap_layer_ids": [6, 2]}))
+    with pytest.raises(ValueError, match="tap_layer_ids"):
+        _load(root, target_cfg)
+    (root / CONFIG_FILE).write_text(json.dumps({k: v for k, v in raw.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match=r"missing keys \['hidden_size'\]"):
+        _load(root, target_cfg)
+    (root / CONFIG_FILE).write_text("{oops")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        _load(root, target_cfg)
+
+
+def test_draft_model_with_pipeline_parallelism_is_refused():
+    spec = SpeculativeConfig(method="draft_model", model=EMBEDDED_DRAFTER, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="pipeline"):
+        WorkerConfig(model_path=ensure_embedded_model(), dtype=torch.float32, device=torch.device("cpu"),
+                     parallel=ParallelConfig(pipeline_parallel_size=2), speculative=spec)
+
+
+def test_generate_shows_the_acceptance_out_of_the_box(capsys):
+    from rocm_k3.cli import main
+
+    spec = json.dumps({"method": "draft_model", "model": EMBEDDED_DRAFTER, "num_speculative_tokens": 3})
+    assert main(["generate", "--speculative-config", spec, "--max-tokens", "24", "--dtype", "float32",
+                 "--backend", "reference", "The file"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("speculative decoding:"))
+    assert "mean accepted tokens per step" in line
+    assert float(line.rsplit(" ", 1)[1]) > 1.0, line
+
+
+def test_requests_with_penalties_decode_one_token_at_a_time_with_the_drafter():
+    from rocm_k3.engine.llm import LLM
+    from rocm_k3.sampling_params import SamplingParams
+
+    prompts = acceptance_prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.5, repetition_penalty=1.2)
+    outs = []
+    for spec in (None, {"method": "draft_model", "model": EMBEDDED_DRAFTER, "num_speculative_tokens": 3}):
+        llm = LLM(ensure_embedded_model(), dtype="float32", backend="reference", speculative_config=spec)
+        outs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.stats()))
+    (base, _), (spec_out, stats) = outs
+    assert spec_out == base
+    assert stats["spec_num_drafts"] == 0
+
+
+def test_fit_drafter_is_seeded():
+    from rocm_k3.training.drafter import DrafterRecipe, fit_drafter
+
+    cfg = DrafterConfig(tap_layer_ids=(1, 2), target_hidden_size=8, target_num_hidden_layers=2, vocab_size=11,
+                        hidden_size=8)
+    gen = torch.Generator().manual_seed(3)
+    taps, inputs = torch.randn(64, 2, 8, generator=gen), torch.randint(0, 11, (64, 3), generator=gen)
+    targets = torch.randint(0, 11, (64, 3), generator=gen)
+    recipe = DrafterRecipe(steps=5, batch=16, unroll=3)
+    runs = [fit_drafter(cfg, taps, inputs, targets, recipe, log=lambda _: None) for _ in range(2)]
+    assert runs[0][1] == runs[1][1]
+    for (n, a), b in zip(runs[0][0].state_dict().items(), runs[1][0].state_dict().values()):
+        assert torch.equal(a, b), n
