@@ -7,10 +7,14 @@ Robustness (each a tested promise):
 - **Transactional bookkeeping.** Every scheduler/cache section runs under an :class:`InterruptGuard`, so a
   Ctrl-C lands between sections, never inside one. A step whose execution fails (or is interrupted) is
   abandoned: its requests go back to the queue to be recomputed (not counted as preemptions). Any exception
-  that escapes a bookkeeping section anyway (a bug, or an exception injected by a test at an arbitrary line)
-  triggers :meth:`EngineCore.recover`: the integer bookkeeping is rebuilt from scratch (the prefix cache is
-  dropped) and every unfinished request is re-queued to be recomputed from its prompt and outputs. Either way
-  the engine is usable afterwards and, once its requests are done or aborted, every block and slot is free.
+  that escapes a bookkeeping section anyway (a bug, a failing callback such as the tokenizer, or an exception
+  injected by a test at an arbitrary line) triggers :meth:`EngineCore.recover`: the integer bookkeeping is
+  rebuilt from scratch (the prefix cache is dropped) and every unfinished request is re-queued to be recomputed
+  from its prompt and outputs. Each call is all or nothing for the caller: a step cut short (also by a Ctrl-C
+  deferred to the end of its update) is rolled back (no token, text or finish of it is kept, so none is lost
+  from the stream); a request whose ``add_request`` raised is not queued; an ``abort`` that raised has still
+  aborted. Afterwards every block and slot is free or held by a live request (tests/engine/test_interrupt_fuzz.py
+  raises at every line of the bookkeeping in turn).
 - **Validation before registration.** Prompt ids, length, sampling parameters, stop strings without a tokenizer,
   image pad spans (and images for a model without a vision tower) and duplicate ids raise a ValueError/TypeError
   naming the problem before anything is queued.
