@@ -87,12 +87,12 @@ class UpdateCheckpoint:
 
     running: the running queue; num_finished_ids: length of the finished-id list; samplers: per sequence that
     samples in the step (the only ones whose tokens, text and status change): (sequence, token count, logprob
-    count or None, characters of text emitted).
+    count or None, characters of text emitted, draft proposal).
     """
 
     running: list[Sequence]
     num_finished_ids: int
-    samplers: list[tuple[Sequence, int, int | None, int]]
+    samplers: list[tuple[Sequence, int, int | None, int, tuple[int, tuple[int, ...]]]]
 
 
 class Scheduler:
@@ -248,7 +248,8 @@ class Scheduler:
         if self.in_flight is None:
             raise RuntimeError("checkpoint: no step in flight")
         samplers = [(item.seq, item.seq.num_tokens, None if item.seq.logprobs is None else len(item.seq.logprobs),
-                     item.seq.stop.num_chars_emitted) for item in self.in_flight.scheduled if item.samples]
+                     item.seq.stop.num_chars_emitted, item.seq.proposal)
+                    for item in self.in_flight.scheduled if item.samples]
         return UpdateCheckpoint(list(self.running), len(self._finished_ids), samplers)
 
     def roll_back(self, checkpoint: UpdateCheckpoint) -> list[Sequence]:
@@ -258,12 +259,13 @@ class Scheduler:
         self.in_flight = None
         self.running[:] = checkpoint.running
         del self._finished_ids[checkpoint.num_finished_ids:]
-        for seq, num_tokens, num_logprobs, emitted in checkpoint.samplers:
+        for seq, num_tokens, num_logprobs, emitted, proposal in checkpoint.samplers:
             del seq.token_ids[num_tokens:]
             if num_logprobs is not None:
                 del seq.logprobs[num_logprobs:]
             seq.status, seq.finish_reason, seq.error = SequenceStatus.RUNNING, None, None
             seq.stop.rewind(seq.output_token_ids, emitted)
+            seq.proposal = proposal
         return [seq for seq, *_ in checkpoint.samplers]
 
     def abandon(self) -> None:
