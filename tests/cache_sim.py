@@ -36,6 +36,21 @@ class Request:
     max_tokens: int
     arrival_step: int = 0
     abort_step: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings (need the engine's LetterTokenizer)
+
+
+class LetterTokenizer:
+    """Token t decodes to the letter ``chr(97 + t)`` (a vocabulary of at most 26): text for stop strings."""
+
+    special_tokens: dict[str, int] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < 26:
+            raise ValueError(f"token id {token_id} outside the letter vocabulary")
+        return bytes([97 + token_id])
+
+    def decode(self, ids) -> str:
+        return b"".join(self.token_bytes(t) for t in ids).decode()
 
 
 class SimExecutor:
@@ -105,12 +120,13 @@ class SimEngine:
     """EngineCore (the real scheduler, cache manager, stop checks and recovery) over a :class:`SimExecutor`."""
 
     def __init__(
-        self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None
+        self, config: EngineConfig, num_blocks: int, num_slots: int, vocab: int = 50, stop_token: int | None = None,
+        tokenizer: LetterTokenizer | None = None,
     ):
         self.executor = SimExecutor(num_blocks, num_slots, config.cache.block_size, vocab)
         geometry = config.cache.geometry(num_blocks=num_blocks, num_slots=num_slots,
                                          max_model_len=config.max_model_len)
-        self.core = EngineCore(config, self.executor, geometry=geometry, vocab_size=10**9)
+        self.core = EngineCore(config, self.executor, geometry=geometry, vocab_size=10**9, tokenizer=tokenizer)
         self.block_size = config.cache.block_size
         self.vocab = vocab
         self.stop_token = stop_token
@@ -133,7 +149,8 @@ class SimEngine:
 
     def add(self, req: Request) -> Sequence:
         stops = () if self.stop_token is None else (self.stop_token,)
-        params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, stop_token_ids=stops, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, stop_token_ids=stops, ignore_eos=True,
+                                stop=req.stop)
         self.executor.truth[req.request_id] = list(req.prompt)
         self.core.add_request(req.request_id, req.prompt, params)
         seq = self.core._seqs[req.request_id]
@@ -174,8 +191,9 @@ class SimEngine:
 
 
 def reference_outputs(requests: list[Request], vocab: int = 50, stop_token: int | None = None) -> dict[str, list[int]]:
-    """What each request must produce, computed without any engine."""
+    """What each request must produce, computed without any engine (stop strings over LetterTokenizer's text)."""
     out = {}
+    letters = LetterTokenizer()
     for r in requests:
         toks = list(r.prompt)
         gen: list[int] = []
@@ -183,7 +201,7 @@ def reference_outputs(requests: list[Request], vocab: int = 50, stop_token: int 
             t = next_token(tuple(toks), vocab)
             toks.append(t)
             gen.append(t)
-            if t == stop_token:
+            if t == stop_token or (r.stop and any(s in letters.decode(gen) for s in r.stop)):
                 break
         out[r.request_id] = gen
     return out

@@ -94,14 +94,16 @@ class CacheManager:
         self._in_flight: list[CopyPlan] = []
 
     # ---- admission and growth ------------------------------------------------------------------------------
-    def admit(self, seq_id: int, token_ids: Sequence[int], reuse: bool = True) -> int | None:
+    def admit(self, seq_id: int, token_ids: Sequence[int], reuse: bool = True, *,
+              whole_blocks: bool = False) -> int | None:
         """Give a new sequence a running KDA slot and reuse the longest usable cached prefix (none when not
         ``reuse``: a request that needs every prompt position computed).
 
         Returns the number of prefix tokens served from the cache (0 without a hit), or None (nothing changed)
         when no slot or block is available. A hit shares the blocks below the match, copies a partially
         matched block into a private block and the saved state into the running slot (planned; see
-        :meth:`take_copies`).
+        :meth:`take_copies`). ``whole_blocks``: only a match ending on a block boundary (no copy-on-write,
+        whose source block stays pinned for a step: one block more than the sequence holds).
         """
         if seq_id in self.seqs:
             raise ValueError(f"seq_id {seq_id} is already admitted")
@@ -113,7 +115,8 @@ class CacheManager:
         path = []
         if self.caching and reuse:
             # at least one token must be computed: its logits are what the step is for
-            path = self.index.longest_state_match(token_ids, (len(token_ids) - 1) // self.match_unit)
+            every = self.block_size // self.match_unit if whole_blocks else 1
+            path = self.index.longest_state_match(token_ids, (len(token_ids) - 1) // self.match_unit, every)
         matched = len(path) * self.match_unit
         plan = CopyPlan()
         table: list[int] = []

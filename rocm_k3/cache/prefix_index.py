@@ -65,10 +65,11 @@ class PrefixIndex:
             node = child
         return path
 
-    def longest_state_match(self, token_ids: Sequence[int], max_units: int) -> list[PrefixNode]:
-        """The matched path cut at its deepest node that has a saved state (empty when there is none)."""
+    def longest_state_match(self, token_ids: Sequence[int], max_units: int, every: int = 1) -> list[PrefixNode]:
+        """The matched path cut at its deepest node that has a saved state and a depth that is a multiple of
+        ``every`` units (empty when there is none)."""
         path = self.walk(token_ids, max_units)
-        for end in range(len(path), 0, -1):
+        for end in range(len(path) // every * every, 0, -every):
             if path[end - 1].state is not None:
                 return path[:end]
         return []

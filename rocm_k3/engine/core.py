@@ -7,10 +7,14 @@ Robustness (each a tested promise):
 - **Transactional bookkeeping.** Every scheduler/cache section runs under an :class:`InterruptGuard`, so a
   Ctrl-C lands between sections, never inside one. A step whose execution fails (or is interrupted) is
   abandoned: its requests go back to the queue to be recomputed (not counted as preemptions). Any exception
-  that escapes a bookkeeping section anyway (a bug, or an exception injected by a test at an arbitrary line)
-  triggers :meth:`EngineCore.recover`: the integer bookkeeping is rebuilt from scratch (the prefix cache is
-  dropped) and every unfinished request is re-queued to be recomputed from its prompt and outputs. Either way
-  the engine is usable afterwards and, once its requests are done or aborted, every block and slot is free.
+  that escapes a bookkeeping section anyway (a bug, a failing callback such as the tokenizer, or an exception
+  injected by a test at an arbitrary line) triggers :meth:`EngineCore.recover`: the integer bookkeeping is
+  rebuilt from scratch (the prefix cache is dropped) and every unfinished request is re-queued to be recomputed
+  from its prompt and outputs. Each call is all or nothing for the caller: a step cut short (also by a Ctrl-C
+  deferred to the end of its update) is rolled back (no token, text or finish of it is kept, so none is lost
+  from the stream); a request whose ``add_request`` raised is not queued; an ``abort`` that raised has still
+  aborted. Afterwards every block and slot is free or held by a live request (tests/engine/test_interrupt_fuzz.py
+  raises at every line of the bookkeeping in turn).
 - **Validation before registration.** Prompt ids, length, sampling parameters, stop strings without a tokenizer,
   image pad spans (and images for a model without a vision tower) and duplicate ids raise a ValueError/TypeError
   naming the problem before anything is queued.
@@ -162,9 +166,16 @@ class EngineCore:
                        prompt_logprob_ranks=None if params.prompt_logprobs is None else [None],
                        kv_transfer_params=params.kv_transfer_params,
                        prompt_cache_key=prefix_cache_key(prompt, images) if images else None)
-        with self.guard.section():
-            self.scheduler.add(seq)
-            self._seqs[request_id] = seq
+        try:
+            with self.guard.section():
+                self._seqs[request_id] = seq
+                self.scheduler.add(seq)
+        except BaseException:  # all or nothing (also for a Ctrl-C deferred to the section's end): not queued
+            with self.guard.section():
+                self._seqs.pop(request_id, None)
+                if seq in self.scheduler.waiting:
+                    self.scheduler.waiting.remove(seq)
+            raise
 
     def _check_images(self, request_id: str, images: Seq[ImageInput], prompt_len: int) -> tuple[ImageInput, ...]:
         """The images of a request, checked: a vision model, ImageInput items, ascending disjoint pad spans."""
@@ -189,16 +200,32 @@ class EngineCore:
         return images
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its cache; False if it is unknown or already finished."""
+        """Stop a request and free its cache; False if it is unknown or already finished. An exception inside
+        still aborts it (the bookkeeping is rebuilt without it) before it propagates."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        with self.guard.section():
-            self._seqs.pop(request_id, None)
-            if seq.is_finished:
-                return False
-            self._bookkeeping(lambda: self.scheduler.abort(seq))
-        return True
+        if seq.is_finished:  # (finished requests leave _seqs with their last delta)
+            with self.guard.section():
+                self._seqs.pop(request_id, None)
+            return False
+        done = False
+        try:
+            with self.guard.section():
+                if self.scheduler.in_flight is not None:  # a step an exception cut short: its pins go first
+                    self.scheduler.abandon()
+                self.scheduler.abort(seq)
+                self._seqs.pop(request_id)
+                done = True
+                return True
+        except BaseException:
+            if not done:  # finish the abort on rebuilt bookkeeping
+                with self.guard.section():
+                    self._seqs.pop(request_id, None)
+                    if not seq.is_finished:
+                        self.recover()  # re-queues the requests still in _seqs: all but this one
+                    self.scheduler.retire(seq, seq.finish_reason or "abort")  # the workers hear of it (again)
+            raise
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -211,7 +238,10 @@ class EngineCore:
             check()
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled step; returns a delta per request that got a token (or failed) in it."""
+        """Run one scheduled step; returns a delta per request that got a token (or failed) in it.
+
+        All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
+        computed again) and every block and slot is free or held by a live request."""
         try:
             with self.guard.section():
                 if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
@@ -224,20 +254,35 @@ class EngineCore:
                     raise RuntimeError("scheduler made no progress although requests are pending")
                 return []
             output = self.executor.execute(step)
-        except BaseException:  # also a Ctrl-C deferred to the end of the schedule section
+            return self._commit(step, output)
+        except BaseException:  # also a Ctrl-C deferred to the end of a section
             with self.guard.section():
                 if self.scheduler.in_flight is not None:
                     self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
             raise
-        with self.guard.section():
-            deltas = self._bookkeeping(lambda: self.scheduler.update(output))
-            self.num_steps += 1
-            self.num_sampler_fallbacks += output.sampler_fallbacks
-            self.num_prefill_tokens += sum(c.num_tokens for c in step.chunks if c.is_prefill)
-            for d in deltas:
-                if d.finished:
-                    self._seqs.pop(d.request_id, None)
-        return deltas
+
+    def _commit(self, step, output) -> list[RequestDelta]:
+        """The scheduler's update of an executed step and the engine's own records, rolled back together when an
+        exception cuts them short (the bookkeeping is then rebuilt, see :meth:`recover`)."""
+        checkpoint = self.scheduler.checkpoint()  # an exception before the try: the step is abandoned
+        counters = self.num_steps, self.num_prefill_tokens, self.num_sampler_fallbacks
+        try:
+            with self.guard.section():  # the try encloses it: a Ctrl-C deferred to its end rolls back too
+                deltas = self.scheduler.update(output)
+                self.num_steps += 1
+                self.num_sampler_fallbacks += output.sampler_fallbacks
+                self.num_prefill_tokens += sum(c.num_tokens for c in step.chunks if c.is_prefill)
+                for d in deltas:
+                    if d.finished:
+                        self._seqs.pop(d.request_id, None)
+                return deltas
+        except BaseException:
+            with self.guard.section():
+                self.num_steps, self.num_prefill_tokens, self.num_sampler_fallbacks = counters
+                for seq in self.scheduler.roll_back(checkpoint):
+                    self._seqs[seq.request_id] = seq
+                self.recover()
+            raise
 
     def expert_loads(self, reset: bool = False) -> dict[int, list[int]]:
         """Picks per logical expert of each MoE layer, as the expert-parallel ranks counted them ({} without
@@ -271,13 +316,16 @@ class EngineCore:
         from its prompt and outputs, in its old order. Not counted as preemptions."""
         with self.guard.section():
             old = self.scheduler
-            order = [s for s in old.running] + [s for s in old.waiting if s not in old.running]
-            known = set(map(id, order))
-            order += [s for s in self._seqs.values() if not s.is_finished and id(s) not in known]
-            finished_ids = list(old.take_finished_ids())
+            order = list(dict.fromkeys([*old.running, *old.waiting, *self._seqs.values()]))
+            # the engine's requests are the truth: a sequence the scheduler holds for a request the engine does
+            # not know (cut short while being added or aborted) is dropped
+            order = [s for s in order if self._seqs.get(s.request_id) is s and not s.is_finished]
+            finished_ids = old.take_finished_ids()
             preemptions = old.num_preemptions
             step_id = old.step_id
+            counters = self.cache_manager.stats, old.spec.stats  # cumulative: /metrics counters never go back
             self._new_bookkeeping()
+            self.cache_manager.stats, self.scheduler.spec.stats = counters
             self.scheduler.restore(order, num_preemptions=preemptions, step_id=step_id, finished_ids=finished_ids)
             self.num_recoveries += 1
             log.warning("engine bookkeeping rebuilt after an exception; %d requests re-queued", len(order))

@@ -83,6 +83,20 @@ class SchedulerOutput:
         return bool(self.scheduled) and all(not s.is_prefill and s.num_new_tokens == 1 for s in self.scheduled)
 
 
+@dataclasses.dataclass
+class UpdateCheckpoint:
+    """What :meth:`Scheduler.update` may change, taken before it runs so that an exception can undo it.
+
+    running: the running queue; num_finished_ids: length of the finished-id list; samplers: per sequence that
+    samples in the step (the only ones whose tokens, text and status change): (sequence, token count, logprob
+    count or None, characters of text emitted, draft proposal).
+    """
+
+    running: list[Sequence]
+    num_finished_ids: int
+    samplers: list[tuple[Sequence, int, int | None, int, tuple[int, tuple[int, ...]]]]
+
+
 class Scheduler:
     """See the module docstring. kv_stats: the engine's prefill/decode transfer counters (kept across rebuilt
     schedulers): loaded / failures (prompts recomputed after a failed load) / published / bytes."""
@@ -124,7 +138,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.seq_id)
-        self._finish(seq, "abort")
+        self.retire(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """A running sequence is done (stop condition met): free its cache."""
@@ -132,7 +146,7 @@ class Scheduler:
             raise ValueError(f"finish: sequence {seq.request_id!r} is {seq.status.value}, expected running")
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
-        self._finish(seq, reason)
+        self.retire(seq, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -202,6 +216,7 @@ class Scheduler:
         copies = self.cache.take_copies()
         step = self._step_input(scheduled, copies)
         self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
+        del self._finished_ids[:len(step.finished_request_ids)]  # now the step in flight carries them
         return step
 
     def update(self, output: StepOutput) -> list[RequestDelta]:
@@ -278,9 +293,34 @@ class Scheduler:
         seq.kv_transfer_params = None
         self.kv_stats["failures"] += 1
         self._preempt(seq, count=False)
-        if seq.registered:
+        if seq.known_to_workers:
             self._finished_ids.append(seq.request_id)
-            seq.registered = False
+            seq.registered = seq.known_to_workers = False
+
+    def checkpoint(self) -> UpdateCheckpoint:
+        """What :meth:`update` of the step in flight may change (see :meth:`roll_back`)."""
+        if self.in_flight is None:
+            raise RuntimeError("checkpoint: no step in flight")
+        samplers = [(item.seq, item.seq.num_tokens, None if item.seq.logprobs is None else len(item.seq.logprobs),
+                     item.seq.stop.num_chars_emitted, item.seq.proposal)
+                    for item in self.in_flight.scheduled if item.samples]
+        return UpdateCheckpoint(list(self.running), len(self._finished_ids), samplers)
+
+    def roll_back(self, checkpoint: UpdateCheckpoint) -> list[Sequence]:
+        """Undo an :meth:`update` that an exception cut short: the sampling sequences get back their tokens, text,
+        logprobs and running status (a request it finished is unfinished again), and the queue its order. The
+        cache is not restored: the caller rebuilds it (:meth:`EngineCore.recover`). Returns those sequences."""
+        self.in_flight = None
+        self.running[:] = checkpoint.running
+        del self._finished_ids[checkpoint.num_finished_ids:]
+        for seq, num_tokens, num_logprobs, emitted, proposal in checkpoint.samplers:
+            del seq.token_ids[num_tokens:]
+            if num_logprobs is not None:
+                del seq.logprobs[num_logprobs:]
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.RUNNING, None, None
+            seq.stop.rewind(seq.output_token_ids, emitted)
+            seq.proposal = proposal
+        return [seq for seq, *_ in checkpoint.samplers]
 
     def abandon(self) -> None:
         """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
@@ -289,6 +329,7 @@ class Scheduler:
         out = self.in_flight
         if out is None:
             return
+        self._finished_ids[:0] = out.step.finished_request_ids  # sent again (dropping twice is harmless)
         self.in_flight = None
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
@@ -315,8 +356,10 @@ class Scheduler:
             self.waiting.append(seq)
 
     def take_finished_ids(self) -> list[str]:
-        """Requests the workers know of that ended since the last step (their worker state can be dropped)."""
-        ids, self._finished_ids = self._finished_ids, []
+        """Requests the workers know of that ended and were not yet told of (their worker state can be dropped),
+        including those of a step in flight (it may never run)."""
+        pending = self.in_flight.step.finished_request_ids if self.in_flight is not None else ()
+        ids, self._finished_ids = list(dict.fromkeys([*pending, *self._finished_ids])), []
         return ids
 
     # ---- step contract -------------------------------------------------------------------------------------
@@ -333,7 +376,7 @@ class Scheduler:
                                                              or seq.sampling.prompt_logprobs is not None)
                 new_requests.append(NewRequest(seq.request_id, seq.sampling, seq.num_prompt_tokens,
                                                tuple(seq.prompt_token_ids) if needs_prompt else ()))
-                seq.registered = True
+                seq.registered = seq.known_to_workers = True
             table = self.cache.table(seq.seq_id)
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
@@ -355,7 +398,7 @@ class Scheduler:
             step_id=self.step_id, new_requests=tuple(new_requests), chunks=tuple(chunks),
             num_decodes=sum(not item.is_prefill and not item.drafts for item in scheduled),
             block_copies=tuple(copies.block_copies), state_copies=tuple(copies.state_copies),
-            finished_request_ids=tuple(self.take_finished_ids()),
+            finished_request_ids=tuple(self._finished_ids),
             kv_connector_meta=meta if meta is not None and (meta.loads or meta.saves) else None,
         )
 
@@ -429,22 +472,30 @@ class Scheduler:
         return reachable > 0 and reachable > self.cache.match_length(key)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step."""
+        """Admit the head of the queue with its first chunk; 0 (nothing held) if it cannot run this step. When
+        the longest hit does not fit (its copy-on-write pins one block more), a hit on whole blocks is tried."""
         seq.prefill_len = seq.num_tokens
-        cached = self.cache.admit(seq.seq_id, seq.cache_key_ids, reuse=not seq.needs_prompt_logprobs)
-        if cached is None:
-            return 0
-        remote = 0  # prompt tokens a prefill instance computed for this request (loaded in this step)
-        if self.connector is not None and seq.kv_transfer_params and seq.prefill_len == seq.num_prompt_tokens \
-                and not seq.needs_prompt_logprobs:  # prompt logprobs need the prompt computed here
-            remote, _ = self.connector.get_num_new_matched_tokens(seq.request_id, seq.num_prompt_tokens, cached,
-                                                                 seq.kv_transfer_params)
-        seq.num_computed_tokens = cached + remote
-        seq.num_cached_tokens = cached
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_this_step = True
-        n = self._chunk(seq, budget)
-        if n == 0 or not self.cache.ensure_capacity(seq.seq_id, cached + remote + n):
+        for whole_blocks in (False, True):
+            cached = self.cache.admit(seq.seq_id, seq.cache_key_ids, reuse=not seq.needs_prompt_logprobs,
+                                      whole_blocks=whole_blocks)
+            if cached is None:
+                continue
+            remote = 0  # prompt tokens a prefill instance computed for this request (loaded in this step)
+            if self.connector is not None and seq.kv_transfer_params and seq.prefill_len == seq.num_prompt_tokens \
+                    and not seq.needs_prompt_logprobs:  # prompt logprobs need the prompt computed here
+                remote, _ = self.connector.get_num_new_matched_tokens(seq.request_id, seq.num_prompt_tokens, cached,
+                                                                     seq.kv_transfer_params)
+            seq.num_computed_tokens = cached + remote
+            seq.num_cached_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_this_step = True
+            n = self._chunk(seq, budget)
+            if n and self.cache.ensure_capacity(seq.seq_id, cached + remote + n):
+                if remote:
+                    self.connector.update_state_after_alloc(seq.request_id, tuple(self.cache.table(seq.seq_id)),
+                                                            self.cache.slot(seq.seq_id), remote)
+                    seq.kv_loading = True
+                return n
             if remote:
                 self.connector.update_state_after_alloc(seq.request_id, (), None, 0)  # forget the pending load
             self.cache.cancel_admission(seq.seq_id)
@@ -452,12 +503,9 @@ class Scheduler:
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.WAITING
             seq.admitted_this_step = False
-            return 0
-        if remote:
-            self.connector.update_state_after_alloc(seq.request_id, tuple(self.cache.table(seq.seq_id)),
-                                                    self.cache.slot(seq.seq_id), remote)
-            seq.kv_loading = True
-        return n
+            if cached % self.cache.block_size == 0:  # no copy-on-write to leave out
+                return 0
+        return 0
 
     def _publish_boundary(self, seq: Sequence) -> int | None:
         """A kv_producer's request asked to publish its prompt (``do_remote_decode``): the position N - 1 whose
@@ -502,7 +550,8 @@ class Scheduler:
             self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def retire(self, seq: Sequence, reason: str) -> None:
+        """Mark a sequence finished (it holds no cache any more) and tell the workers to drop it."""
         self.spec.forget(seq.seq_id)
         if self.connector is not None and reason not in ("abort", "error") and \
                 wants_remote_decode(seq.kv_transfer_params):
@@ -510,7 +559,7 @@ class Scheduler:
                                                                    max(0, seq.num_prompt_tokens - 1))
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.registered:
+        if seq.known_to_workers:  # also after an abandoned step reset ``registered``
             self._finished_ids.append(seq.request_id)
 
 

@@ -34,6 +34,7 @@ class Sequence:
     sampling:             the request's sampling parameters.
     stop:                 the request's incremental stop checker (engine side; opaque to the scheduler's policy).
     admitted_this_step / blocks_sent / registered: what the workers were told (step-contract deltas).
+    known_to_workers:     the request was sent to the workers once (they hold state for it until told it finished).
     proposal:             draft_model speculation: (num_tokens when proposed, the drafter's tokens continuing
                           token_ids then); used only while num_tokens is unchanged.
     kv_transfer_params:   prefill/decode disaggregation (``SamplingParams.kv_transfer_params``): a remote prefill
@@ -60,6 +61,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # asked: [None] + one entry per later prompt token
     prompt_logprob_ranks: list[int | None] | None = None
     registered: bool = False
+    known_to_workers: bool = False
     admitted_this_step: bool = False
     blocks_sent: int = 0
     images: tuple[ImageInput, ...] = ()

@@ -47,15 +47,35 @@ class StopChecker:
         self.params = params
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._tokenizer = tokenizer
         skip = params.skip_special_tokens and tokenizer is not None
         self._hidden = frozenset(tokenizer.special_tokens.values()) if skip else frozenset()
         self._max_tokens = max_tokens
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._start()
+
+    def _start(self) -> None:
+        """The state before the first token."""
+        self._detok = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
         self.num_tokens = 0
         self.text = ""
         self.finished = False
         self._emitted = 0
+
+    @property
+    def num_chars_emitted(self) -> int:
+        """Characters of text already returned by :meth:`take_text_delta`."""
+        return self._emitted
+
+    def rewind(self, output_ids: Sequence[int], num_chars_emitted: int) -> None:
+        """Go back to the state after ``output_ids`` (a prefix of the tokens pushed so far, none of which finished
+        the request) with ``num_chars_emitted`` characters taken: how the engine undoes a step that an exception
+        cut short. Replays the tokens (the rare path; no per-step snapshot)."""
+        self._start()
+        for token_id in output_ids:
+            if self.push(token_id).finish_reason is not None:
+                raise RuntimeError("rewind: the request finishes before the tokens given end")
+        self._emitted = num_chars_emitted
 
     def push(self, token_id: int) -> StopDecision:
         """Append one generated token; the decision after it (the text is cut before a matched stop string)."""

@@ -61,12 +61,13 @@ def _engine(
 def _snapshot_cache_entries(engine: EngineCore):
     """Saved KDA states and indexed KV rows as they are now (to check nothing writes them in place)."""
     mgr, cache = engine.cache_manager, pools_of(engine)
-    states = {s: (cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone()) for s in mgr.index.saved_states()}
+    states = {s: (node, cache.kda_state(0)[s].clone(), cache.conv_state(0)[s].clone())
+              for s, node in mgr.index.saved_states().items()}
     u, bs = mgr.match_unit, mgr.block_size
-    rows = {}
+    rows = {}  # by node: a block evicted and reused holds another node's rows (not a write in place)
     for node in mgr.index.nodes():
         off = (node.depth - 1) * u % bs
-        rows[(node.block, off)] = cache.mla_kv(0)[node.block, off : off + u].clone()
+        rows[node] = (node.block, off, cache.mla_kv(0)[node.block, off : off + u].clone())
     return states, rows
 
 
@@ -74,15 +75,15 @@ def _check_entries_unchanged(engine: EngineCore, before) -> None:
     states, rows = before
     mgr, cache = engine.cache_manager, pools_of(engine)
     still_saved = mgr.index.saved_states()
-    for s, (rec, conv) in states.items():
-        if s in still_saved:
+    for s, (node, rec, conv) in states.items():
+        if still_saved.get(s) is node:  # the same entry (an evicted slot may hold a new one)
             assert torch.equal(cache.kda_state(0)[s], rec), f"saved KDA state {s} was written in place"
             assert torch.equal(cache.conv_state(0)[s], conv), f"saved conv state {s} was written in place"
     u = mgr.match_unit
-    live = {(n.block, (n.depth - 1) * u % mgr.block_size) for n in mgr.index.nodes()}
-    for key, value in rows.items():
-        if key in live:
-            assert torch.equal(cache.mla_kv(0)[key[0], key[1] : key[1] + u], value), f"cached KV rows {key} changed"
+    live = set(mgr.index.nodes())
+    for node, (block, off, value) in rows.items():
+        if node in live:
+            assert torch.equal(cache.mla_kv(0)[block, off : off + u], value), f"cached KV rows {block, off} changed"
 
 
 def _run(engine: EngineCore, requests, aborts=None) -> dict[str, list[int]]:

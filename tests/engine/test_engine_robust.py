@@ -118,7 +118,8 @@ def _count_bookkeeping_lines(llm: LLM, prompts, params) -> int:
 def test_interrupt_at_any_bookkeeping_line_leaves_the_llm_usable(ckpt: Path, alone) -> None:
     llm = _llm(ckpt)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
-    total = _count_bookkeeping_lines(llm, prompts, GREEDY)
+    # the second run hits the prefix cache the first one filled, and runs fewer lines: sample below both
+    total = min(_count_bookkeeping_lines(llm, prompts, GREEDY) for _ in range(2))
     assert total > 500
     rng = random.Random(0)
     points = sorted(rng.sample(range(1, total), 30))

@@ -104,6 +104,21 @@ def test_preemption_recomputes_and_keeps_outputs():
     assert eng.sched.num_preemptions > 0
 
 
+def test_a_hit_whose_copy_on_write_does_not_fit_falls_back_to_whole_blocks():
+    """A request that needs the whole pool, whose longest hit ends inside a block: the copy's source block stays
+    pinned for the step, one block more than the pool has, so it is admitted on the whole-block part of the hit
+    (it was never admitted: "scheduler made no progress")."""
+    cfg = small_config(block=8, unit=4, align=8, budget=16, max_seqs=2, max_len=32)
+    eng = SimEngine(cfg, num_blocks=4, num_slots=4, vocab=23)
+    base = list(range(1, 21))
+    first = Request("a", base + [21, 22], 1)  # saves states at 8, 16 and 20 (its last match unit)
+    assert eng.run([first]) == reference_outputs([first], vocab=23)
+    assert eng.cache.match_length(base + [0] * 12) == 20  # a 20-token hit: 2 blocks + 4 rows copied
+    second = Request("b", base + [0] * 12, 1)  # 32 tokens: all 4 blocks
+    assert eng.run([second])["b"] == reference_outputs([second], vocab=23)["b"]
+    assert eng.seqs["b"].num_cached_tokens == 16 and eng.cache.stats.cow_copies == 0
+
+
 def test_chunks_end_on_alignment_grid():
     cfg = small_config(block=8, unit=4, align=8, budget=20, max_seqs=1, max_len=64)
     eng = SimEngine(cfg, num_blocks=16, num_slots=4)
