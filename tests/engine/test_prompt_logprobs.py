@@ -49,5 +49,5 @@ def test_prompt_logprobs_match_generation_over_chunks_and_skip_the_cache(llm) ->
 
 
 def test_prompt_logprobs_validated() -> None:
-    with pytest.raises(ValueError, match="prompt_logprobs: expected None or an int >= 0"):
+    with pytest.raises(ValueError, match="prompt_logprobs: expected an int in \\[0, inf\\) or None"):
         rocm_k3.SamplingParams(prompt_logprobs=-1)
