@@ -74,13 +74,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         for processor in logits_processors:
             processor(processed)
     # NaN (e.g. inf - inf from an extreme penalty) never wins a pick: the top logit among the rest does
-    cleaned = _nan_to_neg_inf(processed)  # [N, V]
-    chosen = cleaned.argmax(dim=-1)  # [N]
-    top = cleaned.max(dim=-1).values  # [N]
+    nan = torch.isnan(processed)  # [N, V]
+    top, chosen = processed.masked_fill(nan, float("-inf")).max(dim=-1)  # [N], [N]: one pass
     # nothing left to pick from (every logit NaN or masked): the model's own top logit, never token 0 by default
     empty = top == float("-inf")  # [N]
-    chosen = torch.where(empty, _nan_to_neg_inf(logits).argmax(dim=-1), chosen)
-    fallback = (torch.isnan(processed).any(dim=-1) | empty) & finite  # [N]
+    model_top = chosen if processed is logits else _nan_to_neg_inf(logits).argmax(dim=-1)  # [N]
+    chosen = torch.where(empty, model_top, chosen)
+    fallback = (nan.any(dim=-1) | empty) & finite  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]
         scaled = processed / temps.clamp_min(1e-6)[:, None]  # [N, V]
