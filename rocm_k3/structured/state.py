@@ -104,17 +104,25 @@ def fill_bitmasks(states: Sequence[GrammarState | None], bitmask: torch.Tensor,
     return rows
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], start: int = 0) -> None:
     """Set the disallowed logits of ``rows`` to -inf in place, on the logits' device (``logits`` [N, V]
-    float32/bf16/fp16; ``bitmask`` int32 [N, >= ceil(V / 32)], any device, copied over when needed)."""
+    float32/bf16/fp16; ``bitmask`` int32 [N, >= ceil(V / 32)], any device, copied over when needed).
+    ``start``: the logits hold tokens ``[start, start + V)`` (a rank's slice of a vocab-parallel LM head); the
+    slice's bits are read from the whole-vocabulary bitmask."""
     if not rows:
         return
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"logits [N, V] and an int32 bitmask [N, W] expected, got {tuple(logits.shape)} and "
                          f"{tuple(bitmask.shape)} {bitmask.dtype}")
-    if logits.shape[1] > bitmask.shape[1] * 32:
+    if start + logits.shape[1] > bitmask.shape[1] * 32:
         raise ValueError(f"bitmask: {bitmask.shape[1]} words cover {bitmask.shape[1] * 32} tokens, logits have "
-                         f"{logits.shape[1]}")
+                         f"{start} + {logits.shape[1]}")
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
+    if start:  # a slice not at token 0: unpack its bits (word, bit) per column
+        cols = torch.arange(start, start + logits.shape[1], device=logits.device)  # [V]
+        idx = torch.tensor(list(rows), device=logits.device)  # [R]
+        allowed = (bitmask[idx][:, cols // 32] >> (cols % 32).to(torch.int32)) & 1  # [R, V]
+        logits[idx] = logits[idx].masked_fill(allowed == 0, float("-inf"))
+        return
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=list(rows))

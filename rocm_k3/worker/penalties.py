@@ -47,10 +47,12 @@ class PenaltyState:
         return self._seen_ids
 
 
-def penalty_processor(params: Sequence[SamplingParams], states: Sequence[PenaltyState | None]
-                      ) -> LogitsProcessor | None:
+def penalty_processor(params: Sequence[SamplingParams], states: Sequence[PenaltyState | None],
+                      vocab_slice: tuple[int, int] | None = None) -> LogitsProcessor | None:
     """The processor for one step's sampling rows (row i: ``params[i]``, ``states[i]``), or None when no row has a
-    penalty. Index tensors are built on the host here; the processor moves them to the logits' device."""
+    penalty. Index tensors are built on the host here; the processor moves them to the logits' device.
+    ``vocab_slice``: (start, width) of the vocabulary slice the logits hold (a vocab-parallel LM head): the penalties
+    of the other ranks' tokens are dropped here and the ids made local; None: the whole vocabulary."""
     rep_rows, rep_ids, rep_vals = [], [], []
     cnt_rows, cnt_ids, cnt_vals, cnt_freq, cnt_pres = [], [], [], [], []
     for i, (p, state) in enumerate(zip(params, states)):
@@ -70,6 +72,11 @@ def penalty_processor(params: Sequence[SamplingParams], states: Sequence[Penalty
             cnt_pres.extend([float(p.presence_penalty)] * len(tokens))
     if not rep_rows and not cnt_rows:
         return None
+    if vocab_slice is not None:
+        rep_rows, rep_ids, rep_vals = _in_slice(rep_rows, rep_ids, rep_vals, vocab_slice)
+        cnt_rows, cnt_ids, cnt_vals, cnt_freq, cnt_pres = _in_slice_flat(
+            cnt_rows, cnt_ids, (cnt_vals, cnt_freq, cnt_pres), vocab_slice)
+        # a slice without penalised tokens still gets a (no-op) processor: every rank runs the same sampler steps
     rep = None
     if rep_rows:
         sizes = [len(r) for r in rep_rows]
@@ -92,3 +99,23 @@ def penalty_processor(params: Sequence[SamplingParams], states: Sequence[Penalty
             logits[rows, ids] -= amount
 
     return apply
+
+
+def _in_slice(rows: list, ids: list, vals: list, tokens: tuple[int, int]) -> tuple[list, list, list]:
+    """Per-request id tensors of the repetition penalty, kept to the slice ``tokens`` = (start, width), local ids."""
+    start, width = tokens
+    out_rows, out_ids, out_vals = [], [], []
+    for r, i, v in zip(rows, ids, vals):
+        mine = (i >= start) & (i < start + width)
+        if bool(mine.any()):
+            out_rows.append(r[mine])
+            out_ids.append(i[mine] - start)
+            out_vals.append(v)
+    return out_rows, out_ids, out_vals
+
+
+def _in_slice_flat(rows: list[int], ids: list[int], columns: tuple[list, ...], tokens: tuple[int, int]) -> tuple:
+    """The count-penalty entries (flat lists) whose token is in the slice ``tokens``, with local ids."""
+    start, width = tokens
+    keep = [j for j, t in enumerate(ids) if start <= t < start + width]
+    return ([rows[j] for j in keep], [ids[j] - start for j in keep], *([c[j] for j in keep] for c in columns))

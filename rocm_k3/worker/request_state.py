@@ -66,10 +66,11 @@ class StepBatch:
         self.generators = [s.generator for s in states]
         self._mask = mask
 
-    def processors(self) -> list[LogitsProcessor]:
-        """Penalties first, then the grammar masks (the latter waits for the fill)."""
-        found = (penalty_processor(self.params, [s.penalties for s in self.states]),
-                 None if self._mask is None else self._mask.processor())
+    def processors(self, tokens: tuple[int, int] | None = None) -> list[LogitsProcessor]:
+        """Penalties first, then the grammar masks (the latter waits for the fill). ``tokens``: (start, width)
+        of the vocabulary slice the logits hold (vocab-parallel sampling); None: the whole vocabulary."""
+        found = (penalty_processor(self.params, [s.penalties for s in self.states], tokens),
+                 None if self._mask is None else self._mask.processor(0 if tokens is None else tokens[0]))
         return [p for p in found if p is not None]
 
     def error(self, row: int) -> str:

@@ -172,13 +172,15 @@ class PendingMask:
         self._owner.timings.wait_s += time.perf_counter() - t0
         return rows
 
-    def processor(self) -> LogitsProcessor:
+    def processor(self, start: int = 0) -> LogitsProcessor:
+        """``start``: the first token of the logits' vocabulary slice (a vocab-parallel LM head)."""
+
         def apply(logits: torch.Tensor) -> None:
             from rocm_k3.structured import apply_bitmask
 
             rows = self.wait()
             t0 = time.perf_counter()
-            apply_bitmask(logits, self._bitmask, rows)
+            apply_bitmask(logits, self._bitmask, rows, start)
             self._owner.timings.apply_s += time.perf_counter() - t0
 
         return apply

@@ -42,6 +42,7 @@ from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import prompt_token_logprobs, sample
 from rocm_k3.worker.step_io import PromptLogprobs, SampledToken, ScheduledChunk, StepInput, StepOutput
 from rocm_k3.worker.structured_sampling import StructuredSampling
+from rocm_k3.worker.vocab_shard import VocabShard
 
 log = logging.getLogger("rocm_k3.worker")
 
@@ -168,6 +169,32 @@ class Worker:
             self.model.tap_layers = ()
         self.connector: SocketConnectorWorker | None = None
         self._kv_step: dict[str, int | tuple[str, ...]] = {}
+        self.shard = self._vocab_shard()
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank takes part in sampling (holds the requests' sampling state): the sampling rank, and
+        with a vocab-parallel LM head every TP rank of the last stage."""
+        return self.ctx.is_sampling_rank or (self.shard is not None and self.ctx.is_last_stage)
+
+    def _vocab_shard(self) -> VocabShard | None:
+        """This rank's vocabulary slice when the last stage samples vocab-parallel (TP > 1): the LM head then
+        returns only its slice of the logits and the sampler combines per-rank statistics; None otherwise."""
+        ctx, head = self.ctx, getattr(self.model, "lm_head", None)
+        if ctx.tp_size == 1 or not ctx.is_last_stage or head is None:
+            return None
+        why = ""
+        shard = VocabShard.of_rank(head.vocab_size, ctx.tp_rank, ctx.tp_size, ctx.tp_group,
+                                   lambda name, nbytes: (ctx.count(name), ctx.add("collective_bytes", nbytes)))
+        if shard is None:
+            why = f"a vocabulary of {head.vocab_size} leaves a TP rank of {ctx.tp_size} no token"
+        elif self.config.drafts_on_worker:
+            why = "draft_model speculation runs its drafter on TP rank 0 only"
+        if why:
+            log.warning("vocab-parallel sampling off, the LM head gathers the full logits: %s", why)
+            return None
+        head.gather_logits = False
+        return shard
 
     def _common_unit_bytes(self) -> tuple[int, int]:
         """(MLA bytes per token, bytes per KDA slot) of the one cache geometry all ranks share: the largest any
@@ -345,27 +372,30 @@ class Worker:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
             self.requests.drop(rid)
-        if self.ctx.is_sampling_rank:  # sampling state (generators, penalties, grammars) lives on that rank only
+        if self.samples:  # sampling state (generators, penalties, grammars) lives on the sampling ranks only
             for req in step.new_requests:
                 self.requests.register(req)
         if not step.chunks:
             return StepOutput(step.step_id)
         chunks = sampling_chunks(step)
-        if not self.ctx.is_sampling_rank:  # only TP rank 0 of the last stage samples (and keeps grammars)
+        if not self.samples:  # only the last stage samples (TP rank 0, or all its TP ranks vocab-parallel)
             self.runner.execute(step)
             return StepOutput(step.step_id)
         rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
         batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [R + prompt rows, vocab] fp32
+            logits = self.runner.execute(step)  # [R + prompt rows, vocab (this rank's slice)] fp32
             prompt = self._prompt_logprobs(step, logits[len(rows):])
             if not chunks:
                 return StepOutput(step.step_id, prompt_logprobs=prompt)
-            out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors())
+            tokens = None if self.shard is None else (self.shard.start, self.shard.width)
+            out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors(tokens), self.shard)
             # [3, R] tokens, finite flags, fallback flags: the step's one device -> host read
             tokens, finite, fallback = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()]).tolist()
         finally:
             batch.close()
+        if not self.ctx.is_sampling_rank:  # a vocab-parallel TP rank > 0: its part of the sampling is done
+            return StepOutput(step.step_id)
         fallbacks = sum(fallback)
         if len(rows) != len(chunks):
             sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
@@ -390,7 +420,7 @@ class Worker:
             state = self.requests.state(c.request_id)
             targets += state.prompt_token_ids[c.start + 1 : c.start + 1 + c.prompt_logprob_rows]
             ks += [state.sampling.prompt_logprobs] * c.prompt_logprob_rows
-        entries, ranks = prompt_token_logprobs(logits, targets, ks)
+        entries, ranks = prompt_token_logprobs(logits, targets, ks, self.shard)
         out, at = [], 0
         for c in asking:
             n = c.prompt_logprob_rows

@@ -218,8 +218,8 @@ def test_bytes_per_rank_shrink_as_tp_grows(k3, k3_single) -> None:
 
 def test_collectives_per_decoder_layer(k3) -> None:
     """One step through all six layers at TP=2: one all-reduce after each attention / KDA sublayer, two per
-    LatentMoE layer (latent, then the hidden-size sum), one for the dense layer 0, plus the embedding's and the LM
-    head's gather."""
+    LatentMoE layer (latent, then the hidden-size sum), one for the dense layer 0, plus the embedding's; the LM
+    head gathers nothing (vocab-parallel sampling: two small sampler collectives for a greedy step)."""
     llm = LLM(k3, master_port=free_port(), tensor_parallel_size=2, **ENGINE)
     try:
         llm.engine.executor.rank_stats(reset=True)
@@ -234,7 +234,8 @@ def test_collectives_per_decoder_layer(k3) -> None:
         c = r["collectives"]
         assert c["all_reduce"] == layers + 1, c  # attention / KDA o_proj per layer + the dense MLP of layer 0
         assert c["moe_latent_all_reduce"] == moe_layers and c["moe_all_reduce"] == moe_layers, c
-        assert c["embedding_all_reduce"] == 1 and c["lm_head_all_gather"] == 1, c
+        assert c["embedding_all_reduce"] == 1 and "lm_head_all_gather" not in c, c
+        assert c["sampler_all_reduce"] == 1 and c["sampler_all_gather"] == 1, c  # flags, then the max + its id
         per_moe_layer = (c["moe_latent_all_reduce"] + c["moe_all_reduce"]) / moe_layers
         assert per_moe_layer <= 2
 

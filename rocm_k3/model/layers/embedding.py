@@ -3,7 +3,8 @@
 Rank ``r`` holds rows ``[r * P, (r + 1) * P)`` of the ``[vocab, hidden]`` table, ``P = ceil(vocab / tp)`` (the
 last rank's rows past the vocabulary are zero). The embedding looks up the ids it owns, zeroes the others and
 all-reduces; the LM head computes this rank's ``P`` logits per row and all-gathers them (then trims the padding),
-so every rank of the TP group has the full fp32 logits and the sampling rank samples from them.
+so every rank of the TP group has the full fp32 logits, or (``gather_logits`` False, set by a worker that samples
+vocab-parallel, see ``worker/vocab_shard.py``) returns only this rank's ``valid`` columns.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class VocabParallelEmbedding(WeightTargets):
 
 
 class ParallelLMHead(WeightTargets):
-    """Logits fp32 ``[N, vocab]`` on every TP rank. ``tied``: share the embedding's rows (tie_word_embeddings)."""
+    """Logits fp32 ``[N, vocab]`` on every TP rank, or this rank's slice ``[N, valid]`` of tokens ``[start,
+    start + valid)`` when ``gather_logits`` is False. ``tied``: share the embedding's rows (tie_word_embeddings)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, name: str, ctx: ParallelContext, ops, *,
                  dtype: torch.dtype, device: torch.device, tied: VocabParallelEmbedding | None = None) -> None:
@@ -53,7 +55,10 @@ class ParallelLMHead(WeightTargets):
         self.name, self.ctx, self.ops = name, ctx, ops
         self.vocab_size = vocab_size
         self.tied = tied
-        if tied is None:
+        self.gather_logits = True
+        if tied is not None:
+            self.per_rank, self.start, self.valid = tied.per_rank, tied.start, tied.valid
+        else:
             self.per_rank = math.ceil(vocab_size / ctx.tp_size)
             self.start = ctx.tp_rank * self.per_rank
             self.valid = max(0, min(self.per_rank, vocab_size - self.start))
@@ -71,6 +76,8 @@ class ParallelLMHead(WeightTargets):
         logits = F.linear(hidden, weight).float()  # [N, P]
         if self.ctx.tp_size == 1:
             return logits[:, : self.vocab_size]
+        if not self.gather_logits:
+            return logits[:, : self.valid]  # [N, valid] this rank's tokens
         self.ctx.count("lm_head_all_gather")
         self.ctx.add("collective_bytes", logits.numel() * logits.element_size() * self.ctx.tp_size)
         return comm.all_gather(logits, self.ctx.tp_group, dim=-1, backend=self.ops)[:, : self.vocab_size]
