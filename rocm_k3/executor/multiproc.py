@@ -1,10 +1,12 @@
 """The multi-process executor: one worker process per rank over torch.distributed (one per GPU, or per CPU rank).
 
 The driver (the engine core's process) spawns this node's ranks and talks to global rank 0 through a pipe. Each
-command (info, cache_budget, init_cache, execute, shutdown) is broadcast by rank 0 to every rank over the gloo
-world group, so all ranks run the same step in the same order and issue the same collectives; the sampling rank
-(TP rank 0 of the last stage) broadcasts its StepOutput back, and every rank reports ok / its error so that a
-failure anywhere is named. Nodes other than 0 run headless (:func:`run_headless`): their ranks join the same
+command (info, cache_budget, init_cache, execute, shutdown) goes from rank 0 to every rank through a
+:class:`~rocm_k3.executor.step_channel.StepChannel` (a shared-memory ring on one node, tensor frames over the gloo
+world group across nodes; no pickled object collective on the step path), so all ranks run the same step in the
+same order and issue the same collectives. After a command every rank adds its error flag to one all-reduce (the
+messages are gathered only when a flag is set, so a failure anywhere is named); the sampling rank (TP rank 0 of the
+last stage) sends its StepOutput to rank 0 point to point (nothing to send when it is rank 0). Nodes other than 0 run headless (:func:`run_headless`): their ranks join the same
 group over TCP (``--master-addr`` / ``--master-port``) and follow rank 0's broadcasts.
 
 Idle ranks live as long as the server: while no command comes, rank 0 broadcasts a ``ping`` every
@@ -25,6 +27,7 @@ import ast
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -34,6 +37,8 @@ from typing import Any
 
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig
+from rocm_k3.distributed.shm_broadcast import BroadcastError
+from rocm_k3.executor.step_channel import RING_FILE, StepChannel, recv_bytes, ring_dir, send_bytes
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
 
@@ -57,9 +62,11 @@ class WorkerTimeoutError(WorkerError):
     """No answer from the ranks within the timeout (e.g. a collective waiting on a lost rank)."""
 
 
-def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = None) -> None:
+def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = None,
+               ring_path: str | None = None) -> None:
     """One rank: join the group, load this rank's shard, then follow rank 0's commands until shutdown.
-    ``store_file``: the FileStore the ranks of a one-node group meet in (None: env:// at master_addr:port)."""
+    ``store_file``: the FileStore the ranks of a one-node group meet in (None: env:// at master_addr:port);
+    ``ring_path``: the shared-memory ring of a one-node group's step channel (None: tensor frames)."""
     import torch.distributed as dist
 
     from rocm_k3.distributed.groups import destroy_parallel, init_parallel, rank_env
@@ -75,14 +82,23 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
             conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
         raise
     group = ctx.world_cpu_group
-    status = _gather_status(dist, group, rank, None)
+    channel = StepChannel.open(rank, par.world_size, group, ring_path, par.timeout_s)
+    status = _gather_status(dist, group, rank, None)  # also: the ring file exists from here on
+    channel.attach(ring_path, par.world_size)
     if conn is not None:
         conn.send(("ready", status))
     ping_s = idle_ping_s(par.timeout_s)
     while True:
-        box = [_next_command(conn, ping_s) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        name, args = box[0]
+        try:
+            if rank == 0:
+                name, args = command = _next_command(conn, ping_s)
+                channel.send(command)
+            else:
+                name, args = channel.recv()
+        except BroadcastError as exc:  # a peer's process ended: end this rank (the driver names the dead one)
+            if conn is not None:
+                conn.send(("error", f"rank {rank}: {exc}"))
+            break
         if name == "shutdown":
             break
         if name == "ping":
@@ -92,11 +108,12 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
             result = _run(worker, name, args)
         except BaseException as exc:
             error = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-        errors = _gather_status(dist, group, rank, error)
-        if not errors and name == "execute":
-            box = [result if ctx.is_sampling_rank else None]
-            dist.broadcast_object_list(box, src=ctx.sampling_rank, group=group)
-            result = box[0]
+        errors = _step_errors(dist, group, rank, error)
+        if not errors and name == "execute" and ctx.sampling_rank != 0:  # the output, from the sampling rank only
+            if ctx.is_sampling_rank:
+                send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL), 0, group)
+            elif rank == 0:
+                result = pickle.loads(recv_bytes(ctx.sampling_rank, group))
         if not errors and name == "cache_budget" and result is not None:
             result = _min_over_ranks(dist, group, result)
         if not errors and name == "rank_stats":
@@ -105,6 +122,7 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
             result = everyone
         if rank == 0:
             conn.send(("error", "; ".join(errors)) if errors else ("ok", result))
+    channel.close()
     destroy_parallel()
 
 
@@ -155,6 +173,15 @@ def _run(worker, name: str, args: tuple) -> Any:
     raise ValueError(f"unknown worker command {name!r}")
 
 
+def _step_errors(dist, group, rank: int, error: str | None) -> list[str]:
+    """After a command: one all-reduce of the ranks' error flags; the messages are gathered only when one is set."""
+    import torch
+
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return _gather_status(dist, group, rank, error) if int(flag) else []
+
+
 def _gather_status(dist, group, rank: int, error: str | None) -> list[str]:
     """Every rank's error (or None), collected on all ranks; returns the errors."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -186,8 +213,12 @@ class MultiprocExecutor:
         # one node: the ranks meet in a private FileStore (no TCP store listening on every interface)
         self._store_dir = tempfile.mkdtemp(prefix="rocm-k3-group-") if par.nnodes == 1 else None
         store_file = os.path.join(self._store_dir, "store") if self._store_dir else None
+        # one node: the step channel's shared-memory ring (tmpfs where there is one); removed with the group
+        self._ring_dir = tempfile.mkdtemp(prefix="rocm-k3-ring-", dir=ring_dir()) if par.nnodes == 1 else None
+        ring_path = os.path.join(self._ring_dir, RING_FILE) if self._ring_dir else None
         for rank in par.node_ranks():
-            proc = ctx.Process(target=_rank_main, args=(rank, config, child if rank == 0 else None, store_file),
+            proc = ctx.Process(target=_rank_main,
+                               args=(rank, config, child if rank == 0 else None, store_file, ring_path),
                                name=f"rocm-k3-rank{rank}", daemon=True)
             proc.start()
             self._procs.append((rank, proc))
@@ -236,9 +267,10 @@ class MultiprocExecutor:
         self._remove_store()
 
     def _remove_store(self) -> None:
-        if getattr(self, "_store_dir", None):
-            shutil.rmtree(self._store_dir, ignore_errors=True)
-            self._store_dir = None
+        for attr in ("_store_dir", "_ring_dir"):
+            if getattr(self, attr, None):
+                shutil.rmtree(getattr(self, attr), ignore_errors=True)
+                setattr(self, attr, None)
 
     def __del__(self) -> None:
         try:
