@@ -9,7 +9,9 @@ ranks, and the ranks' spread where it matters):
   ``T x k`` (every rank runs all of them on its intermediate slice without EP; about ``T x k / ep`` with EP);
 - ``colls/step``: collectives the rank issued per step (all-reduces, all-gathers, all-to-alls, PP sends);
 - ``KB/step``: bytes those collectives carried from the rank per step;
-- ``step ms``: wall time per decode step (the whole engine step: schedule, broadcast, forward, sample).
+- ``step ms``: wall time per decode step (the whole engine step: schedule, broadcast, forward, sample);
+- ``ctl ms``: wall time of an empty step through the executor (no chunks: the command's way to every rank, the
+  ranks' error flags and the output's way back, nothing else): the control path's own cost per step.
 The peer is the same engine at TP1 (one process); on 2 CPU cores the multi-rank step times measure the control
 path and gloo, not a GPU's speed. Prints a table.
 """
@@ -26,6 +28,7 @@ import torch
 from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import StepInput
 
 CONFIGS = {
     "tp1": {},
@@ -35,6 +38,7 @@ CONFIGS = {
     "tp2xpp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
 }
 NOT_COLLECTIVES = ("moe_rows", "moe_picks", "collective_bytes")
+CONTROL_STEPS = 50  # empty steps timed for the control path
 
 
 def _port() -> int:
@@ -61,6 +65,10 @@ def run_config(layout: dict, batch: int, steps: int) -> dict:
             core.step()
         step_s = (time.perf_counter() - start) / steps
         ranks = core.executor.rank_stats()
+        start = time.perf_counter()
+        for i in range(CONTROL_STEPS):
+            core.executor.execute(StepInput(step_id=10**6 + i))
+        ctl_s = (time.perf_counter() - start) / CONTROL_STEPS
     finally:
         llm.shutdown()
     cfg = json.loads((EMBEDDED_DIR / "config.json").read_text())
@@ -74,7 +82,7 @@ def run_config(layout: dict, batch: int, steps: int) -> dict:
         colls.append(sum(v for k, v in c.items() if k not in NOT_COLLECTIVES) / steps)
         nbytes.append(c.get("collective_bytes", 0) / steps)
     return {"ranks": len(ranks), "rows": rows, "tk": batch * text["num_experts_per_token"], "colls": colls,
-            "bytes": nbytes, "step_ms": step_s * 1e3}
+            "bytes": nbytes, "step_ms": step_s * 1e3, "ctl_ms": ctl_s * 1e3}
 
 
 def main() -> None:
@@ -86,7 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"bench_parallel: embedded tiny K3, fp32, CPU gloo, batch {args.batch}, {args.steps} decode steps")
     print(f"{'config':>8} | {'ranks':>5} | {'rows/layer (max, min)':>21} | {'T x k':>5} | {'colls/step':>10} | "
-          f"{'KB/step':>8} | {'step ms':>8}")
+          f"{'KB/step':>8} | {'ctl ms':>6} | {'step ms':>8}")
     base = None
     for name in args.configs:
         r = run_config(CONFIGS[name], args.batch, args.steps)
@@ -94,7 +102,8 @@ def main() -> None:
         rel = f" ({r['step_ms'] / base:.2f}x tp1)" if base and name != "tp1" else ""
         moe_ranks = [x for x in r["rows"] if x]
         print(f"{name:>8} | {r['ranks']:>5} | {max(moe_ranks):>10.1f}, {min(moe_ranks):>8.1f} | {r['tk']:>5} | "
-              f"{max(r['colls']):>10.1f} | {max(r['bytes']) / 1024:>8.1f} | {r['step_ms']:>8.1f}{rel}")
+              f"{max(r['colls']):>10.1f} | {max(r['bytes']) / 1024:>8.1f} | {r['ctl_ms']:>6.2f} | "
+              f"{r['step_ms']:>8.1f}{rel}")
 
 
 if __name__ == "__main__":
