@@ -10,7 +10,7 @@ ranks, and the ranks' spread where it matters):
 - ``colls/step``: collectives the rank issued per step (all-reduces, all-gathers, all-to-alls, PP sends);
 - ``KB/step``: bytes those collectives carried from the rank per step;
 - ``step ms``: wall time per decode step (the whole engine step: schedule, broadcast, forward, sample);
-- ``ctl ms``: wall time of an empty step through the executor (no chunks: the command's way to every rank, the
+- ``ctl ms``: median wall time of an empty step through the executor (no chunks: the command's way to every rank, the
   ranks' error flags and the output's way back, nothing else): the control path's own cost per step.
 The peer is the same engine at TP1 (one process); on 2 CPU cores the multi-rank step times measure the control
 path and gloo, not a GPU's speed. Prints a table.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import time
 
 import torch
@@ -65,10 +66,12 @@ def run_config(layout: dict, batch: int, steps: int) -> dict:
             core.step()
         step_s = (time.perf_counter() - start) / steps
         ranks = core.executor.rank_stats()
-        start = time.perf_counter()
+        ctl = []
         for i in range(CONTROL_STEPS):
+            start = time.perf_counter()
             core.executor.execute(StepInput(step_id=10**6 + i))
-        ctl_s = (time.perf_counter() - start) / CONTROL_STEPS
+            ctl.append(time.perf_counter() - start)
+        ctl_s = statistics.median(ctl)
     finally:
         llm.shutdown()
     cfg = json.loads((EMBEDDED_DIR / "config.json").read_text())
