@@ -141,3 +141,33 @@ def test_tp2_vocab_parallel_sampling_matches_one_process(tmp_path_factory) -> No
     for r in ranks:  # no rank gathered the logits; the sampler's collectives carried per-rank statistics
         c = r["collectives"]
         assert "lm_head_all_gather" not in c and c["sampler_all_gather"] > 0, c
+
+
+@pytest.mark.parametrize("cuts", [(0, 500, 1000), (0, 333, 666, 1000)])
+def test_grammar_masks_and_penalties_per_slice_equal_the_whole_row(cuts) -> None:
+    """The bitmask (slices starting inside a 32-token word) and the penalties applied slice by slice give the
+    whole row's logits."""
+    from rocm_k3.structured import allocate_bitmask, apply_bitmask
+    from rocm_k3.worker.penalties import PenaltyState, penalty_processor
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, VOCAB, generator=gen)
+    bitmask = allocate_bitmask(4, VOCAB)
+    bitmask[:] = torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int32)
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.2), SamplingParams(),
+              SamplingParams(frequency_penalty=1.0), SamplingParams(repetition_penalty=0.6)]
+    states = [PenaltyState(p, [3, 498, 499, 500, 501, 900]) if p.has_penalties else None for p in params]
+    for s in states:
+        if s is not None:
+            s.add([1, 1, 499, 665, 666, 999])
+    whole = logits.clone()
+    penalty_processor(params, states)(whole)
+    apply_bitmask(whole, bitmask, [0, 2, 3])
+    parts = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part = logits[:, lo:hi].clone()
+        penalty_processor(params, states, (lo, hi - lo))(part)
+        apply_bitmask(part, bitmask, [0, 2, 3], lo)
+        parts.append(part)
+    assert torch.equal(torch.cat(parts, dim=1), whole)
+    assert torch.isinf(whole[0]).sum() > 100 and not torch.isinf(whole[1]).any()
