@@ -206,6 +206,6 @@ def test_kv_transfer_config_is_validated_at_the_boundary():
         EngineArgs(kv_transfer_config='{"kv_connector": "SocketConnector", "kv_role": "decode"}').validated()
     with pytest.raises(ValueError, match="pip install nixl"):
         EngineArgs(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}).validated()
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer_config='{"kv_connector": "SocketConnector", '
-                                                               '"kv_role": "kv_both"}').validated()
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        EngineArgs(pipeline_parallel_size=2, kv_transfer_config='{"kv_connector": "SocketConnector", '
+                                                                 '"kv_role": "kv_both"}').validated()
