@@ -11,12 +11,16 @@ from tests.server_fixtures import start_app
 
 
 @contextlib.contextmanager
-def running_proxy(prefill_url: str, decode_url: str):
-    srv = start_app(build_proxy_app(ProxyConfig((prefill_url,), (decode_url,), timeout_s=60)))
+def running_proxy(prefill_urls: str | tuple[str, ...], decode_urls: str | tuple[str, ...], **config):
+    """``pd-proxy`` over those instances on a free port (its health checks stopped at the end)."""
+    as_tuple = (lambda u: (u,) if isinstance(u, str) else tuple(u))
+    app = build_proxy_app(ProxyConfig(as_tuple(prefill_urls), as_tuple(decode_urls), **{"timeout_s": 60, **config}))
+    srv = start_app(app)
     try:
         yield srv
     finally:
         srv.stop()
+        app.state.pools.stop()
 
 
 def complete(client, model, prompt, stream) -> str:
