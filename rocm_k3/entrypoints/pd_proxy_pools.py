@@ -29,7 +29,7 @@ class Pools:
                          [Instance(u.rstrip("/"), "decode") for u in decode_urls]
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self._lock = threading.Lock()
-        self._turn = 0
+        self._turn = {"prefill": 0, "decode": 0}  # round-robin among equally loaded, per pool
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -42,8 +42,8 @@ class Pools:
                 return None
             least = min(i.in_flight for i in pool)
             ties = [i for i in pool if i.in_flight == least]
-            self._turn += 1
-            return ties[self._turn % len(ties)]
+            self._turn[role] += 1
+            return ties[self._turn[role] % len(ties)]
 
     def by_url(self, url: str) -> Instance | None:
         return next((i for i in self.instances if i.url == url), None)
