@@ -231,6 +231,7 @@ def test_responses_through_the_proxy_move_the_cache_and_follow_ups_stay_on_their
     plain, prefill, decode = servers
     model = plain.client().models.list().data[0].id
     loaded0 = _metric(decode, "rocm_k3_kv_transfer_requests_total")
+    failures0 = _metric(decode, "rocm_k3_kv_transfer_failures_total")
     with _proxy(prefill.base_url, decode.base_url) as proxy:
         for stream in (False, True):
             text, rid = _respond(plain.client(), model, stream)
@@ -240,4 +241,4 @@ def test_responses_through_the_proxy_move_the_cache_and_follow_ups_stay_on_their
             assert _respond(proxy.client(), model, stream, got_id)[0] == _respond(plain.client(), model, stream,
                                                                                    rid)[0]
     assert _metric(decode, "rocm_k3_kv_transfer_requests_total") - loaded0 == 2  # the two first turns
-    assert _metric(decode, "rocm_k3_kv_transfer_failures_total") == 0
+    assert _metric(decode, "rocm_k3_kv_transfer_failures_total") == failures0
