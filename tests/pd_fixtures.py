@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
 from tests.server_fixtures import start_app
@@ -43,3 +44,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(cond, timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Poll ``cond()`` until it is true (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

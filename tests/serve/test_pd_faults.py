@@ -14,7 +14,6 @@ import json
 import re
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +21,7 @@ import pytest
 
 from rocm_k3.args import EngineArgs
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
-from tests.pd_fixtures import chat, complete, free_port, running_proxy
+from tests.pd_fixtures import chat, complete, free_port, running_proxy, wait_for
 from tests.server_fixtures import running_server, spawn_serve
 
 ENGINE = dict(dtype="float32", max_model_len=512)
@@ -43,15 +42,6 @@ def _all_free(base_url: str) -> bool:
     m = _metrics(base_url)
     return m["rocm_k3_kv_blocks_free"] == m["rocm_k3_kv_blocks_total"] and \
         m["rocm_k3_kda_slots_free"] == m["rocm_k3_kda_slots_total"] and m["rocm_k3_requests_running"] == 0
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @contextlib.contextmanager
@@ -106,12 +96,12 @@ def test_decode_killed_mid_load_leaves_the_prefill_server_with_everything_free(t
             c.join(60)
         assert len(outcomes) == 2 and "never failed" not in outcomes
         # every block and slot free on the prefill server, nothing running, within the store's ttl
-        assert _wait(lambda: _all_free(prefill.base_url), 10), _metrics(prefill.base_url)
+        assert wait_for(lambda: _all_free(prefill.base_url), 10), _metrics(prefill.base_url)
         assert _metrics(prefill.base_url)["rocm_k3_kv_transfer_published_total"] >= 1
         store = prefill.engine.core.executor.worker.connector.store
-        assert _wait(lambda: store.num_entries() == 0, 10)  # ttl 3 s: caches no consumer fetched are gone
+        assert wait_for(lambda: store.num_entries() == 0, 10)  # ttl 3 s: caches no consumer fetched are gone
         assert complete(prefill.client(), model, PROMPTS[0], False)  # the prefill server still serves
-        assert _wait(lambda: _proxy_status(proxy) == 503, 10)  # the proxy's health: no decode instance is left
+        assert wait_for(lambda: _proxy_status(proxy) == 503, 10)  # the proxy's health: no decode instance is left
 
 
 def _proxy_status(proxy) -> int:
@@ -145,5 +135,5 @@ def test_prefill_killed_makes_the_proxy_fall_back_and_answer(tmp_path):
         m = _metrics(proxy.base_url)
         assert m["rocm_k3_pd_proxy_prefill_fallbacks_total"] == len(expected)
         assert _metrics(decode.base_url)["rocm_k3_kv_transfer_failures_total"] == 0  # no params: no transfer tried
-        assert _wait(lambda: not json.loads(urllib.request.urlopen(proxy.url("/health"), timeout=10).read())[
+        assert wait_for(lambda: not json.loads(urllib.request.urlopen(proxy.url("/health"), timeout=10).read())[
             "instances"][0]["healthy"], 5)  # the health check keeps the dead instance out

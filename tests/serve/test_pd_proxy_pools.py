@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -15,7 +14,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.pd_fixtures import running_proxy
+from tests.pd_fixtures import running_proxy, wait_for
 from tests.server_fixtures import start_app
 
 
@@ -88,25 +87,16 @@ def _complete(proxy) -> tuple[int, dict]:
     return _post(proxy.url("/v1/completions"), {"prompt": "hi", "max_tokens": 4})
 
 
-def _wait(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_unhealthy_instance_is_taken_out_and_put_back():
     with instances("p1", "p2", "d") as (p1, p2, d), \
             running_proxy((p1.url, p2.url), d.url, health_interval_s=0.1) as proxy:
         p1.health_status = 503
-        assert _wait(lambda: not proxy_health(proxy)[p1.url])
+        assert wait_for(lambda: not proxy_health(proxy)[p1.url])
         for _ in range(4):
             assert _complete(proxy)[0] == 200
         assert len(p1.bodies) == 0 and len(p2.bodies) == 4  # every prefill went to the healthy instance
         p1.health_status = 200
-        assert _wait(lambda: proxy_health(proxy)[p1.url])
+        assert wait_for(lambda: proxy_health(proxy)[p1.url])
         for _ in range(4):
             assert _complete(proxy)[0] == 200
         assert len(p1.bodies) == 2 and len(p2.bodies) == 6  # back in the pool: turns again
@@ -123,7 +113,7 @@ def test_decode_picks_balance_by_requests_in_flight():
         d2.hold = threading.Event()
         parked = threading.Thread(target=_complete, args=(proxy,), daemon=True)
         parked.start()  # one decode parked on one instance ...
-        assert _wait(lambda: len(d1.bodies) + len(d2.bodies) == 1)
+        assert wait_for(lambda: len(d1.bodies) + len(d2.bodies) == 1)
         busy, idle = (d1, d2) if d1.bodies else (d2, d1)
         idle.hold = None
         for _ in range(3):  # ... so the next ones all go to the other instance
