@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import http.client
 import json
 import re
 import urllib.error
@@ -93,8 +94,8 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "ServiceUnavailable" if status == 503 else
-                                   "BadRequestError", "code": status}}, status_code=status)
+    kind = {400: "BadRequestError", 502: "BadGateway", 503: "ServiceUnavailable"}[status]
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
@@ -131,7 +132,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as exc:  # 4xx: the request's fault, every instance would refuse it
                 return Response(exc.read(), status_code=exc.code, media_type="application/json")
-            except (_Upstream, ValueError):
+            except (_Upstream, OSError, http.client.HTTPException, ValueError):  # incl. a body cut off or bad
                 pools.set_health(inst, False)  # out until its next passing health check
                 retries.labels("prefill").inc()
         fallbacks.inc()
@@ -162,6 +163,9 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             try:
                 with resp:
                     data = resp.read()
+            except (OSError, http.client.HTTPException) as exc:  # the instance died or stalled mid-answer
+                pools.set_health(inst, False)
+                return _error(502, f"decode instance {inst.url} failed mid-answer: {exc!r}")
             finally:
                 pools.release(inst)
             if path == _RESPONSES and (m := _RESPONSE_ID.search(data)):
