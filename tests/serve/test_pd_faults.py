@@ -41,7 +41,8 @@ def _metrics(base_url: str) -> dict[str, float]:
 def _all_free(base_url: str) -> bool:
     m = _metrics(base_url)
     return m["rocm_k3_kv_blocks_free"] == m["rocm_k3_kv_blocks_total"] and \
-        m["rocm_k3_kda_slots_free"] == m["rocm_k3_kda_slots_total"] and m["rocm_k3_requests_running"] == 0
+        m["rocm_k3_kda_slots_free"] == m["rocm_k3_kda_slots_total"] and m["rocm_k3_requests_running"] == 0 and \
+        m["rocm_k3_requests_waiting"] == 0
 
 
 @contextlib.contextmanager
