@@ -192,7 +192,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             answer = prefill(path, body, headers)
             if isinstance(answer, Response):
                 return answer
-            if answer and answer.get("kv_transfer_params"):
+            if isinstance(answer, dict) and answer.get("kv_transfer_params"):
                 dbody["kv_transfer_params"] = answer["kv_transfer_params"]
         return decode(path, dbody, headers, pinned)
 
