@@ -42,17 +42,20 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
-def _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, cols, kmask, h, stride_kt, stride_kh, stride_pe,
-                  dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, key_pos, pos_q, scale_log2,
-                  MASKED: tl.constexpr, DOT_F32: tl.constexpr):
-    """One BN block of keys (``cols`` into the segment, absolute positions ``key_pos``) into the online softmax of
-    BM query rows at positions ``pos_q``; MASKED applies the causal mask (the diagonal blocks)."""
-    c64 = cols.to(tl.int64)
-    k = tl.load(kn_ptr + c64[:, None] * stride_kt + h * stride_kh + dn[None, :],
+def _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, n0, hi, key0, h, stride_kt, stride_kh, stride_pe,
+                  dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, pos_q, scale_log2,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys ``n0 .. n0 + BLOCK_N`` of the segment (``< hi``; absolute positions ``key0 + n0 + j``) into the online
+    softmax of BM query rows at positions ``pos_q``; MASKED applies the causal mask (the diagonal blocks). All
+    offsets are int32 (AMD buffer loads): the host keeps a segment's K/V and latents under 2^31 elements."""
+    j = tl.arange(0, BLOCK_N)
+    kmask = n0 + j < hi
+    row = n0 * stride_kt + h * stride_kh  # scalar, int32: the host keeps a segment under 2^31 elements
+    k = tl.load(kn_ptr + row + (j[:, None] * stride_kt + dn[None, :]),
                 mask=kmask[:, None] & dnmask[None, :], other=0.0)  # [BN, DN]
-    kpe = tl.load(pe_ptr + c64[:, None] * stride_pe + dr[None, :], mask=kmask[:, None] & drmask[None, :],
-                  other=0.0)  # [BN, DR]
-    v = tl.load(v_ptr + c64[:, None] * stride_kt + h * stride_kh + dv[None, :],
+    kpe = tl.load(pe_ptr + n0 * stride_pe + (j[:, None] * stride_pe + dr[None, :]),
+                  mask=kmask[:, None] & drmask[None, :], other=0.0)  # [BN, DR]
+    v = tl.load(v_ptr + row + (j[:, None] * stride_kt + dv[None, :]),
                 mask=kmask[:, None] & dvmask[None, :], other=0.0)  # [BN, DV]
     if DOT_F32:  # the interpreter's bf16 tl.dot is wrong
         k = k.to(tl.float32)
@@ -62,7 +65,7 @@ def _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, cols, kmask, h, stride_kt, stri
     s = tl.dot(qpe, tl.trans(kpe), s, input_precision="ieee")  # [BM, BN]
     s = s * scale_log2
     if MASKED:
-        s = tl.where((key_pos[None, :] <= pos_q[:, None]) & kmask[None, :], s, float("-inf"))
+        s = tl.where((key0 + n0 + j[None, :] <= pos_q[:, None]) & kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
     alpha = tl.exp2(m - m_safe)
@@ -118,15 +121,13 @@ def _expanded_kernel(q_ptr, kn_ptr, v_ptr, pe_ptr, gate_ptr, out_ptr, acc_ptr, m
     free = tl.minimum(hi, q_pos0 + m0 - key0 + 1)  # keys every row of the block sees
     free = tl.maximum(free, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, free, BLOCK_N):  # below the diagonal: no mask
-        cols = n0 + tl.arange(0, BLOCK_N)
-        m, l_sum, acc = _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, cols, cols < hi, h, stride_kt, stride_kh,
-                                      stride_pe, dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, key0 + cols,
-                                      pos_q, scale_log2, False, DOT_F32)
+        m, l_sum, acc = _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, n0, hi, key0, h, stride_kt, stride_kh,
+                                      stride_pe, dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, pos_q,
+                                      scale_log2, BLOCK_N, False, DOT_F32)
     for n0 in range(free, hi, BLOCK_N):  # the diagonal blocks
-        cols = n0 + tl.arange(0, BLOCK_N)
-        m, l_sum, acc = _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, cols, cols < hi, h, stride_kt, stride_kh,
-                                      stride_pe, dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, key0 + cols,
-                                      pos_q, scale_log2, True, DOT_F32)
+        m, l_sum, acc = _attend_block(q, qpe, kn_ptr, v_ptr, pe_ptr, n0, hi, key0, h, stride_kt, stride_kh,
+                                      stride_pe, dn, dnmask, dr, drmask, dv, dvmask, m, l_sum, acc, pos_q,
+                                      scale_log2, BLOCK_N, True, DOT_F32)
     if LAST:
         o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         omask = rmask[:, None] & dvmask[None, :]
@@ -146,9 +147,14 @@ def _tile(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def default_tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages): bf16/fp16 128 x 64 with 8 warps (measured, see RESULTS.md);
-    fp32 operands 64 x 32 (twice the bytes per element)."""
+def default_tiles(dtype: torch.dtype, amd: bool = False) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages). NVIDIA bf16/fp16: 128 x 64 with 8 warps (measured on the H200,
+    benchmarks/RESULTS.md); fp32 operands 64 x 32 (twice the bytes per element). AMD: 32 x 32 with 4 warps, the
+    largest tile gfx942 / gfx950 compile without scratch (the compile tier; 64 x 64 spills 25 registers, 128 x 64
+    over 100: the resident q / q_pe tiles of 192 columns plus the 128-column accumulator); not measured on an AMD
+    GPU."""
+    if amd:
+        return (32, 32, 4, 2)
     return (64, 32, 4, 2) if dtype == torch.float32 else (128, 64, 8, 2)
 
 
@@ -189,7 +195,8 @@ def mla_prefill_expanded(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         return out
     scale = q_width ** -0.5 if scale is None else float(scale)
     cu, lens = bounds if bounds is not None else (cu_seqlens_q.tolist(), seq_lens.tolist())
-    bm, bn, warps, stages = tiles or default_tiles(q.dtype)
+    bm, bn, warps, stages = tiles or default_tiles(q.dtype, amd=torch.version.hip is not None)
+    segment = min(segment, (2 ** 31 - 1) // max(num_heads * (nope + vd), geo.latent))  # int32 offsets (kernel)
     compute = torch.float32 if q.dtype == torch.float32 else q.dtype
     w = kv_b_weight.to(compute)  # [H (Dn + Dv), R]
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -517,15 +517,15 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_decode_r48_p24",
-                    "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_align_t1",
-                    "moe_align_count", "moe_align_scan", "moe_align_scatter", "moe_w13_a16w4", "moe_w2_a16w4_split",
-                    "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill",
-                    "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce",
-                    "moe_mxfp8_round_trip")
-_MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
-                "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
-                "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_prefill_expanded",
+                    "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align",
+                    "moe_align_t1", "moe_align_count", "moe_align_scan", "moe_align_scatter", "moe_w13_a16w4",
+                    "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4", "moe_w2_two_mul",
+                    "moe_w13_prefill", "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts",
+                    "moe_topk_reduce", "moe_mxfp8_round_trip")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_prefill_expanded", "mla_decode_r48_p24", "mla_prefill_r48_p24",
+                "varlen_attention", "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic",
+                "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
 # compiled as programmatic dependent launches on sm_90 (fused_moe_with launches them so on sm_90+)
 _PDL_KERNELS = ("moe_align", "moe_topk_reduce")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
