@@ -3,9 +3,10 @@
 The absorbed kernel (:mod:`rocm_k3.triton_kernels.mla_prefill`) attends in the 512-d latent space: 2 (R + P + R) =
 2176 FLOPs per (query, key, head) and 16-row query tiles. Over the expanded heads a pair costs 2 (Dn + P + Dv) =
 640 FLOPs, at the price of expanding every context key once per call: ``[k_nope | v] = c_kv @ kv_b^T``, 2 R H
-(Dn + Dv) FLOPs per key. For a chunk of n queries the expansion is paid back once n is a few hundred; the
-crossover measured on the H200 sets :data:`EXPANDED_MIN_QUERIES` (``benchmarks/bench_mla_prefill.py``), and
-``mla_prefill`` sends each sequence whose chunk has at least that many queries here.
+(Dn + Dv) FLOPs per key. For a chunk of n queries the expansion is paid back from n ~ 100 on the H200 (the
+absorbed kernel's 16-row tiles also run its MMAs far below peak); the measured crossover sets
+:data:`EXPANDED_MIN_QUERIES` (``benchmarks/bench_mla_prefill.py``), and ``mla_prefill`` sends each sequence whose
+chunk has at least that many queries here.
 
 Chunked prefill: the queries are the last n of a sequence's L context tokens, all already in the paged cache.
 The context is walked in segments of at most ``segment`` keys; each segment's latents are gathered from their
@@ -35,8 +36,10 @@ import triton.language as tl
 from rocm_k3.ops.mla import prefill_geometry
 from rocm_k3.triton_kernels.runtime import interpreted
 
-# A chunk of at least this many queries takes the expanded kernel (measured crossover, see the module doc).
-EXPANDED_MIN_QUERIES = 256
+# A chunk of at least this many queries takes the expanded kernel. Measured on the H200 (2026-12-04, 12 heads, bf16,
+# benchmarks/RESULTS.md): the expanded kernel is 1.56x faster at n = 128 of L = 4096 and 2.60x at n = 128 of
+# L = 32768, 0.79x (slower) at n = 64 of L = 4096 (2.57x at n = 64 of L = 32768).
+EXPANDED_MIN_QUERIES = 128
 SEGMENT_KEYS = 32768  # keys expanded per pass: workspace H * (Dn + Dv) * 2 B per key (12 heads: 192 MiB)
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -148,14 +151,15 @@ def _tile(width: int) -> int:
 
 
 def default_tiles(dtype: torch.dtype, amd: bool = False) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages). NVIDIA bf16/fp16: 128 x 64 with 8 warps (measured on the H200,
-    benchmarks/RESULTS.md); fp32 operands 64 x 32 (twice the bytes per element). AMD: 32 x 32 with 4 warps, the
+    """(block_m, block_n, num_warps, num_stages). NVIDIA bf16/fp16: 128 x 128 with 8 warps, 2 stages (the best of
+    five measured on the H200 at n = L = 8192, 12 heads: 0.95 ms against 1.08-1.78 ms; benchmarks/RESULTS.md); fp32
+    operands 64 x 32 (twice the bytes per element). AMD: 32 x 32 with 4 warps, the
     largest tile gfx942 / gfx950 compile without scratch (the compile tier; 64 x 64 spills 25 registers, 128 x 64
     over 100: the resident q / q_pe tiles of 192 columns plus the 128-column accumulator); not measured on an AMD
     GPU."""
     if amd:
         return (32, 32, 4, 2)
-    return (64, 32, 4, 2) if dtype == torch.float32 else (128, 64, 8, 2)
+    return (64, 32, 4, 2) if dtype == torch.float32 else (128, 128, 8, 2)
 
 
 def expand_segment(kv_cache: torch.Tensor, table_row: torch.Tensor, key0: int, count: int,

@@ -123,7 +123,7 @@ def test_interpret_tier_in_subprocess() -> None:
                          ids=["chunk_and_prompt", "segments"])
 def test_expanded_prefill_k3_cuda(lens: list[int], news: list[int], segment: int) -> None:
     """K3 latents (512 + 64, 128 / 128 per head), TP-8's 12 heads, bf16, 64-token pages; also through
-    ``mla_prefill`` with the default crossover."""
+    ``mla_prefill`` with the default crossover and with every sequence on the absorbed kernel."""
     args, gate = _problem("released", lens, news, 12, seeded(15), bs=64, device="cuda", dtype=torch.bfloat16,
                           w_scale=0.05)
     want = ref_mla._mla_prefill_reference(*args)
@@ -132,3 +132,4 @@ def test_expanded_prefill_k3_cuda(lens: list[int], news: list[int], segment: int
     out = tri_exp.mla_prefill_expanded(*args, segment=segment, gate=gate, out=_poisoned(args))
     assert_rel(out, want.float() * torch.sigmoid(gate.float()), 1e-2, "expanded mla_prefill bf16, gated")
     assert_rel(mla_prefill_with(*args), want, 1e-2, "mla_prefill (default crossover)")
+    assert_rel(mla_prefill_with(*args, expanded_min_queries=1 << 40), want, 1e-2, "mla_prefill, all absorbed")
