@@ -12,9 +12,6 @@ to bf16 once, the probabilities once more before the PV dot: a few bf16 ulps of 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +25,7 @@ from rocm_k3.ops import mla as ref_mla  # noqa: E402
 from rocm_k3.triton_kernels import mla_prefill_expanded as tri_exp  # noqa: E402
 from rocm_k3.triton_kernels.mla_prefill import mla_prefill_with  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
-from tests.helpers import assert_rel, seeded  # noqa: E402
+from tests.helpers import assert_rel, run_interpret_tier, seeded  # noqa: E402
 
 _INTERPRETED = interpreted(tri_exp._expanded_kernel) and interpreted(triton.language.sigmoid)
 needs_interp = pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; the interpreter "
@@ -109,10 +106,7 @@ def test_expanded_prefill_argument_errors() -> None:
 @pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(),
                     reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_interpret_tier_in_subprocess() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_interpret_tier(__file__)
 
 
 # ------------------------------------------------------------------------------------------------------ cuda tier

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +54,13 @@ from rocm_k3.triton_kernels.moe.fused import (  # noqa: E402
     prepare_weights,
 )
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
-from tests.helpers import assert_rel, poisoned_like, run_compile_driver, seeded  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_rel,
+    poisoned_like,
+    run_compile_driver,
+    run_interpret_tier,
+    seeded,
+)
 
 # both ours and Triton's own standard library must be interpreted (see the module docstring)
 _INTERPRETED = interpreted(tri_norm._rms_norm_kernel) and interpreted(triton.language.sigmoid)
@@ -488,10 +491,7 @@ def test_launcher_argument_errors() -> None:
 @pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(),
                     reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_interpret_tier_in_subprocess() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_interpret_tier(__file__)
 
 
 def test_compile_kernel_argument_errors() -> None:
