@@ -13,6 +13,10 @@ so no [L, H, Dn + Dv] expanded keys/values are materialised. One program per (BT
 head) walks keys 0..(its last query's position) over the paged cache with an online softmax. The host reads
 ``cu_seqlens_q`` once to list the query blocks (a sync per prefill call).
 
+``mla_prefill`` runs this kernel for the sequences of a call whose chunk is shorter than
+``mla_prefill_expanded.EXPANDED_MIN_QUERIES`` queries and the expanded-heads flash kernel
+(:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`) for the others (the crossover measured on the H200).
+
 Latent geometry (R, P, Dn, Dv; K3: 512, 64, 128, 128) comes from the shapes (``rocm_k3.ops.mla.prefill_geometry``);
 the kernel takes R, P and Dn as constexprs with power-of-two column tiles, like the decode kernel, and declines the
 same latents (``latent_supported``).
