@@ -10,7 +10,9 @@ The writer puts message ``s`` (1, 2, ...) into slot ``(s - 1) % num_slots`` once
 message before it in that slot as read (a slow reader holds the writer back by at most ``num_slots`` messages),
 clears the flags and publishes ``seq`` last. A reader waits for the ``seq`` it expects, copies the data out and sets
 its flag. A message larger than a slot is announced in its slot and sent through ``overflow`` (a torch.distributed
-broadcast in the executor). Waiting polls: a short spin with ``sched_yield``, then sleeps growing to 1 ms.
+broadcast in the executor). Waiting polls: a spin with ``sched_yield`` for ``spin_s`` (short on a CPU group whose
+ranks share cores; long on GPU nodes, where a sleeping reader would add its wake-up to every step), then sleeps
+growing to 1 ms.
 
 No hang: a writer waiting on a reader checks the readers' processes every ~50 ms and raises
 :class:`BroadcastError` naming a reader whose process has ended, or one that did not read within ``timeout_s``;
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable
 
 _Q = struct.Struct("<q")
-_SPIN_S = 100e-6  # poll with sched_yield this long before sleeping
+SPIN_S = 100e-6  # by default, poll with sched_yield this long before sleeping
 _MAX_SLEEP_S = 1e-3
 _CHECK_S = 0.05  # how often a waiting side checks that its peers' processes still live
 
@@ -91,6 +93,7 @@ class ShmRing:
     def __init__(self, spec: RingSpec, reader: int | None, fd: int) -> None:
         self.spec = spec
         self.reader = reader
+        self.spin_s = SPIN_S
         self._mm = mmap.mmap(fd, spec.total_bytes)
         os.close(fd)
         self._seq = 0  # the last message written (writer) / read (reader)
@@ -186,7 +189,7 @@ class ShmRing:
         sleep = 10e-6
         while not ready():
             now = time.monotonic()
-            if now - start < _SPIN_S:
+            if now - start < self.spin_s:
                 os.sched_yield()
                 continue
             if now - last_check > _CHECK_S:

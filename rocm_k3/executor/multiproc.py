@@ -37,12 +37,13 @@ from typing import Any
 
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig
-from rocm_k3.distributed.shm_broadcast import BroadcastError
+from rocm_k3.distributed.shm_broadcast import SPIN_S, BroadcastError
 from rocm_k3.executor.step_channel import RING_FILE, StepChannel, recv_bytes, ring_dir, send_bytes
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
 
 _POLL_S = 0.2
+GPU_SPIN_S = 0.05
 
 
 def idle_ping_s(timeout_s: float) -> float:
@@ -82,7 +83,10 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
             conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
         raise
     group = ctx.world_cpu_group
-    channel = StepChannel.open(rank, par.world_size, group, ring_path, par.timeout_s)
+    # GPU ranks have cores to spare: spin up to 50 ms for the next command (a sleep's wake-up would add to each
+    # step); CPU ranks share their cores with the work, so they spin briefly, then sleep
+    spin_s = GPU_SPIN_S if cfg.device.type == "cuda" else SPIN_S
+    channel = StepChannel.open(rank, par.world_size, group, ring_path, par.timeout_s, spin_s)
     status = _gather_status(dist, group, rank, None)  # also: the ring file exists from here on
     channel.attach(ring_path, par.world_size)
     if conn is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rocm_k3.distributed.shm_broadcast import RingSpec, ShmRing
+from rocm_k3.distributed.shm_broadcast import SPIN_S, RingSpec, ShmRing
 
 FRAME_BYTES = 64 * 1024  # one frame: an 8-byte length, then up to FRAME_BYTES - 8 bytes of the message
 RING_FILE = "step-ring"
@@ -78,24 +78,29 @@ class StepChannel:
     """Rank 0 :meth:`send` s each command to every rank; the others :meth:`recv` it (see the module docstring).
     ``ring``: this node's ring (one-node groups), or None (frames over ``group``)."""
 
-    def __init__(self, rank: int, group, ring: ShmRing | None, timeout_s: float) -> None:
+    def __init__(self, rank: int, group, ring: ShmRing | None, timeout_s: float, spin_s: float = SPIN_S) -> None:
         self.rank = rank
         self.group = group
         self.ring = ring
         self.timeout_s = timeout_s
+        self.spin_s = spin_s  # how long a ring end spins before it sleeps (see shm_broadcast)
+        if ring is not None:
+            ring.spin_s = spin_s
 
     @classmethod
-    def open(cls, rank: int, world: int, group, ring_path: str | None, timeout_s: float) -> StepChannel:
+    def open(cls, rank: int, world: int, group, ring_path: str | None, timeout_s: float,
+             spin_s: float = SPIN_S) -> StepChannel:
         """Rank 0 creates the ring at ``ring_path`` (None: frames, several nodes); call :meth:`attach` on the
         other ranks after a barrier (the file exists then)."""
         ring = None
         if ring_path is not None and world > 1 and rank == 0:
             ring = ShmRing.create(RingSpec(ring_path, world - 1))
-        return cls(rank, group, ring, timeout_s)
+        return cls(rank, group, ring, timeout_s, spin_s)
 
     def attach(self, ring_path: str | None, world: int) -> None:
         if ring_path is not None and world > 1 and self.rank != 0:
             self.ring = ShmRing.attach(RingSpec(ring_path, world - 1), self.rank - 1)
+            self.ring.spin_s = self.spin_s
 
     def send(self, command: Any) -> None:
         payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
