@@ -204,8 +204,10 @@ class ShmRing:
             time.sleep(sleep)
             sleep = min(_MAX_SLEEP_S, sleep * 2)
 
-    def close(self, unlink: bool = False) -> None:
-        if not self._mm.closed:
+    def close(self, unlink: bool = False, keep_mapping: bool = False) -> None:
+        """Unmap (unless ``keep_mapping``) and, with ``unlink``, remove the file (the writer, once the readers
+        have mapped it or at the end)."""
+        if not keep_mapping and not self._mm.closed:
             self._mm.close()
         if unlink:
             try:

@@ -89,6 +89,8 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
     channel = StepChannel.open(rank, par.world_size, group, ring_path, par.timeout_s, spin_s)
     status = _gather_status(dist, group, rank, None)  # also: the ring file exists from here on
     channel.attach(ring_path, par.world_size)
+    dist.barrier(group=group)  # every reader has mapped the ring: its file can go (no tmpfs left behind a kill)
+    channel.unlink()
     if conn is not None:
         conn.send(("ready", status))
     ping_s = idle_ping_s(par.timeout_s)

@@ -119,6 +119,11 @@ class StepChannel:
         dist.broadcast(head, 0, group=self.group)
         return pickle.loads(_unframe(head, lambda n: _broadcast_raw(None, n, self.group)))
 
+    def unlink(self) -> None:
+        """Rank 0: remove the ring's file once every rank has mapped it (the mappings stay valid)."""
+        if self.ring is not None and self.rank == 0:
+            self.ring.close(unlink=True, keep_mapping=True)
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close(unlink=self.rank == 0)
