@@ -97,10 +97,13 @@ class PreparedChat:
         parsed.tool_calls = self.allowed_calls(parsed.tool_calls, 0)
         return parsed
 
-    def allowed_call_deltas(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-        """The streamed call pieces of the calls :meth:`allowed_calls` keeps (the first only without parallel
-        calls)."""
-        return deltas if self.parallel_tool_calls else [d for d in deltas if d.index == 0]
+    def allowed_call_deltas(self, deltas: list[ToolCallDelta], calls: list[ToolCall]) -> list[ToolCallDelta]:
+        """The streamed call pieces of the calls :meth:`allowed_calls` keeps: all with parallel calls, else those
+        up to the first call returned (``calls``: the calls returned so far, this piece's included). A call that
+        broke after its pieces went out (see :mod:`rocm_k3.formats.parsers.stream`) does not count."""
+        if self.parallel_tool_calls or not calls:
+            return deltas
+        return [d for d in deltas if d.index <= calls[0].index]
 
     def allowed_calls(self, calls: list[ToolCall], num_before: int) -> list[ToolCall]:
         """``calls`` after ``num_before`` earlier ones, cut to one call in all when parallel calls are off."""

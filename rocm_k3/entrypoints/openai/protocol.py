@@ -329,6 +329,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # once, with the first output chunk
     system_fingerprint: str | None = None
     service_tier: str | None = None
     moderation: dict[str, Any] | None = None
