@@ -243,6 +243,11 @@ K3_CASES = [
                                     k3_call("get_weather", k3_arg("city", "string", "Oslo"), 2)) + MSG_END,
          out("t", 'tool="search" index="1" argument key="query" type="string" q argument junk',
              [call(1, "get_weather", '{"city": "Oslo"}')]), WITH_TOOLS),
+    Case("text_in_tools_section_kept_as_content", "kimi_k3",
+         "t" + THINK_END + "<|open|>tools<|sep|>\n" + PARIS + "\nsee <|open|>argument<|sep|>x\n" + PARIS
+         + "<|close|>tools<|sep|>" + MSG_END,
+         out("t", "see argument x", [call(0, "get_weather", '{"city": "Paris"}'),
+                                     call(1, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
     Case("named_tool_choice_parses", "kimi_k3", "t" + THINK_END + k3_tools(PARIS) + MSG_END,
          out("t", None, [call(0, "get_weather", '{"city": "Paris"}')]),
          {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
@@ -318,8 +323,9 @@ K2_CASES = [
     Case("k2_no_argument_marker_kept_as_content", "kimi_k2",
          "r</think>" + SEC_B + "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|>" + SEC_E + IM_END,
          out("r", "functions.get_weather:0"), WITH_TOOLS),
-    Case("k2_text_between_calls_dropped", "kimi_k2", "r</think>" + SEC_B + " \n" + BEIJING + "junk" + SEC_E + "after",
-         out("r", "after", [call(0, "get_weather", '{"city": "Beijing"}', "functions.get_weather:0")]), WITH_TOOLS),
+    # nothing lost: text inside the section outside a call is content (whitespace between calls is dropped)
+    Case("k2_text_between_calls_kept", "kimi_k2", "r</think>" + SEC_B + " \n" + BEIJING + "junk" + SEC_E + "after",
+         out("r", "junkafter", [call(0, "get_weather", '{"city": "Beijing"}', "functions.get_weather:0")]), WITH_TOOLS),
 ]
 
 ALL_CASES = K3_CASES + K2_CASES

@@ -10,7 +10,8 @@ on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` wh
 Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
 whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
 has arrived. Nothing is lost: a call that does not parse, names a function the request did not declare, or is
-still open at the end (cut off) comes back as content text, its markers removed. While a call is written, ``call_deltas`` carry it the
+still open at the end (cut off) comes back as content text, its markers removed; so does text inside a tool
+section outside any call (whitespace between calls is dropped). While a call is written, ``call_deltas`` carry it the
 way vLLM streams calls: a first piece with index, id and name and the first fixed part of its arguments JSON
 (the family's ``partial_call``; only for a declared function when tools are declared), then each new fixed
 part, the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``. The name waits
@@ -77,6 +78,7 @@ class StreamParser:
         self._state = State.REASONING if self._opts.prompt_in_think else State.CONTENT
         self._buf = ""
         self._call: list[str] | None = None  # body of the open call
+        self._between: list[str] = []  # text inside a tool section outside any call (kept as content)
         self._call_return = State.TOOLS
         self._n_calls = 0
         self._content_started = False  # a non-space content character has been emitted
@@ -107,6 +109,7 @@ class StreamParser:
         self._drain(final=True)
         if self._call is not None:  # cut off before its close (max_tokens): its text is content
             self._end_call(closed=False)
+        self._keep_between()
         self._finished = True
         self._pending_space = ""
         return self._take()
@@ -136,6 +139,8 @@ class StreamParser:
     def _apply(self, tr: Transition, marker: str) -> None:
         leaving = self._state
         nxt = tr.next if tr.next is not None else self._call_return
+        if leaving is State.TOOLS:
+            self._keep_between()
         if leaving is State.CALL:
             self._end_call(tr.closes_call)
         if nxt is State.CALL:
@@ -163,7 +168,9 @@ class StreamParser:
             self._out.content = (self._out.content or "") + text
         elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
             self._call.append(text)
-        # TOOLS (text between calls) and END (after the turn) drop their text
+        elif state is State.TOOLS:  # kept until the next marker, then content (see _keep_between)
+            self._between.append(text)
+        # END (after the turn) drops its text
 
     def _end_call(self, closed: bool) -> None:
         """Leave the open call: a closed, well-formed call to a declared function is returned; anything else
@@ -183,6 +190,13 @@ class StreamParser:
             self._keep_text(body)
             self._n_calls += self._sent is not None
         self._sent = None
+
+    def _keep_between(self) -> None:
+        """Text in a tool section outside any call (stray or broken markup, prose) is content, markers removed;
+        whitespace between calls is dropped."""
+        between, self._between = self._between, []
+        if "".join(between).strip():
+            self._keep_text(["".join(between).strip()])
 
     def _keep_text(self, body: list[str]) -> None:
         """A call that is not a call (malformed, undeclared, unclosed): its text goes on as content, the family's
