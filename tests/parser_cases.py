@@ -83,6 +83,12 @@ MSG_END = "<|close|>message<|sep|><|end_of_msg|>"
 PARIS = k3_call("get_weather", k3_arg("city", "string", "Paris"))
 WITH_TOOLS = {"tools": TOOLS}
 
+
+def broken_weather_call(name: str, body: str, kept: str) -> Case:
+    """A K3 get_weather call with a malformed ``body``: no call, its text ``kept`` (markers removed) as content."""
+    return Case(f"{name}_kept_as_content", "kimi_k3", "t" + THINK_END + k3_tools(k3_call("get_weather", body))
+                + MSG_END, out("t", 'tool="get_weather" index="1" ' + kept), WITH_TOOLS)
+
 K3_CASES = [
     Case("spec_example_tool_turn", "kimi_k3",
          "The user wants Paris weather; call the tool." + THINK_END + RESP.format("") + k3_tools(PARIS) + MSG_END,
@@ -212,32 +218,22 @@ K3_CASES = [
          "t" + THINK_END + k3_tools('<|open|>callx tool="a"<|sep|><|close|>call<|sep|>', PARIS) + MSG_END,
          out("t", 'x tool="a"', [call(0, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
     # malformed calls (shapes the sampled embedded model wrote): never a call, the text kept as content
-    Case("marker_inside_argument_value_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", k3_arg("city", "string", "vario<|close|>alue"))) + MSG_END,
-         out("t", 'tool="get_weather" index="1" argument key="city" type="string" vario alue argument'), WITH_TOOLS),
-    Case("unclosed_argument_block_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", '<|open|>argument key="city" type="string"<|sep|>'
-                                                         'Nepenenamgument<|sep|>')) + MSG_END,
-         out("t", 'tool="get_weather" index="1" argument key="city" type="string" Nepenenamgument'), WITH_TOOLS),
-    Case("text_between_blocks_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", "so " + k3_arg("city", "string", "Oslo"))) + MSG_END,
-         out("t", 'tool="get_weather" index="1" so argument key="city" type="string" Oslo argument'), WITH_TOOLS),
-    Case("argument_without_key_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", '<|open|>argument type="string"<|sep|>Oslo'
-                                                         '<|close|>argument<|sep|>')) + MSG_END,
-         out("t", 'tool="get_weather" index="1" argument type="string" Oslo argument'), WITH_TOOLS),
-    Case("marker_inside_attribute_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", k3_arg("ci<|sep|>ty", "string", "Oslo"))) + MSG_END,
-         out("t", 'tool="get_weather" index="1" argument key="ci ty" type="string" Oslo argument'), WITH_TOOLS),
-    Case("json_block_beside_arguments_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", k3_arg("city", "string", "Oslo")
-                                            + '<|open|>json<|sep|>{"city": "Rome"}<|close|>json<|sep|>')) + MSG_END,
-         out("t", 'tool="get_weather" index="1" argument key="city" type="string" Oslo argument json '
-                  '{"city": "Rome"} json'), WITH_TOOLS),
-    Case("json_block_not_an_object_kept_as_content", "kimi_k3",
-         "t" + THINK_END + k3_tools(k3_call("get_weather", '<|open|>json<|sep|>["Oslo"]<|close|>json<|sep|>'))
-         + MSG_END,
-         out("t", 'tool="get_weather" index="1" json ["Oslo"] json'), WITH_TOOLS),
+    *(broken_weather_call(name, body, kept) for name, body, kept in [
+        ("marker_inside_argument_value", k3_arg("city", "string", "vario<|close|>alue"),
+         'argument key="city" type="string" vario alue argument'),
+        ("unclosed_argument_block", '<|open|>argument key="city" type="string"<|sep|>Nepenenamgument<|sep|>',
+         'argument key="city" type="string" Nepenenamgument'),
+        ("text_between_blocks", "so " + k3_arg("city", "string", "Oslo"),
+         'so argument key="city" type="string" Oslo argument'),
+        ("argument_without_key", '<|open|>argument type="string"<|sep|>Oslo<|close|>argument<|sep|>',
+         'argument type="string" Oslo argument'),
+        ("marker_inside_attribute", k3_arg("ci<|sep|>ty", "string", "Oslo"),
+         'argument key="ci ty" type="string" Oslo argument'),
+        ("json_block_beside_arguments",
+         k3_arg("city", "string", "Oslo") + '<|open|>json<|sep|>{"city": "Rome"}<|close|>json<|sep|>',
+         'argument key="city" type="string" Oslo argument json {"city": "Rome"} json'),
+        ("json_block_not_an_object", '<|open|>json<|sep|>["Oslo"]<|close|>json<|sep|>', 'json ["Oslo"] json'),
+    ]),
     Case("broken_call_after_streamed_call_keeps_index", "kimi_k3",
          "t" + THINK_END + k3_tools(k3_call("search", k3_arg("query", "string", "q") + "junk"),
                                     k3_call("get_weather", k3_arg("city", "string", "Oslo"), 2)) + MSG_END,
