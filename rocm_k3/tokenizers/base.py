@@ -28,14 +28,26 @@ class TokenizerError(ValueError):
 
 
 @runtime_checkable
-class Tokenizer(Protocol):
-    """What the engine and the server need from a tokenizer (see the module docstring)."""
+class TokenTable(Protocol):
+    """The id-level facts of a tokenizer: its size, special tokens, stop ids and each id's bytes (all the grammar
+    engine reads: :mod:`rocm_k3.structured.vocab`)."""
 
     @property
     def vocab_size(self) -> int: ...
 
     @property
     def special_tokens(self) -> Mapping[str, int]: ...
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@runtime_checkable
+class Tokenizer(TokenTable, Protocol):
+    """What the engine and the server need from a tokenizer (see the module docstring): a :class:`TokenTable`
+    that also encodes and decodes text."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
@@ -49,8 +61,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class SpecialIds:
