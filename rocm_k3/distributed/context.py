@@ -94,11 +94,11 @@ class ParallelContext:
     ``moe_picks`` = T x k of the steps).
     """
 
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # = pp_rank * tp_size + tp_rank
+    world_size: int = 1  # = tp_size * pp_size
     tp_rank: int = 0
     tp_size: int = 1
-    pp_rank: int = 0
+    pp_rank: int = 0  # the pipeline stage
     pp_size: int = 1
     ep_enabled: bool = False
     num_redundant_experts: int = 0
