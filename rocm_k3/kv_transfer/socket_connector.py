@@ -34,12 +34,6 @@ class KVTransferStats:
     timeouts: int = 0
 
 
-def tensor_to_bytes(t: torch.Tensor) -> tuple[bytes, dict[str, Any]]:
-    t = t.detach().to("cpu").contiguous()
-    return t.view(torch.uint8).numpy().tobytes(), {"dtype": str(t.dtype).removeprefix("torch."),
-                                                   "shape": list(t.shape)}
-
-
 def tensor_from_bytes(payload: bytes, meta: dict[str, Any]) -> torch.Tensor:
     dtype = getattr(torch, meta["dtype"], None)
     if not isinstance(dtype, torch.dtype):
@@ -55,7 +49,7 @@ class SocketConnectorWorker(KVConnectorWorker):
         self.stats = KVTransferStats()
         self._caches: dict[str, tuple[str, torch.Tensor]] = {}
         ttl_s = float(config.kv_connector_extra_config.get("ttl_s", 60.0))
-        self.store = BlockStore(config.kv_ip, config.kv_port, ttl_s=ttl_s) if config.is_producer else None
+        self.store = self._new_store(config.kv_ip, config.kv_port, ttl_s) if config.is_producer else None
         self._lock = threading.Lock()
         self._fetched: dict[tuple[str, str], tuple[bytes, dict[str, Any]] | TransferError] = {}
         self._layer_ready: dict[str, threading.Event] = {}
@@ -63,6 +57,14 @@ class SocketConnectorWorker(KVConnectorWorker):
         self._failed: set[str] = set()
         self._received: set[str] = set()
         self._sent: set[str] = set()
+
+    def _new_store(self, host: str, port: int, ttl_s: float) -> BlockStore:
+        """The producer's store (a transport subclass serves it its own way)."""
+        return BlockStore(host, port, ttl_s=ttl_s)
+
+    def _new_client(self, host: str, port: int) -> BlockClient:
+        """A consumer's client of the producer at ``host:port``, for one step's loads."""
+        return BlockClient(host, port, self.config.timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], kda_states: dict[str, Any] | None = None) -> None:
         for name, t in kv_caches.items():
@@ -77,11 +79,12 @@ class SocketConnectorWorker(KVConnectorWorker):
         return tuple(self._caches)
 
     def _index(self, group: str, req: ReqTransfer) -> Any:
+        """The request's rows of a layer's pool: its blocks (MLA) or its one state slot (KDA, as a slice)."""
         if group == GROUP_MLA:
             return list(req.block_ids)
         if req.kda_slot is None:
             raise ValueError(f"request {req.req_id!r} has KDA layers but no kda_slot")
-        return req.kda_slot
+        return slice(req.kda_slot, req.kda_slot + 1)
 
     # -- producer ---------------------------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: ConnectorMeta) -> None:
@@ -89,10 +92,9 @@ class SocketConnectorWorker(KVConnectorWorker):
             return
         group, cache = self._caches[layer_name]
         for req in meta.saves:
-            payload, tmeta = tensor_to_bytes(cache[self._index(group, req)])
-            self.store.put(entry_key(req.transfer_id, layer_name), payload, tmeta)
+            nbytes = self.store.put(entry_key(req.transfer_id, layer_name), cache[self._index(group, req)])
             self.stats.blocks_sent += len(req.block_ids) if group == GROUP_MLA else 1
-            self.stats.bytes_sent += len(payload)
+            self.stats.bytes_sent += nbytes
 
     def wait_for_save(self) -> None:
         """Saves are synchronous puts into the local store: nothing to wait for."""
@@ -114,13 +116,15 @@ class SocketConnectorWorker(KVConnectorWorker):
         for req in loads:  # a load names its producer; the configured address is the default
             addr = (req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port)
             if addr not in clients:
-                clients[addr] = BlockClient(*addr, self.config.timeout_s)
+                clients[addr] = self._new_client(*addr)
             client_of[req.req_id] = clients[addr]
         try:
             for name in self._caches:
                 for req in loads:
                     try:
-                        got: Any = client_of[req.req_id].get(entry_key(req.transfer_id, name))
+                        # MLA: only the producer's blocks from first_block on (the rest are cached here)
+                        first = req.first_block if self._caches[name][0] == GROUP_MLA else 0
+                        got: Any = client_of[req.req_id].get(entry_key(req.transfer_id, name), first)
                     except TransferError as exc:
                         got = exc
                     with self._lock:
@@ -155,8 +159,6 @@ class SocketConnectorWorker(KVConnectorWorker):
             payload, tmeta = got
             try:
                 src = tensor_from_bytes(payload, tmeta)
-                if group == GROUP_MLA:  # the producer's blocks from first_block on (the rest are cached here)
-                    src = src[req.first_block : req.first_block + len(req.block_ids)]
                 dst_index = self._index(group, req)
                 dst = cache[dst_index]
                 if tuple(src.shape) != tuple(dst.shape) or src.dtype != cache.dtype:

@@ -27,6 +27,7 @@ from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
+from rocm_k3.kv_transfer.workers import connector_worker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
@@ -277,7 +278,7 @@ class Worker:
         self.runner = ModelRunner(self.stage, pools, width)
         if self.config.kv_transfer is not None:
             if self.connector is None:
-                self.connector = SocketConnectorWorker(self.config.kv_transfer)
+                self.connector = connector_worker(self.config.kv_transfer)
             self.connector.register_kv_caches(*pools.transfer_groups())
             self.runner.before_forward = self._transfer_kv
         if self.vision_model is not None:

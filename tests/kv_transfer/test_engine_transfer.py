@@ -1,6 +1,7 @@
 """The connector inside the engines (no server): a producer LLM publishes, a consumer LLM loads, with the features
-users turn on beside it: chunked prefill on the producer, the consumer's own prefix cache (it copies in only the
-pages past its cached prefix, and always the KDA state), and a load that fails (producer gone) recomputing."""
+users turn on beside it: chunked prefill on the producer, the consumer's own prefix cache (it fetches only the
+pages past its cached prefix, and always the KDA state), and a load that fails (producer gone) recomputing. Runs
+over both transports (NixlConnector skipped with its reason where nixl is not installed)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ import random
 import pytest
 
 from rocm_k3 import LLM, SamplingParams
+from rocm_k3.kv_transfer.config import nixl_installed
 from tests.pd_fixtures import free_port as _free_port
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    port = _free_port()
+NO_NIXL = "nixl (the `nixl` extra: nixl-cu12) is not installed: NixlConnector cannot run here"
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("SocketConnector", id="socket"),
+    pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(not nixl_installed(), reason=NO_NIXL))])
+def engines(request):
+    port, name = _free_port(), request.param
     kw = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=259)
     plain = LLM(**kw)
-    prod = LLM(kv_transfer_config={"kv_connector": "SocketConnector", "kv_role": "kv_producer", "kv_port": port},
-               **kw)
-    cons = LLM(kv_transfer_config={"kv_connector": "SocketConnector", "kv_role": "kv_consumer", "timeout_s": 1.0},
-               **kw)
+    prod = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_producer", "kv_port": port}, **kw)
+    cons = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_consumer", "timeout_s": 1.0}, **kw)
     yield plain, prod, cons
     for llm in (plain, prod, cons):
         llm.shutdown()
@@ -64,8 +69,12 @@ def test_chunked_producer_and_consumer_prefix_cache(engines):
     after = cons.engine.stats()
     assert got.token_ids == expected and got.num_cached_tokens == 256
     assert after["kv_transfer_loaded"] == mid["kv_transfer_loaded"] + 1
-    assert after["kv_transfer_bytes_received"] - mid["kv_transfer_bytes_received"] == full_bytes > 0  # (the wire
-    # still carries every page of the prompt; only the copy-in skips the cached ones)
+    warm_bytes = after["kv_transfer_bytes_received"] - mid["kv_transfer_bytes_received"]
+    # the 256 cached tokens' pages stay on the producer: only the pages past them and the KDA state move
+    conn = cons.engine.executor.worker.connector
+    mla = sum(t[0].numel() * t.element_size() for group, t in conn._caches.values() if group == "mla")  # per block
+    block_size = cons.engine.config.cache.block_size
+    assert warm_bytes == full_bytes - 256 // block_size * mla > 0
     assert after["kv_transfer_failures"] == 0
 
 

@@ -1,0 +1,15 @@
+"""The worker half a ``--kv-transfer-config`` names (its transport imported only when chosen)."""
+
+from __future__ import annotations
+
+from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
+
+
+def connector_worker(config: KVTransferConfig) -> SocketConnectorWorker:
+    """``SocketConnector`` -> TCP transport; ``NixlConnector`` -> NIXL (the config checked that it imports)."""
+    if config.kv_connector == "NixlConnector":
+        from rocm_k3.kv_transfer.nixl_connector import NixlConnectorWorker
+
+        return NixlConnectorWorker(config)
+    return SocketConnectorWorker(config)
