@@ -41,6 +41,19 @@ def tensor_from_bytes(payload: bytes, meta: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(meta["shape"])
 
 
+@dataclasses.dataclass
+class LoadBatch:
+    """One step's loads and what its fetch thread has fetched so far (a thread left over from an interrupted step
+    fills its own batch, never the next step's). ready: per layer, set once every load's entry of it is fetched;
+    waited: layers copied in so far."""
+
+    loads: tuple[ReqTransfer, ...]
+    ready: dict[str, threading.Event]
+    fetched: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
+    waited: set[str] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
 class SocketConnectorWorker(KVConnectorWorker):
     """Worker half; a producer owns a ``BlockStore`` on (kv_ip, kv_port), a consumer a ``BlockClient`` to it."""
 
@@ -50,10 +63,7 @@ class SocketConnectorWorker(KVConnectorWorker):
         self._caches: dict[str, tuple[str, torch.Tensor]] = {}
         ttl_s = float(config.kv_connector_extra_config.get("ttl_s", 60.0))
         self.store = self._new_store(config.kv_ip, config.kv_port, ttl_s) if config.is_producer else None
-        self._lock = threading.Lock()
-        self._fetched: dict[tuple[str, str], tuple[bytes, dict[str, Any]] | TransferError] = {}
-        self._layer_ready: dict[str, threading.Event] = {}
-        self._loads: tuple[ReqTransfer, ...] = ()
+        self._batch = LoadBatch((), {})
         self._failed: set[str] = set()
         self._received: set[str] = set()
         self._sent: set[str] = set()
@@ -101,16 +111,18 @@ class SocketConnectorWorker(KVConnectorWorker):
 
     # -- consumer ---------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMeta) -> None:
-        self._loads = meta.loads
-        self._fetched = {}
-        self._layer_ready = {name: threading.Event() for name in self._caches}
-        if not meta.loads:
-            for ev in self._layer_ready.values():
-                ev.set()
-            return
-        threading.Thread(target=self._fetch_all, args=(meta.loads,), name="kv-load", daemon=True).start()
+        """Start fetching ``meta.loads`` layer by layer on a background thread (in ``layer_names`` order), so the
+        forward can copy in and compute layer i while layer i + 1 is on the wire."""
+        self._batch = LoadBatch(meta.loads, {name: threading.Event() for name in self._caches})
+        if meta.loads:
+            threading.Thread(target=self._fetch_all, args=(self._batch,), name="kv-load", daemon=True).start()
 
-    def _fetch_all(self, loads: tuple[ReqTransfer, ...]) -> None:
+    def loading(self) -> bool:
+        """A started load has layers not yet copied in."""
+        return bool(self._batch.loads) and len(self._batch.waited) < len(self._caches)
+
+    def _fetch_all(self, batch: LoadBatch) -> None:
+        loads = batch.loads
         clients: dict[tuple[str, int], BlockClient] = {}
         client_of = {}
         for req in loads:  # a load names its producer; the configured address is the default
@@ -127,9 +139,9 @@ class SocketConnectorWorker(KVConnectorWorker):
                         got: Any = client_of[req.req_id].get(entry_key(req.transfer_id, name), first)
                     except TransferError as exc:
                         got = exc
-                    with self._lock:
-                        self._fetched[(req.req_id, name)] = got
-                self._layer_ready[name].set()
+                    with batch.lock:
+                        batch.fetched[(req.req_id, name)] = got
+                batch.ready[name].set()
             for req in loads:
                 try:
                     client_of[req.req_id].release(req.transfer_id)
@@ -140,19 +152,29 @@ class SocketConnectorWorker(KVConnectorWorker):
                 client.close()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._loads:
+        batch = self._batch
+        if not batch.loads or layer_name in batch.waited:
             return
-        ready = self._layer_ready[layer_name]
-        if not ready.wait(self.config.timeout_s * (len(self._loads) + 1)):
-            for req in self._loads:
+        batch.waited.add(layer_name)
+        try:
+            self._copy_in(batch, layer_name)
+        finally:
+            if len(batch.waited) == len(self._caches):
+                self._received |= {r.req_id for r in batch.loads if r.req_id not in self._failed}
+
+    def _copy_in(self, batch: LoadBatch, layer_name: str) -> None:
+        if all(req.req_id in self._failed for req in batch.loads):
+            return  # (a timed-out layer does not make every later one wait again)
+        if not batch.ready[layer_name].wait(self.config.timeout_s * (len(batch.loads) + 1)):
+            for req in batch.loads:
                 self._fail(req.req_id, TransferError(f"timed out loading {layer_name!r}"))
             return
         group, cache = self._caches[layer_name]
-        for req in self._loads:
+        for req in batch.loads:
             if req.req_id in self._failed:
                 continue
-            with self._lock:
-                got = self._fetched.pop((req.req_id, layer_name))
+            with batch.lock:
+                got = batch.fetched.pop((req.req_id, layer_name))
             if isinstance(got, TransferError):
                 self._fail(req.req_id, got)
                 continue
@@ -170,8 +192,6 @@ class SocketConnectorWorker(KVConnectorWorker):
             cache[dst_index] = src.to(cache.device)
             self.stats.blocks_received += len(req.block_ids) if group == GROUP_MLA else 1
             self.stats.bytes_received += len(payload)
-        if layer_name == next(reversed(self._caches)):
-            self._received |= {r.req_id for r in self._loads if r.req_id not in self._failed}
 
     def _fail(self, req_id: str, exc: TransferError) -> None:
         if req_id in self._failed:

@@ -6,6 +6,7 @@ over both transports (NixlConnector skipped with its reason where nixl is not in
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -122,3 +123,54 @@ def test_concurrent_requests_publish_and_load_in_the_same_steps(engines):
     assert after["kv_transfer_loaded"] - before["kv_transfer_loaded"] == len(prompts)
     assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts)
+
+
+@pytest.mark.parametrize("where", ["execute", "update"])
+def test_load_in_a_failed_step_is_recomputed_and_leaks_nothing(engines, where, monkeypatch):
+    """A step carrying a load fails after the workers ran it (``execute``: the step is abandoned) or while its
+    result is applied (``update``: the bookkeeping is rebuilt by recover()): the load is dropped, the prompt
+    recomputed here, the tokens right, and no block, slot or producer entry is left behind."""
+    plain, prod, cons = engines
+    rng = random.Random(3)
+    ids = [rng.randrange(1, 200) for _ in range(40)]
+    expected = _run(plain, "x0", ids, **GREEDY).token_ids
+    params = _run(prod, "p-x", ids, temperature=0.0, max_tokens=1,
+                  kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    core, fired = cons.engine, []
+    if where == "execute":
+        real = core.executor.execute
+
+        def execute(step):
+            out = real(step)
+            if step.kv_connector_meta is not None and step.kv_connector_meta.loads and not fired:
+                fired.append(step.step_id)
+                raise RuntimeError("injected: the step failed after the load")
+            return out
+        monkeypatch.setattr(core.executor, "execute", execute)
+    else:
+        real = core.scheduler.update
+
+        def update(output):
+            if output.kv_received and not fired:
+                fired.append(output.step_id)
+                raise RuntimeError("injected: the update failed")
+            return real(output)
+        monkeypatch.setattr(core.scheduler, "update", update)
+    before = core.stats()
+    core.add_request("x1", ids, SamplingParams(**GREEDY, kv_transfer_params=params))
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(5):
+            core.step()
+    got = core.run_to_completion()["x1"]
+    after = core.stats()
+    assert fired and got.token_ids == expected
+    assert after["kv_transfer_abandoned"] == before["kv_transfer_abandoned"] + 1
+    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == 40  # the whole prompt, here
+    assert after["recoveries"] - before["recoveries"] == (where == "update")
+    assert after["free_blocks"] == after["num_blocks"] and after["free_state_slots"] == after["num_state_slots"]
+    store = prod.engine.executor.worker.connector.store
+    deadline = time.monotonic() + 5  # the fetch released the producer's copy
+    while store.num_entries() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.num_entries() == 0
