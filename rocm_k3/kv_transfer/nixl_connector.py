@@ -20,7 +20,7 @@ class NixlConnectorWorker(SocketConnectorWorker):
     """Worker half over NIXL; a consumer's one agent is created with the connector and kept for its lifetime."""
 
     def __init__(self, config: KVTransferConfig) -> None:
-        self._agent: Any = new_agent("consumer") if config.is_consumer else None
+        self._agent: Any = new_agent("consumer", progress_thread=False) if config.is_consumer else None
         self._remotes: dict[tuple[str, int], tuple[str, int]] = {}
         super().__init__(config)
 
