@@ -85,8 +85,17 @@ class SocketConnectorWorker(KVConnectorWorker):
             self._caches[name] = (GROUP_KDA, t)
 
     def layer_names(self) -> tuple[str, ...]:
-        """Registered layers in registration order (MLA first, then KDA): the order loads arrive in."""
+        """Registered layers in the order loads are fetched (registration order: MLA first, then KDA, until
+        ``set_layer_order``)."""
         return tuple(self._caches)
+
+    def set_layer_order(self, names: list[str]) -> None:
+        """Fetch later loads in ``names``' order (the order the forward reads the layers, so the layer it needs
+        next is the one on the wire); names not registered are a ValueError."""
+        unknown = [n for n in names if n not in self._caches]
+        if unknown:
+            raise ValueError(f"set_layer_order: layers {unknown} are not registered")
+        self._caches = {**{n: self._caches[n] for n in names}, **self._caches}
 
     def _index(self, group: str, req: ReqTransfer) -> Any:
         """The request's rows of a layer's pool: its blocks (MLA) or its one state slot (KDA, as a slice)."""
