@@ -117,6 +117,7 @@ class BlockStore:
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # header, then payload
                 try:
                     while True:
                         header, _ = _recv(self.request)
@@ -225,6 +226,7 @@ class BlockClient:
         if self._sock is None:
             try:
                 self._sock = socket.create_connection(self.address, timeout=self.timeout_s)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError as exc:
                 raise TransferError(f"producer {self.address} unreachable: {exc}") from None
         return self._sock

@@ -320,8 +320,11 @@ class Worker:
     # ---- one step ------------------------------------------------------------------------------------------
     def _begin_kv(self, step: StepInput) -> LayerHookView | None:
         """After the step's copies, before its forward: start the step's loads (fetched layer by layer on a
-        background thread); the returned view publishes (producer) and copies in (consumer) each layer the first
-        time the forward takes its pool, so later layers move while earlier ones compute. None: nothing moves."""
+        background thread) and either move every layer now (the default) or, with ``"layerwise": true`` in
+        kv_connector_extra_config, return a view that publishes (producer) and copies in (consumer) each layer the
+        first time the forward takes its pool, so later layers move while earlier ones compute. Layer by layer
+        measured no faster on the CPU (the fetch thread and the forward share the GIL; benchmarks/RESULTS.md), so
+        it is opt-in. None: the forward uses the pools as they are."""
         meta, conn = step.kv_connector_meta, self.connector
         if meta is None or conn is None or not (meta.saves or meta.loads):
             return None
@@ -331,7 +334,7 @@ class Worker:
         if meta.loads:
             conn.start_load_kv(meta)
         self._kv_blocked(t0)
-        if not conn.config.kv_connector_extra_config.get("layerwise", True):
+        if not conn.config.kv_connector_extra_config.get("layerwise", False):
             self._kv_layer(meta, conn.layer_names())
             return None
         self._kv_view = LayerHookView(self.runner.pools, lambda name: self._kv_layer(meta, (name,)))

@@ -27,9 +27,13 @@ NO_NIXL = "nixl (the `nixl` extra: nixl-cu12) is not installed: NixlConnector ca
 def engines(request):
     port, name = _free_port(), request.param
     kw = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=259)
+    # the socket engines move each layer as the forward takes it (the server tests cover the default: all layers
+    # before the forward)
+    extra = {"kv_connector_extra_config": {"layerwise": True}} if name == "SocketConnector" else {}
     plain = LLM(**kw)
-    prod = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_producer", "kv_port": port}, **kw)
-    cons = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_consumer", "timeout_s": 1.0}, **kw)
+    prod = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_producer", "kv_port": port, **extra}, **kw)
+    cons = LLM(kv_transfer_config={"kv_connector": name, "kv_role": "kv_consumer", "timeout_s": 1.0, **extra},
+               **kw)
     yield plain, prod, cons
     for llm in (plain, prod, cons):
         llm.shutdown()
@@ -77,6 +81,11 @@ def test_chunked_producer_and_consumer_prefix_cache(engines):
     block_size = cons.engine.config.cache.block_size
     assert warm_bytes == full_bytes - 256 // block_size * mla > 0
     assert after["kv_transfer_failures"] == 0
+    names = conn.layer_names()
+    if conn.config.kv_connector_extra_config.get("layerwise"):  # fetched in the order the forward reads them
+        assert names[0] == "kda.0.recurrent" and names.index("mla.0") > names.index("kda.1.conv")
+    else:  # registration order: MLA pages first
+        assert names[0] == "mla.0"
 
 
 def test_failed_load_recomputes_the_prompt(engines):
