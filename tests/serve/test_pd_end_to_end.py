@@ -97,6 +97,8 @@ def servers(request, plain_server):
                                       pytest.param(_full, id="50-requests", marks=pytest.mark.slow)])
 def test_proxy_moves_the_prompt_cache_and_outputs_equal_one_plain_server(servers, requests):
     plain, prefill, decode = servers
+    if requests is _full and prefill.engine.core.config.kv_transfer.kv_connector == "NixlConnector":
+        pytest.skip("the 50 requests run over SocketConnector; NixlConnector runs the 12 (the suite's CPU budget)")
     expected = requests(plain.client())
     loaded0 = _metric(decode, "rocm_k3_kv_transfer_requests_total")
     failures0 = _metric(decode, "rocm_k3_kv_transfer_failures_total")
