@@ -14,15 +14,16 @@ from rocm_k3.kv_transfer.nixl_transport import NixlBlockClient, NixlBlockStore, 
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
 from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler as NixlConnectorScheduler  # noqa: F401
 from rocm_k3.kv_transfer.socket_transport import BlockClient, BlockStore
+from rocm_k3.kv_transfer.tp_layout import TPShard
 
 
 class NixlConnectorWorker(SocketConnectorWorker):
     """Worker half over NIXL; a consumer's one agent is created with the connector and kept for its lifetime."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, tp: TPShard | None = None) -> None:
         self._agent: Any = new_agent("consumer", progress_thread=False) if config.is_consumer else None
         self._remotes: dict[tuple[str, int], tuple[str, int]] = {}
-        super().__init__(config)
+        super().__init__(config, tp)
 
     def _new_store(self, host: str, port: int, ttl_s: float) -> BlockStore:
         return NixlBlockStore(host, port, ttl_s=ttl_s)

@@ -19,6 +19,7 @@ from rocm_k3.kv_transfer.base import (GROUP_KDA, GROUP_MLA, ConnectorMeta, Finis
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler  # noqa: F401 (the connector's two halves)
 from rocm_k3.kv_transfer.socket_transport import BlockClient, BlockStore, TransferError, entry_key
+from rocm_k3.kv_transfer.tp_layout import TPShard, agree_failed, gather_heads, split_heads
 
 
 @dataclasses.dataclass
@@ -55,14 +56,17 @@ class LoadBatch:
 
 
 class SocketConnectorWorker(KVConnectorWorker):
-    """Worker half; a producer owns a ``BlockStore`` on (kv_ip, kv_port), a consumer a ``BlockClient`` to it."""
+    """Worker half; a producer's TP rank 0 owns a ``BlockStore`` on (kv_ip, kv_port), a consumer's ranks each a
+    ``BlockClient`` to the producer's. Payloads are in the TP-1 layout (``tp_layout``), whatever either side's TP."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, tp: TPShard | None = None) -> None:
         self.config = config
+        self.tp = tp or TPShard()
         self.stats = KVTransferStats()
         self._caches: dict[str, tuple[str, torch.Tensor]] = {}
         ttl_s = float(config.kv_connector_extra_config.get("ttl_s", 60.0))
-        self.store = self._new_store(config.kv_ip, config.kv_port, ttl_s) if config.is_producer else None
+        publishes = config.is_producer and self.tp.is_first
+        self.store = self._new_store(config.kv_ip, config.kv_port, ttl_s) if publishes else None
         self._batch = LoadBatch((), {})
         self._failed: set[str] = set()
         self._received: set[str] = set()
@@ -98,20 +102,27 @@ class SocketConnectorWorker(KVConnectorWorker):
         self._caches = {**{n: self._caches[n] for n in names}, **self._caches}
 
     def _index(self, group: str, req: ReqTransfer) -> Any:
-        """The request's rows of a layer's pool: its blocks (MLA) or its one state slot (KDA, as a slice)."""
         if group == GROUP_MLA:
             return list(req.block_ids)
         if req.kda_slot is None:
             raise ValueError(f"request {req.req_id!r} has KDA layers but no kda_slot")
-        return slice(req.kda_slot, req.kda_slot + 1)
+        return req.kda_slot
 
     # -- producer ---------------------------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: ConnectorMeta) -> None:
-        if self.store is None or not meta.saves:
+        """Publish the layer's rows of ``meta.saves``: an MLA entry has one row per block (so a consumer can fetch
+        from any block on), a KDA entry one row (the slot's state in the TP-1 layout)."""
+        if not self.config.is_producer or not meta.saves:
             return
         group, cache = self._caches[layer_name]
         for req in meta.saves:
-            nbytes = self.store.put(entry_key(req.transfer_id, layer_name), cache[self._index(group, req)])
+            local = cache[self._index(group, req)]
+            # KDA shards meet on rank 0 (a collective: every rank runs it); the replicated MLA pages need no gather
+            full = gather_heads(layer_name, local, self.tp) if group == GROUP_KDA else local
+            if self.store is None:
+                continue
+            rows = full if group == GROUP_MLA else full.unsqueeze(0)  # [blocks, ...] or [1, ...]
+            nbytes = self.store.put(entry_key(req.transfer_id, layer_name), rows)
             self.stats.blocks_sent += len(req.block_ids) if group == GROUP_MLA else 1
             self.stats.bytes_sent += nbytes
 
@@ -132,13 +143,7 @@ class SocketConnectorWorker(KVConnectorWorker):
 
     def _fetch_all(self, batch: LoadBatch) -> None:
         loads = batch.loads
-        clients: dict[tuple[str, int], BlockClient] = {}
-        client_of = {}
-        for req in loads:  # a load names its producer; the configured address is the default
-            addr = (req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port)
-            if addr not in clients:
-                clients[addr] = self._new_client(*addr)
-            client_of[req.req_id] = clients[addr]
+        client_of = self._clients(loads)
         try:
             for name in self._caches:
                 for req in loads:
@@ -151,14 +156,27 @@ class SocketConnectorWorker(KVConnectorWorker):
                     with batch.lock:
                         batch.fetched[(req.req_id, name)] = got
                 batch.ready[name].set()
-            for req in loads:
-                try:
-                    client_of[req.req_id].release(req.transfer_id)
-                except TransferError:
-                    pass  # the producer's ttl frees it
+            if self.tp.size == 1:  # else rank 0 releases once every rank has fetched (get_finished)
+                self._release(loads, client_of)
         finally:
-            for client in clients.values():
+            for client in set(client_of.values()):
                 client.close()
+
+    def _clients(self, loads: tuple[ReqTransfer, ...]) -> dict[str, BlockClient]:
+        """One client per producer, by request id (a load names its producer; the configured one is the default)."""
+        def addr(req: ReqTransfer) -> tuple[str, int]:
+            return req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port
+
+        clients = {addr(req): self._new_client(*addr(req)) for req in loads}
+        return {req.req_id: clients[addr(req)] for req in loads}
+
+    @staticmethod
+    def _release(loads: tuple[ReqTransfer, ...], client_of: dict[str, BlockClient]) -> None:
+        for req in loads:
+            try:
+                client_of[req.req_id].release(req.transfer_id)
+            except TransferError:
+                pass  # the producer's ttl frees it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         batch = self._batch
@@ -190,13 +208,15 @@ class SocketConnectorWorker(KVConnectorWorker):
             payload, tmeta = got
             try:
                 src = tensor_from_bytes(payload, tmeta)
+                if group == GROUP_KDA:  # this rank's heads of the TP-1 layout
+                    src = split_heads(layer_name, src[0], self.tp.rank, self.tp.size)
                 dst_index = self._index(group, req)
                 dst = cache[dst_index]
                 if tuple(src.shape) != tuple(dst.shape) or src.dtype != cache.dtype:
                     raise TransferError(f"{layer_name!r}: got {tuple(src.shape)} {src.dtype}, "
                                         f"expected {tuple(dst.shape)} {cache.dtype}")
-            except TransferError as exc:
-                self._fail(req.req_id, exc)
+            except (TransferError, ValueError) as exc:
+                self._fail(req.req_id, TransferError(str(exc)))
                 continue
             cache[dst_index] = src.to(cache.device)
             self.stats.blocks_received += len(req.block_ids) if group == GROUP_MLA else 1
@@ -214,9 +234,26 @@ class SocketConnectorWorker(KVConnectorWorker):
             self.stats.timeouts += 1
 
     def get_finished(self) -> FinishedTransfers:
+        """Under TP > 1 a collective after a step's loads (every rank runs it): the ranks agree on the failed loads
+        (every rank has fetched by now), then rank 0 releases the producer's copies."""
+        loads = self._batch.loads
+        if loads and self.tp.size > 1:
+            self._failed = agree_failed(self._failed, self.tp)
+            self._received -= self._failed
+            if self.tp.is_first:
+                client_of = self._clients(loads)
+                self._release(loads, client_of)
+                for client in set(client_of.values()):
+                    client.close()
+        self._batch = LoadBatch((), {})
         out = FinishedTransfers(frozenset(self._sent), frozenset(self._received), frozenset(self._failed))
         self._sent, self._received, self._failed = set(), set(), set()
         return out
+
+    def discard_finished(self) -> None:
+        """Forget what a step cut short left (its loads, failures, receipts): not a collective."""
+        self._batch = LoadBatch((), {})
+        self._sent, self._received, self._failed = set(), set(), set()
 
     def close(self) -> None:
         if self.store is not None:

@@ -28,6 +28,7 @@ from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
+from rocm_k3.kv_transfer.tp_layout import TPShard
 from rocm_k3.kv_transfer.workers import connector_worker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
@@ -75,7 +76,7 @@ class WorkerConfig:
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
     speculative: SpeculativeConfig | None = None  # the worker acts on method "draft_model" (it runs the drafter)
-    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (one rank only)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (any TP, one PP stage)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -282,7 +283,8 @@ class Worker:
         self.runner = ModelRunner(self.stage, pools, width)
         if self.config.kv_transfer is not None:
             if self.connector is None:
-                self.connector = connector_worker(self.config.kv_transfer)
+                tp = TPShard(self.ctx.tp_rank, self.ctx.tp_size, self.ctx.tp_cpu_group)  # gloo over the TP ranks
+                self.connector = connector_worker(self.config.kv_transfer, tp)
             self.connector.register_kv_caches(*pools.transfer_groups())
             self.runner.before_forward, self.runner.after_forward = self._begin_kv, self._end_kv
         if self.vision_model is not None:
@@ -328,7 +330,7 @@ class Worker:
         meta, conn = step.kv_connector_meta, self.connector
         if meta is None or conn is None or not (meta.saves or meta.loads):
             return None
-        conn.get_finished()  # what a step cut short left behind is not this step's
+        conn.discard_finished()  # what a step cut short left behind is not this step's
         self._kv_t0 = (conn.stats.bytes_sent, conn.stats.bytes_received, 0.0)
         t0 = time.perf_counter()
         if meta.loads:
