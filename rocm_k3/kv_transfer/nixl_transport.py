@@ -50,6 +50,10 @@ def new_agent(role: str, progress_thread: bool) -> Any:
     return agent
 
 
+class NixlError(RuntimeError):
+    """NIXL refused a transfer request (e.g. no registration covers the remote range)."""
+
+
 class NixlBlockStore(BlockStore):
     """Producer side: a ``BlockStore`` whose entries are registered with a NIXL agent and read by descriptor."""
 
@@ -120,7 +124,16 @@ class NixlBlockClient(BlockClient):
         buf = torch.empty(int(header["length"]), dtype=torch.uint8)  # [length] landing buffer
         reg = self.agent.register_memory([buf])
         try:
-            self._read(key, buf, int(header["addr"]), remote)
+            try:
+                self._read(key, buf, int(header["addr"]), remote)
+            except NixlError:
+                # a loaded copy of the producer's metadata can keep a freed registration whose address a newer
+                # entry reuses (the reload merges): load it afresh once, then give up
+                self.agent.remove_remote_agent(remote)
+                self._remotes.pop(self.address, None)
+                self._read(key, buf, int(header["addr"]), self._remote(header))
+        except NixlError as exc:
+            raise TransferError(f"NIXL read of {key!r} from {self.address} failed: {exc}") from None
         finally:
             self.agent.deregister_memory(reg)
         payload = buf.numpy().tobytes()
@@ -128,10 +141,14 @@ class NixlBlockClient(BlockClient):
         return payload, header["meta"]
 
     def _read(self, key: str, buf: torch.Tensor, addr: int, remote: str) -> None:
-        """One NIXL READ of ``buf.numel()`` bytes at the producer's ``addr`` into ``buf``, within timeout_s."""
+        """One NIXL READ of ``buf.numel()`` bytes at the producer's ``addr`` into ``buf``, within timeout_s; a
+        NixlError when NIXL refuses it (its own exceptions), a TransferError when it fails or times out."""
         local = self.agent.get_xfer_descs([buf])
         remote_descs = self.agent.get_xfer_descs([(addr, buf.numel(), 0)], _MEM)
-        handle = self.agent.initialize_xfer("READ", local, remote_descs, remote)
+        try:
+            handle = self.agent.initialize_xfer("READ", local, remote_descs, remote)
+        except Exception as exc:  # the bindings' nixl*Error types (not importable by one name)
+            raise NixlError(f"{type(exc).__name__}: {exc}") from None
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.timeout_s

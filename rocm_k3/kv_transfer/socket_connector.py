@@ -153,6 +153,8 @@ class SocketConnectorWorker(KVConnectorWorker):
                         got: Any = client_of[req.req_id].get(entry_key(req.transfer_id, name), first)
                     except TransferError as exc:
                         got = exc
+                    except Exception as exc:  # noqa: BLE001 (a transport's own error fails the load, never the thread)
+                        got = TransferError(f"{type(exc).__name__}: {exc}")
                     with batch.lock:
                         batch.fetched[(req.req_id, name)] = got
                 batch.ready[name].set()
