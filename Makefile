@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU machines take the pinned CPU wheel; a GPU host keeps the ROCm/CUDA torch already in the venv.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels,serve]'
+	# nixl: NixlConnector's NIXL/UCX (a 68 MB wheel, Linux x86_64 only) so CI runs both PD transports.
+	$(BIN)/pip install -q -e '.[test,kernels,serve,nixl]'
 	touch $(STAMP)
 
 demo: $(STAMP)

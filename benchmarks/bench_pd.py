@@ -10,6 +10,11 @@ are an upper bound on the CPU path, not a model of separate machines. The peer i
 numbers are GPU-only (none recorded here).
 
     PYTHONPATH=. python benchmarks/bench_pd.py --lengths 64 256 1024 --requests 4 --max-tokens 16
+
+``--overlap`` prints a second table instead, engines only (no HTTP): per transport (SocketConnector, and
+NixlConnector when nixl imports) and per load mode (every layer copied in before the forward, or layer by layer
+as the forward takes each pool), the consumer's wall time of its load step (fetch + checksum + copy-in + the
+last prompt token's forward) and the part of it blocked on the transfer.
 """
 
 from __future__ import annotations
@@ -78,13 +83,70 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     return times[0] - t0, tpot
 
 
+def _load_step_ms(connector: str, layerwise: bool, lengths: list[int], requests: int) -> dict[int, tuple]:
+    """Per prompt length: (median load-step ms, median blocked ms, bytes per request) on a consumer LLM."""
+    from rocm_k3 import LLM, SamplingParams
+
+    kw = dict(dtype="float32", device="cpu", max_model_len=max(lengths) + 8, enable_prefix_caching=False)
+    kv = {"kv_connector": connector, "kv_connector_extra_config": {"layerwise": layerwise}}
+    prod = LLM(kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": _free_port()}, **kw)
+    cons = LLM(kv_transfer_config={**kv, "kv_role": "kv_consumer"}, **kw)
+    out = {}
+    try:
+        vocab = cons.engine.vocab_size
+        for n in lengths:
+            walls, blocked, nbytes = [], [], 0
+            for i in range(requests + 1):  # the first is a warm-up
+                ids = [(11 * i + 5 * j) % (vocab - 1) + 1 for j in range(n)]
+                prod.engine.add_request(f"p{n}-{i}", ids, SamplingParams(
+                    temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+                params = prod.engine.run_to_completion()[f"p{n}-{i}"].kv_transfer_params
+                cons.engine.add_request(f"d{n}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                         kv_transfer_params=params))
+                before = cons.engine.stats()
+                t0 = time.perf_counter()
+                cons.engine.run_to_completion()
+                wall = time.perf_counter() - t0
+                after = cons.engine.stats()
+                if after["kv_transfer_loaded"] != before["kv_transfer_loaded"] + 1:
+                    raise SystemExit(f"{connector} {n} tokens: the prompt was not transferred")
+                if i:
+                    walls.append(wall)
+                    blocked.append(after["kv_transfer_seconds"] - before["kv_transfer_seconds"])
+                    nbytes = after["kv_transfer_bytes_received"] - before["kv_transfer_bytes_received"]
+            out[n] = (1000 * statistics.median(walls), 1000 * statistics.median(blocked), nbytes)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+    return out
+
+
+def overlap_table(lengths: list[int], requests: int) -> None:
+    from rocm_k3.kv_transfer.config import nixl_installed
+
+    connectors = ["SocketConnector"] + (["NixlConnector"] if nixl_installed() else [])
+    print("| transport | prompt tokens | bytes / req | load step ms (all layers first) | blocked ms "
+          "| load step ms (layer by layer) | blocked ms |")
+    print("|---|---|---|---|---|---|---|")
+    for connector in connectors:
+        before = _load_step_ms(connector, False, lengths, requests)
+        layered = _load_step_ms(connector, True, lengths, requests)
+        for n in lengths:
+            (w0, b0, nb), (w1, b1, _) = before[n], layered[n]
+            print(f"| {connector} | {n} | {nb} | {w0:.1f} | {b0:.1f} | {w1:.1f} | {b1:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--requests", type=int, default=4, help="requests per length (distinct prompts)")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--overlap", action="store_true", help="the transport / layer-overlap table (engines only)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.overlap:
+        overlap_table(a.lengths, a.requests)
+        return
     base = dict(dtype="float32", max_model_len=max(a.lengths) + a.max_tokens + 8, enable_prefix_caching=False)
     kv = {"kv_connector": "SocketConnector", "kv_port": _free_port()}
     with _engine_server(EngineArgs(**base)) as (plain, plain_url), \

@@ -83,6 +83,12 @@ MSG_END = "<|close|>message<|sep|><|end_of_msg|>"
 PARIS = k3_call("get_weather", k3_arg("city", "string", "Paris"))
 WITH_TOOLS = {"tools": TOOLS}
 
+
+def broken_weather_call(name: str, body: str, kept: str) -> Case:
+    """A K3 get_weather call with a malformed ``body``: no call, its text ``kept`` (markers removed) as content."""
+    return Case(f"{name}_kept_as_content", "kimi_k3", "t" + THINK_END + k3_tools(k3_call("get_weather", body))
+                + MSG_END, out("t", 'tool="get_weather" index="1" ' + kept), WITH_TOOLS)
+
 K3_CASES = [
     Case("spec_example_tool_turn", "kimi_k3",
          "The user wants Paris weather; call the tool." + THINK_END + RESP.format("") + k3_tools(PARIS) + MSG_END,
@@ -159,8 +165,8 @@ K3_CASES = [
          "t" + THINK_END + k3_tools(
              k3_call("get_weather", '<|open|>json type="object"<|sep|>{"city": "Paris"}<|close|>json<|sep|>'),
              k3_call("search", '<|open|>json type="object"<|sep|>not json at all<|close|>json<|sep|>', 2)) + MSG_END,
-         out("t", None, [call(0, "get_weather", '{"city": "Paris"}'), call(1, "search", "not json at all")]),
-         WITH_TOOLS),
+         out("t", 'tool="search" index="2" json type="object" not json at all json',
+             [call(0, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
     Case("parallel_calls_with_request_prefix", "kimi_k3",
          "t" + THINK_END + RESP.format("Two lookups.") + k3_tools(
              PARIS, k3_call("get_weather", k3_arg("city", "string", "Rome"), 2)) + MSG_END,
@@ -211,6 +217,33 @@ K3_CASES = [
     Case("malformed_call_header_kept_as_content", "kimi_k3",
          "t" + THINK_END + k3_tools('<|open|>callx tool="a"<|sep|><|close|>call<|sep|>', PARIS) + MSG_END,
          out("t", 'x tool="a"', [call(0, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
+    # malformed calls (shapes the sampled embedded model wrote): never a call, the text kept as content
+    *(broken_weather_call(name, body, kept) for name, body, kept in [
+        ("marker_inside_argument_value", k3_arg("city", "string", "vario<|close|>alue"),
+         'argument key="city" type="string" vario alue argument'),
+        ("unclosed_argument_block", '<|open|>argument key="city" type="string"<|sep|>Nepenenamgument<|sep|>',
+         'argument key="city" type="string" Nepenenamgument'),
+        ("text_between_blocks", "so " + k3_arg("city", "string", "Oslo"),
+         'so argument key="city" type="string" Oslo argument'),
+        ("argument_without_key", '<|open|>argument type="string"<|sep|>Oslo<|close|>argument<|sep|>',
+         'argument type="string" Oslo argument'),
+        ("marker_inside_attribute", k3_arg("ci<|sep|>ty", "string", "Oslo"),
+         'argument key="ci ty" type="string" Oslo argument'),
+        ("json_block_beside_arguments",
+         k3_arg("city", "string", "Oslo") + '<|open|>json<|sep|>{"city": "Rome"}<|close|>json<|sep|>',
+         'argument key="city" type="string" Oslo argument json {"city": "Rome"} json'),
+        ("json_block_not_an_object", '<|open|>json<|sep|>["Oslo"]<|close|>json<|sep|>', 'json ["Oslo"] json'),
+    ]),
+    Case("broken_call_after_streamed_call_keeps_index", "kimi_k3",
+         "t" + THINK_END + k3_tools(k3_call("search", k3_arg("query", "string", "q") + "junk"),
+                                    k3_call("get_weather", k3_arg("city", "string", "Oslo"), 2)) + MSG_END,
+         out("t", 'tool="search" index="1" argument key="query" type="string" q argument junk',
+             [call(1, "get_weather", '{"city": "Oslo"}')]), WITH_TOOLS),
+    Case("text_in_tools_section_kept_as_content", "kimi_k3",
+         "t" + THINK_END + "<|open|>tools<|sep|>\n" + PARIS + "\nsee <|open|>argument<|sep|>x\n" + PARIS
+         + "<|close|>tools<|sep|>" + MSG_END,
+         out("t", "see argument x", [call(0, "get_weather", '{"city": "Paris"}'),
+                                     call(1, "get_weather", '{"city": "Paris"}')]), WITH_TOOLS),
     Case("named_tool_choice_parses", "kimi_k3", "t" + THINK_END + k3_tools(PARIS) + MSG_END,
          out("t", None, [call(0, "get_weather", '{"city": "Paris"}')]),
          {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
@@ -277,8 +310,18 @@ K2_CASES = [
     Case("k2_empty_im_end_after_think", "kimi_k2", "r</think>" + IM_END, out("r")),
     Case("k2_spelled_partial_kept", "kimi_k2", "r</think>a <|tool_call", out("r", "a <|tool_call"), WITH_TOOLS),
     Case("k2_partial_think_close_kept", "kimi_k2", "r</thi", out("r</thi")),
-    Case("k2_text_between_calls_dropped", "kimi_k2", "r</think>" + SEC_B + " \n" + BEIJING + "junk" + SEC_E + "after",
-         out("r", "after", [call(0, "get_weather", '{"city": "Beijing"}', "functions.get_weather:0")]), WITH_TOOLS),
+    Case("k2_marker_inside_arguments_kept_as_content", "kimi_k2",
+         "r</think>" + SEC_B + k2_call("functions.get_weather:0", '{"city": "Bei</think>jing"}') + SEC_E + IM_END,
+         out("r", 'functions.get_weather:0 {"city": "Bei jing"}'), WITH_TOOLS),
+    Case("k2_arguments_not_json_kept_as_content", "kimi_k2",
+         "r</think>" + SEC_B + k2_call("functions.get_weather:0", '{"city": Beijing') + SEC_E + IM_END,
+         out("r", 'functions.get_weather:0 {"city": Beijing'), WITH_TOOLS),
+    Case("k2_no_argument_marker_kept_as_content", "kimi_k2",
+         "r</think>" + SEC_B + "<|tool_call_begin|>functions.get_weather:0<|tool_call_end|>" + SEC_E + IM_END,
+         out("r", "functions.get_weather:0"), WITH_TOOLS),
+    # nothing lost: text inside the section outside a call is content (whitespace between calls is dropped)
+    Case("k2_text_between_calls_kept", "kimi_k2", "r</think>" + SEC_B + " \n" + BEIJING + "junk" + SEC_E + "after",
+         out("r", "junkafter", [call(0, "get_weather", '{"city": "Beijing"}', "functions.get_weather:0")]), WITH_TOOLS),
 ]
 
 ALL_CASES = K3_CASES + K2_CASES

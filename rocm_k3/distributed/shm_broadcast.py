@@ -28,6 +28,8 @@ import struct
 import time
 from collections.abc import Callable
 
+from rocm_k3.checks import check_int
+
 _Q = struct.Struct("<q")
 SPIN_S = 100e-6  # by default, poll with sched_yield this long before sleeping
 _MAX_SLEEP_S = 1e-3
@@ -49,9 +51,7 @@ class RingSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_readers", "num_slots", "slot_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_int(name, getattr(self, name))
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path: expected a file path, got {self.path!r}")
 

@@ -351,7 +351,7 @@ class EngineCore:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             **{f"kv_transfer_{k}": self.kv_stats[k]
-               for k in ("loaded", "failures", "published", "bytes_received", "bytes_sent", "seconds")},
+               for k in ("loaded", "failures", "abandoned", "published", "bytes_received", "bytes_sent", "seconds")},
         )
         out.update(self.scheduler.spec.stats.as_dict())
         return out

@@ -99,7 +99,8 @@ class UpdateCheckpoint:
 
 class Scheduler:
     """See the module docstring. kv_stats: the engine's prefill/decode transfer counters (kept across rebuilt
-    schedulers): loaded / failures (prompts recomputed after a failed load) / published / bytes."""
+    schedulers): loaded / failures (prompts recomputed after a failed load) / abandoned (loads in a step that
+    failed or was rolled back: recomputed) / published / bytes."""
 
     def __init__(self, config: EngineConfig, cache: CacheManager,
                  kv_stats: collections.Counter | None = None) -> None:
@@ -337,9 +338,18 @@ class Scheduler:
             item.saves = []
         for item in reversed(out.scheduled):
             item.seq.registered = False  # told again next time (a worker keeps a request it already knows)
-            item.seq.kv_loading = False
+            self._drop_load(item.seq)
             if item.seq.status is SequenceStatus.RUNNING:
                 self._preempt(item.seq, count=False)
+
+    def _drop_load(self, seq: Sequence) -> None:
+        """A prompt-cache load in a step that never completed (the step failed, or the bookkeeping was rebuilt
+        around it): the workers may have fetched it already and told the producer to free it, so the prompt is
+        recomputed here (counted as ``abandoned``); its blocks and slot went back with the sequence's."""
+        if seq.kv_loading:
+            seq.kv_loading = False
+            seq.kv_transfer_params = None
+            self.kv_stats["abandoned"] += 1
 
     def restore(self, seqs: list[Sequence], *, num_preemptions: int, step_id: int, finished_ids: list[str]) -> None:
         """Queue ``seqs`` (unfinished requests of a previous scheduler, in order) on this fresh scheduler, to be
@@ -348,6 +358,7 @@ class Scheduler:
             raise RuntimeError("restore: the scheduler is not fresh")
         self.num_preemptions, self.step_id, self._finished_ids = num_preemptions, step_id, list(finished_ids)
         for seq in seqs:
+            self._drop_load(seq)  # a load not yet started is carried over: this connector starts it on admission
             seq.status = SequenceStatus.WAITING
             seq.num_computed_tokens = 0
             seq.admitted_this_step = False
@@ -553,6 +564,8 @@ class Scheduler:
     def retire(self, seq: Sequence, reason: str) -> None:
         """Mark a sequence finished (it holds no cache any more) and tell the workers to drop it."""
         self.spec.forget(seq.seq_id)
+        if self.connector is not None:
+            self.connector.forget(seq.request_id)
         if self.connector is not None and reason not in ("abort", "error") and \
                 wants_remote_decode(seq.kv_transfer_params):
             _, seq.kv_params_out = self.connector.request_finished(seq.request_id, (), None,

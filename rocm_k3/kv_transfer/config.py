@@ -11,6 +11,11 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("SocketConnector", "NixlConnector")
 
 
+def nixl_installed() -> bool:
+    """NIXL's Python API is importable (``nixl_cu12`` of the ``nixl`` extra, or the ``nixl`` meta package)."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
+
+
 @dataclasses.dataclass(frozen=True)
 class KVTransferConfig:
     """kv_ip/kv_port: where the producer's block store listens (loopback by default); timeout_s: how long a
@@ -26,11 +31,9 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
-        if self.kv_connector == "NixlConnector":
-            if importlib.util.find_spec("nixl") is None:
-                raise ValueError("kv_connector 'NixlConnector' needs the nixl package (pip install nixl); "
-                                 "without it use 'SocketConnector'")
-            raise ValueError("kv_connector 'NixlConnector' is not built in rocm-k3 yet; use 'SocketConnector'")
+        if self.kv_connector == "NixlConnector" and not nixl_installed():
+            raise ValueError("kv_connector 'NixlConnector' needs the nixl package (pip install 'rocm-k3[nixl]', "
+                             "i.e. nixl-cu12); without it use 'SocketConnector'")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:

@@ -84,6 +84,10 @@ class SocketConnectorScheduler(KVConnectorScheduler):
                                        computed + num_external_tokens, first_block=first,
                                        remote_host=remote.host, remote_port=remote.port))
 
+    def forget(self, req_id: str) -> None:
+        """Drop what is pending for a request that ended (aborted between its match and its allocation)."""
+        self._pending.pop(req_id, None)
+
     def add_save(self, req: ReqTransfer) -> None:
         """Producer: publish ``req``'s blocks and state slot in this step (before its forward)."""
         if self.config.is_producer:

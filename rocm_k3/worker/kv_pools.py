@@ -77,6 +77,16 @@ class PoolShapes:
         return max(1, self.num_kda_layers * per_layer)
 
 
+def mla_layer_name(i: int) -> str:
+    """The KV connector's name of the i-th MLA layer's pages."""
+    return f"mla.{i}"
+
+
+def kda_layer_names(i: int) -> tuple[str, str]:
+    """The KV connector's names of the i-th KDA layer's (recurrent, conv) state pools."""
+    return f"kda.{i}.recurrent", f"kda.{i}.conv"
+
+
 class KVPools:
     """Tensor pools behind the cache manager's ids (a :class:`HybridCacheView`), plus one scratch block and slot."""
 
@@ -139,10 +149,11 @@ class KVPools:
     def transfer_groups(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The pools by name for a KV connector: MLA pages ``mla.<i>`` ([num_blocks + 1, block_size, latent]) and
         per KDA layer ``kda.<i>.recurrent`` / ``kda.<i>.conv`` ([num_slots + 1, ...])."""
-        mla = {f"mla.{i}": t for i, t in enumerate(self._mla)}
+        mla = {mla_layer_name(i): t for i, t in enumerate(self._mla)}
         kda = {}
         for i, (rec, conv) in enumerate(zip(self._kda, self._conv)):
-            kda[f"kda.{i}.recurrent"], kda[f"kda.{i}.conv"] = rec, conv
+            (rec_name, conv_name) = kda_layer_names(i)
+            kda[rec_name], kda[conv_name] = rec, conv
         return mla, kda
 
     # ---- copy-on-write -------------------------------------------------------------------------------------

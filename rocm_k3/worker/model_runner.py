@@ -83,7 +83,10 @@ class ModelRunner:
         self.rows: dict[str, _Row] = {}
         self.graphs = None  # DecodeGraphs, set by the worker once captured
         self.images: ImageInputs | None = None  # set by the worker on the first stage of a vision model
-        self.before_forward = None  # (StepInput) -> None after the copies, before the forward (KV transfer)
+        # KV transfer: (StepInput) -> a cache view for the forward or None, after the copies; and (StepInput) ->
+        # None after a forward that returned
+        self.before_forward = None
+        self.after_forward = None
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_deltas(self, step: StepInput) -> None:
@@ -170,16 +173,21 @@ class ModelRunner:
             self.images.apply(step)
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
-        if self.before_forward is not None:
-            self.before_forward(step)
+        view = self.before_forward(step) if self.before_forward is not None else None
+        logits = self._forward(step, self.pools if view is None else view)
+        if self.after_forward is not None:
+            self.after_forward(step)
+        return logits
+
+    def _forward(self, step: StepInput, cache: HybridCacheView) -> torch.Tensor:
         plan = self.plan(step)
         if plan.is_decode and self.graphs is not None:
             logits = self.graphs.run(plan)
             if logits is not None:
                 return logits
         if self.images is None:
-            return self.model.forward(self.batch(plan), self.pools)
-        logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), self.pools)
+            return self.model.forward(self.batch(plan), cache)
+        logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), cache)
         self.images.release(step)
         return logits
 

@@ -221,7 +221,7 @@ class StepOutput:
     kv_received / kv_failed: requests whose prompt cache this step loaded, or failed to load (checksum mismatch,
     timeout, producer gone: the engine recomputes those prompts and drops this step's token for them);
     kv_bytes_received / kv_bytes_sent: transferred payload bytes of this step; kv_transfer_s: seconds this step
-    spent publishing and loading (before its forward).
+    was blocked publishing and loading (layer by layer during its forward: the part not hidden by compute).
     """
 
     step_id: int

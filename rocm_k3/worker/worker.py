@@ -25,9 +25,11 @@ import torch
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
 from rocm_k3.kv_transfer.tp_layout import TPShard
+from rocm_k3.kv_transfer.workers import connector_worker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
@@ -38,6 +40,7 @@ from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
+from rocm_k3.worker.layer_view import LayerHookView
 from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import prompt_token_logprobs, sample
@@ -170,6 +173,8 @@ class Worker:
             self.model.tap_layers = ()
         self.connector: SocketConnectorWorker | None = None
         self._kv_step: dict[str, int | tuple[str, ...]] = {}
+        self._kv_view: LayerHookView | None = None  # the step's per-layer transfer view (see _begin_kv)
+        self._kv_t0: tuple[int, int, float] = (0, 0, 0.0)  # bytes sent, received before the step; seconds blocked
         self.shard = self._vocab_shard()
 
     @property
@@ -306,9 +311,9 @@ class Worker:
         if self.config.kv_transfer is not None:
             if self.connector is None:
                 tp = TPShard(self.ctx.tp_rank, self.ctx.tp_size, self.ctx.tp_cpu_group)  # gloo over the TP ranks
-                self.connector = SocketConnectorWorker(self.config.kv_transfer, tp)
+                self.connector = connector_worker(self.config.kv_transfer, tp)
             self.connector.register_kv_caches(*pools.transfer_groups())
-            self.runner.before_forward = self._transfer_kv
+            self.runner.before_forward, self.runner.after_forward = self._begin_kv, self._end_kv
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
@@ -342,27 +347,61 @@ class Worker:
         return True, "ok"
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def _transfer_kv(self, step: StepInput) -> None:
-        """Publish the step's saves, then load its loads layer by layer (the fetch of the next layer overlaps the
-        copy of this one), each payload checksum-verified; runs after the step's copies, before its forward."""
+    def _begin_kv(self, step: StepInput) -> LayerHookView | None:
+        """After the step's copies, before its forward: start the step's loads (fetched layer by layer on a
+        background thread) and either move every layer now (the default) or, with ``"layerwise": true`` in
+        kv_connector_extra_config, return a view that publishes (producer) and copies in (consumer) each layer the
+        first time the forward takes its pool, so later layers move while earlier ones compute. Layer by layer
+        measured no faster on the CPU (the fetch thread and the forward share the GIL; benchmarks/RESULTS.md), so
+        it is opt-in. None: the forward uses the pools as they are."""
         meta, conn = step.kv_connector_meta, self.connector
         if meta is None or conn is None or not (meta.saves or meta.loads):
-            return
-        sent, received, t0 = conn.stats.bytes_sent, conn.stats.bytes_received, time.perf_counter()
-        names = list(conn.layer_names())
-        if meta.saves:
-            for name in names:
-                conn.save_kv_layer(name, meta)
-            conn.wait_for_save()
+            return None
+        conn.discard_finished()  # what a step cut short left behind is not this step's
+        self._kv_t0 = (conn.stats.bytes_sent, conn.stats.bytes_received, 0.0)
+        t0 = time.perf_counter()
         if meta.loads:
             conn.start_load_kv(meta)
-            for name in names:
-                conn.wait_for_layer_load(name)
+        self._kv_blocked(t0)
+        if not conn.config.kv_connector_extra_config.get("layerwise", False):
+            self._kv_layer(meta, conn.layer_names())
+            return None
+        self._kv_view = LayerHookView(self.runner.pools, lambda name: self._kv_layer(meta, (name,)))
+        return self._kv_view
+
+    def _kv_layer(self, meta: ConnectorMeta, names: tuple[str, ...]) -> None:
+        t0 = time.perf_counter()
+        for name in names:
+            if meta.saves:
+                self.connector.save_kv_layer(name, meta)
+            if meta.loads:
+                self.connector.wait_for_layer_load(name)
+        self._kv_blocked(t0)
+
+    def _kv_blocked(self, since: float) -> None:
+        """Count the time since ``since`` as the step's time blocked on the transfer (not hidden by compute)."""
+        sent, received, blocked = self._kv_t0
+        self._kv_t0 = (sent, received, blocked + time.perf_counter() - since)
+
+    def _end_kv(self, step: StepInput) -> None:
+        """After the forward: the layers it did not take (none in a whole model), the save, the step's results."""
+        meta, conn, view = step.kv_connector_meta, self.connector, self._kv_view
+        if meta is None or conn is None or not (meta.saves or meta.loads):
+            return
+        self._kv_view = None
+        if view is not None:
+            if len(view.order) == len(conn.layer_names()):
+                conn.set_layer_order(view.order)  # the next loads are fetched in the order the forward reads them
+            self._kv_layer(meta, tuple(n for n in conn.layer_names() if n not in view.order))
+        t0 = time.perf_counter()
+        conn.wait_for_save()
+        self._kv_blocked(t0)
         fin = conn.get_finished()
+        sent, received, blocked = self._kv_t0
         self._kv_step = {"kv_received": tuple(sorted(fin.received)), "kv_failed": tuple(sorted(fin.failed)),
                          "kv_bytes_sent": conn.stats.bytes_sent - sent,
                          "kv_bytes_received": conn.stats.bytes_received - received,
-                         "kv_transfer_s": time.perf_counter() - t0}
+                         "kv_transfer_s": blocked}
 
     def execute(self, step: StepInput) -> StepOutput:
         self._kv_step = {}

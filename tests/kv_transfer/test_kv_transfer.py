@@ -9,9 +9,14 @@ import torch
 
 from rocm_k3.kv_transfer import checksum
 from rocm_k3.kv_transfer.base import ConnectorMeta, ReqTransfer
-from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.kv_transfer.config import KVTransferConfig, nixl_installed
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorScheduler, SocketConnectorWorker
 from rocm_k3.kv_transfer.socket_transport import BlockStore, entry_key
+from rocm_k3.kv_transfer.workers import connector_worker
+
+NO_NIXL = "nixl (the `nixl` extra: nixl-cu12) is not installed: NixlConnector cannot run here"
+CONNECTORS = [pytest.param("SocketConnector", id="socket"),
+              pytest.param("NixlConnector", id="nixl", marks=pytest.mark.skipif(not nixl_installed(), reason=NO_NIXL))]
 
 MLA_LAYERS = ("layers.1.mla", "layers.3.mla")
 KDA_LAYERS = ("layers.0.kda.recurrent", "layers.0.kda.conv", "layers.2.kda.recurrent", "layers.2.kda.conv")
@@ -26,11 +31,15 @@ def _caches(fill: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor
     return mla, kda
 
 
-def _pair(timeout_s: float = 2.0) -> tuple[SocketConnectorWorker, SocketConnectorWorker]:
-    prod = SocketConnectorWorker(KVTransferConfig("SocketConnector", "kv_producer", kv_port=0))
+@pytest.fixture(params=CONNECTORS)
+def connector(request) -> str:
+    return request.param
+
+
+def _pair(connector: str, timeout_s: float = 2.0) -> tuple[SocketConnectorWorker, SocketConnectorWorker]:
+    prod = connector_worker(KVTransferConfig(connector, "kv_producer", kv_port=0))
     port = prod.store.address[1]
-    cons = SocketConnectorWorker(KVTransferConfig("SocketConnector", "kv_consumer", kv_port=port,
-                                                  timeout_s=timeout_s))
+    cons = connector_worker(KVTransferConfig(connector, "kv_consumer", kv_port=port, timeout_s=timeout_s))
     prod.register_kv_caches(*_caches(True))
     cons.register_kv_caches(*_caches(False))
     return prod, cons
@@ -60,8 +69,8 @@ def test_checksum_uses_xxhash_when_installed():
     assert not checksum.verify(b"abd", checksum.digest(b"abc"))
 
 
-def test_round_trip_moves_mla_blocks_and_kda_state_and_frees_producer():
-    prod, cons = _pair()
+def test_round_trip_moves_mla_blocks_and_kda_state_and_frees_producer(connector):
+    prod, cons = _pair(connector)
     try:
         _publish(prod)
         assert prod.store.num_entries() == len(MLA_LAYERS) + len(KDA_LAYERS)
@@ -83,14 +92,12 @@ def test_round_trip_moves_mla_blocks_and_kda_state_and_frees_producer():
         prod.close()
 
 
-def test_corrupted_block_is_detected_and_not_used():
-    prod, cons = _pair()
+def test_corrupted_block_is_detected_and_not_used(connector):
+    prod, cons = _pair(connector)
     try:
         _publish(prod)
         entry = prod.store.entry(entry_key("p-req", KDA_LAYERS[2]))
-        flipped = bytearray(entry.payload)
-        flipped[5] ^= 0x40
-        entry.payload = bytes(flipped)  # injected corruption: the stored checksum is of the original bytes
+        entry.data[5] ^= 0x40  # injected corruption in place: the stored checksum is of the original bytes
         _load(cons)
         fin = cons.get_finished()
         assert fin.failed == {"d-req"} and not fin.received
@@ -100,8 +107,8 @@ def test_corrupted_block_is_detected_and_not_used():
         prod.close()
 
 
-def test_missing_transfer_times_out_and_fails_the_request():
-    prod, cons = _pair(timeout_s=0.3)
+def test_missing_transfer_times_out_and_fails_the_request(connector):
+    prod, cons = _pair(connector, timeout_s=0.3)
     try:
         t0 = time.monotonic()
         _load(cons)  # nothing was published
@@ -113,8 +120,8 @@ def test_missing_transfer_times_out_and_fails_the_request():
         prod.close()
 
 
-def test_dead_producer_fails_the_request():
-    prod, cons = _pair(timeout_s=0.5)
+def test_dead_producer_fails_the_request(connector):
+    prod, cons = _pair(connector, timeout_s=0.5)
     prod.close()
     _load(cons)
     assert cons.get_finished().failed == {"d-req"}
@@ -123,7 +130,7 @@ def test_dead_producer_fails_the_request():
 def test_store_entries_expire_after_ttl():
     store = BlockStore(ttl_s=0.05)
     try:
-        store.put("t/x", b"123", {})
+        store.put("t/x", torch.arange(3, dtype=torch.uint8))
         time.sleep(0.1)
         assert store.num_entries() == 0
     finally:
@@ -158,13 +165,22 @@ def test_scheduler_halves_hand_the_transfer_over():
     ("{", "not valid JSON"),
     ('{"kv_role": "kv_producer"}', "kv_connector"),
     ('{"kv_connector": "LMCacheConnector", "kv_role": "kv_producer"}', "kv_connector must be one of"),
-    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "pip install nixl"),
     ('{"kv_connector": "SocketConnector", "kv_role": "producer"}', "kv_role must be one of"),
     ('{"kv_connector": "SocketConnector", "kv_role": "kv_both", "bogus": 1}', "unknown keys"),
 ])
 def test_kv_transfer_config_rejects_bad_input(text, match):
     with pytest.raises(ValueError, match=match):
         KVTransferConfig.from_json(text)
+
+
+def test_nixl_connector_without_nixl_is_refused_at_the_boundary(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] in ("nixl", "nixl_cu12") else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'rocm-k3\[nixl\]'"):
+        KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}')
 
 
 def test_kv_transfer_config_parses_vllm_keys():

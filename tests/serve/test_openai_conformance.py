@@ -201,6 +201,17 @@ def test_echo_and_prompt_logprobs(server, client) -> None:
     reply = client.chat.completions.create(model=_model(server), messages=USER, max_tokens=1,
                                            extra_body={"prompt_logprobs": 0, "return_token_ids": True})
     assert len(reply.prompt_logprobs) == len(reply.prompt_token_ids) and reply.prompt_logprobs[0] is None
+    # streamed chat: the same prompt_logprobs once, on the first chunk with output (after the role chunk)
+    chunks = list(client.chat.completions.create(model=_model(server), messages=USER, max_tokens=3, stream=True,
+                                                 extra_body={"prompt_logprobs": 0}))
+    carried = [i for i, c in enumerate(chunks) if getattr(c, "prompt_logprobs", None) is not None]
+    assert carried == [1], [c.model_dump() for c in chunks[:3]]
+    assert chunks[1].prompt_logprobs == reply.prompt_logprobs
+    # streamed completion with prompt_logprobs (no echo): on the choice's first chunk
+    chunks = list(client.completions.create(model=_model(server), prompt=prompt, max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"prompt_logprobs": 1}))
+    carried = [i for i, c in enumerate(chunks) if getattr(c.choices[0], "prompt_logprobs", None) is not None]
+    assert carried == [0] and chunks[0].choices[0].prompt_logprobs == plp
 
 
 def test_tokenize_chat_is_the_generation_prompt(server, client) -> None:

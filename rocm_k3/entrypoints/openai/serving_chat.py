@@ -26,7 +26,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallOut,
 )
-from rocm_k3.entrypoints.openai.serving_common import (SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
+from rocm_k3.entrypoints.openai.serving_common import (ChoiceState, ServedModel, chat_logprobs, chunk_stream,
     check_range, collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params,
     sse, start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import RANGES, SamplingParams
@@ -81,65 +81,68 @@ class ChatRun:
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=out, usage=self._usage(choices),
             prompt_token_ids=self.prompt if self.req.return_token_ids else None,
-            prompt_logprobs=vllm_prompt_logprobs(self.served.tokenizer, self.prompt, choices[0].prompt_logprobs,
-                                                 choices[0].prompt_ranks, self.req.prompt_logprobs),
+            prompt_logprobs=self._prompt_logprobs(choices[0]),
             kv_transfer_params=choices[0].kv_transfer_params if choices else None)
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
-        return self._events(streams)
+        return chunk_stream(self._events(streams), self.req, lambda: ChatCompletionChunk(
+            id=self.request_id, model=self.model, choices=[], usage=self._usage(self._choices)))
 
     def _chunk(self, i: int, delta: DeltaMessage, *, finish_reason: str | None = None, logprobs=None,
-               token_ids: list[int] | None = None) -> str:
+               token_ids: list[int] | None = None, prompt_logprobs=None) -> str:
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                  token_ids=token_ids if self.req.return_token_ids else None)
         running = self._usage(self._choices) if usage_every_chunk(self.req) else None
-        return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], usage=running))
+        return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], usage=running,
+                                       prompt_logprobs=prompt_logprobs))
+
+    def _prompt_logprobs(self, c: ChoiceState):
+        """vLLM's ``prompt_logprobs`` body once the engine has sent them (with a choice's first delta)."""
+        return vllm_prompt_logprobs(self.served.tokenizer, self.prompt, c.prompt_logprobs, c.prompt_ranks,
+                                    self.req.prompt_logprobs)
 
     async def _events(self, streams) -> AsyncIterator[str]:
         choices = self._choices = [ChoiceState() for _ in streams]
         parsers = [self.prepared.parser(self._call_prefix(i)) for i in range(len(streams))]
+        returned: list[list] = [[] for _ in streams]  # the calls each choice has returned
+        prompt_lp_due = self.req.prompt_logprobs is not None  # sent once, on the first chunk with output
         timers = [self.served.metrics.timer() for _ in streams]
         if self.req.return_token_ids:
             yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
                                           prompt_token_ids=self.prompt))
         for i in range(len(streams)):
             yield self._chunk(i, DeltaMessage(role="assistant", content=""))
-        try:
-            async for i, delta in merge_streams(streams):
-                timers[i].on_delta(delta)
-                c = choices[i]
-                c.add(delta, text=False)
-                if delta.finish_reason == "error":
-                    yield error_event(failed_choice(i, delta))
-                    continue
-                parsed = parsers[i].feed(delta.new_text)
-                if delta.finished:
-                    tail = parsers[i].finish()
-                    parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
-                    parsed.content = _join(parsed.content, tail.content)
-                    parsed.tool_calls += tail.tool_calls
-                    parsed.call_deltas += tail.call_deltas
-                c.num_calls += len(self.prepared.allowed_calls(parsed.tool_calls, c.num_calls))
-                tool_deltas = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                                             function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
-                               for d in self.prepared.allowed_call_deltas(parsed.call_deltas)]
-                lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
-                body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
-                                    tool_calls=tool_deltas or None)
-                has_text = parsed.content is not None or parsed.reasoning is not None or tool_deltas
-                if has_text or lp is not None or (delta.new_token_ids and self.req.return_token_ids):
-                    yield self._chunk(i, body, logprobs=lp, token_ids=delta.new_token_ids)
-                if delta.finished:
-                    c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
-                    yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
-            opts = self.req.stream_options
-            if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
-                yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
-                                              usage=self._usage(choices)))
-        except APIError as exc:
-            yield error_event(exc)
-        yield SSE_DONE
+        async for i, delta in merge_streams(streams):
+            timers[i].on_delta(delta)
+            c = choices[i]
+            c.add(delta, text=False)
+            if delta.finish_reason == "error":
+                yield error_event(failed_choice(i, delta))
+                continue
+            parsed = parsers[i].feed(delta.new_text)
+            if delta.finished:
+                tail = parsers[i].finish()
+                parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
+                parsed.content = _join(parsed.content, tail.content)
+                parsed.tool_calls += tail.tool_calls
+                parsed.call_deltas += tail.call_deltas
+            returned[i] += self.prepared.allowed_calls(parsed.tool_calls, len(returned[i]))
+            c.num_calls = len(returned[i])
+            tool_deltas = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                         function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                           for d in self.prepared.allowed_call_deltas(parsed.call_deltas, returned[i])]
+            lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
+            body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                                tool_calls=tool_deltas or None)
+            has_text = parsed.content is not None or parsed.reasoning is not None or tool_deltas
+            prompt_lp = self._prompt_logprobs(c) if prompt_lp_due and c.prompt_logprobs is not None else None
+            if has_text or lp is not None or (delta.new_token_ids and self.req.return_token_ids) or prompt_lp:
+                prompt_lp_due = prompt_lp_due and prompt_lp is None
+                yield self._chunk(i, body, logprobs=lp, token_ids=delta.new_token_ids, prompt_logprobs=prompt_lp)
+            if delta.finished:
+                c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
+                yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
 
 
 def _join(a: str | None, b: str | None) -> str | None:
@@ -174,9 +177,6 @@ def prepare_chat(served: ServedModel, req: ChatCompletionRequest, remote: dict[s
     served.check_alive()
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs: not returned in chat streams (send stream=false, or use "
-                       "/v1/completions, whose stream carries them)", param="prompt_logprobs")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")

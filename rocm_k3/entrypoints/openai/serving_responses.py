@@ -318,7 +318,7 @@ class ResponsesRun:
                     for chunk in out.add(p, self.chat.prepared, _item_id):
                         yield chunk
                 if delta.finished:
-                    for chunk in out.close():
+                    for chunk in out.close() + out.end_broken_calls():
                         yield chunk
                     cached = delta.output.num_cached_tokens if delta.output is not None else 0
                     status = "incomplete" if delta.finish_reason == "length" else "completed"
@@ -391,6 +391,17 @@ class _OutputBuilder:
         self.open = None
         return out
 
+    def end_broken_calls(self) -> list[str]:
+        """At the end: a call whose item was streamed but that never came back as a call (it broke or was cut off
+        after its first pieces; its text came back as message text) ends ``incomplete``."""
+        out = []
+        for index in self.call_items.values():
+            item = self.items[index]
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+                out.append(self.events.send("response.output_item.done", output_index=index, item=item))
+        return out
+
     def _text(self, kind: str, text: str, new_id) -> list[str]:
         out = self._start(kind, new_id) if self.open != kind else []
         self.text += text
@@ -411,7 +422,8 @@ class _OutputBuilder:
             out += self._text("reasoning", parsed.reasoning, new_id)
         if parsed.content:
             out += self._text("message", parsed.content, new_id)
-        for d in prepared.allowed_call_deltas(parsed.call_deltas):
+        calls = prepared.allowed_calls(parsed.tool_calls, len(self.calls))
+        for d in prepared.allowed_call_deltas(parsed.call_deltas, self.calls + calls):
             send = self.events.send
             if d.id is not None:  # a call starts: its item, then its argument pieces
                 out += self.close()
@@ -426,7 +438,7 @@ class _OutputBuilder:
                 item["arguments"] += d.arguments
                 out.append(send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                 delta=d.arguments))
-        for call in prepared.allowed_calls(parsed.tool_calls, len(self.calls)):
+        for call in calls:
             self.calls.append(call)
             index = self.call_items.get(call.index)
             if index is None:  # an undeclared function: not streamed

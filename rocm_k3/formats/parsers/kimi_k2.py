@@ -7,13 +7,17 @@
   model sometimes starts a tool section without ``</think>``: vLLM #32216, #33646);
 - the call header is kept verbatim as the OpenAI id when it has the canonical ``NAME:IDX`` shape (the name is
   the part before the last ``:`` without a ``functions.`` prefix); otherwise the header is the name and the
-  id is generated like K3's; empty arguments become ``{}``, other argument text is passed on as written;
+  id is generated like K3's; empty arguments become ``{}``; other arguments must be a JSON object, written
+  as is; a call whose header or arguments hold markup, whose arguments are not a JSON object, or with no
+  argument marker is not a call: its text is kept as content (markers removed);
 - ``<|im_end|>`` and the tokenizer eos ``[EOS]`` end the turn and never reach the content; text after them
   is dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 
 from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
@@ -28,10 +32,15 @@ FUNCTIONS_PREFIX = "functions."
 _CANONICAL_ID = re.compile(r"(.+):(\d+)", re.DOTALL)
 
 
-def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
-    """One call: ``body`` = ``'functions.NAME:IDX<|tool_call_argument_begin|>{json}'``."""
-    header, _, arguments = body.partition(ARGUMENT_BEGIN)
+SPECIALS = (THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END, EOS)
+
+
+def _split(body: str, index: int, opts: ParseOptions) -> tuple[ToolCall, str] | None:
+    """(the call with no arguments yet, the argument text) once the header is complete and names a function."""
+    header, sep, arguments = body.partition(ARGUMENT_BEGIN)
     header = header.strip()
+    if not sep or any(s in header for s in SPECIALS):
+        return None
     m = _CANONICAL_ID.fullmatch(header)
     name = m.group(1) if m else header
     if name.startswith(FUNCTIONS_PREFIX):
@@ -39,19 +48,40 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     if not name:
         return None
     call_id = header if m else f"{opts.call_id_prefix}{index}"
-    return ToolCall(id=call_id, name=name, arguments_json=arguments.strip() or "{}", index=index)
+    return ToolCall(id=call_id, name=name, arguments_json="", index=index), arguments
+
+
+def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
+    """One call: ``body`` = ``'functions.NAME:IDX<|tool_call_argument_begin|>{json}'``; None unless the arguments
+    are empty or a JSON object with no markup inside."""
+    split = _split(body, index, opts)
+    if split is None:
+        return None
+    call, arguments = split
+    arguments = arguments.strip()
+    if any(s in arguments for s in SPECIALS):
+        return None
+    if arguments:
+        try:
+            if not isinstance(json.loads(arguments), dict):
+                return None
+        except ValueError:
+            return None
+    return dataclasses.replace(call, arguments_json=arguments or "{}")
 
 
 def partial_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
-    """The call being written once its header is complete; the argument text so far (leading and trailing
-    whitespace held back, since the final arguments are stripped) is a prefix of the final arguments."""
-    if ARGUMENT_BEGIN not in body:
+    """The call being written once its header is complete; the argument text so far (up to any markup in it,
+    leading and trailing whitespace held back, since the final arguments are stripped) is a prefix of the final
+    arguments."""
+    split = _split(body, index, opts)
+    if split is None:
         return None
-    header, _, arguments = body.partition(ARGUMENT_BEGIN)
-    call = parse_call(header + ARGUMENT_BEGIN, index, opts)
-    if call is None:
-        return None
-    return ToolCall(id=call.id, name=call.name, arguments_json=arguments.strip(), index=index)
+    call, arguments = split
+    ends = [at for at in (arguments.find(s) for s in SPECIALS) if at >= 0]
+    if ends:
+        arguments = arguments[:min(ends)]
+    return dataclasses.replace(call, arguments_json=arguments.strip())
 
 
 KIMI_K2 = FamilySpec(

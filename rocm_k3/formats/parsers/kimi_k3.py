@@ -10,12 +10,14 @@ opener of the first channel. Rules beyond the happy path:
   open (vllm-ascend #13204): it is all content, never an error;
 - the message close, ``<|end_of_msg|>`` and the tokenizer eos ``[EOS]`` end the turn and never reach the
   content (vLLM #51412); text after them is not part of this message and is dropped;
-- a call is ``<|open|>call tool="NAME" index="k"<|sep|>`` + argument blocks (or one ``json`` block) +
-  ``<|close|>call<|sep|>``; typed argument values become JSON (``string`` raw, other types parsed with
-  ``json``, unparsable values kept as strings); attribute values are unescaped (``&quot;`` then ``&amp;``); a
-  call without a tool name is dropped; a call cut off before its close is dropped;
-- a call's arguments are the first ``json`` block when the call starts with one, else its argument blocks (a
-  key seen twice keeps its first value), so that streamed argument pieces are a prefix of the final JSON;
+- a call is ``<|open|>call tool="NAME" index="k"<|sep|>`` + argument blocks (or one ``json`` block holding a
+  JSON object) + ``<|close|>call<|sep|>``; typed argument values become JSON (``string`` raw, other types parsed
+  with ``json``, unparsable values kept as strings); attribute values are unescaped (``&quot;`` then ``&amp;``);
+  a key seen twice keeps its first value, so that streamed argument pieces are a prefix of the final JSON;
+- a call is returned only when it is well formed: a header naming a tool, then only closed blocks separated by
+  whitespace, each argument block with a ``key``, no markup (``<|open|>``, ``<|close|>``, ``<|sep|>``, end
+  markers) inside a name, attribute or value, a json block alone and valid. Anything else (and a call cut off
+  before its close) is not a call: the scanner keeps its text as content (markers removed);
 - markers are matched exactly as the detokenizer writes them (no spaces between special tokens). A string
   argument that literally contains ``<|close|>argument<|sep|>`` cannot be told from the real close.
 """
@@ -47,11 +49,14 @@ CALL_OPEN = f"{OPEN}call"  # the header (attributes, then <|sep|>) is part of th
 CALL_CLOSE = close_tag("call")
 
 _ATTR = re.compile(r'\s*([A-Za-z_][\w.\-]*)="([^"]*)"')
-_BLOCK = re.compile(
-    re.escape(OPEN) + r"(argument|json)((?:\s+[A-Za-z_][\w.\-]*=\"[^\"]*\")*)\s*" + re.escape(SEP)
-    + r"(.*?)" + re.escape(CLOSE) + r"\1" + re.escape(SEP),
-    re.DOTALL,
-)
+_BLOCK_OPEN = re.compile(
+    r"\s*" + re.escape(OPEN) + r"(argument|json)((?:\s+[A-Za-z_][\w.\-]*=\"[^\"]*\")*)\s*" + re.escape(SEP))
+SPECIALS = (OPEN, CLOSE, SEP, END_OF_MSG, EOS)
+
+
+def has_special(text: str) -> bool:
+    """Whether ``text`` holds a special-token text (markup never belongs inside a name or a value)."""
+    return any(s in text for s in SPECIALS)
 
 
 def unescape_attr(value: str) -> str:
@@ -61,6 +66,8 @@ def unescape_attr(value: str) -> str:
 
 def parse_attrs(header: str) -> dict[str, str] | None:
     """``' key="v" k2="w"'`` -> ``{"key": "v", "k2": "w"}`` (unescaped); None when the header is malformed."""
+    if has_special(header):
+        return None
     attrs: dict[str, str] = {}
     pos = 0
     while pos < len(header):
@@ -87,59 +94,99 @@ def typed_value(type_name: str | None, raw: str) -> object:
         return raw
 
 
-def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
-    """One call: ``body`` = ``' tool="N" index="k"<|sep|>' + blocks`` (the text after ``<|open|>call``)."""
+def _header(body: str) -> tuple[dict[str, str], str] | None:
+    """(the call's attributes, the text after its header) when the header is well formed and names a tool."""
     header, sep, rest = body.partition(SEP)
     if not sep or (header and not header[0].isspace()):
         return None  # "<|open|>callx..." or no header end: not a call
     attrs = parse_attrs(header)
     if attrs is None or not attrs.get("tool"):
         return None
-    raw_json, arguments = _arguments(rest)
-    args_json = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
+    return attrs, rest
+
+
+def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
+    """One call: ``body`` = ``' tool="N" index="k"<|sep|>' + blocks`` (the text after ``<|open|>call``); None
+    when it is malformed (see the module docstring)."""
+    head = _header(body)
+    if head is None:
+        return None
+    attrs, rest = head
+    blocks, end = _blocks(rest)
+    if rest[end:].strip():
+        return None  # text that is not a block, a block not closed, or markup inside a value
+    if any(kind == "json" for kind, _, _ in blocks):
+        if len(blocks) != 1 or not isinstance(_json_object(blocks[0][2]), dict):
+            return None  # a json block is the call's only block and holds a JSON object
+        args_json = blocks[0][2]
+    else:
+        args_json = json.dumps(_arguments(blocks), ensure_ascii=False)
     return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=args_json, index=index)
 
 
-def _arguments(rest: str) -> tuple[str | None, dict[str, object]]:
-    """(the raw text of a leading json block, or None; the typed argument blocks, first value of a key wins)."""
+def _json_object(raw: str) -> object:
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:
+        return None
+
+
+def _blocks(rest: str) -> tuple[list[tuple[str, dict[str, str], str]], int]:
+    """The well-formed closed blocks at the start of ``rest`` (kind, attributes, value) and where they end: a
+    block is ``<|open|>KIND attrs<|sep|>value<|close|>KIND<|sep|>`` with no markup inside ``value``, an argument
+    block has a ``key``; blocks are separated by whitespace only. Scanning stops at anything else."""
+    blocks: list[tuple[str, dict[str, str], str]] = []
+    pos = 0
+    while True:
+        m = _BLOCK_OPEN.match(rest, pos)
+        if m is None:
+            return blocks, pos
+        kind, attrs = m.group(1), parse_attrs(m.group(2))
+        close = close_tag(kind)
+        at = rest.find(close, m.end())
+        if attrs is None or (kind == "argument" and not attrs.get("key")) or at < 0 \
+                or has_special(rest[m.end():at]):
+            return blocks, pos
+        blocks.append((kind, attrs, rest[m.end():at]))
+        pos = at + len(close)
+
+
+def _arguments(blocks: list[tuple[str, dict[str, str], str]]) -> dict[str, object]:
+    """The typed argument blocks as a dict (the first value of a key wins)."""
     arguments: dict[str, object] = {}
-    for m in _BLOCK.finditer(rest):
-        kind, block_attrs, value = m.group(1), parse_attrs(m.group(2)) or {}, m.group(3)
-        if kind == "json":
-            if not arguments:
-                return value, {}
-        elif block_attrs.get("key") and block_attrs["key"] not in arguments:
-            arguments[block_attrs["key"]] = typed_value(block_attrs.get("type"), value)
-    return None, arguments
-
-
-_JSON_OPEN = open_tag("json")
-_JSON_CLOSE = close_tag("json")
+    for _, attrs, value in blocks:
+        if attrs["key"] not in arguments:
+            arguments[attrs["key"]] = typed_value(attrs.get("type"), value)
+    return arguments
 
 
 def partial_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     """The call being written, with the fixed prefix of its arguments JSON: a leading json block's text as it
-    arrives, or ``{"k": v`` + ``, "k2": v2`` ... for each argument block once closed (json.dumps' separators)."""
-    header, sep, rest = body.partition(SEP)
-    if not sep or (header and not header[0].isspace()):
+    arrives (up to any markup in it), or ``{"k": v`` + ``, "k2": v2`` ... for each well-formed argument block
+    once closed (json.dumps' separators). The prefix only grows as text arrives."""
+    head = _header(body)
+    if head is None:
         return None
-    attrs = parse_attrs(header)
-    if attrs is None or not attrs.get("tool"):
-        return None
-    start = rest.lstrip()
-    if start.startswith(_JSON_OPEN):
-        raw = start[len(_JSON_OPEN):]
-        end = raw.find(_JSON_CLOSE)
-        if end >= 0:
-            raw = raw[:end]
-        else:  # hold back a tail that may be the start of the block's close
-            raw = raw[:len(raw) - next((k for k in range(min(len(raw), len(_JSON_CLOSE)), 0, -1)
-                                        if _JSON_CLOSE.startswith(raw[-k:])), 0)]
+    attrs, rest = head
+    opened = _BLOCK_OPEN.match(rest)
+    if opened is not None and opened.group(1) == "json" and parse_attrs(opened.group(2)) is not None:
+        raw = rest[opened.end():]
+        ends = [at for at in (raw.find(s) for s in SPECIALS) if at >= 0]
+        if ends:
+            raw = raw[:min(ends)]
+        else:  # hold back a tail that may be the start of markup
+            raw = raw[:len(raw) - max(_held(raw, s) for s in SPECIALS)]
         prefix = raw
     else:
-        _, arguments = _arguments(rest)
-        prefix = json.dumps(arguments, ensure_ascii=False)[:-1] if arguments else ""
+        blocks, _ = _blocks(rest)
+        blocks = [b for b in blocks if b[0] == "argument"]
+        prefix = json.dumps(_arguments(blocks), ensure_ascii=False)[:-1] if blocks else ""
     return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=prefix, index=index)
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    return next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)
 
 
 KIMI_K3 = FamilySpec(

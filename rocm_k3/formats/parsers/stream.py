@@ -10,10 +10,14 @@ on how the text was split: ``parse_output(text)`` is the scanner fed ``text`` wh
 Content that is whitespace only so far is held until a non-space character arrives, and dropped at the end:
 whitespace-only content is None, as in vLLM. A call is emitted whole, with its index, once its close marker
 has arrived. Nothing is lost: a call that does not parse, names a function the request did not declare, or is
-still open at the end (cut off) comes back as content text, its markers removed. While a call is written, ``call_deltas`` carry it the
-way vLLM streams calls: a first piece with index, id and name once the name is known (only for a declared
-function when tools are declared), then the new fixed part of its arguments JSON (the family's
-``partial_call``), the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``.
+still open at the end (cut off) comes back as content text, its markers removed; so does text inside a tool
+section outside any call (whitespace between calls is dropped). While a call is written, ``call_deltas`` carry it the
+way vLLM streams calls: a first piece with index, id and name and the first fixed part of its arguments JSON
+(the family's ``partial_call``; only for a declared function when tools are declared), then each new fixed
+part, the rest when it closes; the pieces of a closed call concatenate to its ``arguments_json``. The name waits
+for the first well-formed piece of the arguments, so a call that breaks in its first argument streams nothing;
+a call that breaks (or is cut off) after pieces went out cannot take them back: its text still comes back as
+content, and its index is not reused, so the pieces of the next call never add to it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class StreamParser:
         self._state = State.REASONING if self._opts.prompt_in_think else State.CONTENT
         self._buf = ""
         self._call: list[str] | None = None  # body of the open call
+        self._between: list[str] = []  # text inside a tool section outside any call (kept as content)
         self._call_return = State.TOOLS
         self._n_calls = 0
         self._content_started = False  # a non-space content character has been emitted
@@ -103,10 +108,10 @@ class StreamParser:
             raise ValueError("finish: the parser has already finished")
         self._drain(final=True)
         if self._call is not None:  # cut off before its close (max_tokens): its text is content
-            self._keep_text(self._call)
+            self._end_call(closed=False)
+        self._keep_between()
         self._finished = True
         self._pending_space = ""
-        self._call = None
         return self._take()
 
     # -- scanning --------------------------------------------------------------------------------------------
@@ -134,21 +139,10 @@ class StreamParser:
     def _apply(self, tr: Transition, marker: str) -> None:
         leaving = self._state
         nxt = tr.next if tr.next is not None else self._call_return
+        if leaving is State.TOOLS:
+            self._keep_between()
         if leaving is State.CALL:
-            body, self._call = self._call, None
-            call = None
-            if tr.closes_call and body is not None:
-                self._stream_call()
-                call = self._spec.parse_call("".join(body), self._n_calls, self._opts)
-                if call is not None and self._declared and call.name not in self._declared:
-                    call = None  # a function the request did not declare: its text is content
-                if call is not None:
-                    self._out.tool_calls.append(call)
-                    self._close_call_deltas(call)
-                    self._n_calls += 1
-            if call is None and body is not None:
-                self._keep_text(body)
-            self._sent = None
+            self._end_call(tr.closes_call)
         if nxt is State.CALL:
             self._call = []
             if leaving is not State.CALL:
@@ -174,7 +168,35 @@ class StreamParser:
             self._out.content = (self._out.content or "") + text
         elif state is State.CALL and self._call is not None:  # entering CALL always opens a body
             self._call.append(text)
-        # TOOLS (text between calls) and END (after the turn) drop their text
+        elif state is State.TOOLS:  # kept until the next marker, then content (see _keep_between)
+            self._between.append(text)
+        # END (after the turn) drops its text
+
+    def _end_call(self, closed: bool) -> None:
+        """Leave the open call: a closed, well-formed call to a declared function is returned; anything else
+        keeps its text as content. A call whose pieces were streamed keeps its index either way, so that the
+        next call's pieces never add to it."""
+        self._stream_call()
+        body, self._call = self._call, None
+        call = self._spec.parse_call("".join(body), self._n_calls, self._opts) if closed and body is not None \
+            else None
+        if call is not None and self._declared and call.name not in self._declared:
+            call = None  # a function the request did not declare: its text is content
+        if call is not None:
+            self._out.tool_calls.append(call)
+            self._close_call_deltas(call)
+            self._n_calls += 1
+        elif body is not None:
+            self._keep_text(body)
+            self._n_calls += self._sent is not None
+        self._sent = None
+
+    def _keep_between(self) -> None:
+        """Text in a tool section outside any call (stray or broken markup, prose) is content, markers removed;
+        whitespace between calls is dropped."""
+        between, self._between = self._between, []
+        if "".join(between).strip():
+            self._keep_text(["".join(between).strip()])
 
     def _keep_text(self, body: list[str]) -> None:
         """A call that is not a call (malformed, undeclared, unclosed): its text goes on as content, the family's
@@ -196,8 +218,9 @@ class StreamParser:
         if part is None or (self._declared and part.name not in self._declared):
             return
         if self._sent is None:
-            self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json, part.id, part.name))
-            self._sent = part.arguments_json
+            if part.arguments_json:  # the name goes out with the first well-formed piece of its arguments
+                self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json, part.id, part.name))
+                self._sent = part.arguments_json
         elif len(part.arguments_json) > len(self._sent) and part.arguments_json.startswith(self._sent):
             self._out.call_deltas.append(ToolCallDelta(part.index, part.arguments_json[len(self._sent):]))
             self._sent = part.arguments_json
