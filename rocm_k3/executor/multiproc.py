@@ -38,7 +38,7 @@ from typing import Any
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig
 from rocm_k3.distributed.shm_broadcast import SPIN_S, BroadcastError
-from rocm_k3.executor.step_channel import RING_FILE, StepChannel, recv_bytes, ring_dir, send_bytes
+from rocm_k3.executor.step_channel import StepChannel, new_ring_path, recv_bytes, send_bytes
 from rocm_k3.worker.step_io import StepInput, StepOutput
 from rocm_k3.worker.worker import WorkerConfig, WorkerInfo
 
@@ -219,9 +219,8 @@ class MultiprocExecutor:
         # one node: the ranks meet in a private FileStore (no TCP store listening on every interface)
         self._store_dir = tempfile.mkdtemp(prefix="rocm-k3-group-") if par.nnodes == 1 else None
         store_file = os.path.join(self._store_dir, "store") if self._store_dir else None
-        # one node: the step channel's shared-memory ring (tmpfs where there is one); removed with the group
-        self._ring_dir = tempfile.mkdtemp(prefix="rocm-k3-ring-", dir=ring_dir()) if par.nnodes == 1 else None
-        ring_path = os.path.join(self._ring_dir, RING_FILE) if self._ring_dir else None
+        # one node: the step channel's shared-memory ring file (tmpfs where there is one; rank 0 unlinks it at start)
+        self._ring_path = ring_path = new_ring_path() if par.nnodes == 1 else None
         for rank in par.node_ranks():
             proc = ctx.Process(target=_rank_main,
                                args=(rank, config, child if rank == 0 else None, store_file, ring_path),
@@ -273,10 +272,15 @@ class MultiprocExecutor:
         self._remove_store()
 
     def _remove_store(self) -> None:
-        for attr in ("_store_dir", "_ring_dir"):
-            if getattr(self, attr, None):
-                shutil.rmtree(getattr(self, attr), ignore_errors=True)
-                setattr(self, attr, None)
+        if getattr(self, "_store_dir", None):
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
+        if getattr(self, "_ring_path", None):  # rank 0 removes it at start; not when the group failed before
+            try:
+                os.unlink(self._ring_path)
+            except FileNotFoundError:
+                pass
+            self._ring_path = None
 
     def __del__(self) -> None:
         try:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
+import tempfile
 from typing import Any
 
 import torch
@@ -21,12 +23,14 @@ import torch.distributed as dist
 from rocm_k3.distributed.shm_broadcast import SPIN_S, RingSpec, ShmRing
 
 FRAME_BYTES = 64 * 1024  # one frame: an 8-byte length, then up to FRAME_BYTES - 8 bytes of the message
-RING_FILE = "step-ring"
 
 
-def ring_dir() -> str | None:
-    """Where a one-node ring file goes: tmpfs (/dev/shm) when the machine has it, else the temporary folder."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def new_ring_path() -> str:
+    """A fresh path for a one-node ring file: on tmpfs (/dev/shm) when the machine has it, else in the temporary
+    folder; a file, not a folder, so once rank 0 unlinks it after the ranks mapped it nothing is left behind
+    (the file is created exclusively: a name that exists is an error, never reused)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"rocm-k3-ring-{os.getpid()}-{secrets.token_hex(8)}")
 
 
 def _frame(payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
