@@ -3,8 +3,9 @@
 The runner keeps what the step contract sends only once or as deltas: each request's block table (a growing
 int32 numpy row) and KDA slot. Per step it builds the host-side plan (token ids, positions, cu_seqlens, slot
 mapping, block-table rows at a fixed width) in one pass, moves it to the device in a handful of copies, and
-asks for logits only at the last token of the chunks that sample. Decode-only steps replay a captured graph
-when :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size. On the first pipeline stage of
+asks for logits only at the last token of the chunks that sample. Decode-only steps, and speculative
+verifications (every chunk a decode plus its drafts), replay a captured graph when
+:class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size and tokens per sequence. On the first pipeline stage of
 a vision model, :class:`~rocm_k3.worker.image_inputs.ImageInputs` (``images``) adds the step's image embedding
 rows to the ForwardBatch (``image_embeds`` / ``image_rows``).
 """
@@ -173,8 +174,9 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(step)
         plan = self.plan(step)
-        if plan.is_decode and self.graphs is not None:
-            logits = self.graphs.run(plan)
+        width = graph_width(step, plan) if self.graphs is not None else None
+        if width is not None:
+            logits = self.graphs.run(plan, width)
             if logits is not None:
                 return logits
         if self.images is None:
@@ -182,6 +184,18 @@ class ModelRunner:
         logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), self.pools)
         self.images.release(step)
         return logits
+
+
+def graph_width(step: StepInput, plan: HostPlan) -> int | None:
+    """The tokens per sequence of a step that a decode graph can run (1: a decode; 1 + the most drafts: a
+    verification whose every chunk is a sampled decode of its last token plus its drafts), else None."""
+    if plan.is_decode:
+        return 1
+    if not all(c.sample and not c.is_prefill and not c.prompt_logprob_rows and not c.images and c.start > 0
+               and c.num_tokens == 1 + c.num_draft and all(1 <= pos - c.start <= c.num_draft for pos, _ in c.saves)
+               for c in step.chunks):
+        return None
+    return 1 + max(c.num_draft for c in step.chunks)
 
 
 def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:
