@@ -120,3 +120,33 @@ def test_decode_shaped_verification_gives_the_eager_greedy_tokens(model, method,
     graphed, stats, g = _generate(model, spec, graphs=True)
     assert graphed == eager
     assert g.verify_replays > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+# ---------------------------------------------------------------------------------------------------------- cuda
+def _cuda_greedy(spec: dict, eager: bool, prompts: list[list[int]]) -> tuple[list[list[int]], int, dict]:
+    from rocm_k3.engine.llm import LLM
+
+    llm = LLM(None, dtype="float32", backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=8,
+              max_model_len=512, kv_cache_bytes=1 << 30, state_cache_bytes=1 << 30, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    graphs = llm.engine.executor.worker.runner.graphs
+    replays, stats = (0 if graphs is None else graphs.verify_replays), llm.engine.stats()
+    llm.shutdown()
+    return [o.token_ids for o in outs], replays, stats
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_captured_graphs_equals_eager_on_the_gpu(method: str, k: int) -> None:
+    """Three requests (bucket 4 with a padded group), fp32 without TF32: captured (batch, 1 + k) graphs verify
+    the drafts; the tokens equal the eager steps' (prefill-path verification)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = EMBEDDED_DRAFTER
+    prompts = [[5, 6, 7] * 6, [(i * 7) % 200 for i in range(20)], [9, 4] * 9]
+    eager, _, _ = _cuda_greedy(spec, True, prompts)
+    graphed, replays, stats = _cuda_greedy(spec, False, prompts)
+    assert replays > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert graphed == eager
