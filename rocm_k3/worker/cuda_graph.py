@@ -9,10 +9,7 @@ The graph's logits buffer ``[B, vocab]`` is sliced to the ``n`` real rows.
 
 Speculative verification (``max_drafts`` k > 0) adds one graph per (batch bucket, w) for every width
 w = 1 + d, d = 1 .. k: a verification of ``n <= B`` sequences with at most d drafts each runs in decode shape,
-B * w rows (row i * w + j = token j of sequence i; see ``ForwardBatch.decode_width``): each row its own MLA
-attention row (its seq_len and block-table row), each group's KDA state advanced column by column, and the
-per-position state saves written to fixed save slots. A sequence with fewer drafts than d pads its group with
-rows that only touch the scratch block and slot (its running state stops after its own tokens). The logits rows
+B * w rows (:mod:`~rocm_k3.worker.decode_layout`, the layout eager verifications use too). The logits rows
 the step asks for are gathered from the ``[B * w, vocab]`` buffer, and when the model taps hidden states for a
 drafter (``tap_layers``) the graph's tapped buffer is gathered the same way into ``taps.tapped``.
 
@@ -32,6 +29,7 @@ import numpy as np
 import torch
 
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.decode_layout import decode_layout, save_rows
 
 log = logging.getLogger("rocm_k3.worker")
 
@@ -91,10 +89,8 @@ class DecodeGraphs:
         """The ForwardBatch over the first ``size`` groups of ``w`` rows of the persistent buffers."""
         rows = size * w
         saves = {}
-        if w > 1:  # the fixed save layout: (i * w + j, 1) for j < w - 1, slots from save_slots
-            at = torch.arange(rows, dtype=torch.int32, device=self.device).view(size, w)[:, : w - 1].reshape(-1)
-            saves = {"save_positions": torch.stack([at, torch.ones_like(at)], dim=1),
-                     "save_slots": self.save_slots[: size * (w - 1)]}
+        if w > 1:  # the fixed save layout, slots from save_slots
+            saves = {"save_positions": save_rows(size, w, self.device), "save_slots": self.save_slots[: size * (w - 1)]}
         return ForwardBatch(
             input_ids=self.input_ids[:rows], positions=self.positions[:rows], cu_seqlens=self.cu_seqlens[: rows + 1],
             seq_lens=self.seq_lens[:rows], block_table=self.block_table[:rows], slot_mapping=self.slot_mapping[:rows],
@@ -109,45 +105,23 @@ class DecodeGraphs:
 
     def fill(self, plan, bucket: int, w: int = 1) -> np.ndarray:
         """Copy a plan of ``n <= bucket`` sequences with at most ``w`` new tokens each (all with an initial state)
-        into the buffers in the layout of (bucket, w): token j of sequence i in row i * w + j, every other row of
-        the first ``bucket * w`` padding. Returns the rows holding the plan's ``logits_indices`` (int64)."""
-        n = plan.seq_lens.shape[0]
-        if n > bucket:
-            raise ValueError(f"fill: {n} rows do not fit bucket {bucket}")
+        into the buffers in the (bucket, w) layout (:func:`~rocm_k3.worker.decode_layout.decode_layout`). Returns
+        the rows holding the plan's ``logits_indices`` (int64)."""
         used = plan.block_table.shape[1]
         if used > self.width:
             raise ValueError(f"fill: block table of {used} columns exceeds the graph width {self.width}")
-        lens = np.diff(plan.cu_seqlens).astype(np.int64)  # [n]
-        if lens.max() > w or lens.min() < 1:
-            raise ValueError(f"fill: sequences of {lens.min()}..{lens.max()} new tokens do not fit width {w}")
-        pools, rows = self.pools, bucket * w
-        dst = (np.arange(n)[:, None] * w + np.arange(w)[None, :])[np.arange(w)[None, :] < lens[:, None]]  # [T]
-        seq = np.repeat(np.arange(n), lens)  # [T]
-
-        def scatter(values: np.ndarray, pad: int, dtype) -> torch.Tensor:
-            out = np.full(rows, pad, dtype=dtype)
-            out[dst] = values
-            return torch.from_numpy(out)
-
-        self.input_ids[:rows].copy_(scatter(plan.input_ids, 0, np.int64), non_blocking=True)
-        self.positions[:rows].copy_(scatter(plan.positions, 0, np.int64), non_blocking=True)
-        self.seq_lens[:rows].copy_(scatter(plan.positions + 1, 1, np.int32), non_blocking=True)
-        self.slot_mapping[:rows].copy_(scatter(plan.slot_mapping, pools.pad_block * pools.block_size, np.int64),
-                                       non_blocking=True)
-        self.kda_slots[:rows].copy_(scatter(plan.kda_slots[seq], pools.pad_slot, np.int32), non_blocking=True)
-        table = np.zeros((rows, used), dtype=np.int32)
-        table[:, 0] = pools.pad_block  # columns past a row's blocks are never read
-        table[dst] = plan.block_table[seq]
-        self.block_table[:rows, :used].copy_(torch.from_numpy(table), non_blocking=True)
-        if w > 1:
-            saves = np.full(bucket * (w - 1), pools.pad_slot, dtype=np.int32)
-            if plan.save_positions is not None:
-                i, p = plan.save_positions[:, 0].astype(np.int64), plan.save_positions[:, 1].astype(np.int64)
-                if ((p < 1) | (p >= lens[i])).any():
-                    raise ValueError("fill: a verification saves states only after its first 1 .. len - 1 tokens")
-                saves[i * (w - 1) + p - 1] = plan.save_slots
-            self.save_slots[: saves.shape[0]].copy_(torch.from_numpy(saves), non_blocking=True)
-        return dst[plan.logits_indices]
+        pools = self.pools
+        lay = decode_layout(plan, bucket, w, pad_block=pools.pad_block, block_size=pools.block_size,
+                            pad_slot=pools.pad_slot)
+        rows = bucket * w
+        for buf, values in ((self.input_ids, lay.input_ids), (self.positions, lay.positions),
+                            (self.seq_lens, lay.seq_lens), (self.slot_mapping, lay.slot_mapping),
+                            (self.kda_slots, lay.kda_slots)):
+            buf[:rows].copy_(torch.from_numpy(values), non_blocking=True)
+        self.block_table[:rows, :used].copy_(torch.from_numpy(lay.block_table), non_blocking=True)
+        if lay.save_slots is not None:
+            self.save_slots[: lay.save_slots.shape[0]].copy_(torch.from_numpy(lay.save_slots), non_blocking=True)
+        return lay.rows
 
     # ---- GPU ------------------------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -5,7 +5,9 @@ int32 numpy row) and KDA slot. Per step it builds the host-side plan (token ids,
 mapping, block-table rows at a fixed width) in one pass, moves it to the device in a handful of copies, and
 asks for logits only at the last token of the chunks that sample. Decode-only steps, and speculative
 verifications (every chunk a decode plus its drafts), replay a captured graph when
-:class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size and tokens per sequence. On the first pipeline stage of
+:class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size and tokens per sequence; a
+verification without a graph runs eagerly in the same decode shape (:mod:`~rocm_k3.worker.decode_layout`: the
+recurrent KDA decode per drafted position, so no chunk kernel has to save states between its chunk ends). On the first pipeline stage of
 a vision model, :class:`~rocm_k3.worker.image_inputs.ImageInputs` (``images``) adds the step's image embedding
 rows to the ForwardBatch (``image_embeds`` / ``image_rows``).
 """
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.decode_layout import decode_layout, layout_batch
 from rocm_k3.worker.image_inputs import ImageInputs, StepImages
 from rocm_k3.worker.kv_pools import KVPools
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
@@ -174,11 +177,16 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(step)
         plan = self.plan(step)
-        width = graph_width(step, plan) if self.graphs is not None else None
-        if width is not None:
+        width = graph_width(step, plan)
+        if width is not None and self.graphs is not None:
             logits = self.graphs.run(plan, width)
             if logits is not None:
                 return logits
+        if width is not None and width > 1:  # a verification: in decode shape, as its graph would run it
+            pools = self.pools
+            lay = decode_layout(plan, len(step.chunks), width, pad_block=pools.pad_block, block_size=self.block_size,
+                                pad_slot=pools.pad_slot)
+            return self.model.forward(layout_batch(lay, width, self.device), self.pools)
         if self.images is None:
             return self.model.forward(self.batch(plan), self.pools)
         logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), self.pools)

@@ -1,7 +1,7 @@
 """Decode graphs with speculative decoding: the (batch, k) verification layout on the CPU (padding, save slots,
-logits rows) and the padded decode-shaped verification run eagerly through the graphs' buffers giving the same
-greedy tokens as the prefill-path verification (n-gram and the embedded drafter, k in {1, 3}); on the H200 (cuda
-tier) captured graphs give the same greedy tokens as eager steps, with speculation."""
+logits rows); the bucketed verification run eagerly through the graphs' buffers, the eager decode-shaped
+verification and no speculation at all giving the same greedy tokens (n-gram and the embedded drafter, k in
+{1, 3}); on the H200 (cuda tier) captured graphs give the same greedy tokens as eager steps, with speculation."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def model():
     return load_model(ensure_embedded_model(), dtype=torch.float32, progress=False)
 
 
-def _generate(model, spec: SpeculativeConfig, graphs: bool) -> tuple[dict, dict, DecodeGraphs | None]:
+def _generate(model, spec: SpeculativeConfig | None, graphs: bool) -> tuple[dict, dict, DecodeGraphs | None]:
     cache = CacheConfig(block_size=16, match_unit=8, alignment=16, kda_save_grid=8, enable_prefix_caching=True,
                         num_blocks=48, num_state_slots=40)
     core = core_for(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=96, cache=cache,
@@ -94,7 +94,7 @@ def _generate(model, spec: SpeculativeConfig, graphs: bool) -> tuple[dict, dict,
     g = None
     if graphs:
         g = EagerGraphs(worker.stage, worker.runner.pools, worker.geometry.table_width, graph_buckets(4),
-                        max_drafts=spec.num_speculative_tokens,
+                        max_drafts=0 if spec is None else spec.num_speculative_tokens,
                         taps=worker.model if worker.proposer is not None else None)
         g.capture()
         worker.runner.graphs = g
@@ -113,12 +113,13 @@ def _generate(model, spec: SpeculativeConfig, graphs: bool) -> tuple[dict, dict,
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_decode_shaped_verification_gives_the_eager_greedy_tokens(model, method, k) -> None:
+def test_decode_shaped_verification_gives_the_greedy_tokens_of_no_speculation(model, method, k) -> None:
     spec = SpeculativeConfig(method=method, model=EMBEDDED_DRAFTER if method == "draft_model" else None,
                              num_speculative_tokens=k)
+    base, _, _ = _generate(model, None, graphs=False)
     eager, _, _ = _generate(model, spec, graphs=False)
     graphed, stats, g = _generate(model, spec, graphs=True)
-    assert graphed == eager
+    assert graphed == eager == base
     assert g.verify_replays > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
@@ -140,7 +141,7 @@ def _cuda_greedy(spec: dict, eager: bool, prompts: list[list[int]]) -> tuple[lis
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_with_captured_graphs_equals_eager_on_the_gpu(method: str, k: int) -> None:
     """Three requests (bucket 4 with a padded group), fp32 without TF32: captured (batch, 1 + k) graphs verify
-    the drafts; the tokens equal the eager steps' (prefill-path verification)."""
+    the drafts; the tokens equal the eager steps' (the same decode shape, unpadded)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     spec = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
