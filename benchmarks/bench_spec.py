@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             prompts = [base_prompts[i % len(base_prompts)] + f" {i}" * (i // len(base_prompts))
                        for i in range(batch)]
-            for llm in engines.values():  # warm-up (kernels of the eager shapes compile on a GPU)
-                run(llm, prompts[:2], 6)
+            for llm in engines.values():  # warm-up: the batch's prefill and decode shapes (kernels compile on a GPU)
+                run(llm, prompts, 6)
             base = run(engines["off"], prompts, args.max_tokens)
             for method in args.methods:
                 spec = run(engines[method], prompts, args.max_tokens)

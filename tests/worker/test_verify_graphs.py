@@ -151,3 +151,24 @@ def test_speculation_with_captured_graphs_equals_eager_on_the_gpu(method: str, k
     graphed, replays, stats = _cuda_greedy(spec, False, prompts)
     assert replays > 0 and stats["spec_num_accepted_tokens"] > 0, stats
     assert graphed == eager
+
+
+def test_a_bad_decode_width_is_named() -> None:
+    from rocm_k3.model.forward_batch import ForwardBatch
+
+    def batch(w, n=4, saves=None, decode=True) -> ForwardBatch:
+        i32, i64 = torch.int32, torch.int64
+        return ForwardBatch(
+            input_ids=torch.zeros(n, dtype=i64), positions=torch.zeros(n, dtype=i64),
+            cu_seqlens=torch.arange(n + 1, dtype=i32), seq_lens=torch.ones(n, dtype=i32),
+            block_table=torch.zeros(n, 1, dtype=i32), slot_mapping=torch.zeros(n, dtype=i64),
+            kda_slots=torch.zeros(n, dtype=i32), has_initial_state=torch.ones(n, dtype=torch.bool),
+            logits_indices=torch.arange(n, dtype=i64), is_decode=decode, decode_width=w,
+            save_positions=None if saves is None else torch.ones(saves, 2, dtype=i32),
+            save_slots=None if saves is None else torch.zeros(saves, dtype=i32))
+
+    assert batch(2, saves=2).decode_width == 2
+    for w, kw, message in ((0, {}, "positive int"), (3, {}, "whole groups"), (2, {"decode": False}, "whole groups"),
+                           (2, {"saves": 3}, "expects 2 save rows")):
+        with pytest.raises(ValueError, match=message):
+            batch(w, **kw)
