@@ -18,6 +18,7 @@ from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.model_runner import ModelRunner, graph_width
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
+from tests.engine.test_spec_decode import _run as run_checked  # cache invariants every step, nothing leaked
 from tests.engine_fixtures import core_for
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -100,14 +101,7 @@ def _generate(model, spec: SpeculativeConfig | None, graphs: bool) -> tuple[dict
         worker.runner.graphs = g
     vocab = model.cfg.vocab_size
     prompts = [[5, 6, 7] * 6, [(i * 7) % vocab for i in range(20)], [9, 4] * 9]
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add_request(str(i), p, params)
-    done = {}
-    while core.has_unfinished():
-        for delta in core.step():
-            if delta.finished:
-                done[delta.request_id] = delta.output.token_ids
+    done = run_checked(core, prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
     return done, core.stats(), g
 
 
