@@ -128,10 +128,9 @@ class EngineArgs:
             spec.check_pipeline(self.pipeline_parallel_size)
         from rocm_k3.kv_transfer.config import KVTransferConfig
 
-        if KVTransferConfig.parse(self.kv_transfer_config) is not None and (
-                self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
-            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with tensor_parallel_size 1 and "
-                             "pipeline_parallel_size 1 for now")
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None and self.pipeline_parallel_size != 1:
+            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with pipeline_parallel_size 1 "
+                             "for now (any tensor_parallel_size)")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")

@@ -13,6 +13,10 @@ so no [L, H, Dn + Dv] expanded keys/values are materialised. One program per (BT
 head) walks keys 0..(its last query's position) over the paged cache with an online softmax. The host reads
 ``cu_seqlens_q`` once to list the query blocks (a sync per prefill call).
 
+``mla_prefill`` runs this kernel for the sequences of a call whose chunk is shorter than
+``mla_prefill_expanded.EXPANDED_MIN_QUERIES`` queries and the expanded-heads flash kernel
+(:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`) for the others (the crossover measured on the H200).
+
 Latent geometry (R, P, Dn, Dv; K3: 512, 64, 128, 128) comes from the shapes (``rocm_k3.ops.mla.prefill_geometry``);
 the kernel takes R, P and Dn as constexprs with power-of-two column tiles, like the decode kernel, and declines the
 same latents (``latent_supported``).
@@ -26,6 +30,7 @@ import triton.language as tl
 
 from rocm_k3.ops.mla import prefill_geometry
 from rocm_k3.triton_kernels.mla_decode import latent_supported, latent_tiles
+from rocm_k3.triton_kernels.mla_prefill_expanded import EXPANDED_MIN_QUERIES, mla_prefill_expanded
 from rocm_k3.triton_kernels.runtime import interpreted
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -119,7 +124,19 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc)."""
+    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc).
+
+    Sequences whose chunk holds at least ``EXPANDED_MIN_QUERIES`` queries run over the expanded heads
+    (:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`), the others in the absorbed latent space."""
+    return mla_prefill_with(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale)
+
+
+def mla_prefill_with(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
+                     expanded_min_queries: int | None = None) -> torch.Tensor:
+    """:func:`mla_prefill` with the crossover explicit (None = ``EXPANDED_MIN_QUERIES``; 0 = every sequence
+    expanded; a value above every chunk = all absorbed)."""
+    threshold = EXPANDED_MIN_QUERIES if expanded_min_queries is None else expanded_min_queries
     tokens, num_heads, q_width = q.shape
     geo = prefill_geometry(q, kv_cache, kv_b_weight)
     lora, nope = geo.kv_lora_rank, geo.nope
@@ -128,15 +145,20 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     out = torch.zeros(tokens, num_heads, geo.v, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    cu = cu_seqlens_q.tolist()
+    long = [i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] >= max(threshold, 1)]
+    if long:
+        mla_prefill_expanded(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale,
+                             sequences=long, out=out, bounds=(cu, seq_lens.tolist()))
+    short_seqs = [i for i in range(len(cu) - 1) if i not in set(long)]
+    bt_rows = 16
+    blocks = [(i, s) for i in short_seqs for s in range(cu[i], cu[i + 1], bt_rows)]
+    if not blocks:
+        return out
     w = kv_b_weight.view(num_heads, nope + geo.v, lora)  # [H, Dn + Dv, R]
     compute = torch.float32 if q.dtype == torch.float32 else q.dtype
     q_lat = torch.einsum("thd,hdc->thc", q[..., :nope].to(compute), w[:, :nope].to(compute))  # [T, H, R]
     q_lat = q_lat.contiguous()
-    cu = cu_seqlens_q.tolist()
-    bt_rows = 16
-    blocks = [(i, s) for i in range(len(cu) - 1) for s in range(cu[i], cu[i + 1], bt_rows)]
-    if not blocks:
-        return out
     block_list = torch.tensor(blocks, dtype=torch.int32, device=q.device)  # [NB, 2] (sequence, first query row)
     o_lat = torch.empty(tokens, num_heads, lora, dtype=torch.float32, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -147,8 +169,12 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         DOT_F32=interpreted(_mla_prefill_kernel), BT=bt_rows, BLOCK_N=32, D=d_tile, DR=dr_tile, NOPE_DIM=nope,
         LORA=lora, ROPE=geo.rope, num_warps=4, num_stages=2,
     )
-    out = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
-    return out.to(q.dtype)
+    short = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
+    if not long:
+        return short.to(q.dtype)
+    rows = torch.tensor([t for i in short_seqs for t in range(cu[i], cu[i + 1])], device=q.device)
+    out[rows] = short[rows].to(q.dtype)
+    return out
 
 
 def mla_write_cache_supports(latent, kv_cache, slot_mapping) -> tuple[bool, str]:
