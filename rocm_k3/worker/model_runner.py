@@ -7,7 +7,8 @@ asks for logits only at the last token of the chunks that sample. Decode-only st
 verifications (every chunk a decode plus its drafts), replay a captured graph when
 :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size and tokens per sequence; a
 verification without a graph runs eagerly in the same decode shape (:mod:`~rocm_k3.worker.decode_layout`: the
-recurrent KDA decode per drafted position, so no chunk kernel has to save states between its chunk ends). On the first pipeline stage of
+recurrent KDA decode per drafted position, so no chunk kernel has to save states between its chunk ends); a step
+that also holds prefill chunks runs its verifications so and its prefills in a second forward. On the first pipeline stage of
 a vision model, :class:`~rocm_k3.worker.image_inputs.ImageInputs` (``images``) adds the step's image embedding
 rows to the ForwardBatch (``image_embeds`` / ``image_rows``).
 """
@@ -88,6 +89,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by the worker once captured
         self.images: ImageInputs | None = None  # set by the worker on the first stage of a vision model
         self.before_forward = None  # (StepInput) -> None after the copies, before the forward (KV transfer)
+        self.taps = None  # the model whose ``tapped`` hidden states feed a drafter (set by the worker)
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_deltas(self, step: StepInput) -> None:
@@ -176,6 +178,22 @@ class ModelRunner:
             self.pools.apply_copies(step.block_copies, step.state_copies)
         if self.before_forward is not None:
             self.before_forward(step)
+        head, tail = split_verifications(step)
+        if tail is None:
+            return self._forward(step)
+        # verifications beside prefills: the verifications in decode shape, then the prefills (logits in row order)
+        first = self._forward(head)
+        tapped = None if self.taps is None else self.taps.tapped
+        rest = self._forward(tail)
+        if first is None or rest is None:  # a pipeline stage before the last returns nothing
+            return None
+        if tapped is not None and self.taps.tapped is not None:
+            self.taps.tapped = torch.cat([tapped, self.taps.tapped])
+        return torch.cat([first, rest])
+
+    def _forward(self, step: StepInput) -> torch.Tensor | None:
+        """The forward of a step whose deltas, copies and transfers were applied: a decode graph, a decode-shaped
+        verification, or the general (prefill) path."""
         plan = self.plan(step)
         width = graph_width(step, plan)
         if width is not None and self.graphs is not None:
@@ -192,6 +210,18 @@ class ModelRunner:
         logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), self.pools)
         self.images.release(step)
         return logits
+
+
+def split_verifications(step: StepInput) -> tuple[StepInput, StepInput | None]:
+    """A step whose leading decodes include verifications and that also runs prefill chunks, as (the decodes and
+    verifications, the prefills); any other step as (step, None). Chunks come decodes first, then verifications,
+    then prefills, and only prefills ask for prompt log-probability rows, so the two steps' logits in that order
+    are the whole step's."""
+    cut = next((i for i, c in enumerate(step.chunks) if c.is_prefill), len(step.chunks))
+    if cut == len(step.chunks) or not any(c.num_draft for c in step.chunks[:cut]):
+        return step, None
+    return (dataclasses.replace(step, chunks=step.chunks[:cut]),
+            dataclasses.replace(step, chunks=step.chunks[cut:], num_decodes=0))
 
 
 def graph_width(step: StepInput, plan: HostPlan) -> int | None:

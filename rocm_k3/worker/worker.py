@@ -275,6 +275,7 @@ class Worker:
                         num_slots=geometry.num_slots, device=self.device)
         width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
+        self.runner.taps = self.model if self.proposer is not None else None
         if self.config.kv_transfer is not None:
             if self.connector is None:
                 tp = TPShard(self.ctx.tp_rank, self.ctx.tp_size, self.ctx.tp_cpu_group)  # gloo over the TP ranks
@@ -296,7 +297,7 @@ class Worker:
             spec = self.config.speculative
             graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
                                   max_drafts=0 if spec is None else spec.num_speculative_tokens,
-                                  taps=self.model if self.proposer is not None else None)
+                                  taps=self.runner.taps)
             graphs.capture()
             self.runner.graphs = graphs
 

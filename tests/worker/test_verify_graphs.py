@@ -16,7 +16,7 @@ from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
-from rocm_k3.worker.model_runner import ModelRunner, graph_width
+from rocm_k3.worker.model_runner import ModelRunner, graph_width, split_verifications
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 from tests.engine.test_spec_decode import _run as run_checked  # cache invariants every step, nothing leaked
 from tests.engine_fixtures import core_for
@@ -115,6 +115,54 @@ def test_decode_shaped_verification_gives_the_greedy_tokens_of_no_speculation(mo
     graphed, stats, g = _generate(model, spec, graphs=True)
     assert graphed == eager == base
     assert g.verify_replays > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_a_step_with_verifications_and_prefills_runs_them_as_two_forwards() -> None:
+    decode = ScheduledChunk("d", (3,), 4, False, (), 1, False, True)
+    verify = _verify("v", (5, 6), 7, (), 2)
+    prefill = ScheduledChunk("p", (1, 2, 3), 0, True, (9,), 7, True, True, prompt_logprob_rows=2)
+    step = StepInput(step_id=3, chunks=(decode, verify, prefill), num_decodes=1)
+    head, tail = split_verifications(step)
+    assert head.chunks == (decode, verify) and head.num_decodes == 1
+    assert tail.chunks == (prefill,) and tail.num_decodes == 0
+    for alone in (StepInput(step_id=4, chunks=(decode, prefill), num_decodes=1),  # no verification
+                  StepInput(step_id=5, chunks=(decode, verify), num_decodes=1)):  # no prefill
+        assert split_verifications(alone) == (alone, None)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_requests_arriving_while_others_verify_give_the_greedy_tokens_of_no_speculation(model, method) -> None:
+    """A long prompt arrives while a request speculates: its prefill chunks share steps with verifications (two
+    forwards per such step); both requests' tokens equal those without speculation."""
+    vocab = model.cfg.vocab_size
+    late = [(i * 11) % vocab for i in range(150)]  # three 64-token prefill chunks
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(spec):
+        cache = CacheConfig(block_size=16, match_unit=8, alignment=16, kda_save_grid=8, num_blocks=48,
+                            num_state_slots=40)
+        core = core_for(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
+                                            cache=cache, speculative=spec))
+        runner, forwards = core.executor.worker.runner, []
+        inner = runner._forward
+        runner._forward = lambda step: forwards.append(step.step_id) or inner(step)
+        core.add_request("0", [5, 6, 7] * 6, params)
+        done, steps = {}, 0
+        while core.has_unfinished():
+            steps += 1
+            if steps == 4:
+                core.add_request("1", late, params)
+            for delta in core.step():
+                if delta.finished:
+                    done[delta.request_id] = delta.output.token_ids
+        return done, len(forwards) - len(set(forwards)), core.stats()
+
+    base, _, _ = run(None)
+    spec = SpeculativeConfig(method=method, model=EMBEDDED_DRAFTER if method == "draft_model" else None,
+                             num_speculative_tokens=3)
+    out, split_steps, stats = run(spec)
+    assert out == base
+    assert split_steps >= 1 and stats["spec_num_accepted_tokens"] > 0, (split_steps, stats)
 
 
 # ---------------------------------------------------------------------------------------------------------- cuda
