@@ -130,8 +130,8 @@ _SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\()?\s*0x([0-9a-f]+)")
 class SassLoop:
     """One loop of a cubin's SASS (a backward branch): its instruction count and opcode histogram."""
 
-    start: int
-    end: int
+    start: int  # SASS address of the loop's first instruction (the branch target)
+    end: int  # SASS address of the backward branch
     instructions: int
     opcodes: Mapping[str, int]
 

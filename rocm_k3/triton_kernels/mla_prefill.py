@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from rocm_k3.ops.mla import prefill_geometry
-from rocm_k3.triton_kernels.mla_decode import latent_supported, latent_tiles
+from rocm_k3.triton_kernels.mla_decode import attend_latent, latent_supported, latent_tiles
 from rocm_k3.triton_kernels.mla_prefill_expanded import EXPANDED_MIN_QUERIES, mla_prefill_expanded
 from rocm_k3.triton_kernels.runtime import interpreted
 
@@ -89,34 +89,8 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
     else:
         qpe = qpe.to(q.dtype)
     hi = tl.minimum(q0 + BT, q_end) - q_end + length  # keys needed by the last query of the block
-    m = tl.full((BT,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((BT,), tl.float32)
-    acc = tl.zeros((BT, D), tl.float32)
-    for start in range(0, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        kmask = pos < hi
-        page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=kmask, other=0).to(tl.int64)
-        row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
-        c_kv = tl.load(row[:, None] + d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, D]
-        k_pe = tl.load(row[:, None] + LORA + dr[None, :], mask=kmask[:, None] & pmask_cols[None, :],
-                       other=0.0)  # [BLOCK_N, DR]
-        if DOT_F32:
-            c_kv = c_kv.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        else:
-            c_kv = c_kv.to(q.dtype)
-            k_pe = k_pe.to(q.dtype)
-        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [BT, BLOCK_N]; IEEE: no TF32 for fp32 operands
-        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
-        causal = (pos[None, :] <= pos_q[:, None]) & kmask[None, :]
-        s = tl.where(causal, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see no key at all
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
-        m = m_new
+    _, l_sum, acc = attend_latent(q, qpe, kv_ptr, bt_ptr, seq, 0, hi, pos_q, scale, d, dr, dmask, pmask_cols,
+                                  block_size, stride_btn, stride_kvb, stride_kvt, BT, BLOCK_N, D, LORA, True)
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + t64[:, None] * stride_o_t + h * stride_o_h + d[None, :], o,
              mask=rmask[:, None] & dmask[None, :])
