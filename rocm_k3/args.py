@@ -124,7 +124,9 @@ class EngineArgs:
                 raise ValueError(f"{name}: expected one of {PARSER_CHOICES} or None, got {value!r}")
         from rocm_k3.spec_decode.config import SpeculativeConfig
 
-        SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
+        spec = SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before any load
+        if spec is not None:
+            spec.check_pipeline(self.pipeline_parallel_size)
         from rocm_k3.kv_transfer.config import KVTransferConfig
 
         if KVTransferConfig.parse(self.kv_transfer_config) is not None and self.pipeline_parallel_size != 1:

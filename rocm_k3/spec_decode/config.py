@@ -66,3 +66,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**dict(value))
+
+    def check_pipeline(self, pipeline_parallel_size: int) -> None:
+        """ValueError naming the combination when this method cannot run over ``pipeline_parallel_size`` stages:
+        the drafter reads the target's hidden states at layers that pipeline parallelism puts on other stages."""
+        if self.method == "draft_model" and pipeline_parallel_size > 1:
+            raise ValueError(f"speculative_config: method 'draft_model' with pipeline_parallel_size="
+                             f"{pipeline_parallel_size} is not supported: the drafter reads hidden states from layers "
+                             "across the whole model, which pipeline parallelism splits over stages; use "
+                             "pipeline_parallel_size 1 or method 'ngram'")

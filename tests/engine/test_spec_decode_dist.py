@@ -33,3 +33,13 @@ def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
     spec, stats = _tokens(tensor_parallel_size=2, speculative_config=spec_config)
     assert spec == single
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_pp2_ngram_speculation_matches_one_process_without_it() -> None:
+    """Two pipeline stages verify n-gram drafts in decode shape on each stage (draft_model is refused with
+    pipeline parallelism: tests/engine/test_spec_drafter.py)."""
+    single, _ = _tokens()
+    spec, stats = _tokens(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec == single
+    assert stats["spec_num_accepted_tokens"] > 0

@@ -103,10 +103,23 @@ def test_bad_drafter_files_are_named(tmp_path, target_cfg):
 
 
 def test_draft_model_with_pipeline_parallelism_is_refused():
+    """Refused at the boundary (EngineArgs, so LLM / generate / serve name it before any process starts) and in
+    the worker's config; n-gram speculation is not refused with pipeline stages."""
+    from rocm_k3.args import EngineArgs
+    from rocm_k3.engine.llm import LLM
+
+    combo = r"method 'draft_model' with pipeline_parallel_size=2 is not supported"
     spec = SpeculativeConfig(method="draft_model", model=EMBEDDED_DRAFTER, num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="pipeline"):
+    with pytest.raises(ValueError, match=combo):
         WorkerConfig(model_path=ensure_embedded_model(), dtype=torch.float32, device=torch.device("cpu"),
                      parallel=ParallelConfig(pipeline_parallel_size=2), speculative=spec)
+    raw = {"method": "draft_model", "model": EMBEDDED_DRAFTER, "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=combo):
+        EngineArgs(pipeline_parallel_size=2, speculative_config=json.dumps(raw)).validated()
+    with pytest.raises(ValueError, match=combo):
+        LLM(dtype="float32", device="cpu", pipeline_parallel_size=2, speculative_config=raw)
+    EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram"}).validated()
+    EngineArgs(pipeline_parallel_size=1, speculative_config=raw).validated()
 
 
 def test_generate_shows_the_acceptance_out_of_the_box(capsys):
