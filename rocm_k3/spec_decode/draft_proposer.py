@@ -35,7 +35,7 @@ class DraftProposer:
         cfg = model.cfg
         drafter = load_drafter(config.model, target_hidden_size=cfg.hidden_size,
                                target_num_hidden_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-                               device=model.device)
+                               device=model.device, revision=config.revision)
         return cls(drafter, model, config.num_speculative_tokens)
 
     def attach(self, chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken]) -> tuple[SampledToken, ...]:
