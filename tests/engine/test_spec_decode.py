@@ -70,8 +70,9 @@ def _spec(method: str, k: int) -> SpeculativeConfig:
 
 
 def _run(engine, prompts, params) -> dict[str, list[int]]:
+    """``params``: one SamplingParams for all prompts, or a list (one per prompt)."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
     done = {}
     while engine.has_unfinished():
         for delta in engine.step():

@@ -3,7 +3,8 @@ CPU; the harness of ``test_spec_decode``).
 
 Greedy tokens are identical with and without speculation (n-gram and the embedded drafter, k in {1, 3, 7}, prefix
 caching, preemption forced) for requests with repetition / presence / frequency penalties, a json_schema, a regex, a
-choice and tool_choice required / named; drafts are verified and accepted for them (not decoded one at a time).
+choice, tool_choice required / named and a thinking budget, batched together; drafts are verified and accepted for
+them (not decoded one at a time).
 Sampled: a verification row's distribution is the penalised / masked one given the drafts before it (chi-square
 against the target computed the long way; a row processed without the drafts is caught). The worker confirms the
 accepted drafts to the penalties and grammar exactly once (a grammar that saw a draft twice would reject it).
@@ -65,8 +66,8 @@ def _identical_with_speculation(model, prompts, params, method, *, caching=True,
     return accepted
 
 
-@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method, tight", [("ngram", False), ("draft_model", True)],
+                         ids=["ngram-roomy", "draft_model-preempting"])
 def test_greedy_identical_with_penalties(model, method, tight):
     """All three penalties at once (the repetition path and the count path of the processor)."""
     prompts = _prompts(model.cfg.vocab_size, 8)
@@ -80,38 +81,26 @@ def _encode(text: str) -> list[int]:
     return load_tokenizer(ensure_embedded_model()).encode(text)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
-def test_greedy_identical_with_structured_output(model, method, constraint):
-    """The drafter proposes what the unconstrained model would say, so under a grammar most of its drafts are
-    masked out of their rows and rejected (the identity still holds); n-gram drafts of the repetitive outputs are
-    accepted."""
-    prompts = [_encode(t) for t in ("Give me the data as JSON.", "hello hello hello hello", "ab ab ab ab ab ab")]
-    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=CONSTRAINTS[constraint](),
-                            repetition_penalty=1.1 if constraint == "regex" else 1.0)
-    accepted = _identical_with_speculation(model, prompts, params, method, **_grammar_kw())
+@pytest.mark.parametrize("method, tight", [("ngram", True), ("draft_model", False)],
+                         ids=["ngram-preempting", "draft_model-roomy"])
+def test_greedy_identical_with_structured_output(model, method, tight):
+    """Every constraint kind batched together, some with penalties, one still thinking under a budget (it uses one
+    position per step until think ends). The drafter proposes what the unconstrained model would say, so under a
+    grammar most of its drafts are masked out of their rows and rejected (the identity still holds); n-gram drafts
+    of the repetitive outputs are accepted."""
+    texts = ("hello hello hello hello", "ab ab ab ab ab ab")
+    prompts, params = [], []
+    for name, make in CONSTRAINTS.items():
+        for i, text in enumerate(texts):
+            penalties = dict(frequency_penalty=0.3, repetition_penalty=1.1) if i else {}
+            prompts.append(_encode(text))
+            params.append(SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=make(), **penalties))
+    prompts.append(_encode("Give me the data as JSON."))
+    params.append(SamplingParams(temperature=0.0, max_tokens=30, prompt_in_think=True, thinking_token_budget=3,
+                                 structured_outputs=CONSTRAINTS["regex"]()))
+    accepted = _identical_with_speculation(model, prompts, params, method, tight=tight, **_grammar_kw())
     if method == "ngram":
         assert accepted > 0
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_identical_while_thinking_under_a_budget(model, method):
-    """A request still inside think under a budget uses only the first row of each verification (its gate and
-    budget count are not simulated ahead); past think its grammar speculates."""
-    prompts = [_encode(t) for t in ("hello hello hello hello", "ab ab ab ab ab ab")]
-    params = SamplingParams(temperature=0.0, max_tokens=30, prompt_in_think=True, thinking_token_budget=3,
-                            structured_outputs=CONSTRAINTS["regex"]())
-    _identical_with_speculation(model, prompts, params, method, **_grammar_kw())
-
-
-@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
-def test_grammar_and_penalties_with_caching_and_preemption(model, tight):
-    prompts = [_encode(t) for t in ("hello hello hello hello", "ab ab ab ab ab ab", "Give me the data.",
-                                    "1 2 3 4 5 6 7 8")]
-    params = SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=0.3,
-                            structured_outputs=StructuredOutputs(json=SCHEMA, bare=True))
-    assert _identical_with_speculation(model, prompts, params, "ngram", caching=True, tight=tight,
-                                       **_grammar_kw()) >= 0
 
 
 # ---- sampled: the verification rows' distributions are the penalised / masked ones -----------------------------

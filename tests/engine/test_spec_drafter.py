@@ -215,3 +215,12 @@ def test_a_missing_draft_model_names_where_it_looked(tmp_path, target_cfg):
             _load(REPO, target_cfg, revision="v9")
     with pytest.raises(ValueError, match="revision"):
         SpeculativeConfig(method="ngram", revision="main")
+
+
+def test_a_checkpoint_of_another_drafter_architecture_is_refused_by_name(tmp_path, target_cfg):
+    root = _written(tmp_path, target_cfg)
+    raw = json.loads((root / CONFIG_FILE).read_text())
+    (root / CONFIG_FILE).write_text(json.dumps({**raw, "architectures": ["DSparkForCausalLM"]}))
+    with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
+        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter'.*architectures.*'DSparkForCausalLM'"):
+            _load(REPO, target_cfg)
