@@ -1,6 +1,7 @@
 """dist tier: n-gram and drafter speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
 on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
-in the next step's chunk; the drafter runs on the sampling rank); two of the requests have penalties, which speculate too."""
+in the next step's chunk; the drafter runs on the sampling rank); two of the requests have penalties, which
+speculate too."""
 
 from __future__ import annotations
 
