@@ -8,12 +8,26 @@ Per batch size B: B requests with 64-token prompts are prefilled, then ``--steps
 time of one eager decode step (torch.profiler), so ``step / kernels`` is how much host time is *not* hidden.
 floor = (every non-expert weight + the routed experts the batch touches) / 4.27 TB/s, with touched experts per
 MoE layer E * (1 - (1 - k/E)^B) for random routing. Prints a table.
+
+    PYTHONPATH=. python3 benchmarks/bench_e2e.py --prefill [--prompts 16] [--prompt-len 2048] [--budget 8192]
+
+``--prefill``: prompt tokens per second. ``--prompts`` prompts of ``--prompt-len`` random tokens that share no
+prefix (each starts with its own token; prefix caching off) arrive at once and are prefilled in steps of at most
+``--budget`` tokens until every one has its first token (a warm-up round of other prompts first compiles the
+kernels for these shapes). The FLOP roofline counts every matmul of a prompt token (:func:`prefill_flops`): each
+weight matrix of the checkpoint (2 * rows * cols per token; routed experts at top-k of E; the LM head on every
+token, as the model computes it, though only the last one is sampled), MLA attention over the expanded heads
+(2 (Dn + P + Dv) per causal (query, key, head) pair, the mean over the prompt's positions) and the KDA chunked
+recurrence (per token and head: 2 D^2 each for q S, W S and the state update k^T V', plus 2 C D each for the
+chunk's A, Aqk and Aqk V' products, C = 64). % of peak = FLOP/s over 989 TFLOP/s (H200 dense bf16, spec) and
+over an 8192^3 bf16 matmul measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -131,6 +145,89 @@ def kernel_time_us(core) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1.0
 
 
+PEAK = 989e12  # H200 dense bf16 MMA, spec sheet
+KDA_CHUNK = 64
+
+
+def prefill_flops(cfg, prompt_len: int) -> dict[str, float]:
+    """FLOPs per prompt token of a ``prompt_len``-token prompt, by kind (see the module doc)."""
+    from rocm_k3.model.checkpoint_names import expected_tensors
+
+    out = {"weights": 0.0, "routed experts": 0.0, "MLA attention": 0.0, "KDA recurrence": 0.0}
+    for name, spec in expected_tensors(cfg).items():
+        shape = tuple(spec.shape)
+        if ".experts." in name or "embed_tokens" in name or len(shape) < 2 or not name.endswith("weight"):
+            continue
+        out["weights"] += 2 * math.prod(shape)  # [out, in] linear (conv1d [C, 1, W]: 2 C W)
+    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    k_in = cfg.routed_expert_hidden_size or cfg.hidden_size
+    out["routed experts"] = moe_layers * cfg.num_experts_per_token * 2 * 3 * k_in * cfg.moe_intermediate_size
+    mean_keys = (prompt_len + 1) / 2
+    out["MLA attention"] = len(cfg.mla_layers) * cfg.num_attention_heads * mean_keys * 2 * (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    d = cfg.kda.head_dim
+    out["KDA recurrence"] = len(cfg.kda_layers) * cfg.kda.num_heads * (3 * 2 * d * d + 3 * 2 * KDA_CHUNK * d)
+    return out
+
+
+def _matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def run_prefill(path: Path, args) -> None:
+    """Prompt tokens/s of ``args.prompts`` prompts sharing no prefix, and the FLOP roofline (module doc)."""
+    llm = LLM(path, dtype=args.dtype, backend="triton", device="cuda", max_num_seqs=args.prompts,
+              max_model_len=args.prompt_len + 8, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
+              kv_cache_bytes=8 << 30, state_cache_bytes=8 << 30)
+    core, vocab = llm.engine, llm.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill_round(tag: str) -> float:
+        ids = set()
+        for i in range(args.prompts):
+            prompt = torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist()
+            prompt[0] = 1 + i % (vocab - 1)  # distinct first tokens: no two prompts share a prefix
+            core.add_request(f"{tag}{i}", prompt, first)
+            ids.add(f"{tag}{i}")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        done: set[str] = set()
+        while done != ids:
+            for delta in core.step():
+                if delta.error:
+                    raise RuntimeError(f"{delta.request_id} failed: {delta.error}")
+                if delta.request_id in ids:
+                    done.add(delta.request_id)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    prefill_round("warm")
+    seconds = min(prefill_round(f"r{r}-") for r in range(args.rounds))
+    matmul = _matmul_tflops()
+    tokens = args.prompts * args.prompt_len
+    flops = prefill_flops(llm.model.cfg, args.prompt_len)
+    per_token = sum(flops.values())
+    rate = tokens / seconds
+    achieved = rate * per_token
+    print(f"prefill: {args.prompts} prompts x {args.prompt_len} tokens (no shared prefix), budget {args.budget} "
+          f"tokens per step: {seconds * 1e3:.0f} ms, {rate:,.0f} prompt tokens/s")
+    print("FLOPs per prompt token (every matmul): " + ", ".join(f"{k} {v / 1e9:.3f} G" for k, v in flops.items())
+          + f"; total {per_token / 1e9:.3f} GFLOP")
+    print(f"achieved {achieved / 1e12:.0f} TFLOP/s = {100 * achieved / PEAK:.1f} % of {PEAK / 1e12:.0f} TFLOP/s "
+          f"(H200 dense bf16) = {100 * achieved / 1e12 / matmul:.1f} % of the measured bf16 matmul "
+          f"({matmul:.0f} TFLOP/s)", flush=True)
+    llm.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -141,6 +238,11 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--prefill", action="store_true", help="prompt tokens/s and the FLOP roofline (module doc)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of the --prefill run")
+    ap.add_argument("--rounds", type=int, default=2, help="timed --prefill rounds (the fastest is printed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e needs a GPU")
@@ -149,6 +251,9 @@ def main() -> None:
         path = path or Path(tempfile.mkdtemp()) / "k3-slice"
         write_tiny_checkpoint(path, text_overrides=k3_slice_overrides(args.width))
     print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}")
+    if args.prefill:
+        run_prefill(path, args)
+        return
     print(f"{'B':>4} | {'eager step':>11} | {'graph step':>11} | {'kernels':>9} | {'graph/kernels':>13} | "
           f"{'floor':>9} | {'graph tok/s':>11} | {'eager tok/s':>11}")
     layout = {k: v for k, v in (("tensor_parallel_size", args.tensor_parallel_size),

@@ -16,7 +16,9 @@ kernel's WsConfig variants; the peer: its
 peer after, so a fault in the peer cannot lose our numbers (on 2026-12-01 it faulted at T = 16 when given the ids
 through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of HBM = active expert bytes
 (codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
-A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). ``--sweep`` times the tile
+A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). MMA% (the ceiling of the
+compute-bound prefill rows) = T x 16 pairs x 66.06 MFLOP (w13 2 x 3584 x 6144 + w2 2 x 3072 x 3584 per pair) /
+989 TFLOP/s (H200 dense bf16, spec) / time. ``--sweep`` times the tile
 variants of ``moe_gemm_kernel`` too. The static SASS count of its K loop (cross-compiled on this machine for sm_90
 with its Triton, cuobjdump) is printed per weight element (the Hopper kernel's: the compile tier checks it).
 """
@@ -43,6 +45,8 @@ from rocm_k3.triton_kernels.moe.pointwise import route
 HBM_BPS = 4.27e12
 E, TOP_K, HIDDEN, N = 896, 16, 3584, 3072
 EXPERT_BYTES = (2 * N * HIDDEN // 2 + 2 * N * HIDDEN // 32) + (HIDDEN * N // 2 + HIDDEN * N // 32)  # 17.55 MB
+PAIR_FLOPS = 2 * HIDDEN * 2 * N + 2 * N * HIDDEN  # w13 + w2 per (token, expert) pair: 66.06 MFLOP
+MMA_PEAK = 989e12  # H200 dense bf16 MMA (spec): the ceiling of the compute-bound prefill rows
 
 
 def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
@@ -62,6 +66,8 @@ def sweep_configs(picked: MoEConfig, tokens: int) -> list[MoEConfig]:
     if tokens >= 512:
         out += [rep(picked, block_m=32, programs_per_sm=3, max_registers=168),
                 rep(picked, block_m=32, programs_per_sm=4, max_registers=128)]
+    if tokens >= 1024:  # bigger row blocks at prefill: 128 rows, one program per SM, no register cap
+        out += [rep(picked, block_m=128, programs_per_sm=1, max_registers=None, num_stages=st) for st in (2, 3)]
     return out
 
 
@@ -264,17 +270,19 @@ def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the run goes on
             print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} FAILED {exc!r:.200}", flush=True)
             continue
+        flops = t * TOP_K * PAIR_FLOPS
         row = dict(tokens=t, experts=used, bytes=nbytes, floor_us=floor_us, variant=label, us=us,
-                   hbm_pct=100 * floor_us / us)
+                   hbm_pct=100 * floor_us / us, flops=flops, mma_pct=100 * flops / MMA_PEAK / (us * 1e-6))
         rows.append(row)
-        print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {us:9.1f}us {row['hbm_pct']:5.1f}%", flush=True)
+        print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {us:9.1f}us {row['hbm_pct']:5.1f}% "
+              f"{row['mma_pct']:5.1f}%", flush=True)
     torch.cuda.empty_cache()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 512, 2048])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 256, 512, 1024, 2048])
     parser.add_argument("--sweep", action="store_true",
                         help="also time moe_gemm_kernel's tile variants at every T (gemm='triton')")
     parser.add_argument("--sweep-filter", type=_regex, default=re.compile(""),
@@ -312,7 +320,9 @@ def main() -> None:
             peer = Peer(w)
         except Exception:  # noqa: BLE001 - the peer is optional: report why it is missing
             traceback.print_exc()
-    print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6}", flush=True)
+    print(f"MMA% = T x {TOP_K} pairs x {PAIR_FLOPS / 1e6:.2f} MFLOP (w13 2 x {HIDDEN} x {2 * N} + w2 2 x {N} x "
+          f"{HIDDEN}) / {MMA_PEAK / 1e12:.0f} TFLOP/s (H200 dense bf16) / time", flush=True)
+    print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6} {'MMA%':>6}", flush=True)
     inputs: dict = {}
     kernels: dict = {}
     for t in args.tokens:
@@ -365,7 +375,7 @@ def main() -> None:
         row["speedup_vs_peer"] = peer_us / row["us"] if peer_us else None
         vs = f"{row['speedup_vs_peer']:.2f}x" if row["speedup_vs_peer"] else "-"
         print(f"{row['tokens']:>5} {row['experts']:>7} {row['floor_us']:8.1f}us {row['variant'][:72]:<72} "
-              f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {vs:>7}", flush=True)
+              f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {row['mma_pct']:5.1f}% {vs:>7}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows, "kernels": kernels}, indent=1))

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rocm_k3.checks import check_int
 from rocm_k3.formats.parsers.registry import PARSER_ALIASES
 from rocm_k3.settings import BACKEND_CHOICES
 
@@ -127,10 +128,9 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
         from rocm_k3.kv_transfer.config import KVTransferConfig
 
-        if KVTransferConfig.parse(self.kv_transfer_config) is not None and (
-                self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
-            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with tensor_parallel_size 1 and "
-                             "pipeline_parallel_size 1 for now")
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None and self.pipeline_parallel_size != 1:
+            raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with pipeline_parallel_size 1 "
+                             "for now (any tensor_parallel_size)")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")
@@ -204,8 +204,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: expected a non-empty string, got {self.host!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port: expected an int in [0, 65535], got {self.port!r}")
+        check_int("port", self.port, 0, 65535)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key: expected a non-empty string or None")
         names = self.served_model_name
@@ -214,26 +213,18 @@ class ServerArgs:
             raise ValueError(f"served_model_name: expected a non-empty list of names, got {names!r}")
         if not isinstance(self.enable_auto_tool_choice, bool):
             raise ValueError(f"enable_auto_tool_choice: expected a bool, got {self.enable_auto_tool_choice!r}")
-        size = self.max_request_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1024:
-            raise ValueError(f"max_request_bytes: expected an int >= 1024, got {size!r}")
+        check_int("max_request_bytes", self.max_request_bytes, 1024)
         if not isinstance(self.allow_remote_images, bool):
             raise ValueError(f"allow_remote_images: expected a bool, got {self.allow_remote_images!r}")
-        if isinstance(self.max_image_bytes, bool) or not isinstance(self.max_image_bytes, int) \
-                or self.max_image_bytes < 1:
-            raise ValueError(f"max_image_bytes: expected a positive int, got {self.max_image_bytes!r}")
+        check_int("max_image_bytes", self.max_image_bytes)
         timeout = self.image_fetch_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ValueError(f"image_fetch_timeout: expected seconds in (0, 3600], got {timeout!r}")
         for name, low, high in (("image_fetch_workers", 1, 256), ("image_fetch_max_redirects", 0, 20)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{name}: expected an int in [{low}, {high}], got {value!r}")
+            check_int(name, getattr(self, name), low, high)
         if not isinstance(self.allow_private_image_hosts, bool):
             raise ValueError(f"allow_private_image_hosts: expected a bool, got {self.allow_private_image_hosts!r}")
-        size = self.responses_store_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"responses_store_size: expected an int >= 0, got {size!r}")
+        check_int("responses_store_size", self.responses_store_size, 0)
         if self.chat_template is not None:
             read_chat_template_arg(self.chat_template)  # ValueError naming a missing or unreadable file
         from rocm_k3.formats.chat_base import parse_effort_budgets

@@ -55,12 +55,11 @@ class Settings:
     hf_hub_cache: Path = Path.home() / ".cache" / "huggingface" / "hub"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKEND_CHOICES:
-            raise ValueError(f"ROCM_K3_BACKEND={self.backend!r} is not one of {BACKEND_CHOICES}")
-        if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"ROCM_K3_LOG_LEVEL={self.log_level!r} is not one of {_LOG_LEVELS}")
-        if self.vllm_mla not in VLLM_MLA_CHOICES:
-            raise ValueError(f"ROCM_K3_VLLM_MLA={self.vllm_mla!r} is not one of {VLLM_MLA_CHOICES}")
+        for env, value, choices in (("ROCM_K3_BACKEND", self.backend, BACKEND_CHOICES),
+                                    ("ROCM_K3_LOG_LEVEL", self.log_level, _LOG_LEVELS),
+                                    ("ROCM_K3_VLLM_MLA", self.vllm_mla, VLLM_MLA_CHOICES)):
+            if value not in choices:
+                raise ValueError(f"{env}={value!r} is not one of {choices}")
         if self.flydsl_arch is not None and self.flydsl_arch not in ("gfx942", "gfx950"):
             raise ValueError(f"ARCH={self.flydsl_arch!r}: rocm-k3 targets gfx942 and gfx950 only")
 

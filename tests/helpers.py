@@ -37,6 +37,20 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def run_interpret_tier(test_file: str) -> None:
+    """Re-run the ``interpret``-marked tests of ``test_file`` in a subprocess with TRITON_INTERPRET=1 (for a process
+    that imported triton compiled); fails with the tail of its output."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
 def run_compile_driver(script: str) -> dict:
     """Run ``tests/<script>`` in a fresh interpreter without TRITON_INTERPRET (Triton decides at import whether
     kernels are interpreted) and return its JSON ``{"<kernel>/<target>": summary}``."""

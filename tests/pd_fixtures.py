@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
 from tests.server_fixtures import start_app
 
 
 @contextlib.contextmanager
-def running_proxy(prefill_url: str, decode_url: str):
-    srv = start_app(build_proxy_app(ProxyConfig((prefill_url,), (decode_url,), timeout_s=60)))
+def running_proxy(prefill_urls: str | tuple[str, ...], decode_urls: str | tuple[str, ...], **config):
+    """``pd-proxy`` over those instances on a free port (its health checks stopped at the end)."""
+    as_tuple = (lambda u: (u,) if isinstance(u, str) else tuple(u))
+    app = build_proxy_app(ProxyConfig(as_tuple(prefill_urls), as_tuple(decode_urls), **{"timeout_s": 60, **config}))
+    srv = start_app(app)
     try:
         yield srv
     finally:
         srv.stop()
+        app.state.pools.stop()
 
 
 def complete(client, model, prompt, stream) -> str:
@@ -39,3 +44,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(cond, timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Poll ``cond()`` until it is true (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

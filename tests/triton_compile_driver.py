@@ -78,6 +78,20 @@ def _launch_specs() -> dict:
                        dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=512, DR=64, LORA=512, ROPE=64), 4),
         "mla_prefill": ("rocm_k3.triton_kernels.mla_prefill", "_mla_prefill_kernel", mla_prefill_sig,
                         dict(DOT_F32=False, BT=16, BLOCK_N=32, D=512, DR=64, NOPE_DIM=128, LORA=512, ROPE=64), 4),
+        # the expanded-heads prefill at its bf16 default tiles per vendor (mla_prefill_expanded.default_tiles:
+        # 128 x 128 with 8 warps on sm_90, 32 x 32 with 4 on AMD), K3 widths, the gated last segment
+        "mla_prefill_expanded": ("rocm_k3.triton_kernels.mla_prefill_expanded", "_expanded_kernel",
+                                 {"q_ptr": "*bf16", "kn_ptr": "*bf16", "v_ptr": "*bf16", "pe_ptr": "*bf16",
+                                  "gate_ptr": "*bf16", "out_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+                                  "n_q": "i32", "q_pos0": "i32", "key0": "i32", "seg_len": "i32",
+                                  "scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32",
+                                  "stride_kh": "i32", "stride_pe": "i32", "stride_gt": "i32", "stride_gh": "i32",
+                                  "stride_ot": "i32", "stride_oh": "i32"},
+                                 lambda target: dict(NOPE=128, ROPE=64, VD=128, DN=128, DR=64, DV=128, FIRST=False,
+                                                     LAST=True, HAS_GATE=True, DOT_F32=False,
+                                                     BLOCK_M=128 if target == "sm_90" else 32,
+                                                     BLOCK_N=128 if target == "sm_90" else 32),
+                                 lambda target: 8 if target == "sm_90" else 4),
         # a latent no release uses (kv_lora_rank 48, rope 24, nope 40): padded 64 / 32 tiles with masked columns
         "mla_decode_r48_p24": ("rocm_k3.triton_kernels.mla_decode", "_mla_decode_kernel", mla_decode_sig,
                                dict(SPLITS=4, DOT_F32=False, BH=16, BLOCK_N=32, D=64, DR=32, LORA=48, ROPE=24), 4),

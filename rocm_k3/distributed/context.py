@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rocm_k3.checks import check_int
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot work (sizes that do not divide, more ranks than GPUs, ...)."""
@@ -38,14 +40,10 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise LayoutError(f"{name}: expected a positive int, got {v!r}")
+            check_int(name, getattr(self, name), error=LayoutError)
         if not isinstance(self.enable_expert_parallel, bool):
             raise LayoutError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
-        r = self.num_redundant_experts
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise LayoutError(f"num_redundant_experts: expected an int >= 0, got {r!r}")
+        r = check_int("num_redundant_experts", self.num_redundant_experts, 0, error=LayoutError)
         if (r or self.expert_placement is not None) and not self.enable_expert_parallel:
             raise LayoutError("num_redundant_experts / expert_placement need enable_expert_parallel")
         if r and self.tensor_parallel_size == 1:
@@ -96,11 +94,11 @@ class ParallelContext:
     ``moe_picks`` = T x k of the steps).
     """
 
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # = pp_rank * tp_size + tp_rank
+    world_size: int = 1  # = tp_size * pp_size
     tp_rank: int = 0
     tp_size: int = 1
-    pp_rank: int = 0
+    pp_rank: int = 0  # the pipeline stage
     pp_size: int = 1
     ep_enabled: bool = False
     num_redundant_experts: int = 0

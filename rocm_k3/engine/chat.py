@@ -33,7 +33,7 @@ from rocm_k3.formats.parsers import ParsedOutput, StreamParser, ToolCall, parse_
 from rocm_k3.formats.parsers.types import ToolCallDelta, named_tool_choice, tool_names
 from rocm_k3.sampling_params import RANGES, SamplingParams
 from rocm_k3.formats import load_chat_renderer, thinking_options
-from rocm_k3.formats.chat_base import DEFAULT_EFFORT_BUDGETS
+from rocm_k3.formats.chat_base import DEFAULT_EFFORT_BUDGETS, SCHEMA_FIELD, response_format_kind
 
 STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -153,29 +153,21 @@ def structured_outputs_from(value: Mapping[str, Any] | None, field: str = "struc
 
 def response_format_constraint(response_format: Mapping[str, Any] | None):
     """``response_format`` json_object / json_schema as StructuredOutputs (None for text or no format)."""
-    if response_format is None:
+    checked = response_format_kind(response_format)
+    if checked is None:
         return None
     from rocm_k3.structured import StructuredOutputs
     from rocm_k3.structured.schema_keywords import check_schema_keywords
 
-    if not isinstance(response_format, Mapping):
-        raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
+    kind, schema = checked
     if kind == "json_object":
         return StructuredOutputs(json_object=True)
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise ValueError("response_format.json_schema.schema: required for type 'json_schema'")
-        try:
-            out = StructuredOutputs(json=spec["schema"])
-        except ValueError as exc:
-            raise ValueError(f"response_format.json_schema.schema: {exc}") from None
-        check_schema_keywords(out.json, "response_format.json_schema.schema")
-        return out
-    raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+    try:
+        out = StructuredOutputs(json=schema)
+    except ValueError as exc:
+        raise ValueError(f"{SCHEMA_FIELD}: {exc}") from None
+    check_schema_keywords(out.json, SCHEMA_FIELD)
+    return out
 
 
 class ModelFrontend:

@@ -40,6 +40,7 @@ from rocm_k3.model.vision.preprocess import PreprocessConfig, ProcessedImage, pr
 from rocm_k3.model.vision.prompt import (
     IMAGE_PLACEHOLDER,
     MediaTokens,
+    PromptImages,
     expand_prompt,
     raw_prompt_image_positions,
 )
@@ -52,8 +53,8 @@ _BYTES = (bytes, bytearray, memoryview)
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiModalPrompt:
-    """A prompt with its images expanded.
+class MultiModalPrompt(PromptImages):
+    """A prompt with its images expanded (``pad_positions`` and ``image_hashes`` from :class:`PromptImages`).
 
     token_ids: the expanded prompt (what the model runs); images: one ImageInput per image, in prompt order
     (preprocessed pixels as numpy arrays, grid, pad span, content hash).
@@ -62,14 +63,8 @@ class MultiModalPrompt:
     token_ids: list[int]
     images: tuple[ImageInput, ...]
 
-    @property
-    def pad_positions(self) -> list[int]:
-        """Every ``<|media_pad|>`` position, image after image (the rows of the images' embeddings)."""
-        return [p for im in self.images for p in im.pad_positions]
-
-    @property
-    def image_hashes(self) -> list[str]:
-        return [im.content_hash for im in self.images]
+    def image_entries(self) -> tuple[ImageInput, ...]:
+        return self.images
 
     @property
     def cache_key_ids(self) -> list[int]:

@@ -1,15 +1,26 @@
-"""The prefill/decode proxy app: an OpenAI-compatible front that runs each request's prefill on a prefill instance
-(the request with ``max_tokens=1``) and its generation on a decode instance; if the prefill instance fails, the
-decode instance prefills the prompt itself (a slower answer, never a lost one).
+"""The prefill/decode proxy app: an OpenAI-compatible front (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/responses``; streaming and not) that runs each request's prefill on a prefill instance (the request cut to one
+token, asking it to publish the prompt's cache) and its generation on a decode instance, which fetches that cache.
 
-The prefill answer's ``kv_transfer_params`` (when the instance returns them) are passed on to the decode request, as
-vLLM's proxies do. Counters on ``/metrics``.
+- Pools (``pd_proxy_pools``): health-checked (``GET /health`` every ``health_interval_s``; an instance that fails it
+  or refuses a connection is out until a check passes), and balanced by requests in flight.
+- A prefill that fails (connection refused, timeout, 5xx) is retried on another prefill instance; when none is left
+  the decode instance prefills the prompt itself (a slower answer, never a lost one). A 4xx from an instance is the
+  client's error and goes back to the client with its status, as does any decode error.
+- ``/v1/responses`` with ``previous_response_id``: the conversation lives on the decode instance that answered it,
+  so the request goes there and prefills there (the proxy remembers which instance made each response id).
+
+The prefill answer's ``kv_transfer_params`` go to the decode request, as vLLM's proxies pass them. Counters on
+``/metrics``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import http.client
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,17 +28,25 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions")
+from rocm_k3.entrypoints.pd_proxy_pools import Instance, Pools
+
+_COMPLETIONS, _CHAT, _RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
+_REMEMBERED_RESPONSES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
+    """timeout_s: per upstream request; health_interval_s / health_timeout_s: the pools' ``GET /health`` checks."""
+
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     timeout_s: float = 600.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
@@ -35,108 +54,200 @@ class ProxyConfig:
             if not urls:
                 raise ValueError(f"{name} needs at least one URL")
             for u in urls:
-                if not u.startswith(("http://", "https://")):
+                if not isinstance(u, str) or not u.startswith(("http://", "https://")):
                     raise ValueError(f"{name}: {u!r} is not an http(s) URL")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "health_interval_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
-class _Pools:
-    """Round-robin over each pool (load balancing by outstanding requests is not built yet)."""
-
-    def __init__(self, config: ProxyConfig) -> None:
-        self.config = config
-        self._next = {"prefill": 0, "decode": 0}
-
-    def pick(self, role: str) -> str:
-        urls = self.config.prefill_urls if role == "prefill" else self.config.decode_urls
-        i = self._next[role]
-        self._next[role] = (i + 1) % len(urls)
-        return urls[i].rstrip("/")
+class _Upstream(Exception):
+    """An instance that did not answer (refused, timed out, or a 5xx): try another one."""
 
 
 def _post(url: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", **headers})
-    return urllib.request.urlopen(req, timeout=timeout_s)  # noqa: S310 (the operator's own instance URLs)
+    try:
+        return urllib.request.urlopen(req, timeout=timeout_s)  # noqa: S310 (the operator's own instance URLs)
+    except urllib.error.HTTPError as exc:
+        if exc.code >= 500:
+            exc.close()
+            raise _Upstream(f"{url} answered {exc.code}") from None
+        raise
+    except (urllib.error.URLError, OSError) as exc:
+        raise _Upstream(f"{url} failed: {getattr(exc, 'reason', exc)}") from None
+
+
+def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill instance's request: one choice of one token, not streamed (nor stored), publishing the cache."""
+    pbody = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    pbody.pop("stream_options", None)
+    if path == _RESPONSES:
+        pbody.update(max_output_tokens=1, store=False, background=False)
+        return pbody
+    pbody.update(max_tokens=1, n=1)
+    if "max_completion_tokens" in pbody:
+        pbody["max_completion_tokens"] = 1
+    return pbody
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = {400: "BadRequestError", 502: "BadGateway", 503: "ServiceUnavailable"}[status]
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
+    """The app; ``app.state.pools`` is started (its health checks run) and must be stopped by the caller."""
     app = FastAPI(title="rocm-k3 pd-proxy")
-    pools = _Pools(config)
+    pools = Pools(config.prefill_urls, config.decode_urls, config.health_interval_s, config.health_timeout_s)
+    owners: collections.OrderedDict[str, str] = collections.OrderedDict()  # response id -> decode instance URL
     registry = CollectorRegistry()
     requests_total = Counter("rocm_k3_pd_proxy_requests", "requests routed", ["route"], registry=registry)
     fallbacks = Counter("rocm_k3_pd_proxy_prefill_fallbacks",
-                        "prefills that failed and were left to the decode instance", registry=registry)
+                        "requests whose prefill no prefill instance answered, left to the decode instance",
+                        registry=registry)
+    retries = Counter("rocm_k3_pd_proxy_retries", "upstream calls retried on another instance", ["role"],
+                      registry=registry)
+    healthy = Gauge("rocm_k3_pd_proxy_instance_healthy", "1 while the instance is in its pool", ["role", "url"],
+                    registry=registry)
+    in_flight = Gauge("rocm_k3_pd_proxy_instance_in_flight", "requests in flight", ["role", "url"],
+                      registry=registry)
 
-    def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        # one choice, one token; the prefill instance publishes the prompt's cache and answers where it is
-        pbody = {**body, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        pbody.pop("stream_options", None)
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
+    def remember(response_id: bytes | str, inst: Instance) -> None:
+        rid = response_id.decode() if isinstance(response_id, bytes) else response_id
+        owners[rid] = inst.url
+        while len(owners) > _REMEMBERED_RESPONSES:
+            owners.popitem(last=False)
+
+    def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | Response | None:
+        """The prefill answer, a client error to pass back, or None (no instance answered: prefill on decode)."""
+        tried: list[str] = []
+        while (inst := pools.pick("prefill", tuple(tried))) is not None:
+            tried.append(inst.url)
+            try:
+                with pools.use(inst), _post(inst.url + path, prefill_body(path, body), headers,
+                                            config.timeout_s) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as exc:  # 4xx: the request's fault, every instance would refuse it
+                return Response(exc.read(), status_code=exc.code, media_type="application/json")
+            except (_Upstream, OSError, http.client.HTTPException, ValueError):  # incl. a body cut off or bad
+                pools.set_health(inst, False)  # out until its next passing health check
+                retries.labels("prefill").inc()
+        fallbacks.inc()
+        return None
+
+    def decode(path: str, body: dict[str, Any], headers: dict[str, str], pinned: str | None) -> Response:
+        tried: list[str] = []
+        while True:
+            inst = pools.by_url(pinned) if pinned and not tried else (
+                pools.pick("decode", tuple(tried)) or pools.pick("decode", tuple(tried), healthy_only=False))
+            if inst is None:
+                return _error(503, f"no decode instance answered (tried {tried})")
+            tried.append(inst.url)
+            pools.acquire(inst)  # released when the answer (or the stream) ends
+            try:
+                resp = _post(inst.url + path, body, headers, config.timeout_s)
+            except urllib.error.HTTPError as exc:
+                pools.release(inst)
+                return Response(exc.read(), status_code=exc.code, media_type="application/json")
+            except _Upstream:
+                pools.release(inst)
+                pools.set_health(inst, False)
+                retries.labels("decode").inc()
+                continue
+            if body.get("stream"):
+                return StreamingResponse(relay(resp, inst, path), status_code=resp.status,
+                                         media_type="text/event-stream")
+            try:
+                with resp:
+                    data = resp.read()
+            except (OSError, http.client.HTTPException) as exc:  # the instance died or stalled mid-answer
+                pools.set_health(inst, False)
+                return _error(502, f"decode instance {inst.url} failed mid-answer: {exc!r}")
+            finally:
+                pools.release(inst)
+            if path == _RESPONSES and (m := _RESPONSE_ID.search(data)):
+                remember(m.group(1), inst)
+            return Response(data, status_code=resp.status, media_type="application/json")
+
+    def relay(resp, inst: Instance, path: str) -> Iterator[bytes]:
+        seen = path != _RESPONSES
         try:
-            with _post(pools.pick("prefill") + path, pbody, headers, config.timeout_s) as resp:
-                return json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError):
-            fallbacks.inc()
-            return None
+            with resp:
+                while chunk := resp.read1(65536):
+                    if not seen and (m := _RESPONSE_ID.search(chunk)):
+                        remember(m.group(1), inst)
+                        seen = True
+                    yield chunk
+        finally:
+            pools.release(inst)
 
     def route(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         requests_total.labels(path).inc()
-        answer = prefill(path, body, headers)
+        pinned = owners.get(str(body.get("previous_response_id"))) if path == _RESPONSES else None
         dbody = dict(body)
-        if answer and answer.get("kv_transfer_params"):
-            dbody["kv_transfer_params"] = answer["kv_transfer_params"]
-        url = pools.pick("decode") + path
-        try:
-            resp = _post(url, dbody, headers, config.timeout_s)
-        except urllib.error.HTTPError as exc:
-            return Response(exc.read(), status_code=exc.code, media_type="application/json")
-        except (urllib.error.URLError, OSError) as exc:
-            return JSONResponse({"error": {"message": f"decode instance {url} failed: {exc}",
-                                           "type": "ServiceUnavailable", "code": 503}}, status_code=503)
-        if body.get("stream"):
-            def chunks() -> Iterator[bytes]:
-                with resp:
-                    while chunk := resp.read1(65536):
-                        yield chunk
-            return StreamingResponse(chunks(), media_type="text/event-stream")
-        with resp:
-            return Response(resp.read(), status_code=resp.status, media_type="application/json")
+        if path != _RESPONSES or body.get("previous_response_id") is None:
+            answer = prefill(path, body, headers)
+            if isinstance(answer, Response):
+                return answer
+            if isinstance(answer, dict) and answer.get("kv_transfer_params"):
+                dbody["kv_transfer_params"] = answer["kv_transfer_params"]
+        return decode(path, dbody, headers, pinned)
 
     def make_handler(path: str):
         async def handler(request: Request) -> Response:
             try:
                 body = await request.json()
             except ValueError:
-                return JSONResponse({"error": {"message": "request body is not valid JSON", "code": 400}}, 400)
+                return _error(400, "request body is not valid JSON")
             if not isinstance(body, dict):
-                return JSONResponse({"error": {"message": "request body must be a JSON object", "code": 400}}, 400)
+                return _error(400, "request body must be a JSON object")
             headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
             return await run_in_threadpool(route, path, body, headers)
         return handler
 
-    for path in _ROUTES:
+    for path in (_COMPLETIONS, _CHAT, _RESPONSES):
         app.add_api_route(path, make_handler(path), methods=["POST"])
 
-    @app.get("/v1/models")
-    def models() -> Response:
-        url = pools.pick("decode") + "/v1/models"
+    def forward_get(url: str) -> Response:
         try:
             with urllib.request.urlopen(url, timeout=config.timeout_s) as resp:  # noqa: S310
                 return Response(resp.read(), status_code=resp.status, media_type="application/json")
         except urllib.error.HTTPError as exc:
             return Response(exc.read(), status_code=exc.code, media_type="application/json")
         except (urllib.error.URLError, OSError) as exc:
-            return JSONResponse({"error": {"message": f"decode instance {url} failed: {exc}", "code": 503}}, 503)
+            return _error(503, f"{url} failed: {exc}")
+
+    @app.get("/v1/responses/{response_id}")
+    def get_response(response_id: str) -> Response:
+        owner = owners.get(response_id)
+        if owner is None:
+            return JSONResponse({"error": {"message": f"no response {response_id!r} passed through this proxy",
+                                           "type": "NotFoundError", "param": "response_id", "code": 404}}, 404)
+        return forward_get(f"{owner}/v1/responses/{response_id}")
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        inst = pools.pick("decode") or pools.pick("decode", healthy_only=False)
+        return forward_get(inst.url + "/v1/models")
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def health() -> Response:
+        """200 while each pool has a healthy instance or the decode pool can prefill alone; 503 without decode."""
+        ok = pools.pick("decode") is not None
+        return JSONResponse({"status": "ok" if ok else "unavailable",
+                             "instances": [dataclasses.asdict(i) for i in pools.instances]},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     def metrics() -> Response:
+        for inst in pools.instances:
+            healthy.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
+            in_flight.labels(inst.role, inst.url).set(inst.in_flight)
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
+    app.state.pools = pools
+    pools.start()
     return app

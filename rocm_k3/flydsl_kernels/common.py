@@ -33,6 +33,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"FlyDSL kernels take bf16, fp16 or fp32 activations, got {dtype}") from None
 
 
+def check_dtype(name: str) -> str:
+    """A kernel config's activation dtype name: 'bf16' | 'f16' | 'f32' (ValueError otherwise)."""
+    if name not in _FX_DTYPES:
+        raise ValueError(f"unsupported dtype {name}")
+    return name
+
+
 def fx_dtype(name: str):
     return _FX_DTYPES[name]
 

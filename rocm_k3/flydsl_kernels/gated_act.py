@@ -32,8 +32,7 @@ class GatedActConfig:
     activation: tuple = ("situ", 4.0, 25.0)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"unsupported dtype {self.dtype}")
+        common.check_dtype(self.dtype)
         if self.N <= 0 or self.N % self.vec:
             raise ValueError(f"N={self.N} must be a positive multiple of {self.vec}")
         if self.activation[0] not in ("situ", "silu"):

@@ -51,8 +51,7 @@ class KdaDecodeConfig:
             raise ValueError(f"head_dim must be one of {KDA_HEAD_DIMS}, got {self.head_dim}")
         if self.conv_width < 2:
             raise ValueError(f"conv_width must be >= 2, got {self.conv_width}")
-        if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"unsupported dtype {self.dtype}")
+        common.check_dtype(self.dtype)
 
 
 def token_scratch_struct(K: int):

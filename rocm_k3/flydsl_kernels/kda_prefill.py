@@ -76,8 +76,7 @@ class KdaPrefillConfig:
             raise ValueError(f"gate must be logdecay, safe or softplus, got {self.gate!r}")
         if (self.gate == "safe") != (self.lower_bound is not None):
             raise ValueError("lower_bound is required by (and only by) the safe gate")
-        if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"unsupported dtype {self.dtype}")
+        common.check_dtype(self.dtype)
 
 
 def build_kda_prefill(config: KdaPrefillConfig):

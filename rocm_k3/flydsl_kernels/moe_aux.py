@@ -42,8 +42,7 @@ class Mxfp8QuantConfig:
     def __post_init__(self) -> None:
         if self.K <= 0 or self.K % 32:
             raise ValueError(f"K must be a positive multiple of 32, got {self.K}")
-        if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"unsupported dtype {self.dtype}")
+        common.check_dtype(self.dtype)
 
     @property
     def emax(self) -> int:

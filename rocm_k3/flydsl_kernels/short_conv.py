@@ -42,8 +42,7 @@ class ShortConvConfig:
             raise ValueError(f"width must be >= 2, got {self.width}")
         if self.channels < 1:
             raise ValueError(f"channels must be >= 1, got {self.channels}")
-        if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"unsupported dtype {self.dtype}")
+        common.check_dtype(self.dtype)
 
 
 def build_short_conv(cfg: ShortConvConfig):

@@ -229,6 +229,29 @@ def validate_tools(tools: Any, where: str = "tools") -> list[Mapping[str, Any]]:
     return list(tools)
 
 
+SCHEMA_FIELD = "response_format.json_schema.schema"  # where a json_schema format's schema sits in a request
+
+
+def response_format_kind(response_format: Any) -> tuple[str, Any] | None:
+    """A request's ``response_format`` checked: None (absent or ``text``), ``("json_object", None)`` or
+    ``("json_schema", schema)``; a ValueError naming the bad field otherwise."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return kind, None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise ValueError(f"{SCHEMA_FIELD}: required for type 'json_schema'")
+        return kind, spec["schema"]
+    raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
 # ---- JSON as the chat formats write it --------------------------------------------------------------------------
 def deep_sorted(value: Any, field: str) -> Any:
     """``value`` with the keys of every nested object sorted (lists keep their order); keys must be strings."""

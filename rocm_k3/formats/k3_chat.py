@@ -28,12 +28,14 @@ from typing import Any, NamedTuple
 from rocm_k3.tokenizers.base import Tokenizer
 from rocm_k3.formats.chat_base import (
     IMAGE_PARTS,
+    SCHEMA_FIELD,
     RenderedChat,
     check_bool,
     check_continuation,
     check_thinking_effort,
     compact_json,
     deep_sorted,
+    response_format_kind,
     tool_call_function,
     validate_messages,
     validate_tools,
@@ -338,22 +340,12 @@ def _request_notes(tool_choice: Any, response_format: Any) -> list[tuple[str, st
             raise ValueError(f"tool_choice: expected 'auto', 'required', 'none' or a named tool, got {tool_choice!r}")
     elif tool_choice is not None and not isinstance(tool_choice, Mapping):
         raise ValueError(f"tool_choice: expected a string or an object, got {type(tool_choice).__name__}")
-    if response_format is None:
-        return notes
-    if not isinstance(response_format, Mapping):
-        raise ValueError(f"response_format: expected an object, got {type(response_format).__name__}")
-    kind = response_format.get("type")
-    if kind == "json_object":
+    checked = response_format_kind(response_format)
+    if checked is not None and checked[0] == "json_object":
         notes.append(("response-format", JSON_OBJECT_NOTE))
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise ValueError("response_format.json_schema.schema: required for type 'json_schema'")
-        field = "response_format.json_schema.schema"
-        schema = compact_json(deep_sorted(spec["schema"], field), field)
+    elif checked is not None:
+        schema = compact_json(deep_sorted(checked[1], SCHEMA_FIELD), SCHEMA_FIELD)
         notes.append(("response-format", JSON_SCHEMA_NOTE.format(schema=schema)))
-    elif kind != "text":
-        raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
     return notes
 
 

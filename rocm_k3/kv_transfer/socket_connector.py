@@ -19,6 +19,7 @@ from rocm_k3.kv_transfer.base import (GROUP_KDA, GROUP_MLA, ConnectorMeta, Finis
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler  # noqa: F401 (the connector's two halves)
 from rocm_k3.kv_transfer.socket_transport import BlockClient, BlockStore, TransferError, entry_key
+from rocm_k3.kv_transfer.tp_layout import TPShard, agree_failed, gather_heads, split_heads
 
 
 @dataclasses.dataclass
@@ -48,14 +49,17 @@ def tensor_from_bytes(payload: bytes, meta: dict[str, Any]) -> torch.Tensor:
 
 
 class SocketConnectorWorker(KVConnectorWorker):
-    """Worker half; a producer owns a ``BlockStore`` on (kv_ip, kv_port), a consumer a ``BlockClient`` to it."""
+    """Worker half; a producer's TP rank 0 owns a ``BlockStore`` on (kv_ip, kv_port), a consumer's ranks each a
+    ``BlockClient`` to the producer's. Payloads are in the TP-1 layout (``tp_layout``), whatever either side's TP."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, tp: TPShard | None = None) -> None:
         self.config = config
+        self.tp = tp or TPShard()
         self.stats = KVTransferStats()
         self._caches: dict[str, tuple[str, torch.Tensor]] = {}
         ttl_s = float(config.kv_connector_extra_config.get("ttl_s", 60.0))
-        self.store = BlockStore(config.kv_ip, config.kv_port, ttl_s=ttl_s) if config.is_producer else None
+        publishes = config.is_producer and self.tp.is_first
+        self.store = BlockStore(config.kv_ip, config.kv_port, ttl_s=ttl_s) if publishes else None
         self._lock = threading.Lock()
         self._fetched: dict[tuple[str, str], tuple[bytes, dict[str, Any]] | TransferError] = {}
         self._layer_ready: dict[str, threading.Event] = {}
@@ -85,11 +89,16 @@ class SocketConnectorWorker(KVConnectorWorker):
 
     # -- producer ---------------------------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: ConnectorMeta) -> None:
-        if self.store is None or not meta.saves:
+        if not self.config.is_producer or not meta.saves:
             return
         group, cache = self._caches[layer_name]
         for req in meta.saves:
-            payload, tmeta = tensor_to_bytes(cache[self._index(group, req)])
+            local = cache[self._index(group, req)]
+            # KDA shards meet on rank 0 (a collective: every rank runs it); the replicated MLA pages need no gather
+            full = gather_heads(layer_name, local, self.tp) if group == GROUP_KDA else local
+            if self.store is None:
+                continue
+            payload, tmeta = tensor_to_bytes(full)
             self.store.put(entry_key(req.transfer_id, layer_name), payload, tmeta)
             self.stats.blocks_sent += len(req.block_ids) if group == GROUP_MLA else 1
             self.stats.bytes_sent += len(payload)
@@ -109,13 +118,7 @@ class SocketConnectorWorker(KVConnectorWorker):
         threading.Thread(target=self._fetch_all, args=(meta.loads,), name="kv-load", daemon=True).start()
 
     def _fetch_all(self, loads: tuple[ReqTransfer, ...]) -> None:
-        clients: dict[tuple[str, int], BlockClient] = {}
-        client_of = {}
-        for req in loads:  # a load names its producer; the configured address is the default
-            addr = (req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port)
-            if addr not in clients:
-                clients[addr] = BlockClient(*addr, self.config.timeout_s)
-            client_of[req.req_id] = clients[addr]
+        client_of = self._clients(loads)
         try:
             for name in self._caches:
                 for req in loads:
@@ -126,14 +129,27 @@ class SocketConnectorWorker(KVConnectorWorker):
                     with self._lock:
                         self._fetched[(req.req_id, name)] = got
                 self._layer_ready[name].set()
-            for req in loads:
-                try:
-                    client_of[req.req_id].release(req.transfer_id)
-                except TransferError:
-                    pass  # the producer's ttl frees it
+            if self.tp.size == 1:  # else rank 0 releases once every rank has fetched (get_finished)
+                self._release(loads, client_of)
         finally:
-            for client in clients.values():
+            for client in set(client_of.values()):
                 client.close()
+
+    def _clients(self, loads: tuple[ReqTransfer, ...]) -> dict[str, BlockClient]:
+        """One client per producer, by request id (a load names its producer; the configured one is the default)."""
+        def addr(req: ReqTransfer) -> tuple[str, int]:
+            return req.remote_host or self.config.kv_ip, req.remote_port or self.config.kv_port
+
+        clients = {addr(req): BlockClient(*addr(req), self.config.timeout_s) for req in loads}
+        return {req.req_id: clients[addr(req)] for req in loads}
+
+    @staticmethod
+    def _release(loads: tuple[ReqTransfer, ...], client_of: dict[str, BlockClient]) -> None:
+        for req in loads:
+            try:
+                client_of[req.req_id].release(req.transfer_id)
+            except TransferError:
+                pass  # the producer's ttl frees it
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
@@ -157,13 +173,15 @@ class SocketConnectorWorker(KVConnectorWorker):
                 src = tensor_from_bytes(payload, tmeta)
                 if group == GROUP_MLA:  # the producer's blocks from first_block on (the rest are cached here)
                     src = src[req.first_block : req.first_block + len(req.block_ids)]
+                else:  # this rank's heads of the TP-1 layout
+                    src = split_heads(layer_name, src, self.tp.rank, self.tp.size)
                 dst_index = self._index(group, req)
                 dst = cache[dst_index]
                 if tuple(src.shape) != tuple(dst.shape) or src.dtype != cache.dtype:
                     raise TransferError(f"{layer_name!r}: got {tuple(src.shape)} {src.dtype}, "
                                         f"expected {tuple(dst.shape)} {cache.dtype}")
-            except TransferError as exc:
-                self._fail(req.req_id, exc)
+            except (TransferError, ValueError) as exc:
+                self._fail(req.req_id, TransferError(str(exc)))
                 continue
             cache[dst_index] = src.to(cache.device)
             self.stats.blocks_received += len(req.block_ids) if group == GROUP_MLA else 1
@@ -183,6 +201,17 @@ class SocketConnectorWorker(KVConnectorWorker):
             self.stats.timeouts += 1
 
     def get_finished(self) -> FinishedTransfers:
+        """Under TP > 1 a collective after a step's loads (every rank runs it): the ranks agree on the failed loads
+        (every rank has fetched by now), then rank 0 releases the producer's copies."""
+        if self._loads and self.tp.size > 1:
+            self._failed = agree_failed(self._failed, self.tp)
+            self._received -= self._failed
+            if self.tp.is_first:
+                client_of = self._clients(self._loads)
+                self._release(self._loads, client_of)
+                for client in set(client_of.values()):
+                    client.close()
+        self._loads = ()
         out = FinishedTransfers(frozenset(self._sent), frozenset(self._received), frozenset(self._failed))
         self._sent, self._received, self._failed = set(), set(), set()
         return out

@@ -94,20 +94,20 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
-    kda: KDAConfig
-    mla_layers: tuple[int, ...]
-    kda_layers: tuple[int, ...]
+    kda: KDAConfig  # linear_attn_config: the KDA layers' geometry
+    mla_layers: tuple[int, ...]  # linear_attn_config.full_attn_layers
+    kda_layers: tuple[int, ...]  # every other layer
     num_attention_heads: int
     kv_lora_rank: int = MLA_KV_LORA_RANK
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = MLA_QK_NOPE_HEAD_DIM
     qk_rope_head_dim: int = MLA_QK_ROPE_HEAD_DIM
     v_head_dim: int = MLA_V_HEAD_DIM
-    mla_use_output_gate: bool = False
-    num_experts: int = 0
-    num_experts_per_token: int = 0
-    num_shared_experts: int = 0
-    moe_intermediate_size: int = 0
+    mla_use_output_gate: bool = False  # attention output times sigmoid(g_proj(x)) before o_proj
+    num_experts: int = 0  # routed experts of each MoE layer
+    num_experts_per_token: int = 0  # the top-k (config.json may say num_experts_per_tok)
+    num_shared_experts: int = 0  # experts every token runs besides its top-k
+    moe_intermediate_size: int = 0  # N of one routed expert (w13 [2N, K], w2 [Kout, N])
     routed_expert_hidden_size: int | None = None
     latent_moe_use_norm: bool = True
     first_k_dense_replace: int = 1

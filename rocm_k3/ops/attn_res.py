@@ -25,6 +25,7 @@ import torch
 
 from rocm_k3.ops import registry
 from rocm_k3.ops.norm import rms_norm_reference
+from rocm_k3.ops.tensor_checks import check_like
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -173,13 +174,7 @@ def attn_res_step(partial: torch.Tensor | None, delta: torch.Tensor | None, bloc
         raise TypeError(f"write_block must be a bool, got {type(write_block).__name__}")
     given = {name: _float(name, t) for name, t in (("partial", partial), ("delta", delta)) if t is not None}
     ref_name, ref = next(iter(given.items()))
-    for name, t in given.items():
-        if t.shape != ref.shape:
-            raise ValueError(f"{name} must have the shape of {ref_name} {list(ref.shape)}, got {list(t.shape)}")
-        if t.dtype != ref.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} must match {ref_name} dtype {ref.dtype}")
-        if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all must share a device")
+    check_like(ref_name, ref, given)
     _check_common(ref_name, ref, blocks, num_blocks, eps,
                   {"proj_weight": proj_weight, "norm_weight": norm_weight, "rms_weight": rms_weight})
     if write_block and num_blocks >= blocks.shape[0]:

@@ -106,6 +106,11 @@ class ExpertDims:
             raise TypeError(f"ExpertDims.device must be a torch.device, got {type(self.device).__name__}")
 
 
+def _from_dims(name: str, doc: str) -> property:
+    """A read-only attribute of :class:`ExpertWeights` that is the attribute ``name`` of its ``dims``."""
+    return property(lambda self: getattr(self.dims, name), doc=doc)
+
+
 @dataclasses.dataclass
 class ExpertWeights:
     """Routed-expert weights of one MoE layer, in checkpoint layout or in one backend's prepared layout.
@@ -235,27 +240,9 @@ class ExpertWeights:
                 self.fmt, self.w13, self.w13_scale, self.w2, self.w2_scale)
         return self._codec().to_checkpoint(self)
 
-    @property
-    def device(self) -> torch.device:
-        """The device every tensor of these weights lives on."""
-        return self.dims.device
-
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return self.dims.num_experts
-
-    @property
-    def hidden(self) -> int:
-        """K: the input features of w13."""
-        return self.dims.hidden
-
-    @property
-    def intermediate(self) -> int:
-        """N: the activation width (w13 has 2N output rows)."""
-        return self.dims.intermediate
-
-    @property
-    def out_features(self) -> int:
-        """Kout: the output features of w2."""
-        return self.dims.out_features
+    # sizes and device, read from ``dims`` (set for both layouts)
+    device = _from_dims("device", "The device every tensor of these weights lives on.")
+    num_experts = _from_dims("num_experts", "E.")
+    hidden = _from_dims("hidden", "K: the input features of w13.")
+    intermediate = _from_dims("intermediate", "N: the activation width (w13 has 2N output rows).")
+    out_features = _from_dims("out_features", "Kout: the output features of w2.")

@@ -14,6 +14,7 @@ import math
 import torch
 
 from rocm_k3.ops import registry
+from rocm_k3.ops.tensor_checks import check_like
 
 __all__ = ["REFERENCE_IMPLS", "add_rms_norm", "rms_norm"]
 
@@ -78,12 +79,7 @@ def add_rms_norm(
     """
     _check_activation(x, "x")
     _check_activation(residual, "residual")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise TypeError(f"residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
-    if residual.device != x.device:
-        raise ValueError(f"residual must be on the device of x ({x.device}), got {residual.device}")
+    check_like("x", x, {"residual": residual})
     _check_weight_eps(x, weight, eps)
     return registry.dispatch("add_rms_norm", backend, x, residual, weight, eps)
 

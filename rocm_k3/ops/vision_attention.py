@@ -24,6 +24,7 @@ import math
 import torch
 
 from rocm_k3.ops import registry
+from rocm_k3.ops.tensor_checks import check_like
 
 __all__ = ["REFERENCE_IMPLS", "varlen_attention", "varlen_attention_reference"]
 
@@ -38,13 +39,7 @@ def _check_qkv(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype}")
     if q.dim() != 3 or q.shape[1] == 0 or q.shape[2] == 0:
         raise ValueError(f"q must have shape [T, H, D] with H, D > 0, got {list(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {list(q.shape)}, got {list(t.shape)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} must match q dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all must share a device")
+    check_like("q", q, {"k": k, "v": v})
 
 
 def _check_cu_seqlens(cu_seqlens: object, q: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """The tokenizer as the grammar engine sees it, and the marker tokens of each output family.
 
-The project's tokenizer interface (``GrammarTokenizer``): ``vocab_size``, ``token_bytes(id) -> bytes``,
-``special_tokens: Mapping[str, int]`` and ``eos_token_ids``. xgrammar matches grammar text against each token's
-bytes, so special tokens are encoded for it on purpose (:func:`build_tokenizer_info`):
+The tokenizer interface it needs (``GrammarTokenizer``: the tokenizers' ``TokenTable``): ``vocab_size``,
+``token_bytes(id) -> bytes``, ``special_tokens: Mapping[str, int]`` and ``eos_token_ids``. xgrammar matches grammar
+text against each token's bytes, so special tokens are encoded for it on purpose (:func:`build_tokenizer_info`):
 
 - the family's marker tokens (``<|open|>``, ``<|close|>``, ``<|sep|>`` for K3; the ``<think>``/tool markers for
   K2) become ``b"\\xff" + text``: 0xFF never occurs in UTF-8, so no JSON string, regex or EBNF text rule can
@@ -17,29 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
 
 import xgrammar as xgr
 
 from rocm_k3.formats.parsers import kimi_k2, kimi_k3
+from rocm_k3.tokenizers.base import TokenTable
 
 # bytes no UTF-8 text contains: marker tokens carry it so that text rules never match them
 MARKER_TAG = b"\xff"
 
 
-@runtime_checkable
-class GrammarTokenizer(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def special_tokens(self) -> Mapping[str, int]: ...
-
-    @property
-    def eos_token_ids(self) -> Sequence[int]: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
+GrammarTokenizer = TokenTable  # the tokenizer as the grammar engine sees it
 
 
 # marker token texts per family (their ids come from the tokenizer's special_tokens)

@@ -14,12 +14,13 @@ The engine, the detokenizer, the structured-output helper and the server depend 
 
 from __future__ import annotations
 
-import json
 import re
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from rocm_k3 import checkpoint_io
 
 
 class TokenizerError(ValueError):
@@ -27,14 +28,26 @@ class TokenizerError(ValueError):
 
 
 @runtime_checkable
-class Tokenizer(Protocol):
-    """What the engine and the server need from a tokenizer (see the module docstring)."""
+class TokenTable(Protocol):
+    """The id-level facts of a tokenizer: its size, special tokens, stop ids and each id's bytes (all the grammar
+    engine reads: :mod:`rocm_k3.structured.vocab`)."""
 
     @property
     def vocab_size(self) -> int: ...
 
     @property
     def special_tokens(self) -> Mapping[str, int]: ...
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@runtime_checkable
+class Tokenizer(TokenTable, Protocol):
+    """What the engine and the server need from a tokenizer (see the module docstring): a :class:`TokenTable`
+    that also encodes and decodes text."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
@@ -48,8 +61,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class SpecialIds:
@@ -175,15 +186,9 @@ def check_stop_ids(ids: Sequence[int], vocab_size: int, *, source: str) -> tuple
 
 
 def read_json_object(file: Path) -> dict[str, Any]:
-    """A JSON object from ``file``; bad UTF-8, bad JSON or another top-level type raise a ValueError naming it."""
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{file}: not valid UTF-8 ({exc})") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from exc
+    """A JSON object from ``file`` (read by :func:`rocm_k3.checkpoint_io.read_json`); bad UTF-8, bad JSON or another
+    top-level type raise a ValueError naming it."""
+    data = checkpoint_io.read_json(file, TokenizerError)
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data

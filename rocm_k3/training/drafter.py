@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rocm_k3.checks import check_int
 from rocm_k3.formats.k3_chat import K3ChatRenderer
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
@@ -45,28 +46,23 @@ SAMPLED_TEMPERATURE = 0.8
 
 @dataclasses.dataclass(frozen=True)
 class DrafterRecipe:
-    """seed: prompts, sampling seeds, initialisation and batches; prompts: how many (half chats, half prose);
-    max_new_tokens: target tokens generated per prompt; sampled_fraction: share of prompts continued by sampling
-    (the rest greedily); steps / batch / lr: the optimiser; unroll: drafted positions trained per example;
-    hidden_size / tap_layer_ids: the drafter's shape; threads: torch CPU threads."""
+    """How a drafter is trained: the target's outputs it learns from, the optimiser and the drafter's shape."""
 
-    seed: int = 0
-    prompts: int = 256
-    max_new_tokens: int = 96
-    sampled_fraction: float = 0.5
-    steps: int = 1500
-    batch: int = 256
+    seed: int = 0  # prompts, sampling seeds, initialisation and batches
+    prompts: int = 256  # how many (half chats, half prose)
+    max_new_tokens: int = 96  # target tokens generated per prompt
+    sampled_fraction: float = 0.5  # share of prompts continued by sampling (the rest greedily)
+    steps: int = 1500  # optimiser steps
+    batch: int = 256  # examples per step
     lr: float = 3e-3
-    unroll: int = 6
-    hidden_size: int = 96
-    tap_layer_ids: tuple[int, ...] = (2, 4, 6)
-    threads: int = 2
+    unroll: int = 6  # drafted positions trained per example
+    hidden_size: int = 96  # the drafter's width
+    tap_layer_ids: tuple[int, ...] = (2, 4, 6)  # the target layers whose hidden states it reads
+    threads: int = 2  # torch CPU threads
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "steps", "batch", "unroll", "hidden_size", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
         if not 0 <= self.sampled_fraction <= 1:
             raise ValueError(f"sampled_fraction: expected a number in [0, 1], got {self.sampled_fraction!r}")
         if not self.lr > 0:

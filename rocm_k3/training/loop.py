@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from rocm_k3.checks import check_int
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.decoder import KimiModel
 from rocm_k3.model.moe import MoEBlock
@@ -52,9 +53,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_tokens", "log_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
         if isinstance(self.drill_steps, bool) or not isinstance(self.drill_steps, int) or not (
                 0 <= self.drill_steps <= self.steps):
             raise ValueError(f"drill_steps: expected an int in [0, steps={self.steps}], got {self.drill_steps!r}")

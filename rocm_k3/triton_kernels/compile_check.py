@@ -130,8 +130,8 @@ _SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\()?\s*0x([0-9a-f]+)")
 class SassLoop:
     """One loop of a cubin's SASS (a backward branch): its instruction count and opcode histogram."""
 
-    start: int
-    end: int
+    start: int  # SASS address of the loop's first instruction (the branch target)
+    end: int  # SASS address of the backward branch
     instructions: int
     opcodes: Mapping[str, int]
 
@@ -252,7 +252,8 @@ def compile_kernel(
     )
 
 
-# (module, attribute, signature, constexprs or target -> constexprs, num_warps, num_stages[, divisible_by_16])
+# (module, attribute, signature, constexprs or target -> constexprs, num_warps or target -> num_warps, num_stages
+#  [, divisible_by_16])
 KernelSpec = tuple
 
 
@@ -265,6 +266,8 @@ def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
     fn = getattr(importlib.import_module(module), attr)
     if callable(constexprs):  # per-target constexprs (e.g. an NVIDIA-only inline-asm path)
         constexprs = constexprs(target)
+    if callable(warps):  # per-target warps (tiles chosen per vendor)
+        warps = warps(target)
     try:
         res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages,
                              divisible_by_16=divisible[0] if divisible else None)

@@ -45,6 +45,44 @@ def latent_supported(lora: int, rope: int) -> tuple[bool, str]:
 
 
 @triton.jit
+def attend_latent(q, qpe, kv_ptr, bt_ptr, seq, lo, hi, pos_q, scale, d, dr, dmask, rmask, block_size, stride_btn,
+                  stride_kvb, stride_kvt, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  LORA: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax attention of ROWS query rows (q [ROWS, D] latent, qpe [ROWS, DR] rope) over the cached
+    positions [lo, hi) of sequence ``seq`` (paged through its block-table row), BLOCK_N keys a step; CAUSAL: row r
+    sees positions <= pos_q[r] only. Returns (m, l_sum, acc [ROWS, D]) in fp32: the running max, the sum of
+    exp(s - m) and the unnormalised output (a row that saw no key keeps l_sum 0)."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        kmask = pos < hi
+        page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=kmask, other=0).to(tl.int64)
+        row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt  # [BLOCK_N] row pointers
+        c_kv = tl.load(row[:, None] + d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, D]
+        k_pe = tl.load(row[:, None] + LORA + dr[None, :], mask=kmask[:, None] & rmask[None, :],
+                       other=0.0)  # [BLOCK_N, DR]
+        c_kv = c_kv.to(q.dtype)  # fp32 when the kernel computes in fp32 (DOT_F32), else a no-op or q's dtype
+        k_pe = k_pe.to(qpe.dtype)
+        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [ROWS, BLOCK_N]; IEEE: no TF32 for fp32 operands
+        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
+        if CAUSAL:
+            seen = (pos[None, :] <= pos_q[:, None]) & kmask[None, :]
+        else:
+            seen = kmask[None, :]
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
+        m = m_new
+    return m, l_sum, acc
+
+
+@triton.jit
 def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                        num_heads, block_size, scale,
                        stride_qn, stride_qh, stride_pn, stride_ph, stride_kvb, stride_kvt, stride_btn,
@@ -71,29 +109,8 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_p
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, length)
-    m = tl.full((BH,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, D), tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
-        pmask = pos < hi
-        page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=pmask, other=0).to(tl.int64)
-        row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt  # [BLOCK_N] row pointers
-        c_kv = tl.load(row[:, None] + d[None, :], mask=pmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, D]
-        k_pe = tl.load(row[:, None] + LORA + dr[None, :], mask=pmask[:, None] & rmask[None, :],
-                       other=0.0)  # [BLOCK_N, DR]
-        if DOT_F32:
-            c_kv = c_kv.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [BH, BLOCK_N]; IEEE: no TF32 for fp32 operands
-        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
-        s = tl.where(pmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
-        m = m_new
+    m, l_sum, acc = attend_latent(q, qpe, kv_ptr, bt_ptr, seq, lo, hi, hi, scale, d, dr, dmask, rmask, block_size,
+                                  stride_btn, stride_kvb, stride_kvt, BH, BLOCK_N, D, LORA, False)
     omask = hmask[:, None] & dmask[None, :]
     if SPLITS == 1:
         o = acc / l_sum[:, None]

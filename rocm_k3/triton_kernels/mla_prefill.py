@@ -13,6 +13,10 @@ so no [L, H, Dn + Dv] expanded keys/values are materialised. One program per (BT
 head) walks keys 0..(its last query's position) over the paged cache with an online softmax. The host reads
 ``cu_seqlens_q`` once to list the query blocks (a sync per prefill call).
 
+``mla_prefill`` runs this kernel for the sequences of a call whose chunk is shorter than
+``mla_prefill_expanded.EXPANDED_MIN_QUERIES`` queries and the expanded-heads flash kernel
+(:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`) for the others (the crossover measured on the H200).
+
 Latent geometry (R, P, Dn, Dv; K3: 512, 64, 128, 128) comes from the shapes (``rocm_k3.ops.mla.prefill_geometry``);
 the kernel takes R, P and Dn as constexprs with power-of-two column tiles, like the decode kernel, and declines the
 same latents (``latent_supported``).
@@ -25,7 +29,8 @@ import triton
 import triton.language as tl
 
 from rocm_k3.ops.mla import prefill_geometry
-from rocm_k3.triton_kernels.mla_decode import latent_supported, latent_tiles
+from rocm_k3.triton_kernels.mla_decode import attend_latent, latent_supported, latent_tiles
+from rocm_k3.triton_kernels.mla_prefill_expanded import EXPANDED_MIN_QUERIES, mla_prefill_expanded
 from rocm_k3.triton_kernels.runtime import interpreted
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -84,34 +89,8 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
     else:
         qpe = qpe.to(q.dtype)
     hi = tl.minimum(q0 + BT, q_end) - q_end + length  # keys needed by the last query of the block
-    m = tl.full((BT,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((BT,), tl.float32)
-    acc = tl.zeros((BT, D), tl.float32)
-    for start in range(0, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        kmask = pos < hi
-        page = tl.load(bt_ptr + seq * stride_btn + pos // block_size, mask=kmask, other=0).to(tl.int64)
-        row = kv_ptr + page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
-        c_kv = tl.load(row[:, None] + d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, D]
-        k_pe = tl.load(row[:, None] + LORA + dr[None, :], mask=kmask[:, None] & pmask_cols[None, :],
-                       other=0.0)  # [BLOCK_N, DR]
-        if DOT_F32:
-            c_kv = c_kv.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        else:
-            c_kv = c_kv.to(q.dtype)
-            k_pe = k_pe.to(q.dtype)
-        s = tl.dot(q, tl.trans(c_kv), input_precision="ieee")  # [BT, BLOCK_N]; IEEE: no TF32 for fp32 operands
-        s += tl.dot(qpe, tl.trans(k_pe), input_precision="ieee")
-        causal = (pos[None, :] <= pos_q[:, None]) & kmask[None, :]
-        s = tl.where(causal, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see no key at all
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision="ieee")
-        m = m_new
+    _, l_sum, acc = attend_latent(q, qpe, kv_ptr, bt_ptr, seq, 0, hi, pos_q, scale, d, dr, dmask, pmask_cols,
+                                  block_size, stride_btn, stride_kvb, stride_kvt, BT, BLOCK_N, D, LORA, True)
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + t64[:, None] * stride_o_t + h * stride_o_h + d[None, :], o,
              mask=rmask[:, None] & dmask[None, :])
@@ -119,7 +98,19 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc)."""
+    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc).
+
+    Sequences whose chunk holds at least ``EXPANDED_MIN_QUERIES`` queries run over the expanded heads
+    (:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`), the others in the absorbed latent space."""
+    return mla_prefill_with(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale)
+
+
+def mla_prefill_with(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
+                     expanded_min_queries: int | None = None) -> torch.Tensor:
+    """:func:`mla_prefill` with the crossover explicit (None = ``EXPANDED_MIN_QUERIES``; 0 = every sequence
+    expanded; a value above every chunk = all absorbed)."""
+    threshold = EXPANDED_MIN_QUERIES if expanded_min_queries is None else expanded_min_queries
     tokens, num_heads, q_width = q.shape
     geo = prefill_geometry(q, kv_cache, kv_b_weight)
     lora, nope = geo.kv_lora_rank, geo.nope
@@ -128,15 +119,20 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     out = torch.zeros(tokens, num_heads, geo.v, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    cu = cu_seqlens_q.tolist()
+    long = [i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] >= max(threshold, 1)]
+    if long:
+        mla_prefill_expanded(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale,
+                             sequences=long, out=out, bounds=(cu, seq_lens.tolist()))
+    short_seqs = [i for i in range(len(cu) - 1) if i not in set(long)]
+    bt_rows = 16
+    blocks = [(i, s) for i in short_seqs for s in range(cu[i], cu[i + 1], bt_rows)]
+    if not blocks:
+        return out
     w = kv_b_weight.view(num_heads, nope + geo.v, lora)  # [H, Dn + Dv, R]
     compute = torch.float32 if q.dtype == torch.float32 else q.dtype
     q_lat = torch.einsum("thd,hdc->thc", q[..., :nope].to(compute), w[:, :nope].to(compute))  # [T, H, R]
     q_lat = q_lat.contiguous()
-    cu = cu_seqlens_q.tolist()
-    bt_rows = 16
-    blocks = [(i, s) for i in range(len(cu) - 1) for s in range(cu[i], cu[i + 1], bt_rows)]
-    if not blocks:
-        return out
     block_list = torch.tensor(blocks, dtype=torch.int32, device=q.device)  # [NB, 2] (sequence, first query row)
     o_lat = torch.empty(tokens, num_heads, lora, dtype=torch.float32, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -147,8 +143,12 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         DOT_F32=interpreted(_mla_prefill_kernel), BT=bt_rows, BLOCK_N=32, D=d_tile, DR=dr_tile, NOPE_DIM=nope,
         LORA=lora, ROPE=geo.rope, num_warps=4, num_stages=2,
     )
-    out = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
-    return out.to(q.dtype)
+    short = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
+    if not long:
+        return short.to(q.dtype)
+    rows = torch.tensor([t for i in short_seqs for t in range(cu[i], cu[i + 1])], device=q.device)
+    out[rows] = short[rows].to(q.dtype)
+    return out
 
 
 def mla_write_cache_supports(latent, kv_cache, slot_mapping) -> tuple[bool, str]:

@@ -27,6 +27,7 @@ from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
+from rocm_k3.kv_transfer.tp_layout import TPShard
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
@@ -72,7 +73,7 @@ class WorkerConfig:
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
     speculative: SpeculativeConfig | None = None  # the worker acts on method "draft_model" (it runs the drafter)
-    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (one rank only)
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation (any TP, one PP stage)
 
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -277,7 +278,8 @@ class Worker:
         self.runner = ModelRunner(self.stage, pools, width)
         if self.config.kv_transfer is not None:
             if self.connector is None:
-                self.connector = SocketConnectorWorker(self.config.kv_transfer)
+                tp = TPShard(self.ctx.tp_rank, self.ctx.tp_size, self.ctx.tp_cpu_group)  # gloo over the TP ranks
+                self.connector = SocketConnectorWorker(self.config.kv_transfer, tp)
             self.connector.register_kv_caches(*pools.transfer_groups())
             self.runner.before_forward = self._transfer_kv
         if self.vision_model is not None:

@@ -68,7 +68,7 @@ def test_norm_validation_errors():
         norm.rms_norm(x, w, eps=-1.0)
     with pytest.raises(ValueError, match="residual must have the shape of x"):
         norm.add_rms_norm(x, torch.randn(4, 32), w)
-    with pytest.raises(TypeError, match="residual must have the dtype of x"):
+    with pytest.raises(TypeError, match="residual dtype torch.bfloat16 must match x dtype torch.float32"):
         norm.add_rms_norm(x, x.bfloat16(), w)
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
         norm.rms_norm(x, [1.0] * 64)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rocm_k3"
 
 # Lowest first. Entries of one tuple share a layer (they may import each other).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("settings", "checkpoint_errors"),
+    ("settings", "checkpoint_errors", "checks"),
     ("checkpoint_io",),
     ("quant",),
     ("tokenizers",),

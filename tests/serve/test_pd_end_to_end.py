@@ -206,6 +206,39 @@ def test_kv_transfer_config_is_validated_at_the_boundary():
         EngineArgs(kv_transfer_config='{"kv_connector": "SocketConnector", "kv_role": "decode"}').validated()
     with pytest.raises(ValueError, match="pip install nixl"):
         EngineArgs(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}).validated()
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer_config='{"kv_connector": "SocketConnector", '
-                                                               '"kv_role": "kv_both"}').validated()
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        EngineArgs(pipeline_parallel_size=2, kv_transfer_config='{"kv_connector": "SocketConnector", '
+                                                                 '"kv_role": "kv_both"}').validated()
+
+
+def _respond(client, model, stream: bool, previous: str | None = None) -> tuple[str, str]:
+    """(reasoning + answer text, response id) of a greedy /v1/responses call (a follow-up of ``previous``)."""
+    kw = dict(model=model, input="Name a colour." if previous is None else "And another one?",
+              max_output_tokens=8, temperature=0.0, previous_response_id=previous)
+    if not stream:
+        r = client.responses.create(**kw)
+        return "".join(part.text for item in r.output for part in item.content or ()), r.id
+    text, rid = "", ""
+    for event in client.responses.create(stream=True, **kw):
+        if event.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+            text += event.delta
+        elif event.type == "response.created":
+            rid = event.response.id
+    return text, rid
+
+
+def test_responses_through_the_proxy_move_the_cache_and_follow_ups_stay_on_their_decode_instance(servers):
+    plain, prefill, decode = servers
+    model = plain.client().models.list().data[0].id
+    loaded0 = _metric(decode, "rocm_k3_kv_transfer_requests_total")
+    failures0 = _metric(decode, "rocm_k3_kv_transfer_failures_total")
+    with _proxy(prefill.base_url, decode.base_url) as proxy:
+        for stream in (False, True):
+            text, rid = _respond(plain.client(), model, stream)
+            got, got_id = _respond(proxy.client(), model, stream)
+            assert got == text and text and got_id.startswith("resp_")
+            # the follow-up's conversation is stored on the decode instance: the proxy sends it there
+            assert _respond(proxy.client(), model, stream, got_id)[0] == _respond(plain.client(), model, stream,
+                                                                                   rid)[0]
+    assert _metric(decode, "rocm_k3_kv_transfer_requests_total") - loaded0 == 2  # the two first turns
+    assert _metric(decode, "rocm_k3_kv_transfer_failures_total") == failures0

@@ -257,12 +257,17 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceCommon(BaseModel):
+    """What a whole chat choice and a stream chunk's choice share (the message / delta is each one's own)."""
+
     index: int
-    message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
+
+
+class ChatChoice(_ChatChoiceCommon):
+    message: ChatMessage
 
 
 class DeltaMessage(BaseModel):
@@ -275,12 +280,8 @@ class DeltaMessage(BaseModel):
     reasoning_content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_ChatChoiceCommon):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
 
 
 class PromptLogprob(BaseModel):
@@ -305,11 +306,18 @@ def _now() -> int:
     return int(time.time())
 
 
-class ChatCompletionResponse(BaseModel):
+class _CompletionObject(BaseModel):
+    """How every completion object sent (a chat response or chunk, a text completion) starts; each names its
+    ``object`` and adds its choices and the rest."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
+
+
+class ChatCompletionResponse(_CompletionObject):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
@@ -321,11 +329,8 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a kv_producer's answer: where to fetch the prompt's cache
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_CompletionObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
@@ -335,11 +340,8 @@ class ChatCompletionChunk(BaseModel):
     obfuscation: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_CompletionObject):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None

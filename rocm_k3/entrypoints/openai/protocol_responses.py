@@ -50,3 +50,4 @@ class ResponsesRequest(OpenAIBody):
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
     ignore_eos: StrictBool = False
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (as on chat and completions)

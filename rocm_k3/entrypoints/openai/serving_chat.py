@@ -26,7 +26,7 @@ from rocm_k3.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallOut,
 )
-from rocm_k3.entrypoints.openai.serving_common import (SSE_DONE, ChoiceState, ServedModel, chat_logprobs,
+from rocm_k3.entrypoints.openai.serving_common import (ChoiceState, ServedModel, chat_logprobs, chunk_stream,
     check_range, collect, choice_params, error_event, failed_choice, merge_streams, new_request_id, sampling_params,
     sse, start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import RANGES, SamplingParams
@@ -87,7 +87,8 @@ class ChatRun:
 
     async def stream(self) -> AsyncIterator[str]:
         streams = await self._streams()
-        return self._events(streams)
+        return chunk_stream(self._events(streams), self.req, lambda: ChatCompletionChunk(
+            id=self.request_id, model=self.model, choices=[], usage=self._usage(self._choices)))
 
     def _chunk(self, i: int, delta: DeltaMessage, *, finish_reason: str | None = None, logprobs=None,
                token_ids: list[int] | None = None) -> str:
@@ -105,41 +106,33 @@ class ChatRun:
                                           prompt_token_ids=self.prompt))
         for i in range(len(streams)):
             yield self._chunk(i, DeltaMessage(role="assistant", content=""))
-        try:
-            async for i, delta in merge_streams(streams):
-                timers[i].on_delta(delta)
-                c = choices[i]
-                c.add(delta, text=False)
-                if delta.finish_reason == "error":
-                    yield error_event(failed_choice(i, delta))
-                    continue
-                parsed = parsers[i].feed(delta.new_text)
-                if delta.finished:
-                    tail = parsers[i].finish()
-                    parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
-                    parsed.content = _join(parsed.content, tail.content)
-                    parsed.tool_calls += tail.tool_calls
-                    parsed.call_deltas += tail.call_deltas
-                c.num_calls += len(self.prepared.allowed_calls(parsed.tool_calls, c.num_calls))
-                tool_deltas = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                                             function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
-                               for d in self.prepared.allowed_call_deltas(parsed.call_deltas)]
-                lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
-                body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
-                                    tool_calls=tool_deltas or None)
-                has_text = parsed.content is not None or parsed.reasoning is not None or tool_deltas
-                if has_text or lp is not None or (delta.new_token_ids and self.req.return_token_ids):
-                    yield self._chunk(i, body, logprobs=lp, token_ids=delta.new_token_ids)
-                if delta.finished:
-                    c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
-                    yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
-            opts = self.req.stream_options
-            if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
-                yield sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
-                                              usage=self._usage(choices)))
-        except APIError as exc:
-            yield error_event(exc)
-        yield SSE_DONE
+        async for i, delta in merge_streams(streams):
+            timers[i].on_delta(delta)
+            c = choices[i]
+            c.add(delta, text=False)
+            if delta.finish_reason == "error":
+                yield error_event(failed_choice(i, delta))
+                continue
+            parsed = parsers[i].feed(delta.new_text)
+            if delta.finished:
+                tail = parsers[i].finish()
+                parsed.reasoning = _join(parsed.reasoning, tail.reasoning)
+                parsed.content = _join(parsed.content, tail.content)
+                parsed.tool_calls += tail.tool_calls
+                parsed.call_deltas += tail.call_deltas
+            c.num_calls += len(self.prepared.allowed_calls(parsed.tool_calls, c.num_calls))
+            tool_deltas = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                         function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                           for d in self.prepared.allowed_call_deltas(parsed.call_deltas)]
+            lp = self._logprobs(delta.new_token_ids, delta.new_logprobs) if delta.new_logprobs else None
+            body = DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                                tool_calls=tool_deltas or None)
+            has_text = parsed.content is not None or parsed.reasoning is not None or tool_deltas
+            if has_text or lp is not None or (delta.new_token_ids and self.req.return_token_ids):
+                yield self._chunk(i, body, logprobs=lp, token_ids=delta.new_token_ids)
+            if delta.finished:
+                c.finish_reason = chat_finish_reason(delta.finish_reason, c.num_calls > 0)
+                yield self._chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
 
 
 def _join(a: str | None, b: str | None) -> str | None:

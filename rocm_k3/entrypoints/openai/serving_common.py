@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -297,6 +297,24 @@ async def logged_stream(events: AsyncGenerator[str, None], path: str) -> AsyncIt
         raise
     finally:
         await events.aclose()  # its engine requests abort now, not when the generator is collected
+
+
+async def chunk_stream(events: AsyncGenerator[str, None], req: SamplingRequest,
+                       usage_chunk: Callable[[], BaseModel]) -> AsyncIterator[str]:
+    """A chat or completions stream: ``events`` (the choices' chunks), then ``usage_chunk()`` (no choices, the whole
+    request's usage) when ``stream_options`` asks for it, then ``[DONE]``; an APIError raised on the way is sent as
+    an error event before ``[DONE]``."""
+    try:
+        async for event in events:
+            yield event
+        opts = req.stream_options
+        if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
+            yield sse(usage_chunk())
+    except APIError as exc:
+        yield error_event(exc)
+    finally:
+        await events.aclose()
+    yield SSE_DONE
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from rocm_k3.engine.chat import response_format_constraint, structured_outputs_from
 from rocm_k3.entrypoints.openai.errors import APIError, bad_request
 from rocm_k3.entrypoints.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from rocm_k3.entrypoints.openai.serving_common import (SSE_DONE, ChoiceState, ServedModel, choice_params, collect,
+from rocm_k3.entrypoints.openai.serving_common import (ChoiceState, ServedModel, choice_params, chunk_stream, collect,
     completion_logprobs, echo_logprobs, error_event, failed_choice, merge_streams, new_request_id, sampling_params, sse,
     start_streams, structured_outputs_of, usage, usage_every_chunk, vllm_prompt_logprobs)
 from rocm_k3.sampling_params import SamplingParams
@@ -82,41 +82,34 @@ class CompletionRun:
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per engine delta and choice, the usage chunk if asked, ``[DONE]``."""
         streams = await self._streams()
-        return self._events(streams)
+        return chunk_stream(self._events(streams), self.req, lambda: CompletionResponse(
+            id=self.request_id, model=self.model, choices=[], usage=self._usage(self._choices)))
 
     async def _events(self, streams) -> AsyncIterator[str]:
-        choices = [ChoiceState() for _ in streams]
+        choices = self._choices = [ChoiceState() for _ in streams]
         timers = [self.served.metrics.timer() for _ in streams]
         started = [False] * len(streams)
-        try:
-            async for i, delta in merge_streams(streams):
-                timers[i].on_delta(delta)
-                c = choices[i]
-                c.add(delta)
-                if delta.finish_reason == "error":
-                    yield error_event(failed_choice(i, delta))
-                    continue
-                if self.prompt_only:
-                    self._drop_output(c)
-                    delta = dataclasses.replace(delta, new_text="", new_token_ids=[], new_logprobs=None,
-                                                finish_reason=c.finish_reason)
-                head = not started[i] and (self.req.echo or self.req.prompt_logprobs is not None)
-                wanted = head or (self.req.return_token_ids and delta.new_token_ids) or (
-                    self.params[0].logprobs is not None and delta.new_logprobs)
-                if not delta.new_text and not delta.finished and not wanted:
-                    continue  # e.g. a token that is the first byte of a character still being completed
-                started[i] = True
-                choice = self._choice(i, c, delta.new_text, delta.new_token_ids, delta.new_logprobs,
-                                      delta.finish_reason, head=head)
-                running = self._usage(choices) if usage_every_chunk(self.req) else None
-                yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=running))
-            opts = self.req.stream_options
-            if opts is not None and (opts.include_usage or opts.continuous_usage_stats):
-                yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[],
-                                             usage=self._usage(choices)))
-        except APIError as exc:
-            yield error_event(exc)
-        yield SSE_DONE
+        async for i, delta in merge_streams(streams):
+            timers[i].on_delta(delta)
+            c = choices[i]
+            c.add(delta)
+            if delta.finish_reason == "error":
+                yield error_event(failed_choice(i, delta))
+                continue
+            if self.prompt_only:
+                self._drop_output(c)
+                delta = dataclasses.replace(delta, new_text="", new_token_ids=[], new_logprobs=None,
+                                            finish_reason=c.finish_reason)
+            head = not started[i] and (self.req.echo or self.req.prompt_logprobs is not None)
+            wanted = head or (self.req.return_token_ids and delta.new_token_ids) or (
+                self.params[0].logprobs is not None and delta.new_logprobs)
+            if not delta.new_text and not delta.finished and not wanted:
+                continue  # e.g. a token that is the first byte of a character still being completed
+            started[i] = True
+            choice = self._choice(i, c, delta.new_text, delta.new_token_ids, delta.new_logprobs,
+                                  delta.finish_reason, head=head)
+            running = self._usage(choices) if usage_every_chunk(self.req) else None
+            yield sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=running))
 
 
 def prepare_completion(served: ServedModel, req: CompletionRequest) -> CompletionRun:

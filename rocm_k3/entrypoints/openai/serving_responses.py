@@ -180,6 +180,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         "response_format": _response_format(req.text), "max_completion_tokens": req.max_output_tokens,
         "reasoning_effort": effort, "chat_template_kwargs": req.chat_template_kwargs,
         "thinking_token_budget": req.thinking_token_budget, "user": req.user, "ignore_eos": req.ignore_eos,
+        "kv_transfer_params": req.kv_transfer_params,
     }
     for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty"):
@@ -268,6 +269,8 @@ class ResponsesRun:
         output += [call_item(c, _item_id("fc")) for c in parsed.tool_calls]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         body = self.body(status, output, self._usage(choice.token_ids, choice.cached, parsed.reasoning))
+        if choice.kv_transfer_params:  # a kv_producer's answer: where a decode instance fetches the prompt's cache
+            body["kv_transfer_params"] = choice.kv_transfer_params
         return self._finish(body, parsed.reasoning, parsed.content, parsed.tool_calls)
 
     def start_background(self) -> dict[str, Any]:

@@ -24,10 +24,11 @@ prompts do.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -111,21 +112,32 @@ class ImageSlot:
         return range(self.pad_start, self.pad_start + self.num_tokens)
 
 
+class PromptImages(abc.ABC):
+    """The image facts of a prompt with its images expanded, read from its per-image entries
+    (:meth:`image_entries`, in prompt order: each has ``pad_positions`` and ``content_hash``)."""
+
+    @abc.abstractmethod
+    def image_entries(self) -> Sequence[Any]: ...
+
+    @property
+    def pad_positions(self) -> list[int]:
+        """Every ``<|media_pad|>`` index, image after image (the rows of the concatenated image embeddings)."""
+        return [p for entry in self.image_entries() for p in entry.pad_positions]
+
+    @property
+    def image_hashes(self) -> list[str]:
+        return [entry.content_hash for entry in self.image_entries()]
+
+
 @dataclasses.dataclass(frozen=True)
-class ExpandedPrompt:
+class ExpandedPrompt(PromptImages):
     """The prompt's ids with every image block inserted, and the slots in image order."""
 
     token_ids: list[int]
     slots: list[ImageSlot]
 
-    @property
-    def pad_positions(self) -> list[int]:
-        """Every ``<|media_pad|>`` index, image after image (the rows of the concatenated image embeddings)."""
-        return [p for slot in self.slots for p in slot.pad_positions]
-
-    @property
-    def image_hashes(self) -> list[str]:
-        return [slot.content_hash for slot in self.slots]
+    def image_entries(self) -> list[ImageSlot]:
+        return self.slots
 
 
 def image_content_hash(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> str:

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +54,13 @@ from rocm_k3.triton_kernels.moe.fused import (  # noqa: E402
     prepare_weights,
 )
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
-from tests.helpers import assert_rel, poisoned_like, run_compile_driver, seeded  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_rel,
+    poisoned_like,
+    run_compile_driver,
+    run_interpret_tier,
+    seeded,
+)
 
 # both ours and Triton's own standard library must be interpreted (see the module docstring)
 _INTERPRETED = interpreted(tri_norm._rms_norm_kernel) and interpreted(triton.language.sigmoid)
@@ -488,10 +491,7 @@ def test_launcher_argument_errors() -> None:
 @pytest.mark.skipif(_INTERPRETED or torch.cuda.is_available(),
                     reason="the interpreter tier ran in this process (or a GPU is present)")
 def test_interpret_tier_in_subprocess() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "interpret", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_interpret_tier(__file__)
 
 
 def test_compile_kernel_argument_errors() -> None:
@@ -517,15 +517,15 @@ def test_compile_kernel_refuses_an_interpreted_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- compile tier
-_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_decode_r48_p24",
-                    "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align", "moe_align_t1",
-                    "moe_align_count", "moe_align_scan", "moe_align_scatter", "moe_w13_a16w4", "moe_w2_a16w4_split",
-                    "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill",
-                    "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts", "moe_topk_reduce",
-                    "moe_mxfp8_round_trip")
-_MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention",
-                "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4",
-                "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
+_COMPILE_KERNELS = ("rms_norm", "attn_res_step", "mla_decode", "mla_prefill", "mla_prefill_expanded",
+                    "mla_decode_r48_p24", "mla_prefill_r48_p24", "varlen_attention", "moe_route", "moe_align",
+                    "moe_align_t1", "moe_align_count", "moe_align_scan", "moe_align_scatter", "moe_w13_a16w4",
+                    "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic", "moe_w13_a8w4", "moe_w2_two_mul",
+                    "moe_w13_prefill", "moe_w13_f32", "moe_w2_bf16experts", "moe_w2_f32_bf16experts",
+                    "moe_topk_reduce", "moe_mxfp8_round_trip")
+_MMA_KERNELS = ("mla_decode", "mla_prefill", "mla_prefill_expanded", "mla_decode_r48_p24", "mla_prefill_r48_p24",
+                "varlen_attention", "moe_w13_a16w4", "moe_w2_a16w4_split", "moe_w13_dynamic", "moe_w2_dynamic",
+                "moe_w13_a8w4", "moe_w2_two_mul", "moe_w13_prefill", "moe_w2_bf16experts")
 # compiled as programmatic dependent launches on sm_90 (fused_moe_with launches them so on sm_90+)
 _PDL_KERNELS = ("moe_align", "moe_topk_reduce")
 # fp32-operand MoE GEMMs (input_precision="ieee"): fp32 FMAs on sm_90 (no TF32 / bf16 mma), fp32 MFMAs on AMD
