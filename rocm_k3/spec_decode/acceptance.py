@@ -14,8 +14,9 @@ requests stay reproducible (their generator draws one race per row in order).
 Penalties and grammars: row j is processed as if drafts 0 .. j - 1 were confirmed (:func:`draft_prefixes`: the
 penalty counts advanced by them, the grammar matcher advanced over them and rolled back after the fill), so row j
 samples from the target's penalised / masked distribution given the accepted prefix; a draft the grammar forbids
-is masked out of its row and can never be accepted. A row whose state cannot be simulated ahead (a request still
-thinking under a budget) caps the chunk's usable drafts (``limit_of``): the rows past the cap are ignored.
+is masked out of its row and can never be accepted. A row whose state is not simulated ahead (a constrained request
+still inside think: its reasoning gate and budget count) caps the chunk's usable drafts (``limit_of``): the rows
+past the cap are ignored, as if fewer drafts had been sent.
 """
 
 from __future__ import annotations
