@@ -81,7 +81,8 @@ class EngineArgs:
     speculative_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                 '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
-                '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
+                '"num_speculative_tokens": 3}\' (model: a drafter directory or a Hugging Face repo id in the local HF '
+                'cache, with optional "revision"; LLM(): a dict or JSON string)'})
     kv_transfer_config: str | None = dataclasses.field(default=None, metadata={
         "help": 'prefill/decode disaggregation as JSON (vLLM keys), e.g. \'{"kv_connector": "SocketConnector", '
                 '"kv_role": "kv_producer", "kv_port": 14579}\' (LLM(): a dict or JSON string)'})

@@ -396,7 +396,7 @@ class Worker:
             self.runner.execute(step)
             return StepOutput(step.step_id)
         rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
-        batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
+        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
         try:
             logits = self.runner.execute(step)  # [R + prompt rows, vocab] fp32
             prompt = self._prompt_logprobs(step, logits[len(rows):])
@@ -410,14 +410,14 @@ class Worker:
         fallbacks = sum(fallback)
         if len(rows) != len(chunks):
             sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
-                                  NON_FINITE)
+                                  NON_FINITE, batch.draft_limit)
         else:
             sampled = []
             for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
                 error = batch.error(i) or ("" if ok else NON_FINITE)
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
-            sampled = self.proposer.attach(chunks, sampled, batch.params)
+            sampled = self.proposer.attach(chunks, sampled)
         return StepOutput(step.step_id, tuple(sampled), prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:

@@ -1,6 +1,7 @@
 """dist tier: n-gram and drafter speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
 on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
-in the next step's chunk; the drafter runs on the sampling rank)."""
+in the next step's chunk; the drafter runs on the sampling rank); two of the requests have penalties, which
+speculate too."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ pytestmark = pytest.mark.dist
 PROMPTS = ["hello hello hello hello hello hello", "def f(x):\n    return x\ndef f(x):\n    return x\n",
            "The file", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+PENALISED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.4,
+                           repetition_penalty=1.2)  # speculates too: counts live on the sampling rank only
+PARAMS = [GREEDY, PENALISED, GREEDY, PENALISED]
 
 
 def _tokens(**kw) -> tuple[list[list[int]], dict]:
     llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **kw)
     try:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.stats()
+        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm.stats()
     finally:
         llm.shutdown()
 
