@@ -23,6 +23,12 @@ MOE_ACT_QUANT_CHOICES = ("bf16", "mxfp8")
 SERVER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # SGLang's / vLLM's --log-level choices
 
 
+def option(default: Any, help: str, **flag: Any) -> Any:
+    """A dataclass field that is also a CLI flag: its default, its help text and any of ``choices`` / ``aliases``
+    (read by ``add_dataclass_flags``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
 @dataclasses.dataclass
 class EngineArgs:
     """Every knob of the engine (help texts are the CLI's).
@@ -30,68 +36,62 @@ class EngineArgs:
     model: checkpoint directory; None = the embedded tiny K3 model.
     """
 
-    model: str | None = dataclasses.field(default=None, metadata={"help": "checkpoint directory (default: the "
-                                                                  "embedded tiny K3 model)"})
-    dtype: str = dataclasses.field(default="auto", metadata={
-        "help": "auto: bfloat16 on a GPU, float32 on the CPU", "choices": DTYPE_CHOICES})
-    backend: str | None = dataclasses.field(default=None, metadata={
-        "help": "op backend for every op (default: ROCM_K3_BACKEND or auto)", "choices": BACKEND_CHOICES})
-    device: str | None = dataclasses.field(default=None, metadata={"help": "torch device (default: first GPU, else cpu)"})
-    max_model_len: int | None = dataclasses.field(default=None, metadata={
-        "help": "longest prompt + generation (default: what one request can hold, at most max_position_embeddings)"})
-    moe_act_quant: str = dataclasses.field(default="bf16", metadata={
-        "help": "routed-expert activations: bf16 (A16W4) or mxfp8 (A8W4)", "choices": MOE_ACT_QUANT_CHOICES})
-    enable_prefix_caching: bool = dataclasses.field(default=True, metadata={
-        "help": "KDA-aware prefix caching (outputs are identical either way)"})
-    block_size: int = dataclasses.field(default=128, metadata={"help": "MLA KV page size in tokens"})
-    match_unit: int = dataclasses.field(default=64, metadata={"help": "prefix-cache hash granularity in tokens"})
-    alignment: int = dataclasses.field(default=256, metadata={"help": "prefill chunk grid in tokens (KDA saves)"})
-    max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={"help": "new tokens per engine step"})
-    long_prefill_token_threshold: int = dataclasses.field(default=0, metadata={
-        "help": "most tokens one prefill chunk takes per step (rounded up to --alignment), so a long prompt "
-                "shares the step with decodes and other prefills instead of filling it; 0: no cap (vLLM's flag)"})
-    max_num_seqs: int = dataclasses.field(default=32, metadata={"help": "requests running at once"})
-    gpu_memory_utilization: float = dataclasses.field(default=0.9, metadata={
-        "help": "fraction of GPU memory for weights, activations and the cache (GPU only)"})
-    kv_cache_bytes: int | None = dataclasses.field(default=None, metadata={
-        "help": "MLA KV page budget in bytes (overrides gpu_memory_utilization sizing)"})
-    state_cache_bytes: int | None = dataclasses.field(default=None, metadata={
-        "help": "KDA state slot budget in bytes (overrides gpu_memory_utilization sizing)"})
-    enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture decode graphs"})
-    progress: bool = dataclasses.field(default=False, metadata={"help": "show a progress bar while loading"})
-    tensor_parallel_size: int = dataclasses.field(default=1, metadata={
-        "help": "tensor-parallel ranks (GPUs of one node; heads and expert intermediate dims must divide)",
-        "aliases": ("-tp",)})
-    pipeline_parallel_size: int = dataclasses.field(default=1, metadata={
-        "help": "pipeline stages (contiguous layer ranges, usually one node each)", "aliases": ("-pp",)})
-    enable_expert_parallel: bool = dataclasses.field(default=False, metadata={
-        "help": "split the routed experts whole over the tensor-parallel ranks instead of per expert"})
-    num_redundant_experts: int = dataclasses.field(default=0, metadata={
-        "help": "extra physical expert slots per MoE layer holding replicas of busy experts (with "
-                "--enable-expert-parallel; num_experts + this must split over the ranks)"})
-    expert_placement: str | None = dataclasses.field(default=None, metadata={
-        "help": "expert placement JSON (rocm-k3 expert-placement writes one from recorded loads)"})
-    nnodes: int = dataclasses.field(default=1, metadata={"help": "nodes of the run (node 0 serves)"})
-    node_rank: int = dataclasses.field(default=0, metadata={"help": "this node's rank (> 0 runs headless)"})
-    master_addr: str = dataclasses.field(default="127.0.0.1", metadata={"help": "node 0's address for the "
-                                                                         "process group"})
-    master_port: int = dataclasses.field(default=29517, metadata={"help": "node 0's port for the process group"})
-    distributed_timeout: float = dataclasses.field(default=300.0, metadata={
-        "help": "seconds a step or collective may take before the run is ended with an error"})
-    speculative_config: str | None = dataclasses.field(default=None, metadata={
-        "help": 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "embedded-drafter", '
-                '"num_speculative_tokens": 3}\' (model: a drafter directory; LLM(): a dict or JSON string)'})
-    kv_transfer_config: str | None = dataclasses.field(default=None, metadata={
-        "help": 'prefill/decode disaggregation as JSON (vLLM keys), e.g. \'{"kv_connector": "SocketConnector", '
-                '"kv_role": "kv_producer", "kv_port": 14579}\' (LLM(): a dict or JSON string)'})
+    model: str | None = option(None, "checkpoint directory (default: the embedded tiny K3 model)")
+    dtype: str = option("auto", "auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPE_CHOICES)
+    backend: str | None = option(None, "op backend for every op (default: ROCM_K3_BACKEND or auto)",
+                                 choices=BACKEND_CHOICES)
+    device: str | None = option(None, "torch device (default: first GPU, else cpu)")
+    max_model_len: int | None = option(None, "longest prompt + generation (default: what one request can hold, at "
+                                       "most max_position_embeddings)")
+    moe_act_quant: str = option("bf16", "routed-expert activations: bf16 (A16W4) or mxfp8 (A8W4)",
+                                choices=MOE_ACT_QUANT_CHOICES)
+    enable_prefix_caching: bool = option(True, "KDA-aware prefix caching (outputs are identical either way)")
+    block_size: int = option(128, "MLA KV page size in tokens")
+    match_unit: int = option(64, "prefix-cache hash granularity in tokens")
+    alignment: int = option(256, "prefill chunk grid in tokens (KDA saves)")
+    max_num_batched_tokens: int = option(2048, "new tokens per engine step")
+    long_prefill_token_threshold: int = option(0, "most tokens one prefill chunk takes per step (rounded up to "
+                                               "--alignment), so a long prompt shares the step with decodes and other "
+                                               "prefills instead of filling it; 0: no cap (vLLM's flag)")
+    max_num_seqs: int = option(32, "requests running at once")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, activations and the cache (GPU "
+                                           "only)")
+    kv_cache_bytes: int | None = option(None, "MLA KV page budget in bytes (overrides gpu_memory_utilization sizing)")
+    state_cache_bytes: int | None = option(None, "KDA state slot budget in bytes (overrides gpu_memory_utilization "
+                                           "sizing)")
+    enforce_eager: bool = option(False, "never capture decode graphs")
+    progress: bool = option(False, "show a progress bar while loading")
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks (GPUs of one node; heads and expert intermediate "
+                                       "dims must divide)", aliases=("-tp",))
+    pipeline_parallel_size: int = option(1, "pipeline stages (contiguous layer ranges, usually one node each)",
+                                         aliases=("-pp",))
+    enable_expert_parallel: bool = option(False, "split the routed experts whole over the tensor-parallel ranks "
+                                          "instead of per expert")
+    num_redundant_experts: int = option(0, "extra physical expert slots per MoE layer holding replicas of busy "
+                                        "experts (with --enable-expert-parallel; num_experts + this must split over "
+                                        "the ranks)")
+    expert_placement: str | None = option(None, "expert placement JSON (rocm-k3 expert-placement writes one from "
+                                          "recorded loads)")
+    nnodes: int = option(1, "nodes of the run (node 0 serves)")
+    node_rank: int = option(0, "this node's rank (> 0 runs headless)")
+    master_addr: str = option("127.0.0.1", "node 0's address for the process group")
+    master_port: int = option(29517, "node 0's port for the process group")
+    distributed_timeout: float = option(300.0, "seconds a step or collective may take before the run is ended with an "
+                                        "error")
+    speculative_config: str | None = option(None, 'speculative decoding as JSON (vLLM keys), e.g. \'{"method": '
+                                            '"ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or '
+                                            '\'{"method": "draft_model", "model": "embedded-drafter", '
+                                            '"num_speculative_tokens": 3}\' (model: a drafter directory or a Hugging '
+                                            'Face repo id in the local HF cache, with optional "revision"; LLM(): a '
+                                            "dict or JSON string)")
+    kv_transfer_config: str | None = option(None, "prefill/decode disaggregation as JSON (vLLM keys), e.g. "
+                                            '\'{"kv_connector": "SocketConnector", "kv_role": "kv_producer", '
+                                            '"kv_port": 14579}\' (LLM(): a dict or JSON string)')
 
-    tool_call_parser: str | None = dataclasses.field(default=None, metadata={
-        "help": "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; default: from the checkpoint)",
-        "choices": PARSER_CHOICES})
-    reasoning_parser: str | None = dataclasses.field(default=None, metadata={
-        "help": "output family of the reasoning channel (same choices; must agree with --tool-call-parser)",
-        "choices": PARSER_CHOICES})
+    tool_call_parser: str | None = option(None, "output family of tool calls (kimi_k3, kimi_k2 = Kimi Linear; "
+                                          "default: from the checkpoint)", choices=PARSER_CHOICES)
+    reasoning_parser: str | None = option(None, "output family of the reasoning channel (same choices; must agree "
+                                          "with --tool-call-parser)", choices=PARSER_CHOICES)
 
     def parallel_config(self):
         from rocm_k3.distributed.context import ParallelConfig
@@ -124,7 +124,9 @@ class EngineArgs:
                 raise ValueError(f"{name}: expected one of {PARSER_CHOICES} or None, got {value!r}")
         from rocm_k3.spec_decode.config import SpeculativeConfig
 
-        SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before anything loads
+        spec = SpeculativeConfig.parse(self.speculative_config)  # names a bad key or value here, before any load
+        if spec is not None:
+            spec.check_pipeline(self.pipeline_parallel_size)
         from rocm_k3.kv_transfer.config import KVTransferConfig
 
         if KVTransferConfig.parse(self.kv_transfer_config) is not None and self.pipeline_parallel_size != 1:
@@ -155,50 +157,44 @@ class EngineArgs:
 class ServerArgs:
     """The knobs of ``rocm-k3 serve`` beyond the engine's (help texts are the CLI's)."""
 
-    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: all)"})
-    port: int = dataclasses.field(default=8000, metadata={"help": "TCP port (0: any free port)"})
-    api_key: str | None = dataclasses.field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)"})
-    served_model_name: list[str] | None = dataclasses.field(default=None, metadata={
-        "help": "model name(s) the API answers to (default: the checkpoint directory's name)"})
-    enable_auto_tool_choice: bool = dataclasses.field(default=False, metadata={
-        "help": 'serve tool_choice "auto" (the model decides when to call tools)'})
-    max_request_bytes: int = dataclasses.field(default=32 * 2**20, metadata={
-        "help": "largest request body accepted (bigger ones get 413)"})
-    allow_remote_images: bool = dataclasses.field(default=False, metadata={
-        "help": "fetch http(s) image_url parts of chat requests (default: only data: URLs are taken)"})
-    max_image_bytes: int = dataclasses.field(default=20 * 2**20, metadata={
-        "help": "largest image a chat request may carry, decoded or fetched (bigger ones get 400)"})
-    image_fetch_timeout: float = dataclasses.field(default=10.0, metadata={
-        "help": "with --allow-remote-images: seconds a request's remote images may take, all of them together "
-                "(queueing, every redirect and byte included); past it the request gets 400 (vLLM's "
-                "VLLM_IMAGE_FETCH_TIMEOUT)"})
-    image_fetch_workers: int = dataclasses.field(default=4, metadata={
-        "help": "with --allow-remote-images: threads of the pool that fetches remote images (slow image hosts "
-                "wait there, never in the threads that serve other requests); one request uses at most half"})
-    image_fetch_max_redirects: int = dataclasses.field(default=3, metadata={
-        "help": "with --allow-remote-images: redirects followed per image (each hop is checked like the URL)"})
-    allow_private_image_hosts: bool = dataclasses.field(default=False, metadata={
-        "help": "with --allow-remote-images: also fetch from loopback, private and link-local addresses "
-                "(default: only public addresses; unspecified, multicast and reserved ones never)"})
-    responses_store_size: int = dataclasses.field(default=1000, metadata={
-        "help": "how many /v1/responses results the in-memory store keeps for GET and previous_response_id "
-                "(least recently used dropped first; 0: none)"})
-    chat_template: str | None = dataclasses.field(default=None, metadata={
-        "help": "a Jinja chat template (a file, or the template text itself) used instead of the checkpoint's "
-                "chat format; it runs in jinja2's immutable sandbox"})
-    reasoning_effort_budgets: str = dataclasses.field(default="", metadata={
-        "help": "think-token budget of each reasoning_effort, e.g. 'low=256,medium=1024' (defaults: minimal=64, "
-                "low=256, medium=1024, high=4096; max: none); a request's thinking_token_budget wins"})
-    shutdown_timeout: float = dataclasses.field(default=30.0, metadata={
-        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish (new ones get 503) before the "
-                "rest are ended with an error event; a second signal exits at once"})
-    log_level: str | None = dataclasses.field(default=None, metadata={
-        "help": "log level of rocm-k3's log lines, and of uvicorn's unless --uvicorn-log-level is given "
-                "(default: ROCM_K3_LOG_LEVEL, else warning)", "choices": SERVER_LOG_LEVELS})
-    uvicorn_log_level: str | None = dataclasses.field(default=None, metadata={
-        "help": "uvicorn's log level (default: --log-level, else info)",
-        "choices": (*SERVER_LOG_LEVELS, "trace")})
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0: all)")
+    port: int = option(8000, "TCP port (0: any free port)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on the API routes (/health and /metrics "
+                                 "stay open)")
+    served_model_name: list[str] | None = option(None, "model name(s) the API answers to (default: the checkpoint "
+                                                 "directory's name)")
+    enable_auto_tool_choice: bool = option(False, 'serve tool_choice "auto" (the model decides when to call tools)')
+    max_request_bytes: int = option(32 * 2**20, "largest request body accepted (bigger ones get 413)")
+    allow_remote_images: bool = option(False, "fetch http(s) image_url parts of chat requests (default: only data: "
+                                       "URLs are taken)")
+    max_image_bytes: int = option(20 * 2**20, "largest image a chat request may carry, decoded or fetched (bigger "
+                                  "ones get 400)")
+    image_fetch_timeout: float = option(10.0, "with --allow-remote-images: seconds a request's remote images may "
+                                        "take, all of them together (queueing, every redirect and byte included); "
+                                        "past it the request gets 400 (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)")
+    image_fetch_workers: int = option(4, "with --allow-remote-images: threads of the pool that fetches remote images "
+                                      "(slow image hosts wait there, never in the threads that serve other requests); "
+                                      "one request uses at most half")
+    image_fetch_max_redirects: int = option(3, "with --allow-remote-images: redirects followed per image (each hop is "
+                                            "checked like the URL)")
+    allow_private_image_hosts: bool = option(False, "with --allow-remote-images: also fetch from loopback, private "
+                                             "and link-local addresses (default: only public addresses; unspecified, "
+                                             "multicast and reserved ones never)")
+    responses_store_size: int = option(1000, "how many /v1/responses results the in-memory store keeps for GET and "
+                                       "previous_response_id (least recently used dropped first; 0: none)")
+    chat_template: str | None = option(None, "a Jinja chat template (a file, or the template text itself) used "
+                                       "instead of the checkpoint's chat format; it runs in jinja2's immutable sandbox")
+    reasoning_effort_budgets: str = option("", "think-token budget of each reasoning_effort, e.g. "
+                                           "'low=256,medium=1024' (defaults: minimal=64, low=256, medium=1024, "
+                                           "high=4096; max: none); a request's thinking_token_budget wins")
+    shutdown_timeout: float = option(30.0, "on SIGTERM / SIGINT: seconds running requests may take to finish (new "
+                                     "ones get 503) before the rest are ended with an error event; a second signal "
+                                     "exits at once")
+    log_level: str | None = option(None, "log level of rocm-k3's log lines, and of uvicorn's unless "
+                                   "--uvicorn-log-level is given (default: ROCM_K3_LOG_LEVEL, else warning)",
+                                   choices=SERVER_LOG_LEVELS)
+    uvicorn_log_level: str | None = option(None, "uvicorn's log level (default: --log-level, else info)",
+                                           choices=(*SERVER_LOG_LEVELS, "trace"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:

@@ -36,6 +36,9 @@ class Settings:
     vllm_mla:       ROCM_K3_VLLM_MLA    how the vLLM plugin runs MLA: "auto" (vLLM's latent MLA layer where its
                                         MLA backends take the model's page, else expanded heads), "latent" or
                                         "expanded" (forced).
+    hf_hub_cache:   HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub (huggingface_hub's rule):
+                                        the Hugging Face cache where models named by repo id are looked up
+                                        (offline: never downloaded).
     """
 
     backend: str = "auto"
@@ -49,6 +52,7 @@ class Settings:
     vllm_override: bool = False
     vllm_disable: bool = False
     vllm_mla: str = "auto"
+    hf_hub_cache: Path = Path.home() / ".cache" / "huggingface" / "hub"
 
     def __post_init__(self) -> None:
         for env, value, choices in (("ROCM_K3_BACKEND", self.backend, BACKEND_CHOICES),
@@ -80,7 +84,19 @@ class Settings:
             vllm_override=flag("ROCM_K3_VLLM_OVERRIDE"),
             vllm_disable=flag("ROCM_K3_VLLM_DISABLE"),
             vllm_mla=env.get("ROCM_K3_VLLM_MLA", "auto").strip().lower() or "auto",
+            hf_hub_cache=_hf_hub_cache(env),
         )
+
+
+def _hf_hub_cache(env: Mapping[str, str]) -> Path:
+    """huggingface_hub's cache directory for ``env`` (HF_HUB_CACHE > HF_HOME/hub > XDG_CACHE_HOME/huggingface/hub
+    > ~/.cache/huggingface/hub)."""
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = env.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
 
 
 _current: Settings | None = None

@@ -33,6 +33,11 @@ class ForwardBatch:
     save_positions:    int32 [M, 2] or None: rows (i, p) save the KDA states after the first p new tokens of seq i
     save_slots:        int32 [M] or None: destination KDA slot of each saved state
     is_decode:         every sequence has exactly one new token and has_initial_state
+    decode_width:      w > 1 (a decode-shaped speculative verification, see :class:`~rocm_k3.model.kda.KDALayer`): rows
+                       come in groups of w successive tokens of one sequence (row i*w + j is token j of group i,
+                       seq_lens / block_table / slot_mapping per row); kda_slots per row (a padding row reads and
+                       writes the scratch slot); save rows must be (i*w + j, 1) for every j < w - 1 in that order
+                       (M = N / w * (w - 1); save_slots holds the scratch slot where nothing is saved)
     image_embeds:      [R, hidden] or None: image embedding rows (model dtype) that replace the input embeddings
     image_rows:        int64 [R] or None: the (distinct) token rows of ``input_ids`` they replace (``<|media_pad|>``)
     """
@@ -49,6 +54,7 @@ class ForwardBatch:
     save_positions: torch.Tensor | None = None
     save_slots: torch.Tensor | None = None
     is_decode: bool = False
+    decode_width: int = 1
     image_embeds: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None
 
@@ -108,6 +114,16 @@ class ForwardBatch:
                 raise ValueError("image_embeds: a decode step has no image rows (pads are prompt positions)")
         if self.is_decode and t != n:
             raise ValueError(f"is_decode: expected one new token per sequence (T == N), got T={t}, N={n}")
+        w = self.decode_width
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"decode_width: expected a positive int, got {w!r}")
+        if w > 1:
+            if not self.is_decode or n % w:
+                raise ValueError(f"decode_width: {w} needs a decode-shaped batch of whole groups, got N={n}, "
+                                 f"is_decode={self.is_decode}")
+            if self.save_slots is not None and self.save_slots.shape[0] != n // w * (w - 1):
+                raise ValueError(f"save_slots: decode_width {w} over N={n} rows expects {n // w * (w - 1)} save "
+                                 f"rows, got {self.save_slots.shape[0]}")
 
 
 @runtime_checkable

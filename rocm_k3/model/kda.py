@@ -82,12 +82,10 @@ class KDALayer(WeightTargets):
         gate = gate_in if self.g_b is None else self.g_b(gate_in)  # [T, Hl D] output-gate logits
         state = cache.kda_state(self.cache_index)  # fp32 [S, Hl, D, D]
         conv_state = cache.conv_state(self.cache_index)  # [S, 3 Hl D, W-1]
+        if batch.is_decode and batch.decode_width > 1:
+            return self.o_proj(self._verify_decode(qkv, f, b, gate, batch, state, conv_state))
         if batch.is_decode:
-            y = ops.kda_decode(
-                qkv.contiguous(), f, b.contiguous(), gate.contiguous(), self.conv, conv_state, self.A_log,
-                self.dt_bias, self.o_norm, state, batch.kda_slots, num_heads=h, lower_bound=cfg.kda.gate_lower_bound,
-                eps=cfg.rms_norm_eps, backend=table,
-            )  # [N, Hl D]
+            y = self._decode(qkv, f, b, gate, batch.kda_slots, state, conv_state)  # [N, Hl D]
             if batch.save_positions is not None:
                 self._save_after_decode(batch, state, conv_state)
             return self.o_proj(y)
@@ -110,6 +108,38 @@ class KDALayer(WeightTargets):
             conv_state[slots] = conv_saves
         y = ops.gated_rms_norm(out.o, gate.reshape(t, h, d), self.o_norm, cfg.rms_norm_eps, backend=table)
         return self.o_proj(y.reshape(t, h * d))
+
+    def _decode(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor,
+                state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """One token per row through the recurrent decode op (states at ``slots`` advance in place); [N, Hl D]."""
+        cfg = self.cfg
+        return ops.kda_decode(
+            qkv.contiguous(), f.contiguous(), b.contiguous(), gate.contiguous(), self.conv, conv_state, self.A_log,
+            self.dt_bias, self.o_norm, state, slots.contiguous(), num_heads=self.heads,
+            lower_bound=cfg.kda.gate_lower_bound, eps=cfg.rms_norm_eps, backend=self.table,
+        )
+
+    def _verify_decode(self, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor,
+                       batch: ForwardBatch, state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """A speculative verification in decode shape (``batch.decode_width`` w > 1): token column j of every group
+        goes through the decode op in turn, and after column j < w - 1 the states of its rows are copied to the save
+        slots of that column (no host read: a CUDA graph captures it). Returns [T, Hl D] in row order."""
+        w = batch.decode_width
+        g = qkv.shape[0] // w
+
+        def col(t: torch.Tensor, j: int) -> torch.Tensor:
+            return t.view(g, w, -1)[:, j]
+
+        slots = batch.kda_slots.view(g, w)
+        saves = None if batch.save_slots is None else batch.save_slots.view(g, w - 1)
+        out = []
+        for j in range(w):
+            out.append(self._decode(col(qkv, j), col(f, j), col(b, j), col(gate, j), slots[:, j], state, conv_state))
+            if saves is not None and j < w - 1:
+                src, dst = slots[:, j].long(), saves[:, j].long()
+                state[dst] = state[src]
+                conv_state[dst] = conv_state[src]
+        return torch.stack(out, dim=1).reshape(qkv.shape[0], -1)  # [G, w, Hl D] -> [T, Hl D]
 
     @staticmethod
     def _conv_snapshots(qkv: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:

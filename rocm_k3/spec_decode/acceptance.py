@@ -10,6 +10,13 @@ with probability p(x) = min(1, p(x) / q(x)), and a rejected row's token is distr
 tokens other than x, renormalised, which is norm(max(0, p - q)). So the output follows the target distribution
 exactly; at temperature 0 it is the greedy rule (longest prefix matching the argmax, then the argmax). Seeded
 requests stay reproducible (their generator draws one race per row in order).
+
+Penalties and grammars: row j is processed as if drafts 0 .. j - 1 were confirmed (:func:`draft_prefixes`: the
+penalty counts advanced by them, the grammar matcher advanced over them and rolled back after the fill), so row j
+samples from the target's penalised / masked distribution given the accepted prefix; a draft the grammar forbids
+is masked out of its row and can never be accepted. A row whose state is not simulated ahead (a constrained request
+still inside think: its reasoning gate and budget count) caps the chunk's usable drafts (``limit_of``): the rows
+past the cap are ignored, as if fewer drafts had been sent.
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ def expand_rows(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
     return [c for c in chunks for _ in range(1 + c.num_draft)]
 
 
+def draft_prefixes(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
+    """Per sampling row (:func:`expand_rows` order): the drafts its logits come after (row j: drafts[:j])."""
+    out = []
+    for c in chunks:
+        drafts = tuple(c.token_ids[len(c.token_ids) - c.num_draft:]) if c.num_draft else ()
+        out += [drafts[:j] for j in range(1 + c.num_draft)]
+    return out
+
+
 def accept_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> tuple[list[int], int]:
     """(accepted drafts, the target's token after them) from ``sampled`` (len(drafts) + 1 row tokens)."""
     if len(sampled) != len(drafts) + 1:
@@ -36,16 +52,20 @@ def accept_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> tuple[list[i
 
 def verify_rows(chunks: Sequence[ScheduledChunk], tokens: Sequence[int], finite: Sequence[bool],
                 logprobs: Sequence[dict[int, float] | None], error_of: Callable[[int], str],
-                non_finite: str) -> tuple[SampledToken, ...]:
+                non_finite: str, limit_of: Callable[[int], int | None] = lambda row: None
+                ) -> tuple[SampledToken, ...]:
     """One SampledToken per chunk from the per-row ``tokens`` / ``finite`` / ``logprobs`` (rows in
-    :func:`expand_rows` order); ``error_of(row)`` names a row's request failure. Each accepted draft carries its
-    row's logprobs (the chosen token there is the draft), the final token those of the row that produced it."""
+    :func:`expand_rows` order); ``error_of(row)`` names a row's request failure, ``limit_of(row)`` the most drafts
+    of the chunk starting at that row that may be used (None: all). Each accepted draft carries its row's logprobs
+    (the chosen token there is the draft), the final token those of the row that produced it."""
     out = []
     row = 0
     for c in chunks:
         n = 1 + c.num_draft
         drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else ()
-        accepted, token = accept_drafts(drafts, tokens[row:row + n])
+        limit = limit_of(row)
+        usable = len(drafts) if limit is None else min(limit, len(drafts))
+        accepted, token = accept_drafts(drafts[:usable], tokens[row:row + usable + 1])
         used = len(accepted) + 1  # rows whose tokens were used
         ok = all(finite[row:row + used])
         error = error_of(row) or ("" if ok else non_finite)

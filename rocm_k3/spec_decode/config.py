@@ -1,8 +1,9 @@
 """``--speculative-config``: vLLM's JSON keys, validated.
 
 Keys: ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (1..8), ``prompt_lookup_min`` /
-``prompt_lookup_max`` (n-gram sizes tried, longest first), ``model`` (draft_model: a drafter directory, or
-"embedded-drafter" for the one shipped beside the embedded tiny K3). Unknown keys are refused with their names;
+``prompt_lookup_max`` (n-gram sizes tried, longest first), ``model`` (draft_model: a drafter directory, a Hugging
+Face repo id found in the local Hugging Face cache, or "embedded-drafter" for the one shipped beside the embedded
+tiny K3), ``revision`` (of a repo id: branch, tag or commit hash). Unknown keys are refused with their names;
 vLLM's other methods (eagle, eagle3, mtp, medusa, ...) are refused by name: rocm-k3's hidden-state drafter (the
 EAGLE / DSpark shape) is ``draft_model``.
 """
@@ -26,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -38,6 +40,10 @@ class SpeculativeConfig:
         elif self.model is not None:
             raise ValueError(f"speculative_config.model: method {self.method!r} takes no draft model, got "
                              f"{self.model!r}")
+        if self.revision is not None and (self.model is None or not isinstance(self.revision, str)
+                                          or not self.revision):
+            raise ValueError(f"speculative_config.revision: expected a non-empty string with a draft model "
+                             f"(model={self.model!r}), got {self.revision!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,3 +72,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**dict(value))
+
+    def check_pipeline(self, pipeline_parallel_size: int) -> None:
+        """ValueError naming the combination when this method cannot run over ``pipeline_parallel_size`` stages:
+        the drafter reads the target's hidden states at layers that pipeline parallelism puts on other stages."""
+        if self.method == "draft_model" and pipeline_parallel_size > 1:
+            raise ValueError(f"speculative_config: method 'draft_model' with pipeline_parallel_size="
+                             f"{pipeline_parallel_size} is not supported: the drafter reads hidden states from layers "
+                             "across the whole model, which pipeline parallelism splits over stages; use "
+                             "pipeline_parallel_size 1 or method 'ngram'")

@@ -5,7 +5,8 @@ The target model taps the drafter's depths at its logits rows (``KimiModel.tap_l
 verification: row ``len(accepted)``, the position whose target token ended the chunk) and that token start the
 drafter, which proposes ``num_speculative_tokens`` tokens; they travel back in ``SampledToken.draft_token_ids``
 and the scheduler verifies them in the next step (trimmed to what max_tokens, max_model_len and free blocks
-allow). Requests that decode one token at a time (penalties, grammars) and failed rows get no drafts.
+allow). Failed rows get no drafts; requests with penalties or grammars get them like any other (their rows are
+processed ahead over the drafts, see ``spec_decode.acceptance``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Sequence
 
 import torch
 
-from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.drafter import TapDrafter, load_drafter
 from rocm_k3.worker.step_io import SampledToken, ScheduledChunk
@@ -35,19 +35,16 @@ class DraftProposer:
         cfg = model.cfg
         drafter = load_drafter(config.model, target_hidden_size=cfg.hidden_size,
                                target_num_hidden_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-                               device=model.device)
+                               device=model.device, revision=config.revision)
         return cls(drafter, model, config.num_speculative_tokens)
 
-    def attach(self, chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken],
-               row_params: Sequence[SamplingParams | None]) -> tuple[SampledToken, ...]:
-        """``sampled`` (one per sampling chunk) with the drafts of the next step attached; ``row_params``: each
-        logits row's sampling parameters (rows as :func:`~rocm_k3.spec_decode.acceptance.expand_rows`)."""
+    def attach(self, chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken]) -> tuple[SampledToken, ...]:
+        """``sampled`` (one per sampling chunk) with the drafts of the next step attached (the tapped rows are in
+        :func:`~rocm_k3.spec_decode.acceptance.expand_rows` order)."""
         rows, firsts, which = [], [], []
         row = 0
         for i, (c, tok) in enumerate(zip(chunks, sampled)):
-            p = row_params[row]
-            one_at_a_time = p is not None and (p.has_penalties or p.needs_logits_mask)
-            if not tok.error and not one_at_a_time:
+            if not tok.error:
                 rows.append(row + len(tok.accepted))
                 firsts.append(tok.token_id)
                 which.append(i)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rocm_k3.model.tiny import EMBEDDED_DIR
+from rocm_k3.settings import get_settings
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER
 
 ARCHITECTURE = "RocmK3TapDrafter"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBEDDED_DRAFTER_DIR = EMBEDDED_DIR / "drafter"  # package data, beside the embedded tiny K3
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # Hugging Face's "name" or "owner/name"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +123,34 @@ class TapDrafter(nn.Module):
         return torch.stack(drafts, dim=1)
 
 
-def resolve_drafter_path(model: str) -> Path:
-    """The directory of ``model``: a path, or :data:`EMBEDDED_DRAFTER` (shipped beside the embedded tiny K3)."""
-    return EMBEDDED_DRAFTER_DIR if model == EMBEDDED_DRAFTER else Path(model)
+def resolve_drafter_path(model: str, revision: str | None = None) -> Path:
+    """The directory of ``model``: :data:`EMBEDDED_DRAFTER` (shipped beside the embedded tiny K3), a local directory,
+    or a Hugging Face repo id (``owner/name``, at ``revision``: a branch, tag or full commit hash; default main)
+    found in the local Hugging Face cache (``Settings.hf_hub_cache``: HF_HUB_CACHE / HF_HOME). Nothing is ever
+    downloaded. ValueError naming every place looked at when it is in none."""
+    if model == EMBEDDED_DRAFTER:
+        return EMBEDDED_DRAFTER_DIR
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    cache = get_settings().hf_hub_cache
+    if _REPO_ID.fullmatch(model):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise ValueError(f"draft model {model!r}: no directory at {local.absolute()}, and looking up a Hugging "
+                             "Face repo id needs huggingface_hub (pip install 'rocm-k3[hub]')") from None
+        try:
+            return Path(snapshot_download(model, revision=revision, cache_dir=cache, local_files_only=True))
+        except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), or not a valid repo id
+            pass
+    at = f" at revision {revision!r}" if revision else ""
+    raise ValueError(f"draft model {model!r}: not found: no directory at {local.absolute()}, and no snapshot of "
+                     f"repo id {model!r}{at} in the Hugging Face cache {cache} (looked for "
+                     f"{cache / ('models--' + model.replace('/', '--'))}); rocm-k3 never downloads: fetch it first "
+                     "(huggingface-cli download), or set HF_HOME / HF_HUB_CACHE to the cache that holds it (a "
+                     f"drafter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}: rocm-k3 train-tiny-drafter DIR "
+                     "writes one)")
 
 
 def save_drafter(drafter: TapDrafter, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -136,10 +164,10 @@ def save_drafter(drafter: TapDrafter, directory: str | Path, dtype: torch.dtype 
 
 
 def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidden_layers: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32) -> TapDrafter:
+                 device: torch.device, dtype: torch.dtype = torch.float32, revision: str | None = None) -> TapDrafter:
     """The drafter at ``model`` (see :func:`resolve_drafter_path`) for a target of the given shape, on ``device``;
     ValueError naming the file, key or tensor that does not fit."""
-    root = resolve_drafter_path(str(model))
+    root = resolve_drafter_path(str(model), revision)
     where = f"draft model {str(model)!r}"
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise ValueError(f"{where}: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE} (rocm-k3 "
@@ -150,6 +178,11 @@ def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidde
         raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e.msg} at line {e.lineno})") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+    outside = [i for i in cfg.tap_layer_ids if i > target_num_hidden_layers]
+    if outside:
+        raise ValueError(f"{where}: tap_layer_ids {list(cfg.tap_layer_ids)} in its {CONFIG_FILE} name depths "
+                         f"{outside} outside the target model, which has depths 0..{target_num_hidden_layers} "
+                         f"({target_num_hidden_layers} layers, then the final norm)")
     target = {"target_hidden_size": target_hidden_size, "target_num_hidden_layers": target_num_hidden_layers,
               "vocab_size": vocab_size}
     for name, value in target.items():

@@ -62,13 +62,10 @@ class SpecPlanner:
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for a decoding ``seq`` whose next position is covered: at most ``budget`` tokens, never past
-        max_tokens or max_model_len, with blocks for them only while free. Requests whose sampling reads
-        per-token state (penalties, grammars) decode one token at a time."""
+        max_tokens or max_model_len, with blocks for them only while free. Requests with penalties or grammars
+        speculate too (the worker processes each verification row as after the drafts before it)."""
         cfg = self.config
         if cfg is None or budget <= 0:
-            return []
-        p = seq.sampling
-        if p is not None and (p.has_penalties or p.needs_logits_mask):
             return []
         room = min(cfg.num_speculative_tokens, budget, seq.max_tokens - len(seq.output_token_ids) - 1,
                    self.max_model_len - seq.num_computed_tokens - 1)

@@ -88,6 +88,24 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         return True
 
+    def fill_bitmask_ahead(self, bitmask: torch.Tensor, row: int, ahead: Sequence[int]) -> bool:
+        """:meth:`fill_bitmask` as it would be after accepting ``ahead`` (the drafts before a speculative
+        verification row): the matcher advances over them, fills, and rolls back (xgrammar's rollback is
+        unlimited), so the state is unchanged. False (row untouched) while gated, and when a token of ``ahead`` is
+        forbidden or follows the end: that row is unreachable (the draft was masked out of an earlier row)."""
+        if self.is_gated:
+            return False
+        n = 0
+        try:
+            for tok in ahead:
+                if self._matcher.is_terminated() or not self._matcher.accept_token(int(tok)):
+                    return False
+                n += 1
+            return self.fill_bitmask(bitmask, row)
+        finally:
+            if n:
+                self._matcher.rollback(n)
+
 
 def fill_bitmasks(states: Sequence[GrammarState | None], bitmask: torch.Tensor,
                   batch_matcher: xgr.BatchGrammarMatcher | None = None) -> list[int]:

@@ -7,8 +7,15 @@ rows ``n .. B-1`` are padding that reads and writes only the pools' scratch bloc
 position 0, one cached token, slot mapping into the scratch block), so no request's cache is touched.
 The graph's logits buffer ``[B, vocab]`` is sliced to the ``n`` real rows.
 
+Speculative verification (``max_drafts`` k > 0) adds one graph per (batch bucket, w) for every width
+w = 1 + d, d = 1 .. k: a verification of ``n <= B`` sequences with at most d drafts each runs in decode shape,
+B * w rows (:mod:`~rocm_k3.worker.decode_layout`, the layout eager verifications use too). The logits rows
+the step asks for are gathered from the ``[B * w, vocab]`` buffer, and when the model taps hidden states for a
+drafter (``tap_layers``) the graph's tapped buffer is gathered the same way into ``taps.tapped``.
+
 Buffer plumbing (bucketing, padding, reuse) is plain tensor code and is tested on the CPU through
-:meth:`DecodeGraphs.fill`; capture and replay need a GPU. A bucket whose capture fails (an op that reads a value
+:meth:`DecodeGraphs.fill` (and the padded batches run eagerly there, through :meth:`DecodeGraphs.replay`
+overridden by a test); capture and replay need a GPU. A bucket whose capture fails (an op that reads a value
 back to the host, say) is dropped with a logged reason and its steps run eagerly.
 """
 
@@ -22,6 +29,7 @@ import numpy as np
 import torch
 
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.decode_layout import decode_layout, save_rows
 
 log = logging.getLogger("rocm_k3.worker")
 
@@ -39,20 +47,27 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Persistent decode buffers and one captured graph per bucket (see the module docstring).
+    """Persistent decode buffers and one captured graph per (bucket, width) (see the module docstring).
 
-    width: the fixed block-table width (blocks of one max_model_len request).
+    width: the fixed block-table width (blocks of one max_model_len request); max_drafts: the most drafts a
+    verification holds (num_speculative_tokens; 0 without speculation); taps: the model whose ``tap_layers`` /
+    ``tapped`` feed a drafter (None: nothing tapped).
     """
 
-    def __init__(self, model: StepModel, pools: HybridCacheView, width: int, buckets: list[int]) -> None:
+    def __init__(self, model: StepModel, pools: HybridCacheView, width: int, buckets: list[int],
+                 max_drafts: int = 0, taps=None) -> None:
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets: expected increasing positive sizes, got {buckets}")
+        if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or max_drafts < 0:
+            raise ValueError(f"max_drafts: expected an int >= 0, got {max_drafts!r}")
         self.model = model
         self.pools = pools
         self.buckets = list(buckets)
+        self.widths = list(range(1, max_drafts + 2))  # tokens per sequence: 1 + drafts
         self.width = width
+        self.taps = taps
         self.device = pools.device
-        b, dev = buckets[-1], self.device
+        b, dev = buckets[-1] * self.widths[-1], self.device
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(b, dtype=i64, device=dev)
         self.positions = torch.zeros(b, dtype=i64, device=dev)
@@ -60,20 +75,27 @@ class DecodeGraphs:
         self.block_table = torch.full((b, width), pools.pad_block, dtype=i32, device=dev)
         self.slot_mapping = torch.full((b,), pools.pad_block * pools.block_size, dtype=i64, device=dev)
         self.kda_slots = torch.full((b,), pools.pad_slot, dtype=i32, device=dev)
+        self.save_slots = torch.full((buckets[-1] * max_drafts,), pools.pad_slot, dtype=i32, device=dev)
         self.has_initial_state = torch.ones(b, dtype=torch.bool, device=dev)
         self.cu_seqlens = torch.arange(b + 1, dtype=i32, device=dev)
         self.logits_indices = torch.arange(b, dtype=i64, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._tapped: dict[tuple[int, int], torch.Tensor | None] = {}
         self.replays = 0
+        self.verify_replays = 0
 
-    def batch(self, size: int) -> ForwardBatch:
-        """The ForwardBatch over the first ``size`` rows of the persistent buffers."""
+    def batch(self, size: int, w: int = 1) -> ForwardBatch:
+        """The ForwardBatch over the first ``size`` groups of ``w`` rows of the persistent buffers."""
+        rows = size * w
+        saves = {}
+        if w > 1:  # the fixed save layout, slots from save_slots
+            saves = {"save_positions": save_rows(size, w, self.device), "save_slots": self.save_slots[: size * (w - 1)]}
         return ForwardBatch(
-            input_ids=self.input_ids[:size], positions=self.positions[:size], cu_seqlens=self.cu_seqlens[: size + 1],
-            seq_lens=self.seq_lens[:size], block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
-            kda_slots=self.kda_slots[:size], has_initial_state=self.has_initial_state[:size],
-            logits_indices=self.logits_indices[:size], is_decode=True,
+            input_ids=self.input_ids[:rows], positions=self.positions[:rows], cu_seqlens=self.cu_seqlens[: rows + 1],
+            seq_lens=self.seq_lens[:rows], block_table=self.block_table[:rows], slot_mapping=self.slot_mapping[:rows],
+            kda_slots=self.kda_slots[:rows], has_initial_state=self.has_initial_state[:rows],
+            logits_indices=self.logits_indices[:rows], is_decode=True, decode_width=w, **saves,
         )
 
     def bucket_for(self, n: int) -> int | None:
@@ -81,35 +103,35 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def fill(self, plan, bucket: int) -> None:
-        """Copy a decode plan of ``n <= bucket`` rows into the buffers; rows ``n .. bucket-1`` become padding."""
-        n = plan.input_ids.shape[0]
-        if n > bucket:
-            raise ValueError(f"fill: {n} rows do not fit bucket {bucket}")
+    def fill(self, plan, bucket: int, w: int = 1) -> np.ndarray:
+        """Copy a plan of ``n <= bucket`` sequences with at most ``w`` new tokens each (all with an initial state)
+        into the buffers in the (bucket, w) layout (:func:`~rocm_k3.worker.decode_layout.decode_layout`). Returns
+        the rows holding the plan's ``logits_indices`` (int64)."""
         used = plan.block_table.shape[1]
         if used > self.width:
             raise ValueError(f"fill: block table of {used} columns exceeds the graph width {self.width}")
-
-        def put(buf: torch.Tensor, values: np.ndarray, pad: int) -> None:
-            buf[:n].copy_(torch.from_numpy(np.ascontiguousarray(values)), non_blocking=True)
-            buf[n:bucket].fill_(pad)
-
         pools = self.pools
-        put(self.input_ids, plan.input_ids, 0)
-        put(self.positions, plan.positions, 0)
-        put(self.seq_lens, plan.seq_lens, 1)
-        put(self.slot_mapping, plan.slot_mapping, pools.pad_block * pools.block_size)
-        put(self.kda_slots, plan.kda_slots, pools.pad_slot)
-        self.block_table[:n, :used].copy_(torch.from_numpy(np.ascontiguousarray(plan.block_table)), non_blocking=True)
-        self.block_table[n:bucket, 0].fill_(pools.pad_block)  # columns past a row's blocks are never read
+        lay = decode_layout(plan, bucket, w, pad_block=pools.pad_block, block_size=pools.block_size,
+                            pad_slot=pools.pad_slot)
+        rows = bucket * w
+        for buf, values in ((self.input_ids, lay.input_ids), (self.positions, lay.positions),
+                            (self.seq_lens, lay.seq_lens), (self.slot_mapping, lay.slot_mapping),
+                            (self.kda_slots, lay.kda_slots)):
+            buf[:rows].copy_(torch.from_numpy(values), non_blocking=True)
+        self.block_table[:rows, :used].copy_(torch.from_numpy(lay.block_table), non_blocking=True)
+        if lay.save_slots is not None:
+            self.save_slots[: lay.save_slots.shape[0]].copy_(torch.from_numpy(lay.save_slots), non_blocking=True)
+        return lay.rows
 
     # ---- GPU ------------------------------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every bucket, largest first (the pool is sized by the first capture); failures fall back."""
+        """Capture every (bucket, width), most rows first (the pool is sized by the first capture); failures fall
+        back to eager steps."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.buckets):
-            batch = self.batch(size)
+        keys = sorted(((b, w) for b in self.buckets for w in self.widths), key=lambda k: (-k[0] * k[1], k))
+        for size, w in keys:
+            batch = self.batch(size, w)
             try:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
@@ -119,28 +141,44 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self.model.forward(batch, self.pools)
-            except Exception as exc:  # an op that cannot be captured: this bucket runs eagerly
-                log.warning("decode graph for batch size %d not captured (%s: %s); that size runs eagerly",
-                            size, type(exc).__name__, exc)
+            except Exception as exc:  # an op that cannot be captured: this shape runs eagerly
+                log.warning("decode graph for batch size %d x %d tokens not captured (%s: %s); that shape runs "
+                            "eagerly", size, w, type(exc).__name__, exc)
                 continue
-            self._graphs[size] = graph
-            self._logits[size] = logits
+            self._graphs[(size, w)] = graph
+            self._logits[(size, w)] = logits
+            self._tapped[(size, w)] = self.taps.tapped if self.taps is not None and self.taps.tap_layers else None
         torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s", sorted(self._graphs))
+        log.info("captured decode graphs for (batch size, tokens per sequence) %s", sorted(self._graphs))
 
     @property
     def captured(self) -> list[int]:
-        return sorted(self._graphs)
+        """Batch sizes with a captured one-token decode graph."""
+        return sorted(b for b, w in self._graphs if w == 1)
 
-    def run(self, plan) -> torch.Tensor | None:
-        """Replay the bucket of a decode plan; logits fp32 [n, vocab], or None when no graph fits."""
-        n = plan.input_ids.shape[0]
-        bucket = self.bucket_for(n)
-        while bucket is not None and bucket not in self._graphs:
-            bucket = self.bucket_for(bucket + 1)
-        if bucket is None:
+    def replay(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the graph of ``key`` over the filled buffers: (logits [rows, vocab], tapped [rows, taps, hidden]
+        or None)."""
+        self._graphs[key].replay()
+        return self._logits[key], self._tapped[key]
+
+    def _key(self, n: int, w_min: int) -> tuple[int, int] | None:
+        """The captured (bucket, w) with the fewest rows that holds ``n`` sequences of ``w_min`` tokens."""
+        fits = [k for k in self._graphs if k[0] >= n and k[1] >= w_min]
+        return min(fits, key=lambda k: (k[0] * k[1], k)) if fits else None
+
+    def run(self, plan, w_min: int = 1) -> torch.Tensor | None:
+        """Replay the smallest captured shape holding a plan (a decode, or with ``w_min`` > 1 a verification of
+        at most ``w_min`` tokens per sequence); logits fp32 [logits rows, vocab], or None when none fits."""
+        key = self._key(plan.seq_lens.shape[0], w_min)
+        if key is None:
             return None
-        self.fill(plan, bucket)
-        self._graphs[bucket].replay()
+        rows = self.fill(plan, *key)
+        logits, tapped = self.replay(key)
         self.replays += 1
-        return self._logits[bucket][:n]
+        self.verify_replays += key[1] > 1
+        plain = rows.shape[0] == plan.seq_lens.shape[0] and bool((rows == np.arange(rows.shape[0])).all())
+        index = None if plain else torch.from_numpy(rows).to(self.device, non_blocking=True)
+        if tapped is not None:
+            self.taps.tapped = tapped[: rows.shape[0]] if plain else tapped[index]
+        return logits[: rows.shape[0]] if plain else logits[index]

@@ -3,8 +3,12 @@
 The runner keeps what the step contract sends only once or as deltas: each request's block table (a growing
 int32 numpy row) and KDA slot. Per step it builds the host-side plan (token ids, positions, cu_seqlens, slot
 mapping, block-table rows at a fixed width) in one pass, moves it to the device in a handful of copies, and
-asks for logits only at the last token of the chunks that sample. Decode-only steps replay a captured graph
-when :class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size. On the first pipeline stage of
+asks for logits only at the last token of the chunks that sample. Decode-only steps, and speculative
+verifications (every chunk a decode plus its drafts), replay a captured graph when
+:class:`~rocm_k3.worker.cuda_graph.DecodeGraphs` has one for the batch size and tokens per sequence; a
+verification without a graph runs eagerly in the same decode shape (:mod:`~rocm_k3.worker.decode_layout`: the
+recurrent KDA decode per drafted position, so no chunk kernel has to save states between its chunk ends); a step
+that also holds prefill chunks runs its verifications so and its prefills in a second forward. On the first pipeline stage of
 a vision model, :class:`~rocm_k3.worker.image_inputs.ImageInputs` (``images``) adds the step's image embedding
 rows to the ForwardBatch (``image_embeds`` / ``image_rows``).
 """
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
+from rocm_k3.worker.decode_layout import decode_layout, layout_batch
 from rocm_k3.worker.image_inputs import ImageInputs, StepImages
 from rocm_k3.worker.kv_pools import KVPools
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
@@ -87,6 +92,7 @@ class ModelRunner:
         # None after a forward that returned
         self.before_forward = None
         self.after_forward = None
+        self.taps = None  # the model whose ``tapped`` hidden states feed a drafter (set by the worker)
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_deltas(self, step: StepInput) -> None:
@@ -174,22 +180,67 @@ class ModelRunner:
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
         view = self.before_forward(step) if self.before_forward is not None else None
-        logits = self._forward(step, self.pools if view is None else view)
+        cache = self.pools if view is None else view
+        head, tail = split_verifications(step)
+        if tail is None:
+            logits = self._forward(step, cache)
+        else:  # verifications beside prefills: the verifications in decode shape, then the prefills (row order)
+            first = self._forward(head, cache)
+            tapped = None if self.taps is None else self.taps.tapped
+            rest = self._forward(tail, cache)
+            if first is None or rest is None:  # a pipeline stage before the last returns nothing
+                logits = None
+            else:
+                if tapped is not None and self.taps.tapped is not None:
+                    self.taps.tapped = torch.cat([tapped, self.taps.tapped])
+                logits = torch.cat([first, rest])
         if self.after_forward is not None:
             self.after_forward(step)
         return logits
 
-    def _forward(self, step: StepInput, cache: HybridCacheView) -> torch.Tensor:
+    def _forward(self, step: StepInput, cache: HybridCacheView) -> torch.Tensor | None:
+        """The forward of a step whose deltas, copies and transfers were applied: a decode graph, a decode-shaped
+        verification, or the general (prefill) path, over ``cache`` (the pools, or the KV transfer's view)."""
         plan = self.plan(step)
-        if plan.is_decode and self.graphs is not None:
-            logits = self.graphs.run(plan)
+        width = graph_width(step, plan)
+        if width is not None and self.graphs is not None:
+            logits = self.graphs.run(plan, width)
             if logits is not None:
                 return logits
+        if width is not None and width > 1:  # a verification: in decode shape, as its graph would run it
+            pools = self.pools
+            lay = decode_layout(plan, len(step.chunks), width, pad_block=pools.pad_block, block_size=self.block_size,
+                                pad_slot=pools.pad_slot)
+            return self.model.forward(layout_batch(lay, width, self.device), cache)
         if self.images is None:
             return self.model.forward(self.batch(plan), cache)
         logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), cache)
         self.images.release(step)
         return logits
+
+
+def split_verifications(step: StepInput) -> tuple[StepInput, StepInput | None]:
+    """A step whose leading decodes include verifications and that also runs prefill chunks, as (the decodes and
+    verifications, the prefills); any other step as (step, None). Chunks come decodes first, then verifications,
+    then prefills, and only prefills ask for prompt log-probability rows, so the two steps' logits in that order
+    are the whole step's."""
+    cut = next((i for i, c in enumerate(step.chunks) if c.is_prefill), len(step.chunks))
+    if cut == len(step.chunks) or not any(c.num_draft for c in step.chunks[:cut]):
+        return step, None
+    return (dataclasses.replace(step, chunks=step.chunks[:cut]),
+            dataclasses.replace(step, chunks=step.chunks[cut:], num_decodes=0))
+
+
+def graph_width(step: StepInput, plan: HostPlan) -> int | None:
+    """The tokens per sequence of a step that a decode graph can run (1: a decode; 1 + the most drafts: a
+    verification whose every chunk is a sampled decode of its last token plus its drafts), else None."""
+    if plan.is_decode:
+        return 1
+    if not all(c.sample and not c.is_prefill and not c.prompt_logprob_rows and not c.images and c.start > 0
+               and c.num_tokens == 1 + c.num_draft and all(1 <= pos - c.start <= c.num_draft for pos, _ in c.saves)
+               for c in step.chunks):
+        return None
+    return 1 + max(c.num_draft for c in step.chunks)
 
 
 def sampling_chunks(step: StepInput) -> list[ScheduledChunk]:

@@ -15,7 +15,7 @@ so a request's tokens do not depend on its batch mates.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -46,28 +46,42 @@ class PenaltyState:
             self._seen_ids = torch.tensor(sorted(self.seen), dtype=torch.int64)
         return self._seen_ids
 
+    def ahead(self, tokens: Sequence[int]) -> tuple[torch.Tensor, Mapping[int, int]]:
+        """(seen ids [K], output counts) as they would be after ``tokens`` more output tokens (the drafts before a
+        verification row); the state itself is unchanged. Without a repetition penalty the seen ids are empty."""
+        if not self.repetition:
+            seen = torch.zeros(0, dtype=torch.int64)
+        elif tokens:
+            seen = torch.tensor(sorted(self.seen.union(tokens)), dtype=torch.int64)
+        else:
+            seen = self.seen_ids()
+        return seen, (self.counts + collections.Counter(tokens) if tokens else self.counts)
+
 
 def penalty_processor(params: Sequence[SamplingParams], states: Sequence[PenaltyState | None],
+                      ahead: Sequence[Sequence[int]] | None = None,
                       vocab_slice: tuple[int, int] | None = None) -> LogitsProcessor | None:
     """The processor for one step's sampling rows (row i: ``params[i]``, ``states[i]``), or None when no row has a
-    penalty. Index tensors are built on the host here; the processor moves them to the logits' device.
-    ``vocab_slice``: (start, width) of the vocabulary slice the logits hold (a vocab-parallel LM head): the penalties
-    of the other ranks' tokens are dropped here and the ids made local; None: the whole vocabulary."""
+    penalty. ``ahead[i]``: output tokens row i comes after beyond the state's (a verification row: the drafts
+    before it), counted as if confirmed. Index tensors are built on the host here; the processor moves them to
+    the logits' device. ``vocab_slice``: (start, width) of the vocabulary slice the logits hold (a vocab-parallel
+    LM head): the penalties of the other ranks' tokens are dropped here and the ids made local; None: the whole
+    vocabulary."""
     rep_rows, rep_ids, rep_vals = [], [], []
     cnt_rows, cnt_ids, cnt_vals, cnt_freq, cnt_pres = [], [], [], [], []
     for i, (p, state) in enumerate(zip(params, states)):
         if state is None or not p.has_penalties:
             continue
-        if state.repetition and state.seen:
-            ids = state.seen_ids()
+        ids, counts = state.ahead(ahead[i] if ahead is not None else ())
+        if state.repetition and len(ids):
             rep_rows.append(torch.full_like(ids, i))
             rep_ids.append(ids)
             rep_vals.append(float(p.repetition_penalty))
-        if (p.frequency_penalty or p.presence_penalty) and state.counts:
-            tokens = list(state.counts)
+        if (p.frequency_penalty or p.presence_penalty) and counts:
+            tokens = list(counts)
             cnt_rows.extend([i] * len(tokens))
             cnt_ids.extend(tokens)
-            cnt_vals.extend(state.counts[t] for t in tokens)
+            cnt_vals.extend(counts[t] for t in tokens)
             cnt_freq.extend([float(p.frequency_penalty)] * len(tokens))
             cnt_pres.extend([float(p.presence_penalty)] * len(tokens))
     if not rep_rows and not cnt_rows:

@@ -8,6 +8,11 @@ before, and a recomputed prefill (after a preemption or a rebuilt bookkeeping) c
 learns a request's output from the chunks, never from its own samples, so a token the engine dropped (a failed
 step, an exception in the bookkeeping) is never counted: penalties and grammars see exactly the tokens the
 engine kept, in order, once each.
+
+Speculation: a verification chunk's drafts are not confirmed by it. The engine keeps the accepted ones by starting
+the request's next chunk after them, so the tokens between the last confirmed position and that start are the
+drafts the worker was sent (:meth:`RequestState.observe`). Within a step, each verification row's penalties and
+mask are those after the drafts before it (``ahead``, see ``spec_decode.acceptance``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.spec_decode.acceptance import draft_prefixes, expand_rows
 from rocm_k3.worker.penalties import PenaltyState, penalty_processor
 from rocm_k3.worker.sampler import LogitsProcessor, make_generator
 from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput
@@ -44,12 +50,25 @@ class RequestState:
     constraint: Any = None
     num_seen: int = 0
     prompt_token_ids: tuple[int, ...] = ()  # kept when the request asks for prompt log-probabilities
+    drafts: tuple[int, tuple[int, ...]] = (0, ())  # the last verification's (first position, drafts)
 
     def observe(self, chunk: ScheduledChunk) -> list[int]:
-        """The output tokens ``chunk`` confirms for the first time (empty for prompt tokens and repeats)."""
+        """The output tokens ``chunk`` confirms for the first time (empty for prompt tokens and repeats): the
+        drafts of the previous verification that the engine kept (``chunk`` starts after them), then the chunk's
+        own tokens before its drafts."""
+        new: list[int] = []
+        at, drafts = self.drafts
+        self.drafts = (0, ())
+        if drafts and at == self.num_seen < chunk.start:
+            kept = drafts[: chunk.start - at]
+            new += kept
+            self.num_seen += len(kept)
+        end = chunk.end - chunk.num_draft
         first = max(chunk.start, self.num_seen, self.num_prompt_tokens)
-        new = list(chunk.token_ids[first - chunk.start :]) if chunk.end > first else []
-        self.num_seen = max(self.num_seen, chunk.end)
+        new += chunk.token_ids[first - chunk.start : end - chunk.start] if end > first else ()
+        self.num_seen = max(self.num_seen, end)
+        if chunk.num_draft:
+            self.drafts = (end, chunk.token_ids[end - chunk.start:])
         return new
 
 
@@ -59,19 +78,26 @@ class StepBatch:
     The grammar masks are being filled on a helper thread from creation on; :meth:`close` waits for that fill,
     so call it in a ``finally`` (a fill must never run into the next step)."""
 
-    def __init__(self, chunks: Sequence[ScheduledChunk], states: list[RequestState], mask: PendingMask | None) -> None:
+    def __init__(self, chunks: Sequence[ScheduledChunk], states: list[RequestState], mask: PendingMask | None,
+                 ahead: list[tuple[int, ...]]) -> None:
         self.chunks = list(chunks)
         self.states = states
         self.params = [s.sampling for s in states]
         self.generators = [s.generator for s in states]
+        self.ahead = ahead  # per row: the drafts before it (a verification row), else ()
         self._mask = mask
 
     def processors(self, tokens: tuple[int, int] | None = None) -> list[LogitsProcessor]:
         """Penalties first, then the grammar masks (the latter waits for the fill). ``tokens``: (start, width)
         of the vocabulary slice the logits hold (vocab-parallel sampling); None: the whole vocabulary."""
-        found = (penalty_processor(self.params, [s.penalties for s in self.states], tokens),
+        found = (penalty_processor(self.params, [s.penalties for s in self.states], self.ahead, tokens),
                  None if self._mask is None else self._mask.processor(0 if tokens is None else tokens[0]))
         return [p for p in found if p is not None]
+
+    def draft_limit(self, row: int) -> int | None:
+        """The most drafts of the verification starting at ``row`` whose rows are processed exactly (None: all)."""
+        constraint = self.states[row].constraint
+        return None if constraint is None or constraint.speculates else 0
 
     def error(self, row: int) -> str:
         """Why row ``row``'s request must fail (its grammar could not be built or rejected a token), or ""."""
@@ -126,5 +152,7 @@ class RequestTable:
             if tokens and state.constraint is not None:
                 state.constraint.confirm(tokens)
         self.structured.timings.confirm_s += time.perf_counter() - t0
-        states = [self._states[c.request_id] for c in sampling]
-        return StepBatch(sampling, states, self.structured.start([s.constraint for s in states]))
+        rows = expand_rows(sampling)
+        states = [self._states[c.request_id] for c in rows]
+        ahead = draft_prefixes(sampling)
+        return StepBatch(rows, states, self.structured.start([s.constraint for s in states], ahead), ahead)

@@ -143,9 +143,17 @@ class RequestConstraint:
             return False
         return self._grammar is None or not self._grammar.is_terminated
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write this step's allowed tokens into ``bitmask[row]``; False when the row is unconstrained now."""
-        if not self.needs_mask():
+    @property
+    def speculates(self) -> bool:
+        """Whether rows after drafts can be masked ahead: once the request is past think (the grammar alone
+        decides). While it thinks, its reasoning gate and budget count are not simulated ahead (a draft may close
+        think and start the grammar), so only the first row of a verification is used."""
+        return not self.error and not self.in_think
+
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: Sequence[int] = ()) -> bool:
+        """Write this step's allowed tokens into ``bitmask[row]``, as they are after the drafts ``ahead`` (a
+        verification row); False when the row is unconstrained now (or unreachable)."""
+        if not self.needs_mask() or (ahead and not self.speculates):
             return False
         forced = self.forced_token()
         if forced is not None:
@@ -154,7 +162,7 @@ class RequestConstraint:
             bitmask[row, forced // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 bit pattern
             return True
         grammar = self.grammar()
-        return grammar is not None and grammar.fill_bitmask(bitmask, row)
+        return grammar is not None and grammar.fill_bitmask_ahead(bitmask, row, ahead)
 
 
 class PendingMask:
@@ -265,9 +273,10 @@ class StructuredSampling:
         return compiler, tuple(forced)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def start(self, constraints: Sequence[RequestConstraint | None]) -> PendingMask | None:
-        """Start filling the masks of a step's sampling rows (row i: ``constraints[i]``); None when no row needs
-        one now."""
+    def start(self, constraints: Sequence[RequestConstraint | None],
+              ahead: Sequence[Sequence[int]] | None = None) -> PendingMask | None:
+        """Start filling the masks of a step's sampling rows (row i: ``constraints[i]``, after the drafts
+        ``ahead[i]``); None when no row needs one now."""
         if not any(c is not None and c.needs_mask() for c in constraints):
             return None
         n = len(constraints)
@@ -280,11 +289,13 @@ class StructuredSampling:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocm-k3-grammar")
         bitmask = self._bitmask[:n]
         self.timings.steps += 1
-        return PendingMask(self, self._pool.submit(self._fill, list(constraints), bitmask), bitmask)
+        ahead = list(ahead) if ahead is not None else [()] * n
+        return PendingMask(self, self._pool.submit(self._fill, list(constraints), ahead, bitmask), bitmask)
 
-    def _fill(self, constraints: list[RequestConstraint | None], bitmask: torch.Tensor) -> list[int]:
+    def _fill(self, constraints: list[RequestConstraint | None], ahead: list[Sequence[int]],
+              bitmask: torch.Tensor) -> list[int]:
         t0 = time.perf_counter()
-        rows = [i for i, c in enumerate(constraints) if c is not None and c.fill(bitmask, i)]
+        rows = [i for i, c in enumerate(constraints) if c is not None and c.fill(bitmask, i, ahead[i])]
         self.timings.fill_s += time.perf_counter() - t0
         self.timings.rows += len(rows)
         return rows

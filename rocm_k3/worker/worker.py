@@ -4,7 +4,8 @@ Life cycle (driven by an executor): ``Worker(config)`` loads the model onto the 
 reports what the control plane needs (vocabulary, eos ids, cache bytes per token/slot, position limit);
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
 for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and block tables the
-engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs; then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs (with speculation
+also one per verification width, whose tapped hidden states feed the drafter); then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
 
 A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
 (:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
@@ -82,10 +83,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative: expected SpeculativeConfig or None, got {type(self.speculative).__name__}")
-        if self.drafts_on_worker and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config: method 'draft_model' reads hidden states from layers across the "
-                             "whole model, which pipeline parallelism splits over stages; use pipeline_parallel_size "
-                             "1 or method 'ngram'")
+        if self.speculative is not None:
+            self.speculative.check_pipeline(self.parallel.pipeline_parallel_size)
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
         if self.output_family not in (None, "kimi_k3", "kimi_k2"):
@@ -308,6 +307,7 @@ class Worker:
                         num_slots=geometry.num_slots, device=self.device)
         width = geometry.table_width
         self.runner = ModelRunner(self.stage, pools, width)
+        self.runner.taps = self.model if self.proposer is not None else None
         if self.config.kv_transfer is not None:
             if self.connector is None:
                 tp = TPShard(self.ctx.tp_rank, self.ctx.tp_size, self.ctx.tp_cpu_group)  # gloo over the TP ranks
@@ -321,15 +321,15 @@ class Worker:
             return
         if self.ctx.pp_size > 1:
             log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
-        elif self.config.drafts_on_worker:
-            log.warning("decode graphs off: draft_model speculation reads tapped hidden states the graphs do not "
-                        "capture")
         else:
             safe, why = self._graph_safe()
             if not safe:
                 log.warning("decode graphs off: %s", why)
                 return
-            graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs))
+            spec = self.config.speculative
+            graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
+                                  max_drafts=0 if spec is None else spec.num_speculative_tokens,
+                                  taps=self.runner.taps)
             graphs.capture()
             self.runner.graphs = graphs
 
@@ -423,7 +423,7 @@ class Worker:
             self.runner.execute(step)
             return StepOutput(step.step_id)
         rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
-        batch = self.requests.begin_step(step, rows)  # starts the grammar masks: they fill during the forward
+        batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
         try:
             logits = self.runner.execute(step)  # [R + prompt rows, vocab (this rank's slice)] fp32
             prompt = self._prompt_logprobs(step, logits[len(rows):])
@@ -440,14 +440,14 @@ class Worker:
         fallbacks = sum(fallback)
         if len(rows) != len(chunks):
             sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
-                                  NON_FINITE)
+                                  NON_FINITE, batch.draft_limit)
         else:
             sampled = []
             for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
                 error = batch.error(i) or ("" if ok else NON_FINITE)
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
-            sampled = self.proposer.attach(chunks, sampled, batch.params)
+            sampled = self.proposer.attach(chunks, sampled)
         return StepOutput(step.step_id, tuple(sampled), prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:

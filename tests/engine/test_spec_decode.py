@@ -38,11 +38,12 @@ def model():
     return load_model(ensure_embedded_model(), dtype=torch.float32, progress=False)
 
 
-def _engine(model, spec: SpeculativeConfig | None, *, caching: bool, tight: bool):
+def _engine(model, spec: SpeculativeConfig | None, *, caching: bool, tight: bool, **core_kw):
+    """core_kw: passed to ``core_for`` (model_path / output_family for grammars)."""
     cache = CacheConfig(block_size=16, match_unit=8, alignment=16, kda_save_grid=8, enable_prefix_caching=caching,
                         num_blocks=8 if tight else 48, num_state_slots=40)
     cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=96, cache=cache, speculative=spec)
-    return core_for(model, cfg)
+    return core_for(model, cfg, **core_kw)
 
 
 def _prompts(vocab: int, n: int = 10) -> list[list[int]]:
@@ -69,8 +70,9 @@ def _spec(method: str, k: int) -> SpeculativeConfig:
 
 
 def _run(engine, prompts, params) -> dict[str, list[int]]:
+    """``params``: one SamplingParams for all prompts, or a list (one per prompt)."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
     done = {}
     while engine.has_unfinished():
         for delta in engine.step():

@@ -1,6 +1,7 @@
 """dist tier: n-gram and drafter speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
 on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
-in the next step's chunk; the drafter runs on the sampling rank)."""
+in the next step's chunk; the drafter runs on the sampling rank); two of the requests have penalties, which
+speculate too."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ pytestmark = pytest.mark.dist
 PROMPTS = ["hello hello hello hello hello hello", "def f(x):\n    return x\ndef f(x):\n    return x\n",
            "The file", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+PENALISED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.4,
+                           repetition_penalty=1.2)  # speculates too: counts live on the sampling rank only
+PARAMS = [GREEDY, PENALISED, GREEDY, PENALISED]
 
 
 def _tokens(**kw) -> tuple[list[list[int]], dict]:
     llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **kw)
     try:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.stats()
+        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm.stats()
     finally:
         llm.shutdown()
 
@@ -33,3 +37,13 @@ def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
     spec, stats = _tokens(tensor_parallel_size=2, speculative_config=spec_config)
     assert spec == single
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_pp2_ngram_speculation_matches_one_process_without_it() -> None:
+    """Two pipeline stages verify n-gram drafts in decode shape on each stage (draft_model is refused with
+    pipeline parallelism: tests/engine/test_spec_drafter.py)."""
+    single, _ = _tokens()
+    spec, stats = _tokens(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec == single
+    assert stats["spec_num_accepted_tokens"] > 0

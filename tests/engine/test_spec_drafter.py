@@ -6,6 +6,8 @@ refused where it cannot run. Greedy identity, no overshoot and seeded reproducib
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,9 @@ from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
 from rocm_k3.spec_decode.drafter import (CONFIG_FILE, EMBEDDED_DRAFTER_DIR, WEIGHTS_FILE, DrafterConfig, TapDrafter,
-                                         load_drafter, save_drafter)
+                                         load_drafter, resolve_drafter_path, save_drafter)
 from rocm_k3.training.drafter import acceptance_prompts, measure_acceptance
+from rocm_k3.settings import Settings, override
 from rocm_k3.worker.worker import WorkerConfig
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -29,9 +32,9 @@ def target_cfg() -> ModelConfig:
     return ModelConfig.from_pretrained(ensure_embedded_model())
 
 
-def _load(path, cfg: ModelConfig) -> TapDrafter:
+def _load(path, cfg: ModelConfig, revision: str | None = None) -> TapDrafter:
     return load_drafter(path, target_hidden_size=cfg.hidden_size, target_num_hidden_layers=cfg.num_hidden_layers,
-                        vocab_size=cfg.vocab_size, device=torch.device("cpu"))
+                        vocab_size=cfg.vocab_size, device=torch.device("cpu"), revision=revision)
 
 
 def test_the_embedded_drafter_is_small_and_loads(target_cfg):
@@ -69,7 +72,8 @@ def test_a_written_drafter_round_trips(tmp_path, target_cfg):
 @pytest.mark.parametrize("overrides, message", [
     ({"target_hidden_size": 64}, "target_hidden_size=64"),
     ({"vocab_size": 300}, "vocab_size=300"),
-    ({"target_num_hidden_layers": 8, "tap_layer_ids": (2, 8)}, "target_num_hidden_layers=8"),
+    ({"target_num_hidden_layers": 8, "tap_layer_ids": (2, 8)}, r"tap_layer_ids \[2, 8\].* depths \[8\] outside"),
+    ({"target_num_hidden_layers": 8, "tap_layer_ids": (2, 5)}, "target_num_hidden_layers=8"),
 ])
 def test_a_drafter_for_another_target_is_refused(tmp_path, target_cfg, overrides, message):
     root = _written(tmp_path, target_cfg, **overrides)
@@ -103,10 +107,23 @@ def test_bad_drafter_files_are_named(tmp_path, target_cfg):
 
 
 def test_draft_model_with_pipeline_parallelism_is_refused():
+    """Refused at the boundary (EngineArgs, so LLM / generate / serve name it before any process starts) and in
+    the worker's config; n-gram speculation is not refused with pipeline stages."""
+    from rocm_k3.args import EngineArgs
+    from rocm_k3.engine.llm import LLM
+
+    combo = r"method 'draft_model' with pipeline_parallel_size=2 is not supported"
     spec = SpeculativeConfig(method="draft_model", model=EMBEDDED_DRAFTER, num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="pipeline"):
+    with pytest.raises(ValueError, match=combo):
         WorkerConfig(model_path=ensure_embedded_model(), dtype=torch.float32, device=torch.device("cpu"),
                      parallel=ParallelConfig(pipeline_parallel_size=2), speculative=spec)
+    raw = {"method": "draft_model", "model": EMBEDDED_DRAFTER, "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=combo):
+        EngineArgs(pipeline_parallel_size=2, speculative_config=json.dumps(raw)).validated()
+    with pytest.raises(ValueError, match=combo):
+        LLM(dtype="float32", device="cpu", pipeline_parallel_size=2, speculative_config=raw)
+    EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram"}).validated()
+    EngineArgs(pipeline_parallel_size=1, speculative_config=raw).validated()
 
 
 def test_generate_shows_the_acceptance_out_of_the_box(capsys):
@@ -121,7 +138,7 @@ def test_generate_shows_the_acceptance_out_of_the_box(capsys):
     assert float(line.rsplit(" ", 1)[1]) > 1.0, line
 
 
-def test_requests_with_penalties_decode_one_token_at_a_time_with_the_drafter():
+def test_requests_with_penalties_speculate_with_the_drafter():
     from rocm_k3.engine.llm import LLM
     from rocm_k3.sampling_params import SamplingParams
 
@@ -133,7 +150,7 @@ def test_requests_with_penalties_decode_one_token_at_a_time_with_the_drafter():
         outs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.stats()))
     (base, _), (spec_out, stats) = outs
     assert spec_out == base
-    assert stats["spec_num_drafts"] == 0
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
 def test_fit_drafter_is_seeded():
@@ -149,3 +166,74 @@ def test_fit_drafter_is_seeded():
     assert runs[0][1] == runs[1][1]
     for (n, a), b in zip(runs[0][0].state_dict().items(), runs[1][0].state_dict().values()):
         assert torch.equal(a, b), n
+
+
+# ---- draft checkpoints by name: a Hugging Face repo id in the local cache (offline) ----------------------------
+REPO = "acme/k3-tiny-drafter"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _fake_hf_cache(tmp_path, source) -> Path:
+    """huggingface_hub's cache layout with ``source``'s files as the snapshot of REPO at COMMIT (branch main):
+    ``models--acme--k3-tiny-drafter/{refs/main, blobs/<file>, snapshots/<commit>/<file> -> ../../blobs/<file>}``."""
+    hub = tmp_path / "hub"
+    repo = hub / ("models--" + REPO.replace("/", "--"))
+    snap = repo / "snapshots" / COMMIT
+    (repo / "refs").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    snap.mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        shutil.copyfile(Path(source) / f, repo / "blobs" / f)
+        (snap / f).symlink_to(Path("..") / ".." / "blobs" / f)
+    return hub
+
+
+def test_a_drafter_loads_by_repo_id_from_the_local_hf_cache(tmp_path, target_cfg):
+    hub = _fake_hf_cache(tmp_path, _written(tmp_path, target_cfg))
+    with override(hf_hub_cache=hub):
+        assert resolve_drafter_path(REPO) == hub / ("models--" + REPO.replace("/", "--")) / "snapshots" / COMMIT
+        assert resolve_drafter_path(REPO, COMMIT) == resolve_drafter_path(REPO, "main")
+        drafter = _load(REPO, target_cfg)
+    want = load_file(str(tmp_path / "d" / WEIGHTS_FILE))
+    assert all(torch.equal(drafter.state_dict()[n], t.float()) for n, t in want.items())
+
+
+def test_hf_cache_location_follows_huggingface_hubs_environment(tmp_path):
+    assert Settings.from_env({"HF_HUB_CACHE": str(tmp_path / "a")}).hf_hub_cache == tmp_path / "a"
+    assert Settings.from_env({"HF_HOME": str(tmp_path / "h")}).hf_hub_cache == tmp_path / "h" / "hub"
+    assert Settings.from_env({"XDG_CACHE_HOME": str(tmp_path)}).hf_hub_cache == tmp_path / "huggingface" / "hub"
+
+
+def test_a_draft_model_by_repo_id_speculates_end_to_end(tmp_path):
+    from rocm_k3.engine.llm import LLM
+    from rocm_k3.sampling_params import SamplingParams
+
+    hub = _fake_hf_cache(tmp_path, EMBEDDED_DRAFTER_DIR)
+    with override(hf_hub_cache=hub):
+        llm = LLM(ensure_embedded_model(), dtype="float32", speculative_config={
+            "method": "draft_model", "model": REPO, "revision": "main", "num_speculative_tokens": 3})
+        llm.generate(["The cat sat on the mat. The cat sat on the"], SamplingParams(temperature=0.0, max_tokens=16))
+        stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_a_missing_draft_model_names_where_it_looked(tmp_path, target_cfg):
+    hub = _fake_hf_cache(tmp_path, _written(tmp_path, target_cfg))
+    with override(hf_hub_cache=hub):
+        with pytest.raises(ValueError, match=r"'acme/other'.*no directory at .*acme/other.*Hugging Face cache "
+                                             r".*models--acme--other"):
+            _load("acme/other", target_cfg)
+        with pytest.raises(ValueError, match="at revision 'v9'"):
+            _load(REPO, target_cfg, revision="v9")
+    with pytest.raises(ValueError, match="revision"):
+        SpeculativeConfig(method="ngram", revision="main")
+
+
+def test_a_checkpoint_of_another_drafter_architecture_is_refused_by_name(tmp_path, target_cfg):
+    root = _written(tmp_path, target_cfg)
+    raw = json.loads((root / CONFIG_FILE).read_text())
+    (root / CONFIG_FILE).write_text(json.dumps({**raw, "architectures": ["DSparkForCausalLM"]}))
+    with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
+        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter'.*architectures.*'DSparkForCausalLM'"):
+            _load(REPO, target_cfg)

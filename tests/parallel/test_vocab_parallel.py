@@ -166,7 +166,7 @@ def test_grammar_masks_and_penalties_per_slice_equal_the_whole_row(cuts) -> None
     parts = []
     for lo, hi in zip(cuts, cuts[1:]):
         part = logits[:, lo:hi].clone()
-        penalty_processor(params, states, (lo, hi - lo))(part)
+        penalty_processor(params, states, vocab_slice=(lo, hi - lo))(part)
         apply_bitmask(part, bitmask, [0, 2, 3], lo)
         parts.append(part)
     assert torch.equal(torch.cat(parts, dim=1), whole)
