@@ -6,7 +6,10 @@ token, asking it to publish the prompt's cache) and its generation on a decode i
   or refuses a connection is out until a check passes), and balanced by requests in flight.
 - A prefill that fails (connection refused, timeout, 5xx) is retried on another prefill instance; when none is left
   the decode instance prefills the prompt itself (a slower answer, never a lost one). A 4xx from an instance is the
-  client's error and goes back to the client with its status, as does any decode error.
+  client's error and goes back to the client with its status, as does any error a decode instance answers (4xx
+  or 5xx: the instance stays in its pool). A decode instance that refuses the connection is taken out and the
+  next one tried; one that times out gets a 504 (the request may still run there, so it is not re-run), one that
+  dies mid-stream ends the stream with an error event.
 - ``/v1/responses`` with ``previous_response_id``: the conversation lives on the decode instance that answered it,
   so the request goes there and prefills there (the proxy remembers which instance made each response id).
 
@@ -63,7 +66,12 @@ class ProxyConfig:
 
 
 class _Upstream(Exception):
-    """An instance that did not answer (refused, timed out, or a 5xx): try another one."""
+    """An instance that did not answer as it should: a 5xx (``status`` and ``body`` kept), a refused connection
+    (``refused``: the request never reached it), or a timeout / reset."""
+
+    def __init__(self, message: str, status: int | None = None, body: bytes = b"", refused: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.body, self.refused = status, body, refused
 
 
 def _post(url: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float):
@@ -73,11 +81,12 @@ def _post(url: str, body: dict[str, Any], headers: dict[str, str], timeout_s: fl
         return urllib.request.urlopen(req, timeout=timeout_s)  # noqa: S310 (the operator's own instance URLs)
     except urllib.error.HTTPError as exc:
         if exc.code >= 500:
-            exc.close()
-            raise _Upstream(f"{url} answered {exc.code}") from None
+            with exc:
+                raise _Upstream(f"{url} answered {exc.code}", status=exc.code, body=exc.read()) from None
         raise
     except (urllib.error.URLError, OSError) as exc:
-        raise _Upstream(f"{url} failed: {getattr(exc, 'reason', exc)}") from None
+        reason = getattr(exc, "reason", exc)
+        raise _Upstream(f"{url} failed: {reason}", refused=isinstance(reason, ConnectionRefusedError)) from None
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +103,7 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 502: "BadGateway", 503: "ServiceUnavailable"}[status]
+    kind = {400: "BadRequestError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}[status]
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
@@ -152,9 +161,13 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             except urllib.error.HTTPError as exc:
                 pools.release(inst)
                 return Response(exc.read(), status_code=exc.code, media_type="application/json")
-            except _Upstream:
+            except _Upstream as exc:
                 pools.release(inst)
-                pools.set_health(inst, False)
+                if exc.status is not None:  # the instance's own error answer (a failed request): the client's
+                    return Response(exc.body, status_code=exc.status, media_type="application/json")
+                if not exc.refused:  # timed out or reset after the request went out: it may still be running
+                    return _error(504, f"decode instance {inst.url} did not answer: {exc}")
+                pools.set_health(inst, False)  # never reached: out until its next passing health check
                 retries.labels("decode").inc()
                 continue
             if body.get("stream"):
@@ -181,6 +194,11 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                         remember(m.group(1), inst)
                         seen = True
                     yield chunk
+        except (OSError, http.client.HTTPException) as exc:  # the instance died or stalled mid-stream
+            pools.set_health(inst, False)
+            error = {"message": f"decode instance {inst.url} failed mid-stream: {exc!r}", "type": "BadGateway",
+                     "code": 502}
+            yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
         finally:
             pools.release(inst)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from parser_cases import IM_END, MSG_END, SEC_B, SEC_E, THINK_END, TOOLS, k2_call, k3_arg, k3_call, k3_tools
 from rocm_k3.formats.parsers import StreamParser, merge_deltas, parse_output
 from rocm_k3.formats.parsers.kimi_k2 import KIMI_K2
-from rocm_k3.formats.parsers.kimi_k2 import SPECIALS as K2_SPECIALS
+from rocm_k3.formats.parsers.kimi_k2 import CALL_MARKUP as K2_SPECIALS
 from rocm_k3.formats.parsers.kimi_k3 import KIMI_K3
 from rocm_k3.formats.parsers.kimi_k3 import SPECIALS as K3_SPECIALS
 

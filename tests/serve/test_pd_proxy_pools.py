@@ -152,6 +152,23 @@ def test_upstream_client_errors_come_back_with_their_status(side):
         assert status == 400 and "JSON object" in answer["error"]["message"]
 
 
+def test_a_decode_error_answer_comes_back_once_and_keeps_the_instance_in_its_pool():
+    """A 5xx a decode instance answers is that request's failure: the client gets it as it is, the request is not
+    re-run on the other decode instance, and neither instance leaves its pool."""
+    with instances("p", "d1", "d2") as (p, d1, d2), running_proxy(p.url, (d1.url, d2.url),
+                                                                  health_interval_s=60) as proxy:
+        d1.status = d2.status = 500
+        status, answer = _complete(proxy)
+        assert status == 500 and answer["error"]["message"] in ("d1 says no", "d2 says no")
+        assert len(d1.bodies) + len(d2.bodies) == 1
+        d1.status = d2.status = 200
+        status, answer = _complete(proxy)
+        assert status == 200 and answer["choices"][0]["text"].startswith("from d")
+        metrics = urllib.request.urlopen(proxy.url("/metrics"), timeout=10).read().decode()
+        assert 'rocm_k3_pd_proxy_instance_healthy{role="decode",url="%s"} 1.0' % d1.url in metrics
+        assert 'rocm_k3_pd_proxy_instance_healthy{role="decode",url="%s"} 1.0' % d2.url in metrics
+
+
 def test_no_decode_instance_answering_is_a_503():
     with instances("p") as (p,):
         with instances("d") as (d,):

@@ -17,10 +17,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
-from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
+from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall, json_object_or_none
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -33,13 +32,16 @@ _CANONICAL_ID = re.compile(r"(.+):(\d+)", re.DOTALL)
 
 
 SPECIALS = (THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END, EOS)
+# the markup that ends or breaks a call: inside a tool section the think markers are plain text (an argument may
+# quote them)
+CALL_MARKUP = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END, EOS)
 
 
 def _split(body: str, index: int, opts: ParseOptions) -> tuple[ToolCall, str] | None:
     """(the call with no arguments yet, the argument text) once the header is complete and names a function."""
     header, sep, arguments = body.partition(ARGUMENT_BEGIN)
     header = header.strip()
-    if not sep or any(s in header for s in SPECIALS):
+    if not sep or any(s in header for s in CALL_MARKUP):
         return None
     m = _CANONICAL_ID.fullmatch(header)
     name = m.group(1) if m else header
@@ -59,14 +61,10 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
         return None
     call, arguments = split
     arguments = arguments.strip()
-    if any(s in arguments for s in SPECIALS):
+    if any(s in arguments for s in CALL_MARKUP):
         return None
-    if arguments:
-        try:
-            if not isinstance(json.loads(arguments), dict):
-                return None
-        except ValueError:
-            return None
+    if arguments and not isinstance(json_object_or_none(arguments), dict):
+        return None
     return dataclasses.replace(call, arguments_json=arguments or "{}")
 
 
@@ -78,7 +76,7 @@ def partial_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     if split is None:
         return None
     call, arguments = split
-    ends = [at for at in (arguments.find(s) for s in SPECIALS) if at >= 0]
+    ends = [at for at in (arguments.find(s) for s in CALL_MARKUP) if at >= 0]
     if ends:
         arguments = arguments[:min(ends)]
     return dataclasses.replace(call, arguments_json=arguments.strip())

@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import re
 
-from rocm_k3.formats.parsers.types import FamilyMarkers, FamilySpec, ParseOptions, ToolCall
+from rocm_k3.formats.parsers.types import (FamilyMarkers, FamilySpec, ParseOptions, ToolCall, json_object_or_none,
+                                           loads_strict)
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EOS = "[EOS]"  # the tokenizer eos, also a stop token
@@ -79,17 +80,13 @@ def parse_attrs(header: str) -> dict[str, str] | None:
     return attrs
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
 def typed_value(type_name: str | None, raw: str) -> object:
     """An XTML argument's value: ``string`` keeps the raw text; any other type is parsed as JSON (strict: no
     NaN/Infinity), and a value that does not parse is kept as the raw string."""
     if type_name == "string":
         return raw
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return loads_strict(raw)
     except ValueError:
         return raw
 
@@ -116,19 +113,12 @@ def parse_call(body: str, index: int, opts: ParseOptions) -> ToolCall | None:
     if rest[end:].strip():
         return None  # text that is not a block, a block not closed, or markup inside a value
     if any(kind == "json" for kind, _, _ in blocks):
-        if len(blocks) != 1 or not isinstance(_json_object(blocks[0][2]), dict):
+        if len(blocks) != 1 or not isinstance(json_object_or_none(blocks[0][2]), dict):
             return None  # a json block is the call's only block and holds a JSON object
         args_json = blocks[0][2]
     else:
         args_json = json.dumps(_arguments(blocks), ensure_ascii=False)
     return ToolCall(id=f"{opts.call_id_prefix}{index}", name=attrs["tool"], arguments_json=args_json, index=index)
-
-
-def _json_object(raw: str) -> object:
-    try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
-        return None
 
 
 def _blocks(rest: str) -> tuple[list[tuple[str, dict[str, str], str]], int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -240,3 +241,20 @@ class FamilySpec:
     # partial_call(body so far, index, opts) -> the call with the part of its arguments JSON text already fixed
     # (a prefix of the final ``arguments_json``), or None while its name is not known yet
     partial_call: Callable[[str, int, ParseOptions], ToolCall | None] | None = None
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(raw: str) -> object:
+    """``json.loads`` that refuses NaN / Infinity (they are not JSON; a client's parser would fail on them)."""
+    return json.loads(raw, parse_constant=_reject_constant)
+
+
+def json_object_or_none(raw: str) -> object:
+    """The strictly parsed value of ``raw``, or None when it is not JSON."""
+    try:
+        return loads_strict(raw)
+    except ValueError:
+        return None
