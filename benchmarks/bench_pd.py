@@ -27,14 +27,12 @@ import statistics
 import threading
 import time
 
+from pathlib import Path
+
 import torch
-import uvicorn
 
 from rocm_k3.args import EngineArgs, ServerArgs
-from rocm_k3.engine.assembly import assemble_engine
-from rocm_k3.engine.async_llm import AsyncLLM
-from rocm_k3.entrypoints.openai.api_server import build_app, served_model
-from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
+from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
 
 
 def _free_port() -> int:
@@ -43,7 +41,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(app) -> tuple[uvicorn.Server, str]:
+def _serve(app):
+    """(the uvicorn server, its URL); the HTTP mode's imports stay here so that ``--overlap`` runs on machines
+    without the serve extra (the H200 image)."""
+    import uvicorn
+
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.monotonic() + 30
@@ -56,6 +58,10 @@ def _serve(app) -> tuple[uvicorn.Server, str]:
 
 @contextlib.contextmanager
 def _engine_server(args: EngineArgs):
+    from rocm_k3.engine.assembly import assemble_engine
+    from rocm_k3.engine.async_llm import AsyncLLM
+    from rocm_k3.entrypoints.openai.api_server import build_app, served_model
+
     assembled = assemble_engine(args)
     engine = AsyncLLM(assembled.core)
     server, url = _serve(build_app(served_model(engine, assembled, ServerArgs(port=0))))
@@ -83,11 +89,12 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     return times[0] - t0, tpot
 
 
-def _load_step_ms(connector: str, layerwise: bool, lengths: list[int], requests: int) -> dict[int, tuple]:
+def _load_step_ms(connector: str, layerwise: bool, lengths: list[int], requests: int,
+                  engine: dict) -> dict[int, tuple]:
     """Per prompt length: (median load-step ms, median blocked ms, bytes per request) on a consumer LLM."""
     from rocm_k3 import LLM, SamplingParams
 
-    kw = dict(dtype="float32", device="cpu", max_model_len=max(lengths) + 8, enable_prefix_caching=False)
+    kw = dict(max_model_len=max(lengths) + 8, enable_prefix_caching=False, **engine)
     kv = {"kv_connector": connector, "kv_connector_extra_config": {"layerwise": layerwise}}
     prod = LLM(kv_transfer_config={**kv, "kv_role": "kv_producer", "kv_port": _free_port()}, **kw)
     cons = LLM(kv_transfer_config={**kv, "kv_role": "kv_consumer"}, **kw)
@@ -121,7 +128,23 @@ def _load_step_ms(connector: str, layerwise: bool, lengths: list[int], requests:
     return out
 
 
-def overlap_table(lengths: list[int], requests: int) -> None:
+def overlap_engine(device: str, model: str, slice_dir: Path) -> dict:
+    """The LLM() arguments of the overlap table's engines: the tiny K3 in fp32 on the CPU (reference ops), or on a
+    GPU (Triton) with fixed cache budgets (two engines share it); ``k3-slice``: the K3-width 4-layer slice of
+    ``k3_slice_overrides()`` (seeded random weights, bf16), whose pages and KDA states have K3's sizes."""
+    cpu = device == "cpu"
+    kw = {"device": device, "backend": "reference" if cpu else "triton",
+          "dtype": "float32" if model == "tiny" else "bfloat16"}
+    if not cpu:
+        kw.update(kv_cache_bytes=1 << 30, state_cache_bytes=1 << 30)
+    if model == "k3-slice":
+        if not (slice_dir / "config.json").is_file():
+            write_tiny_checkpoint(slice_dir, text_overrides=k3_slice_overrides())
+        kw["path"] = str(slice_dir)
+    return kw
+
+
+def overlap_table(lengths: list[int], requests: int, engine: dict) -> None:
     from rocm_k3.kv_transfer.config import nixl_installed
 
     connectors = ["SocketConnector"] + (["NixlConnector"] if nixl_installed() else [])
@@ -129,8 +152,8 @@ def overlap_table(lengths: list[int], requests: int) -> None:
           "| load step ms (layer by layer) | blocked ms |")
     print("|---|---|---|---|---|---|---|")
     for connector in connectors:
-        before = _load_step_ms(connector, False, lengths, requests)
-        layered = _load_step_ms(connector, True, lengths, requests)
+        before = _load_step_ms(connector, False, lengths, requests, engine)
+        layered = _load_step_ms(connector, True, lengths, requests, engine)
         for n in lengths:
             (w0, b0, nb), (w1, b1, _) = before[n], layered[n]
             print(f"| {connector} | {n} | {nb} | {w0:.1f} | {b0:.1f} | {w1:.1f} | {b1:.1f} |")
@@ -142,11 +165,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per length (distinct prompts)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--overlap", action="store_true", help="the transport / layer-overlap table (engines only)")
+    ap.add_argument("--device", default="cpu", help="--overlap: cpu or cuda[:N]")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "k3-slice"], help="--overlap: the engines' model")
+    ap.add_argument("--slice-dir", type=Path, default=Path("/tmp/rocm_k3_k3_slice"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.overlap:
-        overlap_table(a.lengths, a.requests)
+        overlap_table(a.lengths, a.requests, overlap_engine(a.device, a.model, a.slice_dir))
         return
+    from rocm_k3.entrypoints.pd_proxy import ProxyConfig, build_proxy_app
+
     base = dict(dtype="float32", max_model_len=max(a.lengths) + a.max_tokens + 8, enable_prefix_caching=False)
     kv = {"kv_connector": "SocketConnector", "kv_port": _free_port()}
     with _engine_server(EngineArgs(**base)) as (plain, plain_url), \
