@@ -162,13 +162,16 @@ class Scheduler:
         taken: set[int] = set()
         preempted: list[Sequence] = []
 
-        for seq in [s for s in self.running if s.is_decoding]:
+        decoding = [s for s in self.running if s.is_decoding]
+        speculate = self.spec.config is not None and self.spec.config.drafts_at(len(decoding))
+        for seq in decoding:
             if budget < 1:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
             if self._grow(seq, seq.num_computed_tokens + 1, taken, preempted):
-                drafts = self.spec.propose(seq, budget - 1)  # blocks for drafts only while free (no preemption)
+                # blocks for drafts only while free (no preemption)
+                drafts = self.spec.propose(seq, budget - 1) if speculate else []
                 scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), is_prefill=False,
                                               drafts=drafts))
                 taken.add(seq.seq_id)

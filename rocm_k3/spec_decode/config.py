@@ -3,7 +3,9 @@
 Keys: ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (1..8), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (n-gram sizes tried, longest first), ``model`` (draft_model: a drafter directory, a Hugging
 Face repo id found in the local Hugging Face cache, or "embedded-drafter" for the one shipped beside the embedded
-tiny K3), ``revision`` (of a repo id: branch, tag or commit hash). Unknown keys are refused with their names;
+tiny K3), ``revision`` (of a repo id: branch, tag or commit hash), ``disable_by_batch_size`` (no drafts in a step
+that decodes at least this many sequences: wide verifications cost more than they win at large batches, see
+benchmarks/RESULTS.md; None: always draft). Unknown keys are refused with their names;
 vLLM's other methods (eagle, eagle3, mtp, medusa, ...) are refused by name: rocm-k3's hidden-state drafter (the
 EAGLE / DSpark shape) is ``draft_model``.
 """
@@ -28,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     revision: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +51,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name}: expected a positive int, got {value!r}")
+        cut = self.disable_by_batch_size
+        if cut is not None and (isinstance(cut, bool) or not isinstance(cut, int) or cut < 2):
+            raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 2 or null, got {cut!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens: at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
@@ -72,6 +78,10 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**dict(value))
+
+    def drafts_at(self, num_decoding: int) -> bool:
+        """Whether a step that decodes ``num_decoding`` sequences drafts at all (``disable_by_batch_size``)."""
+        return self.disable_by_batch_size is None or num_decoding < self.disable_by_batch_size
 
     def check_pipeline(self, pipeline_parallel_size: int) -> None:
         """ValueError naming the combination when this method cannot run over ``pipeline_parallel_size`` stages:

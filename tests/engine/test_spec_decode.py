@@ -255,6 +255,8 @@ def test_ngram_proposer():
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"num_spec_tokens": 3}', "unknown keys"),
+    ('{"disable_by_batch_size": 1}', "disable_by_batch_size"),
+    ('{"disable_by_batch_size": "4"}', "disable_by_batch_size"),
     ("{not json", "not valid JSON"),
 ])
 def test_speculative_config_errors_name_the_problem(value, message):
@@ -262,6 +264,21 @@ def test_speculative_config_errors_name_the_problem(value, message):
         SpeculativeConfig.parse(value)
     with pytest.raises(ValueError, match=message):
         EngineArgs(speculative_config=value).validated()
+
+
+def test_disable_by_batch_size_drafts_only_below_the_cut(model):
+    """vLLM's ``disable_by_batch_size``: a step decoding at least that many sequences drafts nothing; below it
+    speculation runs; the tokens are the greedy ones either way."""
+    prompts = [_encode(t) for t in ("hello hello hello hello hello hello", "1 2 3 1 2 3 1 2 3 1 2 3")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = _run(_engine(model, None, caching=True, tight=False), prompts, params)
+    cut = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    both = _engine(model, cut, caching=True, tight=False)
+    assert _run(both, prompts, params) == base
+    assert both.stats()["spec_num_draft_tokens"] == 0  # two decoding at once: never drafted
+    alone = _engine(model, cut, caching=True, tight=False)
+    assert _run(alone, prompts[:1], params) == {"0": base["0"]}
+    assert alone.stats()["spec_num_draft_tokens"] > 0
 
 
 def test_speculative_config_flag_and_kwarg():
