@@ -23,10 +23,11 @@ class NixlConnectorWorker(SocketConnectorWorker):
     def __init__(self, config: KVTransferConfig, tp: TPShard | None = None) -> None:
         self._agent: Any = new_agent("consumer", progress_thread=False) if config.is_consumer else None
         self._remotes: dict[tuple[str, int], tuple[str, int]] = {}
+        self._late: list[tuple[Any, Any]] = []  # timed-out READs' landing buffers (see NixlBlockClient)
         super().__init__(config, tp)
 
     def _new_store(self, host: str, port: int, ttl_s: float) -> BlockStore:
         return NixlBlockStore(host, port, ttl_s=ttl_s)
 
     def _new_client(self, host: str, port: int) -> BlockClient:
-        return NixlBlockClient(host, port, self.config.timeout_s, self._agent, self._remotes)
+        return NixlBlockClient(host, port, self.config.timeout_s, self._agent, self._remotes, self._late)

@@ -50,6 +50,10 @@ def new_agent(role: str, progress_thread: bool) -> Any:
     return agent
 
 
+class _ReadTimedOut(TransferError):
+    """A READ still in flight when its deadline passed: NIXL may yet write into the landing buffer."""
+
+
 class NixlError(RuntimeError):
     """NIXL refused a transfer request (e.g. no registration covers the remote range)."""
 
@@ -100,10 +104,14 @@ class NixlBlockClient(BlockClient):
     """Consumer side: entries located over the side channel, their bytes read by NIXL, rows checksum-verified."""
 
     def __init__(self, host: str, port: int, timeout_s: float, agent: Any,
-                 remotes: dict[tuple[str, int], tuple[str, int]]) -> None:
+                 remotes: dict[tuple[str, int], tuple[str, int]], late: list[tuple[torch.Tensor, Any]]) -> None:
         super().__init__(host, port, timeout_s)
         self.agent = agent
         self._remotes = remotes  # (host, port) -> (remote agent name, md_version loaded); shared by the worker's loads
+        # landing buffers of timed-out READs, kept registered and alive as long as the agent (the connector's
+        # list): releasing a handle need not abort its transfer, so a late write must land in memory nobody reuses
+        # (timeouts are rare: a few buffers at most)
+        self._late = late
 
     def _remote(self, header: dict[str, Any]) -> str:
         """The producer's agent, its metadata (re)loaded when this copy predates the entry's registration (or the
@@ -123,6 +131,7 @@ class NixlBlockClient(BlockClient):
             raise TransferError(f"{key!r}: producer {self.address} now runs agent {header.get('agent')!r}")
         buf = torch.empty(int(header["length"]), dtype=torch.uint8)  # [length] landing buffer
         reg = self.agent.register_memory([buf])
+        late = False
         try:
             try:
                 self._read(key, buf, int(header["addr"]), remote)
@@ -134,8 +143,13 @@ class NixlBlockClient(BlockClient):
                 self._read(key, buf, int(header["addr"]), self._remote(header))
         except NixlError as exc:
             raise TransferError(f"NIXL read of {key!r} from {self.address} failed: {exc}") from None
+        except _ReadTimedOut:
+            late = True
+            self._late.append((buf, reg))
+            raise
         finally:
-            self.agent.deregister_memory(reg)
+            if not late:
+                self.agent.deregister_memory(reg)
         payload = buf.numpy().tobytes()
         verify_rows(payload, header["checksums"], key)
         return payload, header["meta"]
@@ -154,7 +168,7 @@ class NixlBlockClient(BlockClient):
             deadline = time.monotonic() + self.timeout_s
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    raise TransferError(f"timed out reading {key!r} from {self.address} over NIXL")
+                    raise _ReadTimedOut(f"timed out reading {key!r} from {self.address} over NIXL")
                 time.sleep(0.0005)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
