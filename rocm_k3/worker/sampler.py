@@ -154,7 +154,8 @@ def _apply_top_p(scaled: torch.Tensor, top_p: list[float], shard: VocabShard) ->
     probs = shard.softmax(scaled)  # [N, V]
     keep = torch.zeros_like(probs, dtype=torch.bool)  # [N, V]
     todo = p_t[:, 0] < 1.0  # [N]
-    m = min(TOP_P_CANDIDATES, shard.per_rank)
+    # the whole vocabulary on this rank: one pass over every token (no round, no host read); slices: rounds
+    m = shard.per_rank if shard.is_whole else min(TOP_P_CANDIDATES, shard.per_rank)
     while True:
         vals, ids = shard.candidates(probs, m)  # [N, C] largest first, global ids
         kept = (vals.cumsum(dim=-1) - vals) < p_t  # [N, C] a prefix: the mass before each candidate
