@@ -15,13 +15,14 @@ import sys
 
 def _variants() -> dict:
     """variant -> (constexprs, out type, block rows): the two GEMMs as ``fused_moe_with`` launches them (w13 bf16
-    out, w13 rounded through MXFP8 for A8W4, w2 fp32 out) at 16-row blocks, at the prefill blocks, and w2 in two K
-    parts."""
+    out, w13 rounded through MXFP8 for A8W4, w2 fp32 out) at 16-row blocks, at the prefill blocks (32, 64, 128
+    rows), and w2 in two K parts."""
     base = dict(ACT=0, HAS_LINEAR_BETA=True, FAST_ACT=True, SPLIT=1, OUT_MX=False, EMAX=8, BIAS=7, FP8_MAX=448.0)
     return {"ws_w13": (dict(base, STAGE=1), "*bf16", 16), "ws_w13_mx": (dict(base, STAGE=1, OUT_MX=True), "*bf16", 16),
             "ws_w2": (dict(base, STAGE=2), "*fp32", 16), "ws_w13_bm32": (dict(base, STAGE=1), "*bf16", 32),
             "ws_w13_bm64": (dict(base, STAGE=1), "*bf16", 64), "ws_w2_bm64": (dict(base, STAGE=2), "*fp32", 64),
-            "ws_w2_split2": (dict(base, STAGE=2, SPLIT=2), "*fp32", 16)}
+            "ws_w2_split2": (dict(base, STAGE=2, SPLIT=2), "*fp32", 16),
+            "ws_w13_bm128": (dict(base, STAGE=1), "*bf16", 128), "ws_w2_bm128": (dict(base, STAGE=2), "*fp32", 128)}
 
 
 def main() -> None:

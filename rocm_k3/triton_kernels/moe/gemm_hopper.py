@@ -2,16 +2,16 @@
 
 Same work as :func:`.kernels.moe_gemm_kernel` on the same ``triton`` layout (:mod:`.layout`), item order (static:
 program p takes items p, p + programs, ...), decode bits (:data:`.decode.ASM_FOLD`) and epilogue math
-(:func:`.kernels.gate_up_activation`); only the schedule differs. An item is one expert block of ``BM`` (16, 32 or
-64) rows, the MMA's N side, times one 128-row N tile (and, for w2, one of ``SPLIT`` K parts). Per CTA:
+(:func:`.kernels.gate_up_activation`); only the schedule differs. An item is one expert block of ``BM`` (16, 32, 64
+or 128) rows, the MMA's N side, times one 128-row N tile (and, for w2, one of ``SPLIT`` K parts). Per CTA:
 
-- producer partition (``BM // 16`` warps, ``producer_regs`` registers after ``setmaxnreg``): per 128-K step it waits
-  for a free slot of a ``STAGES``-deep ring (``empty`` mbarrier); warp 0 TMA-loads the tile's codes (two 64-row
-  groups x two 64-K units, each unit one 2 KB row of the int64 view ``[E * groups, 2 K groups, 256]``: with 16-byte
-  TMA rows the same kernel reached 57 % of HBM, with 2 KB rows 83 %) and scales (``[2, 256 B]``), and every producer
-  thread cp.async-loads its share of the block's activation rows (``[BM, 128]`` bf16: gathered token rows of x for
-  w13, the block's own rows of the intermediate for w2); the slot's ``full`` mbarrier completes when the TMA bytes
-  and every producer thread's copies have landed.
+- producer partition (``BM // 16`` warps, at most 4, ``producer_regs`` registers after ``setmaxnreg``): per 128-K step
+  it waits for a free slot of a ``STAGES``-deep ring (``empty`` mbarrier); warp 0 TMA-loads the tile's codes (two 64-row
+  groups x two 64-K units, each unit one 2 KB row of the int64 view ``[E * groups, 2 K groups, 256]``: with 16-byte TMA
+  rows the same kernel reached 57 % of HBM, with 2 KB rows 83 %) and scales (``[2, 256 B]``), and every producer thread
+  cp.async-loads its share of the block's activation rows (``[BM, 128]`` bf16: gathered token rows of x for w13, the
+  block's own rows of the intermediate for w2); the slot's ``full`` mbarrier completes when the TMA bytes and every
+  producer thread's copies have landed.
 - consumer partition (4 warps, one warpgroup): per step it waits for ``full``, and for each 64-row group loads its
   own 16-byte chunks from shared memory and decodes them straight into the register A operand of ``wgmma``
   (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64nBMk16``
@@ -55,6 +55,13 @@ TRITON_VERSION = (int(_VERSION.group(1)), int(_VERSION.group(2))) if _VERSION el
 NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+BLOCK_SIZES = (16, 32, 64, 128)  # expert block rows (the MMA's N side) the kernel takes
+
+
+def producer_warps(block_m: int) -> int:
+    """Producer warps of a ``block_m``-row block: one per 16 activation rows, at most 4 (a CTA stays within 8
+    warps; at 128 rows each producer thread copies 16 chunks of 16 B per step)."""
+    return block_m // 16 if block_m <= 64 else 4
 
 
 def codes_smem_layout() -> gl.NVMMASharedLayout:
@@ -249,8 +256,8 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
     SPLIT equal K parts, over the used (BM-row block, 128-row tile, K part) items. The arguments are those of
     :func:`.kernels.moe_gemm_kernel` (K = 128 * steps * SPLIT), the weights as TMA descriptors over the int64
     codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8). BM: 16,
-    32 or 64 (``BM // 16`` producer warps); PDL: launched with ``launch_pdl`` (see :class:`WsConfig`)."""
-    PW: gl.constexpr = BM // 16
+    32, 64 or 128 (:func:`producer_warps`); PDL: launched with ``launch_pdl`` (see :class:`WsConfig`)."""
+    PW: gl.constexpr = BM // 16 if BM <= 64 else 4  # producer warps (producer_warps)
     codes_s = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 2, 2, 256], codes_desc.layout)
     scales_s = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2, 1, 256], scales_desc.layout)
     act_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BM, 128],
@@ -276,7 +283,7 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
 class WsConfig:
     """Tiles and residency of :func:`moe_gemm_ws_kernel`.
 
-    block_m: rows of an expert block, the MMA's N side (16, 32 or 64; ``block_m // 16`` producer warps).
+    block_m: rows of an expert block, the MMA's N side (16, 32, 64 or 128; :func:`producer_warps`).
     stages: slots of the shared-memory ring (codes, scales and activation rows of one 128-K step each).
     ctas_per_sm: resident CTAs per SM the grid is sized for (shared memory and registers must allow it).
     max_registers: the kernel's register cap per thread (ptxas), which with 8 warps per CTA sets the CTA's share.
@@ -301,8 +308,8 @@ class WsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"WsConfig.{name} must be an int, got {value!r}")
-        if self.block_m not in (16, 32, 64):
-            raise ValueError(f"WsConfig.block_m must be 16, 32 or 64, got {self.block_m}")
+        if self.block_m not in BLOCK_SIZES:
+            raise ValueError(f"WsConfig.block_m must be 16, 32, 64 or 128, got {self.block_m}")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"WsConfig.stages must be in [2, 8], got {self.stages}")
         if not 1 <= self.ctas_per_sm <= 4:
@@ -311,7 +318,7 @@ class WsConfig:
             value = getattr(self, name)
             if not 24 <= value <= 248 or value % 8:
                 raise ValueError(f"WsConfig.{name} must be a multiple of 8 in [24, 248], got {value}")
-        if self.max_registers * 256 * self.ctas_per_sm > 65536:  # 8 warps per CTA (2 warpgroups)
+        if self.max_registers * 256 * self.ctas_per_sm > 65536:  # at most 8 warps per CTA (2 warpgroups)
             raise ValueError(f"WsConfig: {self.ctas_per_sm} CTAs of 256 threads at {self.max_registers} registers "
                              "exceed the SM's 65536")
         if self.shared_bytes() * self.ctas_per_sm > SHARED_PER_SM:
@@ -337,7 +344,9 @@ def default_config(block_m: int) -> WsConfig:
         return WsConfig(32, 4, 3, 80, 32)
     if block_m == 64:
         return WsConfig(64, 4, 2, 128, 40)
-    raise ValueError(f"the warp-specialised GEMM takes 16-, 32- or 64-row blocks, got {block_m}")
+    if block_m == 128:  # two [64, 128] fp32 accumulators (128 registers per consumer thread): one CTA per SM
+        return WsConfig(128, 4, 1, 248, 40)
+    raise ValueError(f"the warp-specialised GEMM takes 16-, 32-, 64- or 128-row blocks, got {block_m}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +384,8 @@ def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -
         return False, f"needs bf16 activations, got {x.dtype}"
     if not fold:
         return False, "needs every E8M0 scale byte <= 128 (the one-multiply decode)"
-    if block_m not in (16, 32, 64) or split_k != 1:
-        return False, f"needs 16-, 32- or 64-row blocks and no K split, got block_m={block_m} split_k={split_k}"
+    if block_m not in BLOCK_SIZES or split_k != 1:
+        return False, f"needs 16-, 32-, 64- or 128-row blocks and no K split, got block_m={block_m} split_k={split_k}"
     if k % 128:
         return False, f"needs K a multiple of 128, got {k}"
     if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16 or x.stride(-1) != 1:

@@ -314,6 +314,7 @@ _MOE_CASES = [
     ("situ", "mxfp8", "ocp", torch.float32, MoEConfig(split_k=4)),
     ("situ", "mxfp8", "fnuz", torch.bfloat16, MoEConfig(block_k=256)),  # w13 (K 256) steps by 256, w2 by 128
     ("situ", "bf16", None, torch.bfloat16, MoEConfig(dynamic=True, split_k=2)),  # items from the atomic counter
+    ("situ", "mxfp8", "ocp", torch.bfloat16, MoEConfig(block_m=128, programs_per_sm=1, max_registers=None)),  # prefill
 ]
 
 
@@ -321,7 +322,7 @@ _MOE_CASES = [
 @needs_interp
 @pytest.mark.parametrize("act,aq,fp8,dtype,cfg", _MOE_CASES,
                          ids=["situ-A16W4", "silu-A16W4-bm32-split2", "situ-A8W4-ocp-split4", "situ-A8W4-fnuz-bk256",
-                              "situ-A16W4-dynamic-split2"])
+                              "situ-A16W4-dynamic-split2", "situ-A8W4-ocp-bm128"])
 def test_fused_moe_interpret(act: str, aq: str, fp8: str | None, dtype: torch.dtype, cfg: MoEConfig) -> None:
     """Prepared MXFP4 experts (K 96, or 256 with block_k 256, and N 64: padded layout tiles) against the reference
     (which reads the same prepared weights). Tolerances: bf16 outputs 1.5e-2 (the bf16 intermediate of A16W4 and
@@ -441,8 +442,10 @@ def test_ws_config_validation(bad: dict) -> None:
     assert gemm_hopper.w2_parts(c, 16 * 28, 396, 24) == 4 and gemm_hopper.w2_parts(c, 8 * 396, 396, 24) == 1
     with pytest.raises(ValueError, match="w2_split 3"):
         gemm_hopper.w2_parts(dataclasses.replace(c, w2_split=3), 100, 396, 4)
-    with pytest.raises(ValueError, match="16-, 32- or 64-row"):
-        gemm_hopper.default_config(128)
+    with pytest.raises(ValueError, match="16-, 32-, 64- or 128-row"):
+        gemm_hopper.default_config(256)
+    assert gemm_hopper.default_config(128).shared_bytes() <= gemm_hopper.SHARED_PER_SM
+    assert [gemm_hopper.producer_warps(bm) for bm in gemm_hopper.BLOCK_SIZES] == [1, 2, 4, 4]
 
 
 def test_moe_config_dynamic_must_be_a_bool() -> None:
@@ -459,6 +462,7 @@ def test_moe_pick_config() -> None:
     assert pick_config(1024 * 16, 896).block_m == 32  # ~18 rows per expert
     prefill = pick_config(2048 * 16, 896)  # ~37 rows per expert
     assert (prefill.block_m, prefill.programs_per_sm, prefill.max_registers) == (64, 2, None)
+    assert pick_config(8192 * 16, 896).block_m == 64  # ~146 rows per expert: three 64-row blocks beat two of 128
 
 
 def test_launcher_argument_errors() -> None:
@@ -591,7 +595,7 @@ def compiled_hopper() -> dict:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_mx", "ws_w2", "ws_w13_bm32", "ws_w13_bm64", "ws_w2_bm64",
-                                     "ws_w2_split2"])
+                                     "ws_w2_split2", "ws_w13_bm128", "ws_w2_bm128"])
 def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
     """The warp-specialised Hopper MoE GEMM (.moe.gemm_hopper) for sm_90 at each block size's default config: TMA
     loads, setmaxnreg, programmatic-dependent-launch waits, wgmma (N = the block's rows) with the decoded weights
@@ -654,7 +658,7 @@ def test_fused_moe_k3_cuda(t: int, k3_moe) -> None:
     out = fused_moe_with(x, prepared, tw, ids)
     assert_rel(out, ref, 5e-3, "A16W4")
     out_triton = fused_moe_with(x, prepared, tw, ids, gemm="triton")
-    # on the H200 the default is the warp-specialised Hopper kernel (16-, 32- and 64-row blocks): the same decode
+    # on the H200 the default is the warp-specialised Hopper kernel (16- to 128-row blocks): the same decode
     # and epilogue math as moe_gemm_kernel, outputs apart only by the MMA's fp32 summation order
     assert_rel(out, out_triton, 1e-3, "ws vs moe_gemm_kernel")
     if t <= 64:
@@ -687,8 +691,8 @@ def _assert_graph_replays(prepared: ExpertWeights, x: torch.Tensor, tw: torch.Te
 @pytest.mark.cuda
 def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     """The warp-specialised Hopper GEMMs (``gemm="ws"``), A16W4 and A8W4, against the reference (5e-3 / 1e-2 as
-    above) and captured in a CUDA graph (replays equal the eager result for new routings), at 16-, 32- and 64-row
-    blocks, with and without programmatic dependent launch, w2 in 1, 2 and 4 K parts; where they do not apply
+    above) and captured in a CUDA graph (replays equal the eager result for new routings), at 16-, 32-, 64- and
+    128-row blocks, with and without programmatic dependent launch, w2 in 1, 2 and 4 K parts; where they do not apply
     (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default runs that GEMM
     on ``moe_gemm_kernel`` (checked against the reference)."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -705,14 +709,14 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="ws", **kw), fused_moe_reference(x, weights, tw, ids, **kw),
                1e-2, "ws A8W4")
     _assert_graph_replays(prepared, x, tw, ids, e, (24, 25), gemm="ws")
-    # the prefill blocks (32 / 64 rows, 2 / 4 producer warps) and the launch without PDL: the same bits
+    # the prefill blocks (32 / 64 / 128 rows, 2 / 4 / 4 producer warps) and the launch without PDL: the same bits
     from rocm_k3.triton_kernels.moe import gemm_hopper
 
     t2 = 192  # 24 pairs per expert on average: partly filled 32- and 64-row blocks, two 16-row blocks
     tw2, ids2 = _routing(t2, e, 8, g, "cuda")
     x2 = _randn(t2, hidden, gen=g, device="cuda", dtype=torch.bfloat16)
     ref2 = fused_moe_reference(x2, weights, tw2, ids2)
-    for bm in (16, 32, 64):
+    for bm in gemm_hopper.BLOCK_SIZES:
         cfg = dataclasses.replace(pick_config(t2 * 8, e), block_m=bm)
         ws = gemm_hopper.default_config(bm)
         out_bm = fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=ws)
