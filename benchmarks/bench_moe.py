@@ -18,7 +18,8 @@ through ``routing(..., expt_indx=...)``; it now routes the logits itself). % of 
 (codes + scales of the experts the batch uses, each read once) / 4.27 TB/s / time. The peer runs A16W4 only;
 A8W4 is ours (x and the intermediate rounded through MXFP8, as the reference does). MMA% (the ceiling of the
 compute-bound prefill rows) = T x 16 pairs x 66.06 MFLOP (w13 2 x 3584 x 6144 + w2 2 x 3072 x 3584 per pair) /
-989 TFLOP/s (H200 dense bf16, spec) / time. ``--sweep`` times the tile
+989 TFLOP/s (H200 dense bf16, spec) / time (TFLOP/s: the same FLOPs / time). ``--prefill-sweep`` times the prefill
+tile candidates (:func:`prefill_sweep_configs`, the sweep behind ``fused.TILE_TABLE``). ``--sweep`` times the tile
 variants of ``moe_gemm_kernel`` too. The static SASS count of its K loop (cross-compiled on this machine for sm_90
 with its Triton, cuobjdump) is printed per weight element (the Hopper kernel's: the compile tier checks it).
 """
@@ -94,6 +95,32 @@ def ws_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, ob
         except ValueError:
             continue
         out.append((moe, ws))
+    return out
+
+
+def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, object]]:
+    """(MoEConfig, WsConfig or None for ``moe_gemm_kernel``) tile candidates of the prefill tile table at T = tokens
+    (>= 256): the Hopper kernel at the block sizes from a quarter of an expert's average rows to the first that holds
+    them (128-row blocks, one CTA per SM, from T = 1024), each at its default residency and one ring depth either side,
+    and from T = 2048 ``moe_gemm_kernel`` at 128-row blocks (one program per SM)."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper as H
+
+    rep = dataclasses.replace
+    per_expert = tokens * TOP_K / E
+    out = []
+    for bm in H.BLOCK_SIZES:
+        if bm < per_expert / 4 or bm > 16 and bm / 2 > per_expert * 1.75 or bm == 128 and tokens < 1024:
+            continue  # blocks of under a quarter of an expert's rows, or mostly padding
+        moe = rep(picked, block_m=bm, programs_per_sm=1 if bm == 128 else picked.programs_per_sm)
+        base = H.default_config(bm)
+        out.append((moe, base))
+        for st in (base.stages - 1, base.stages + 1):
+            try:  # ring depths the SM cannot hold at this residency are skipped
+                out.append((moe, rep(base, stages=st)))
+            except ValueError:
+                continue
+    if tokens >= 2048:
+        out.append((rep(picked, block_m=128, programs_per_sm=1, max_registers=None), None))
     return out
 
 
@@ -272,10 +299,11 @@ def _time_variants(t: int, inputs: tuple, variants: list) -> list[dict]:
             continue
         flops = t * TOP_K * PAIR_FLOPS
         row = dict(tokens=t, experts=used, bytes=nbytes, floor_us=floor_us, variant=label, us=us,
-                   hbm_pct=100 * floor_us / us, flops=flops, mma_pct=100 * flops / MMA_PEAK / (us * 1e-6))
+                   hbm_pct=100 * floor_us / us, flops=flops, tflops=flops / us / 1e6,
+                   mma_pct=100 * flops / MMA_PEAK / (us * 1e-6))
         rows.append(row)
         print(f"{t:>5} {used:>7} {floor_us:8.1f}us {label:<42} {us:9.1f}us {row['hbm_pct']:5.1f}% "
-              f"{row['mma_pct']:5.1f}%", flush=True)
+              f"{row['tflops']:6.1f} {row['mma_pct']:5.1f}%", flush=True)
     torch.cuda.empty_cache()
     return rows
 
@@ -290,6 +318,8 @@ def main() -> None:
                              "short label printed) matches this regular expression (the picked one always runs)")
     parser.add_argument("--ws-sweep", action="store_true",
                         help="also time the warp-specialised Hopper kernel's variants (WsConfig) at every T")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="also time the prefill tile candidates (prefill_sweep_configs) at every T >= 256")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--act-ab", action="store_true",
@@ -322,7 +352,8 @@ def main() -> None:
             traceback.print_exc()
     print(f"MMA% = T x {TOP_K} pairs x {PAIR_FLOPS / 1e6:.2f} MFLOP (w13 2 x {HIDDEN} x {2 * N} + w2 2 x {N} x "
           f"{HIDDEN}) / {MMA_PEAK / 1e12:.0f} TFLOP/s (H200 dense bf16) / time", flush=True)
-    print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6} {'MMA%':>6}", flush=True)
+    print(f"{'T':>5} {'experts':>7} {'floor':>9} {'variant':<42} {'time':>10} {'HBM%':>6} {'TFLOP/s':>6} {'MMA%':>6}",
+          flush=True)
     inputs: dict = {}
     kernels: dict = {}
     for t in args.tokens:
@@ -368,6 +399,14 @@ def main() -> None:
             rows += _time_variants(t, inputs[t], [(f"ws A16W4 {_ws_short(moe, ws)}",
                                                    ours(prepared, "bf16", moe, None, "ws", ws))
                                                   for moe, ws in ws_sweep_configs(picked, t)])
+    if args.prefill_sweep:
+        for t in (t for t in args.tokens if t >= 256):
+            picked = pick_config(t * TOP_K, E)
+            rows += _time_variants(t, inputs[t], [(f"tiles A16W4 default {_short(picked)}",
+                                                   ours(prepared, "bf16", None))] + [
+                (f"tiles A16W4 {_ws_short(moe, ws) if ws is not None else 'moe_gemm_kernel ' + _short(moe)}",
+                 ours(prepared, "bf16", moe, None, "triton" if ws is None else "ws", ws))
+                for moe, ws in prefill_sweep_configs(picked, t)])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),
@@ -375,7 +414,8 @@ def main() -> None:
         row["speedup_vs_peer"] = peer_us / row["us"] if peer_us else None
         vs = f"{row['speedup_vs_peer']:.2f}x" if row["speedup_vs_peer"] else "-"
         print(f"{row['tokens']:>5} {row['experts']:>7} {row['floor_us']:8.1f}us {row['variant'][:72]:<72} "
-              f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {row['mma_pct']:5.1f}% {vs:>7}", flush=True)
+              f"{row['us']:9.1f}us {row['hbm_pct']:5.1f}% {row['tflops']:6.1f} {row['mma_pct']:5.1f}% {vs:>7}",
+              flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_moe.json").write_text(json.dumps({"sass": sass, "rows": rows, "kernels": kernels}, indent=1))

@@ -4,7 +4,7 @@ One GEMM design (swap-AB MMA over the used (expert block, 128-row tile, K split)
 the wide operand, the same layout, decode and epilogue math) in two kernels: :func:`.kernels.moe_gemm_kernel`
 (persistent Triton, every backend, decode and prefill; only the tiles change: :func:`pick_config`) and, on sm_90,
 :func:`.gemm_hopper.moe_gemm_ws_kernel` (warp-specialised Gluon: TMA producer warps, decode + register-A wgmma
-consumer, 16-, 32- and 64-row blocks, launched as programmatic dependent launches; the same decode bits and
+consumer, 16- to 128-row blocks, launched as programmatic dependent launches; the same decode bits and
 epilogue math, 1.2-1.3x ``moe_gemm_kernel``'s speed on the H200 at decode and 1.2x at prefill, benchmarks/RESULTS.md
 sessions 7 to 9). Launches at decode (A16W4): the align (which also zeroes the GEMMs' item counters), the w13
 GEMM, the w2 GEMM and the reduce (4; A8W4 adds the x round trip); on sm_90 the align, the reduce and the Hopper kernel's
@@ -84,10 +84,20 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.max_registers must be None or an int in [24, 255], got {self.max_registers!r}")
 
 
+# The tile table: (most rows an expert gets on average, block_m, programs per SM, register cap of moe_gemm_kernel);
+# the Hopper kernel runs the same block_m at gemm_hopper.default_config. K3 (896 experts, top-16) on the H200,
+# 2026-12-04 sweep (benchmarks/RESULTS.md, "MoE prefill tiles"): T = 256 / 512 -> 16 rows (4.6-4.8 / 4.7-5.2 ms;
+# 32 rows 5.5 ms at 512), T = 1024 -> 32 (5.9 ms; 16 rows 7.7, 64 rows 7.4), T = 2048 -> 64 (8.2 ms; 32 rows 10.1,
+# 128 rows 14.3), T = 8192 -> 64 (24.6-27.0 ms; 128 rows 28.8, moe_gemm_kernel at 128 rows 36.1).
+TILE_TABLE = ((12.0, 16, 4, 128), (24.0, 32, 3, 168), (float("inf"), 64, 2, None))
+
+
 def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
     """Tiles for a routing of ``num_pairs`` (token, slot) pairs over ``num_experts`` experts.
 
-    block_m covers the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up to 64 at prefill.
+    block_m from :data:`TILE_TABLE` by the rows an expert gets on average (16 at decode; K3: up to T ~ 700), up
+    to 64 at prefill (128-row blocks pad K3's 37 / 146 rows per expert at T = 2048 / 8192 to 128 / 256 rows and
+    were 1.17-1.76x slower in the sweep).
     No K split: on the H200 at K3 shapes the unsplit w2 was the fastest in every run (T = 1: 153.8 us against
     157.7 / 161.2 us split 2 / 4 ways; T = 4: 453.0 against 472.0 / 490.0 us; benchmarks/RESULTS.md, session 4).
     Items from the atomic counter (``dynamic``) from 64 pairs up (K3: T >= 4; 437 against 463 us at T = 4, 1401
@@ -95,9 +105,7 @@ def pick_config(num_pairs: int, num_experts: int) -> MoEConfig:
     (170 against 155 us) than the balance gains.
     """
     per_expert = num_pairs / max(1, num_experts)
-    block_m = 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64
-    # resident programs per SM: 128 registers for 16-row blocks (4 x 128 threads), 168 for 32, no cap for 64 (2)
-    per_sm, regs = {16: (4, 128), 32: (3, 168), 64: (2, None)}[block_m]
+    block_m, per_sm, regs = next(row[1:] for row in TILE_TABLE if per_expert <= row[0])
     return MoEConfig(block_m=block_m, programs_per_sm=per_sm, max_registers=regs, dynamic=num_pairs >= 64)
 
 
