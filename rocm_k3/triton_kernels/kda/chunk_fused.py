@@ -1,0 +1,218 @@
+"""Phases 1-3 of the chunked KDA prefill in one launch: prep, in-chunk A / Aqk and the WY solve, one program per
+(chunk, head), walking the chunk's four 16-row sub-blocks in order with A kept on chip.
+
+For sub-block I (rows 16 I .. 16 I + 15 of the chunk), with the carry c = sum of g over the earlier rows::
+
+    g = kda_gate(f),  G_I = c + cumsum(g),  q', k', b      as in chunk_prep
+    QG_I = q' exp(G_I)                                       -> written
+    X_I  = b exp(G_I) k'                                     -> written into W's rows (read back by the solve)
+    m_I  = G at the block's 8th row (the reference row of chunk_intra)
+    kinv_I = k' exp(m_I - G_I)                               kept (fp32 [16, K]): the column side of A
+    A_IJ   = b_I (k' exp(G_I - m_I)) (kinv_J exp(m_I - m_J))^T     J <= I (J = I: strictly lower part), kept
+    Aqk_IJ =     (q' exp(G_I - m_I)) (kinv_J exp(m_I - m_J))^T     J <= I (J = I: lower part), written; J > I: 0
+
+so every decay factor is the one chunk_intra uses (within 8 steps of a reference row, or <= 1). After the last
+block, GL = exp(G_last) and KD_I = kinv_I exp(G_last - m_I) (<= the same range) are written, then the solve of
+chunk_solve runs on the A blocks held in registers: the 16 x 16 diagonal blocks inverted row by row in fp32,
+W_I = T_II (X_I - sum_{J<I} A_IJ W_J), the same for U with b v. Compared with the three launches this drops the
+q', k', G, b and A round trips through memory (~1.3 KB written and ~2.5 KB read per token and head at K = V = 128).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rocm_k3.triton_kernels.kda.chunk_solve import _mm, _substitute_row
+from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
+
+
+@triton.jit
+def _prep_block(q_c, k_c, g_c, beta_c, a_log_ptr, dt_bias_ptr, qg_c, w_c, carry, n, scale, lower_bound,
+                I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, HAS_GATE: tl.constexpr,
+                SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr, DOT_T: tl.constexpr):
+    """Sub-block I: writes QG and X (into W's rows); returns (kp, qp, kinv, m, b, carry after the block)."""
+    BC: tl.constexpr = 16
+    r = tl.arange(0, BC)
+    rk = tl.arange(0, K)
+    rows = I * BC + r
+    mrow = rows < n
+    m2d = mrow[:, None]
+    loc = rows[:, None] * (H * K) + rk[None, :]  # [BC, K] from the chunk's first row (head offset in the bases)
+    g = tl.load(g_c + loc, mask=m2d, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        g = gate(g, tl.load(a_log_ptr), tl.load(dt_bias_ptr + rk)[None, :], lower_bound, SAFE_GATE)
+    g = tl.where(m2d, g, 0.0)
+    gc = carry[None, :] + tl.cumsum(g, axis=0)  # G, flat past the chunk's end
+    m = tl.sum(tl.where(r[:, None] == 7, gc, 0.0), axis=0)  # [K] reference row
+    b = tl.load(beta_c + rows * H, mask=mrow, other=0.0).to(tl.float32)
+    if BETA_LOGITS:
+        b = sigmoid_f32(b)
+    b = tl.where(mrow, b, 0.0)
+    k = tl.load(k_c + loc, mask=m2d, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    eg = tl.exp(gc)
+    tl.store(w_c + loc, (k * eg * b[:, None]).to(w_c.dtype.element_ty), mask=m2d)  # X_I
+    dec = tl.exp(gc - m[None, :])
+    kp = (k * dec).to(DOT_T)
+    kinv = k * tl.exp(m[None, :] - gc)
+    q = tl.load(q_c + loc, mask=m2d, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q = q * (scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None]
+    else:
+        q = q * scale
+    tl.store(qg_c + loc, (q * eg).to(qg_c.dtype.element_ty), mask=m2d)
+    qp = (q * dec).to(DOT_T)
+    return kp, qp, kinv, m, b, carry + tl.sum(g, axis=0)
+
+
+@triton.jit
+def _pair(kp, qp, b, m_i, kinv_j, m_j, aqk_c, n, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr,
+          DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """A_IJ (fp32, returned) and Aqk_IJ (written) for J <= I."""
+    BC: tl.constexpr = 16
+    BT: tl.constexpr = 64
+    r = tl.arange(0, BC)
+    if J == I:
+        kn = tl.trans(kinv_j.to(DOT_T))  # [K, BC]
+    else:
+        kn = tl.trans((kinv_j * tl.exp(m_i - m_j)[None, :]).to(DOT_T))
+    a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
+    aqk = tl.dot(qp, kn, input_precision=PREC)
+    if J == I:
+        a = tl.where(r[:, None] > r[None, :], a, 0.0)
+        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+    rows = I * BC + r
+    tl.store(aqk_c + rows[:, None] * (H * BT) + J * BC + r[None, :], aqk.to(aqk_c.dtype.element_ty),
+             mask=(rows < n)[:, None])
+    return a
+
+
+@triton.jit
+def _zero_aqk(aqk_c, n, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr):
+    BC: tl.constexpr = 16
+    BT: tl.constexpr = 64
+    r = tl.arange(0, BC)
+    rows = I * BC + r
+    tl.store(aqk_c + rows[:, None] * (H * BT) + J * BC + r[None, :],
+             tl.zeros([BC, BC], dtype=aqk_c.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+@triton.jit
+def _kd_block(kd_c, kinv, m, glast, n, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr):
+    BC: tl.constexpr = 16
+    rows = I * BC + tl.arange(0, BC)
+    loc = rows[:, None] * (H * K) + tl.arange(0, K)[None, :]
+    kd = kinv * tl.exp(glast - m)[None, :]  # k' exp(G_last - G)
+    tl.store(kd_c + loc, kd.to(kd_c.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+@triton.jit
+def _solve_block(w_c, u_c, v_c, b, t, rhs_w, rhs_u, n, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """W_I = T_II (X_I - rhs_w), U_I = T_II (b v_I - rhs_u); writes and returns both (fp32)."""
+    BC: tl.constexpr = 16
+    rows = I * BC + tl.arange(0, BC)
+    m2d = (rows < n)[:, None]
+    loc_k = rows[:, None] * (H * K) + tl.arange(0, K)[None, :]
+    loc_v = rows[:, None] * (H * V) + tl.arange(0, V)[None, :]
+    x = tl.load(w_c + loc_k, mask=m2d, other=0.0).to(tl.float32)
+    y = tl.load(v_c + loc_v, mask=m2d, other=0.0).to(tl.float32) * b[:, None]
+    w = _mm(t, x - rhs_w, DOT_T, PREC)
+    u = _mm(t, y - rhs_u, DOT_T, PREC)
+    tl.store(w_c + loc_k, w.to(w_c.dtype.element_ty), mask=m2d)
+    tl.store(u_c + loc_v, u.to(u_c.dtype.element_ty), mask=m2d)
+    return w, u
+
+
+@triton.jit
+def chunk_fused_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # inputs: q, k [T, H, K]; v [T, H, V]; g [T, H, K]; beta [T, H]
+    a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
+    chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
+    qg_ptr, kd_ptr, glast_ptr, aqk_ptr, w_ptr, u_ptr,  # outputs: QG, KD [T,H,K]; GL fp32 [NC,H,K]; Aqk [T,H,64]; W, U
+    scale, lower_bound,  # fp32 scalars
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr,
+):
+    BT: tl.constexpr = 64
+    BC: tl.constexpr = 16
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(chunk_seq_ptr + c)
+    t0 = tl.load(chunk_start_ptr + c)
+    n = tl.minimum(tl.load(cu_seqlens_ptr + seq + 1) - t0, BT)  # rows in this chunk
+    row0 = t0.to(tl.int64)  # 64-bit row base; the tiles add 32-bit offsets
+    bk = row0 * (H * K) + h * K
+    q_c, k_c, g_c, qg_c, kd_c, w_c = q_ptr + bk, k_ptr + bk, g_ptr + bk, qg_ptr + bk, kd_ptr + bk, w_ptr + bk
+    bv = row0 * (H * V) + h * V
+    v_c, u_c = v_ptr + bv, u_ptr + bv
+    beta_c = beta_ptr + row0 * H + h
+    aqk_c = aqk_ptr + row0 * (H * BT) + h * BT
+    a_log_h, dt_bias_h = a_log_ptr + h, dt_bias_ptr + h * K
+    carry = tl.zeros([K], dtype=tl.float32)
+
+    kp, qp, kinv0, m0, b0, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
+                                               scale, lower_bound, 0, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
+                                               BETA_LOGITS, DOT_T)
+    a00 = _pair(kp, qp, b0, m0, kinv0, m0, aqk_c, n, 0, 0, H, DOT_T, PREC)
+    for j in tl.static_range(1, 4):
+        _zero_aqk(aqk_c, n, 0, j, H)
+
+    kp, qp, kinv1, m1, b1, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
+                                               scale, lower_bound, 1, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
+                                               BETA_LOGITS, DOT_T)
+    a10 = _pair(kp, qp, b1, m1, kinv0, m0, aqk_c, n, 1, 0, H, DOT_T, PREC)
+    a11 = _pair(kp, qp, b1, m1, kinv1, m1, aqk_c, n, 1, 1, H, DOT_T, PREC)
+    for j in tl.static_range(2, 4):
+        _zero_aqk(aqk_c, n, 1, j, H)
+
+    kp, qp, kinv2, m2, b2, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
+                                               scale, lower_bound, 2, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
+                                               BETA_LOGITS, DOT_T)
+    a20 = _pair(kp, qp, b2, m2, kinv0, m0, aqk_c, n, 2, 0, H, DOT_T, PREC)
+    a21 = _pair(kp, qp, b2, m2, kinv1, m1, aqk_c, n, 2, 1, H, DOT_T, PREC)
+    a22 = _pair(kp, qp, b2, m2, kinv2, m2, aqk_c, n, 2, 2, H, DOT_T, PREC)
+    _zero_aqk(aqk_c, n, 2, 3, H)
+
+    kp, qp, kinv3, m3, b3, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
+                                               scale, lower_bound, 3, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
+                                               BETA_LOGITS, DOT_T)
+    a30 = _pair(kp, qp, b3, m3, kinv0, m0, aqk_c, n, 3, 0, H, DOT_T, PREC)
+    a31 = _pair(kp, qp, b3, m3, kinv1, m1, aqk_c, n, 3, 1, H, DOT_T, PREC)
+    a32 = _pair(kp, qp, b3, m3, kinv2, m2, aqk_c, n, 3, 2, H, DOT_T, PREC)
+    a33 = _pair(kp, qp, b3, m3, kinv3, m3, aqk_c, n, 3, 3, H, DOT_T, PREC)
+
+    glast = carry  # G at the chunk's last row (padding rows add 0)
+    tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(glast))
+    _kd_block(kd_c, kinv0, m0, glast, n, 0, H, K)
+    _kd_block(kd_c, kinv1, m1, glast, n, 1, H, K)
+    _kd_block(kd_c, kinv2, m2, glast, n, 2, H, K)
+    _kd_block(kd_c, kinv3, m3, glast, n, 3, H, K)
+
+    # the four diagonal blocks inverted together, row by row (fp32), as in chunk_solve
+    r = tl.arange(0, BC)
+    t00 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    t11 = t00
+    t22 = t00
+    t33 = t00
+    for i in range(1, BC):
+        t00 = _substitute_row(a00, t00, i, r)
+        t11 = _substitute_row(a11, t11, i, r)
+        t22 = _substitute_row(a22, t22, i, r)
+        t33 = _substitute_row(a33, t33, i, r)
+
+    tl.debug_barrier()  # X rows written by other threads of this program are read back below
+    zk = tl.zeros([BC, K], dtype=tl.float32)
+    zv = tl.zeros([BC, V], dtype=tl.float32)
+    w0, u0 = _solve_block(w_c, u_c, v_c, b0, t00, zk, zv, n, 0, H, K, V, DOT_T, PREC)
+    w1, u1 = _solve_block(w_c, u_c, v_c, b1, t11, _mm(a10, w0, DOT_T, PREC), _mm(a10, u0, DOT_T, PREC), n, 1,
+                          H, K, V, DOT_T, PREC)
+    w2, u2 = _solve_block(w_c, u_c, v_c, b2, t22, _mm(a20, w0, DOT_T, PREC) + _mm(a21, w1, DOT_T, PREC),
+                          _mm(a20, u0, DOT_T, PREC) + _mm(a21, u1, DOT_T, PREC), n, 2, H, K, V, DOT_T, PREC)
+    _solve_block(w_c, u_c, v_c, b3, t33,
+                 _mm(a30, w0, DOT_T, PREC) + _mm(a31, w1, DOT_T, PREC) + _mm(a32, w2, DOT_T, PREC),
+                 _mm(a30, u0, DOT_T, PREC) + _mm(a31, u1, DOT_T, PREC) + _mm(a32, u2, DOT_T, PREC), n, 3,
+                 H, K, V, DOT_T, PREC)
