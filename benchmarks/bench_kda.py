@@ -93,8 +93,21 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
                                          + (f" saves/{inter_every}" if inter_every else "")
                                          + (f" {len(fresh)} fresh" if fresh else ""),
            "ms": _bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))}
-    if sweep_fused:  # the three-launch path and other fused-kernel settings, checked against the default
+    o_ref = None
+
+    def timed_variant() -> tuple[float, str] | str:
+        """(ms, relative error of o against the default's) of the settings now in place, or the error."""
+        try:
+            o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
+            err = ((o - o_ref).norm() / o_ref.norm()).item()
+            return (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params)), 4),
+                    f"rel {err:.1e}")
+        except Exception as exc:
+            return repr(exc)[:80]
+
+    if sweep or sweep_fused:
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
+    if sweep_fused:  # the three-launch path and other fused-kernel settings, checked against the default
         defaults = tri_prefill.FUSED, dict(tri_prefill.PHASE_WARPS), tri_prefill.FUSED_MAXNREG
         for key, fused, warps, nreg in (("ms_3launch", False, 4, None), ("ms_fused_w2", True, 2, None),
                                         ("ms_fused_w4", True, 4, None), ("ms_fused_w8", True, 8, None),
@@ -102,17 +115,11 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
             tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = fused, nreg
             tri_prefill.PHASE_WARPS["fused"] = warps
             try:
-                o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-                err = ((o - o_ref).norm() / o_ref.norm()).item()
-                row[key] = (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init,
-                                                     gate_params=params)), 4), f"rel {err:.1e}")
-            except Exception as exc:
-                row[key] = repr(exc)[:80]
+                row[key] = timed_variant()
             finally:
                 tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = defaults[0], defaults[2]
                 tri_prefill.PHASE_WARPS.update(defaults[1])
     if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
-        o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
         default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
         for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
                             ((32, 4), True), ((64, 4), True), ((64, 8), True)):
@@ -120,12 +127,7 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
             tri_prefill.SPLIT_OUTPUT = split
             key = f"ms_state_bv{tile[0]}_w{tile[1]}" + ("_split" if split else "")
             try:
-                o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-                err = ((o - o_ref).norm() / o_ref.norm()).item()
-                row[key] = (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init,
-                                                     gate_params=params)), 4), f"rel {err:.1e}")
-            except Exception as exc:
-                row[key] = repr(exc)[:80]
+                row[key] = timed_variant()
             finally:
                 tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
     if sweep_warps:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.chunk_solve import _mm, _substitute_row
-from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
+from rocm_k3.triton_kernels.kda.chunk_solve import _mm, invert_diagonal_blocks
+from rocm_k3.triton_kernels.kda.common import chunk_bounds, gate, sigmoid_f32
 
 
 @triton.jit
@@ -90,16 +90,6 @@ def _pair(kp, qp, b, m_i, kinv_j, m_j, aqk_c, n, I: tl.constexpr, J: tl.constexp
 
 
 @triton.jit
-def _zero_aqk(aqk_c, n, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr):
-    BC: tl.constexpr = 16
-    BT: tl.constexpr = 64
-    r = tl.arange(0, BC)
-    rows = I * BC + r
-    tl.store(aqk_c + rows[:, None] * (H * BT) + J * BC + r[None, :],
-             tl.zeros([BC, BC], dtype=aqk_c.dtype.element_ty), mask=(rows < n)[:, None])
-
-
-@triton.jit
 def _kd_block(kd_c, kinv, m, glast, n, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr):
     BC: tl.constexpr = 16
     rows = I * BC + tl.arange(0, BC)
@@ -141,9 +131,7 @@ def chunk_fused_kernel(
     BC: tl.constexpr = 16
     c = tl.program_id(0)
     h = tl.program_id(1)
-    seq = tl.load(chunk_seq_ptr + c)
-    t0 = tl.load(chunk_start_ptr + c)
-    n = tl.minimum(tl.load(cu_seqlens_ptr + seq + 1) - t0, BT)  # rows in this chunk
+    t0, n = chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT)  # rows t0 .. t0 + n - 1
     row0 = t0.to(tl.int64)  # 64-bit row base; the tiles add 32-bit offsets
     bk = row0 * (H * K) + h * K
     q_c, k_c, g_c, qg_c, kd_c, w_c = q_ptr + bk, k_ptr + bk, g_ptr + bk, qg_ptr + bk, kd_ptr + bk, w_ptr + bk
@@ -153,21 +141,21 @@ def chunk_fused_kernel(
     aqk_c = aqk_ptr + row0 * (H * BT) + h * BT
     a_log_h, dt_bias_h = a_log_ptr + h, dt_bias_ptr + h * K
     carry = tl.zeros([K], dtype=tl.float32)
+    rt = tl.arange(0, BT)
+    upper = ((rt[None, :] // BC) > (rt[:, None] // BC)) & (rt < n)[:, None]  # Aqk blocks J > I: zero
+    tl.store(aqk_c + rt[:, None] * (H * BT) + rt[None, :], tl.zeros([BT, BT], dtype=aqk_c.dtype.element_ty),
+             mask=upper)
 
     kp, qp, kinv0, m0, b0, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
                                                scale, lower_bound, 0, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
                                                BETA_LOGITS, DOT_T)
     a00 = _pair(kp, qp, b0, m0, kinv0, m0, aqk_c, n, 0, 0, H, DOT_T, PREC)
-    for j in tl.static_range(1, 4):
-        _zero_aqk(aqk_c, n, 0, j, H)
 
     kp, qp, kinv1, m1, b1, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
                                                scale, lower_bound, 1, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
                                                BETA_LOGITS, DOT_T)
     a10 = _pair(kp, qp, b1, m1, kinv0, m0, aqk_c, n, 1, 0, H, DOT_T, PREC)
     a11 = _pair(kp, qp, b1, m1, kinv1, m1, aqk_c, n, 1, 1, H, DOT_T, PREC)
-    for j in tl.static_range(2, 4):
-        _zero_aqk(aqk_c, n, 1, j, H)
 
     kp, qp, kinv2, m2, b2, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
                                                scale, lower_bound, 2, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
@@ -175,7 +163,6 @@ def chunk_fused_kernel(
     a20 = _pair(kp, qp, b2, m2, kinv0, m0, aqk_c, n, 2, 0, H, DOT_T, PREC)
     a21 = _pair(kp, qp, b2, m2, kinv1, m1, aqk_c, n, 2, 1, H, DOT_T, PREC)
     a22 = _pair(kp, qp, b2, m2, kinv2, m2, aqk_c, n, 2, 2, H, DOT_T, PREC)
-    _zero_aqk(aqk_c, n, 2, 3, H)
 
     kp, qp, kinv3, m3, b3, carry = _prep_block(q_c, k_c, g_c, beta_c, a_log_h, dt_bias_h, qg_c, w_c, carry, n,
                                                scale, lower_bound, 3, H, K, HAS_GATE, SAFE_GATE, QK_NORM,
@@ -192,17 +179,7 @@ def chunk_fused_kernel(
     _kd_block(kd_c, kinv2, m2, glast, n, 2, H, K)
     _kd_block(kd_c, kinv3, m3, glast, n, 3, H, K)
 
-    # the four diagonal blocks inverted together, row by row (fp32), as in chunk_solve
-    r = tl.arange(0, BC)
-    t00 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    t11 = t00
-    t22 = t00
-    t33 = t00
-    for i in range(1, BC):
-        t00 = _substitute_row(a00, t00, i, r)
-        t11 = _substitute_row(a11, t11, i, r)
-        t22 = _substitute_row(a22, t22, i, r)
-        t33 = _substitute_row(a33, t33, i, r)
+    t00, t11, t22, t33 = invert_diagonal_blocks(a00, a11, a22, a33, BC)  # row by row, fp32, as in chunk_solve
 
     tl.debug_barrier()  # X rows written by other threads of this program are read back below
     zk = tl.zeros([BC, K], dtype=tl.float32)
