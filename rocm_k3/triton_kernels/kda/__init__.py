@@ -7,8 +7,8 @@
 the first three phases in one launch, behind ``prefill.FUSED``): the phases of the chunked prefill, driven by
 ``prefill.py``; ``decode.py`` (the fused one-kernel decode step); ``common.py``
 (shared device helpers and the varlen chunk plan). Tuning knobs (measured on the H200) sit beside the kernels:
-``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` and ``decode.DECODE_WARPS`` /
-``decode.DECODE_PREFETCH``.
+``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` and
+``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """
 
