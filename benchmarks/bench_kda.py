@@ -1,6 +1,6 @@
 """Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
 
-    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile]
+    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only]
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -60,7 +60,10 @@ def _fla():
 
 
 def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
-                 sweep_warps: bool = False) -> dict:
+                 sweep_warps: bool = False, sweep_fused: bool = False, inter_every: int = 0,
+                 fresh: tuple[int, ...] = ()) -> dict:
+    """One prefill shape; ``inter_every`` > 0 also saves the state every that many tokens of each sequence (prefix
+    caching), ``fresh`` lists the sequences without an initial state."""
     T, N = sum(lengths), len(lengths)
     dev = "cuda"
     bf = torch.bfloat16
@@ -72,13 +75,51 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
     pool = (torch.randn(N, H, D, D, generator=gen) * 0.05).to(dev)
     idx = torch.arange(N, dtype=torch.int32, device=dev)
     has_init = torch.ones(N, dtype=torch.bool, device=dev)
+    has_init[list(fresh)] = False
+    pool[list(fresh)] = 0.0  # FLA reads them as its (zero) initial states
     params = KDAGateParams(a_log, dt_bias, LOWER)
-    run = KERNELS["kda_prefill"][0]
+    inter = None
+    if inter_every:
+        inter = torch.tensor([[i, p] for i, n in enumerate(lengths) for p in range(inter_every, n + 1, inter_every)],
+                             dtype=torch.int32, device=dev).view(-1, 2)
+    prefill = KERNELS["kda_prefill"][0]
+
+    def run(*a, **kw):
+        return prefill(*a, **kw, intermediate_positions=inter)
+
     pool0 = pool.clone()  # timing runs update pool in place; correctness checks start from this copy
-    row = {"op": "kda_prefill", "shape": f"H{H} N{N} T{T} D{D} bf16",
+    name = "varlen " if N > 1 and len(set(lengths)) > 1 else ""
+    row = {"op": "kda_prefill", "shape": f"{name}H{H} N{N} T{T} D{D} bf16"
+                                         + (f" saves/{inter_every}" if inter_every else "")
+                                         + (f" {len(fresh)} fresh" if fresh else ""),
            "ms": _bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params))}
-    if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
+    o_ref = None
+
+    def timed_variant() -> tuple[float, str] | str:
+        """(ms, relative error of o against the default's) of the settings now in place, or the error."""
+        try:
+            o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
+            err = ((o - o_ref).norm() / o_ref.norm()).item()
+            return (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params)), 4),
+                    f"rel {err:.1e}")
+        except Exception as exc:
+            return repr(exc)[:80]
+
+    if sweep or sweep_fused:
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
+    if sweep_fused:  # the three-launch path and other fused-kernel settings, checked against the default
+        defaults = tri_prefill.FUSED, dict(tri_prefill.PHASE_WARPS), tri_prefill.FUSED_MAXNREG
+        for key, fused, warps, nreg in (("ms_3launch", False, 4, None), ("ms_fused_w2", True, 2, None),
+                                        ("ms_fused_w4", True, 4, None), ("ms_fused_w8", True, 8, None),
+                                        ("ms_fused_w8_r128", True, 8, 128), ("ms_fused_w4_r128", True, 4, 128)):
+            tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = fused, nreg
+            tri_prefill.PHASE_WARPS["fused"] = warps
+            try:
+                row[key] = timed_variant()
+            finally:
+                tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = defaults[0], defaults[2]
+                tri_prefill.PHASE_WARPS.update(defaults[1])
+    if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
         default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
         for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
                             ((32, 4), True), ((64, 4), True), ((64, 8), True)):
@@ -86,12 +127,7 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
             tri_prefill.SPLIT_OUTPUT = split
             key = f"ms_state_bv{tile[0]}_w{tile[1]}" + ("_split" if split else "")
             try:
-                o = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-                err = ((o - o_ref).norm() / o_ref.norm()).item()
-                row[key] = (round(_bench(lambda: run(q, k, v, f, beta, cu, pool, idx, has_init,
-                                                     gate_params=params)), 4), f"rel {err:.1e}")
-            except Exception as exc:
-                row[key] = repr(exc)[:80]
+                row[key] = timed_variant()
             finally:
                 tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
     if sweep_warps:
@@ -207,17 +243,25 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--sweep", action="store_true", help="also time other tile/warp choices")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     chunk_kda, fla_rec = _fla()
     rows = []
-    for H, N in ((96, 64), (96, 256), (12, 256), (12, 1024)):
+    for H, N in () if args.prefill_only else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    for i, (H, lengths) in enumerate(((96, [4096]), (12, [4096]), (96, [1024] * 4), (12, [8192] * 4))):
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and i < 2, args.sweep and i == 0))
+    varlen = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
+    # (H, lengths, state-tile sweep, fused sweep, save every, sequences without an initial state)
+    cases = ((96, [1024], False, False, 0, ()), (96, [4096], True, True, 0, ()), (96, [16384], False, False, 0, ()),
+             (96, [65536], False, True, 0, ()), (96, varlen, False, True, 0, (1, 3)),
+             (96, varlen, False, False, 1024, (1, 3)), (96, [1024] * 4, False, False, 0, ()),
+             (12, [4096], False, False, 0, ()), (12, [8192] * 4, False, False, 0, ()))
+    for H, lengths, tiles, fused, every, fresh in cases:
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and tiles, False, args.sweep and fused,
+                                 every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
         profile_prefill(96, 4096, gen)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.common import chunk_bounds
+
 
 @triton.jit
 def _load_block(a_ptr, t0, n_rows, I: tl.constexpr, J: tl.constexpr, stride, BC: tl.constexpr):
@@ -35,6 +37,23 @@ def _substitute_row(a, t, i, r):
     a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)  # row i of a, indexed by column j
     new = tl.where(r == i, 1.0, -tl.sum(a_i[:, None] * t, axis=0))
     return tl.where(r[:, None] == i, new[None, :], t)
+
+
+@triton.jit
+def invert_diagonal_blocks(a00, a11, a22, a33, BC: tl.constexpr):
+    """(I + a_II)^-1 of the four strictly lower [BC, BC] diagonal blocks, row by row in fp32, inverted together
+    (four independent chains per step)."""
+    r = tl.arange(0, BC)
+    t00 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    t11 = t00
+    t22 = t00
+    t33 = t00
+    for i in range(1, BC):
+        t00 = _substitute_row(a00, t00, i, r)
+        t11 = _substitute_row(a11, t11, i, r)
+        t22 = _substitute_row(a22, t22, i, r)
+        t33 = _substitute_row(a33, t33, i, r)
+    return t00, t11, t22, t33
 
 
 @triton.jit
@@ -78,27 +97,14 @@ def chunk_solve_kernel(
     BC: tl.constexpr = 16
     c = tl.program_id(0)
     h = tl.program_id(1)
-    seq = tl.load(chunk_seq_ptr + c)
-    t0 = tl.load(chunk_start_ptr + c)
-    n = tl.minimum(tl.load(cu_seqlens_ptr + seq + 1), t0 + BT) - t0  # rows in this chunk
+    t0, n = chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT)  # rows t0 .. t0 + n - 1
     sa = H * BT
     a_h = a_ptr + h * BT
     r = tl.arange(0, BC)
 
-    # the four diagonal blocks, inverted together (four independent chains per step)
-    a00 = _load_block(a_h, t0, n, 0, 0, sa, BC)
-    a11 = _load_block(a_h, t0, n, 1, 1, sa, BC)
-    a22 = _load_block(a_h, t0, n, 2, 2, sa, BC)
-    a33 = _load_block(a_h, t0, n, 3, 3, sa, BC)
-    t00 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    t11 = t00
-    t22 = t00
-    t33 = t00
-    for i in range(1, BC):
-        t00 = _substitute_row(a00, t00, i, r)
-        t11 = _substitute_row(a11, t11, i, r)
-        t22 = _substitute_row(a22, t22, i, r)
-        t33 = _substitute_row(a33, t33, i, r)
+    t00, t11, t22, t33 = invert_diagonal_blocks(
+        _load_block(a_h, t0, n, 0, 0, sa, BC), _load_block(a_h, t0, n, 1, 1, sa, BC),
+        _load_block(a_h, t0, n, 2, 2, sa, BC), _load_block(a_h, t0, n, 3, 3, sa, BC), BC)
 
     kn_h, v_h, g_h, b_h = kn_ptr + h * K, v_ptr + h * V, gcum_ptr + h * K, beta_ptr + h
     w_h, u_h = w_ptr + h * K, u_ptr + h * V

@@ -43,6 +43,14 @@ def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
     return g
 
 
+@triton.jit
+def chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT: tl.constexpr):
+    """(first row, number of rows) of chunk c of the plan (the last chunk of a sequence may be short)."""
+    seq = tl.load(chunk_seq_ptr + c)
+    t0 = tl.load(chunk_start_ptr + c)
+    return t0, tl.minimum(tl.load(cu_seqlens_ptr + seq + 1) - t0, BT)
+
+
 class ChunkPlan(NamedTuple):
     """The 64-token chunks of a varlen batch, sequences in order, chunks in order inside each sequence.
 

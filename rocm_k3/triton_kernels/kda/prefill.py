@@ -1,4 +1,7 @@
-"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches.
+"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches (default) or two (``FUSED``).
+
+    FUSED    chunk_fused  phases 1-3 below in one program per (chunk, head), A kept on chip
+             chunk_state  phase 4
 
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block
@@ -18,6 +21,7 @@ import torch
 import triton.language as tl
 
 from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
+from rocm_k3.triton_kernels.kda.chunk_fused import chunk_fused_kernel
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
@@ -32,7 +36,12 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2}
+PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2, "fused": 4}
+# Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
+# the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).
+FUSED = False
+# NVIDIA register cap per thread of chunk_fused (None: the compiler's choice).
+FUSED_MAXNREG: int | None = None
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -124,31 +133,28 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     def buf(*shape: int, dtype: torch.dtype = mid_dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=dev)
 
-    qn, kn, qg, kd = buf(T, H, K), buf(T, H, K), buf(T, H, K), buf(T, H, K)
-    gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
-    glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     if gate_params is not None:
         a_log, dt_bias = gate_params.A_log.float().contiguous(), gate_params.dt_bias.float().contiguous()
         lower = gate_params.lower_bound
     else:
-        a_log, dt_bias, lower = gcum, gcum, None  # unread placeholders
+        a_log, dt_bias, lower = o, o, None  # unread placeholders
+    flags = dict(HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None, QK_NORM=qk_l2norm,
+                 BETA_LOGITS=beta_logits)
+    lower = 0.0 if lower is None else float(lower)
     grid = (plan.num_chunks, H)
-    chunk_prep_kernel[grid](
-        q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, scale, 0.0 if lower is None else float(lower),
-        H=H, K=K, BT=CHUNK, BK=min(32, K), HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None,
-        QK_NORM=qk_l2norm, BETA_LOGITS=beta_logits, num_warps=PHASE_WARPS["prep"], num_stages=1,
-    )
-    a, aqk = buf(T, H, CHUNK, dtype=torch.float32), buf(T, H, CHUNK)
-    chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
-        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
-    )
-    w, u = buf(T, H, K), buf(T, H, V)
-    chunk_solve_kernel[grid](
-        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
-        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
-    )
+    qg, kd, w, u = buf(T, H, K), buf(T, H, K), buf(T, H, K), buf(T, H, V)
+    glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
+    aqk = buf(T, H, CHUNK)
+    if FUSED:
+        chunk_fused_kernel[grid](
+            q, k, v, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+            qg, kd, glast, aqk, w, u, scale, lower, H=H, K=K, V=V, **flags,
+            DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["fused"], num_stages=1,
+            **({} if FUSED_MAXNREG is None else {"maxnreg": FUSED_MAXNREG}),
+        )
+    else:
+        _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
+                      dot_t, prec)
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -173,3 +179,31 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if copy_from is not None:
         inter = inter[copy_from]
     return KDAPrefillOutput(o, inter)
+
+
+def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
+                  dot_t, prec) -> None:
+    """Phases 1-3 as three launches (prep, intra, solve), the default path; writes qg, kd, glast, aqk, w, u."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+
+    def buf(*shape: int, dtype: torch.dtype = q.dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=q.device)
+
+    qn, kn = buf(T, H, K), buf(T, H, K)
+    gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
+    grid = (plan.num_chunks, H)
+    chunk_prep_kernel[grid](
+        q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+        qn, kn, gcum, b, qg, kd, glast, scale, lower, H=H, K=K, BT=CHUNK, BK=min(32, K), **flags,
+        num_warps=PHASE_WARPS["prep"], num_stages=1,
+    )
+    a = buf(T, H, CHUNK, dtype=torch.float32)
+    chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
+        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
+    )
+    chunk_solve_kernel[grid](
+        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
+    )

@@ -175,8 +175,12 @@ def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="c
 
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("fused", [False, True], ids=["3-launch", "fused"])
 @pytest.mark.parametrize("case", _PREFILL_CASES, ids=[c[0] for c in _PREFILL_CASES])
-def test_kda_prefill_interpret(case) -> None:
+def test_kda_prefill_interpret(case, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    monkeypatch.setattr(tri_prefill, "FUSED", fused)
     _, lengths, dtype, gate, qk_l2norm, beta_logits, has_init_l, inter_rows, o_tol, s_tol = case
     gen = seeded(4)
     q, k, v, f, beta, cu, params = _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen)
@@ -210,13 +214,16 @@ def test_kda_prefill_interpret(case) -> None:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("split_output", [False, True], ids=["fused-output", "split-output"])
-def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("split_output,fused", [(False, False), (True, False), (False, True)],
+                         ids=["fused-output", "split-output", "chunk-fused"])
+def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, fused: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
-    output computed inside the state walk or by the separate output launch."""
+    output computed inside the state walk or by the separate output launch, phases 1-3 in three launches or one."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
     monkeypatch.setattr(tri_prefill, "SPLIT_OUTPUT", split_output)
+    monkeypatch.setattr(tri_prefill, "FUSED", fused)
     gen = seeded(5)
     q, k, v, f, beta, cu, params = _prefill_inputs([90, 41], torch.float32, -5.0, True, True, gen)
     pool = _randn(3, 2, 32, 32, gen=gen, scale=0.3)
@@ -301,10 +308,11 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_intra",
-                "chunk_solve", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+                "chunk_solve", "chunk_fused", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
+        "chunk_fused": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
@@ -336,8 +344,13 @@ _K3_PREFILL = [
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["3-launch", "fused"])
 @pytest.mark.parametrize("H,lengths,inter_rows", _K3_PREFILL)
-def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]]) -> None:
+def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]], fused: bool,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    monkeypatch.setattr(tri_prefill, "FUSED", fused)
     gen = seeded(20)
     q, k, v, f, beta, cu, params = _prefill_inputs(lengths, torch.bfloat16, -5.0, True, True, gen,
                                                    device="cuda", H=H, D=128)
