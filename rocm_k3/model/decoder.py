@@ -90,6 +90,8 @@ class DecoderLayer(WeightTargets):
         return self.attn(x, self._batch, self._cache)
 
     def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.ffn, MoEBlock) and self._batch is not None:  # decode steps: static-capacity EP dispatch
+            return self.ffn(x, self._batch.is_decode and self.ffn.ctx.ep_decode_dispatch == "static")
         return self.ffn(x)
 
 
