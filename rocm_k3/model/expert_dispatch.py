@@ -144,7 +144,8 @@ def dispatch_static(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     meta = _a2a(meta, ctx, None, None, table, "moe_dispatch_meta")  # [ep C, 3]
     valid = meta[:, 2] > 0  # [ep C]
     local = meta[:, 0].to(torch.int32)  # [ep C]
-    first = local[valid.to(torch.int32).argmax()]  # the expert of the first real row (row 0's when none is real)
+    first = local.index_select(0, valid.to(torch.int32).argmax().view(1))  # [1] the first real row's expert (row
+    # 0's when none is real); a 0-dim index would be read on the host, which a graph capture refuses
     local = torch.where(valid, local, first)  # rows without a pick run on an expert a real row already reads
     return StaticDispatched(rows, meta[:, 1:2].contiguous(), local[:, None].contiguous(), valid,
                             StaticPlan(slot, capacity, tokens, top_k))
