@@ -146,7 +146,8 @@ def graph_breakdown(core, batch: int) -> dict:
         graphs.replay(key)
     end.record()
     torch.cuda.synchronize()
-    return {**host, "replay_us": start.elapsed_time(end) * 1e3 / 20, "graph_n": graph["n"], "graph_kern_us": graph["kern_us"],
+    return {**host, "replay_us": start.elapsed_time(end) * 1e3 / 20, "graph_n": graph["n"],
+            "graph_kern_us": graph["kern_us"],
             "step_busy_us": step["busy_us"], "step_n": step["n"], "step_kern_us": step["kern_us"]}
 
 
@@ -362,7 +363,8 @@ def main() -> None:
         replay, kern = graph.get("replay_us", nan), graph.get("graph_kern_us", nan)
         busy = graph.get("step_busy_us", nan)
         print(f"{b:>4} | {eager['step_us']:>8.0f} us | {graph['step_us']:>8.0f} us | {eager['kernels_us']:>6.0f} us | "
-              f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | {eager['floor_us'] + eager['cache_floor_us']:>8.0f} us | "
+              f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | "
+              f"{eager['floor_us'] + eager['cache_floor_us']:>8.0f} us | "
               f"{graph['tok_s']:>11.0f} | {eager['tok_s']:>11.0f} || {replay:>6.0f} us | {kern:>7.0f} us | "
               f"{graph.get('graph_n', 0):>4} | {busy:>6.0f} us | {graph['step_us'] - busy:>6.0f} us | "
               f"{replay - kern:>8.0f} us  (replays {graph['replays']}; profiled graph step: "

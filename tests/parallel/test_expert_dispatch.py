@@ -6,7 +6,7 @@ caller's all-reduce, equal one process running all experts on all picks. On a ba
 exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed batch still gives the right sum.
 The static-capacity path of decode graphs (fixed ``ceil(T / 2) x k`` rows per rank pair, equal-split all-to-alls,
 no host read) gives the dynamic path's outputs on the same batches, on an odd T (uneven slices) and on a batch whose
-picks all go to one rank (a full capacity block).
+picks all go to one rank (a full capacity block); rows a decode graph pads with are left out of the expert load.
 """
 
 from __future__ import annotations
@@ -98,9 +98,15 @@ def _rank(rank: int, port: int, results) -> None:
             want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
             out["static_" + name] = (float((static - dynamic).abs().max() / dynamic.abs().max()),
                                      float((got - want).abs().max() / want.abs().max()), dict(ctx.stats), dyn_stats)
+        z, w, ids = _batches(cfg)["balanced"]  # a graph bucket's padding rows (counted False) are no expert load
+        counted = torch.arange(TOKENS) % 3 != 0
+        experts.load.zero_()
+        experts(z, w, ids, activation, act_quant, static=True, counted=counted)
+        want_load = torch.bincount(ids[counted].reshape(-1).long(), minlength=cfg.num_experts)
+        out["counted_load"] = torch.equal(experts.load, want_load) and int(want_load.sum()) < ids.numel()
         try:  # more picks than the capacity: named, never dropped
-            dispatch_static(torch.zeros(4, cfg.expert_hidden_size), torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int32),
-                            experts.count, 7, ctx, "reference")
+            dispatch_static(torch.zeros(4, cfg.expert_hidden_size), torch.ones(4, 2),
+                            torch.zeros(4, 2, dtype=torch.int32), experts.count, 7, ctx, "reference")
             out["over_capacity"] = ""
         except ValueError as e:
             out["over_capacity"] = str(e)
@@ -154,5 +160,6 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
             tokens = 7 if name == "odd" else TOKENS
             assert stats["moe_capacity_rows"] == 2 * -(-tokens // 2) * cfg.num_experts_per_token, (name, stats)
         assert "8 picks exceed the capacity of 7 rows" in out["over_capacity"], out["over_capacity"]
+        assert out["counted_load"]
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives

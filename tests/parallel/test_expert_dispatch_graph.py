@@ -4,8 +4,9 @@ A routed-expert decode step of the tiny K3 (Triton router and MXFP4 MoE) on the 
 ``ceil(T / ep) x k`` rows per rank pair -> experts -> combine) is captured once per batch size and replayed on
 new inputs: the replay equals the same step run eagerly bit for bit, and both match the dynamic path (the
 host-sized all-to-all) and one ``fused_moe`` over every pick. With one rank the all-to-alls are the identity; the
-scatter into the capacity buffer, the rows without a pick (a capacity with slack) and the gather back are the code a multi-rank graph runs.
-The multi-rank path is checked against the dynamic one over gloo (tests/parallel/test_expert_dispatch.py).
+scatter into the capacity buffer, the rows without a pick (a capacity with slack) and the gather back are the code
+a multi-rank graph runs. The multi-rank path is checked against the dynamic one over gloo
+(tests/parallel/test_expert_dispatch.py).
 """
 
 from __future__ import annotations
