@@ -96,7 +96,8 @@ class ParallelContext:
     tp_group / pp_group / world_group: device groups (NCCL on GPUs, gloo on the CPU); *_cpu_group: gloo twins
     for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues), the
     bytes they carried from this rank (``collective_bytes``) and the routed rows it ran (``moe_rows``, beside the
-    ``moe_picks`` = T x k of the steps).
+    ``moe_picks`` = T x k of the steps; decode steps on the static-capacity EP dispatch count the rows they run,
+    picks or padding, as ``moe_capacity_rows``).
     """
 
     rank: int = 0  # = pp_rank * tp_size + tp_rank
