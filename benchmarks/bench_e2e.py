@@ -7,7 +7,16 @@ Per batch size B: B requests with 64-token prompts are prefilled, then ``--steps
 (wall time per step, synchronised by the sampler's read of the tokens). ``kernels`` is the summed CUDA kernel
 time of one eager decode step (torch.profiler), so ``step / kernels`` is how much host time is *not* hidden.
 floor = (every non-expert weight + the routed experts the batch touches) / 4.27 TB/s, with touched experts per
-MoE layer E * (1 - (1 - k/E)^B) for random routing. Prints a table.
+MoE layer E * (1 - (1 - k/E)^B) for random routing. The corrected floor adds the per-sequence cache traffic of a
+decode step, which the weight floor left out: each sequence's KDA slot (fp32 [H, K, V] state + conv state, every
+KDA layer) read and written, and its MLA latents (every cached token of every MLA layer) read. Prints a table.
+
+Where a graph step's time goes (graph runs, one GPU): ``replay`` is the GPU time of the step's decode graph
+replayed back to back (CUDA events, no host work between), ``graph kern`` the summed kernel time inside one replay
+and ``n`` its kernel count (torch.profiler); ``busy`` is the union of the GPU's kernel and copy intervals during one
+profiled engine step, so ``step - busy`` is time the GPU sat idle waiting for the host (scheduling, the plan and
+its copies, the sampler's read, output processing) and ``replay - graph kern`` the gaps between the graph's own
+kernels.
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --prefill [--prompts 16] [--prompt-len 2048] [--budget 8192]
 
@@ -89,22 +98,107 @@ def floor_us(model, batch: int) -> float:
     return (dense + layers * touched * per_expert) / HBM * 1e6
 
 
+def cache_bytes_per_step(core, batch: int, context: int) -> int:
+    """Cache bytes one decode step of ``batch`` sequences of ``context`` tokens moves: every sequence's KDA slot
+    read and written, its MLA latents read."""
+    shapes = core.executor.worker.runner.pools.shapes
+    return batch * (2 * shapes.bytes_per_slot() + context * shapes.bytes_per_token())
+
+
+def gpu_timeline(prof) -> dict:
+    """Kernel count, summed kernel time, and (kernels and copies) the busy union and the first-to-last span, us."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [(a, b) for a, b, name in spans if not name.startswith(("Memcpy", "Memset"))]
+    busy, end = 0.0, -math.inf
+    for a, b, _ in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"n": len(kernels), "kern_us": sum(b - a for a, b in kernels), "busy_us": busy,
+            "span_us": (spans[-1][1] - spans[0][0]) if spans else float("nan")}
+
+
+def graph_breakdown(core, batch: int) -> dict:
+    """Where a graph step's time goes (module doc): the bucket's graph replayed alone (GPU time per replay, its
+    kernels) and one profiled engine step. Run after the timed steps (the replays advance the cache state)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = core.executor.worker.runner.graphs
+    key = None if graphs is None else (graphs.bucket_for(batch), 1)
+    if key is None or key not in graphs._graphs:
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        core.step()
+        torch.cuda.synchronize()
+    step = gpu_timeline(prof)
+    host = _host_split(core, graphs, 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs.replay(key)
+        torch.cuda.synchronize()
+    graph = gpu_timeline(prof)
+    for _ in range(3):
+        graphs.replay(key)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        graphs.replay(key)
+    end.record()
+    torch.cuda.synchronize()
+    return {**host, "replay_us": start.elapsed_time(end) * 1e3 / 20, "graph_n": graph["n"],
+            "graph_kern_us": graph["kern_us"],
+            "step_busy_us": step["busy_us"], "step_n": step["n"], "step_kern_us": step["kern_us"]}
+
+
+def _host_split(core, graphs, steps: int) -> dict:
+    """Mean host wall time per engine step of its parts (wrapped for ``steps`` steps): the worker's execute (plan,
+    copies, replay, sampler and its read), inside it the graph buffers' fill, and the rest of the step (the
+    scheduler before, output processing after)."""
+    spent = {"execute": 0.0, "fill": 0.0}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return run
+
+    executor = core.executor
+    executor.execute, graphs.fill = timed("execute", executor.execute), timed("fill", graphs.fill)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        wall = time.perf_counter() - t0
+    finally:
+        del executor.execute, graphs.fill  # the instance attributes shadowed the methods
+    return {"host_sched_us": (wall - spent["execute"]) / steps * 1e6, "host_fill_us": spent["fill"] / steps * 1e6,
+            "execute_us": spent["execute"] / steps * 1e6}
+
+
 def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str, layout: dict) -> dict:
     llm = LLM(path, dtype=dtype, backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=batch,
-              max_model_len=64 + steps + 8, max_num_batched_tokens=max(2048, 64 * batch),
+              max_model_len=64 + steps + 12, max_num_batched_tokens=max(2048, 64 * batch),
               kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30, **layout)
     if layout:  # several ranks: only the step time is measured here (the model lives in the worker processes)
         return _run_parallel(llm, batch, steps)
     core = llm.engine
     step_s = _timed_decode(core, batch, steps, llm.vocab_size)
     kernels_us = kernel_time_us(core) if eager else float("nan")
-    return _summary(llm, core, batch, step_s, kernels_us)
+    extra = {"cache_floor_us": cache_bytes_per_step(core, batch, 64 + steps) / HBM * 1e6}
+    if not eager:
+        extra.update(graph_breakdown(core, batch))
+    return {**_summary(llm, core, batch, step_s, kernels_us), **extra}
 
 
 def _timed_decode(core, batch: int, steps: int, vocab: int) -> float:
     """Prefill ``batch`` 64-token requests, warm up two decode steps, then the mean seconds per decode step."""
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)  # + the breakdown's steps
     for i in range(batch):
         core.add_request(f"b{i}", torch.randint(1, vocab, (64,), generator=gen).tolist(), params)
     while any(not s.is_decoding for s in core.scheduler.running) or core.scheduler.waiting:
@@ -122,6 +216,7 @@ def _run_parallel(llm, batch: int, steps: int) -> dict:
     step_s = _timed_decode(llm.engine, batch, steps, llm.vocab_size)
     llm.shutdown()
     return {"step_us": step_s * 1e6, "tok_s": batch / step_s, "kernels_us": float("nan"), "floor_us": float("nan"),
+            "cache_floor_us": float("nan"),
             "replays": 0}
 
 
@@ -255,7 +350,8 @@ def main() -> None:
         run_prefill(path, args)
         return
     print(f"{'B':>4} | {'eager step':>11} | {'graph step':>11} | {'kernels':>9} | {'graph/kernels':>13} | "
-          f"{'floor':>9} | {'graph tok/s':>11} | {'eager tok/s':>11}")
+          f"{'floor':>9} | {'corr. floor':>11} | {'graph tok/s':>11} | {'eager tok/s':>11} || {'replay':>9} | "
+          f"{'graph kern':>10} | {'n':>4} | {'busy':>9} | {'step-busy':>9} | {'replay-kern':>11}")
     layout = {k: v for k, v in (("tensor_parallel_size", args.tensor_parallel_size),
                                 ("pipeline_parallel_size", args.pipeline_parallel_size),
                                 ("enable_expert_parallel", args.enable_expert_parallel)) if v not in (1, False)}
@@ -263,9 +359,18 @@ def main() -> None:
         eager = run_batch(path, b, args.steps, True, args.dtype, layout)
         graph = run_batch(path, b, args.steps, False, args.dtype, layout)
         ratio = graph["step_us"] / eager["kernels_us"]
+        nan = float("nan")
+        replay, kern = graph.get("replay_us", nan), graph.get("graph_kern_us", nan)
+        busy = graph.get("step_busy_us", nan)
         print(f"{b:>4} | {eager['step_us']:>8.0f} us | {graph['step_us']:>8.0f} us | {eager['kernels_us']:>6.0f} us | "
-              f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | {graph['tok_s']:>11.0f} | {eager['tok_s']:>11.0f}"
-              f"  (replays {graph['replays']})", flush=True)
+              f"{ratio:>13.2f} | {eager['floor_us']:>6.0f} us | "
+              f"{eager['floor_us'] + eager['cache_floor_us']:>8.0f} us | "
+              f"{graph['tok_s']:>11.0f} | {eager['tok_s']:>11.0f} || {replay:>6.0f} us | {kern:>7.0f} us | "
+              f"{graph.get('graph_n', 0):>4} | {busy:>6.0f} us | {graph['step_us'] - busy:>6.0f} us | "
+              f"{replay - kern:>8.0f} us  (replays {graph['replays']}; profiled graph step: "
+              f"{graph.get('step_n', 0)} kernels, {graph.get('step_kern_us', nan):.0f} us; host per step: worker "
+              f"execute {graph.get('execute_us', nan):.0f} us of which fill {graph.get('host_fill_us', nan):.0f} us, "
+              f"scheduler + outputs {graph.get('host_sched_us', nan):.0f} us)", flush=True)
 
 
 if __name__ == "__main__":

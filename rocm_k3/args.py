@@ -15,7 +15,7 @@ from typing import Any
 
 from rocm_k3.checks import check_int
 from rocm_k3.formats.parsers.registry import PARSER_ALIASES
-from rocm_k3.settings import BACKEND_CHOICES
+from rocm_k3.settings import BACKEND_CHOICES, EP_DECODE_DISPATCH
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 PARSER_CHOICES = tuple(PARSER_ALIASES)
@@ -72,6 +72,9 @@ class EngineArgs:
                                         "the ranks)")
     expert_placement: str | None = option(None, "expert placement JSON (rocm-k3 expert-placement writes one from "
                                           "recorded loads)")
+    ep_decode_dispatch: str = option("static", "how decode steps move expert-parallel picks: static (a fixed "
+                                     "capacity per rank pair, captured in decode graphs) or dynamic (the prefill's "
+                                     "variable all-to-all; decode graphs off under EP)", choices=EP_DECODE_DISPATCH)
     nnodes: int = option(1, "nodes of the run (node 0 serves)")
     node_rank: int = option(0, "this node's rank (> 0 runs headless)")
     master_addr: str = option("127.0.0.1", "node 0's address for the process group")
@@ -101,6 +104,7 @@ class EngineArgs:
                               enable_expert_parallel=self.enable_expert_parallel,
                               num_redundant_experts=self.num_redundant_experts,
                               expert_placement=None if self.expert_placement is None else str(self.expert_placement),
+                              ep_decode_dispatch=self.ep_decode_dispatch,
                               nnodes=self.nnodes,
                               node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
                               timeout_s=self.distributed_timeout)

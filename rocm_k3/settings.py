@@ -14,6 +14,9 @@ from typing import Iterator, Mapping
 
 BACKEND_CHOICES = ("auto", "reference", "triton", "flydsl", "aiter")
 VLLM_MLA_CHOICES = ("auto", "latent", "expanded")
+# how decode steps move expert-parallel picks: "static" (a fixed capacity per rank pair, graph-safe) or "dynamic"
+# (the variable-size all-to-all of prefill steps, sized on the host: decode graphs are then off under EP)
+EP_DECODE_DISPATCH = ("static", "dynamic")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from rocm_k3.checks import check_int
+from rocm_k3.settings import EP_DECODE_DISPATCH
 
 
 class LayoutError(ValueError):
@@ -32,6 +33,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None
+    ep_decode_dispatch: str = "static"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -49,6 +51,9 @@ class ParallelConfig:
         if r and self.tensor_parallel_size == 1:
             raise LayoutError("num_redundant_experts: expert parallelism over one rank has nothing to balance "
                               "(tensor_parallel_size must be > 1)")
+        if self.ep_decode_dispatch not in EP_DECODE_DISPATCH:
+            raise LayoutError(f"ep_decode_dispatch: expected one of {EP_DECODE_DISPATCH}, got "
+                              f"{self.ep_decode_dispatch!r}")
         if self.expert_placement is not None and not isinstance(self.expert_placement, str):
             raise LayoutError(f"expert_placement: expected a path, got {self.expert_placement!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
@@ -91,7 +96,8 @@ class ParallelContext:
     tp_group / pp_group / world_group: device groups (NCCL on GPUs, gloo on the CPU); *_cpu_group: gloo twins
     for control messages. ``stats`` counts the collectives issued (tests check how many a layer issues), the
     bytes they carried from this rank (``collective_bytes``) and the routed rows it ran (``moe_rows``, beside the
-    ``moe_picks`` = T x k of the steps).
+    ``moe_picks`` = T x k of the steps; decode steps on the static-capacity EP dispatch count the rows they run,
+    picks or padding, as ``moe_capacity_rows``).
     """
 
     rank: int = 0  # = pp_rank * tp_size + tp_rank
@@ -103,6 +109,7 @@ class ParallelContext:
     ep_enabled: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file (rocm_k3.model.expert_placement); None = uniform
+    ep_decode_dispatch: str = "static"  # see EP_DECODE_DISPATCH
     tp_group: Any = None
     tp_cpu_group: Any = None
     pp_group: Any = None

@@ -65,7 +65,7 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
     ctx = ParallelContext(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp,
                           pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu,
                           num_redundant_experts=config.num_redundant_experts,
-                          expert_placement=config.expert_placement)
+                          expert_placement=config.expert_placement, ep_decode_dispatch=config.ep_decode_dispatch)
     for stage in range(pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * tp, (stage + 1) * tp))
         group = dist.new_group(ranks, timeout=timeout)

@@ -90,6 +90,12 @@ class DecoderLayer(WeightTargets):
         return self.attn(x, self._batch, self._cache)
 
     def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = self._batch
+        if isinstance(self.ffn, MoEBlock) and batch is not None:  # decode steps: static-capacity EP dispatch
+            # a decode's rows all continue a sequence (position >= 1): position 0 marks a graph bucket's padding,
+            # whose picks are no load
+            counted = batch.positions > 0 if batch.is_decode and self.ffn.experts.load is not None else None
+            return self.ffn(x, batch.is_decode and self.ffn.ctx.ep_decode_dispatch == "static", counted)
         return self.ffn(x)
 
 

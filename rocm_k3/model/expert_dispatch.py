@@ -10,13 +10,21 @@ same for the same batch every time. The caller (:class:`rocm_k3.model.moe.Routed
 ``1 / ep`` slice of the tokens, so the rows run per rank per step are about ``T x k / ep`` on a balanced batch
 (counted in ``ctx.stats["moe_rows"]``, beside ``ctx.stats["moe_picks"] = T x k``).
 
-The split sizes are exchanged first (an ``ep``-int all-to-all) and read on the host, so this path is not
-captured in decode graphs (the worker runs EP ranks eagerly).
+The split sizes are exchanged first (an ``ep``-int all-to-all) and read on the host, so this path cannot be
+captured in a decode graph. Decode steps take the static-capacity path instead (:func:`dispatch_static` /
+:func:`combine_static`): every (source, destination) pair has a fixed ``capacity`` of rows, ``ceil(T / ep) x k``
+(a rank's whole slice of picks, so no pick is ever dropped), and a pick's row in the ``[ep x capacity]`` send
+buffer is its owner's block plus its rank among the picks for that owner (a running count in pick order, the
+dynamic path's order). Rows, and a metadata tensor whose third column marks the rows that hold a pick (the counts,
+in a fixed-size tensor), travel with equal-split all-to-alls, so the step's shapes depend only on T. Each rank
+runs its ``ep x capacity`` received rows through its experts (rows without a pick: zero input, weight 0, the expert
+of a row that has one, so they touch no extra weights), and the combine reads back only the rows of real picks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -47,7 +55,36 @@ class Dispatched:
     plan: DispatchPlan
 
 
-def _a2a(x: torch.Tensor, ctx: ParallelContext, send: list[int], recv: list[int], table, what: str) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class StaticPlan:
+    """Where this rank's picks went on the static-capacity path: ``slot`` [P] the row of each pick (in (token,
+    slot) order) in the ``[ep x capacity]`` send buffer, which the combine's buffer mirrors."""
+
+    slot: torch.Tensor  # [P] int64
+    capacity: int
+    tokens: int
+    top_k: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticDispatched:
+    """The ``ep x capacity`` rows this rank runs: ``rows`` [ep C, width] (zero where no pick), ``weights`` fp32
+    [ep C, 1] (0 where no pick), ``ids`` int32 [ep C, 1] local expert ids, ``valid`` bool [ep C] (a pick's row)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    valid: torch.Tensor
+    plan: StaticPlan
+
+
+def static_capacity(tokens: int, ep: int, top_k: int) -> int:
+    """Rows per (source, destination) pair for a step of ``tokens`` tokens: the largest slice's picks."""
+    return math.ceil(tokens / ep) * top_k
+
+
+def _a2a(x: torch.Tensor, ctx: ParallelContext, send: list[int] | None, recv: list[int] | None, table,
+         what: str) -> torch.Tensor:
     ctx.count(what)
     ctx.add("collective_bytes", x.numel() * x.element_size())  # sent (including the rows kept on this rank)
     return comm.all_to_all(x, ctx.tp_group, in_splits=send, out_splits=recv, backend=table)
@@ -79,5 +116,45 @@ def combine(out: torch.Tensor, plan: DispatchPlan, ctx: ParallelContext, table) 
     back = _a2a(out, ctx, plan.recv, plan.send, table, "moe_combine")  # [P, width] in dispatch order
     picks = torch.empty_like(back)
     picks[plan.order] = back  # [P, width] in (token, slot) order
+    width = out.shape[1]
+    return picks.view(plan.tokens, plan.top_k, width).float().sum(dim=1).to(out.dtype)  # [T, width]
+
+
+def dispatch_static(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_per_rank: int, capacity: int,
+                    ctx: ParallelContext, table) -> StaticDispatched:
+    """:func:`dispatch` with shapes fixed by ``capacity`` (>= this rank's ``T x k`` picks; see the module doc):
+    nothing is read on the host, so a decode graph can hold it."""
+    tokens, top_k = ids.shape
+    ep, picks = ctx.ep_size, tokens * top_k
+    if picks > capacity:
+        raise ValueError(f"dispatch_static: {picks} picks exceed the capacity of {capacity} rows per rank pair")
+    flat = ids.reshape(-1).to(torch.int64)  # [P]
+    owner = flat // experts_per_rank  # [P]
+    hits = owner[:, None] == torch.arange(ep, device=ids.device)[None, :]  # [P, ep]
+    rank_in_owner = (hits.cumsum(0) - 1).gather(1, owner[:, None])[:, 0]  # [P] 0, 1, ... per owner, pick order
+    slot = owner * capacity + rank_in_owner  # [P] rows in the [ep C] send buffer
+    width = z.shape[1]
+    rows = z.new_zeros((ep * capacity, width))  # [ep C, width]
+    rows[slot] = z[:, None, :].expand(tokens, top_k, width).reshape(picks, width)  # pick p = (token p // k, p % k)
+    meta = torch.zeros((ep * capacity, 3), dtype=torch.float32, device=z.device)  # [ep C, (local id, weight, valid)]
+    meta[slot] = torch.stack([(flat - owner * experts_per_rank).to(torch.float32), weights.reshape(-1).float(),
+                              torch.ones_like(flat, dtype=torch.float32)], dim=1)
+    ctx.count("moe_dispatch_static")
+    rows = _a2a(rows, ctx, None, None, table, "moe_dispatch")  # [ep C, width]: C rows from each source rank
+    meta = _a2a(meta, ctx, None, None, table, "moe_dispatch_meta")  # [ep C, 3]
+    valid = meta[:, 2] > 0  # [ep C]
+    local = meta[:, 0].to(torch.int32)  # [ep C]
+    first = local.index_select(0, valid.to(torch.int32).argmax().view(1))  # [1] the first real row's expert (row
+    # 0's when none is real); a 0-dim index would be read on the host, which a graph capture refuses
+    local = torch.where(valid, local, first)  # rows without a pick run on an expert a real row already reads
+    return StaticDispatched(rows, meta[:, 1:2].contiguous(), local[:, None].contiguous(), valid,
+                            StaticPlan(slot, capacity, tokens, top_k))
+
+
+def combine_static(out: torch.Tensor, plan: StaticPlan, ctx: ParallelContext, table) -> torch.Tensor:
+    """:func:`combine` for :func:`dispatch_static`: ``out`` [ep C, width] (weighted) goes back to the source ranks
+    with an equal-split all-to-all and each pick reads its row -> [T, width] in ``out``'s dtype."""
+    back = _a2a(out, ctx, None, None, table, "moe_combine")  # [ep C, width] in the send buffer's layout
+    picks = back[plan.slot]  # [P, width] in (token, slot) order; rows without a pick are never read
     width = out.shape[1]
     return picks.view(plan.tokens, plan.top_k, width).float().sum(dim=1).to(out.dtype)  # [T, width]

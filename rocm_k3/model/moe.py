@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from rocm_k3 import ops
 from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.expert_dispatch import combine, dispatch
+from rocm_k3.model.expert_dispatch import combine, combine_static, dispatch, dispatch_static, static_capacity
 from rocm_k3.model.expert_placement import ExpertPlacement
 from rocm_k3.model.layers.linear import (
     ColumnParallelLinear,
@@ -181,29 +181,42 @@ class RoutedExperts(WeightTargets):
                 setattr(self, name, None)
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: MoEActivation,
-                act_quant: ActQuant) -> torch.Tensor:
+                act_quant: ActQuant, static: bool = False, counted: torch.Tensor | None = None) -> torch.Tensor:
         """``z`` [T, width] through the routed picks (``weights`` fp32 / ``ids`` int32 [T, k], global expert ids)
         -> [T, width], a partial sum under TP / EP (the caller all-reduces it).
 
         With EP the T tokens (replicated over the TP ranks) are split into ``ep`` contiguous slices; each rank
         dispatches the picks of its slice to their experts' ranks and combines them back
         (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / ep`` rows, and returns the full
-        routed output on its slice, zeros elsewhere: the caller's all-reduce stitches the slices."""
+        routed output on its slice, zeros elsewhere: the caller's all-reduce stitches the slices. ``static``: the
+        static-capacity dispatch (shapes fixed by T, nothing read on the host: what a decode graph captures);
+        ``counted``: bool [T], the rows whose picks count in ``load`` (None: every row; a decode graph's padding
+        rows are left out)."""
         ctx = self.ctx
         tokens, top_k = ids.shape
         ctx.add("moe_picks", tokens * top_k)
         if not ctx.ep_enabled or ctx.tp_size == 1:
             ctx.add("moe_rows", tokens * top_k)
             return self._run(z, weights, ids, activation, act_quant)
-        self.load.index_add_(0, ids.reshape(-1).to(torch.int64), torch.ones_like(self.load[:1]).expand(ids.numel()))
+        picks = (torch.ones_like(self.load[:1]).expand(ids.numel()) if counted is None
+                 else counted[:, None].expand(ids.shape).reshape(-1).to(self.load.dtype))  # [T k]
+        self.load.index_add_(0, ids.reshape(-1).to(torch.int64), picks)
         lo, hi = ctx.ep_rank * tokens // ctx.ep_size, (ctx.ep_rank + 1) * tokens // ctx.ep_size
+        r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
+        if static:
+            capacity = static_capacity(tokens, ctx.ep_size, top_k)
+            held = dispatch_static(z[lo:hi], weights[lo:hi], self.physical(ids[lo:hi], lo), self.count, capacity,
+                                   ctx, self.table)
+            ctx.add("moe_capacity_rows", held.rows.shape[0])  # ep x capacity: the rows run, picks or not
+            out = self._run(held.rows, held.weights, held.ids, activation, act_quant)  # [ep C, width], weighted
+            r[lo:hi] = combine_static(out, held.plan, ctx, self.table)
+            return r
         sent = dispatch(z[lo:hi], weights[lo:hi], self.physical(ids[lo:hi], lo), self.count, ctx, self.table)
         ctx.add("moe_rows", sent.rows.shape[0])
         if sent.rows.shape[0]:
             out = self._run(sent.rows, sent.weights, sent.ids, activation, act_quant)  # [R, width], weighted
         else:
             out = sent.rows.new_empty((0, z.shape[1]))
-        r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
         r[lo:hi] = combine(out, sent.plan, ctx, self.table)
         return r
 
@@ -255,17 +268,22 @@ class MoEBlock(WeightTargets):
             out[self.prefix + "routed_expert_norm.weight"] = Target(self.latent_norm)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static_dispatch: bool = False,
+                counted: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]; ``static_dispatch``: expert-parallel picks travel on the
+        static-capacity path (decode steps, see :mod:`rocm_k3.model.expert_dispatch`); ``counted``: bool [T], the
+        rows counted in the experts' load (None: all)."""
         with record_function("moe"):
-            return self._forward(x)
+            return self._forward(x, static_dispatch, counted)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, static_dispatch: bool, counted: torch.Tensor | None) -> torch.Tensor:
         cfg, ctx, table = self.cfg, self.ctx, self.table
         logits = self.router(x.float())  # fp32 [T, E]
         routed = ops.route(logits, cfg.num_experts_per_token, correction_bias=self.bias,
                            renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor, backend=table)
         z = x if self.latent_down is None else self.latent_down(x)  # [T, expert width]
-        r = self.experts(z, routed.weights, routed.ids, self.activation, self.act_quant)  # [T, expert width]
+        r = self.experts(z, routed.weights, routed.ids, self.activation, self.act_quant,
+                         static_dispatch, counted)  # [T, expert width]
         shared = self.shared(x) if self.shared is not None else None  # [T, hidden]; partial under TP
         if not self.latent:
             y = r if shared is None else r + shared

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from typing import Protocol
 
 import numpy as np
@@ -69,13 +70,7 @@ class DecodeGraphs:
         self.device = pools.device
         b, dev = buckets[-1] * self.widths[-1], self.device
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(b, dtype=i64, device=dev)
-        self.positions = torch.zeros(b, dtype=i64, device=dev)
-        self.seq_lens = torch.ones(b, dtype=i32, device=dev)
-        self.block_table = torch.full((b, width), pools.pad_block, dtype=i32, device=dev)
-        self.slot_mapping = torch.full((b,), pools.pad_block * pools.block_size, dtype=i64, device=dev)
-        self.kda_slots = torch.full((b,), pools.pad_slot, dtype=i32, device=dev)
-        self.save_slots = torch.full((buckets[-1] * max_drafts,), pools.pad_slot, dtype=i32, device=dev)
+        self._stage(b, width, buckets[-1] * max_drafts, pools)  # input_ids ... block_table (what fill writes)
         self.has_initial_state = torch.ones(b, dtype=torch.bool, device=dev)
         self.cu_seqlens = torch.arange(b + 1, dtype=i32, device=dev)
         self.logits_indices = torch.arange(b, dtype=i64, device=dev)
@@ -84,6 +79,35 @@ class DecodeGraphs:
         self._tapped: dict[tuple[int, int], torch.Tensor | None] = {}
         self.replays = 0
         self.verify_replays = 0
+
+    def _stage(self, rows: int, width: int, saves: int, pools: HybridCacheView) -> None:
+        """The buffers :meth:`fill` writes, packed in one device byte buffer (8-byte aligned, the block table last)
+        with a host mirror, pinned on a GPU: a step's plan is written into the mirror and crosses in one copy of the
+        small buffers plus the block-table rows it uses (six pageable copies cost ~0.2 ms of host time a step on
+        the H200, during which the GPU waits: benchmarks/RESULTS.md). Mirror and device buffers hold the same
+        values at all times; the mirror is rewritten only once its last copy has left it (``_copied``)."""
+        i32, i64 = torch.int32, torch.int64
+        specs = [("input_ids", i64, (rows,), 0), ("positions", i64, (rows,), 0),
+                 ("slot_mapping", i64, (rows,), pools.pad_block * pools.block_size), ("seq_lens", i32, (rows,), 1),
+                 ("kda_slots", i32, (rows,), pools.pad_slot), ("save_slots", i32, (saves,), pools.pad_slot),
+                 ("block_table", i32, (rows, width), pools.pad_block)]
+        spans, at = {}, 0
+        for name, dtype, shape, _ in specs:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            spans[name], at = (at, size), at + -(-size // 8) * 8
+        on_gpu = self.device.type == "cuda"
+        self._host = torch.empty(at, dtype=torch.uint8, pin_memory=on_gpu)  # [bytes]
+        self._packed = torch.empty(at, dtype=torch.uint8, device=self.device)  # [bytes]
+        self._mirror: dict[str, np.ndarray] = {}
+        for name, dtype, shape, init in specs:
+            start, size = spans[name]
+            host = self._host[start : start + size].view(dtype).view(shape)
+            host.fill_(init)
+            self._mirror[name] = host.numpy()
+            setattr(self, name, self._packed[start : start + size].view(dtype).view(shape))
+        self._packed.copy_(self._host)
+        self._table_at = spans["block_table"][0]
+        self._copied = torch.cuda.Event() if on_gpu else None
 
     def batch(self, size: int, w: int = 1) -> ForwardBatch:
         """The ForwardBatch over the first ``size`` groups of ``w`` rows of the persistent buffers."""
@@ -114,13 +138,18 @@ class DecodeGraphs:
         lay = decode_layout(plan, bucket, w, pad_block=pools.pad_block, block_size=pools.block_size,
                             pad_slot=pools.pad_slot)
         rows = bucket * w
-        for buf, values in ((self.input_ids, lay.input_ids), (self.positions, lay.positions),
-                            (self.seq_lens, lay.seq_lens), (self.slot_mapping, lay.slot_mapping),
-                            (self.kda_slots, lay.kda_slots)):
-            buf[:rows].copy_(torch.from_numpy(values), non_blocking=True)
-        self.block_table[:rows, :used].copy_(torch.from_numpy(lay.block_table), non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last fill's copy has left the mirror
+        mirror = self._mirror
+        for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "kda_slots"):
+            mirror[name][:rows] = getattr(lay, name)
+        mirror["block_table"][:rows, :used] = lay.block_table
         if lay.save_slots is not None:
-            self.save_slots[: lay.save_slots.shape[0]].copy_(torch.from_numpy(lay.save_slots), non_blocking=True)
+            mirror["save_slots"][: lay.save_slots.shape[0]] = lay.save_slots
+        end = self._table_at + rows * self.width * 4  # the small buffers whole, the block table's first rows
+        self._packed[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return lay.rows
 
     # ---- GPU ------------------------------------------------------------------------------------------------

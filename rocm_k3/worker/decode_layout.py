@@ -43,6 +43,8 @@ def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int,
     if lens.max() > w or lens.min() < 1:
         raise ValueError(f"fill: sequences of {lens.min()}..{lens.max()} new tokens do not fit width {w}")
     total = groups * w
+    if w == 1:  # a decode: row i is sequence i, the padding after (the common step, laid out with slices)
+        return _plain_layout(plan, n, total, pad_block=pad_block, block_size=block_size, pad_slot=pad_slot)
     dst = (np.arange(n)[:, None] * w + np.arange(w)[None, :])[np.arange(w)[None, :] < lens[:, None]]  # [T]
     seq = np.repeat(np.arange(n), lens)  # [T]
 
@@ -68,6 +70,26 @@ def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int,
         slot_mapping=scatter(plan.slot_mapping, pad_block * block_size, np.int64),
         kda_slots=scatter(plan.kda_slots[seq], pad_slot, np.int32), block_table=table, save_slots=saves,
         rows=dst[plan.logits_indices],
+    )
+
+
+def _plain_layout(plan, n: int, total: int, *, pad_block: int, block_size: int, pad_slot: int) -> DecodeLayout:
+    """:func:`decode_layout` at ``w = 1`` (one token per sequence): the plan's rows first, padding rows after."""
+    def padded(values: np.ndarray, pad: int, dtype) -> np.ndarray:
+        out = np.empty(total, dtype=dtype)
+        out[:n] = values
+        out[n:] = pad
+        return out
+
+    table = np.zeros((total, plan.block_table.shape[1]), dtype=np.int32)
+    table[:n] = plan.block_table
+    table[n:, 0] = pad_block  # columns past a row's blocks are never read
+    return DecodeLayout(
+        input_ids=padded(plan.input_ids, 0, np.int64), positions=padded(plan.positions, 0, np.int64),
+        seq_lens=padded(plan.positions + 1, 1, np.int32),
+        slot_mapping=padded(plan.slot_mapping, pad_block * block_size, np.int64),
+        kda_slots=padded(plan.kda_slots, pad_slot, np.int32), block_table=table, save_slots=None,
+        rows=plan.logits_indices,
     )
 
 

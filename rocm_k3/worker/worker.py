@@ -332,12 +332,15 @@ class Worker:
                                   taps=self.runner.taps)
             graphs.capture()
             self.runner.graphs = graphs
+            for m in self._counting_experts():  # the capture's warm-up forwards are no load
+                m.load.zero_()
 
     def _graph_safe(self) -> tuple[bool, str]:
         """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
-        and no expert-parallel dispatch (its all-to-all split sizes are read on the host)."""
-        if self.ctx.ep_size > 1:
-            return False, "expert-parallel dispatch sizes its all-to-all on the host"
+        and, under expert parallelism, the static-capacity decode dispatch (the dynamic one sizes its all-to-all
+        on the host)."""
+        if self.ctx.ep_size > 1 and self.ctx.ep_decode_dispatch != "static":
+            return False, "the dynamic expert-parallel decode dispatch sizes its all-to-all on the host"
         table = getattr(self.model, "backend", None)
         if not hasattr(table, "chosen"):
             return False, "the model's ops are not bound to a table"

@@ -140,11 +140,32 @@ def trained_single() -> list[list[int]]:
     return _trained_tokens()
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-ep", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_trained_embedded_model_layouts_match_one_process(trained_single, layout) -> None:
-    """The trained embedded model (peaked logits, not the random models' near-ties): TP, EP and PP ranks give the
-    single process's greedy tokens."""
+    """The trained embedded model (peaked logits, not the random models' near-ties): TP and PP ranks give the
+    single process's greedy tokens (EP: the next test)."""
     assert _trained_tokens(**LAYOUTS[layout]) == trained_single
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_trained_embedded_model_ep_decode_dispatch_matches_one_process(trained_single, mode) -> None:
+    """TP2 + EP on the trained embedded model: decode steps on the static-capacity dispatch (what decode graphs
+    capture) and on the dynamic one (the prefill's) give the single process's greedy tokens, and each rank's
+    counters show which path its decode steps took."""
+    llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **LAYOUTS["tp2-ep"], ep_decode_dispatch=mode)
+    try:
+        tokens = [o.token_ids for o in llm.generate(TRAINED_PROMPTS, GREEDY)]
+        ranks = llm.engine.executor.rank_stats()
+    finally:
+        llm.shutdown()
+    assert tokens == trained_single
+    for r in ranks:
+        c = r["collectives"]
+        assert c["moe_dispatch_counts"] > 0, c  # the prefill steps: the dynamic path
+        if mode == "static":
+            assert c["moe_dispatch_static"] > 0 and c["moe_capacity_rows"] > 0, c
+        else:
+            assert "moe_dispatch_static" not in c, c
 
 
 def test_redundant_experts_and_a_recorded_placement_change_no_token(k3, k3_single, tmp_path) -> None:

@@ -4,6 +4,9 @@ Each rank holds half of the tiny K3's 8 MXFP4 experts; the routed experts of a b
 :class:`RoutedExperts` with EP (token slice -> all-to-all dispatch -> local experts -> all-to-all combine) and the
 caller's all-reduce, equal one process running all experts on all picks. On a balanced batch each rank runs
 exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed batch still gives the right sum.
+The static-capacity path of decode graphs (fixed ``ceil(T / 2) x k`` rows per rank pair, equal-split all-to-alls,
+no host read) gives the dynamic path's outputs on the same batches, on an odd T (uneven slices) and on a batch whose
+picks all go to one rank (a full capacity block); rows a decode graph pads with are left out of the expert load.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.multiprocessing as mp
 
 from rocm_k3.distributed.context import ParallelContext
 from rocm_k3.model.config import ModelConfig
+from rocm_k3.model.expert_dispatch import dispatch_static
 from rocm_k3.model.layers.linear import all_reduce
 from rocm_k3.model.moe import ActQuant, RoutedExperts, activation_for
 from rocm_k3.model.tiny import tiny_config
@@ -50,6 +54,15 @@ def _batches(cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, to
     return out
 
 
+def _one_rank(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every pick on rank 1's experts (4..7): rank 0 sends it a full ``ceil(T / 2) x k`` block."""
+    gen = torch.Generator().manual_seed(13)
+    t = torch.arange(TOKENS)
+    ids = torch.stack([4 + t % 4, 4 + (t + 1) % 4], dim=1).to(torch.int32)
+    w = torch.rand(TOKENS, cfg.num_experts_per_token, generator=gen) + 0.1
+    return torch.randn(TOKENS, cfg.expert_hidden_size, generator=gen), w / w.sum(-1, keepdim=True), ids
+
+
 def _slice(w: moe.ExpertWeights, first: int, count: int) -> moe.ExpertWeights:
     part = [None if x is None else x[first : first + count].contiguous() for x in (w.w13, w.w13_scale, w.w2,
                                                                                     w.w2_scale)]
@@ -74,6 +87,29 @@ def _rank(rank: int, port: int, results) -> None:
             got = all_reduce(experts(z, w, ids, activation, act_quant), ctx, "reference")
             want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
             out[name] = (float((got - want).abs().max() / want.abs().max()), dict(ctx.stats))
+        for name, (z, w, ids) in {**_batches(cfg), "odd": tuple(t[:7] for t in _batches(cfg)["skewed"]),
+                                  "one_rank": _one_rank(cfg)}.items():
+            ctx.stats.clear()
+            dynamic = experts(z, w, ids, activation, act_quant)
+            dyn_stats = dict(ctx.stats)
+            ctx.stats.clear()
+            static = experts(z, w, ids, activation, act_quant, static=True)
+            got = all_reduce(static, ctx, "reference")
+            want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
+            out["static_" + name] = (float((static - dynamic).abs().max() / dynamic.abs().max()),
+                                     float((got - want).abs().max() / want.abs().max()), dict(ctx.stats), dyn_stats)
+        z, w, ids = _batches(cfg)["balanced"]  # a graph bucket's padding rows (counted False) are no expert load
+        counted = torch.arange(TOKENS) % 3 != 0
+        experts.load.zero_()
+        experts(z, w, ids, activation, act_quant, static=True, counted=counted)
+        want_load = torch.bincount(ids[counted].reshape(-1).long(), minlength=cfg.num_experts)
+        out["counted_load"] = torch.equal(experts.load, want_load) and int(want_load.sum()) < ids.numel()
+        try:  # more picks than the capacity: named, never dropped
+            dispatch_static(torch.zeros(4, cfg.expert_hidden_size), torch.ones(4, 2),
+                            torch.zeros(4, 2, dtype=torch.int32), experts.count, 7, ctx, "reference")
+            out["over_capacity"] = ""
+        except ValueError as e:
+            out["over_capacity"] = str(e)
         # 2 redundant experts: 10 physical slots, the replicas' weights are their logical expert's
         ctx.num_redundant_experts = 2
         spread = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
@@ -116,5 +152,14 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
         assert "in_splits sum to 2, x has 3 rows" in out["bad_splits"], out["bad_splits"]
         err, slots = out["redundant"]
         assert err < 1e-5 and len(slots) == 10 and sorted(set(slots)) == list(range(8)), (err, slots)
+        for name in ("balanced", "skewed", "odd", "one_rank"):
+            vs_dynamic, vs_one_process, stats, dyn_stats = out["static_" + name]
+            assert vs_dynamic < 1e-6 and vs_one_process < 1e-5, (rank, name, vs_dynamic, vs_one_process)
+            assert stats["moe_dispatch_static"] == stats["moe_combine"] == 1 and "moe_dispatch_counts" not in stats
+            assert dyn_stats["moe_dispatch_counts"] == 1 and "moe_dispatch_static" not in dyn_stats
+            tokens = 7 if name == "odd" else TOKENS
+            assert stats["moe_capacity_rows"] == 2 * -(-tokens // 2) * cfg.num_experts_per_token, (name, stats)
+        assert "8 picks exceed the capacity of 7 rows" in out["over_capacity"], out["over_capacity"]
+        assert out["counted_load"]
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives

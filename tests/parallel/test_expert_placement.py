@@ -52,6 +52,8 @@ def test_placement_file_round_trip_and_errors(tmp_path) -> None:
         ParallelConfig(tensor_parallel_size=2, num_redundant_experts=2)
     with pytest.raises(LayoutError, match="tensor_parallel_size must be > 1"):
         ParallelConfig(enable_expert_parallel=True, num_redundant_experts=2)
+    with pytest.raises(LayoutError, match="ep_decode_dispatch: expected one of"):
+        ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True, ep_decode_dispatch="padded")
 
 
 def test_command_writes_a_placement_from_recorded_loads(tmp_path, capsys) -> None:
