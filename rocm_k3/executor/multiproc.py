@@ -280,7 +280,11 @@ class MultiprocExecutor:
             raise RuntimeError("submit: this executor runs one step at a time (execute)")
         if self._closed:
             raise WorkerError("the worker group has shut down (an earlier error ended it)")
-        self._conn.send(("execute", (step,)))
+        try:
+            self._conn.send(("execute", (step,)))
+        except OSError:  # rank 0 is gone: wait until its process's end names it (WorkerDiedError)
+            while True:
+                self._wait("step")
         self._pending += 1
 
     def collect(self) -> StepOutput:
@@ -353,7 +357,7 @@ class MultiprocExecutor:
             for conn in [c for c in (self._conn, *self._reports) if c in ready]:
                 try:
                     kind, payload = conn.recv()
-                except EOFError:  # its rank ended: named below by its sentinel
+                except (EOFError, OSError):  # its rank ended: named below by its sentinel
                     kind, payload = "died", None
                     if conn is not self._conn:
                         self._reports.remove(conn)
@@ -364,7 +368,7 @@ class MultiprocExecutor:
                 elif kind == expected:
                     return payload
                 elif kind == "error":
-                    self._fail(WorkerError(payload))
+                    self._fail(self._dead_first(WorkerError(payload)))
             for sentinel in ready:
                 if sentinel in sentinels:
                     rank, proc = sentinels[sentinel]
@@ -372,6 +376,16 @@ class MultiprocExecutor:
                     self._fail(WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"))
             if time.monotonic() > deadline:
                 self._fail(WorkerTimeoutError(f"no answer from the ranks within {self.timeout_s:.0f} s"))
+
+    def _dead_first(self, error: WorkerError) -> WorkerError:
+        """A rank's error may follow another rank's end (its point-to-point lost the peer, with no collective to
+        stop it first under pipelining): name the rank that ended, if one did within a second."""
+        ready = mpc.wait([proc.sentinel for _, proc in self._procs], timeout=1.0)
+        for rank, proc in self._procs:
+            if proc.sentinel in ready:
+                proc.join(0.1)
+                return WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; then {error}")
+        return error
 
     def _fail(self, error: WorkerError) -> None:
         self._closed = True

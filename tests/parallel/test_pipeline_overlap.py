@@ -6,18 +6,25 @@ and TP2 x PP2 give one process's greedy tokens on the trained embedded model and
 written by transformers, with more requests than one micro-batch holds; the engine counts two steps in flight in
 steady state and the ranks' step times show stage 0 starting step N + 1 before the last stage ended step N; a
 layer split where stage 0 owns no KDA layer and stage 1 no MLA layer; abort and preemption under PP2 leave every
-block and slot free.
+block and slot free; a rank that raises or dies while steps are in flight ends the run with an error naming it.
+The trained embedded model's check runs by default; the others are marked slow (the one-process twin of their
+scheduling checks: tests/engine/test_pipelined_steps.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from rocm_k3.engine.llm import LLM
+from rocm_k3.executor.multiproc import WorkerDiedError, WorkerError
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 from tests.model_fixtures import write_kimi_linear_checkpoint
 from tests.parallel.test_dist import ENGINE, TP4_KIMI_LINEAR, free_port
 
@@ -76,6 +83,7 @@ def test_trained_embedded_model_pp2_overlaps_and_matches_one_process() -> None:
     _check_overlap(stats, ranks)
 
 
+@pytest.mark.slow
 def test_kimi_linear_pp2_and_tp2_pp2_match_one_process(kimi_linear) -> None:
     single, _, _ = _run(kimi_linear, PROMPTS)
     tokens, stats, ranks = _run(kimi_linear, PROMPTS, pipeline_parallel_size=2)
@@ -86,6 +94,7 @@ def test_kimi_linear_pp2_and_tp2_pp2_match_one_process(kimi_linear) -> None:
     assert stats["steps_in_flight_max"] == 2, stats
 
 
+@pytest.mark.slow
 def test_mla_first_split_with_abort_and_preemption_frees_everything(tmp_path) -> None:
     """Stage 0 owns only MLA layers, stage 1 only KDA layers. A cache of few blocks preempts; a request aborted
     while its step is in flight is dropped when that step's output comes; every block and slot is free after."""
@@ -117,3 +126,36 @@ def test_mla_first_split_with_abort_and_preemption_frees_everything(tmp_path) ->
     assert stats["preemptions"] > 0, stats
     assert stats["steps_in_flight_max"] == 2, stats
     assert stats["free_blocks"] == stats["num_blocks"] and stats["free_state_slots"] == stats["num_state_slots"]
+
+
+@pytest.mark.slow
+def test_a_failing_or_killed_stage_ends_the_pipelined_run_with_a_named_error(kimi_linear) -> None:
+    """Under PP2 no all-reduce follows a step: the last stage reports its error through its own pipe, and a
+    killed rank is named by its process's end, both while steps are in flight."""
+    llm = LLM(kimi_linear, master_port=free_port(), **ENGINE, pipeline_parallel_size=2)
+    ex = llm.engine.executor
+    try:
+        ghost = ScheduledChunk(request_id="ghost", token_ids=(1, 2), start=0, admitted=True, block_ids=(0,),
+                               kda_slot=0, is_prefill=True, sample=True)  # a request the last stage never heard of
+        ex.submit(StepInput(step_id=10**6, chunks=(ghost,)))
+        with pytest.raises(WorkerError, match="rank 1"):
+            ex.collect()
+    finally:
+        llm.shutdown()
+    assert all(not p.is_alive() for _, p in ex._procs)
+
+    llm = LLM(kimi_linear, master_port=free_port(), **ENGINE, pipeline_parallel_size=2)
+    ex = llm.engine.executor
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError, match="rank 0"):
+            for i in range(200):  # bounded
+                if i == 3:
+                    os.kill(next(p for rank, p in ex._procs if rank == 0).pid, signal.SIGKILL)
+                for j, prompt in enumerate(PROMPTS):
+                    llm.engine.add_request(f"{i}-{j}", prompt, GREEDY)
+                llm.engine.step()
+    finally:
+        llm.shutdown()
+    assert time.monotonic() - start < 120
+    assert all(not p.is_alive() for _, p in ex._procs)
