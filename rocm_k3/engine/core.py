@@ -2,6 +2,12 @@
 
 ``step()`` = ``schedule() -> StepInput`` -> ``executor.execute`` -> ``update(StepOutput)`` -> request deltas.
 
+Pipeline parallelism: an executor whose ``pipeline_depth`` is > 1 (one per stage) takes steps with ``submit`` and
+returns their outputs in order with ``collect``; ``step()`` then keeps up to that many micro-batches in flight
+(the scheduler leaves a step's sequences out of the next ones until its output is applied), so the first stage
+starts step N + 1 while the last one still runs step N. ``stats()`` counts the steps in flight at each collect
+(``steps_in_flight_max`` / ``steps_in_flight_mean``).
+
 Robustness (each a tested promise):
 
 - **Transactional bookkeeping.** Every scheduler/cache section runs under an :class:`InterruptGuard`, so a
@@ -120,12 +126,16 @@ class EngineCore:
         self.num_prefill_tokens = 0
         self.num_recoveries = 0
         self.num_sampler_fallbacks = 0
+        self.depth = int(getattr(executor, "pipeline_depth", 1))  # steps in flight at once (pipeline stages)
+        self.in_flight_max = 0
+        self.in_flight_sum = 0  # steps in flight summed over the collects (their mean: stats())
+        self.num_collects = 0
         self.kv_stats: collections.Counter = collections.Counter()  # prefill/decode transfers (see Scheduler)
         self._new_bookkeeping()
 
     def _new_bookkeeping(self) -> None:
         self.cache_manager = CacheManager(self.config.cache, self.num_blocks, self.num_slots)
-        self.scheduler = Scheduler(self.config, self.cache_manager, self.kv_stats)
+        self.scheduler = Scheduler(self.config, self.cache_manager, self.kv_stats, max_in_flight=self.depth)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
@@ -212,7 +222,8 @@ class EngineCore:
         done = False
         try:
             with self.guard.section():
-                if self.scheduler.in_flight is not None:  # a step an exception cut short: its pins go first
+                if self.depth == 1 and self.scheduler.in_flight is not None:  # a step an exception cut short:
+                    # its pins go first (with pipelining, steps in flight are live and drop the request later)
                     self.scheduler.abandon()
                 self.scheduler.abort(seq)
                 self._seqs.pop(request_id)
@@ -242,6 +253,8 @@ class EngineCore:
 
         All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
         computed again) and every block and slot is free or held by a live request."""
+        if self.depth > 1:
+            return self._pipelined_step()
         try:
             with self.guard.section():
                 if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
@@ -259,6 +272,41 @@ class EngineCore:
             with self.guard.section():
                 if self.scheduler.in_flight is not None:
                     self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
+            raise
+
+    def _pipelined_step(self) -> list[RequestDelta]:
+        """Fill the pipeline (schedule and submit steps while fewer than ``depth`` are in flight and one finds
+        work), then apply the oldest step's output. On an exception every step in flight is abandoned (its
+        requests recomputed); the executor still runs them, and their outputs are dropped when they come."""
+        sched = self.scheduler
+        try:
+            while len(sched.steps_in_flight) < self.depth:
+                with self.guard.section():
+                    step = self._bookkeeping(sched.schedule)
+                    if not step.chunks:  # every sequence that could run is in flight already (or none is left)
+                        self._bookkeeping(lambda: sched.abandon(newest_only=True))
+                if not step.chunks:
+                    break
+                self.executor.submit(step)
+            if not sched.steps_in_flight:
+                if sched.has_unfinished():
+                    raise RuntimeError("scheduler made no progress although requests are pending")
+                return []
+            n = len(sched.steps_in_flight)
+            self.in_flight_max = max(self.in_flight_max, n)
+            self.in_flight_sum += n
+            self.num_collects += 1
+            oldest = sched.steps_in_flight[0].step
+            output = self.executor.collect()
+            while output.step_id != oldest.step_id:  # a step abandoned earlier: nothing of it is kept
+                if output.step_id > oldest.step_id:
+                    raise RuntimeError(f"executor returned step {output.step_id} before step {oldest.step_id}")
+                output = self.executor.collect()
+            return self._commit(oldest, output)
+        except BaseException:
+            with self.guard.section():
+                if sched.steps_in_flight:
+                    self._bookkeeping(sched.abandon)  # requests stay queued and are recomputed
             raise
 
     def _commit(self, step, output) -> list[RequestDelta]:
@@ -344,6 +392,8 @@ class EngineCore:
             preemptions=self.scheduler.num_preemptions,
             recoveries=self.num_recoveries,
             sampler_fallbacks=self.num_sampler_fallbacks,
+            steps_in_flight_max=self.in_flight_max,
+            steps_in_flight_mean=self.in_flight_sum / self.num_collects if self.num_collects else 0.0,
             num_blocks=mgr.blocks.size,
             num_state_slots=mgr.slots.size,
             free_blocks=mgr.blocks.num_available,

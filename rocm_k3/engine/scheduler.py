@@ -103,9 +103,12 @@ class Scheduler:
     failed or was rolled back: recomputed) / published / bytes."""
 
     def __init__(self, config: EngineConfig, cache: CacheManager,
-                 kv_stats: collections.Counter | None = None) -> None:
+                 kv_stats: collections.Counter | None = None, max_in_flight: int = 1) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
         self.config = config
         self.cache = cache
         self.alignment = config.cache.alignment
@@ -113,7 +116,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.step_id = 0
-        self.in_flight: SchedulerOutput | None = None
+        self.steps_in_flight: collections.deque[SchedulerOutput] = collections.deque()  # oldest first
         self._finished_ids: list[str] = []
         self.spec = SpecPlanner(config.speculative, cache, config.max_model_len)
         kv = config.kv_transfer
@@ -153,19 +156,43 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ------------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> SchedulerOutput | None:
+        """The newest step in flight (None when none is)."""
+        return self.steps_in_flight[-1] if self.steps_in_flight else None
+
+    def busy_ids(self) -> set[int]:
+        """Sequence ids of the steps in flight: none of them is scheduled, preempted or advanced until its step's
+        output is applied (a sequence is in at most one step in flight)."""
+        return {item.seq.seq_id for out in self.steps_in_flight for item in out.scheduled}
+
+    def _micro_batch_caps(self) -> tuple[int, int]:
+        """(most running sequences, most sequences in all) one step takes: no limit with one step in flight; with
+        ``max_in_flight`` steps (pipeline stages) an equal share of the running sequences, and of those that could
+        run (running + waiting, at most ``max_num_seqs``), so that the next step finds sequences not in flight."""
+        n = self.max_in_flight
+        if n == 1:
+            return self.config.max_num_seqs, self.config.max_num_seqs
+        could_run = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-len(self.running) // n)), max(1, -(-could_run // n))
+
     def schedule(self) -> StepInput:
-        """Build the next step (see the module docstring); kept as ``in_flight`` until :meth:`update`."""
-        if self.in_flight is not None:
-            raise RuntimeError(f"schedule: step {self.in_flight.step.step_id} is still in flight")
+        """Build the next step (see the module docstring); kept in ``steps_in_flight`` until :meth:`update`.
+        With ``max_in_flight`` > 1 (pipeline parallelism) up to that many steps are in flight at once; the
+        sequences of those steps are left out of this one."""
+        if len(self.steps_in_flight) >= self.max_in_flight:
+            raise RuntimeError(f"schedule: {len(self.steps_in_flight)} steps are still in flight "
+                               f"(at most {self.max_in_flight})")
         budget = self.config.max_num_batched_tokens
+        run_cap, cap = self._micro_batch_caps()
         scheduled: list[ScheduledSeq] = []
-        taken: set[int] = set()
+        taken: set[int] = self.busy_ids()  # never preempted, never scheduled twice
         preempted: list[Sequence] = []
 
-        decoding = [s for s in self.running if s.is_decoding]
+        decoding = [s for s in self.running if s.is_decoding and s.seq_id not in taken]
         speculate = self.spec.config is not None and self.spec.config.drafts_at(len(decoding))
         for seq in decoding:
-            if budget < 1:
+            if budget < 1 or len(scheduled) >= run_cap:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
@@ -177,7 +204,9 @@ class Scheduler:
                 taken.add(seq.seq_id)
                 budget -= 1 + len(drafts)
 
-        for seq in [s for s in self.running if not s.is_decoding]:
+        for seq in [s for s in self.running if not s.is_decoding and s.seq_id not in taken]:
+            if len(scheduled) >= run_cap:
+                break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             n = self._chunk(seq, budget)
@@ -188,7 +217,7 @@ class Scheduler:
 
         passed_over = 0
         for seq in list(self.waiting):  # FIFO; only a sequence that chose to wait for a prefix is passed over
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(scheduled) >= cap:
                 break
             if self._wait_for_prefix(seq):
                 passed_over += 1
@@ -219,7 +248,8 @@ class Scheduler:
                 self._publish(item.seq)
         copies = self.cache.take_copies()
         step = self._step_input(scheduled, copies)
-        self.in_flight = SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted, step=step)
+        self.steps_in_flight.append(SchedulerOutput(scheduled=scheduled, copies=copies, preempted=preempted,
+                                                    step=step))
         del self._finished_ids[:len(step.finished_request_ids)]  # now the step in flight carries them
         return step
 
@@ -232,7 +262,12 @@ class Scheduler:
         failed = set(output.kv_failed)
         self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
                              seconds=output.kv_transfer_s)
+        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}  # aborted while in flight
         for item in out.scheduled:
+            if item.seq.seq_id in gone:  # its cache is freed already: only the step's save slots go back
+                self.cache.abandon_saves(item.saves)
+                item.saves = []
+                continue
             if item.seq.request_id in failed:  # its step ran on a cache that did not arrive: nothing is kept
                 self.cache.abandon_saves(item.saves)
                 item.saves = []
@@ -248,7 +283,7 @@ class Scheduler:
                 accepted = accepted_of.get(item.seq.request_id, ())
                 item.seq.num_computed_tokens = item.start + 1 + len(accepted)
                 self.spec.settle(item, len(accepted))
-        self._take_prompt_logprobs(out.scheduled, output)
+        self._take_prompt_logprobs(out.scheduled, output)  # (an aborted sequence's are dropped with it)
         samplers = [item.seq for item in out.scheduled if item.samples]
         if len(samplers) != len(output.sampled):
             raise RuntimeError(f"step {output.step_id}: {len(output.sampled)} sampled tokens for "
@@ -258,7 +293,7 @@ class Scheduler:
             if token.request_id != seq.request_id:
                 raise RuntimeError(f"step {output.step_id}: sampled token of {token.request_id!r} where "
                                    f"{seq.request_id!r} was expected")
-            if seq.request_id in failed:
+            if seq.request_id in failed or seq.seq_id in gone:
                 continue
             delta = None
             draft_logprobs = token.accepted_logprobs or (None,) * len(token.accepted)
@@ -302,19 +337,19 @@ class Scheduler:
             seq.registered = seq.known_to_workers = False
 
     def checkpoint(self) -> UpdateCheckpoint:
-        """What :meth:`update` of the step in flight may change (see :meth:`roll_back`)."""
-        if self.in_flight is None:
+        """What :meth:`update` of the oldest step in flight may change (see :meth:`roll_back`)."""
+        if not self.steps_in_flight:
             raise RuntimeError("checkpoint: no step in flight")
         samplers = [(item.seq, item.seq.num_tokens, None if item.seq.logprobs is None else len(item.seq.logprobs),
                      item.seq.stop.num_chars_emitted, item.seq.proposal)
-                    for item in self.in_flight.scheduled if item.samples]
+                    for item in self.steps_in_flight[0].scheduled if item.samples]
         return UpdateCheckpoint(list(self.running), len(self._finished_ids), samplers)
 
     def roll_back(self, checkpoint: UpdateCheckpoint) -> list[Sequence]:
         """Undo an :meth:`update` that an exception cut short: the sampling sequences get back their tokens, text,
         logprobs and running status (a request it finished is unfinished again), and the queue its order. The
         cache is not restored: the caller rebuilds it (:meth:`EngineCore.recover`). Returns those sequences."""
-        self.in_flight = None
+        self.steps_in_flight.clear()
         self.running[:] = checkpoint.running
         del self._finished_ids[checkpoint.num_finished_ids:]
         for seq, num_tokens, num_logprobs, emitted, proposal in checkpoint.samplers:
@@ -326,15 +361,18 @@ class Scheduler:
             seq.proposal = proposal
         return [seq for seq, *_ in checkpoint.samplers]
 
-    def abandon(self) -> None:
-        """The step in flight failed on the workers: unpin its copy sources, give back its save slots, and send its
-        sequences back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published
-        by earlier steps are untouched (the failed step only wrote private blocks and slots). Not a preemption."""
-        out = self.in_flight
-        if out is None:
-            return
+    def abandon(self, newest_only: bool = False) -> None:
+        """The steps in flight failed on the workers (or never ran; ``newest_only``: only the newest, e.g. an
+        empty one), newest first: unpin their copy sources, give back their save slots, and send their sequences
+        back to the queue to be recomputed (their KDA slots may be half-updated). Cache entries published by
+        earlier steps are untouched (a failed step only wrote private blocks and slots). Not a preemption."""
+        while self.steps_in_flight:
+            self._abandon(self.steps_in_flight.pop())
+            if newest_only:
+                return
+
+    def _abandon(self, out: SchedulerOutput) -> None:
         self._finished_ids[:0] = out.step.finished_request_ids  # sent again (dropping twice is harmless)
-        self.in_flight = None
         self.cache.finish_copies(out.copies)
         for item in out.scheduled:
             self.cache.abandon_saves(item.saves)
@@ -357,7 +395,7 @@ class Scheduler:
     def restore(self, seqs: list[Sequence], *, num_preemptions: int, step_id: int, finished_ids: list[str]) -> None:
         """Queue ``seqs`` (unfinished requests of a previous scheduler, in order) on this fresh scheduler, to be
         recomputed from their prompts and outputs; the workers are told about them again (they keep known ones)."""
-        if self.running or self.waiting or self.in_flight is not None:
+        if self.running or self.waiting or self.steps_in_flight:
             raise RuntimeError("restore: the scheduler is not fresh")
         self.num_preemptions, self.step_id, self._finished_ids = num_preemptions, step_id, list(finished_ids)
         for seq in seqs:
@@ -372,7 +410,7 @@ class Scheduler:
     def take_finished_ids(self) -> list[str]:
         """Requests the workers know of that ended and were not yet told of (their worker state can be dropped),
         including those of a step in flight (it may never run)."""
-        pending = self.in_flight.step.finished_request_ids if self.in_flight is not None else ()
+        pending = [rid for out in self.steps_in_flight for rid in out.step.finished_request_ids]
         ids, self._finished_ids = list(dict.fromkeys([*pending, *self._finished_ids])), []
         return ids
 
@@ -417,11 +455,12 @@ class Scheduler:
         )
 
     def _take_in_flight(self, step_id: int) -> SchedulerOutput:
-        out = self.in_flight
+        """The oldest step in flight, which ``step_id`` must be (outputs are applied in step order)."""
+        out = self.steps_in_flight[0] if self.steps_in_flight else None
         if out is None or out.step.step_id != step_id:
             expected = None if out is None else out.step.step_id
-            raise RuntimeError(f"update: step {step_id} is not the step in flight ({expected})")
-        self.in_flight = None
+            raise RuntimeError(f"update: step {step_id} is not the oldest step in flight ({expected})")
+        self.steps_in_flight.popleft()
         return out
 
     def _append(self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None,

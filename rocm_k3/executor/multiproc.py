@@ -9,6 +9,14 @@ messages are gathered only when a flag is set, so a failure anywhere is named); 
 last stage) sends its StepOutput to rank 0 point to point (nothing to send when it is rank 0). Nodes other than 0 run headless (:func:`run_headless`): their ranks join the same
 group over TCP (``--master-addr`` / ``--master-port``) and follow rank 0's broadcasts.
 
+Pipeline parallelism on one node: ``pipeline_depth`` = the number of stages. The driver then
+:meth:`~MultiprocExecutor.submit` s up to that many steps before it :meth:`~MultiprocExecutor.collect` s the oldest
+one's output: every rank runs an ``execute`` without the error all-reduce (which would hold the first stage until
+the last one finished), the sampling rank sends its StepOutput straight to the driver through its own report pipe,
+and a rank that fails names itself there. So the first stage runs step N + 1 while the last one still runs step N
+(the hidden states go stage to stage with asynchronous point-to-point sends, see
+:class:`~rocm_k3.worker.stage_link.StageLink`). Several nodes keep one step in flight.
+
 Idle ranks live as long as the server: while no command comes, rank 0 broadcasts a ``ping`` every
 ``idle_ping_s(timeout_s)`` seconds, so the other ranks' waits (collectives bounded by ``timeout_s``) never expire;
 ``timeout_s`` guards the collectives of a step, not the wait for work. On one node the group meets through a
@@ -24,6 +32,7 @@ takes longer than ``timeout_s`` (a collective stuck on a lost remote rank) ends 
 from __future__ import annotations
 
 import ast
+import collections
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -64,10 +73,11 @@ class WorkerTimeoutError(WorkerError):
 
 
 def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = None,
-               ring_path: str | None = None) -> None:
+               ring_path: str | None = None, report=None) -> None:
     """One rank: join the group, load this rank's shard, then follow rank 0's commands until shutdown.
     ``store_file``: the FileStore the ranks of a one-node group meet in (None: env:// at master_addr:port);
-    ``ring_path``: the shared-memory ring of a one-node group's step channel (None: tensor frames)."""
+    ``ring_path``: the shared-memory ring of a one-node group's step channel (None: tensor frames);
+    ``report``: this rank's pipe to the driver for pipelined steps (outputs, errors), None without pipelining."""
     import torch.distributed as dist
 
     from rocm_k3.distributed.groups import destroy_parallel, init_parallel, rank_env
@@ -114,6 +124,12 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
             result = _run(worker, name, args)
         except BaseException as exc:
             error = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        if name == "execute" and report is not None:  # pipelined: no collective, so this stage runs on
+            if error is not None:
+                report.send(("error", error))  # the driver ends the group
+            elif ctx.is_sampling_rank:
+                report.send(("step", result))
+            continue
         errors = _step_errors(dist, group, rank, error)
         if not errors and name == "execute" and ctx.sampling_rank != 0:  # the output, from the sampling rank only
             if ctx.is_sampling_rank:
@@ -221,9 +237,18 @@ class MultiprocExecutor:
         store_file = os.path.join(self._store_dir, "store") if self._store_dir else None
         # one node: the step channel's shared-memory ring file (tmpfs where there is one; rank 0 unlinks it at start)
         self._ring_path = ring_path = new_ring_path() if par.nnodes == 1 else None
+        # pipelined steps on one node (see the module docstring): a report pipe per rank
+        self.pipeline_depth = par.pipeline_parallel_size if par.nnodes == 1 else 1
+        self._reports: list = []
+        self._outputs: collections.deque[StepOutput] = collections.deque()
+        self._pending = 0  # steps submitted and not collected
         for rank in par.node_ranks():
+            report = None
+            if self.pipeline_depth > 1:
+                mine, report = ctx.Pipe(duplex=False)
+                self._reports.append(mine)
             proc = ctx.Process(target=_rank_main,
-                               args=(rank, config, child if rank == 0 else None, store_file, ring_path),
+                               args=(rank, config, child if rank == 0 else None, store_file, ring_path, report),
                                name=f"rocm-k3-rank{rank}", daemon=True)
             proc.start()
             self._procs.append((rank, proc))
@@ -241,7 +266,35 @@ class MultiprocExecutor:
         self._call("init_cache", geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", step)
+        if self.pipeline_depth == 1:
+            return self._call("execute", step)
+        self.submit(step)
+        while True:
+            out = self.collect()
+            if out.step_id == step.step_id:
+                return out
+
+    def submit(self, step: StepInput) -> None:
+        """Pipelined (``pipeline_depth`` > 1): start ``step`` on the ranks without waiting for it."""
+        if self.pipeline_depth == 1:
+            raise RuntimeError("submit: this executor runs one step at a time (execute)")
+        if self._closed:
+            raise WorkerError("the worker group has shut down (an earlier error ended it)")
+        try:
+            self._conn.send(("execute", (step,)))
+        except OSError:  # rank 0 is gone: wait until its process's end names it (WorkerDiedError)
+            while True:
+                self._wait("step")
+        self._pending += 1
+
+    def collect(self) -> StepOutput:
+        """The output of the oldest submitted step (outputs come in submission order)."""
+        if self._pending == 0:
+            raise RuntimeError("collect: no step was submitted")
+        while not self._outputs:
+            self._wait("step")
+        self._pending -= 1
+        return self._outputs.popleft()
 
     def rank_stats(self, reset: bool = False) -> list[dict]:
         """Per rank (in rank order): bytes it loaded and the collectives it issued since the last reset."""
@@ -300,16 +353,22 @@ class MultiprocExecutor:
         deadline = time.monotonic() + (max(self.timeout_s, 600.0) if startup else self.timeout_s)
         sentinels = {proc.sentinel: (rank, proc) for rank, proc in self._procs}
         while True:
-            ready = mpc.wait([self._conn, *sentinels], timeout=_POLL_S)
-            if self._conn in ready:
+            ready = mpc.wait([self._conn, *self._reports, *sentinels], timeout=_POLL_S)
+            for conn in [c for c in (self._conn, *self._reports) if c in ready]:
                 try:
-                    kind, payload = self._conn.recv()
-                except EOFError:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):  # its rank ended: named below by its sentinel
                     kind, payload = "died", None
-                if kind == expected:
+                    if conn is not self._conn:
+                        self._reports.remove(conn)
+                if kind == "step":  # a pipelined step's output (from the sampling rank's report pipe)
+                    self._outputs.append(payload)
+                    if expected == "step":
+                        return None
+                elif kind == expected:
                     return payload
-                if kind == "error":
-                    self._fail(WorkerError(payload))
+                elif kind == "error":
+                    self._fail(self._dead_first(WorkerError(payload)))
             for sentinel in ready:
                 if sentinel in sentinels:
                     rank, proc = sentinels[sentinel]
@@ -317,6 +376,16 @@ class MultiprocExecutor:
                     self._fail(WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"))
             if time.monotonic() > deadline:
                 self._fail(WorkerTimeoutError(f"no answer from the ranks within {self.timeout_s:.0f} s"))
+
+    def _dead_first(self, error: WorkerError) -> WorkerError:
+        """A rank's error may follow another rank's end (its point-to-point lost the peer, with no collective to
+        stop it first under pipelining): name the rank that ended, if one did within a second."""
+        ready = mpc.wait([proc.sentinel for _, proc in self._procs], timeout=1.0)
+        for rank, proc in self._procs:
+            if proc.sentinel in ready:
+                proc.join(0.1)
+                return WorkerDiedError(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; then {error}")
+        return error
 
     def _fail(self, error: WorkerError) -> None:
         self._closed = True

@@ -14,6 +14,7 @@ only, where the runner's :class:`~rocm_k3.worker.image_inputs.ImageInputs` encod
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -54,6 +55,7 @@ log = logging.getLogger("rocm_k3.worker")
 DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla_decode", "route", "fused_moe",
               "situ_and_mul")
 NON_FINITE = "non-finite logits: the model produced NaN or Inf logits for this request"
+SPANS_KEPT = 256  # the last steps' (step id, start, end) times a rank keeps for rank_stats
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
 
 
@@ -175,6 +177,7 @@ class Worker:
         self._kv_view: LayerHookView | None = None  # the step's per-layer transfer view (see _begin_kv)
         self._kv_t0: tuple[int, int, float] = (0, 0, 0.0)  # bytes sent, received before the step; seconds blocked
         self.shard = self._vocab_shard()
+        self.spans: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=SPANS_KEPT)
 
     @property
     def samples(self) -> bool:
@@ -408,7 +411,10 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput:
         self._kv_step = {}
+        start = time.monotonic()
         out = self._execute(step)
+        if step.chunks:  # when this rank ran each step (CLOCK_MONOTONIC: comparable across the node's ranks)
+            self.spans.append((step.step_id, start, time.monotonic()))
         return dataclasses.replace(out, **self._kv_step) if self._kv_step else out
 
     def _execute(self, step: StepInput) -> StepOutput:
@@ -474,7 +480,8 @@ class Worker:
         return tuple(out)
 
     def close(self) -> None:
-        """Stop the KV connector's transfer server (a producer's block store), if any."""
+        """Wait for this stage's open sends; stop the KV connector's transfer server (a producer's block store)."""
+        self.stage.drain()
         if self.connector is not None:
             self.connector.close()
             self.connector = None
@@ -483,15 +490,17 @@ class Worker:
         return [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.load is not None]
 
     def rank_stats(self, reset: bool = False) -> dict:
-        """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
+        """This rank's place, the checkpoint bytes it read, the collectives it issued and when it ran its last
+        steps (``step_spans``: (step id, start, end) on the monotonic clock), then reset if asked."""
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
-               "expert_load": {}}
+               "expert_load": {}, "step_spans": list(self.spans)}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()
             if reset:
                 m.load.zero_()
         if reset:
             ctx.stats.clear()
+            self.spans.clear()
         return out
