@@ -10,11 +10,20 @@ from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.spec_decode.config import SpeculativeConfig
 
 
+# New tokens per step by default: the largest budget measured to keep the inter-token p99 of running decodes within
+# 3x of their p50 while long prompts arrive (issue #35). H200, 2026-12-04, after the expanded-heads MLA prefill:
+# benchmarks/bench_mixed_load.py (K3-width slice, bf16, Triton, 16 decoding requests, 8 prompts of 3,968 tokens,
+# threshold 0; benchmarks/RESULTS.md): 1024 -> p99/p50 1.14 (36.1k prefill tok/s), 1536 -> 1.17 (41.9k, worst step
+# 35.0 ms), 2048 -> 15.5 (43.9k, worst step 48.8 ms).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1536
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Validated engine knobs.
 
-    max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+    max_num_batched_tokens: new tokens per step (prefill chunks + decodes); the default is measured
+                            (:data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`).
     long_prefill_token_threshold: most tokens of one prefill chunk per step, rounded up to ``cache.alignment``
                             (chunks that do not end a prompt end on the alignment grid); 0: no cap beyond the budget.
     max_num_seqs:           running sequences at once.
@@ -27,7 +36,7 @@ class EngineConfig:
     sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
     """
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 32
     max_model_len: int = 4096

@@ -26,6 +26,7 @@ import torch
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
@@ -73,7 +74,7 @@ class WorkerConfig:
     progress: bool = False
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 32
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)
