@@ -40,6 +40,12 @@ from rocm_k3.ops import registry
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PREFILL_Q_CHUNK = 256  # reference prefill: queries per score block
 
+# A chunk of at least this many queries takes the expanded kernel. Measured on the H200 (2026-12-04, 12 heads, bf16,
+# benchmarks/RESULTS.md): the expanded kernel is 1.56x faster at n = 128 of L = 4096 and 2.60x at n = 128 of
+# L = 32768, 0.79x (slower) at n = 64 of L = 4096 (2.57x at n = 64 of L = 32768).
+EXPANDED_MIN_QUERIES = 128
+SEGMENT_KEYS = 32768  # keys expanded per pass: workspace H * (Dn + Dv) * 2 B per key (12 heads: 192 MiB)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # boundary validation (shapes, dtypes, devices)
@@ -190,6 +196,17 @@ def _check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, total: int, lens: list[
                 f"in the cache (write them with mla_write_cache first)"
             )
     return cu
+
+
+def expand_segment(kv_cache: torch.Tensor, table_row: torch.Tensor, key0: int, count: int,
+                   w: torch.Tensor, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents of keys ``key0 .. key0 + count`` from their pages -> (``[count, H * (Dn + Dv)]`` expanded keys and
+    values in ``compute``, ``[count, R + P]`` latents whose last P columns are k_pe)."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(key0, key0 + count, device=kv_cache.device)
+    latent = kv_cache[table_row[pos // block_size].long(), pos % block_size]  # [count, R + P]
+    lora = w.shape[1]
+    return latent[:, :lora].to(compute) @ w.t(), latent  # [count, H (Dn + Dv)]
 
 
 def _gather_latents(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
