@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from rocm_k3.checks import check_int
-from rocm_k3.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.formats.parsers.registry import PARSER_ALIASES
-from rocm_k3.settings import BACKEND_CHOICES
+from rocm_k3.settings import BACKEND_CHOICES, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 PARSER_CHOICES = tuple(PARSER_ALIASES)

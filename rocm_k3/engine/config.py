@@ -7,15 +7,9 @@ import dataclasses
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import TokenBudgetError
 from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.spec_decode.config import SpeculativeConfig
 
-
-# New tokens per step by default: the largest budget measured to keep the inter-token p99 of running decodes within
-# 3x of their p50 while long prompts arrive (issue #35). H200, 2026-12-04, after the expanded-heads MLA prefill:
-# benchmarks/bench_mixed_load.py (K3-width slice, bf16, Triton, 16 decoding requests, 8 prompts of 3,968 tokens,
-# threshold 0; benchmarks/RESULTS.md): 1024 -> p99/p50 1.14 (36.1k prefill tok/s), 1536 -> 1.17 (41.9k, worst step
-# 35.0 ms), 2048 -> 15.5 (43.9k, worst step 48.8 ms).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 1536
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

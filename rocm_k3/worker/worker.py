@@ -26,7 +26,6 @@ import torch
 from rocm_k3.cache.geometry import CacheGeometry
 from rocm_k3.distributed.context import ParallelConfig, ParallelContext
 from rocm_k3.distributed.groups import reduce_ints
-from rocm_k3.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.kv_transfer.config import KVTransferConfig
 from rocm_k3.kv_transfer.socket_connector import SocketConnectorWorker
@@ -38,6 +37,7 @@ from rocm_k3.spec_decode.draft_proposer import DraftProposer
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
+from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets

@@ -239,7 +239,8 @@ def test_default_token_budget_is_the_measured_one_and_the_scheduler_honours_it()
     import dataclasses
 
     from rocm_k3.args import EngineArgs
-    from rocm_k3.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+    from rocm_k3.engine.config import EngineConfig
+    from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from rocm_k3.worker.worker import WorkerConfig
 
     assert DEFAULT_MAX_NUM_BATCHED_TOKENS == 1536
