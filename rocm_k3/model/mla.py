@@ -3,8 +3,9 @@
 One merged input GEMM gives ``q_in | c_kv | k_pe | gate`` where q_in is the query (no q_lora, Kimi Linear) or
 its low-rank input (K3: ``q_a``, then RMSNorm and ``q_b``). The normalised latent ``[c_kv | k_pe]``
 (R + P = kv_lora_rank + qk_rope_head_dim per token; 576 in K3) is written to the paged cache; prefill attends with
-expanded keys/values (``mla_prefill``), decode in the absorbed R-d latent space (``mla_decode``) with ``W_uk``
-folded into q and ``W_uv`` applied after. Every width comes from the config (K3 values in the shape comments:
+expanded keys/values (``mla_prefill``, which also applies the output gate: fused into the kernel's epilogue),
+decode in the absorbed R-d latent space (``mla_decode``) with ``W_uk`` folded into q and ``W_uv`` applied after
+(and the gate in :meth:`MLALayer.output`). Every width comes from the config (K3 values in the shape comments:
 R 512, P 64, Dn = qk_nope_head_dim 128, Dv = v_head_dim 128).
 
 Tensor parallelism: q_a / kv_a and their norms are replicated (every rank caches the full latent); q_b (or the
