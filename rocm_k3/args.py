@@ -15,7 +15,7 @@ from typing import Any
 
 from rocm_k3.checks import check_int
 from rocm_k3.formats.parsers.registry import PARSER_ALIASES
-from rocm_k3.settings import BACKEND_CHOICES, EP_DECODE_DISPATCH
+from rocm_k3.settings import BACKEND_CHOICES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EP_DECODE_DISPATCH
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 PARSER_CHOICES = tuple(PARSER_ALIASES)
@@ -49,7 +49,11 @@ class EngineArgs:
     block_size: int = option(128, "MLA KV page size in tokens")
     match_unit: int = option(64, "prefix-cache hash granularity in tokens")
     alignment: int = option(256, "prefill chunk grid in tokens (KDA saves)")
-    max_num_batched_tokens: int = option(2048, "new tokens per engine step")
+    max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "new tokens per engine step (prefill "
+                                         "chunks + decodes). The default 1536 is the largest budget measured to keep "
+                                         "decodes' inter-token p99 within 3x of p50 while long prompts arrive (H200, "
+                                         "benchmarks/bench_mixed_load.py: p99/p50 1.17 at 1536, 15.5 at 2048; "
+                                         "docs/scheduling.md)")
     long_prefill_token_threshold: int = option(0, "most tokens one prefill chunk takes per step (rounded up to "
                                                "--alignment), so a long prompt shares the step with decodes and other "
                                                "prefills instead of filling it; 0: no cap (vLLM's flag)")

@@ -19,6 +19,14 @@ VLLM_MLA_CHOICES = ("auto", "latent", "expanded")
 EP_DECODE_DISPATCH = ("static", "dynamic")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
+# The engine's default step budget (--max-num-batched-tokens, new tokens per step): the largest budget measured to
+# keep the inter-token p99 of running decodes within 3x of their p50 while long prompts arrive (issue #35). H200,
+# 2026-12-04, after the expanded-heads MLA prefill: benchmarks/bench_mixed_load.py (K3-width slice, bf16, Triton,
+# 16 decoding requests, 8 prompts of 3,968 tokens, threshold 0; benchmarks/RESULTS.md, docs/scheduling.md):
+# 1024 -> p99/p50 1.14 (36.1k prefill tok/s), 1536 -> 1.17 (41.9k, worst step 35.0 ms), 2048 -> 15.5 (43.9k, worst
+# step 48.8 ms). A constant, not an environment setting: EngineArgs, EngineConfig and the worker share it.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1536
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

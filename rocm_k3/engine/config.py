@@ -7,14 +7,17 @@ import dataclasses
 from rocm_k3.cache.config import CacheConfig
 from rocm_k3.cache.errors import TokenBudgetError
 from rocm_k3.kv_transfer.config import KVTransferConfig
+from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.spec_decode.config import SpeculativeConfig
+
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Validated engine knobs.
 
-    max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+    max_num_batched_tokens: new tokens per step (prefill chunks + decodes); the default is measured
+                            (:data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`).
     long_prefill_token_threshold: most tokens of one prefill chunk per step, rounded up to ``cache.alignment``
                             (chunks that do not end a prompt end on the alignment grid); 0: no cap beyond the budget.
     max_num_seqs:           running sequences at once.
@@ -27,7 +30,7 @@ class EngineConfig:
     sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
     """
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 32
     max_model_len: int = 4096

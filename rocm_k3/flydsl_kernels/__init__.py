@@ -8,7 +8,8 @@ MI300X/MI355X runs the parity tests against the PyTorch references.
 Modules: ``backend`` (registration, availability, MoE weight preparation), ``ops_impl`` and ``moe`` (host
 wrappers), kernels ``norm``, ``attn_res``, ``kda_decode``, ``short_conv``, ``kda_chunk_prep`` /
 ``kda_chunk_intra`` / ``kda_chunk_state`` (chunked KDA prefill), ``kda_prefill`` (its config and the recurrent
-fallback), ``moe_gemm``, ``moe_aux``, ``gated_act``; ``plans``, ``kda_prefill_plan`` and ``bitcodes`` (index
+fallback), ``moe_gemm``, ``moe_aux``, ``gated_act``, ``mla_prefill`` (expanded-heads MLA prefill; host wrapper
+``mla_ops``); ``plans``, ``kda_prefill_plan``, ``mla_prefill_plan`` and ``bitcodes`` (index
 maps and number-format bit formulas in plain Python, shared by the kernels and the host tests), ``weights``
 (MoE pre-shuffle),
 ``toolchain`` and ``isa`` (compile-only builds and ISA facts).

@@ -8,7 +8,9 @@ the authors yet — ``pytest -m rocm`` on an MI300X/MI355X is the parity check.
 Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, short_conv, kda_prefill (chunked,
 C = 64, three kernels, state walk on fp32 MFMA; the recurrent kernel for off-grid intermediate positions),
 route and fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and silu_and_mul (shared experts, dense
-layer). No MLA kernels yet: MLA ops fall through to the next backend. MoE weights must be prepared once at
+layer), mla_prefill (the expanded-heads flash kernel with the fused output gate, for calls whose every chunk has
+>= EXPANDED_MIN_QUERIES queries; shorter chunks, mla_decode and mla_write_cache fall through to the next
+backend). MoE weights must be prepared once at
 load time with :func:`prepare_weights`;
 ``fused_moe`` declines unprepared weights (``supports`` says so) rather than re-laying them per call.
 """
@@ -22,7 +24,7 @@ from rocm_k3.ops.moe import ExpertWeights
 
 def kernel_table() -> dict[str, tuple]:
     """op name -> (implementation, supports)."""
-    from rocm_k3.flydsl_kernels import moe, ops_impl
+    from rocm_k3.flydsl_kernels import mla_ops, moe, ops_impl
 
     return {
         "rms_norm": (ops_impl.rms_norm, ops_impl.rms_norm_supports),
@@ -36,6 +38,7 @@ def kernel_table() -> dict[str, tuple]:
         "route": (ops_impl.route, ops_impl.route_supports),
         "situ_and_mul": (ops_impl.situ_and_mul, ops_impl.gated_act_supports),
         "silu_and_mul": (ops_impl.silu_and_mul, ops_impl.gated_act_supports),
+        "mla_prefill": (mla_ops.mla_prefill, mla_ops.mla_prefill_supports),
     }
 
 

@@ -3,8 +3,9 @@
 One merged input GEMM gives ``q_in | c_kv | k_pe | gate`` where q_in is the query (no q_lora, Kimi Linear) or
 its low-rank input (K3: ``q_a``, then RMSNorm and ``q_b``). The normalised latent ``[c_kv | k_pe]``
 (R + P = kv_lora_rank + qk_rope_head_dim per token; 576 in K3) is written to the paged cache; prefill attends with
-expanded keys/values (``mla_prefill``), decode in the absorbed R-d latent space (``mla_decode``) with ``W_uk``
-folded into q and ``W_uv`` applied after. Every width comes from the config (K3 values in the shape comments:
+expanded keys/values (``mla_prefill``, which also applies the output gate: fused into the kernel's epilogue),
+decode in the absorbed R-d latent space (``mla_decode``) with ``W_uk`` folded into q and ``W_uv`` applied after
+(and the gate in :meth:`MLALayer.output`). Every width comes from the config (K3 values in the shape comments:
 R 512, P 64, Dn = qk_nope_head_dim 128, Dv = v_head_dim 128).
 
 Tensor parallelism: q_a / kv_a and their norms are replicated (every rank caches the full latent); q_b (or the
@@ -84,11 +85,11 @@ class MLALayer(WeightTargets):
         q = q_in.reshape(x.shape[0], self.heads, self.cfg.q_head_dim)  # [T, Hl, Dn + P]
         return q, ops.rms_norm(c_kv, self.kv_a_norm, MLA_NORM_EPS, backend=table), k_pe, gate
 
-    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """``o_proj`` of the attention output ``out [T, Hl, Dv]``, gated by ``sigmoid(gate)`` when the model has an
-        output gate; [T, hidden]."""
+        output gate and ``gate`` is given (None: already applied by the attention op); [T, hidden]."""
         out = out.reshape(out.shape[0], self.heads * self.cfg.v_head_dim)
-        if self.cfg.mla_use_output_gate:
+        if self.cfg.mla_use_output_gate and gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
@@ -109,8 +110,11 @@ class MLALayer(WeightTargets):
             )  # [N, Hl, R]
             out = torch.einsum("nhc,hvc->nhv", out_latent.to(x.dtype), w_uv)  # [N, Hl, Dv]
         else:
+            # the output gate goes into the prefill kernel's epilogue (fp32, one rounding; gate [T, Hl, Dv])
+            fused = {"gate": gate.view(x.shape[0], self.heads, cfg.v_head_dim)} if cfg.mla_use_output_gate else {}
             out = ops.mla_prefill(
                 q.to(kv_cache.dtype).contiguous(), kv_cache, batch.block_table, batch.cu_seqlens, batch.seq_lens,
-                self.kv_b.weight.to(kv_cache.dtype), scale=self.scale, backend=table,
+                self.kv_b.weight.to(kv_cache.dtype), scale=self.scale, backend=table, **fused,
             ).to(x.dtype)  # [T, Hl, Dv]
+            gate = None if fused else gate
         return self.output(out, gate)

@@ -40,6 +40,12 @@ from rocm_k3.ops import registry
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PREFILL_Q_CHUNK = 256  # reference prefill: queries per score block
 
+# A chunk of at least this many queries takes the expanded kernel. Measured on the H200 (2026-12-04, 12 heads, bf16,
+# benchmarks/RESULTS.md): the expanded kernel is 1.56x faster at n = 128 of L = 4096 and 2.60x at n = 128 of
+# L = 32768, 0.79x (slower) at n = 64 of L = 4096 (2.57x at n = 64 of L = 32768).
+EXPANDED_MIN_QUERIES = 128
+SEGMENT_KEYS = 32768  # keys expanded per pass: workspace H * (Dn + Dv) * 2 B per key (12 heads: 192 MiB)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # boundary validation (shapes, dtypes, devices)
@@ -192,6 +198,17 @@ def _check_cu_seqlens_values(cu_seqlens_q: torch.Tensor, total: int, lens: list[
     return cu
 
 
+def expand_segment(kv_cache: torch.Tensor, table_row: torch.Tensor, key0: int, count: int,
+                   w: torch.Tensor, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents of keys ``key0 .. key0 + count`` from their pages -> (``[count, H * (Dn + Dv)]`` expanded keys and
+    values in ``compute``, ``[count, R + P]`` latents whose last P columns are k_pe)."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(key0, key0 + count, device=kv_cache.device)
+    latent = kv_cache[table_row[pos // block_size].long(), pos % block_size]  # [count, R + P]
+    lora = w.shape[1]
+    return latent[:, :lora].to(compute) @ w.t(), latent  # [count, H (Dn + Dv)]
+
+
 def _gather_latents(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached latents of one sequence, fp32 [length, R + P]."""
     block_size = kv_cache.shape[1]
@@ -219,7 +236,7 @@ def _mla_write_cache_reference(latent: torch.Tensor, kv_cache: torch.Tensor, slo
 
 def _mla_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     lens = _check_paged_values(kv_cache, block_table, seq_lens)
     cu = _check_cu_seqlens_values(cu_seqlens_q, q.shape[0], lens)
     geo = prefill_geometry(q, kv_cache, kv_b_weight)
@@ -245,7 +262,10 @@ def _mla_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
             q_pos = torch.arange(c0 - q1 + length, c1 - q1 + length, device=q.device)  # absolute positions
             future = k_pos[None, :] > q_pos[:, None]  # [c, L]
             probs = torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, c, L]
-            out[c0:c1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [c, H, Dv]
+            o = (probs @ v).transpose(0, 1)  # [c, H, Dv] fp32
+            if gate is not None:
+                o = o * torch.sigmoid(gate[c0:c1].float())
+            out[c0:c1] = o.to(q.dtype)
     return out
 
 
@@ -299,7 +319,7 @@ def mla_write_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
-                backend: str | None = None) -> torch.Tensor:
+                gate: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal MLA attention of new tokens over their sequence's cached context, with expanded k/v.
 
     Args:
@@ -310,6 +330,9 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         seq_lens: int32 [N]; context length of sequence i after this step (cached + new).
         kv_b_weight: [H * (Dn + Dv), R]; per head, Dn rows W_uk then Dv rows W_uv.
         scale: softmax scale, default (Dn + P)^-0.5.
+        gate: optional output-gate logits [T, H, Dv] (K3's MLA output gate, any float dtype, last dim
+            contiguous): the result is ``out * sigmoid(gate)``, applied in fp32 before the one rounding to q's
+            dtype (fused into the kernel's epilogue where the backend can).
 
     The widths are read from the shapes (:func:`prefill_geometry`). Math (fp32), for sequence i with
     L = seq_lens[i] and n new tokens, query j at position ``L - n + j``::
@@ -317,7 +340,7 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         c_kv, k_pe = cache[:L, :R], cache[:L, R:]
         k_nope[h] = c_kv @ W_uk[h]^T  [L, Dn];  v[h] = c_kv @ W_uv[h]^T  [L, Dv]
         s[h, j, l] = scale * (q_nope[j, h] . k_nope[h, l] + q_pe[j, h] . k_pe[l]),  l <= L - n + j
-        out[j, h] = softmax_l(s[h, j]) @ v[h]
+        out[j, h] = softmax_l(s[h, j]) @ v[h]   (times sigmoid(gate[j, h]) with a gate)
 
     Returns: [T, H, Dv] in q's dtype.
     """
@@ -336,8 +359,17 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     _check_scale(scale, required=False)
     _same_device("q", q, kv_cache=kv_cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                  seq_lens=seq_lens, kv_b_weight=kv_b_weight)
+    kwargs = {"scale": scale}
+    if gate is not None:  # only gated calls pass it: a backend without a gate keyword still serves the others
+        gate = _float("gate", gate)
+        v_dim = prefill_geometry(q, kv_cache, kv_b_weight).v
+        _shape("gate", gate, (q.shape[0], q.shape[1], v_dim), f"[T, H, v_head_dim] = {[*q.shape[:2], v_dim]}")
+        if gate.stride(-1) != 1:
+            raise ValueError("gate must have a contiguous last dim")
+        _same_device("q", q, gate=gate)
+        kwargs["gate"] = gate
     return registry.dispatch("mla_prefill", backend, q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight,
-                             scale=scale)
+                             **kwargs)
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -97,17 +97,20 @@ def _mla_prefill_kernel(qlat_ptr, q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, block
 
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc).
+                seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal MLA prefill: ``q [T, H, Dn + P]`` over the paged cache -> ``[T, H, Dv]`` in q's dtype (module doc),
+    times ``sigmoid(gate [T, H, Dv])`` when a gate is given.
 
     Sequences whose chunk holds at least ``EXPANDED_MIN_QUERIES`` queries run over the expanded heads
-    (:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`), the others in the absorbed latent space."""
-    return mla_prefill_with(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale)
+    (:mod:`rocm_k3.triton_kernels.mla_prefill_expanded`, the gate fused into its epilogue), the others in the
+    absorbed latent space (the gate applied to the fp32 W_uv product, before the one rounding)."""
+    return mla_prefill_with(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale, gate=gate)
 
 
 def mla_prefill_with(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      seq_lens: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float | None = None,
-                     expanded_min_queries: int | None = None) -> torch.Tensor:
+                     expanded_min_queries: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`mla_prefill` with the crossover explicit (None = ``EXPANDED_MIN_QUERIES``; 0 = every sequence
     expanded; a value above every chunk = all absorbed)."""
     threshold = EXPANDED_MIN_QUERIES if expanded_min_queries is None else expanded_min_queries
@@ -123,7 +126,7 @@ def mla_prefill_with(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     long = [i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] >= max(threshold, 1)]
     if long:
         mla_prefill_expanded(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, scale=scale,
-                             sequences=long, out=out, bounds=(cu, seq_lens.tolist()))
+                             gate=gate, sequences=long, out=out, bounds=(cu, seq_lens.tolist()))
     short_seqs = [i for i in range(len(cu) - 1) if i not in set(long)]
     bt_rows = 16
     blocks = [(i, s) for i in short_seqs for s in range(cu[i], cu[i + 1], bt_rows)]
@@ -144,6 +147,8 @@ def mla_prefill_with(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         LORA=lora, ROPE=geo.rope, num_warps=4, num_stages=2,
     )
     short = torch.einsum("thc,hdc->thd", o_lat, w[:, nope:].float())  # [T, H, Dv]
+    if gate is not None:
+        short = short * torch.sigmoid(gate.float())
     if not long:
         return short.to(q.dtype)
     rows = torch.tensor([t for i in short_seqs for t in range(cu[i], cu[i + 1])], device=q.device)
@@ -157,7 +162,7 @@ def mla_write_cache_supports(latent, kv_cache, slot_mapping) -> tuple[bool, str]
     return True, "supported"
 
 
-def mla_prefill_supports(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, *, scale=None):
+def mla_prefill_supports(q, kv_cache, block_table, cu_seqlens_q, seq_lens, kv_b_weight, *, scale=None, gate=None):
     if q.dtype not in _FLOAT_DTYPES:
         return False, f"q must be bf16/fp16/fp32, got {q.dtype}"
     if kv_cache.stride(-1) != 1:

@@ -33,14 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from rocm_k3.ops.mla import prefill_geometry
+from rocm_k3.ops.mla import (  # noqa: F401 (EXPANDED_MIN_QUERIES, SEGMENT_KEYS: re-exported)
+    EXPANDED_MIN_QUERIES,
+    SEGMENT_KEYS,
+    expand_segment,
+    prefill_geometry,
+)
 from rocm_k3.triton_kernels.runtime import interpreted
 
-# A chunk of at least this many queries takes the expanded kernel. Measured on the H200 (2026-12-04, 12 heads, bf16,
-# benchmarks/RESULTS.md): the expanded kernel is 1.56x faster at n = 128 of L = 4096 and 2.60x at n = 128 of
-# L = 32768, 0.79x (slower) at n = 64 of L = 4096 (2.57x at n = 64 of L = 32768).
-EXPANDED_MIN_QUERIES = 128
-SEGMENT_KEYS = 32768  # keys expanded per pass: workspace H * (Dn + Dv) * 2 B per key (12 heads: 192 MiB)
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -160,17 +160,6 @@ def default_tiles(dtype: torch.dtype, amd: bool = False) -> tuple[int, int, int,
     if amd:
         return (32, 32, 4, 2)
     return (64, 32, 4, 2) if dtype == torch.float32 else (128, 128, 8, 2)
-
-
-def expand_segment(kv_cache: torch.Tensor, table_row: torch.Tensor, key0: int, count: int,
-                   w: torch.Tensor, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latents of keys ``key0 .. key0 + count`` from their pages -> (``[count, H * (Dn + Dv)]`` expanded keys and
-    values in ``compute``, ``[count, R + P]`` latents whose last P columns are k_pe)."""
-    block_size = kv_cache.shape[1]
-    pos = torch.arange(key0, key0 + count, device=kv_cache.device)
-    latent = kv_cache[table_row[pos // block_size].long(), pos % block_size]  # [count, R + P]
-    lora = w.shape[1]
-    return latent[:, :lora].to(compute) @ w.t(), latent  # [count, H (Dn + Dv)]
 
 
 def mla_prefill_expanded(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

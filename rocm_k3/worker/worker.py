@@ -38,6 +38,7 @@ from rocm_k3.spec_decode.draft_proposer import DraftProposer
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.moe import RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
+from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
@@ -75,7 +76,7 @@ class WorkerConfig:
     progress: bool = False
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 32
     parallel: ParallelConfig = ParallelConfig()
     output_family: str | None = None  # "kimi_k3" / "kimi_k2": the grammar's marker tokens (None: no grammars)

@@ -131,6 +131,29 @@ def test_prefill_matches_dense_causal_attention(case: str, block_size: int, dtyp
         assert_rel(out[q0:q1], ref, TOL[dtype], name=f"{case} seq{i} out")
 
 
+def test_prefill_output_gate() -> None:
+    """``gate [T, H, Dv]``: the output times sigmoid(gate), in fp32 before the rounding (a strided gate view, as the
+    model's split of its merged projection gives, is fine)."""
+    gen = seeded(8)
+    lengths, counts = [9, 20], [4, 20]
+    latents = random_latents(lengths, gen)
+    kv_b = random_kv_b(2, gen)
+    q = torch.randn(sum(counts), 2, NOPE + ROPE, generator=gen)
+    cache, table = build_paged(latents, 16, torch.float32, gen)
+    cu, lens = cu_from_counts(counts), torch.tensor(lengths, dtype=torch.int32)
+    merged = torch.randn(sum(counts), 3 * 2 * VD, generator=gen) * 2
+    gate = merged[:, VD : VD + 2 * VD].view(sum(counts), 2, VD)  # [T, H, Dv], row stride 3 H Dv
+    plain = mla.mla_prefill(q, cache, table, cu, lens, kv_b)
+    assert_rel(mla.mla_prefill(q, cache, table, cu, lens, kv_b, gate=gate), plain * torch.sigmoid(gate), 1e-6,
+               name="gated")
+    with pytest.raises(ValueError, match=r"gate must have shape \[T, H, v_head_dim\] = \[24, 2, 128\]"):
+        mla.mla_prefill(q, cache, table, cu, lens, kv_b, gate=gate[:, :1])
+    with pytest.raises(TypeError, match="gate must have dtype"):
+        mla.mla_prefill(q, cache, table, cu, lens, kv_b, gate=gate.to(torch.int32))
+    with pytest.raises(ValueError, match="gate must have a contiguous last dim"):
+        mla.mla_prefill(q, cache, table, cu, lens, kv_b, gate=gate.transpose(0, 2).contiguous().transpose(0, 2))
+
+
 def test_prefill_scale_argument() -> None:
     gen = seeded(7)
     latents = random_latents([40], gen)

@@ -55,6 +55,7 @@ class Case:
     load: str | None = None  # the vector load its plan intends (e.g. 128-bit row accesses: buffer_load_dwordx4)
     also: Callable[[str], tuple[str, ...]] = lambda arch: ()  # further instructions the target must use
     kernels: int = 1  # kernels one launcher compiles (each is checked)
+    lds_budget: int | None = None  # bytes of LDS (group segment) a kernel may use; None: not checked
     # K-loop budget: arch -> (weights per lane and loop iteration, weights per lane in the whole kernel, max VALU
     # per weight in the loop, max in the whole kernel, mnemonic prefixes the loop must not contain), or None: the
     # innermost loop with an MFMA is checked (the whole kernel when the compiler unrolled a short K loop)
@@ -267,6 +268,27 @@ def _reduce_case() -> Case:
                 load="buffer_load_dwordx4")
 
 
+def _mla_prefill_case(first: bool, last: bool, gate: str | None) -> Case:
+    """The expanded-heads MLA prefill (TP-8 heads, the released 512 + 64 latent, Dn = Dv = 128) in its segment
+    variants. Budgets: measured 2026-12-04 (flydsl 0.5.0) gfx942 125-179 VGPRs, gfx950 214-220 (the 48-value Q
+    fragments, 32 fp32 O^T accumulators, the block's scores and the hoisted K/V operand loads); <= 256 keeps two
+    waves per SIMD. No LDS: the score C fragments are the PV B fragments."""
+    from rocm_k3.flydsl_kernels.mla_prefill import MlaPrefillConfig, build_mla_prefill_expanded
+
+    H = SHAPES["TP8"]["heads"]
+    T, S = 40, 50
+    f32 = lambda *shape: z(*shape, dtype=F32)  # noqa: E731
+    gdt = {None: BF16, "bf16": BF16, "f32": F32}[gate]
+    return Case(
+        f"mla_prefill_expanded-TP8-H{H}-{'first' if first else 'cont'}-{'last' if last else 'mid'}-gate{gate}",
+        lambda arch: build_mla_prefill_expanded(MlaPrefillConfig(arch, H, gate_dtype=gate, first=first, last=last)),
+        lambda: (z(T, H, 128 + 64), z(S, H, 256), z(S, KV_LORA + 64), z(T, H, 128, dtype=gdt), z(T, H, 128),
+                 f32(T, H, 128), f32(T, H, 2), 0, T, 10, 0, S, 0.07),
+        vgpr_budget=256, lds_budget=0,
+        mfma=lambda arch: {"gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}[arch],
+    )
+
+
 def _cases() -> list[Case]:
     cases = [
         _norm_case("rms_norm", HIDDEN),
@@ -294,6 +316,9 @@ def _cases() -> list[Case]:
         _gated_act_case(2 * 3072, "situ"),  # K3 shared experts (2 x 3072 intermediate)
         _gated_act_case(2 * 3072 // 8, "situ"),  # ... TP-8 shard
         _gated_act_case(33792 // 8, "silu"),  # dense layer 0 intermediate, TP-8 shard (Kimi Linear uses SiLU)
+        _mla_prefill_case(True, True, "bf16"),  # one segment, K3's output gate
+        _mla_prefill_case(True, False, None),  # first of several segments: writes the state
+        _mla_prefill_case(False, True, "f32"),  # last segment: reads the state, gates, stores
     ]
     for shape in SHAPES:
         for stage in (1, 2):
@@ -330,6 +355,8 @@ def _check_kernel(case: Case, arch: str, kernel: KernelIsa) -> None:
     assert kernel.arch == arch
     assert not kernel.uses_scratch, f"scratch or spills: {kernel.summary()}"
     assert kernel.vgpr_count <= case.vgpr_budget, f"VGPR budget {case.vgpr_budget} exceeded: {kernel.summary()}"
+    if case.lds_budget is not None:
+        assert kernel.lds_size <= case.lds_budget, f"LDS budget {case.lds_budget} B exceeded: {kernel.summary()}"
     # a per-lane buffer descriptor (or any divergent loop) shows up as an exec-mask loop: none is intended
     assert "s_cbranch_execnz" not in kernel.mnemonics, f"waterfall/divergent loop: {kernel.summary()}"
     if case.load is not None:

@@ -630,3 +630,123 @@ def test_kda_prefill_supports_names_the_kernel_path(save, path: str) -> None:
                                             torch.arange(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool),
                                             intermediate_positions=pos)
     assert ok and path in why, why
+
+
+# --- expanded-heads MLA prefill (mla_prefill_plan) ------------------------------------------------------------
+
+
+def _mfma(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One 16x16 MFMA step from per-lane fragments a, b [64, kpl]: lane l = 16 g + r supplies A[r, (g, j)] and
+    B[(g, j), r]; C[r, c] = sum_{g, j} A[r, (g, j)] B[(g, j), c]."""
+    kpl = a.shape[1]
+    return torch.einsum("grj,gcj->rc", a.view(4, 16, kpl), b.view(4, 16, kpl))
+
+
+@pytest.mark.parametrize("kpl", [4, 8], ids=["gfx942", "gfx950"])
+def test_mla_prefill_lane_maps_reproduce_causal_attention(kpl: int) -> None:
+    """The expanded MLA prefill's schedule, emulated lane by lane with its index maps (one wave: 16 queries of one
+    head, the segment's keys in blocks, transposed S^T and O^T MFMA tiles, the scores' C fragments reused as the PV
+    B fragments, the online softmax reduced over the 4 lane groups of a column) equals causal softmax attention
+    (fp32: 1e-5), with the block's last rows past the chunk and a segment that ends inside a block."""
+    from rocm_k3.flydsl_kernels import mla_prefill_plan as mp
+
+    gen = seeded(21)
+    dn, pe_w, dv, keys, q_pos0, n_q = 2 * 4 * kpl, 4 * kpl, 32, 45, 30, 13  # queries at positions 30..42
+    q = torch.randn(n_q, dn + pe_w, generator=gen, dtype=torch.float64)
+    k = torch.randn(keys, dn + pe_w, generator=gen, dtype=torch.float64)
+    v = torch.randn(keys, dv, generator=gen, dtype=torch.float64)
+    scale = 0.3
+    bn = mp.block_keys(kpl)
+    lanes = range(mp.WAVE)
+    col = [lane % 16 for lane in lanes]
+    rows = [min(c, n_q - 1) for c in col]
+    limit = [min(keys, q_pos0 + c + 1) for c in col]  # key0 = 0, the segment holds every key
+    m = torch.full((64,), -3.0e38, dtype=torch.float64)
+    lsum = torch.zeros(64, dtype=torch.float64)
+    acc = torch.zeros(dv // 16, 64, 4, dtype=torch.float64)  # [value tile, lane, C element]
+    hi = min(keys, q_pos0 + n_q)
+    steps = (dn + pe_w) // (4 * kpl)
+    for n0 in range(0, hi, bn):
+        scores = torch.empty(64, bn // 16 * 4, dtype=torch.float64)
+        for t in range(bn // 16):
+            c = torch.zeros(16, 16, dtype=torch.float64)
+            for s in range(steps):
+                a = torch.stack([k[min(n0 + mp.qk_a_key(ln, t), keys - 1), [mp.qk_dim(ln, s, j, kpl)
+                                                                            for j in range(kpl)]] for ln in lanes])
+                b = torch.stack([q[rows[ln], [mp.qk_dim(ln, s, j, kpl) for j in range(kpl)]] for ln in lanes])
+                c += _mfma(a, b)
+            for ln in lanes:
+                for i in range(4):
+                    row, cc = plans.mfma_c_coord(ln, i)
+                    assert mp.s_key(ln, t, i) == t * 16 + row and cc == col[ln]
+                    scores[ln, 4 * t + i] = c[row, cc] * scale
+        keys_of = torch.tensor([[n0 + mp.pv_key(ln, j) for j in range(kpl)] for ln in lanes])
+        visible = keys_of < torch.tensor(limit)[:, None]
+        bmax = torch.where(visible, scores, torch.tensor(-3.0e38, dtype=torch.float64)).amax(1)
+        bmax = bmax.view(4, 16).amax(0).repeat(4)  # xor 16, 32 over the lane groups
+        m_new = torch.maximum(m, bmax)
+        alpha = torch.exp(m - m_new)
+        p = torch.where(visible, torch.exp(scores - m_new[:, None]), torch.zeros((), dtype=torch.float64))
+        lsum = lsum * alpha + p.sum(1).view(4, 16).sum(0).repeat(4)
+        m = m_new
+        for vt in range(dv // 16):
+            a = torch.stack([v[[min(n0 + mp.pv_key(ln, j), keys - 1) for j in range(kpl)], vt * 16 + col[ln]]
+                             for ln in lanes])
+            c = _mfma(a, p)  # B = the lane's own probabilities
+            acc[vt] = acc[vt] * alpha[:, None] + torch.stack([c[plans.mfma_c_coord(ln, i)] for ln in lanes
+                                                              for i in range(4)]).view(64, 4)
+    out = torch.full((n_q, dv), float("nan"), dtype=torch.float64)
+    for ln in lanes:
+        if col[ln] < n_q:
+            for vt in range(dv // 16):
+                for i in range(4):
+                    out[col[ln], mp.out_col(ln, vt, i)] = acc[vt, ln, i] / lsum[ln]
+    s_ref = (q @ k.T) * scale  # [n_q, keys]
+    future = torch.arange(keys)[None, :] > (q_pos0 + torch.arange(n_q))[:, None]
+    want = torch.softmax(s_ref.masked_fill(future, float("-inf")), dim=1) @ v
+    assert torch.isfinite(out).all()
+    assert (out - want).norm() / want.norm() < 1e-5
+
+
+def test_mla_prefill_plan_covers_tiles_once() -> None:
+    from rocm_k3.flydsl_kernels import mla_prefill_plan as mp
+
+    for kpl in (4, 8):
+        bn = mp.block_keys(kpl)
+        keys = collections.Counter(mp.pv_key(ln, j) for ln in range(0, 64, 16) for j in range(kpl))  # one lane a group
+        assert sorted(keys) == list(range(bn)) and all(n == 1 for n in keys.values())
+        dims = collections.Counter(mp.qk_dim(ln, s, j, kpl) for ln in range(0, 64, 16) for s in range(3)
+                                   for j in range(kpl))
+        assert sorted(dims) == list(range(3 * 4 * kpl)) and all(n == 1 for n in dims.values())
+        cols = collections.Counter((ln % 16, mp.out_col(ln, vt, i)) for ln in range(64) for vt in range(2)
+                                   for i in range(4))
+        assert len(cols) == 16 * 32 and all(n == 1 for n in cols.values())
+
+
+def test_mla_prefill_supports_and_config_explain_refusals() -> None:
+    """The FlyDSL MLA prefill serves only calls whose every chunk takes the expanded kernel, in bf16/fp16 on
+    gfx942/gfx950, at geometries its MFMA depth tiles; each refusal names the reason."""
+    pytest.importorskip("flydsl")
+    from rocm_k3.flydsl_kernels.mla_ops import mla_prefill_supports
+    from rocm_k3.flydsl_kernels.mla_prefill import MlaPrefillConfig
+    from rocm_k3.ops.mla import EXPANDED_MIN_QUERIES
+
+    def call(counts: list[int], dtype: torch.dtype = torch.bfloat16):
+        cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+        q = torch.zeros(int(cu[-1]), 2, 192, dtype=dtype)
+        return mla_prefill_supports(q, torch.zeros(4, 64, 576, dtype=dtype), torch.zeros(len(counts), 4,
+                                    dtype=torch.int32), cu, torch.tensor(counts, dtype=torch.int32),
+                                    torch.zeros(2 * 256, 512, dtype=dtype))
+
+    ok, why = call([EXPANDED_MIN_QUERIES - 1, 200])
+    assert not ok and "absorbed kernel" in why and str(EXPANDED_MIN_QUERIES - 1) in why
+    ok, why = call([200], torch.float32)
+    assert not ok and "bf16/fp16" in why
+    ok, why = call([200, 0])  # long enough, but this host has no AMD GPU
+    assert not ok and "arch must be one of" in why
+    assert MlaPrefillConfig("gfx950", 12).block_n == 32 and MlaPrefillConfig("gfx942", 12).block_n == 16
+    for bad, match in [(dict(arch="sm_90"), "arch"), (dict(dtype="f32"), "bf16 or f16"), (dict(rope=24), "rope=24"),
+                       (dict(arch="gfx950", nope=48), "nope=48"), (dict(v_dim=40), "v_dim=40"),
+                       (dict(gate_dtype="f8"), "unsupported dtype")]:
+        with pytest.raises(ValueError, match=match):
+            MlaPrefillConfig(**{"arch": "gfx942", "num_heads": 12, **bad})

@@ -266,6 +266,44 @@ def test_fused_moe_k3_expert_shapes(T: int, act_quant: str) -> None:
     assert_rel(out, ref, 2e-2 if act_quant == "bf16" else 3e-2, f"fused_moe K3 {act_quant}")
 
 
+MLA_PREFILL = [([300, 700], [300, 150], None), ([1000], [200], "bf16"), ([130, 4000], [130, 512], "f32")]
+
+
+@pytest.mark.parametrize("segment", [32768, 256], ids=["one_segment", "segments"])
+@pytest.mark.parametrize("lens,news,gate", MLA_PREFILL, ids=["prefill+chunk", "chunk-gate-bf16", "long-gate-f32"])
+def test_mla_prefill_expanded(lens: list[int], news: list[int], gate: str | None, segment: int,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expanded-heads MLA prefill (TP-8 heads, the released 512 + 64 latent, Dn = Dv = 128, bf16) against the
+    reference, causal, chunked prefill (queries = the last ``news[i]`` of ``lens[i]`` context tokens, shuffled
+    64-token pages), with and without the output gate, the context in one segment or in 256-key segments (the
+    state carried between launches, a segment boundary inside the diagonal). Tolerance 1e-2 per sequence, as the
+    Triton twin's bf16 tier: the expanded K/V are rounded to bf16 once, the probabilities once more for the PV
+    MFMA."""
+    from rocm_k3.flydsl_kernels import mla_ops
+    from rocm_k3.ops.mla import mla_prefill
+
+    monkeypatch.setattr(mla_ops, "SEGMENT_KEYS", segment)
+    H, R, P, Dn, Dv, bs = 12, 512, 64, 128, 128, 64
+    gen = seeded(31)
+    per = max(-(-n // bs) for n in lens)
+    pages = per * len(lens) + 2
+    cache = (torch.randn(pages, bs, R + P, generator=gen)).to(torch.bfloat16).to(DEV)
+    table = torch.randperm(pages, generator=gen)[: per * len(lens)].view(len(lens), per).to(torch.int32).to(DEV)
+    cu = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    T = int(cu[-1])
+    q = rnd(T, H, Dn + P, seed=32)
+    w = rnd(H * (Dn + Dv), R, seed=33, scale=R ** -0.5)
+    g = None if gate is None else rnd(T, H, Dv, seed=34, scale=2.0, dtype={"bf16": torch.bfloat16,
+                                                                             "f32": torch.float32}[gate])
+    out = mla_prefill(q, cache, table, cu, seq_lens, w, gate=g, backend="flydsl")
+    ref = mla_prefill(q, cache, table, cu, seq_lens, w, gate=g, backend="reference")
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H, Dv)
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        assert_rel(out[rows], ref[rows], 1e-2, f"mla_prefill seq {i}")
+
+
 def test_tiny_model_generates_like_reference() -> None:
     """The embedded tiny K3 with automatic dispatch (flydsl first on ROCm, other backends for ops it lacks)
     against the reference backend: greedy continuations agree and per-token logprobs are close."""

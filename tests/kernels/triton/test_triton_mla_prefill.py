@@ -88,10 +88,15 @@ def test_expanded_prefill_small_tiles_interpret() -> None:
 @needs_interp
 @pytest.mark.parametrize("threshold", [0, 6, 10_000], ids=["all_expanded", "mixed", "all_absorbed"])
 def test_prefill_picks_per_sequence_interpret(threshold: int) -> None:
-    """``mla_prefill`` splits one call between the two kernels by chunk length; every row is written either way."""
-    args, _ = _problem("R48-P24-N40-V24", [20, 5, 40, 9], [3, 5, 18, 0], 3, seeded(13))
+    """``mla_prefill`` splits one call between the two kernels by chunk length; every row is written either way,
+    and the output gate is applied on both paths (the expanded kernel's epilogue, the absorbed path's fp32 W_uv
+    product)."""
+    args, gate = _problem("R48-P24-N40-V24", [20, 5, 40, 9], [3, 5, 18, 0], 3, seeded(13))
     want = ref_mla._mla_prefill_reference(*args)
     assert_rel(mla_prefill_with(*args, expanded_min_queries=threshold), want, 1e-5, f"threshold {threshold}")
+    gated = mla_prefill_with(*args, expanded_min_queries=threshold, gate=gate)
+    assert_rel(gated, ref_mla._mla_prefill_reference(*args, gate=gate), 1e-5, f"gated, threshold {threshold}")
+    assert_rel(gated, want * torch.sigmoid(gate), 1e-5, f"gated vs sigmoid(gate) x ungated, threshold {threshold}")
 
 
 def test_expanded_prefill_argument_errors() -> None:
