@@ -44,6 +44,25 @@ def assert_pools_released(stats: dict) -> None:
         f"{stats['num_state_slots'] - stats['free_state_slots']} KDA state slots held"
 
 
+def check_between_steps(core: EngineCore) -> None:
+    """The cache invariants of ``core`` between two steps, with every running sequence's computed length."""
+    live = {s.seq_id: s.num_computed_tokens for s in core.scheduler.running}
+    check_invariants(core.cache_manager, live, between_steps=True)
+
+
+def run_checked(core: EngineCore) -> dict[str, list[int]]:
+    """Step ``core`` until its requests finished, checking the cache after every step and that nothing is held at
+    the end (:func:`assert_nothing_held`); the token ids of each request finished meanwhile."""
+    done = {}
+    while core.has_unfinished():
+        for delta in core.step():
+            if delta.finished:
+                done[delta.request_id] = delta.output.token_ids
+        check_between_steps(core)
+    assert_nothing_held(core)
+    return done
+
+
 def assert_nothing_held(core: EngineCore) -> None:
     """After every request of ``core`` finished: the cache invariants hold, no sequence, running slot or pending
     save is left, the pools are whole again (:func:`assert_pools_released`), and speculation keeps no bookkeeping

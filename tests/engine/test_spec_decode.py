@@ -3,11 +3,11 @@ reference ops, CPU).
 
 Greedy outputs are identical with and without speculation for 200 seeded prompts (repetitive ones that n-gram drafts,
 ones sharing prefixes, random ones) for both methods, k in {1, 3, 7}, prefix caching on/off and preemption forced:
-six of those 24 configurations run by default (every k and every cache mode covered), all 24 under ``-m slow`` (the
-reference ops cost ~8 s of CPU per 200-prompt run); the cache invariants hold after every step and no block, KDA
-state slot (running, per-position or pending) or draft bookkeeping is held at the end; the acceptance rule preserves the target
-distribution (chi-square at p = 0.001) and a broken rule is caught; n-gram drafts are accepted on a repetitive
-prompt; config errors name the bad key.
+six of those 24 configurations cover every k and every cache mode, the other 18 are marked ``slow`` (the reference
+ops cost ~8 s of CPU per 200-prompt run; ``-m "not slow"`` leaves them out); the cache invariants hold after every
+step and no block, KDA state slot (running, per-position or pending) or draft bookkeeping is held at the end; the
+acceptance rule preserves the target distribution (chi-square at p = 0.001) and a broken rule is caught; n-gram
+drafts are accepted on a repetitive prompt; config errors name the bad key.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 from rocm_k3.args import EngineArgs
 from rocm_k3.cache.config import CacheConfig
-from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import ensure_embedded_model
@@ -31,7 +30,7 @@ from rocm_k3.spec_decode.acceptance import accept_drafts
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
 from rocm_k3.spec_decode.ngram import propose_ngram
 from rocm_k3.worker.sampler import make_generator, sample
-from tests.engine_fixtures import assert_nothing_held, core_for, varied_prompts
+from tests.engine_fixtures import core_for, run_checked, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 
@@ -79,15 +78,7 @@ def _run(engine, prompts, params) -> dict[str, list[int]]:
     """``params``: one SamplingParams for all prompts, or a list (one per prompt)."""
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
-    done = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if delta.finished:
-                done[delta.request_id] = delta.output.token_ids
-        live = {s.seq_id: s.num_computed_tokens for s in engine.scheduler.running}
-        check_invariants(engine.cache_manager, live, between_steps=True)
-    assert_nothing_held(engine)
-    return done
+    return run_checked(engine)
 
 
 GREEDY_16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from rocm_k3.cache.config import CacheConfig
-from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
-from tests.engine_fixtures import assert_nothing_held, core_for, varied_prompts
+from tests.engine_fixtures import check_between_steps, core_for, run_checked, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -106,19 +105,11 @@ def test_sigterm_during_a_verification_then_abort_leaks_nothing(model, greedy, m
                 if d.finished:
                     done[d.request_id] = d.output.token_ids
     assert verifying, "no step verified drafts"
-    # between steps again: the abandoned verification holds no per-position slot and no pending save
-    live = {s.seq_id: s.num_computed_tokens for s in eng.scheduler.running}
-    check_invariants(eng.cache_manager, live, between_steps=True)
+    check_between_steps(eng)  # the abandoned verification holds no per-position slot and no pending save
     assert eng.scheduler.spec.num_tracked() <= len(verifying)
     victim = verifying[0]  # the abort arrives for a request whose verification was cut short
     assert eng.abort(victim)
-    while eng.has_unfinished():
-        for d in eng.step():
-            if d.finished:
-                done[d.request_id] = d.output.token_ids
-        live = {s.seq_id: s.num_computed_tokens for s in eng.scheduler.running}
-        check_invariants(eng.cache_manager, live, between_steps=True)
-    assert_nothing_held(eng)
+    done.update(run_checked(eng))
     assert victim not in done
     assert done == {r: t for r, t in greedy.items() if r != victim}
     assert eng.stats()["spec_num_accepted_tokens"] > 0
@@ -150,8 +141,6 @@ def test_abort_arriving_during_a_verification_frees_its_slots(model, greedy, met
     assert aborted
     for rid in aborted:
         assert eng.abort(rid)
-    live = {s.seq_id: s.num_computed_tokens for s in eng.scheduler.running}
-    check_invariants(eng.cache_manager, live, between_steps=True)
-    done.update({r: o.token_ids for r, o in eng.run_to_completion().items()})
-    assert_nothing_held(eng)
+    check_between_steps(eng)
+    done.update(run_checked(eng))
     assert done == {r: t for r, t in greedy.items() if r not in aborted}
