@@ -153,6 +153,35 @@ def resolve_drafter_path(model: str, revision: str | None = None) -> Path:
                      "writes one)")
 
 
+# Released K3 drafters this loader cannot run, by the ``model_type`` / ``architectures`` of their config.json (public
+# facts: TokenSpeed's KimiK3DSparkConfig, ATOM / vLLM-Ascend pull requests for Inferact/ and RadixArk/Kimi-K3-DSpark)
+_DSPARK = ("k3_dspark", "K3DSparkModel")
+
+
+def refuse_foreign_drafter(root: Path, where: str) -> None:
+    """ValueError naming the architecture when ``root``'s config.json is a released K3 DSpark drafter (or any other
+    architecture than :data:`ARCHITECTURE`, when it names one): rocm-k3's ``draft_model`` runs its own tap drafter
+    only. Nothing is raised for a config it cannot read (the caller reports that)."""
+    try:
+        raw = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(raw, dict):
+        return
+    arch, model_type = raw.get("architectures"), raw.get("model_type")
+    names = [str(a) for a in arch] if isinstance(arch, list) else []
+    if model_type == _DSPARK[0] or _DSPARK[1] in names or any("dspark" in n.lower() for n in names):
+        taps = raw.get("target_layer_ids")
+        raise ValueError(f"{where}: a K3 DSpark drafter (model_type {model_type!r}, architectures {arch!r}"
+                         f"{f', target_layer_ids {taps}' if taps else ''}): its architecture (RoPE MLA layers that "
+                         "draft a block of tokens in one pass from tapped target hidden states, with a Markov head) "
+                         f"is not implemented in rocm-k3, whose method 'draft_model' loads {ARCHITECTURE!r} "
+                         "checkpoints only (rocm-k3 train-tiny-drafter DIR writes one); use method 'ngram' for K3")
+    if names and names != [ARCHITECTURE]:
+        raise ValueError(f"{where}: architectures {arch!r} in its {CONFIG_FILE} is not a drafter rocm-k3 can run "
+                         f"(method 'draft_model' loads {ARCHITECTURE!r} checkpoints only)")
+
+
 def save_drafter(drafter: TapDrafter, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (weights stored as ``dtype``) into ``directory``."""
     root = Path(directory)
@@ -169,6 +198,7 @@ def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidde
     ValueError naming the file, key or tensor that does not fit."""
     root = resolve_drafter_path(str(model), revision)
     where = f"draft model {str(model)!r}"
+    refuse_foreign_drafter(root, where)
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise ValueError(f"{where}: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE} (rocm-k3 "
                          f"train-tiny-drafter DIR writes one), found none at {root}")

@@ -110,6 +110,11 @@ class SpecPlanner:
         """The sequence left the running set (finished or preempted; a re-admission sends its slot anew)."""
         self._moved.discard(seq_id)
 
+    def num_tracked(self) -> int:
+        """Sequences this planner still holds bookkeeping for (a moved running slot not yet sent): 0 once every
+        request has finished (a leak check)."""
+        return len(self._moved)
+
     def take_moved(self, seq_id: int) -> bool:
         """Whether ``seq_id``'s running slot moved since its last chunk (then the worker takes the new slot)."""
         if seq_id in self._moved:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from rocm_k3.engine.llm import LLM
+from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
+from tests.engine_fixtures import assert_pools_released, varied_prompts
 from tests.parallel.test_dist import ENGINE, free_port
 
 pytestmark = pytest.mark.dist
@@ -21,10 +23,14 @@ PENALISED = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, freq
 PARAMS = [GREEDY, PENALISED, GREEDY, PENALISED]
 
 
-def _tokens(**kw) -> tuple[list[list[int]], dict]:
-    llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **kw)
+def _tokens(prompts=PROMPTS, params=PARAMS, **kw) -> tuple[list[list[int]], dict]:
+    """The tokens of ``prompts`` and the engine's stats after them (every pool checked whole again)."""
+    llm = LLM(EMBEDDED_DIR, master_port=free_port(), **{**ENGINE, **kw})
     try:
-        return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm.stats()
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+        assert_pools_released(stats)
+        return tokens, stats
     finally:
         llm.shutdown()
 
@@ -37,6 +43,24 @@ def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
     spec, stats = _tokens(tensor_parallel_size=2, speculative_config=spec_config)
     assert spec == single
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_tp2_ngram_speculation_on_200_prompts_matches_one_process_without_it() -> None:
+    """The issue's 200 prompts (repetitive, prefix-sharing, random; 64 sequences a step) at k = 3: TP=2 with
+    speculation gives the single process's greedy tokens; no block or state slot is held afterwards on the
+    driver's cache (both ranks follow its plan). Slow (~6 CPU-minutes over the two ranks on 2 cores); the fast
+    4-prompt version of the same check, both methods, is the test above."""
+    prompts = varied_prompts(ModelConfig.from_pretrained(EMBEDDED_DIR).vocab_size, 200)
+    wide = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "max_model_len": 96}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    single, _ = _tokens(prompts, greedy, **wide)
+    spec, stats = _tokens(prompts, greedy, tensor_parallel_size=2, **wide,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    differ = [i for i, (a, b) in enumerate(zip(single, spec)) if a != b]
+    assert not differ, f"{len(differ)} of {len(prompts)} requests differ, e.g. {differ[:5]}"
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert stats["hit_requests"] > 0, stats
 
 
 @pytest.mark.slow

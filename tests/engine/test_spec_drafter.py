@@ -237,3 +237,24 @@ def test_a_checkpoint_of_another_drafter_architecture_is_refused_by_name(tmp_pat
     with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
         with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter'.*architectures.*'DSparkForCausalLM'"):
             _load(REPO, target_cfg)
+
+
+@pytest.mark.parametrize("config", [
+    # the config.json fields of the released K3 DSpark drafters as public serving code reads them (TokenSpeed's
+    # KimiK3DSparkConfig: model_type k3_dspark, sometimes without an architectures field), no weights needed
+    {"model_type": "k3_dspark", "hidden_size": 7168, "num_hidden_layers": 5, "target_layer_ids": [2, 23, 47, 71, 89],
+     "num_target_layers": 5, "markov_rank": 256, "markov_head_type": "vanilla", "vocab_size": 163840},
+    {"architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "target_layer_ids": [2, 23, 47, 71, 89]},
+], ids=["model-type-only", "architectures"])
+def test_a_released_k3_dspark_drafter_is_refused_naming_its_architecture(tmp_path, target_cfg, config):
+    """Loading a K3 DSpark checkpoint by repo id gives one clear error naming the architecture, before any weight
+    file is read."""
+    root = tmp_path / "Kimi-K3-DSpark"
+    root.mkdir()
+    (root / CONFIG_FILE).write_text(json.dumps(config))
+    (root / WEIGHTS_FILE).write_bytes(b"not read")  # refused on the config alone
+    with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
+        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter': a K3 DSpark drafter \(model_type 'k3_dspark'.*"
+                                             r"target_layer_ids \[2, 23, 47, 71, 89\].*not implemented in rocm-k3.*"
+                                             r"'ngram'"):
+            _load(REPO, target_cfg)
