@@ -242,6 +242,19 @@ class EngineCore:
 
         All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
         computed again) and every block and slot is free or held by a live request."""
+        step = self.begin_step()
+        if step is None:
+            return []
+        try:
+            output = self.executor.execute(step)
+        except BaseException:
+            self.abandon_step()
+            raise
+        return self.finish_step(step, output)
+
+    def begin_step(self):
+        """The first half of :meth:`step`: schedule the next StepInput (None when it has no chunk) and hold it in
+        flight until :meth:`finish_step` commits its output or :meth:`abandon_step` drops it."""
         try:
             with self.guard.section():
                 if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
@@ -252,14 +265,33 @@ class EngineCore:
                     self._bookkeeping(self.scheduler.abandon)
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("scheduler made no progress although requests are pending")
-                return []
-            output = self.executor.execute(step)
-            return self._commit(step, output)
+                return None
+            return step
         except BaseException:  # also a Ctrl-C deferred to the end of a section
-            with self.guard.section():
-                if self.scheduler.in_flight is not None:
-                    self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
+            self.abandon_step()
             raise
+
+    def abandon_step(self) -> None:
+        """Drop the step in flight (its requests stay queued and are recomputed); a no-op without one."""
+        with self.guard.section():
+            if self.scheduler.in_flight is not None:
+                self._bookkeeping(self.scheduler.abandon)
+
+    def finish_step(self, step, output) -> list[RequestDelta]:
+        """The second half of :meth:`step`: commit the executed ``step``'s ``output``; the deltas."""
+        try:
+            return self._commit(step, output)
+        except BaseException:
+            self.abandon_step()
+            raise
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running (finished and aborted ones leave)."""
+        return len(self._seqs)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
 
     def _commit(self, step, output) -> list[RequestDelta]:
         """The scheduler's update of an executed step and the engine's own records, rolled back together when an

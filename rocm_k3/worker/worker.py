@@ -35,7 +35,7 @@ from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.moe import RoutedExperts
+from rocm_k3.model.moe import MoEBlock, RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.worker.image_inputs import ImageInputs
 from rocm_k3.worker.stage_link import StageLink
@@ -175,6 +175,7 @@ class Worker:
         self._kv_view: LayerHookView | None = None  # the step's per-layer transfer view (see _begin_kv)
         self._kv_t0: tuple[int, int, float] = (0, 0, 0.0)  # bytes sent, received before the step; seconds blocked
         self.shard = self._vocab_shard()
+        self.idle_steps = 0  # data parallelism: steps this rank's replica sat out (its MoE layers ran zero tokens)
 
     @property
     def samples(self) -> bool:
@@ -403,6 +404,28 @@ class Worker:
                          "kv_bytes_received": conn.stats.bytes_received - received,
                          "kv_transfer_s": blocked}
 
+    def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> StepOutput | None:
+        """Data parallelism: run this rank's replica's entry of ``steps`` (one per replica), or, when it is None
+        (the replica has no work while another steps), :meth:`idle_step`. Returns the StepOutput on the replica's
+        sampling rank, else None."""
+        if not isinstance(steps, tuple) or len(steps) != self.ctx.dp_size:
+            raise ValueError(f"execute_replicas: expected a tuple of {self.ctx.dp_size} steps (one per data-parallel "
+                             f"replica), got {steps!r}")
+        step = steps[self.ctx.dp_rank]
+        if step is None:
+            self.idle_step()
+            return None
+        out = self.execute(step)
+        return out if self.ctx.is_sampling_rank else None
+
+    def idle_step(self) -> None:
+        """A step of the other replicas: every MoE layer, in order, with zero tokens of this replica (see
+        :meth:`~rocm_k3.model.moe.MoEBlock.idle`), so their expert-parallel collectives complete."""
+        self.idle_steps += 1
+        for module in self.model.modules():
+            if isinstance(module, MoEBlock):
+                module.idle(self.device, self.config.dtype)
+
     def execute(self, step: StepInput) -> StepOutput:
         self._kv_step = {}
         out = self._execute(step)
@@ -482,13 +505,14 @@ class Worker:
     def rank_stats(self, reset: bool = False) -> dict:
         """This rank's place, the checkpoint bytes it read and the collectives it issued (then reset if asked)."""
         ctx = self.ctx
-        out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
+        out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
-               "expert_load": {}}
+               "idle_steps": self.idle_steps, "expert_load": {}}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()
             if reset:
                 m.load.zero_()
         if reset:
             ctx.stats.clear()
+            self.idle_steps = 0
         return out
