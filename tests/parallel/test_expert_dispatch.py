@@ -4,6 +4,8 @@ Each rank holds half of the tiny K3's 8 MXFP4 experts; the routed experts of a b
 :class:`RoutedExperts` with EP (token slice -> all-to-all dispatch -> local experts -> all-to-all combine) and the
 caller's all-reduce, equal one process running all experts on all picks. On a balanced batch each rank runs
 exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed batch still gives the right sum.
+Data parallelism (two replicas of TP1, one EP group over both): each replica's tokens are its own, each rank still
+runs ``T x k / 2`` of the ``T`` tokens of both replicas, and a replica with zero tokens serves the other's rows.
 """
 
 from __future__ import annotations
@@ -118,3 +120,55 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
         assert err < 1e-5 and len(slots) == 10 and sorted(set(slots)) == list(range(8)), (err, slots)
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives
+
+
+def _dp_rank(rank: int, port: int, results) -> None:
+    """Two DP replicas (TP1 each): rank r is replica r, the EP group spans both ranks."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        ctx = ParallelContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, ep_enabled=True, dp_ep_group=group)
+        cfg = ModelConfig.from_hf_dict(tiny_config())
+        experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+        full = _experts(cfg)
+        experts.weights = _slice(full, experts.first, experts.count)
+        activation, act_quant = activation_for(cfg), ActQuant()
+        z, w, ids = _batches(cfg)["balanced"]
+        half = TOKENS // 2
+        out = {"owned": (experts.first, experts.count)}
+        for name, mine in (("balanced", slice(rank * half, (rank + 1) * half)),  # each replica half of the batch
+                           ("idle", slice(0, TOKENS if rank == 0 else 0))):  # replica 1 has no token this step
+            ctx.stats.clear()
+            got = experts(z[mine], w[mine], ids[mine], activation, act_quant)  # TP1: no all-reduce
+            want = moe.fused_moe(z[mine], full, w[mine], ids[mine], activation=activation, backend="reference")
+            err = float((got - want).abs().max() / want.abs().max()) if want.numel() else float(got.numel())
+            out[name] = (err, dict(ctx.stats))
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dp2_replicas_share_one_ep_group() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_dp_rank, args=(port, results), nprocs=2, join=True)
+        results = dict(results)
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    picks = TOKENS * cfg.num_experts_per_token  # T x k over both replicas
+    assert [results[r]["owned"] for r in (0, 1)] == [(0, 4), (4, 4)]  # E / (DP x TP) experts each
+    for rank, out in results.items():
+        for name in ("balanced", "idle"):
+            err, stats = out[name]
+            assert err < 1e-5, (rank, name, err)
+            assert stats["moe_dispatch"] == stats["moe_combine"] == 1, stats  # the idle replica joins the collectives
+        rows = out["balanced"][1]["moe_rows"]
+        assert abs(rows - picks / 2) <= 0.1 * picks / 2, (rank, rows, picks)  # T x k / 2, never T x k
+        assert out["balanced"][1]["moe_picks"] == picks / 2  # each replica routed its own half
+    idle_rows = [results[r]["idle"][1]["moe_rows"] for r in (0, 1)]
+    assert results[1]["idle"][1]["moe_picks"] == 0 and idle_rows[1] > 0, idle_rows  # zero tokens, rows served
+    assert sum(idle_rows) == picks, idle_rows
