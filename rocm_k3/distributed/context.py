@@ -64,7 +64,7 @@ class ParallelConfig:
             raise LayoutError("data_parallel_size > 1 runs on one node for now (nnodes must be 1)")
         if r and self.tensor_parallel_size * self.data_parallel_size == 1:
             raise LayoutError("num_redundant_experts: expert parallelism over one rank has nothing to balance "
-                              "(tensor_parallel_size x data_parallel_size must be > 1)")
+                              "(tensor_parallel_size must be > 1, or data_parallel_size)")
         if self.expert_placement is not None and not isinstance(self.expert_placement, str):
             raise LayoutError(f"expert_placement: expected a path, got {self.expert_placement!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:

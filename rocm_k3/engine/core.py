@@ -242,32 +242,36 @@ class EngineCore:
 
         All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
         computed again) and every block and slot is free or held by a live request."""
-        step = self.begin_step()
-        if step is None:
-            return []
         try:
+            step = self._schedule_step()
+            if step is None:
+                return []
             output = self.executor.execute(step)
-        except BaseException:
-            self.abandon_step()
+            return self._commit(step, output)
+        except BaseException:  # also a Ctrl-C deferred to the end of a section
+            self.abandon_step()  # requests stay queued and are recomputed
             raise
-        return self.finish_step(step, output)
+
+    def _schedule_step(self):
+        with self.guard.section():
+            if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
+                self._bookkeeping(self.scheduler.abandon)
+            step = self._bookkeeping(self.scheduler.schedule)
+        if not step.chunks:
+            with self.guard.section():
+                self._bookkeeping(self.scheduler.abandon)
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending")
+            return None
+        return step
 
     def begin_step(self):
-        """The first half of :meth:`step`: schedule the next StepInput (None when it has no chunk) and hold it in
-        flight until :meth:`finish_step` commits its output or :meth:`abandon_step` drops it."""
+        """The first half of :meth:`step` (a data-parallel engine runs it per replica): schedule the next
+        StepInput (None when it has no chunk) and hold it in flight until :meth:`finish_step` commits its output or
+        :meth:`abandon_step` drops it."""
         try:
-            with self.guard.section():
-                if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
-                    self._bookkeeping(self.scheduler.abandon)
-                step = self._bookkeeping(self.scheduler.schedule)
-            if not step.chunks:
-                with self.guard.section():
-                    self._bookkeeping(self.scheduler.abandon)
-                if self.scheduler.has_unfinished():
-                    raise RuntimeError("scheduler made no progress although requests are pending")
-                return None
-            return step
-        except BaseException:  # also a Ctrl-C deferred to the end of a section
+            return self._schedule_step()
+        except BaseException:
             self.abandon_step()
             raise
 
