@@ -19,7 +19,7 @@ from typing import Any
 
 from rocm_k3.engine.core import EngineCore
 from rocm_k3.engine.guard import InterruptGuard
-from rocm_k3.engine.outputs import RequestDelta, RequestOutput
+from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.step_io import ImageInput
 
@@ -125,13 +125,7 @@ class DataParallelEngine:
                 raise
         return deltas
 
-    def run_to_completion(self) -> dict[str, RequestOutput]:
-        done = {}
-        while self.has_unfinished():
-            for delta in self.step():
-                if delta.finished:
-                    done[delta.request_id] = delta.output
-        return done
+    run_to_completion = EngineCore.run_to_completion  # step until every queued request finished (any replica)
 
     # ---- counters ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -58,18 +58,29 @@ def _slice(w: moe.ExpertWeights, first: int, count: int) -> moe.ExpertWeights:
     return moe.ExpertWeights(w.fmt, *part)
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _join(rank: int, port: int):
+    """This rank in a two-rank gloo world; the group of both ranks."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    return dist.new_group([0, 1])
+
+
+def _ep_experts(ctx: ParallelContext) -> tuple:
+    """(config, this rank's EP experts holding their slice of the full weights, the full weights, activation,
+    activation format)."""
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+    full = _experts(cfg)
+    experts.weights = _slice(full, experts.first, experts.count)
+    return cfg, experts, full, activation_for(cfg), ActQuant()
+
+
+def _rank(rank: int, port: int, results) -> None:
+    group = _join(rank, port)
     try:
-        group = dist.new_group([0, 1])
         ctx = ParallelContext(rank=rank, world_size=2, tp_rank=rank, tp_size=2, ep_enabled=True, tp_group=group)
-        cfg = ModelConfig.from_hf_dict(tiny_config())
-        experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
-        full = _experts(cfg)
-        experts.weights = _slice(full, experts.first, experts.count)
-        activation, act_quant = activation_for(cfg), ActQuant()
+        cfg, experts, full, activation, act_quant = _ep_experts(ctx)
         out = {}
         for name, (z, w, ids) in _batches(cfg).items():
             ctx.stats.clear()
@@ -97,14 +108,19 @@ def _rank(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
+def _spawn(fn) -> dict:
+    """Run ``fn(rank, port, results)`` on two spawned ranks; the ranks' results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
-        results = dict(results)
+        mp.spawn(fn, args=(port, results), nprocs=2, join=True)
+        return dict(results)
+
+
+def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
+    results = _spawn(_rank)
     cfg = ModelConfig.from_hf_dict(tiny_config())
     picks = TOKENS * cfg.num_experts_per_token
     for rank, out in results.items():
@@ -124,17 +140,10 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
 
 def _dp_rank(rank: int, port: int, results) -> None:
     """Two DP replicas (TP1 each): rank r is replica r, the EP group spans both ranks."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = _join(rank, port)
     try:
-        group = dist.new_group([0, 1])
         ctx = ParallelContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, ep_enabled=True, dp_ep_group=group)
-        cfg = ModelConfig.from_hf_dict(tiny_config())
-        experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
-        full = _experts(cfg)
-        experts.weights = _slice(full, experts.first, experts.count)
-        activation, act_quant = activation_for(cfg), ActQuant()
+        cfg, experts, full, activation, act_quant = _ep_experts(ctx)
         z, w, ids = _batches(cfg)["balanced"]
         half = TOKENS // 2
         out = {"owned": (experts.first, experts.count)}
@@ -151,13 +160,7 @@ def _dp_rank(rank: int, port: int, results) -> None:
 
 
 def test_dp2_replicas_share_one_ep_group() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_dp_rank, args=(port, results), nprocs=2, join=True)
-        results = dict(results)
+    results = _spawn(_dp_rank)
     cfg = ModelConfig.from_hf_dict(tiny_config())
     picks = TOKENS * cfg.num_experts_per_token  # T x k over both replicas
     assert [results[r]["owned"] for r in (0, 1)] == [(0, 4), (4, 4)]  # E / (DP x TP) experts each
