@@ -4,6 +4,7 @@ Two replicas, each with its own scheduler and cache, share one EP group of 2 ran
 greedy tokens of a batch spread over both replicas equal one process's, on the trained embedded K3 and on a Kimi
 Linear checkpoint written by transformers; every routed pick runs exactly once, on the rank owning its expert; a
 replica without work sits steps out with zero tokens through its MoE layers (serving the other's rows, no hang);
+DP2 x TP2 (EP over 4 ranks) gives the same tokens;
 aborted and finished requests leave every block and slot free; ``rocm-k3 serve --data-parallel-size 2`` serves;
 impossible settings are named before any process starts. (Routed rows per rank = T x k / 2 on a balanced batch:
 tests/parallel/test_expert_dispatch.py.)
@@ -134,6 +135,21 @@ def test_cli_takes_data_parallel_size() -> None:
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli(parser.parse_args(["-dp", "2", "--enable-expert-parallel"]))
     assert args.parallel_config().data_parallel_size == 2 and args.parallel_config().world_size == 2
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_ep4_matches_tp1(tp1) -> None:
+    """Four ranks: two replicas of TP2 (tokens split over a replica's TP ranks for the dispatch, the TP
+    all-reduces inside each replica), one EP group of 4 ranks with 2 experts each."""
+    llm = LLM(EMBEDDED_DIR, master_port=free_port(), tensor_parallel_size=2, **ENGINE, **DP2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tp1["batch"]
+        ranks = llm.engine.executor.rank_stats()
+    finally:
+        llm.shutdown()
+    assert [(r["dp_rank"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    picks = ranks[0]["collectives"]["moe_picks"] + ranks[2]["collectives"]["moe_picks"]  # per replica, all TP ranks
+    assert sum(r["collectives"]["moe_rows"] for r in ranks) == picks, ranks  # each pick once over the 4 ranks
 
 
 @pytest.mark.slow
