@@ -260,6 +260,9 @@ class MultiprocExecutor:
         self._call("init_cache", geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError("execute: with data_parallel_size > 1 every replica steps at once: use "
+                             "execute_replicas (one step per replica)")
         return self._call("execute", step)
 
     def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> list[StepOutput | None]:

@@ -22,6 +22,7 @@ from rocm_k3.engine.dp_engine import DataParallelEngine
 from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.worker.step_io import StepInput
 from tests.model_fixtures import write_kimi_linear_checkpoint
 
 pytestmark = pytest.mark.dist
@@ -70,6 +71,8 @@ def test_dp2_ep_batch_matches_tp1(dp2, tp1) -> None:
     assert stats["hit_tokens"] > 0 and stats["data_parallel_size"] == 2, stats
     loads = dp2.expert_loads()
     assert loads and all(len(v) == 8 for v in loads.values()), loads
+    with pytest.raises(ValueError, match="execute_replicas"):  # one step for every replica would hang their outputs
+        dp2.engine.executor.execute(StepInput(step_id=10**6))
 
 
 def test_an_idle_replica_sits_out_while_the_other_decodes(dp2, tp1) -> None:
