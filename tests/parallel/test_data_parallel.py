@@ -22,6 +22,7 @@ from rocm_k3.engine.dp_engine import DataParallelEngine
 from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.structured import StructuredOutputs
 from rocm_k3.worker.step_io import StepInput
 from tests.model_fixtures import write_kimi_linear_checkpoint
 
@@ -32,6 +33,11 @@ LONE = "Return the value"
 ENGINE = {"dtype": "float32", "block_size": 16, "match_unit": 8, "alignment": 16, "max_num_batched_tokens": 64,
           "max_num_seqs": 4, "max_model_len": 128, "distributed_timeout": 60.0}
 DP2 = {"data_parallel_size": 2, "enable_expert_parallel": True}
+MOOD = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"],
+        "additionalProperties": False}
+MIXED = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+         SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputs(json=MOOD),
+                        skip_special_tokens=False)]
 
 
 def free_port() -> int:
@@ -45,7 +51,8 @@ def tp1() -> dict:
     llm = LLM(EMBEDDED_DIR, **ENGINE)
     return {"batch": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
             "lone": llm.generate(LONE, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids,
-            "text": [o.text for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], GREEDY)]}
+            "text": [o.text for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], GREEDY)],
+            "mixed": llm.generate(PROMPTS[:2], MIXED)}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,18 @@ def test_dp2_ep_batch_matches_tp1(dp2, tp1) -> None:
     assert loads and all(len(v) == 8 for v in loads.values()), loads
     with pytest.raises(ValueError, match="execute_replicas"):  # one step for every replica would hang their outputs
         dp2.engine.executor.execute(StepInput(step_id=10**6))
+
+
+def test_logprobs_and_structured_output_on_the_replicas(dp2, tp1) -> None:
+    """One request per replica: logprobs and prompt logprobs as one process's, a JSON-schema grammar holds."""
+    got = dp2.generate(PROMPTS[:2], MIXED)
+    want = tp1["mixed"]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    pairs = [*zip(got[0].logprobs, want[0].logprobs), *zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:])]
+    assert len(pairs) == 6 + len(got[0].prompt_token_ids) - 1
+    for g, w in pairs:
+        assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g), (g, w)
+    assert got[1].text == want[1].text and '"mood"' in got[1].text, got[1]  # the grammar shaped it
 
 
 def test_an_idle_replica_sits_out_while_the_other_decodes(dp2, tp1) -> None:
