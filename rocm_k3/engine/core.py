@@ -289,6 +289,11 @@ class EngineCore:
             self.abandon_step()
             raise
 
+    def take_finished_ids(self) -> tuple[str, ...]:
+        """Finished requests the workers were not yet told of (for a step without chunks that tells them)."""
+        with self.guard.section():
+            return tuple(self.scheduler.take_finished_ids())
+
     @property
     def num_requests(self) -> int:
         """Requests queued or running (finished and aborted ones leave)."""

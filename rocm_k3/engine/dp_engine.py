@@ -21,7 +21,7 @@ from rocm_k3.engine.core import EngineCore
 from rocm_k3.engine.guard import InterruptGuard
 from rocm_k3.engine.outputs import RequestDelta
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.worker.step_io import ImageInput
+from rocm_k3.worker.step_io import ImageInput, StepInput
 
 RATIOS = {"hit_rate": ("hit_tokens", "query_tokens"), "spec_acceptance_rate": ("spec_num_accepted_tokens",
                                                                               "spec_num_draft_tokens")}
@@ -106,6 +106,10 @@ class DataParallelEngine:
                 steps.append(core.begin_step())
             if all(s is None for s in steps):
                 return deltas
+            for d, core in enumerate(self.cores):  # a replica sitting out still tells its ranks what finished
+                finished = core.take_finished_ids() if steps[d] is None else ()
+                if finished:
+                    steps[d] = StepInput(step_id=-1, finished_request_ids=finished)
             outputs = self.executor.execute_replicas(tuple(steps))
         except BaseException:
             for core in self.cores:
@@ -114,7 +118,7 @@ class DataParallelEngine:
             raise
         self.num_steps += 1
         for i, (core, step, output) in enumerate(zip(self.cores, steps, outputs)):
-            if step is None:
+            if step is None or not step.chunks:
                 continue
             try:
                 deltas += core.finish_step(step, output)

@@ -406,13 +406,18 @@ class Worker:
 
     def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> StepOutput | None:
         """Data parallelism: run this rank's replica's entry of ``steps`` (one per replica), or, when it is None
-        (the replica has no work while another steps), :meth:`idle_step`. Returns the StepOutput on the replica's
+        (the replica has no work while another steps), :meth:`idle_step`; an entry without chunks only reports
+        finished requests (their state is dropped) before the idle step. Returns the StepOutput on the replica's
         sampling rank, else None."""
         if not isinstance(steps, tuple) or len(steps) != self.ctx.dp_size:
             raise ValueError(f"execute_replicas: expected a tuple of {self.ctx.dp_size} steps (one per data-parallel "
                              f"replica), got {steps!r}")
         step = steps[self.ctx.dp_rank]
-        if step is None:
+        if step is None or not step.chunks:
+            if step is not None:
+                for rid in step.finished_request_ids:
+                    self.requests.drop(rid)
+                self.runner.apply_requests(step)
             self.idle_step()
             return None
         out = self.execute(step)
@@ -507,7 +512,8 @@ class Worker:
         ctx = self.ctx
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
-               "idle_steps": self.idle_steps, "expert_load": {}}
+               "idle_steps": self.idle_steps, "known_requests": len(self.requests),
+               "request_rows": 0 if self.runner is None else len(self.runner.rows), "expert_load": {}}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()
             if reset:

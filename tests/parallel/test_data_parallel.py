@@ -103,6 +103,10 @@ def test_an_idle_replica_sits_out_while_the_other_decodes(dp2, tp1) -> None:
     assert busy["idle_steps"] == 0 and steps >= 8, (busy, idle)  # a prefill and the decodes, all sat out
     assert idle["collectives"].get("moe_picks", 0) == 0 and idle["collectives"]["moe_rows"] > 0, idle
     assert idle["collectives"]["moe_combine"] == busy["collectives"]["moe_combine"], (busy, idle)
+    # the idle replica's finished batch requests were dropped on its rank while it sat out; the busy one keeps only
+    # the request it just finished (told with its next step)
+    assert (idle["known_requests"], idle["request_rows"]) == (0, 0), idle
+    assert (busy["known_requests"], busy["request_rows"]) == (1, 1), busy
 
 
 def test_abort_and_finish_leave_nothing(dp2, tp1) -> None:
