@@ -69,8 +69,12 @@ class EngineArgs:
                                        "dims must divide)", aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "pipeline stages (contiguous layer ranges, usually one node each)",
                                          aliases=("-pp",))
+    data_parallel_size: int = option(1, "attention replicas (DP attention), each with its own scheduler and cache "
+                                     "and requests balanced over them; their MoE layers form one expert-parallel "
+                                     "group of data x tensor parallel ranks (needs --enable-expert-parallel)",
+                                     aliases=("-dp",))
     enable_expert_parallel: bool = option(False, "split the routed experts whole over the tensor-parallel ranks "
-                                          "instead of per expert")
+                                          "(x the data-parallel replicas) instead of per expert")
     num_redundant_experts: int = option(0, "extra physical expert slots per MoE layer holding replicas of busy "
                                         "experts (with --enable-expert-parallel; num_experts + this must split over "
                                         "the ranks)")
@@ -105,6 +109,7 @@ class EngineArgs:
 
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
+                              data_parallel_size=self.data_parallel_size,
                               enable_expert_parallel=self.enable_expert_parallel,
                               num_redundant_experts=self.num_redundant_experts,
                               expert_placement=None if self.expert_placement is None else str(self.expert_placement),
@@ -137,9 +142,10 @@ class EngineArgs:
             spec.check_pipeline(self.pipeline_parallel_size)
         from rocm_k3.kv_transfer.config import KVTransferConfig
 
-        if KVTransferConfig.parse(self.kv_transfer_config) is not None and self.pipeline_parallel_size != 1:
+        if KVTransferConfig.parse(self.kv_transfer_config) is not None and (self.pipeline_parallel_size != 1
+                                                                            or self.data_parallel_size != 1):
             raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with pipeline_parallel_size 1 "
-                             "for now (any tensor_parallel_size)")
+                             "and data_parallel_size 1 for now (any tensor_parallel_size)")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")

@@ -2,9 +2,11 @@
 
 Ranks are laid out node-major: global rank = node_rank * gpus_per_node + local_rank. Tensor-parallel groups are
 ``tp_size`` consecutive ranks (inside a node); pipeline stage ``s`` holds the TP groups ``s`` of every stage
-position, i.e. ``world = pp_size * tp_size`` and rank ``r`` has ``tp_rank = r % tp_size``, ``pp_rank = r //
-tp_size``. With expert parallelism the routed experts are split whole over the TP group of a stage (EP over
-TP x DP ranks; rocm-k3 runs DP = 1, so EP = TP), everything else keeps its TP sharding.
+position, and data-parallel replica ``d`` (DP attention) the ``pp_size * tp_size`` ranks from ``d * pp_size *
+tp_size``: ``world = dp_size * pp_size * tp_size``, rank ``r`` has ``tp_rank = r % tp_size``, ``pp_rank = r //
+tp_size % pp_size``, ``dp_rank = r // (pp_size * tp_size)``. With expert parallelism the routed experts are split
+whole over the EP group of TP x DP ranks (every replica's ranks of a stage; DP runs one stage), everything else
+keeps its TP sharding inside its replica.
 
 The context is passed into every layer, never read from a global. :meth:`ParallelContext.single` is the
 one-process layout and needs no process group (every collective is then the identity).
@@ -26,10 +28,15 @@ class LayoutError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The requested layout (validated). ``nnodes`` nodes of ``gpus_per_node`` ranks each run
-    ``tensor_parallel_size x pipeline_parallel_size`` ranks in all."""
+    ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size`` ranks in all.
+
+    ``data_parallel_size`` N > 1 (DP attention): N replicas of the attention / KDA / dense layers (TP inside each),
+    each with its own scheduler and cache, whose MoE layers form one expert-parallel group of N x TP ranks; it needs
+    ``enable_expert_parallel`` and one pipeline stage."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None
@@ -41,16 +48,25 @@ class ParallelConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             check_int(name, getattr(self, name), error=LayoutError)
         if not isinstance(self.enable_expert_parallel, bool):
             raise LayoutError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
         r = check_int("num_redundant_experts", self.num_redundant_experts, 0, error=LayoutError)
         if (r or self.expert_placement is not None) and not self.enable_expert_parallel:
             raise LayoutError("num_redundant_experts / expert_placement need enable_expert_parallel")
-        if r and self.tensor_parallel_size == 1:
+        if self.data_parallel_size > 1 and not self.enable_expert_parallel:
+            raise LayoutError(f"data_parallel_size={self.data_parallel_size} (DP attention) needs "
+                              f"enable_expert_parallel: the replicas' MoE layers form one expert-parallel group "
+                              f"(--enable-expert-parallel)")
+        if self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise LayoutError("data_parallel_size > 1 runs with pipeline_parallel_size 1 (one expert-parallel group "
+                              "per stage is not built)")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise LayoutError("data_parallel_size > 1 runs on one node for now (nnodes must be 1)")
+        if r and self.tensor_parallel_size * self.data_parallel_size == 1:
             raise LayoutError("num_redundant_experts: expert parallelism over one rank has nothing to balance "
-                              "(tensor_parallel_size must be > 1)")
+                              "(tensor_parallel_size must be > 1, or data_parallel_size)")
         if self.ep_decode_dispatch not in EP_DECODE_DISPATCH:
             raise LayoutError(f"ep_decode_dispatch: expected one of {EP_DECODE_DISPATCH}, got "
                               f"{self.ep_decode_dispatch!r}")
@@ -65,7 +81,7 @@ class ParallelConfig:
         if not self.timeout_s > 0:
             raise LayoutError(f"timeout_s: expected > 0, got {self.timeout_s!r}")
         if self.world_size % self.nnodes:
-            raise LayoutError(f"world size tp x pp = {self.world_size} is not a multiple of nnodes={self.nnodes}")
+            raise LayoutError(f"world size dp x tp x pp = {self.world_size} is not a multiple of nnodes={self.nnodes}")
         if self.nnodes > 1 and self.gpus_per_node % self.tensor_parallel_size and \
                 self.tensor_parallel_size % self.gpus_per_node:
             raise LayoutError(f"tensor_parallel_size={self.tensor_parallel_size} neither fits in nor spans whole "
@@ -73,7 +89,16 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        return self.data_parallel_size * self.replica_size
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one data-parallel replica: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def replica_sampling_rank(self, replica: int) -> int:
+        """Global rank that samples for data-parallel ``replica``: TP rank 0 of its last stage."""
+        return replica * self.replica_size + (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     @property
     def gpus_per_node(self) -> int:
@@ -100,12 +125,14 @@ class ParallelContext:
     picks or padding, as ``moe_capacity_rows``).
     """
 
-    rank: int = 0  # = pp_rank * tp_size + tp_rank
-    world_size: int = 1  # = tp_size * pp_size
+    rank: int = 0  # = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+    world_size: int = 1  # = dp_size * pp_size * tp_size
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0  # the pipeline stage
     pp_size: int = 1
+    dp_rank: int = 0  # the data-parallel (attention) replica
+    dp_size: int = 1
     ep_enabled: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file (rocm_k3.model.expert_placement); None = uniform
@@ -114,6 +141,7 @@ class ParallelContext:
     tp_cpu_group: Any = None
     pp_group: Any = None
     world_cpu_group: Any = None
+    dp_ep_group: Any = None  # dp_size > 1: the device group of every replica's ranks (the MoE layers' EP group)
     pp_ranks: tuple[int, ...] = (0,)
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -123,11 +151,23 @@ class ParallelContext:
 
     @property
     def ep_size(self) -> int:
-        return self.tp_size if self.ep_enabled else 1
+        return self.tp_size * self.dp_size if self.ep_enabled else 1
 
     @property
     def ep_rank(self) -> int:
-        return self.tp_rank if self.ep_enabled else 0
+        return self.dp_rank * self.tp_size + self.tp_rank if self.ep_enabled else 0
+
+    @property
+    def ep_group(self) -> Any:
+        """The group the routed rows travel over: the TP group, or with data parallelism every replica's ranks."""
+        return self.dp_ep_group if self.dp_size > 1 else self.tp_group
+
+    @property
+    def static_ep_decode(self) -> bool:
+        """Decode steps move expert-parallel picks on the static-capacity path (graph-capturable). Only with one
+        data-parallel replica: replicas step with different token counts, so equal-split capacities would not
+        match across them; DP attention keeps the dynamic path (and eager decode)."""
+        return self.ep_size > 1 and self.ep_decode_dispatch == "static" and self.dp_size == 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -144,7 +184,8 @@ class ParallelContext:
 
     @property
     def sampling_rank(self) -> int:
-        return (self.pp_size - 1) * self.tp_size
+        """The global rank that samples for this rank's replica."""
+        return (self.dp_rank * self.pp_size + self.pp_size - 1) * self.tp_size
 
     def count(self, name: str) -> None:
         self.add(name, 1)

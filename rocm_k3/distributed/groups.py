@@ -2,7 +2,8 @@
 
 One process per rank. The default group uses "nccl" on GPUs (NCCL on NVIDIA, RCCL on ROCm: the same backend
 name) and "gloo" on the CPU; a gloo twin of the world group carries control messages (the step broadcast).
-Groups: TP = ``tp_size`` consecutive ranks (inside a node), PP = ranks with the same TP rank across stages.
+Groups: TP = ``tp_size`` consecutive ranks (inside a node), PP = ranks with the same TP rank across stages, both
+inside one data-parallel replica; with ``data_parallel_size`` > 1 the MoE layers' EP group spans every rank.
 Every rank must create every group in the same order (torch.distributed's rule), which :func:`init_parallel`
 does.
 """
@@ -41,8 +42,8 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
         raise LayoutError(f"distributed init needs {missing} in the environment (torchrun sets them)")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world != config.world_size:
-        raise LayoutError(f"WORLD_SIZE={world} does not match tensor_parallel_size x pipeline_parallel_size = "
-                          f"{config.world_size}")
+        raise LayoutError(f"WORLD_SIZE={world} does not match data_parallel_size x tensor_parallel_size x "
+                          f"pipeline_parallel_size = {config.world_size}")
     if not 0 <= rank < world:
         raise LayoutError(f"RANK={rank} outside [0, WORLD_SIZE={world})")
     if device_type == "cuda":
@@ -61,23 +62,27 @@ def init_parallel(config: ParallelConfig, env: Mapping[str, str], device_type: s
         os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     world_cpu = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    ctx = ParallelContext(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp,
-                          pp_size=pp, ep_enabled=config.enable_expert_parallel, world_cpu_group=world_cpu,
-                          num_redundant_experts=config.num_redundant_experts,
+    tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
+    ctx = ParallelContext(rank=rank, world_size=world, tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp % pp,
+                          pp_size=pp, dp_rank=rank // (tp * pp), dp_size=dp, ep_enabled=config.enable_expert_parallel,
+                          world_cpu_group=world_cpu, num_redundant_experts=config.num_redundant_experts,
                           expert_placement=config.expert_placement, ep_decode_dispatch=config.ep_decode_dispatch)
-    for stage in range(pp):  # every rank creates every group, in the same order
-        ranks = list(range(stage * tp, (stage + 1) * tp))
-        group = dist.new_group(ranks, timeout=timeout)
-        cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        if stage == ctx.pp_rank:
-            ctx.tp_group, ctx.tp_cpu_group = (group if tp > 1 else None), cpu
-    for t in range(tp):
-        ranks = [stage * tp + t for stage in range(pp)]
-        group = dist.new_group(ranks, timeout=timeout)
-        if t == ctx.tp_rank:
-            ctx.pp_group = group if pp > 1 else None
-            ctx.pp_ranks = tuple(ranks)
+    for replica in range(dp):  # every rank creates every group, in the same order
+        base = replica * tp * pp
+        for stage in range(pp):
+            ranks = list(range(base + stage * tp, base + (stage + 1) * tp))
+            group = dist.new_group(ranks, timeout=timeout)
+            cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if (replica, stage) == (ctx.dp_rank, ctx.pp_rank):
+                ctx.tp_group, ctx.tp_cpu_group = (group if tp > 1 else None), cpu
+        for t in range(tp):
+            ranks = [base + stage * tp + t for stage in range(pp)]
+            group = dist.new_group(ranks, timeout=timeout)
+            if (replica, t) == (ctx.dp_rank, ctx.tp_rank):
+                ctx.pp_group = group if pp > 1 else None
+                ctx.pp_ranks = tuple(ranks)
+    if dp > 1:  # the MoE layers' expert-parallel group: every replica's ranks (one stage)
+        ctx.dp_ep_group = dist.new_group(list(range(world)), timeout=timeout)
     return ctx
 
 

@@ -21,8 +21,10 @@ from rocm_k3.cache.config import CacheConfig
 from rocm_k3.engine.chat import ModelFrontend
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore, plan_cache
+from rocm_k3.engine.dp_engine import DataParallelEngine
 from rocm_k3.engine.multimodal import MultiModalProcessor
 from rocm_k3.executor.multiproc import MultiprocExecutor
+from rocm_k3.executor.replicas import ReplicaExecutor
 from rocm_k3.executor.uniproc import UniprocExecutor
 from rocm_k3.formats.parsers.registry import checkpoint_family
 from rocm_k3.kv_transfer.config import KVTransferConfig
@@ -40,7 +42,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 class AssembledEngine:
     """A ready engine and what its front ends need.
 
-    core:       the EngineCore (scheduler + cache manager) over its executor, cache allocated.
+    core:       the EngineCore (scheduler + cache manager) over its executor, cache allocated; with
+                ``data_parallel_size`` > 1 a DataParallelEngine (one EngineCore per replica, same API).
     path:       the checkpoint directory served.
     tokenizer:  the checkpoint's tokenizer (or the override), None when it has none.
     family:     the output format family ("kimi_k3" / "kimi_k2") or None.
@@ -49,7 +52,7 @@ class AssembledEngine:
     args:       the engine args it was assembled from.
     """
 
-    core: EngineCore
+    core: EngineCore | DataParallelEngine
     path: Path
     tokenizer: Any
     family: str | None
@@ -105,7 +108,7 @@ def _worker_config(args: EngineArgs) -> WorkerConfig:
         if parallel.gpus_per_node > count:
             from rocm_k3.distributed.context import LayoutError
 
-            raise LayoutError(f"{parallel.gpus_per_node} ranks per node (tensor x pipeline parallel / nnodes) but "
+            raise LayoutError(f"{parallel.gpus_per_node} ranks per node (data x tensor x pipeline parallel / nnodes) but "
                               f"this node has {count} GPU(s)")
     return WorkerConfig(
         model_path=path, dtype=dtype, device=device, backend=args.backend, moe_act_quant=args.moe_act_quant,
@@ -155,8 +158,17 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
         tokenizer = load_tokenizer(path)
     # stop ids: the config's eos ids and the tokenizer's generation stop ids (K3: <|end_of_msg|> and [EOS])
     eos = tuple(dict.fromkeys((*info.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
-    core = EngineCore(config, executor, geometry=geometry, vocab_size=info.vocab_size, eos_token_ids=eos,
-                      tokenizer=tokenizer, accepts_images=info.accepts_images)
+    replicas = worker_config.parallel.data_parallel_size
+
+    def engine_core(over) -> EngineCore:
+        return EngineCore(config, over, geometry=geometry, vocab_size=info.vocab_size, eos_token_ids=eos,
+                          tokenizer=tokenizer, accepts_images=info.accepts_images)
+
+    if replicas == 1:
+        core = engine_core(executor)
+    else:  # DP attention: a scheduler and cache per replica, all ranks in one executor (every replica: same geometry)
+        core = DataParallelEngine([engine_core(ReplicaExecutor(executor, d, replicas)) for d in range(replicas)],
+                                  executor)
     family = worker_config.output_family
     multimodal = None
     if info.accepts_images and tokenizer is not None:

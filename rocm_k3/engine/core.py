@@ -256,22 +256,13 @@ class EngineCore:
         if self.depth > 1:
             return self._pipelined_step()
         try:
-            with self.guard.section():
-                if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
-                    self._bookkeeping(self.scheduler.abandon)
-                step = self._bookkeeping(self.scheduler.schedule)
-            if not step.chunks:
-                with self.guard.section():
-                    self._bookkeeping(self.scheduler.abandon)
-                if self.scheduler.has_unfinished():
-                    raise RuntimeError("scheduler made no progress although requests are pending")
+            step = self._schedule_step()
+            if step is None:
                 return []
             output = self.executor.execute(step)
             return self._commit(step, output)
         except BaseException:  # also a Ctrl-C deferred to the end of a section
-            with self.guard.section():
-                if self.scheduler.in_flight is not None:
-                    self._bookkeeping(self.scheduler.abandon)  # requests stay queued and are recomputed
+            self.abandon_step()  # requests stay queued and are recomputed
             raise
 
     def _pipelined_step(self) -> list[RequestDelta]:
@@ -308,6 +299,56 @@ class EngineCore:
                 if sched.steps_in_flight:
                     self._bookkeeping(sched.abandon)  # requests stay queued and are recomputed
             raise
+
+    def _schedule_step(self):
+        with self.guard.section():
+            if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
+                self._bookkeeping(self.scheduler.abandon)
+            step = self._bookkeeping(self.scheduler.schedule)
+        if not step.chunks:
+            with self.guard.section():
+                self._bookkeeping(self.scheduler.abandon)
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending")
+            return None
+        return step
+
+    def begin_step(self):
+        """The first half of :meth:`step` (a data-parallel engine runs it per replica): schedule the next
+        StepInput (None when it has no chunk) and hold it in flight until :meth:`finish_step` commits its output or
+        :meth:`abandon_step` drops it."""
+        try:
+            return self._schedule_step()
+        except BaseException:
+            self.abandon_step()
+            raise
+
+    def abandon_step(self) -> None:
+        """Drop the step in flight (its requests stay queued and are recomputed); a no-op without one."""
+        with self.guard.section():
+            if self.scheduler.in_flight is not None:
+                self._bookkeeping(self.scheduler.abandon)
+
+    def finish_step(self, step, output) -> list[RequestDelta]:
+        """The second half of :meth:`step`: commit the executed ``step``'s ``output``; the deltas."""
+        try:
+            return self._commit(step, output)
+        except BaseException:
+            self.abandon_step()
+            raise
+
+    def take_finished_ids(self) -> tuple[str, ...]:
+        """Finished requests the workers were not yet told of (for a step without chunks that tells them)."""
+        with self.guard.section():
+            return tuple(self.scheduler.take_finished_ids())
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running (finished and aborted ones leave)."""
+        return len(self._seqs)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
 
     def _commit(self, step, output) -> list[RequestDelta]:
         """The scheduler's update of an executed step and the engine's own records, rolled back together when an

@@ -136,6 +136,8 @@ def _rank_main(rank: int, config: WorkerConfig, conn, store_file: str | None = N
                 send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL), 0, group)
             elif rank == 0:
                 result = pickle.loads(recv_bytes(ctx.sampling_rank, group))
+        if not errors and name == "execute_replicas":  # data parallelism: each stepping replica's output
+            result = _replica_outputs(par, rank, args[0], result, group)
         if not errors and name == "cache_budget" and result is not None:
             result = _min_over_ranks(dist, group, result)
         if not errors and name == "rank_stats":
@@ -190,9 +192,26 @@ def _run(worker, name: str, args: tuple) -> Any:
         return worker.init_cache(*args)
     if name == "execute":
         return worker.execute(*args)
+    if name == "execute_replicas":
+        return worker.execute_replicas(*args)
     if name == "rank_stats":
         return worker.rank_stats(*args)
     raise ValueError(f"unknown worker command {name!r}")
+
+
+def _replica_outputs(par: ParallelConfig, rank: int, steps: tuple, result: Any, group) -> list[Any] | None:
+    """Data parallelism, after a step: rank 0 gets one StepOutput per replica (None where the replica sat out),
+    each sent point to point by its replica's sampling rank; the other ranks return None."""
+    outputs: list[Any] = []
+    for replica, step in enumerate(steps):
+        src = par.replica_sampling_rank(replica)
+        if step is None or src == 0:
+            outputs.append(result if step is not None and rank == 0 else None)
+        elif rank == src:
+            send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL), 0, group)
+        elif rank == 0:
+            outputs.append(pickle.loads(recv_bytes(src, group)))
+    return outputs if rank == 0 else None
 
 
 def _step_errors(dist, group, rank: int, error: str | None) -> list[str]:
@@ -266,6 +285,9 @@ class MultiprocExecutor:
         self._call("init_cache", geometry)
 
     def execute(self, step: StepInput) -> StepOutput:
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError("execute: with data_parallel_size > 1 every replica steps at once: use "
+                             "execute_replicas (one step per replica)")
         if self.pipeline_depth == 1:
             return self._call("execute", step)
         self.submit(step)
@@ -295,6 +317,11 @@ class MultiprocExecutor:
             self._wait("step")
         self._pending -= 1
         return self._outputs.popleft()
+
+    def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> list[StepOutput | None]:
+        """Data parallelism: one step per replica (None: the replica sits out, its ranks run the idle step), all
+        ranks in lockstep; the outputs in replica order (None where the replica sat out)."""
+        return self._call("execute_replicas", tuple(steps))
 
     def rank_stats(self, reset: bool = False) -> list[dict]:
         """Per rank (in rank order): bytes it loaded and the collectives it issued since the last reset."""

@@ -1,13 +1,14 @@
 """Expert-parallel dispatch and combine: routed rows travel to the rank that owns their expert and come back.
 
 With expert parallelism the E routed experts are split whole over the EP group (``E / ep`` consecutive experts
-per rank). A step's ``T x k`` (token, slot) picks are grouped by owner rank (a stable sort, so the order is
+per rank; the TP ranks, or with data parallelism every replica's ranks: ``ctx.ep_group``). A step's ``T x k`` (token, slot) picks are grouped by owner rank (a stable sort, so the order is
 deterministic), the rows of ``z`` they need are sent with one variable-size ``all_to_all`` (plus one for the
 pick's local expert id and weight), each rank runs only the rows it received through its experts (``k = 1`` per
 row, weighted there), and a second ``all_to_all`` returns the weighted rows to their home rank. There they are
 put back in (token, slot) order and summed over the ``k`` slots in fp32: a fixed order, so the result is the
 same for the same batch every time. The caller (:class:`rocm_k3.model.moe.RoutedExperts`) gives each rank a
-``1 / ep`` slice of the tokens, so the rows run per rank per step are about ``T x k / ep`` on a balanced batch
+``1 / tp`` slice of its replica's tokens, so the rows run per rank per step are about ``T x k / ep`` on a balanced
+batch of ``T`` tokens over all replicas
 (counted in ``ctx.stats["moe_rows"]``, beside ``ctx.stats["moe_picks"] = T x k``).
 
 The split sizes are exchanged first (an ``ep``-int all-to-all) and read on the host, so this path cannot be
@@ -87,7 +88,7 @@ def _a2a(x: torch.Tensor, ctx: ParallelContext, send: list[int] | None, recv: li
          what: str) -> torch.Tensor:
     ctx.count(what)
     ctx.add("collective_bytes", x.numel() * x.element_size())  # sent (including the rows kept on this rank)
-    return comm.all_to_all(x, ctx.tp_group, in_splits=send, out_splits=recv, backend=table)
+    return comm.all_to_all(x, ctx.ep_group, in_splits=send, out_splits=recv, backend=table)
 
 
 def dispatch(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_per_rank: int,

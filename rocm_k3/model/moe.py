@@ -7,7 +7,8 @@ routed experts run on ``x`` or, with LatentMoE, on ``z = down_proj(x)`` whose re
 
 Tensor parallelism (PARALLEL_SPEC 1.1-1.2): router, bias and the latent down-projection are replicated; every
 routed expert is split on its intermediate dim (``N / tp`` rows of w1/w3, columns of w2; each rank's expert output
-is a partial sum), or, with expert parallelism, whole experts are split over the TP ranks (``E / tp`` each): the
+is a partial sum), or, with expert parallelism, whole experts are split over the TP ranks (``E / tp`` each; with
+data parallelism over the TP x DP ranks of all replicas, ``E / ep``): the
 tokens are split over the TP ranks, each rank's picks travel to their expert's rank and back
 (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / tp`` rows and holds the full routed
 output of its token slice (zeros elsewhere: again a partial sum for the same reductions). LatentMoE then
@@ -126,7 +127,7 @@ class RoutedExperts(WeightTargets):
                                   f"run has {e} + {ctx.num_redundant_experts} over {ctx.ep_size}")
             self.slots = placement.slots(layer)
             self.first, self.count = ctx.shard(len(self.slots), f"{prefix} num_experts + num_redundant_experts "
-                                                                f"(expert parallelism)")
+                                                                f"(expert parallelism)", ctx.ep_size, ctx.ep_rank)
             self.n_local, self.n_start = n, 0
             per = [[s for s, x in enumerate(self.slots) if x == ex] for ex in range(e)]
             width = max(len(p) for p in per)
@@ -185,25 +186,30 @@ class RoutedExperts(WeightTargets):
         """``z`` [T, width] through the routed picks (``weights`` fp32 / ``ids`` int32 [T, k], global expert ids)
         -> [T, width], a partial sum under TP / EP (the caller all-reduces it).
 
-        With EP the T tokens (replicated over the TP ranks) are split into ``ep`` contiguous slices; each rank
-        dispatches the picks of its slice to their experts' ranks and combines them back
-        (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / ep`` rows, and returns the full
-        routed output on its slice, zeros elsewhere: the caller's all-reduce stitches the slices. ``static``: the
-        static-capacity dispatch (shapes fixed by T, nothing read on the host: what a decode graph captures);
-        ``counted``: bool [T], the rows whose picks count in ``load`` (None: every row; a decode graph's padding
-        rows are left out)."""
+        With EP the T tokens (replicated over the TP ranks of a replica) are split into ``tp`` contiguous slices;
+        each rank dispatches the picks of its slice to their experts' ranks (over every data-parallel replica) and
+        combines them back (:mod:`rocm_k3.model.expert_dispatch`), so each rank runs about ``T x k / ep`` rows of
+        the ``T`` tokens of all replicas, and returns the full routed output on its slice, zeros elsewhere: the
+        caller's all-reduce stitches the slices. ``T`` = 0 (a replica without work in a step another replica runs)
+        sends nothing and still serves the rows the other replicas send to this rank's experts. ``static``: the
+        static-capacity dispatch (shapes fixed by T, nothing read on the host: what a decode graph captures; one
+        replica only, see ``ParallelContext.static_ep_decode``); ``counted``: bool [T], the rows whose picks count
+        in ``load`` (None: every row; a decode graph's padding rows are left out)."""
         ctx = self.ctx
         tokens, top_k = ids.shape
         ctx.add("moe_picks", tokens * top_k)
-        if not ctx.ep_enabled or ctx.tp_size == 1:
+        if ctx.ep_size == 1:
             ctx.add("moe_rows", tokens * top_k)
             return self._run(z, weights, ids, activation, act_quant)
         picks = (torch.ones_like(self.load[:1]).expand(ids.numel()) if counted is None
                  else counted[:, None].expand(ids.shape).reshape(-1).to(self.load.dtype))  # [T k]
         self.load.index_add_(0, ids.reshape(-1).to(torch.int64), picks)
-        lo, hi = ctx.ep_rank * tokens // ctx.ep_size, (ctx.ep_rank + 1) * tokens // ctx.ep_size
+        lo, hi = ctx.tp_rank * tokens // ctx.tp_size, (ctx.tp_rank + 1) * tokens // ctx.tp_size
         r = z.new_zeros((tokens, z.shape[1]))  # [T, width]
         if static:
+            if ctx.dp_size > 1:
+                raise ValueError("static expert-parallel dispatch: data-parallel replicas step with different token "
+                                 "counts, so their capacities would not match (use the dynamic dispatch)")
             capacity = static_capacity(tokens, ctx.ep_size, top_k)
             held = dispatch_static(z[lo:hi], weights[lo:hi], self.physical(ids[lo:hi], lo), self.count, capacity,
                                    ctx, self.table)
@@ -275,6 +281,16 @@ class MoEBlock(WeightTargets):
         rows counted in the experts' load (None: all)."""
         with record_function("moe"):
             return self._forward(x, static_dispatch, counted)
+
+    def idle(self, device: torch.device, dtype: torch.dtype) -> None:
+        """This layer in a step without tokens of this rank's data-parallel replica: zero picks through the
+        expert-parallel dispatch, so the collectives of the replicas that step match, and this rank's experts run
+        the rows they send here."""
+        k = self.cfg.num_experts_per_token
+        z = torch.empty((0, self.cfg.expert_hidden_size), dtype=dtype, device=device)  # [0, expert width]
+        weights = torch.empty((0, k), dtype=torch.float32, device=device)  # [0, k]
+        ids = torch.empty((0, k), dtype=torch.int32, device=device)  # [0, k]
+        self.experts(z, weights, ids, self.activation, self.act_quant)
 
     def _forward(self, x: torch.Tensor, static_dispatch: bool, counted: torch.Tensor | None) -> torch.Tensor:
         cfg, ctx, table = self.cfg, self.ctx, self.table

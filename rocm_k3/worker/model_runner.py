@@ -95,6 +95,13 @@ class ModelRunner:
         self.taps = None  # the model whose ``tapped`` hidden states feed a drafter (set by the worker)
 
     # ---- per-request state ---------------------------------------------------------------------------------
+    def apply_requests(self, step: StepInput) -> None:
+        """The step's request deltas: table rows and images (finished requests dropped); also for a step without
+        chunks that only reports finished requests."""
+        self.apply_deltas(step)
+        if self.images is not None:
+            self.images.apply(step)
+
     def apply_deltas(self, step: StepInput) -> None:
         """Drop finished requests, then (re)set or extend the rows of the scheduled ones."""
         for rid in step.finished_request_ids:
@@ -174,9 +181,7 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Apply the step's deltas and copies, run the model; logits fp32 [S, vocab] for the sampling chunks."""
-        self.apply_deltas(step)
-        if self.images is not None:
-            self.images.apply(step)
+        self.apply_requests(step)
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
         view = self.before_forward(step) if self.before_forward is not None else None

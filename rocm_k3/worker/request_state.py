@@ -117,6 +117,9 @@ class RequestTable:
         self.device = device
         self._states: dict[str, RequestState] = {}
 
+    def __len__(self) -> int:
+        return len(self._states)
+
     def register(self, req: NewRequest) -> None:
         """Keep a new request's state; a request sent again (after a failed step) keeps what it has."""
         if req.request_id in self._states:

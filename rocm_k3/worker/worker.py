@@ -36,7 +36,7 @@ from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
 from rocm_k3.model.loader import load_model
-from rocm_k3.model.moe import RoutedExperts
+from rocm_k3.model.moe import MoEBlock, RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
 from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from rocm_k3.worker.image_inputs import ImageInputs
@@ -179,6 +179,7 @@ class Worker:
         self._kv_t0: tuple[int, int, float] = (0, 0, 0.0)  # bytes sent, received before the step; seconds blocked
         self.shard = self._vocab_shard()
         self.spans: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=SPANS_KEPT)
+        self.idle_steps = 0  # data parallelism: steps this rank's replica sat out (its MoE layers ran zero tokens)
 
     @property
     def samples(self) -> bool:
@@ -343,8 +344,9 @@ class Worker:
         """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
         and, under expert parallelism, the static-capacity decode dispatch (the dynamic one sizes its all-to-all
         on the host)."""
-        if self.ctx.ep_size > 1 and self.ctx.ep_decode_dispatch != "static":
-            return False, "the dynamic expert-parallel decode dispatch sizes its all-to-all on the host"
+        if self.ctx.ep_size > 1 and not self.ctx.static_ep_decode:
+            return False, ("the dynamic expert-parallel decode dispatch (ep_decode_dispatch=dynamic, or data-parallel "
+                           "replicas) sizes its all-to-all on the host")
         table = getattr(self.model, "backend", None)
         if not hasattr(table, "chosen"):
             return False, "the model's ops are not bound to a table"
@@ -409,6 +411,33 @@ class Worker:
                          "kv_bytes_sent": conn.stats.bytes_sent - sent,
                          "kv_bytes_received": conn.stats.bytes_received - received,
                          "kv_transfer_s": blocked}
+
+    def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> StepOutput | None:
+        """Data parallelism: run this rank's replica's entry of ``steps`` (one per replica), or, when it is None
+        (the replica has no work while another steps), :meth:`idle_step`; an entry without chunks only reports
+        finished requests (their state is dropped) before the idle step. Returns the StepOutput on the replica's
+        sampling rank, else None."""
+        if not isinstance(steps, tuple) or len(steps) != self.ctx.dp_size:
+            raise ValueError(f"execute_replicas: expected a tuple of {self.ctx.dp_size} steps (one per data-parallel "
+                             f"replica), got {steps!r}")
+        step = steps[self.ctx.dp_rank]
+        if step is None or not step.chunks:
+            if step is not None:
+                for rid in step.finished_request_ids:
+                    self.requests.drop(rid)
+                self.runner.apply_requests(step)
+            self.idle_step()
+            return None
+        out = self.execute(step)
+        return out if self.ctx.is_sampling_rank else None
+
+    def idle_step(self) -> None:
+        """A step of the other replicas: every MoE layer, in order, with zero tokens of this replica (see
+        :meth:`~rocm_k3.model.moe.MoEBlock.idle`), so their expert-parallel collectives complete."""
+        self.idle_steps += 1
+        for module in self.model.modules():
+            if isinstance(module, MoEBlock):
+                module.idle(self.device, self.config.dtype)
 
     def execute(self, step: StepInput) -> StepOutput:
         self._kv_step = {}
@@ -494,9 +523,11 @@ class Worker:
         """This rank's place, the checkpoint bytes it read, the collectives it issued and when it ran its last
         steps (``step_spans``: (step id, start, end) on the monotonic clock), then reset if asked."""
         ctx = self.ctx
-        out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
+        out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
-               "expert_load": {}, "step_spans": list(self.spans)}
+               "idle_steps": self.idle_steps, "known_requests": len(self.requests),
+               "request_rows": 0 if self.runner is None else len(self.runner.rows), "expert_load": {},
+               "step_spans": list(self.spans)}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()
             if reset:
@@ -504,4 +535,5 @@ class Worker:
         if reset:
             ctx.stats.clear()
             self.spans.clear()
+            self.idle_steps = 0
         return out

@@ -7,6 +7,9 @@ exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed
 The static-capacity path of decode graphs (fixed ``ceil(T / 2) x k`` rows per rank pair, equal-split all-to-alls,
 no host read) gives the dynamic path's outputs on the same batches, on an odd T (uneven slices) and on a batch whose
 picks all go to one rank (a full capacity block); rows a decode graph pads with are left out of the expert load.
+
+Data parallelism (two replicas of TP1, one EP group over both): each replica's tokens are its own, each rank still
+runs ``T x k / 2`` of the ``T`` tokens of both replicas, and a replica with zero tokens serves the other's rows.
 """
 
 from __future__ import annotations
@@ -69,18 +72,29 @@ def _slice(w: moe.ExpertWeights, first: int, count: int) -> moe.ExpertWeights:
     return moe.ExpertWeights(w.fmt, *part)
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _join(rank: int, port: int):
+    """This rank in a two-rank gloo world; the group of both ranks."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    return dist.new_group([0, 1])
+
+
+def _ep_experts(ctx: ParallelContext) -> tuple:
+    """(config, this rank's EP experts holding their slice of the full weights, the full weights, activation,
+    activation format)."""
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
+    full = _experts(cfg)
+    experts.weights = _slice(full, experts.first, experts.count)
+    return cfg, experts, full, activation_for(cfg), ActQuant()
+
+
+def _rank(rank: int, port: int, results) -> None:
+    group = _join(rank, port)
     try:
-        group = dist.new_group([0, 1])
         ctx = ParallelContext(rank=rank, world_size=2, tp_rank=rank, tp_size=2, ep_enabled=True, tp_group=group)
-        cfg = ModelConfig.from_hf_dict(tiny_config())
-        experts = RoutedExperts(cfg, "mlp.", ctx, "reference", dtype=torch.float32, device=torch.device("cpu"))
-        full = _experts(cfg)
-        experts.weights = _slice(full, experts.first, experts.count)
-        activation, act_quant = activation_for(cfg), ActQuant()
+        cfg, experts, full, activation, act_quant = _ep_experts(ctx)
         out = {}
         for name, (z, w, ids) in _batches(cfg).items():
             ctx.stats.clear()
@@ -131,14 +145,19 @@ def _rank(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
+def _spawn(fn) -> dict:
+    """Run ``fn(rank, port, results)`` on two spawned ranks; the ranks' results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
-        results = dict(results)
+        mp.spawn(fn, args=(port, results), nprocs=2, join=True)
+        return dict(results)
+
+
+def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
+    results = _spawn(_rank)
     cfg = ModelConfig.from_hf_dict(tiny_config())
     picks = TOKENS * cfg.num_experts_per_token
     for rank, out in results.items():
@@ -163,3 +182,42 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
         assert out["counted_load"]
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives
+
+
+def _dp_rank(rank: int, port: int, results) -> None:
+    """Two DP replicas (TP1 each): rank r is replica r, the EP group spans both ranks."""
+    group = _join(rank, port)
+    try:
+        ctx = ParallelContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, ep_enabled=True, dp_ep_group=group)
+        cfg, experts, full, activation, act_quant = _ep_experts(ctx)
+        z, w, ids = _batches(cfg)["balanced"]
+        half = TOKENS // 2
+        out = {"owned": (experts.first, experts.count)}
+        for name, mine in (("balanced", slice(rank * half, (rank + 1) * half)),  # each replica half of the batch
+                           ("idle", slice(0, TOKENS if rank == 0 else 0))):  # replica 1 has no token this step
+            ctx.stats.clear()
+            got = experts(z[mine], w[mine], ids[mine], activation, act_quant)  # TP1: no all-reduce
+            want = moe.fused_moe(z[mine], full, w[mine], ids[mine], activation=activation, backend="reference")
+            err = float((got - want).abs().max() / want.abs().max()) if want.numel() else float(got.numel())
+            out[name] = (err, dict(ctx.stats))
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dp2_replicas_share_one_ep_group() -> None:
+    results = _spawn(_dp_rank)
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    picks = TOKENS * cfg.num_experts_per_token  # T x k over both replicas
+    assert [results[r]["owned"] for r in (0, 1)] == [(0, 4), (4, 4)]  # E / (DP x TP) experts each
+    for rank, out in results.items():
+        for name in ("balanced", "idle"):
+            err, stats = out[name]
+            assert err < 1e-5, (rank, name, err)
+            assert stats["moe_dispatch"] == stats["moe_combine"] == 1, stats  # the idle replica joins the collectives
+        rows = out["balanced"][1]["moe_rows"]
+        assert abs(rows - picks / 2) <= 0.1 * picks / 2, (rank, rows, picks)  # T x k / 2, never T x k
+        assert out["balanced"][1]["moe_picks"] == picks / 2  # each replica routed its own half
+    idle_rows = [results[r]["idle"][1]["moe_rows"] for r in (0, 1)]
+    assert results[1]["idle"][1]["moe_picks"] == 0 and idle_rows[1] > 0, idle_rows  # zero tokens, rows served
+    assert sum(idle_rows) == picks, idle_rows
