@@ -7,8 +7,10 @@ Run: ``PYTHONPATH=. python benchmarks/bench_spec.py [--batches 1 8 32] [--k 3] [
 (fp32, reference ops on the CPU, one intra-op thread); the drafter is ``embedded-drafter`` (trained for the tiny K3,
 so ``--model k3-slice``, the K3-width 4-layer slice of ``k3_slice_overrides()`` with seeded random weights, runs
 n-gram only). On a GPU the engines capture decode graphs (speculation: one per batch bucket and 1 + k) unless
-``--enforce-eager``. Workloads: ``repetitive`` (prompts that repeat a phrase, where prompt lookup finds drafts)
-and ``plain`` (short natural prompts). The baseline is this engine decoding one token per step (the peer
+``--enforce-eager``; the buckets are ``graph_buckets(max(--batches))``, so one ``--batches`` value per process keeps
+a K3-width run's compiles and captures to that batch's buckets (``scripts/h200_pending.sh``; a written
+``--slice-dir`` is reused). Each engine's build time is printed as it finishes. Workloads: ``repetitive``
+(prompts that repeat a phrase, where prompt lookup finds drafts) and ``plain`` (short natural prompts). The baseline is this engine decoding one token per step (the peer
 stacks' K3 numbers need a whole K3 and are out of reach here); every fp32 speculative run is checked to produce the
 baseline's greedy tokens (``same tokens``: requests whose tokens match it; in bf16 near-ties may flip). TPOT = (finish - first token) / (tokens - 1) per request, averaged; tokens/s =
 generated tokens / wall time of the whole batch (prefill included). ``floor ms``: the model's weight bytes over
@@ -29,6 +31,7 @@ from rocm_k3.engine.llm import LLM
 from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER
+from rocm_k3.worker.cuda_graph import graph_buckets
 
 REPETITIVE = ["hello hello hello hello hello hello", "def f(x):\n    return x\ndef f(x):\n    return x\n",
               "1 2 3 4 5 6 7 8 9 10 11 12", "The the the the the the the the"]
@@ -101,6 +104,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+def build(common: dict, **extra) -> LLM:
+    """One engine, its build time printed as it finishes (a run cut short still shows where its time went)."""
+    t0 = time.perf_counter()
+    llm = LLM(**common, **extra)
+    graphs = llm.engine.executor.worker.runner.graphs
+    print(f"built {extra.get('speculative_config', {}).get('method', 'baseline')} engine in "
+          f"{time.perf_counter() - t0:.1f} s (max_num_seqs {common['max_num_seqs']}, decode graph batch buckets "
+          f"{'off' if graphs is None else graph_buckets(common['max_num_seqs'])})", flush=True)
+    return llm
+
+
 def floor_ms(llm: LLM) -> float:
     """Weight bytes of the served model over the H200's HBM bandwidth, in ms (one memory-bound decode step)."""
     model = llm.engine.executor.worker.model
@@ -111,19 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     common = engine_kwargs(args)
-    engines = {"off": LLM(**common)}
+    engines = {"off": build(common)}
     for method in args.methods:
         spec = {"method": method, "num_speculative_tokens": args.k}
         if method == "draft_model":
             spec["model"] = EMBEDDED_DRAFTER
-        engines[method] = LLM(**common, speculative_config=spec)
+        engines[method] = build(common, speculative_config=spec)
     floor = floor_ms(engines["off"])
     graphs = engines["off"].engine.executor.worker.runner.graphs
     print(f"model {args.model} ({common['dtype']}, {common['backend']}) on {args.device}, k={args.k}, "
-          f"decode graphs {'on' if graphs is not None else 'off'}, floor {floor:.3f} ms per decode step")
+          f"decode graphs {'on' if graphs is not None else 'off'}, floor {floor:.3f} ms per decode step", flush=True)
     rows = []
     print(f"{'workload':<11}{'method':<12}{'batch':>6}{'base tok/s':>12}{'spec tok/s':>12}{'speedup':>9}"
-          f"{'base TPOT ms':>14}{'spec TPOT ms':>14}{'accept len':>12}{'accept rate':>13}{'floor TPOT ms':>15}{'same tokens':>13}")
+          f"{'base TPOT ms':>14}{'spec TPOT ms':>14}{'accept len':>12}{'accept rate':>13}{'floor TPOT ms':>15}{'same tokens':>13}", flush=True)
     for workload in args.workloads:
         base_prompts = REPETITIVE if workload == "repetitive" else PLAIN
         for batch in args.batches:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{spec['tokens_per_s'] / base['tokens_per_s']:>8.2f}x{base['tpot_ms']:>14.1f}"
                       f"{spec['tpot_ms']:>14.1f}{alen if alen is None else round(alen, 2)!s:>12}"
                       f"{arate if arate is None else round(arate, 2)!s:>13}{floor / (alen or 1):>15.3f}"
-                      f"{f'{same}/{batch}':>13}")
+                      f"{f'{same}/{batch}':>13}", flush=True)
                 rows.append({"workload": workload, "method": method, "batch": batch, "k": args.k, "floor_ms": floor, "same_tokens": same,
                              **{f"base_{k}": v for k, v in base.items() if k != "tokens"},
                              **{f"spec_{k}": v for k, v in spec.items() if k != "tokens"}})
