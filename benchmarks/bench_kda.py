@@ -1,6 +1,10 @@
 """Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
 
-    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only]
+    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only] [--fused-compare]
+
+``--fused-compare``: only the K3 prefill shapes T = 4k / 16k / 64k and the varlen batch, each timed on the
+four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped settings (``ms_fused``, relative error
+of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -60,10 +64,11 @@ def _fla():
 
 
 def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
-                 sweep_warps: bool = False, sweep_fused: bool = False, inter_every: int = 0,
+                 sweep_warps: bool = False, fused_variants: tuple = (), inter_every: int = 0,
                  fresh: tuple[int, ...] = ()) -> dict:
-    """One prefill shape; ``inter_every`` > 0 also saves the state every that many tokens of each sequence (prefix
-    caching), ``fresh`` lists the sequences without an initial state."""
+    """One prefill shape; ``fused_variants``: (row key, FUSED, fused-kernel warps, maxnreg) settings timed beside
+    the default (FUSED_SWEEP, FUSED_COMPARE); ``inter_every`` > 0 also saves the state every that many tokens of
+    each sequence (prefix caching), ``fresh`` lists the sequences without an initial state."""
     T, N = sum(lengths), len(lengths)
     dev = "cuda"
     bf = torch.bfloat16
@@ -105,13 +110,11 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
         except Exception as exc:
             return repr(exc)[:80]
 
-    if sweep or sweep_fused:
+    if sweep or fused_variants:
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-    if sweep_fused:  # the three-launch path and other fused-kernel settings, checked against the default
+    if fused_variants:  # the unfused path and fused-kernel settings, checked against the default
         defaults = tri_prefill.FUSED, dict(tri_prefill.PHASE_WARPS), tri_prefill.FUSED_MAXNREG
-        for key, fused, warps, nreg in (("ms_3launch", False, 4, None), ("ms_fused_w2", True, 2, None),
-                                        ("ms_fused_w4", True, 4, None), ("ms_fused_w8", True, 8, None),
-                                        ("ms_fused_w8_r128", True, 8, 128), ("ms_fused_w4_r128", True, 4, 128)):
+        for key, fused, warps, nreg in fused_variants:
             tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = fused, nreg
             tri_prefill.PHASE_WARPS["fused"] = warps
             try:
@@ -230,6 +233,27 @@ def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+# (row key, prefill.FUSED, PHASE_WARPS["fused"], FUSED_MAXNREG): --sweep's fused settings ...
+FUSED_SWEEP = (("ms_3launch", False, 4, None), ("ms_fused_w2", True, 2, None), ("ms_fused_w4", True, 4, None),
+               ("ms_fused_w8", True, 8, None), ("ms_fused_w8_r128", True, 8, 128), ("ms_fused_w4_r128", True, 4, 128))
+# ... and --fused-compare's two: the four-launch path and the fused kernel at its shipped settings (one compile each)
+FUSED_COMPARE = (("ms_4launch", False, tri_prefill.PHASE_WARPS["fused"], None),
+                 ("ms_fused", True, tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG))
+VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
+
+
+def prefill_cases(sweep: bool, fused_compare: bool) -> list[tuple]:
+    """(H, lengths, state-tile sweep, fused variants, save every, sequences without an initial state) per row."""
+    if fused_compare:  # the K3 shapes of issue 35 item 1 only: few compiles, so the call's limit holds them
+        return [(96, [4096], False, FUSED_COMPARE, 0, ()), (96, [16384], False, FUSED_COMPARE, 0, ()),
+                (96, [65536], False, FUSED_COMPARE, 0, ()), (96, VARLEN, False, FUSED_COMPARE, 0, (1, 3))]
+    fused = FUSED_SWEEP if sweep else ()
+    return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
+            (96, [65536], False, fused, 0, ()), (96, VARLEN, False, fused, 0, (1, 3)),
+            (96, VARLEN, False, (), 1024, (1, 3)), (96, [1024] * 4, False, (), 0, ()),
+            (12, [4096], False, (), 0, ()), (12, [8192] * 4, False, (), 0, ())]
+
+
 def _progress(row: dict, path: str | None) -> None:
     """Print a finished row and append it to ``path`` + '.rows' (so a run cut short keeps its numbers)."""
     print(row, flush=True)
@@ -244,24 +268,19 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile/warp choices")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    parser.add_argument("--fused-compare", action="store_true",
+                        help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     chunk_kda, fla_rec = _fla()
     rows = []
-    for H, N in () if args.prefill_only else ((96, 64), (96, 256), (12, 256), (12, 1024)):
+    for H, N in () if args.prefill_only or args.fused_compare else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    varlen = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
-    # (H, lengths, state-tile sweep, fused sweep, save every, sequences without an initial state)
-    cases = ((96, [1024], False, False, 0, ()), (96, [4096], True, True, 0, ()), (96, [16384], False, False, 0, ()),
-             (96, [65536], False, True, 0, ()), (96, varlen, False, True, 0, (1, 3)),
-             (96, varlen, False, False, 1024, (1, 3)), (96, [1024] * 4, False, False, 0, ()),
-             (12, [4096], False, False, 0, ()), (12, [8192] * 4, False, False, 0, ()))
-    for H, lengths, tiles, fused, every, fresh in cases:
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, args.sweep and tiles, False, args.sweep and fused,
-                                 every, fresh))
+    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare):
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, False, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
         profile_prefill(96, 4096, gen)
