@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The H200 measurements issues #32, #33 and #35 wait on, in one `run` call (scripts/h200_pending.md says how to
+# stage .carry/peers, the exact call, and where each result goes). Each part writes $OUT/<part>.txt under its own
+# `timeout`, in priority order; a part gets min(its cap, time left - what the later parts are promised), so a slow
+# part cannot eat the rest.
+#
+#   bash scripts/h200_pending.sh [part ...]   parts (default all, in this order): slice spec_b1 spec_b8 spec_b32
+#                                             e2e kda cuda_tier
+#   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
+#        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
+#        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
+#        device, default cuda)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder the results go to}"
+BUDGET=${BUDGET:-570}
+CARRY=${CARRY:-.carry/peers}
+CK=${CK:-/tmp/k3-slice}
+DRY=${DRY:-0}
+SLICE_WIDTH=${SLICE_WIDTH:-1}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+start=$SECONDS
+mkdir -p "$OUT"
+export PYTHONPATH=".:$CARRY/peer/vllm/third_party${PYTHONPATH:+:$PYTHONPATH}"
+
+part() {  # part NAME CAP RESERVE CMD... : run CMD under timeout min(CAP, left - RESERVE), output to $OUT/NAME.txt
+  local name=$1 cap=$2 reserve=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - start)))
+  local t=$((left - reserve < cap ? left - reserve : cap))
+  if ((t < 20)); then
+    echo "== $name skipped: ${left} s left, ${reserve} s kept for the later parts" | tee "$OUT/$name.txt"
+    return
+  fi
+  echo "== $name (timeout ${t} s, at +$((SECONDS - start)) s): $*" | tee "$OUT/$name.txt"
+  [ "$DRY" = 1 ] && return
+  local t0=$SECONDS
+  timeout -s INT -k 5 "$t" "$@" >>"$OUT/$name.txt" 2>&1
+  echo "== $name: rc $? after $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
+}
+
+SLICE_PY='
+import os, shutil, sys, time
+from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
+ck = sys.argv[1]
+if os.path.isfile(os.path.join(ck, "config.json")):
+    sys.exit(print(f"reusing {ck}"))
+t0 = time.perf_counter()
+for d in (ck, ck + ".tmp"):
+    shutil.rmtree(d, ignore_errors=True)
+write_tiny_checkpoint(ck + ".tmp", text_overrides=k3_slice_overrides(int(sys.argv[2])))
+os.rename(ck + ".tmp", ck)  # whole or absent: a part cut short never leaves a checkpoint the next part reuses
+print(f"slice checkpoint {ck} written in {time.perf_counter() - t0:.1f} s")'
+
+setup() {  # the FLA peer for bench_kda (no registry on the device: carried wheels only)
+  if [ "$DRY" != 1 ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps --no-index "$CARRY"/wheels/*.whl 2>&1 | tail -n 3
+  fi
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+  "$PY" -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -n 1
+  git log -1 --format='code: %h %s' 2>/dev/null || true
+}
+
+spec() {  # bench_spec at one batch: its own engines capture only that batch's graph buckets
+  part "spec_b$1" "$2" "$3" "$PY" -u benchmarks/bench_spec.py --device "$DEVICE" --model k3-slice --slice-dir "$CK" \
+    --methods ngram --workloads repetitive --batches "$1" --max-tokens 32 --json "$OUT/spec_b$1.json"
+}
+
+run_part() {
+  case $1 in
+    slice) part slice 120 300 "$PY" -c "$SLICE_PY" "$CK" "$SLICE_WIDTH" ;;
+    spec_b1) spec 1 130 230 ;;
+    spec_b8) spec 8 100 230 ;;
+    spec_b32) spec 32 130 230 ;;
+    e2e) part e2e 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" ;;
+    kda) part kda 150 0 "$PY" -u benchmarks/bench_kda.py --fused-compare --json "$OUT/kda.json" ;;
+    cuda_tier) part cuda_tier 600 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
+      --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
+      tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
+      tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e kda cuda_tier)" >&2; return 2 ;;
+  esac
+}
+
+setup >"$OUT/setup.txt" 2>&1
+cat "$OUT/setup.txt"
+parts=("$@")
+((${#parts[@]})) || parts=(slice spec_b1 spec_b8 spec_b32 e2e kda cuda_tier)
+for p in "${parts[@]}"; do
+  run_part "$p" || exit $?
+done
+echo "== done at +$((SECONDS - start)) s"
