@@ -9,7 +9,8 @@
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
-#        device, default cuda)
+#        device, default cuda); CAP_<part> / KEEP_<part> override a part's cap / the seconds it keeps for later parts
+#        (a second call for one part: CAP_spec_b32=560 KEEP_spec_b32=0 bash scripts/h200_pending.sh slice spec_b32)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the results go to}"
@@ -25,7 +26,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=".:$CARRY/peer/vllm/third_party${PYTHONPATH:+:$PYTHONPATH}"
 
 part() {  # part NAME CAP RESERVE CMD... : run CMD under timeout min(CAP, left - RESERVE), output to $OUT/NAME.txt
-  local name=$1 cap=$2 reserve=$3
+  local name=$1 cap_var="CAP_$1" keep_var="KEEP_$1"
+  local cap=${!cap_var:-$2} reserve=${!keep_var:-$3}
   shift 3
   local left=$((BUDGET - (SECONDS - start)))
   local t=$((left - reserve < cap ? left - reserve : cap))

@@ -42,6 +42,8 @@ def test_time_kept_for_later_parts_shrinks_or_skips_a_part(tmp_path):
     caps = {p: int(t) for p, t in re.findall(r"^== (\w+) \(timeout (\d+) s", done.stdout, re.M)}
     assert 50 <= caps["slice"] <= 100  # 400 s less the setup's seconds, 300 kept for the later parts
     assert 120 <= caps["spec_b1"] <= 130 and caps["e2e"] == 200 and caps["kda"] == 150
+    alone = _run(tmp_path, "spec_b32", DRY="1", CAP_spec_b32="500", KEEP_spec_b32="0")
+    assert 450 <= int(re.search(r"^== spec_b32 \(timeout (\d+) s", alone.stdout, re.M)[1]) <= 500
     skipped = _run(tmp_path, "slice", DRY="1", BUDGET="310")
     assert re.search(r"^== slice skipped: \d+ s left, 300 s kept for the later parts", skipped.stdout, re.M)
 
