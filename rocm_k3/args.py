@@ -80,9 +80,11 @@ class EngineArgs:
                                         "the ranks)")
     expert_placement: str | None = option(None, "expert placement JSON (rocm-k3 expert-placement writes one from "
                                           "recorded loads)")
-    ep_decode_dispatch: str = option("static", "how decode steps move expert-parallel picks: static (a fixed "
-                                     "capacity per rank pair, captured in decode graphs) or dynamic (the prefill's "
-                                     "variable all-to-all; decode graphs off under EP)", choices=EP_DECODE_DISPATCH)
+    ep_decode_dispatch: str = option("auto", "how decode steps move expert-parallel picks: static (a fixed "
+                                     "capacity per rank pair: shapes a decode graph can capture, ~T x k rows per "
+                                     "rank), dynamic (the prefill's variable all-to-all, ~T x k / ep rows per rank; "
+                                     "decode graphs off under EP) or auto (static inside decode graphs, dynamic in "
+                                     "eager steps)", choices=EP_DECODE_DISPATCH)
     nnodes: int = option(1, "nodes of the run (node 0 serves)")
     node_rank: int = option(0, "this node's rank (> 0 runs headless)")
     master_addr: str = option("127.0.0.1", "node 0's address for the process group")

@@ -16,7 +16,7 @@ BACKEND_CHOICES = ("auto", "reference", "triton", "flydsl", "aiter")
 VLLM_MLA_CHOICES = ("auto", "latent", "expanded")
 # how decode steps move expert-parallel picks: "static" (a fixed capacity per rank pair, graph-safe) or "dynamic"
 # (the variable-size all-to-all of prefill steps, sized on the host: decode graphs are then off under EP)
-EP_DECODE_DISPATCH = ("static", "dynamic")
+EP_DECODE_DISPATCH = ("auto", "static", "dynamic")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # The engine's default step budget (--max-num-batched-tokens, new tokens per step): the largest budget measured to

@@ -40,7 +40,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None
-    ep_decode_dispatch: str = "static"
+    ep_decode_dispatch: str = "auto"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -136,7 +136,7 @@ class ParallelContext:
     ep_enabled: bool = False
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # a placement file (rocm_k3.model.expert_placement); None = uniform
-    ep_decode_dispatch: str = "static"  # see EP_DECODE_DISPATCH
+    ep_decode_dispatch: str = "auto"  # see EP_DECODE_DISPATCH
     tp_group: Any = None
     tp_cpu_group: Any = None
     pp_group: Any = None
@@ -164,10 +164,16 @@ class ParallelContext:
 
     @property
     def static_ep_decode(self) -> bool:
-        """Decode steps move expert-parallel picks on the static-capacity path (graph-capturable). Only with one
-        data-parallel replica: replicas step with different token counts, so equal-split capacities would not
-        match across them; DP attention keeps the dynamic path (and eager decode)."""
-        return self.ep_size > 1 and self.ep_decode_dispatch == "static" and self.dp_size == 1
+        """Decode graphs may move expert-parallel picks on the static-capacity path (``ep_decode_dispatch`` auto
+        or static). Only with one data-parallel replica: replicas step with different token counts, so equal-split
+        capacities would not match across them; DP attention keeps the dynamic path (and eager decode)."""
+        return self.ep_size > 1 and self.ep_decode_dispatch != "dynamic" and self.dp_size == 1
+
+    def static_dispatch_for(self, graphed: bool) -> bool:
+        """Whether a decode step (``graphed``: run inside a decode graph) takes the static-capacity dispatch: always
+        under ``static``, only in graphs under ``auto`` (an eager step keeps the dynamic path's ~T x k / ep rows
+        per rank; the static one runs ~T x k, padding included), never under ``dynamic``."""
+        return self.static_ep_decode and (graphed or self.ep_decode_dispatch == "static")
 
     @property
     def is_first_stage(self) -> bool:

@@ -239,7 +239,9 @@ class EngineCore:
             raise
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, or a step still in flight (pipelined: an aborted request's step must still
+        be collected so its slots and copies come back)."""
+        return self.scheduler.has_unfinished() or bool(self.scheduler.steps_in_flight)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def check_workers(self) -> None:
@@ -296,7 +298,7 @@ class EngineCore:
             return self._commit(oldest, output)
         except BaseException:
             with self.guard.section():
-                if sched.steps_in_flight:
+                if self.scheduler is sched and sched.steps_in_flight:  # (a recover() rebuilt it: nothing to drop)
                     self._bookkeeping(sched.abandon)  # requests stay queued and are recomputed
             raise
 
@@ -336,6 +338,11 @@ class EngineCore:
         except BaseException:
             self.abandon_step()
             raise
+
+    def return_finished_ids(self, ids: tuple[str, ...]) -> None:
+        """Ids from :meth:`take_finished_ids` whose step failed: told to the workers with a later step."""
+        with self.guard.section():
+            self.scheduler.return_finished_ids(ids)
 
     def take_finished_ids(self) -> tuple[str, ...]:
         """Finished requests the workers were not yet told of (for a step without chunks that tells them)."""

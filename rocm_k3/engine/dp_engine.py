@@ -112,8 +112,10 @@ class DataParallelEngine:
                     steps[d] = StepInput(step_id=-1, finished_request_ids=finished)
             outputs = self.executor.execute_replicas(tuple(steps))
         except BaseException:
-            for core in self.cores:
+            for core, step in zip(self.cores, steps):
                 core.abandon_step()
+                if step is not None and not step.chunks and step.finished_request_ids:  # told with a later step
+                    core.return_finished_ids(step.finished_request_ids)
             self._undelivered = deltas
             raise
         self.num_steps += 1

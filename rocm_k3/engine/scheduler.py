@@ -190,7 +190,9 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         decoding = [s for s in self.running if s.is_decoding and s.seq_id not in taken]
-        speculate = self.spec.config is not None and self.spec.config.drafts_at(len(decoding))
+        # the batch-size cut counts every decoding sequence, in flight or not (pipelined steps see a share each)
+        speculate = (self.spec.config is not None
+                     and self.spec.config.drafts_at(sum(1 for s in self.running if s.is_decoding)))
         for seq in decoding:
             if budget < 1 or len(scheduled) >= run_cap:
                 break
@@ -413,6 +415,11 @@ class Scheduler:
         pending = [rid for out in self.steps_in_flight for rid in out.step.finished_request_ids]
         ids, self._finished_ids = list(dict.fromkeys([*pending, *self._finished_ids])), []
         return ids
+
+    def return_finished_ids(self, ids: list[str] | tuple[str, ...]) -> None:
+        """Give back ids :meth:`take_finished_ids` returned whose step never ran (they are sent again; dropping a
+        request's worker state twice is harmless)."""
+        self._finished_ids[:0] = [rid for rid in ids if rid not in self._finished_ids]
 
     # ---- step contract -------------------------------------------------------------------------------------
     def _step_input(self, scheduled: list[ScheduledSeq], copies: CopyPlan) -> StepInput:

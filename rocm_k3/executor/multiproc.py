@@ -270,6 +270,8 @@ class MultiprocExecutor:
                                args=(rank, config, child if rank == 0 else None, store_file, ring_path, report),
                                name=f"rocm-k3-rank{rank}", daemon=True)
             proc.start()
+            if report is not None:  # the rank holds the send end; closing ours lets its EOF show when it ends
+                report.close()
             self._procs.append((rank, proc))
         self._closed = False
         self._wait("ready", startup=True)
@@ -302,12 +304,13 @@ class MultiprocExecutor:
             raise RuntimeError("submit: this executor runs one step at a time (execute)")
         if self._closed:
             raise WorkerError("the worker group has shut down (an earlier error ended it)")
+        self._pending += 1  # before the send: an interrupt after it must not leave an output uncounted
         try:
             self._conn.send(("execute", (step,)))
         except OSError:  # rank 0 is gone: wait until its process's end names it (WorkerDiedError)
+            self._pending -= 1
             while True:
                 self._wait("step")
-        self._pending += 1
 
     def collect(self) -> StepOutput:
         """The output of the oldest submitted step (outputs come in submission order)."""

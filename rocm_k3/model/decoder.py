@@ -95,7 +95,7 @@ class DecoderLayer(WeightTargets):
             # a decode's rows all continue a sequence (position >= 1): position 0 marks a graph bucket's padding,
             # whose picks are no load
             counted = batch.positions > 0 if batch.is_decode and self.ffn.experts.load is not None else None
-            return self.ffn(x, batch.is_decode and self.ffn.ctx.static_ep_decode, counted)
+            return self.ffn(x, batch.is_decode and self.ffn.ctx.static_dispatch_for(batch.graphed), counted)
         return self.ffn(x)
 
 

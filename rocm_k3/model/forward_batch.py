@@ -38,6 +38,7 @@ class ForwardBatch:
                        seq_lens / block_table / slot_mapping per row); kda_slots per row (a padding row reads and
                        writes the scratch slot); save rows must be (i*w + j, 1) for every j < w - 1 in that order
                        (M = N / w * (w - 1); save_slots holds the scratch slot where nothing is saved)
+    graphed:           the batch is a decode graph's persistent buffers (captured / replayed): shapes stay fixed
     image_embeds:      [R, hidden] or None: image embedding rows (model dtype) that replace the input embeddings
     image_rows:        int64 [R] or None: the (distinct) token rows of ``input_ids`` they replace (``<|media_pad|>``)
     """
@@ -55,6 +56,7 @@ class ForwardBatch:
     save_slots: torch.Tensor | None = None
     is_decode: bool = False
     decode_width: int = 1
+    graphed: bool = False
     image_embeds: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None
 

@@ -119,7 +119,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:rows], positions=self.positions[:rows], cu_seqlens=self.cu_seqlens[: rows + 1],
             seq_lens=self.seq_lens[:rows], block_table=self.block_table[:rows], slot_mapping=self.slot_mapping[:rows],
             kda_slots=self.kda_slots[:rows], has_initial_state=self.has_initial_state[:rows],
-            logits_indices=self.logits_indices[:rows], is_decode=True, decode_width=w, **saves,
+            logits_indices=self.logits_indices[:rows], is_decode=True, decode_width=w, graphed=True, **saves,
         )
 
     def bucket_for(self, n: int) -> int | None:

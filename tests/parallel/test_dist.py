@@ -147,11 +147,12 @@ def test_trained_embedded_model_layouts_match_one_process(trained_single, layout
     assert _trained_tokens(**LAYOUTS[layout]) == trained_single
 
 
-@pytest.mark.parametrize("mode", ["static", "dynamic"])
+@pytest.mark.parametrize("mode", ["static", "dynamic", "auto"])
 def test_trained_embedded_model_ep_decode_dispatch_matches_one_process(trained_single, mode) -> None:
     """TP2 + EP on the trained embedded model: decode steps on the static-capacity dispatch (what decode graphs
     capture) and on the dynamic one (the prefill's) give the single process's greedy tokens, and each rank's
-    counters show which path its decode steps took."""
+    counters show which path its decode steps took (``auto``, the default, takes the static path only inside
+    decode graphs: on the CPU every step is eager, so dynamic)."""
     llm = LLM(EMBEDDED_DIR, master_port=free_port(), **ENGINE, **LAYOUTS["tp2-ep"], ep_decode_dispatch=mode)
     try:
         tokens = [o.token_ids for o in llm.generate(TRAINED_PROMPTS, GREEDY)]
