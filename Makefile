@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-extended toolchain test-cuda test-rocm clean
+.PHONY: demo test toolchain test-cuda test-rocm clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,12 +28,8 @@ toolchain:
 test: $(STAMP) toolchain
 	@fail=0; for d in tests/*/; do \
 	  case $$d in *__pycache__*) continue;; esac; \
-	  echo "== $$d"; $(BIN)/python -m pytest -q -p no:cacheprovider -m "not extended" $$d || [ $$? -eq 5 ] || fail=1; \
+	  echo "== $$d"; $(BIN)/python -m pytest -q -p no:cacheprovider $$d || [ $$? -eq 5 ] || fail=1; \
 	done; exit $$fail
-
-# The `extended` tests (many CPU-minutes each) that `make test` leaves out.
-test-extended: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m extended
 
 test-cuda: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda
