@@ -49,8 +49,8 @@ def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
 def test_tp2_ngram_speculation_on_200_prompts_matches_one_process_without_it() -> None:
     """The issue's 200 prompts (repetitive, prefix-sharing, random; 64 sequences a step) at k = 3: TP=2 with
     speculation gives the single process's greedy tokens; no block or state slot is held afterwards on the
-    driver's cache (both ranks follow its plan). Slow (~6 CPU-minutes over the two ranks on 2 cores); the fast
-    4-prompt version of the same check, both methods, is the test above."""
+    driver's cache (both ranks follow its plan). Slow (68 s on a quiet 2-core machine, ~6 CPU-minutes when
+    loaded); the fast 4-prompt version of the same check, both methods, is the test above."""
     prompts = varied_prompts(ModelConfig.from_pretrained(EMBEDDED_DIR).vocab_size, 200)
     wide = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "max_model_len": 96}
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
