@@ -94,3 +94,8 @@ for p in "${parts[@]}"; do
   run_part "$p" || exit $?
 done
 echo "== done at +$((SECONDS - start)) s"
+# the device returns at most 8 files: past 7, everything travels in one archive
+if [ "$DRY" != 1 ] && (($(find "$OUT" -maxdepth 1 -type f | wc -l) > 7)); then
+  (cd "$OUT" && tar czf /tmp/h200_results.tgz --exclude results.tgz . && find . -maxdepth 1 -type f -delete \
+    && mv /tmp/h200_results.tgz results.tgz)
+fi
