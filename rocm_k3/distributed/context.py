@@ -70,6 +70,10 @@ class ParallelConfig:
         if self.ep_decode_dispatch not in EP_DECODE_DISPATCH:
             raise LayoutError(f"ep_decode_dispatch: expected one of {EP_DECODE_DISPATCH}, got "
                               f"{self.ep_decode_dispatch!r}")
+        if self.ep_decode_dispatch == "static" and self.data_parallel_size > 1:
+            raise LayoutError(f"ep_decode_dispatch='static' with data_parallel_size={self.data_parallel_size}: the "
+                              "replicas step with different token counts, so their static capacities would not "
+                              "match (use 'auto' or 'dynamic': DP attention decodes on the dynamic dispatch)")
         if self.expert_placement is not None and not isinstance(self.expert_placement, str):
             raise LayoutError(f"expert_placement: expected a path, got {self.expert_placement!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:

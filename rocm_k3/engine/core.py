@@ -274,16 +274,11 @@ class EngineCore:
         sched = self.scheduler
         try:
             while len(sched.steps_in_flight) < self.depth:
-                with self.guard.section():
-                    step = self._bookkeeping(sched.schedule)
-                    if not step.chunks:  # every sequence that could run is in flight already (or none is left)
-                        self._bookkeeping(lambda: sched.abandon(newest_only=True))
-                if not step.chunks:
+                step = self._schedule_step()
+                if step is None:  # every sequence that could run is in flight already (or none is left)
                     break
                 self.executor.submit(step)
             if not sched.steps_in_flight:
-                if sched.has_unfinished():
-                    raise RuntimeError("scheduler made no progress although requests are pending")
                 return []
             n = len(sched.steps_in_flight)
             self.in_flight_max = max(self.in_flight_max, n)
@@ -297,23 +292,26 @@ class EngineCore:
                 output = self.executor.collect()
             return self._commit(oldest, output)
         except BaseException:
-            with self.guard.section():
-                if self.scheduler is sched and sched.steps_in_flight:  # (a recover() rebuilt it: nothing to drop)
-                    self._bookkeeping(sched.abandon)  # requests stay queued and are recomputed
+            self.abandon_step()  # requests stay queued and are recomputed
             raise
 
     def _schedule_step(self):
+        """Schedule one more step and hold it in flight; None when it found no chunk (then dropped). With one step
+        at a time (``depth`` 1) a step still in flight is one an interrupt cut short (between two sections): it is
+        dropped first; pipelined, the steps in flight are live. RuntimeError when nothing is in flight although
+        requests are pending (no progress)."""
+        sched = self.scheduler
         with self.guard.section():
-            if self.scheduler.in_flight is not None:  # a step an interrupt cut short (between two sections)
-                self._bookkeeping(self.scheduler.abandon)
-            step = self._bookkeeping(self.scheduler.schedule)
-        if not step.chunks:
-            with self.guard.section():
-                self._bookkeeping(self.scheduler.abandon)
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress although requests are pending")
-            return None
-        return step
+            if self.depth == 1 and sched.in_flight is not None:
+                self._bookkeeping(sched.abandon)
+            step = self._bookkeeping(sched.schedule)
+            if not step.chunks:
+                self._bookkeeping(lambda: sched.abandon(newest_only=True))
+        if step.chunks:
+            return step
+        if not sched.steps_in_flight and sched.has_unfinished():
+            raise RuntimeError("scheduler made no progress although requests are pending")
+        return None
 
     def begin_step(self):
         """The first half of :meth:`step` (a data-parallel engine runs it per replica): schedule the next
@@ -326,9 +324,10 @@ class EngineCore:
             raise
 
     def abandon_step(self) -> None:
-        """Drop the step in flight (its requests stay queued and are recomputed); a no-op without one."""
+        """Drop every step in flight (their requests stay queued and are recomputed); a no-op without one (also
+        after a :meth:`recover`, whose fresh scheduler has none)."""
         with self.guard.section():
-            if self.scheduler.in_flight is not None:
+            if self.scheduler.steps_in_flight:
                 self._bookkeeping(self.scheduler.abandon)
 
     def finish_step(self, step, output) -> list[RequestDelta]:

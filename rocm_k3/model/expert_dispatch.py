@@ -18,8 +18,9 @@ captured in a decode graph. Decode steps take the static-capacity path instead (
 buffer is its owner's block plus its rank among the picks for that owner (a running count in pick order, the
 dynamic path's order). Rows, and a metadata tensor whose third column marks the rows that hold a pick (the counts,
 in a fixed-size tensor), travel with equal-split all-to-alls, so the step's shapes depend only on T. Each rank
-runs its ``ep x capacity`` received rows through its experts (rows without a pick: zero input, weight 0, the expert
-of a row that has one, so they touch no extra weights), and the combine reads back only the rows of real picks.
+runs its ``ep x capacity`` received rows through its experts (rows without a pick: zero input, weight 0, dealt
+round-robin over the experts real rows use, so they touch no extra weights and stack on no one expert, see
+:func:`padding_experts`), and the combine reads back only the rows of real picks.
 """
 
 from __future__ import annotations
@@ -144,12 +145,26 @@ def dispatch_static(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     rows = _a2a(rows, ctx, None, None, table, "moe_dispatch")  # [ep C, width]: C rows from each source rank
     meta = _a2a(meta, ctx, None, None, table, "moe_dispatch_meta")  # [ep C, 3]
     valid = meta[:, 2] > 0  # [ep C]
-    local = meta[:, 0].to(torch.int32)  # [ep C]
-    first = local.index_select(0, valid.to(torch.int32).argmax().view(1))  # [1] the first real row's expert (row
-    # 0's when none is real); a 0-dim index would be read on the host, which a graph capture refuses
-    local = torch.where(valid, local, first)  # rows without a pick run on an expert a real row already reads
+    local = padding_experts(meta[:, 0].to(torch.int64), valid, experts_per_rank).to(torch.int32)  # [ep C]
     return StaticDispatched(rows, meta[:, 1:2].contiguous(), local[:, None].contiguous(), valid,
                             StaticPlan(slot, capacity, tokens, top_k))
+
+
+def padding_experts(local: torch.Tensor, valid: torch.Tensor, experts: int) -> torch.Tensor:
+    """``local`` [R] int64 expert ids of the received rows with the rows without a pick (``~valid``) dealt
+    round-robin over the experts that real rows already use (expert 0 when none does): they read no extra
+    weights and, spread, fill those experts' partly used row blocks in the grouped GEMM instead of stacking
+    ``ep x C - R`` rows (most of them at decode) on one expert, each of its blocks a full read of its weights.
+    On the device only (no host read: a decode graph holds it)."""
+    used = torch.zeros(experts, dtype=torch.int64, device=local.device)  # [E_local] real rows per expert
+    used.index_add_(0, torch.where(valid, local, 0), valid.to(torch.int64))
+    hit = used > 0  # [E_local]
+    n_used = hit.sum().clamp_min(1)  # [] (1 when no row is real: all go to expert 0)
+    ranked = torch.zeros(experts + 1, dtype=torch.int64, device=local.device)  # [E_local + 1] the used experts in
+    # order first; unused ones all write the spare last entry (no sort, nothing read on the host)
+    ranked.scatter_(0, torch.where(hit, hit.cumsum(0) - 1, experts), torch.arange(experts, device=local.device))
+    turn = (~valid).to(torch.int64).cumsum(0) - 1  # [R] each padding row's index among the padding rows
+    return torch.where(valid, local, ranked[turn.remainder(n_used)])
 
 
 def combine_static(out: torch.Tensor, plan: StaticPlan, ctx: ParallelContext, table) -> torch.Tensor:

@@ -236,6 +236,15 @@ def split_verifications(step: StepInput) -> tuple[StepInput, StepInput | None]:
             dataclasses.replace(step, chunks=step.chunks[cut:], num_decodes=0))
 
 
+def model_passes(step: StepInput | None) -> int:
+    """The model forwards :meth:`ModelRunner.execute` runs for ``step``: 0 without chunks, 2 for verifications
+    beside prefills (:func:`split_verifications`), else 1. Data-parallel replicas step together: every one runs
+    the most passes of any (idle ones for the rest), so their MoE layers' expert-parallel collectives pair up."""
+    if step is None or not step.chunks:
+        return 0
+    return 1 if split_verifications(step)[1] is None else 2
+
+
 def graph_width(step: StepInput, plan: HostPlan) -> int | None:
     """The tokens per sequence of a step that a decode graph can run (1: a decode; 1 + the most drafts: a
     verification whose every chunk is a sampled decode of its last token plus its drafts), else None."""

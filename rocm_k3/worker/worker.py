@@ -44,7 +44,7 @@ from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.layer_view import LayerHookView
-from rocm_k3.worker.model_runner import ModelRunner, sampling_chunks
+from rocm_k3.worker.model_runner import ModelRunner, model_passes, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import prompt_token_logprobs, sample
 from rocm_k3.worker.step_io import PromptLogprobs, SampledToken, ScheduledChunk, StepInput, StepOutput
@@ -413,22 +413,27 @@ class Worker:
                          "kv_transfer_s": blocked}
 
     def execute_replicas(self, steps: tuple[StepInput | None, ...]) -> StepOutput | None:
-        """Data parallelism: run this rank's replica's entry of ``steps`` (one per replica), or, when it is None
-        (the replica has no work while another steps), :meth:`idle_step`; an entry without chunks only reports
-        finished requests (their state is dropped) before the idle step. Returns the StepOutput on the replica's
-        sampling rank, else None."""
+        """Data parallelism: run this rank's replica's entry of ``steps`` (one per replica), then one
+        :meth:`idle_step` per model pass another replica runs beyond it (:func:`model_passes`: a replica without
+        work, None, runs only idle ones; a step with verifications beside prefills runs two passes), so every
+        replica's MoE layers meet the others' collectives; an entry without chunks only reports finished requests
+        (their state is dropped) before its idle steps. Returns the StepOutput on the replica's sampling rank,
+        else None."""
         if not isinstance(steps, tuple) or len(steps) != self.ctx.dp_size:
             raise ValueError(f"execute_replicas: expected a tuple of {self.ctx.dp_size} steps (one per data-parallel "
                              f"replica), got {steps!r}")
         step = steps[self.ctx.dp_rank]
+        idle = max(model_passes(s) for s in steps) - model_passes(step)
+        out = None
         if step is None or not step.chunks:
             if step is not None:
                 for rid in step.finished_request_ids:
                     self.requests.drop(rid)
                 self.runner.apply_requests(step)
+        else:
+            out = self.execute(step)
+        for _ in range(idle):
             self.idle_step()
-            return None
-        out = self.execute(step)
         return out if self.ctx.is_sampling_rank else None
 
     def idle_step(self) -> None:

@@ -21,6 +21,7 @@ from rocm_k3.engine.scheduler import Scheduler
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import write_tiny_checkpoint
 from rocm_k3.sampling_params import SamplingParams
+from rocm_k3.spec_decode.config import SpeculativeConfig
 from tests.engine_fixtures import core_for
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -59,11 +60,13 @@ def model(tmp_path_factory):
     return load_model(root, dtype=torch.float32, progress=False)
 
 
-def _cores(model, num_blocks: int = 40) -> tuple[EngineCore, EngineCore]:
+def _cores(model, num_blocks: int = 40, speculative: SpeculativeConfig | None = None) -> tuple[EngineCore,
+                                                                                               EngineCore]:
     """(one step at a time, two steps in flight) over the same cache geometry."""
     cache = CacheConfig(block_size=16, match_unit=8, alignment=16, kda_save_grid=8, enable_prefix_caching=True,
                         num_blocks=num_blocks, num_state_slots=24)
-    cfg = EngineConfig(max_num_batched_tokens=48, max_num_seqs=4, max_model_len=80, cache=cache)
+    cfg = EngineConfig(max_num_batched_tokens=48, max_num_seqs=4, max_model_len=80, cache=cache,
+                       speculative=speculative)
     one = core_for(model, cfg)
     two = EngineCore(cfg, QueuedExecutor(core_for(model, cfg).executor), geometry=one.geometry,
                      vocab_size=one.vocab_size, eos_token_ids=one.eos_token_ids)
@@ -128,3 +131,33 @@ def test_one_stage_keeps_one_step_in_flight(model) -> None:
         sched.schedule()
     with pytest.raises(ValueError, match="max_in_flight"):
         Scheduler(one.config, one.cache_manager, max_in_flight=0)
+
+
+def test_disable_by_batch_size_counts_every_decoding_sequence_not_a_micro_batchs(model) -> None:
+    """Two decoding requests split over two micro-batches (one each): the cut at 2 counts both, so no step
+    drafts; one request alone drafts. The tokens are the greedy ones either way."""
+    prompts = {"a": [5, 6, 7] * 6, "b": [9, 10] * 8}  # repetitive: the n-gram proposer finds drafts
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    cut = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+
+    def run(core: EngineCore, rids) -> dict[str, list[int]]:
+        for rid in rids:
+            core.add_request(rid, prompts[rid], params)
+        done = {}
+        for _ in range(200):
+            if not core.has_unfinished():
+                break
+            done.update({d.request_id: d.output.token_ids for d in core.step() if d.finished})
+        return done
+
+    expected = run(_cores(model)[0], prompts)
+    _, both = _cores(model, speculative=cut)
+    assert run(both, prompts) == expected
+    stats = both.stats()
+    assert stats["steps_in_flight_max"] == 2, stats  # the two requests decoded in separate micro-batches
+    assert stats["spec_num_draft_tokens"] == 0, stats
+    _all_free(both)
+    _, alone = _cores(model, speculative=cut)
+    assert run(alone, ["a"]) == {"a": expected["a"]}
+    assert alone.stats()["spec_num_draft_tokens"] > 0
+    _all_free(alone)

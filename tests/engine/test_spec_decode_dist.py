@@ -1,4 +1,4 @@
-"""dist tier: n-gram and drafter speculation at TP=2 over gloo gives the single process's greedy tokens (without speculation)
+"""dist tier: n-gram and drafter speculation at TP=2 (and with two DP-attention replicas) over gloo gives the single process's greedy tokens (without speculation)
 on the trained embedded model, prefix caching on; every rank follows the rollback (the moved state slot travels
 in the next step's chunk; the drafter runs on the sampling rank); two of the requests have penalties, which
 speculate too."""
@@ -43,6 +43,25 @@ def test_tp2_speculation_matches_one_process_without_it(spec_config) -> None:
     spec, stats = _tokens(tensor_parallel_size=2, speculative_config=spec_config)
     assert spec == single
     assert stats["spec_num_accepted_tokens"] > 0 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)])
+def test_dp2_speculation_matches_one_process_without_it(method) -> None:
+    """DP attention (two replicas, one EP group): each replica's scheduler plans and rolls back its own drafts
+    (draft_model: each replica's sampling rank runs its drafter); the greedy tokens are one process's. Replica 0
+    (requests 0 and 2) verifies request 0's drafts beside request 2's long chunked prefill: two model passes in
+    one step, which replica 1 meets with an idle pass (otherwise their MoE all-to-alls never pair up)."""
+    # request 0 drafts from its first decodes while request 2 (90 tokens) prefills 16 tokens a step
+    prompts = ["1 2 3 1 2 3 1 2 3 1 2 3", PROMPTS[1], "The file is open. " * 5, PROMPTS[0]]
+    chunked = {"long_prefill_token_threshold": 16}
+    single, _ = _tokens(prompts, **chunked)
+    spec_config = {"method": method, "num_speculative_tokens": 3, **({"model": "embedded-drafter"}
+                                                                     if method == "draft_model" else {})}
+    spec, stats = _tokens(prompts, **chunked, data_parallel_size=2, enable_expert_parallel=True,
+                          speculative_config=spec_config, distributed_timeout=60.0)
+    assert spec == single
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert stats["data_parallel_size"] == 2 and stats["replica0_running"] == stats["replica1_running"] == 0
 
 
 @pytest.mark.slow

@@ -229,6 +229,8 @@ def test_impossible_dp_settings_are_named(tmp_path) -> None:
         LLM(EMBEDDED_DIR, data_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     with pytest.raises(LayoutError, match="data_parallel_size"):
         LLM(EMBEDDED_DIR, data_parallel_size=0, enable_expert_parallel=True, **ENGINE)
+    with pytest.raises(LayoutError, match="ep_decode_dispatch='static' with data_parallel_size=2"):  # not ignored
+        LLM(EMBEDDED_DIR, ep_decode_dispatch="static", **ENGINE, **DP2)
     with pytest.raises(ValueError, match="data_parallel_size 1"):
         LLM(EMBEDDED_DIR, kv_transfer_config={"kv_connector": "SocketConnector", "kv_role": "kv_producer",
                                               "kv_port": free_port()}, **ENGINE, **DP2)

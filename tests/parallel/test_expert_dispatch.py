@@ -6,7 +6,9 @@ caller's all-reduce, equal one process running all experts on all picks. On a ba
 exactly ``T x k / 2`` rows (counted in ``ctx.stats``), never ``T x k``; a skewed batch still gives the right sum.
 The static-capacity path of decode graphs (fixed ``ceil(T / 2) x k`` rows per rank pair, equal-split all-to-alls,
 no host read) gives the dynamic path's outputs on the same batches, on an odd T (uneven slices) and on a batch whose
-picks all go to one rank (a full capacity block); rows a decode graph pads with are left out of the expert load.
+picks all go to one rank (a full capacity block); rows a decode graph pads with are left out of the expert load; the
+received rows without a pick are dealt evenly over the experts real rows use (no extra weights, no one expert's
+row blocks multiplied).
 
 Data parallelism (two replicas of TP1, one EP group over both): each replica's tokens are its own, each rank still
 runs ``T x k / 2`` of the ``T`` tokens of both replicas, and a replica with zero tokens serves the other's rows.
@@ -24,7 +26,7 @@ import torch.multiprocessing as mp
 
 from rocm_k3.distributed.context import ParallelContext
 from rocm_k3.model.config import ModelConfig
-from rocm_k3.model.expert_dispatch import dispatch_static
+from rocm_k3.model.expert_dispatch import dispatch_static, static_capacity
 from rocm_k3.model.layers.linear import all_reduce
 from rocm_k3.model.moe import ActQuant, RoutedExperts, activation_for
 from rocm_k3.model.tiny import tiny_config
@@ -112,6 +114,14 @@ def _rank(rank: int, port: int, results) -> None:
             want = moe.fused_moe(z, full, w, ids, activation=activation, backend="reference")
             out["static_" + name] = (float((static - dynamic).abs().max() / dynamic.abs().max()),
                                      float((got - want).abs().max() / want.abs().max()), dict(ctx.stats), dyn_stats)
+        for name, (z, w, ids) in (("balanced", _batches(cfg)["balanced"]), ("skewed", _batches(cfg)["skewed"]),
+                                  ("one_rank", _one_rank(cfg))):  # where the rows without a pick run
+            lo, hi = rank * TOKENS // 2, (rank + 1) * TOKENS // 2
+            held = dispatch_static(z[lo:hi], w[lo:hi], ids[lo:hi], experts.count,
+                                   static_capacity(TOKENS, 2, cfg.num_experts_per_token), ctx, "reference")
+            local = held.ids[:, 0].long()
+            out["padding_" + name] = (torch.bincount(local[held.valid], minlength=experts.count).tolist(),
+                                      torch.bincount(local[~held.valid], minlength=experts.count).tolist())
         z, w, ids = _batches(cfg)["balanced"]  # a graph bucket's padding rows (counted False) are no expert load
         counted = torch.arange(TOKENS) % 3 != 0
         experts.load.zero_()
@@ -179,6 +189,12 @@ def test_ep2_dispatch_runs_half_the_rows_and_matches_one_process() -> None:
             tokens = 7 if name == "odd" else TOKENS
             assert stats["moe_capacity_rows"] == 2 * -(-tokens // 2) * cfg.num_experts_per_token, (name, stats)
         assert "8 picks exceed the capacity of 7 rows" in out["over_capacity"], out["over_capacity"]
+        for name in ("balanced", "skewed", "one_rank"):  # the rows without a pick: on the experts real rows use,
+            real, pad = out["padding_" + name]  # dealt evenly (never stacked on one expert: its blocks cost reads)
+            used = [e for e, n in enumerate(real) if n] or [0]  # (none real: expert 0 takes them)
+            assert sum(real) + sum(pad) == 2 * static_capacity(TOKENS, 2, cfg.num_experts_per_token), (name, out)
+            assert all(pad[e] == 0 for e in range(len(pad)) if e not in used), (rank, name, real, pad)
+            assert max(pad[e] for e in used) - min(pad[e] for e in used) <= 1, (rank, name, real, pad)
         assert out["counted_load"]
     skewed_rows = [out["skewed"][1]["moe_rows"] for out in results.values()]
     assert sum(skewed_rows) == picks and skewed_rows[0] != skewed_rows[1]  # every pick runs once, where it lives
