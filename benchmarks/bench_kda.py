@@ -7,7 +7,7 @@
 four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped settings (``ms_fused``, relative error
 of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
 ``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
-``PHASE_COMPARE``: phases 2 and 3 merged (``prefill.MERGE_WY``) and chunk_prep in one column pass (``PREP_BK``).
+``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``).
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -252,12 +252,16 @@ FUSED_SWEEP = (("ms_3launch", {"FUSED": False}), ("ms_fused_w2", _fused(2)), ("m
 # ... --fused-compare's two: the four-launch path and the fused kernel at its shipped settings (one compile each) ...
 FUSED_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False}),
                  ("ms_fused", _fused(tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG)))
-# ... and --phase-compare's: four launches, intra + solve merged (chunk_wy) at 4 / 8 warps, prep in one column pass
-PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32}),
-                 ("ms_wy_w4", {"FUSED": False, "MERGE_WY": True, "PHASE_WARPS": {"wy": 4}}),
-                 ("ms_wy_w8", {"FUSED": False, "MERGE_WY": True, "PHASE_WARPS": {"wy": 8}}),
-                 ("ms_prep_bk128", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 128}),
-                 ("ms_wy_w4_prep_bk128", {"FUSED": False, "MERGE_WY": True, "PHASE_WARPS": {"wy": 4}, "PREP_BK": 128}))
+# ... and --phase-compare's: the four launches (timed again), then the state walk's tile (BV, warps) and pipeline
+# stages, where sm_90 fits two programs per SM (the default BV 64 / 8 warps / 2 stages holds 192 registers and
+# 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132 SMs)
+def _walk(bv: int, warps: int, stages: int) -> dict:
+    return {"state_tile": lambda n, v: (bv, warps), "STATE_STAGES": stages}
+
+
+PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32, "STATE_STAGES": 2}),
+                 ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
+                 ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -292,7 +296,7 @@ def main() -> None:
     parser.add_argument("--fused-compare", action="store_true",
                         help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
     parser.add_argument("--phase-compare", action="store_true",
-                        help="as --fused-compare, with the PHASE_COMPARE settings (chunk_wy, prep column pass)")
+                        help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()

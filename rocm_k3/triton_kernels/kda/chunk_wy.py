@@ -16,6 +16,11 @@ and W_I = sum_{J <= I} T_IJ X_J, U_I = sum_{J <= I} T_IJ (b_J v_J) with X_J = b_
 product (cache hits), so only the twenty 16 x 16 A / T blocks and one [16, K] + [16, V] accumulator pair stay live.
 Same W, U as chunk_solve's block substitution up to rounding order (T_IJ X_J instead of T_II (X_I - A_IJ W_J));
 A never goes to memory (chunk_intra writes and chunk_solve reads it: 512 B per token and head, fp32 [T, H, 64]).
+
+Not faster on the H200 (RESULTS.md, 2026-12-04, "phases 2 + 3 in one launch"): 2.61 ms vs 2.09 ms for the
+four launches at H = 96, T = 4096, 1.29x slower at 64k. Cross-compiled for sm_90 it holds 255 registers and spills
+(160 B at 4 warps, 64 B at 8): the 16 x 16 A / T blocks are replicated across the warps of a program, and the
+kp / qp row operands of the pair products add 64 registers. Hence ``prefill.MERGE_WY`` off.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.chunk_intra import _decayed
+from rocm_k3.triton_kernels.kda.chunk_intra import _decayed, pair_products
 from rocm_k3.triton_kernels.kda.chunk_solve import _mm, _rhs, _store_rows, invert_diagonal_blocks
 from rocm_k3.triton_kernels.kda.common import chunk_bounds
 
@@ -42,11 +47,7 @@ def _pair_block(qp, kp, b, k_h, g_h, t0, eos, gm, I: tl.constexpr, J: tl.constex
     BT: tl.constexpr = 64
     r = tl.arange(0, BC)
     kn = tl.trans(_decayed(k_h, g_h, t0 + J * BC, eos, gm, H * K, K, BC, -1.0).to(DOT_T))  # [K, BC]
-    a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
-    aqk = tl.dot(qp, kn, input_precision=PREC)
-    if J == I:
-        a = tl.where(r[:, None] > r[None, :], a, 0.0)
-        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+    a, aqk = pair_products(kp, qp, kn, b, J == I, PREC)
     rows = I * BC + r
     offs = (t0 + rows).to(tl.int64)[:, None] * (H * BT) + J * BC + r[None, :]
     tl.store(aqk_h + offs, aqk.to(aqk_h.dtype.element_ty), mask=(rows < n_rows)[:, None])

@@ -42,9 +42,15 @@ PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2, "fused": 4, "wy": 4}
 # Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
 # the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).
 FUSED = False
-# Column slice of chunk_prep's [64, BK] tiles (BK = K: one pass, each q, k, g tile loaded once per loop).
+# Column slice of chunk_prep's [64, BK] tiles. H200 2026-12-04: BK = 128 (92 registers at 16 warps, one program
+# per SM) was 8-12 % slower end to end than 32 (64 registers, two per SM) at T = 4k-64k.
 PREP_BK = 32
-# Phases 2 and 3 (intra, solve) in one launch (chunk_wy) after chunk_prep; see chunk_wy.
+# num_stages of the state walk (2: chunk c + 1's dot operands are fetched by cp.async during chunk c's products).
+# sm_90 cross-compile: BV 64 / 8 warps holds 192 registers and 147 KB of shared memory at 2 stages (one program
+# per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two per SM. Not yet timed.
+STATE_STAGES = 2
+# Phases 2 and 3 (intra, solve) in one launch (chunk_wy) after chunk_prep. Off: 25-30 % slower on the H200
+# (2026-12-04, RESULTS.md; 255 registers, spills), see chunk_wy.
 MERGE_WY = False
 # NVIDIA register cap per thread of chunk_fused (None: the compiler's choice).
 FUSED_MAXNREG: int | None = None
@@ -174,7 +180,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec,
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=STATE_STAGES,
     )
     if split:
         bvo = min(64, V)
