@@ -1,10 +1,13 @@
 """Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
 
     python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only] [--fused-compare]
+                                   [--phase-compare]
 
 ``--fused-compare``: only the K3 prefill shapes T = 4k / 16k / 64k and the varlen batch, each timed on the
 four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped settings (``ms_fused``, relative error
 of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
+``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
+``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``).
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -66,9 +69,10 @@ def _fla():
 def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
                  sweep_warps: bool = False, fused_variants: tuple = (), inter_every: int = 0,
                  fresh: tuple[int, ...] = ()) -> dict:
-    """One prefill shape; ``fused_variants``: (row key, FUSED, fused-kernel warps, maxnreg) settings timed beside
-    the default (FUSED_SWEEP, FUSED_COMPARE); ``inter_every`` > 0 also saves the state every that many tokens of
-    each sequence (prefix caching), ``fresh`` lists the sequences without an initial state."""
+    """One prefill shape; ``fused_variants``: (row key, {prefill attribute: value}) settings timed beside the
+    default (FUSED_SWEEP, FUSED_COMPARE, PHASE_COMPARE; "PHASE_WARPS" entries update that dict); ``inter_every``
+    > 0 also saves the state every that many tokens of each sequence (prefix caching), ``fresh`` lists the
+    sequences without an initial state."""
     T, N = sum(lengths), len(lengths)
     dev = "cuda"
     bf = torch.bfloat16
@@ -112,16 +116,21 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
 
     if sweep or fused_variants:
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-    if fused_variants:  # the unfused path and fused-kernel settings, checked against the default
-        defaults = tri_prefill.FUSED, dict(tri_prefill.PHASE_WARPS), tri_prefill.FUSED_MAXNREG
-        for key, fused, warps, nreg in fused_variants:
-            tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = fused, nreg
-            tri_prefill.PHASE_WARPS["fused"] = warps
+    if fused_variants:  # other settings of the prefill module, each checked against the default
+        for key, settings in fused_variants:
+            saved = {name: getattr(tri_prefill, name) for name in settings if name != "PHASE_WARPS"}
+            saved_warps = dict(tri_prefill.PHASE_WARPS)
+            for name, value in settings.items():
+                if name == "PHASE_WARPS":
+                    tri_prefill.PHASE_WARPS.update(value)
+                else:
+                    setattr(tri_prefill, name, value)
             try:
                 row[key] = timed_variant()
             finally:
-                tri_prefill.FUSED, tri_prefill.FUSED_MAXNREG = defaults[0], defaults[2]
-                tri_prefill.PHASE_WARPS.update(defaults[1])
+                for name, value in saved.items():
+                    setattr(tri_prefill, name, value)
+                tri_prefill.PHASE_WARPS.update(saved_warps)
     if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
         default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
         for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
@@ -233,20 +242,36 @@ def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-# (row key, prefill.FUSED, PHASE_WARPS["fused"], FUSED_MAXNREG): --sweep's fused settings ...
-FUSED_SWEEP = (("ms_3launch", False, 4, None), ("ms_fused_w2", True, 2, None), ("ms_fused_w4", True, 4, None),
-               ("ms_fused_w8", True, 8, None), ("ms_fused_w8_r128", True, 8, 128), ("ms_fused_w4_r128", True, 4, 128))
-# ... and --fused-compare's two: the four-launch path and the fused kernel at its shipped settings (one compile each)
-FUSED_COMPARE = (("ms_4launch", False, tri_prefill.PHASE_WARPS["fused"], None),
-                 ("ms_fused", True, tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG))
+# (row key, prefill settings): --sweep's fused settings ...
+def _fused(warps: int, nreg: int | None = None) -> dict:
+    return {"FUSED": True, "FUSED_MAXNREG": nreg, "PHASE_WARPS": {"fused": warps}}
+
+
+FUSED_SWEEP = (("ms_3launch", {"FUSED": False}), ("ms_fused_w2", _fused(2)), ("ms_fused_w4", _fused(4)),
+               ("ms_fused_w8", _fused(8)), ("ms_fused_w8_r128", _fused(8, 128)), ("ms_fused_w4_r128", _fused(4, 128)))
+# ... --fused-compare's two: the four-launch path and the fused kernel at its shipped settings (one compile each) ...
+FUSED_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False}),
+                 ("ms_fused", _fused(tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG)))
+# ... and --phase-compare's: the four launches (timed again), then the state walk's tile (BV, warps) and pipeline
+# stages, where sm_90 fits two programs per SM (the default BV 64 / 8 warps / 2 stages holds 192 registers and
+# 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132 SMs)
+def _walk(bv: int, warps: int, stages: int) -> dict:
+    return {"state_tile": lambda n, v: (bv, warps), "STATE_STAGES": stages}
+
+
+PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32, "STATE_STAGES": 2}),
+                 ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
+                 ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
-def prefill_cases(sweep: bool, fused_compare: bool) -> list[tuple]:
-    """(H, lengths, state-tile sweep, fused variants, save every, sequences without an initial state) per row."""
-    if fused_compare:  # the K3 shapes of issue 35 item 1 only: few compiles, so the call's limit holds them
-        return [(96, [4096], False, FUSED_COMPARE, 0, ()), (96, [16384], False, FUSED_COMPARE, 0, ()),
-                (96, [65536], False, FUSED_COMPARE, 0, ()), (96, VARLEN, False, FUSED_COMPARE, 0, (1, 3))]
+def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False) -> list[tuple]:
+    """(H, lengths, state-tile sweep, variants, save every, sequences without an initial state) per row."""
+    if fused_compare or phase_compare:  # the K3 shapes of issue 35 item 1 only: few compiles, so the call holds them
+        v = PHASE_COMPARE if phase_compare else FUSED_COMPARE
+        rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
+                (96, VARLEN, False, v, 0, (1, 3))]
+        return rows + ([(96, VARLEN, False, v[:2], 1024, (1, 3))] if phase_compare else [])
     fused = FUSED_SWEEP if sweep else ()
     return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
             (96, [65536], False, fused, 0, ()), (96, VARLEN, False, fused, 0, (1, 3)),
@@ -270,16 +295,19 @@ def main() -> None:
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--fused-compare", action="store_true",
                         help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
+    parser.add_argument("--phase-compare", action="store_true",
+                        help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     chunk_kda, fla_rec = _fla()
     rows = []
-    for H, N in () if args.prefill_only or args.fused_compare else ((96, 64), (96, 256), (12, 256), (12, 1024)):
+    skip_decode = args.prefill_only or args.fused_compare or args.phase_compare
+    for H, N in () if skip_decode else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare):
+    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare, args.phase_compare):
         rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, False, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:

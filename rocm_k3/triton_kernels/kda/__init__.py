@@ -4,10 +4,12 @@
 (minus ``backend``) and :mod:`rocm_k3.triton_kernels.backend` registers them. Files, by phase:
 ``gate.py`` (kda_gate), ``short_conv.py`` (short_conv, short_conv_update), ``chunk_prep.py`` /
 ``chunk_intra.py`` / ``chunk_solve.py`` / ``chunk_state.py`` (+ optional ``chunk_output.py``; ``chunk_fused.py``,
-the first three phases in one launch, behind ``prefill.FUSED``): the phases of the chunked prefill, driven by
+the first three phases in one launch, behind ``prefill.FUSED``; ``chunk_wy.py``, phases 2 and 3 in one launch,
+behind ``prefill.MERGE_WY``): the phases of the chunked prefill, driven by
 ``prefill.py``; ``decode.py`` (the fused one-kernel decode step); ``common.py``
 (shared device helpers and the varlen chunk plan). Tuning knobs (measured on the H200) sit beside the kernels:
-``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` and
+``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.STATE_STAGES`` / ``prefill.PREP_BK`` /
+``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` / ``prefill.MERGE_WY`` and
 ``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """

@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.chunk_intra import pair_products
 from rocm_k3.triton_kernels.kda.chunk_solve import _mm, invert_diagonal_blocks
 from rocm_k3.triton_kernels.kda.common import chunk_bounds, gate, sigmoid_f32
 
@@ -91,11 +92,7 @@ def _pair(kp, qp, b, m_i, kinv_j, m_j, aqk_c, n, I: tl.constexpr, J: tl.constexp
         kn = tl.trans(kinv_j.to(DOT_T))  # [K, BC]
     else:
         kn = tl.trans((kinv_j * tl.exp(m_i - m_j)[None, :]).to(DOT_T))
-    a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
-    aqk = tl.dot(qp, kn, input_precision=PREC)
-    if J == I:
-        a = tl.where(r[:, None] > r[None, :], a, 0.0)
-        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+    a, aqk = pair_products(kp, qp, kn, b, J == I, PREC)
     rows = I * BC + r
     tl.store(aqk_c + rows[:, None] * (H * BT) + J * BC + r[None, :], aqk.to(aqk_c.dtype.element_ty),
              mask=(rows < n)[:, None])

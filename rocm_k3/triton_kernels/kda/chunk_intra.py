@@ -34,6 +34,19 @@ def _decayed(x_ptr, g_ptr, row0, eos, gref, stride, D: tl.constexpr, BC: tl.cons
 
 
 @triton.jit
+def pair_products(kp, qp, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """(A_IJ fp32, Aqk_IJ fp32) of one [16, 16] block from the decayed row operands kp, qp [16, K] and the
+    decayed column operand kn [K, 16]; DIAG (J = I) keeps A's strictly lower and Aqk's lower part."""
+    r = tl.arange(0, 16)
+    a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
+    aqk = tl.dot(qp, kn, input_precision=PREC)
+    if DIAG:
+        a = tl.where(r[:, None] > r[None, :], a, 0.0)
+        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+    return a, aqk
+
+
+@triton.jit
 def chunk_intra_kernel(
     qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K], G fp32 [T, H, K], b fp32 [T, H]
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan

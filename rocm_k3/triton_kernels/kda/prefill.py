@@ -6,6 +6,7 @@
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
+    MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
@@ -27,6 +28,7 @@ from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
+from rocm_k3.triton_kernels.kda.chunk_wy import chunk_wy_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,10 +38,20 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2, "fused": 4}
+PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2, "fused": 4, "wy": 4}
 # Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
 # the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).
 FUSED = False
+# Column slice of chunk_prep's [64, BK] tiles. H200 2026-12-04: BK = 128 (92 registers at 16 warps, one program
+# per SM) was 8-12 % slower end to end than 32 (64 registers, two per SM) at T = 4k-64k.
+PREP_BK = 32
+# num_stages of the state walk (2: chunk c + 1's dot operands are fetched by cp.async during chunk c's products).
+# sm_90 cross-compile: BV 64 / 8 warps holds 192 registers and 147 KB of shared memory at 2 stages (one program
+# per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two per SM. Not yet timed.
+STATE_STAGES = 2
+# Phases 2 and 3 (intra, solve) in one launch (chunk_wy) after chunk_prep. Off: 25-30 % slower on the H200
+# (2026-12-04, RESULTS.md; 255 registers, spills), see chunk_wy.
+MERGE_WY = False
 # NVIDIA register cap per thread of chunk_fused (None: the compiler's choice).
 FUSED_MAXNREG: int | None = None
 
@@ -168,7 +180,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec,
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=STATE_STAGES,
     )
     if split:
         bvo = min(64, V)
@@ -183,7 +195,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
                   dot_t, prec) -> None:
-    """Phases 1-3 as three launches (prep, intra, solve), the default path; writes qg, kd, glast, aqk, w, u."""
+    """Phases 1-3 as three launches (prep, intra, solve) or two (prep, chunk_wy: ``MERGE_WY``); writes qg, kd,
+    glast, aqk, w, u."""
     T, H, K = q.shape
     V = v.shape[-1]
 
@@ -195,9 +208,15 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, scale, lower, H=H, K=K, BT=CHUNK, BK=min(32, K), **flags,
+        qn, kn, gcum, b, qg, kd, glast, scale, lower, H=H, K=K, BT=CHUNK, BK=min(PREP_BK, K), **flags,
         num_warps=PHASE_WARPS["prep"], num_stages=1,
     )
+    if MERGE_WY:
+        chunk_wy_kernel[grid](
+            qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk, w, u,
+            H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["wy"], num_stages=1,
+        )
+        return
     a = buf(T, H, CHUNK, dtype=torch.float32)
     chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,

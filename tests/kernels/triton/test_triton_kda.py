@@ -153,6 +153,18 @@ _PREFILL_CASES = [
 ]
 
 
+# Phase-1-3 paths of the Triton prefill: (prefill.FUSED, prefill.MERGE_WY)
+_PATHS = {"4-launch": (False, False), "merged-wy": (False, True), "fused": (True, False)}
+
+
+def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    fused, merge_wy = _PATHS[path]
+    monkeypatch.setattr(tri_prefill, "FUSED", fused)
+    monkeypatch.setattr(tri_prefill, "MERGE_WY", merge_wy)
+
+
 def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="cpu", H=2, D=32):
     T = sum(lengths)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
@@ -175,12 +187,12 @@ def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="c
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("fused", [False, True], ids=["3-launch", "fused"])
-@pytest.mark.parametrize("case", _PREFILL_CASES, ids=[c[0] for c in _PREFILL_CASES])
-def test_kda_prefill_interpret(case, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-
-    monkeypatch.setattr(tri_prefill, "FUSED", fused)
+@pytest.mark.parametrize("case,path", [
+    pytest.param(c, p, id=f"{c[0]}-{p}") for c in _PREFILL_CASES for p in _PATHS
+    # the merged path (off by default) on the varlen fp16 case only: its own twin test is test_chunk_wy_*
+    if p != "merged-wy" or c[0].startswith("T37+64+49")])
+def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_path(monkeypatch, path)
     _, lengths, dtype, gate, qk_l2norm, beta_logits, has_init_l, inter_rows, o_tol, s_tol = case
     gen = seeded(4)
     q, k, v, f, beta, cu, params = _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen)
@@ -214,16 +226,17 @@ def test_kda_prefill_interpret(case, fused: bool, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("split_output,fused", [(False, False), (True, False), (False, True)],
-                         ids=["fused-output", "split-output", "chunk-fused"])
-def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, fused: bool,
+@pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"), (False, "fused"),
+                                               (False, "merged-wy")],
+                         ids=["fused-output", "split-output", "chunk-fused", "merged-wy"])
+def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
     output computed inside the state walk or by the separate output launch, phases 1-3 in three launches or one."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
     monkeypatch.setattr(tri_prefill, "SPLIT_OUTPUT", split_output)
-    monkeypatch.setattr(tri_prefill, "FUSED", fused)
+    _set_path(monkeypatch, path)
     gen = seeded(5)
     q, k, v, f, beta, cu, params = _prefill_inputs([90, 41], torch.float32, -5.0, True, True, gen)
     pool = _randn(3, 2, 32, 32, gen=gen, scale=0.3)
@@ -237,6 +250,51 @@ def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, fus
     assert_rel(out.o, want.o, 1e-5, "o")
     assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
     assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate state")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
+def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: float) -> None:
+    """chunk_wy (phases 2 + 3 in one launch) against its twin, chunk_intra then chunk_solve, on chunk_prep's
+    outputs for a varlen batch with short chunks; chunk_wy's Aqk, W and U start as NaN, so any element it does not
+    write fails. Tolerances: fp32 1e-5 (summation order: T_IJ X_J vs block substitution); fp16 5e-3 (W, U, Aqk
+    are stored in fp16, and the two orders round different intermediates)."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+    from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
+    from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
+    from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
+    from rocm_k3.triton_kernels.kda.chunk_wy import chunk_wy_kernel
+    from rocm_k3.triton_kernels.kda.common import plan_chunks
+    from tests.helpers import poisoned_like
+
+    gen = seeded(6)
+    q, k, v, f, beta, cu, params = _prefill_inputs([37, 64, 49, 5], dtype, -5.0, True, True, gen)
+    T, H, D = q.shape
+    plan = plan_chunks(cu)
+    dot_t, prec = tri_prefill.dot_config(dtype)
+
+    def empty(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt)
+
+    qn, kn, qg, kd = empty(T, H, D), empty(T, H, D), empty(T, H, D), empty(T, H, D)
+    gcum, b, glast = empty(T, H, D, dt=torch.float32), empty(T, H, dt=torch.float32), empty(
+        plan.num_chunks, H, D, dt=torch.float32)
+    grid = (plan.num_chunks, H)
+    chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H=H, K=D, BT=64, BK=D, HAS_GATE=True,
+                            SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True)
+    a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
+    chunk_intra_kernel[(plan.num_chunks, H, 4)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+                                                H=H, K=D, DOT_T=dot_t, PREC=prec)
+    chunk_solve_kernel[grid](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+                             H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
+    aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
+    chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
+                          H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
+    assert torch.equal(aqk2.float(), aqk.float()), "Aqk: same products, same order"
+    assert_rel(w2, w, tol, "W")
+    assert_rel(u2, u, tol, "U")
 
 
 @pytest.mark.parametrize("op", sorted(KERNELS))
@@ -308,11 +366,12 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_intra",
-                "chunk_solve", "chunk_fused", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+                "chunk_solve", "chunk_fused", "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output",
+                "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
-        "chunk_fused": ("mma.sync.aligned", "v_mfma"),
+        "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
@@ -344,13 +403,11 @@ _K3_PREFILL = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", [False, True], ids=["3-launch", "fused"])
+@pytest.mark.parametrize("path", list(_PATHS))
 @pytest.mark.parametrize("H,lengths,inter_rows", _K3_PREFILL)
-def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]], fused: bool,
+def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]], path: str,
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-
-    monkeypatch.setattr(tri_prefill, "FUSED", fused)
+    _set_path(monkeypatch, path)
     gen = seeded(20)
     q, k, v, f, beta, cu, params = _prefill_inputs(lengths, torch.bfloat16, -5.0, True, True, gen,
                                                    device="cuda", H=H, D=128)
