@@ -322,23 +322,28 @@ class Worker:
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        if self.ctx.pp_size > 1:
-            log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
-        else:
-            safe, why = self._graph_safe()
-            if not safe:
-                log.warning("decode graphs off: %s", why)
-                return
-            spec = self.config.speculative
-            graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
-                                  max_drafts=0 if spec is None else spec.num_speculative_tokens,
-                                  taps=self.runner.taps)
+        if self._graphs_wanted():
+            self.runner.graphs = self._capture_graphs(pools, width)
+
+    def _graphs_wanted(self) -> bool:
+        """Decode graphs on a GPU unless ``enforce_eager`` (the same on every rank)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def _capture_graphs(self, pools: KVPools, width: int) -> DecodeGraphs:
+        """This rank's decode graphs (under pipeline parallelism: of its stage), captured where
+        :meth:`_graph_safe` allows, then only the shapes every rank captured (a collective over the world)."""
+        spec = self.config.speculative
+        graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
+                              max_drafts=0 if spec is None else spec.num_speculative_tokens, taps=self.runner.taps)
+        safe, why = self._graph_safe()
+        if safe:
             graphs.capture()
-            self.runner.graphs = graphs
-            for m in self._counting_experts():  # the capture's warm-up forwards are no load
-                m.load.zero_()
+        else:
+            log.warning("decode graphs off: %s", why)
+        graphs.agree(self.ctx.world_cpu_group)
+        for m in self._counting_experts():  # the capture's warm-up forwards are no load
+            m.load.zero_()
+        return graphs
 
     def _graph_safe(self) -> tuple[bool, str]:
         """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
@@ -523,10 +528,12 @@ class Worker:
         """This rank's place, the checkpoint bytes it read, the collectives it issued and when it ran its last
         steps (``step_spans``: (step id, start, end) on the monotonic clock), then reset if asked."""
         ctx = self.ctx
+        graphs = None if self.runner is None else self.runner.graphs
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
                "idle_steps": self.idle_steps, "known_requests": len(self.requests),
                "request_rows": 0 if self.runner is None else len(self.runner.rows), "expert_load": {},
+               "graph_replays": 0 if graphs is None else graphs.replays,
                "step_spans": list(self.spans)}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()

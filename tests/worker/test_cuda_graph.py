@@ -75,9 +75,12 @@ def test_graph_run_falls_back_when_no_bucket_is_captured() -> None:
     pools = KVPools(GEOM, block_size=4, num_blocks=4, num_slots=2)
     graphs = DecodeGraphs(model=None, pools=pools, width=2, buckets=[1, 2])
     runner = ModelRunner(None, pools, max_blocks_per_seq=2)
+    runner.graphs = graphs
     step = _decode_step(1, [("a", 1, 1, (0,), 0)])
     runner.apply_deltas(step)
-    assert graphs.captured == [] and graphs.run(runner.plan(step)) is None
+    assert graphs.captured == [] and graphs.key_for(1) is None
+    with pytest.raises(AttributeError):  # the eager forward: the runner's model (None here) runs the step
+        runner._forward(step, pools)
 
 
 # ---------------------------------------------------------------------------------------------------------- cuda
