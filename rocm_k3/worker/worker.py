@@ -5,7 +5,8 @@ reports what the control plane needs (vocabulary, eos ids, cache bytes per token
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
 for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and block tables the
 engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs (with speculation
-also one per verification width, whose tapped hidden states feed the drafter); then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+also one per verification width, whose tapped hidden states feed the drafter; under pipeline parallelism each
+stage's graphs hold only its layers, the hand-off to the neighbouring stages outside them); then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
 
 A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
 (:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
@@ -337,6 +338,7 @@ class Worker:
                               max_drafts=0 if spec is None else spec.num_speculative_tokens, taps=self.runner.taps)
         safe, why = self._graph_safe()
         if safe:
+            self.stage.drain()  # no send of the profiled forward left open while the graphs are captured
             graphs.capture()
         else:
             log.warning("decode graphs off: %s", why)
@@ -534,6 +536,7 @@ class Worker:
                "idle_steps": self.idle_steps, "known_requests": len(self.requests),
                "request_rows": 0 if self.runner is None else len(self.runner.rows), "expert_load": {},
                "graph_replays": 0 if graphs is None else graphs.replays,
+               "graph_verify_replays": 0 if graphs is None else graphs.verify_replays,
                "step_spans": list(self.spans)}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()

@@ -5,8 +5,10 @@ buffers that the receive fills, and a stage's output goes on by a send of a copy
 (:mod:`rocm_k3.worker.cuda_graph`). The CPU cannot capture graphs, so the ranks here run with
 :class:`tests.eager_graphs.EagerGraphs`: the same buffers, bucket padding, fixed-buffer receives, sends and shape
 agreement, each replay an eager forward over those buffers. Checked: PP2 (two micro-batches in flight) and
-TP2 x PP2 on the trained embedded model give one process's greedy tokens, every rank replayed 'graphs'.
-The TP2 x PP2 run is marked slow (PP2 is its fast twin); the captured graphs run in the cuda tier
+TP2 x PP2, both with n-gram speculation (k = 2), on the trained embedded model give one process's greedy tokens
+(eager, without speculation), and every rank replayed the same decode and verification (1 + k rows a sequence)
+'graphs'.
+The TP2 x PP2 run is marked slow (the PP2 run is its fast twin); the captured graphs run in the cuda tier
 (tests/worker/test_stage_graphs.py).
 """
 
@@ -25,7 +27,9 @@ pytestmark = pytest.mark.dist
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # five requests, four running at once: a micro-batch holds two, so decode steps of one and two rows replay
 # buckets 1 and 2 (and the ramp pads one row into bucket 2)
-PROMPTS = ["The file", "Return the number of", "If the value is", "def main", "# compute"]
+PROMPTS = ["The file", "hello hello hello hello hello hello", "If the value is", "1 2 3 4 5 6 7 8 9 10 11 12",
+           "# compute"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 _RANK_MAIN = multiproc._rank_main
 
 
@@ -60,18 +64,22 @@ def _graphed(monkeypatch, **layout) -> tuple[list[list[int]], dict, list[dict]]:
     return [o.token_ids for o in outs], stats, ranks
 
 
-def test_pp2_stage_graphs_pipelined_give_one_process_tokens(single, monkeypatch) -> None:
-    tokens, stats, ranks = _graphed(monkeypatch, pipeline_parallel_size=2)
+def test_pp2_stage_graphs_pipelined_with_ngram_give_one_process_tokens(single, monkeypatch) -> None:
+    tokens, stats, ranks = _graphed(monkeypatch, pipeline_parallel_size=2, speculative_config=NGRAM)
     assert tokens == single
-    assert stats["steps_in_flight_max"] == 2, stats
-    assert len(ranks) == 2 and all(r["graph_replays"] > 0 for r in ranks), ranks
-    # both stages replayed the same steps: each decode step's state crossed through the fixed buffers
-    assert ranks[0]["graph_replays"] == ranks[1]["graph_replays"]
+    assert stats["steps_in_flight_max"] == 2 and stats["spec_num_accepted_tokens"] > 0, stats
+    # both stages replayed the same decode and verification graphs: each such step's state crossed through the
+    # fixed input buffers
+    replays = [(r["graph_replays"], r["graph_verify_replays"]) for r in ranks]
+    assert len(ranks) == 2 and replays[0] == replays[1], ranks
+    assert replays[0][1] > 0 and replays[0][0] > replays[0][1], ranks  # verifications and plain decodes
 
 
 @pytest.mark.slow
 def test_tp2_pp2_stage_graphs_give_one_process_tokens(single, monkeypatch) -> None:
-    tokens, stats, ranks = _graphed(monkeypatch, pipeline_parallel_size=2, tensor_parallel_size=2)
+    tokens, stats, ranks = _graphed(monkeypatch, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                    speculative_config=NGRAM)
     assert tokens == single
-    assert stats["steps_in_flight_max"] == 2, stats
-    assert len(ranks) == 4 and len({r["graph_replays"] for r in ranks}) == 1 and ranks[0]["graph_replays"] > 0
+    assert stats["steps_in_flight_max"] == 2 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert len(ranks) == 4 and ranks[0]["graph_replays"] > 0 and ranks[0]["graph_verify_replays"] > 0, ranks
+    assert len({(r["graph_replays"], r["graph_verify_replays"]) for r in ranks}) == 1, ranks
