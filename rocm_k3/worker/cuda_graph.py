@@ -22,10 +22,11 @@ the input buffers and the send of the output (a copy: the next replay rewrites i
 ranks keep only the shapes all of them captured (:meth:`DecodeGraphs.agree`; this also keeps TP ranks, whose
 collectives must match, on one shape).
 
-Buffer plumbing (bucketing, padding, reuse) is plain tensor code and is tested on the CPU through
-:meth:`DecodeGraphs.fill` (and the padded batches run eagerly there, through :meth:`DecodeGraphs.replay`
-with :meth:`DecodeGraphs._record` overridden by a test); capture and replay need a GPU. A bucket whose capture fails (an op that reads a value
-back to the host, say) is dropped with a logged reason and its steps run eagerly.
+Buffer plumbing (bucketing, padding, reuse, a stage's fixed inputs) is plain tensor code and is tested on the
+CPU through :meth:`DecodeGraphs.fill` (and the padded batches run eagerly there, through
+:meth:`DecodeGraphs.replay` with :meth:`DecodeGraphs._record` overridden by a test); capture and replay need a
+GPU. A bucket whose capture fails (an op that reads a value back to the host, say) is dropped with a logged reason
+and its steps run eagerly.
 """
 
 from __future__ import annotations
