@@ -232,6 +232,11 @@ class DecodeGraphs:
                         dropped)
 
     @property
+    def captured_keys(self) -> list[tuple[int, int]]:
+        """Every captured (bucket, width)."""
+        return sorted(self._graphs)
+
+    @property
     def captured(self) -> list[int]:
         """Batch sizes with a captured one-token decode graph."""
         return sorted(b for b, w in self._graphs if w == 1)

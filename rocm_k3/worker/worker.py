@@ -324,7 +324,8 @@ class Worker:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
         if self._graphs_wanted():
-            self.runner.graphs = self._capture_graphs(pools, width)
+            graphs = self._capture_graphs(pools, width)
+            self.runner.graphs = graphs if graphs.captured_keys else None
 
     def _graphs_wanted(self) -> bool:
         """Decode graphs on a GPU unless ``enforce_eager`` (the same on every rank)."""
