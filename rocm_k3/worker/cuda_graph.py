@@ -13,10 +13,20 @@ B * w rows (:mod:`~rocm_k3.worker.decode_layout`, the layout eager verifications
 the step asks for are gathered from the ``[B * w, vocab]`` buffer, and when the model taps hidden states for a
 drafter (``tap_layers``) the graph's tapped buffer is gathered the same way into ``taps.tapped``.
 
-Buffer plumbing (bucketing, padding, reuse) is plain tensor code and is tested on the CPU through
-:meth:`DecodeGraphs.fill` (and the padded batches run eagerly there, through :meth:`DecodeGraphs.replay`
-overridden by a test); capture and replay need a GPU. A bucket whose capture fails (an op that reads a value
-back to the host, say) is dropped with a logged reason and its steps run eagerly.
+Pipeline parallelism: each stage captures only its own layers (:meth:`~rocm_k3.worker.stage_link.StageLink.run`).
+The first stage's graph starts from the token ids; a later stage's graph reads the previous stage's state from
+fixed input buffers (:class:`~rocm_k3.worker.stage_link.StateBuffers`, the bucket's rows: padding included); a
+stage before the last ends in its output state, the last in the logits as without pipelining. The receive into
+the input buffers and the send of the output (a copy: the next replay rewrites it) stay outside the graph
+(:meth:`DecodeGraphs.replay`). Every stage of a step must pick the same (bucket, width), so after capture the
+ranks keep only the shapes all of them captured (:meth:`DecodeGraphs.agree`; this also keeps TP ranks, whose
+collectives must match, on one shape).
+
+Buffer plumbing (bucketing, padding, reuse, a stage's fixed inputs) is plain tensor code and is tested on the
+CPU through :meth:`DecodeGraphs.fill` (and the padded batches run eagerly there, through
+:meth:`DecodeGraphs.replay` with :meth:`DecodeGraphs._record` overridden by a test); capture and replay need a
+GPU. A bucket whose capture fails (an op that reads a value back to the host, say) is dropped with a logged reason
+and its steps run eagerly.
 """
 
 from __future__ import annotations
@@ -29,14 +39,26 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from rocm_k3.distributed.groups import reduce_ints
+from rocm_k3.model.attn_res import StackState
 from rocm_k3.model.forward_batch import ForwardBatch, HybridCacheView
 from rocm_k3.worker.decode_layout import decode_layout, save_rows
+from rocm_k3.worker.stage_link import StateBuffers
 
 log = logging.getLogger("rocm_k3.worker")
 
 
-class StepModel(Protocol):
-    def forward(self, batch: ForwardBatch, cache: HybridCacheView) -> torch.Tensor: ...
+class StageModel(Protocol):
+    """What the graphs capture and replay around (:class:`~rocm_k3.worker.stage_link.StageLink`)."""
+
+    def run(self, batch: ForwardBatch, cache: HybridCacheView,
+            state: StackState | None) -> torch.Tensor | StackState: ...
+
+    def input_buffers(self, max_tokens: int) -> StateBuffers | None: ...
+
+    def recv_into(self, state: StackState) -> None: ...
+
+    def send(self, state: StackState, copy: bool = False) -> None: ...
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -50,12 +72,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Persistent decode buffers and one captured graph per (bucket, width) (see the module docstring).
 
-    width: the fixed block-table width (blocks of one max_model_len request); max_drafts: the most drafts a
-    verification holds (num_speculative_tokens; 0 without speculation); taps: the model whose ``tap_layers`` /
-    ``tapped`` feed a drafter (None: nothing tapped).
+    model: the stage (None: buffers and layout only, nothing to capture); width: the fixed block-table width
+    (blocks of one max_model_len request); max_drafts: the most drafts a verification holds
+    (num_speculative_tokens; 0 without speculation); taps: the model whose ``tap_layers`` / ``tapped`` feed a
+    drafter (None: nothing tapped).
     """
 
-    def __init__(self, model: StepModel, pools: HybridCacheView, width: int, buckets: list[int],
+    def __init__(self, model: StageModel | None, pools: HybridCacheView, width: int, buckets: list[int],
                  max_drafts: int = 0, taps=None) -> None:
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets: expected increasing positive sizes, got {buckets}")
@@ -74,8 +97,11 @@ class DecodeGraphs:
         self.has_initial_state = torch.ones(b, dtype=torch.bool, device=dev)
         self.cu_seqlens = torch.arange(b + 1, dtype=i32, device=dev)
         self.logits_indices = torch.arange(b, dtype=i64, device=dev)
+        # a later pipeline stage's fixed input state (None on a first stage, and without a model)
+        self.inputs: StateBuffers | None = None if model is None else model.input_buffers(b)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._out: dict[tuple[int, int], torch.Tensor | StackState] = {}  # logits, or the state to send on
+        self._pool = self._stream = None
         self._tapped: dict[tuple[int, int], torch.Tensor | None] = {}
         self.replays = 0
         self.verify_replays = 0
@@ -153,59 +179,101 @@ class DecodeGraphs:
         return lay.rows
 
     # ---- GPU ------------------------------------------------------------------------------------------------
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (bucket, width) this object may capture, most rows first."""
+        return sorted(((b, w) for b in self.buckets for w in self.widths), key=lambda k: (-k[0] * k[1], k))
+
+    def stage_input(self, key: tuple[int, int]) -> StackState | None:
+        """The fixed input state the graph of ``key`` reads (a later pipeline stage), else None."""
+        return None if self.inputs is None else self.inputs.view(key[0] * key[1])
+
     def capture(self) -> None:
         """Capture every (bucket, width), most rows first (the pool is sized by the first capture); failures fall
         back to eager steps."""
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        keys = sorted(((b, w) for b in self.buckets for w in self.widths), key=lambda k: (-k[0] * k[1], k))
-        for size, w in keys:
-            batch = self.batch(size, w)
+        for size, w in self.keys():
             try:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: compile kernels, settle allocations outside the graph
-                        self.model.forward(batch, self.pools)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.forward(batch, self.pools)
+                graph, out = self._record(self.batch(size, w), self.stage_input((size, w)))
             except Exception as exc:  # an op that cannot be captured: this shape runs eagerly
                 log.warning("decode graph for batch size %d x %d tokens not captured (%s: %s); that shape runs "
                             "eagerly", size, w, type(exc).__name__, exc)
                 continue
             self._graphs[(size, w)] = graph
-            self._logits[(size, w)] = logits
+            self._out[(size, w)] = out
             self._tapped[(size, w)] = self.taps.tapped if self.taps is not None and self.taps.tap_layers else None
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for (batch size, tokens per sequence) %s", sorted(self._graphs))
+
+    def _record(self, batch: ForwardBatch, state: StackState | None):
+        """Warm up and capture the stage over ``batch`` (and the fixed input ``state``): (graph, its output)."""
+        if self._pool is None:  # one memory pool and capture stream for all of this object's graphs
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: compile kernels, settle allocations outside the graph
+                self.model.run(batch, self.pools, state)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model.run(batch, self.pools, state)
+        return graph, out
+
+    def agree(self, group) -> None:
+        """Keep only the shapes every rank of ``group`` captured (a collective: every rank calls it; None: one
+        rank): the stages of a step, and the TP ranks of a stage, must replay the same shape."""
+        keys = self.keys()
+        kept = reduce_ints([int(k in self._graphs) for k in keys], group, "min")
+        dropped = [k for k, keep in zip(keys, kept) if not keep and k in self._graphs]
+        for k in dropped:
+            del self._graphs[k], self._out[k], self._tapped[k]
+        if dropped:
+            log.warning("decode graphs %s dropped: another rank could not capture them (those shapes run eagerly)",
+                        dropped)
+
+    @property
+    def captured_keys(self) -> list[tuple[int, int]]:
+        """Every captured (bucket, width)."""
+        return sorted(self._graphs)
 
     @property
     def captured(self) -> list[int]:
         """Batch sizes with a captured one-token decode graph."""
         return sorted(b for b, w in self._graphs if w == 1)
 
-    def replay(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the graph of ``key`` over the filled buffers: (logits [rows, vocab], tapped [rows, taps, hidden]
-        or None)."""
+    def launch(self, key: tuple[int, int]) -> torch.Tensor | StackState:
+        """Replay the graph of ``key`` over the filled buffers (and the stage's input buffers), no communication:
+        its output (logits [rows, vocab], or a stage's state to send on; rewritten by the next launch)."""
         self._graphs[key].replay()
-        return self._logits[key], self._tapped[key]
+        return self._out[key]
 
-    def _key(self, n: int, w_min: int) -> tuple[int, int] | None:
+    def replay(self, key: tuple[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A step over the filled buffers: receive the input state (a later stage), launch, send the output on (a
+        stage before the last). Returns (logits [rows, vocab], tapped [rows, taps, hidden] or None); (None, None)
+        on a stage before the last."""
+        state = self.stage_input(key)
+        if state is not None:
+            self.model.recv_into(state)
+        out = self.launch(key)
+        if isinstance(out, StackState):
+            self.model.send(out, copy=True)
+            return None, None
+        return out, self._tapped[key]
+
+    def key_for(self, n: int, w_min: int = 1) -> tuple[int, int] | None:
         """The captured (bucket, w) with the fewest rows that holds ``n`` sequences of ``w_min`` tokens."""
         fits = [k for k in self._graphs if k[0] >= n and k[1] >= w_min]
         return min(fits, key=lambda k: (k[0] * k[1], k)) if fits else None
 
-    def run(self, plan, w_min: int = 1) -> torch.Tensor | None:
-        """Replay the smallest captured shape holding a plan (a decode, or with ``w_min`` > 1 a verification of
-        at most ``w_min`` tokens per sequence); logits fp32 [logits rows, vocab], or None when none fits."""
-        key = self._key(plan.seq_lens.shape[0], w_min)
-        if key is None:
-            return None
+    def run(self, plan, key: tuple[int, int]) -> torch.Tensor | None:
+        """Replay ``key`` (from :meth:`key_for`) over a plan (a decode, or a verification of at most ``key[1]``
+        tokens per sequence): logits fp32 [logits rows, vocab], or None on a pipeline stage before the last."""
         rows = self.fill(plan, *key)
         logits, tapped = self.replay(key)
         self.replays += 1
         self.verify_replays += key[1] > 1
+        if logits is None:
+            return None
         plain = rows.shape[0] == plan.seq_lens.shape[0] and bool((rows == np.arange(rows.shape[0])).all())
         index = None if plain else torch.from_numpy(rows).to(self.device, non_blocking=True)
         if tapped is not None:

@@ -208,10 +208,9 @@ class ModelRunner:
         verification, or the general (prefill) path, over ``cache`` (the pools, or the KV transfer's view)."""
         plan = self.plan(step)
         width = graph_width(step, plan)
-        if width is not None and self.graphs is not None:
-            logits = self.graphs.run(plan, width)
-            if logits is not None:
-                return logits
+        key = None if width is None or self.graphs is None else self.graphs.key_for(len(step.chunks), width)
+        if key is not None:  # None on a pipeline stage before the last (its state went on to the next stage)
+            return self.graphs.run(plan, key)
         if width is not None and width > 1:  # a verification: in decode shape, as its graph would run it
             pools = self.pools
             lay = decode_layout(plan, len(step.chunks), width, pad_block=pools.pad_block, block_size=self.block_size,

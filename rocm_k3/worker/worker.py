@@ -5,7 +5,8 @@ reports what the control plane needs (vocabulary, eos ids, cache bytes per token
 :meth:`Worker.cache_budget` profiles a forward at ``max_num_batched_tokens`` on a GPU and returns the bytes left
 for the cache under ``gpu_memory_utilization``; :meth:`Worker.init_cache` allocates the pools and block tables the
 engine's :class:`~rocm_k3.cache.geometry.CacheGeometry` plans and captures the decode graphs (with speculation
-also one per verification width, whose tapped hidden states feed the drafter); then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
+also one per verification width, whose tapped hidden states feed the drafter; under pipeline parallelism each
+stage's graphs hold only its layers, the hand-off to the neighbouring stages outside them); then :meth:`Worker.execute` runs one :class:`StepInput` and returns the :class:`StepOutput`.
 
 A checkpoint whose ``config.json`` has a ``vision_config`` also gets its vision tower and projector
 (:func:`~rocm_k3.model.vision.loader.load_vision_model`, full weights on every TP rank) on the first pipeline stage
@@ -322,23 +323,30 @@ class Worker:
         if self.vision_model is not None:
             self.runner.images = ImageInputs(self.vision_model, self.ctx, device=self.device, dtype=self.config.dtype,
                                              ops=getattr(self.model, "backend", None))
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        if self.ctx.pp_size > 1:
-            log.warning("decode graphs off: pipeline parallelism runs its stages eagerly")
-        else:
-            safe, why = self._graph_safe()
-            if not safe:
-                log.warning("decode graphs off: %s", why)
-                return
-            spec = self.config.speculative
-            graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
-                                  max_drafts=0 if spec is None else spec.num_speculative_tokens,
-                                  taps=self.runner.taps)
+        if self._graphs_wanted():
+            graphs = self._capture_graphs(pools, width)
+            self.runner.graphs = graphs if graphs.captured_keys else None
+
+    def _graphs_wanted(self) -> bool:
+        """Decode graphs on a GPU unless ``enforce_eager`` (the same on every rank)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def _capture_graphs(self, pools: KVPools, width: int) -> DecodeGraphs:
+        """This rank's decode graphs (under pipeline parallelism: of its stage), captured where
+        :meth:`_graph_safe` allows, then only the shapes every rank captured (a collective over the world)."""
+        spec = self.config.speculative
+        graphs = DecodeGraphs(self.stage, pools, width, graph_buckets(self.config.max_num_seqs),
+                              max_drafts=0 if spec is None else spec.num_speculative_tokens, taps=self.runner.taps)
+        safe, why = self._graph_safe()
+        if safe:
+            self.stage.drain()  # no send of the profiled forward left open while the graphs are captured
             graphs.capture()
-            self.runner.graphs = graphs
-            for m in self._counting_experts():  # the capture's warm-up forwards are no load
-                m.load.zero_()
+        else:
+            log.warning("decode graphs off: %s", why)
+        graphs.agree(self.ctx.world_cpu_group)
+        for m in self._counting_experts():  # the capture's warm-up forwards are no load
+            m.load.zero_()
+        return graphs
 
     def _graph_safe(self) -> tuple[bool, str]:
         """Decode graphs need every decode-path op on a kernel backend (the references read values on the host)
@@ -528,10 +536,13 @@ class Worker:
         """This rank's place, the checkpoint bytes it read, the collectives it issued and when it ran its last
         steps (``step_spans``: (step id, start, end) on the monotonic clock), then reset if asked."""
         ctx = self.ctx
+        graphs = None if self.runner is None else self.runner.graphs
         out = {"rank": ctx.rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                "loaded_bytes": int(getattr(self.model, "loaded_bytes", 0)), "collectives": dict(ctx.stats),
                "idle_steps": self.idle_steps, "known_requests": len(self.requests),
                "request_rows": 0 if self.runner is None else len(self.runner.rows), "expert_load": {},
+               "graph_replays": 0 if graphs is None else graphs.replays,
+               "graph_verify_replays": 0 if graphs is None else graphs.verify_replays,
                "step_spans": list(self.spans)}
         for m in self._counting_experts():  # EP ranks count the picks per logical expert of their stage's layers
             out["expert_load"][m.layer] = m.load.tolist()

@@ -15,6 +15,7 @@ from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import PoolShapes, KVPools
 from rocm_k3.worker.model_runner import ModelRunner
+from rocm_k3.worker.stage_link import StateBuffers, state_parts
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 
 GEOM = PoolShapes(num_mla_layers=1, num_kda_layers=1, kda_heads=2, kda_head_dim=8, conv_width=4,
@@ -75,9 +76,12 @@ def test_graph_run_falls_back_when_no_bucket_is_captured() -> None:
     pools = KVPools(GEOM, block_size=4, num_blocks=4, num_slots=2)
     graphs = DecodeGraphs(model=None, pools=pools, width=2, buckets=[1, 2])
     runner = ModelRunner(None, pools, max_blocks_per_seq=2)
+    runner.graphs = graphs
     step = _decode_step(1, [("a", 1, 1, (0,), 0)])
     runner.apply_deltas(step)
-    assert graphs.captured == [] and graphs.run(runner.plan(step)) is None
+    assert graphs.captured == [] and graphs.key_for(1) is None
+    with pytest.raises(AttributeError):  # the eager forward: the runner's model (None here) runs the step
+        runner._forward(step, pools)
 
 
 # ---------------------------------------------------------------------------------------------------------- cuda
@@ -115,3 +119,21 @@ def test_k3_slice_graphs_equal_eager(dtype: str, k3_slice_path: Path) -> None:
     graphed, replays = _greedy(path, dtype, False, prompts, steps=16)
     assert replays > 0
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_stage_input_buffers_are_contiguous_views_of_one_memory_per_part() -> None:
+    """A later pipeline stage's graphs read their input state from one flat buffer per part: the state of n rows
+    is the buffers' first elements in its shapes (contiguous, so a receive can fill it), for every n."""
+    def shapes(n: int) -> list[tuple[int, ...]]:
+        return [(n, 6), (n, 6), (3, n, 6)]  # running, delta, an AttnRes bank of 3 blocks
+
+    bufs = StateBuffers(shapes, 8, torch.float32, torch.device("cpu"))
+    big, small = bufs.view(8), bufs.view(3)
+    for a, b, shape in zip(state_parts(big), state_parts(small), shapes(3)):
+        assert b.shape == shape and b.is_contiguous() and a.data_ptr() == b.data_ptr()
+    assert float(small.blocks.abs().sum()) == 0.0  # zeros before anything is received: finite padding rows
+    small.blocks.fill_(1.0)
+    assert float(big.blocks.sum()) == 3 * 3 * 6
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="rows"):
+            bufs.view(bad)

@@ -19,6 +19,7 @@ from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.model_runner import ModelRunner, graph_width, split_verifications
 from rocm_k3.worker.step_io import ScheduledChunk, StepInput
 from tests.engine.test_spec_decode import _run as run_checked  # cache invariants every step, nothing leaked
+from tests.eager_graphs import EagerGraphs
 from tests.engine_fixtures import core_for
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -64,21 +65,9 @@ def test_a_verification_is_laid_out_in_groups_with_padding_and_fixed_save_slots(
         graphs.fill(plan, 2, 2)
     with pytest.raises(ValueError, match="do not fit bucket"):
         graphs.fill(plan, 1, 3)
-    assert graphs._key(2, 4) is None  # nothing captured: the runner falls back to the eager forward
+    assert graphs.key_for(2, 4) is None  # nothing captured: the runner falls back to the eager forward
     with pytest.raises(ValueError, match="max_drafts"):
         DecodeGraphs(model=None, pools=pools, width=5, buckets=[1], max_drafts=-1)
-
-
-class EagerGraphs(DecodeGraphs):
-    """The graphs' buffers and layout with every (bucket, width) 'captured' as a plain eager forward (the CPU
-    stand-in for a replay: same padded batch, same static buffers, same gathers)."""
-
-    def capture(self) -> None:
-        self._graphs = {(b, w): None for b in self.buckets for w in self.widths}
-
-    def replay(self, key):
-        logits = self.model.forward(self.batch(*key), self.pools)
-        return logits, (self.taps.tapped if self.taps is not None and self.taps.tap_layers else None)
 
 
 @pytest.fixture(scope="module")
