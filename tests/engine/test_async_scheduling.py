@@ -31,7 +31,7 @@ from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.structured import StructuredOutputs
 from rocm_k3.worker.model_runner import ModelRunner
-from tests.engine_fixtures import core_for
+from tests.engine_fixtures import assert_pools_released, core_for
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 SHARED = list(range(40, 72))
@@ -94,11 +94,9 @@ def _run(core: EngineCore, params: list[SamplingParams], abort: str | None = Non
 
 
 def _all_free(core: EngineCore) -> None:
-    stats = core.stats()
-    assert stats["free_blocks"] == stats["num_blocks"], stats
-    assert stats["free_state_slots"] == stats["num_state_slots"], stats
-    assert core.cache_manager.pending_saves() == set()
-    assert not core.scheduler._free_after and not core.cache_manager.seqs
+    """Every block and slot back (the engine fixtures' leak check), no save pending, no free still deferred."""
+    assert_pools_released(core.stats())
+    assert not core.cache_manager.pending_saves() and not core.scheduler._free_after and not core.cache_manager.seqs
 
 
 def _placeholder_steps(core: EngineCore) -> list[int]:
