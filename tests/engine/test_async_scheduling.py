@@ -236,3 +236,44 @@ def test_refusals_name_the_flag(model) -> None:
     with pytest.raises(ValueError, match="async_scheduling.*in-process"):
         EngineCore(dataclasses.replace(sync.config, async_scheduling=True), Staged(), geometry=sync.geometry,
                    vocab_size=sync.vocab_size)
+
+
+class Injected(Exception):
+    """Stands for a failed step on the device or an exception escaping the bookkeeping."""
+
+
+@pytest.mark.parametrize("where", ["launch", "finish", "update"])
+def test_a_failure_with_two_steps_in_flight_recomputes_and_leaks_nothing(model, monkeypatch, where) -> None:
+    sync, fast = _cores(model)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * len(PROMPTS)
+    expected = _run(sync, params)
+    owner = {"launch": fast.executor.worker, "finish": fast.executor.worker, "update": fast.scheduler}[where]
+    name = {"launch": "_launch", "finish": "_finish", "update": "update"}[where]
+    original, calls, failed = getattr(owner, name), [0], []
+
+    def failing(*args):
+        calls[0] += 1
+        if calls[0] in (6, 11) and len(fast.scheduler.steps_in_flight) == 2:
+            failed.append(calls[0])
+            raise Injected(f"{where} #{calls[0]}")
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    for i, prompt in enumerate(PROMPTS):
+        fast.add_request(str(i), prompt, params[i])
+    done, tokens = {}, {str(i): [] for i in range(len(PROMPTS))}
+    for _ in range(400):
+        if not fast.has_unfinished():
+            break
+        try:
+            deltas = fast.step()
+        except Injected:
+            continue
+        for d in deltas:
+            tokens[d.request_id] += d.new_token_ids
+            if d.finished:
+                done[d.request_id] = (d.output.token_ids, d.output.finish_reason)
+    assert failed, calls
+    assert done == expected
+    assert tokens == {k: v[0] for k, v in expected.items()}  # streamed once each, nothing lost or repeated
+    _all_free(fast)
