@@ -239,7 +239,6 @@ class ModelRunner:
         self.images.release(step)
         return logits
 
-
     def _take_previous(self, input_ids: torch.Tensor, first_rows: np.ndarray) -> None:
         """Write the ``from_previous`` decodes' input tokens into ``input_ids`` (on the device, after the step's
         inputs were copied there): the previous step's samples. ``first_rows[i]``: the row of chunk i's first
