@@ -267,7 +267,12 @@ class EngineCore:
         All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
         computed again) and every block and slot is free or held by a live request."""
         if self.depth > 1:
-            return self._pipelined_step()
+            deltas = self._pipelined_step()
+            while self.scheduler.steps_in_flight and not self.scheduler.has_unfinished():
+                # what is left in flight holds only finished requests (a token scheduled ahead of a stop, an
+                # abort): collect it now, so that their cache is back when the last request's delta is returned
+                deltas += self._pipelined_step()
+            return deltas
         try:
             step = self._schedule_step()
             if step is None:
