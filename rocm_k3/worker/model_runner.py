@@ -251,9 +251,11 @@ class ModelRunner:
         if (dst == np.arange(k)).all() and (src == np.arange(k)).all():  # the same decodes in the same order
             input_ids[:k].copy_(prev[:k])
             return
-        dev = self.device
-        input_ids[torch.from_numpy(dst).to(dev, non_blocking=True)] = \
-            prev[torch.from_numpy(src).to(dev, non_blocking=True)].to(input_ids.dtype)
+        index = torch.from_numpy(np.stack([dst, src]))  # [2, k] one copy
+        if self.device.type == "cuda":  # pinned: a pageable source may make the copy wait for the step in flight
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        input_ids[index[0]] = prev[index[1]].to(input_ids.dtype)
 
 
 def _previous_rows(step: StepInput, previous: PreviousTokens | None):
