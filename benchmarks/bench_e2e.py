@@ -18,6 +18,11 @@ profiled engine step, so ``step - busy`` is time the GPU sat idle waiting for th
 its copies, the sampler's read, output processing) and ``replay - graph kern`` the gaps between the graph's own
 kernels.
 
+``--async-scheduling``: the graph runs schedule asynchronously (EngineConfig.async_scheduling: step N + 1 is
+launched before step N's tokens are read, so the host's work overlaps the GPU's step); the eager runs, which give
+the kernel sum, stay one step at a time. The host split then times the executor's submit and collect (collect
+includes the wait for the GPU).
+
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --prefill [--prompts 16] [--prompt-len 2048] [--budget 8192]
 
 ``--prefill``: prompt tokens per second. ``--prompts`` prompts of ``--prompt-len`` random tokens that share no
@@ -167,7 +172,10 @@ def _host_split(core, graphs, steps: int) -> dict:
         return run
 
     executor = core.executor
-    executor.execute, graphs.fill = timed("execute", executor.execute), timed("fill", graphs.fill)
+    names = ("submit", "collect") if core.config.async_scheduling else ("execute",)
+    for name in names:
+        setattr(executor, name, timed("execute", getattr(executor, name)))
+    graphs.fill = timed("fill", graphs.fill)
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -175,15 +183,18 @@ def _host_split(core, graphs, steps: int) -> dict:
             core.step()
         wall = time.perf_counter() - t0
     finally:
-        del executor.execute, graphs.fill  # the instance attributes shadowed the methods
+        for name in names:
+            delattr(executor, name)  # the instance attributes shadowed the methods
+        del graphs.fill
     return {"host_sched_us": (wall - spent["execute"]) / steps * 1e6, "host_fill_us": spent["fill"] / steps * 1e6,
             "execute_us": spent["execute"] / steps * 1e6}
 
 
-def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str, layout: dict) -> dict:
+def run_batch(path: Path, batch: int, steps: int, eager: bool, dtype: str, layout: dict,
+              async_scheduling: bool = False) -> dict:
     llm = LLM(path, dtype=dtype, backend="triton", device="cuda", enforce_eager=eager, max_num_seqs=batch,
               max_model_len=64 + steps + 12, max_num_batched_tokens=max(2048, 64 * batch),
-              kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30, **layout)
+              kv_cache_bytes=4 << 30, state_cache_bytes=8 << 30, async_scheduling=async_scheduling, **layout)
     if layout:  # several ranks: only the step time is measured here (the model lives in the worker processes)
         return _run_parallel(llm, batch, steps)
     core = llm.engine
@@ -333,6 +344,8 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="graph runs schedule asynchronously (module doc); eager runs stay one step at a time")
     ap.add_argument("--prefill", action="store_true", help="prompt tokens/s and the FLOP roofline (module doc)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -345,7 +358,8 @@ def main() -> None:
     if path is None or not (path / "config.json").is_file():
         path = path or Path(tempfile.mkdtemp()) / "k3-slice"
         write_tiny_checkpoint(path, text_overrides=k3_slice_overrides(args.width))
-    print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}")
+    print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}"
+          + (", graph runs with async scheduling" if args.async_scheduling else ""))
     if args.prefill:
         run_prefill(path, args)
         return
@@ -357,7 +371,7 @@ def main() -> None:
                                 ("enable_expert_parallel", args.enable_expert_parallel)) if v not in (1, False)}
     for b in args.batch:
         eager = run_batch(path, b, args.steps, True, args.dtype, layout)
-        graph = run_batch(path, b, args.steps, False, args.dtype, layout)
+        graph = run_batch(path, b, args.steps, False, args.dtype, layout, args.async_scheduling)
         ratio = graph["step_us"] / eager["kernels_us"]
         nan = float("nan")
         replay, kern = graph.get("replay_us", nan), graph.get("graph_kern_us", nan)

@@ -64,6 +64,10 @@ class EngineArgs:
     state_cache_bytes: int | None = option(None, "KDA state slot budget in bytes (overrides gpu_memory_utilization "
                                            "sizing)")
     enforce_eager: bool = option(False, "never capture decode graphs")
+    async_scheduling: bool = option(False, "schedule the next step while the device runs this one: a decode's input "
+                                    "token is taken on the device from the step before, so the host's scheduling "
+                                    "and output processing overlap the device (vLLM's flag; one process, not with "
+                                    "speculative decoding or kv_transfer_config)")
     progress: bool = option(False, "show a progress bar while loading")
     tensor_parallel_size: int = option(1, "tensor-parallel ranks (GPUs of one node; heads and expert intermediate "
                                        "dims must divide)", aliases=("-tp",))
@@ -130,7 +134,8 @@ class EngineArgs:
             raise ValueError(f"backend: expected one of {BACKEND_CHOICES} or None, got {self.backend!r}")
         if self.moe_act_quant not in MOE_ACT_QUANT_CHOICES:
             raise ValueError(f"moe_act_quant: expected one of {MOE_ACT_QUANT_CHOICES}, got {self.moe_act_quant!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "progress", "enable_expert_parallel"):
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "progress",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("tool_call_parser", "reasoning_parser"):
@@ -148,6 +153,12 @@ class EngineArgs:
                                                                             or self.data_parallel_size != 1):
             raise ValueError("kv_transfer_config: prefill/decode disaggregation runs with pipeline_parallel_size 1 "
                              "and data_parallel_size 1 for now (any tensor_parallel_size)")
+        if self.async_scheduling and (spec is not None or self.kv_transfer_config is not None):
+            raise ValueError("async_scheduling: cannot be combined with speculative_config or kv_transfer_config")
+        if self.async_scheduling and (self.tensor_parallel_size, self.pipeline_parallel_size,
+                                      self.data_parallel_size, self.nnodes) != (1, 1, 1, 1):
+            raise ValueError("async_scheduling: runs with the in-process executor only (tensor, pipeline and data "
+                             "parallel size 1, one node)")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {util!r}")

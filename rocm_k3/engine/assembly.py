@@ -152,7 +152,7 @@ def assemble_engine(args: EngineArgs, *, model: Any = None, tokenizer: Any = Non
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           max_model_len=geometry.max_model_len, cache=cache,
                           speculative=worker_config.speculative,
-                          kv_transfer=worker_config.kv_transfer)
+                          kv_transfer=worker_config.kv_transfer, async_scheduling=args.async_scheduling)
     executor.init_cache(geometry)
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

@@ -25,6 +25,11 @@ class EngineConfig:
     cache:                  the hybrid cache (block size, match unit, alignment, budgets, prefix caching).
     speculative:            speculative decoding (``--speculative-config``), or None.
     kv_transfer:            prefill/decode disaggregation (``--kv-transfer-config``), or None.
+    async_scheduling:       schedule step N + 1 while step N runs (``--async-scheduling``, vLLM's name): a plain
+                            decode in flight is scheduled again with its input token left to the worker (the token
+                            step N samples, taken on the device), so the host's output processing and scheduling
+                            hide behind the device's step. One pipeline stage, the in-process executor; not with
+                            speculative decoding nor prefill/decode disaggregation (a ValueError names them).
 
     A step must be able to carry one aligned prefill chunk next to a decode token of every other running
     sequence, otherwise a long prompt could wait forever: ``max_num_batched_tokens >= alignment + max_num_seqs - 1``.
@@ -37,6 +42,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -55,6 +61,14 @@ class EngineConfig:
         if self.kv_transfer is not None and not isinstance(self.kv_transfer, KVTransferConfig):
             raise TypeError(f"EngineConfig.kv_transfer: expected KVTransferConfig or None, "
                             f"got {type(self.kv_transfer).__name__}")
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"EngineConfig.async_scheduling: expected a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling: cannot be combined with speculative decoding (a verification needs "
+                             "the previous step's tokens on the host to draft from)")
+        if self.async_scheduling and self.kv_transfer is not None:
+            raise ValueError("async_scheduling: cannot be combined with kv_transfer_config (a failed prompt-cache "
+                             "load drops the step's token, which the next step would already have used)")
         need = self.cache.alignment + self.max_num_seqs - 1
         if self.max_num_batched_tokens < need:
             raise TokenBudgetError(

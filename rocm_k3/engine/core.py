@@ -8,6 +8,12 @@ returns their outputs in order with ``collect``; ``step()`` then keeps up to tha
 starts step N + 1 while the last one still runs step N. ``stats()`` counts the steps in flight at each collect
 (``steps_in_flight_max`` / ``steps_in_flight_mean``).
 
+Asynchronous scheduling (``EngineConfig.async_scheduling``) reuses that machinery with two steps in flight on the
+in-process executor: ``submit`` launches step N + 1 on the device (its plain decodes take their input token from
+step N's samples there, see :class:`~rocm_k3.engine.scheduler.Scheduler`) before ``collect`` reads step N back, so
+the host's output processing and scheduling overlap the device's step. A request that finishes in step N has its
+step N + 1 token dropped; its cache is freed once that step is collected.
+
 Robustness (each a tested promise):
 
 - **Transactional bookkeeping.** Every scheduler/cache section runs under an :class:`InterruptGuard`, so a
@@ -127,6 +133,11 @@ class EngineCore:
         self.num_recoveries = 0
         self.num_sampler_fallbacks = 0
         self.depth = int(getattr(executor, "pipeline_depth", 1))  # steps in flight at once (pipeline stages)
+        if config.async_scheduling:
+            if self.depth != 1 or not getattr(executor, "supports_async_scheduling", False):
+                raise ValueError(f"async_scheduling: needs the in-process executor with one pipeline stage, got "
+                                 f"{type(executor).__name__} (pipeline depth {self.depth})")
+            self.depth = 2  # step N + 1 is scheduled and launched before step N's output is read
         self.in_flight_max = 0
         self.in_flight_sum = 0  # steps in flight summed over the collects (their mean: stats())
         self.num_collects = 0
@@ -256,7 +267,12 @@ class EngineCore:
         All or nothing: when an exception escapes, no request has advanced (the step's tokens are dropped, to be
         computed again) and every block and slot is free or held by a live request."""
         if self.depth > 1:
-            return self._pipelined_step()
+            deltas = self._pipelined_step()
+            while self.scheduler.steps_in_flight and not self.scheduler.has_unfinished():
+                # what is left in flight holds only finished requests (a token scheduled ahead of a stop, an
+                # abort): collect it now, so that their cache is back when the last request's delta is returned
+                deltas += self._pipelined_step()
+            return deltas
         try:
             step = self._schedule_step()
             if step is None:

@@ -57,7 +57,8 @@ class LLM:
     Every other keyword is an :class:`~rocm_k3.args.EngineArgs` field: enable_prefix_caching, block_size,
     match_unit, alignment, max_num_batched_tokens, max_num_seqs, gpu_memory_utilization (GPU sizing of the
     cache, default 0.9), kv_cache_bytes / state_cache_bytes (explicit budgets win), enforce_eager (no decode
-    graphs), moe_act_quant ("bf16" A16W4 or "mxfp8" A8W4), progress.
+    graphs), async_scheduling (the next step is launched before this one's tokens are read; one process, no
+    speculation), moe_act_quant ("bf16" A16W4 or "mxfp8" A8W4), progress.
     """
 
     def __init__(self, path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",

@@ -35,7 +35,7 @@ from rocm_k3.engine.sequence import Sequence, SequenceStatus
 from rocm_k3.kv_transfer.base import ReqTransfer
 from rocm_k3.kv_transfer.socket_scheduler import SocketConnectorScheduler, wants_remote_decode
 from rocm_k3.spec_decode.planner import SpecPlanner
-from rocm_k3.worker.step_io import NewRequest, ScheduledChunk, StepInput, StepOutput
+from rocm_k3.worker.step_io import PLACEHOLDER_TOKEN, NewRequest, ScheduledChunk, StepInput, StepOutput
 
 
 @dataclasses.dataclass
@@ -47,6 +47,8 @@ class ScheduledSeq:
     saves: (absolute position, KDA slot) pairs to save during this chunk (prefill), or the per-position state
            slots of a verification chunk (the state after each drafted position; speculative, never published).
     drafts: speculative tokens appended after the sequence's last token (a verification chunk), else empty.
+    placeholder: asynchronous scheduling: a decode of the token the step in flight samples for the sequence (not
+           yet in ``seq.token_ids``): it starts at ``seq.num_tokens`` and the workers take its input on the device.
     """
 
     seq: Sequence
@@ -56,9 +58,10 @@ class ScheduledSeq:
     samples: bool = dataclasses.field(init=False)
     saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     drafts: list[int] = dataclasses.field(default_factory=list)
+    placeholder: bool = False
 
     def __post_init__(self) -> None:
-        self.samples = self.end - len(self.drafts) == self.seq.num_tokens
+        self.samples = self.end - len(self.drafts) == self.seq.num_tokens + self.placeholder
 
     @property
     def end(self) -> int:
@@ -110,6 +113,8 @@ class Scheduler:
             raise ValueError(f"max_in_flight: expected an int >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         self.config = config
+        self.async_scheduling = config.async_scheduling  # whole batches, plain decodes scheduled ahead
+        self._free_after: set[int] = set()  # finished while in flight: cache freed once no step in flight holds them
         self.cache = cache
         self.alignment = config.cache.alignment
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -141,7 +146,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.cache.free(seq.seq_id)
+            self._free(seq)
         self.retire(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -149,8 +154,27 @@ class Scheduler:
         if seq.status is not SequenceStatus.RUNNING:
             raise ValueError(f"finish: sequence {seq.request_id!r} is {seq.status.value}, expected running")
         self.running.remove(seq)
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         self.retire(seq, reason)
+
+    def _free(self, seq: Sequence) -> None:
+        """Free a finished sequence's cache; with asynchronous scheduling only once no step in flight holds it
+        (a step scheduled ahead still writes its blocks and KDA slot; its token is dropped)."""
+        if self.async_scheduling and seq.seq_id in self.busy_ids():
+            self._free_after.add(seq.seq_id)
+        else:
+            self.cache.free(seq.seq_id)
+
+    def _free_deferred(self, out: SchedulerOutput) -> None:
+        """After ``out`` left the steps in flight: free the finished sequences of it no other step holds."""
+        if not self._free_after:
+            return
+        busy = self.busy_ids()
+        for item in out.scheduled:
+            sid = item.seq.seq_id
+            if sid in self._free_after and sid not in busy:
+                self._free_after.discard(sid)
+                self.cache.free(sid)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -171,7 +195,7 @@ class Scheduler:
         ``max_in_flight`` steps (pipeline stages) an equal share of the running sequences, and of those that could
         run (running + waiting, at most ``max_num_seqs``), so that the next step finds sequences not in flight."""
         n = self.max_in_flight
-        if n == 1:
+        if n == 1 or self.async_scheduling:
             return self.config.max_num_seqs, self.config.max_num_seqs
         could_run = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-len(self.running) // n)), max(1, -(-could_run // n))
@@ -189,7 +213,8 @@ class Scheduler:
         taken: set[int] = self.busy_ids()  # never preempted, never scheduled twice
         preempted: list[Sequence] = []
 
-        decoding = [s for s in self.running if s.is_decoding and s.seq_id not in taken]
+        ahead = self._ahead_ids()  # in the newest step in flight, scheduled again with a placeholder token
+        decoding = [s for s in self.running if s.is_decoding and (s.seq_id not in taken or s.seq_id in ahead)]
         # the batch-size cut counts every decoding sequence, in flight or not (pipelined steps see a share each)
         speculate = (self.spec.config is not None
                      and self.spec.config.drafts_at(sum(1 for s in self.running if s.is_decoding)))
@@ -198,11 +223,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
-            if self._grow(seq, seq.num_computed_tokens + 1, taken, preempted):
+            placeholder = seq.seq_id in ahead  # (its in-flight token is not in token_ids yet)
+            if self._grow(seq, seq.num_computed_tokens + 1 + placeholder, taken, preempted):
                 # blocks for drafts only while free (no preemption)
                 drafts = self.spec.propose(seq, budget - 1) if speculate else []
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), is_prefill=False,
-                                              drafts=drafts))
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens + placeholder, 1 + len(drafts),
+                                              is_prefill=False, drafts=drafts, placeholder=placeholder))
                 taken.add(seq.seq_id)
                 budget -= 1 + len(drafts)
 
@@ -254,6 +280,24 @@ class Scheduler:
                                                     step=step))
         del self._finished_ids[:len(step.finished_request_ids)]  # now the step in flight carries them
         return step
+
+    def _ahead_ids(self) -> set[int]:
+        """Asynchronous scheduling: sequences the next step may decode before the newest step in flight returns
+        their token: in no other step in flight, a plain sampled one-token decode there, running, with room for
+        one more token under max_tokens, and no sampler state that needs the token on the host first (penalties,
+        grammars, a thinking budget). The rest wait for their step's output."""
+        if not self.async_scheduling or not self.steps_in_flight:
+            return set()
+        older = {item.seq.seq_id for out in list(self.steps_in_flight)[:-1] for item in out.scheduled}
+        ids = set()
+        for item in self.steps_in_flight[-1].scheduled:
+            seq, p = item.seq, item.seq.sampling
+            if (item.samples and not item.is_prefill and not item.drafts and item.num_new_tokens == 1
+                    and seq.status is SequenceStatus.RUNNING and seq.seq_id not in older
+                    and seq.num_tokens - seq.num_prompt_tokens + 2 <= seq.max_tokens
+                    and (p is None or not (p.has_penalties or p.needs_logits_mask))):
+                ids.add(seq.seq_id)
+        return ids
 
     def update(self, output: StepOutput) -> list[RequestDelta]:
         """After the step ran on the workers: advance each sequence, index what it computed, append the sampled
@@ -310,6 +354,7 @@ class Scheduler:
         for item in out.scheduled:
             if item.seq.request_id in failed:
                 self._recompute_prompt(item.seq)
+        self._free_deferred(out)
         return deltas
 
     @staticmethod
@@ -384,6 +429,7 @@ class Scheduler:
             self._drop_load(item.seq)
             if item.seq.status is SequenceStatus.RUNNING:
                 self._preempt(item.seq, count=False)
+        self._free_deferred(out)
 
     def _drop_load(self, seq: Sequence) -> None:
         """A prompt-cache load in a step that never completed (the step failed, or the bookkeeping was rebuilt
@@ -440,9 +486,11 @@ class Scheduler:
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
             images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted else ()
+            tokens = (PLACEHOLDER_TOKEN,) if item.placeholder else tuple(seq.token_ids[item.start : item.end
+                                                                                        - len(item.drafts)])
             chunks.append(ScheduledChunk(
                 request_id=seq.request_id,
-                token_ids=tuple(seq.token_ids[item.start : item.end - len(item.drafts)]) + tuple(item.drafts),
+                token_ids=tokens + tuple(item.drafts), from_previous=item.placeholder,
                 start=item.start, num_draft=len(item.drafts), slot_moved=self.spec.take_moved(seq.seq_id),
                 admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
                 is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,

@@ -26,6 +26,18 @@ class UniprocExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
 
+    # asynchronous scheduling (EngineConfig.async_scheduling): the engine keeps two steps in flight
+    supports_async_scheduling = True
+
+    def submit(self, step: StepInput) -> None:
+        """Launch ``step`` on the device (no read back): the next one may be submitted before this one's
+        :meth:`collect`."""
+        self.worker.launch(step)
+
+    def collect(self) -> StepOutput:
+        """The oldest submitted step's output."""
+        return self.worker.finish()
+
     def rank_stats(self, reset: bool = False) -> list[dict]:
         return [self.worker.rank_stats(reset)]
 

@@ -265,10 +265,15 @@ class DecodeGraphs:
         fits = [k for k in self._graphs if k[0] >= n and k[1] >= w_min]
         return min(fits, key=lambda k: (k[0] * k[1], k)) if fits else None
 
-    def run(self, plan, key: tuple[int, int]) -> torch.Tensor | None:
+    def run(self, plan, key: tuple[int, int], patch=None) -> torch.Tensor | None:
         """Replay ``key`` (from :meth:`key_for`) over a plan (a decode, or a verification of at most ``key[1]``
-        tokens per sequence): logits fp32 [logits rows, vocab], or None on a pipeline stage before the last."""
+        tokens per sequence): logits fp32 [logits rows, vocab], or None on a pipeline stage before the last.
+        patch: ``(input_ids, first_rows)`` -> None, called after the fill with the device buffer and the row of
+        each sequence's first token (asynchronous scheduling writes the previous step's tokens there; the next
+        fill rewrites those rows)."""
         rows = self.fill(plan, *key)
+        if patch is not None:
+            patch(self.input_ids, np.arange(plan.seq_lens.shape[0], dtype=np.int64) * key[1])
         logits, tapped = self.replay(key)
         self.replays += 1
         self.verify_replays += key[1] > 1

@@ -56,6 +56,15 @@ class _Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreviousTokens:
+    """The tokens the last launched step sampled, on the device (asynchronous scheduling): ``token_ids`` int64
+    [R] and the row of each request that sampled in it."""
+
+    token_ids: torch.Tensor
+    rows: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class HostPlan:
     """The host-side arrays of one step (chunks in step order; decodes first)."""
 
@@ -93,6 +102,7 @@ class ModelRunner:
         self.before_forward = None
         self.after_forward = None
         self.taps = None  # the model whose ``tapped`` hidden states feed a drafter (set by the worker)
+        self._take = None  # this step's from_previous decodes: (chunk indices, rows in the previous samples, tokens)
 
     # ---- per-request state ---------------------------------------------------------------------------------
     def apply_requests(self, step: StepInput) -> None:
@@ -179,8 +189,10 @@ class ModelRunner:
             image_rows=None if images is None else images.rows,
         )
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Apply the step's deltas and copies, run the model; logits fp32 [S, vocab] for the sampling chunks."""
+    def execute(self, step: StepInput, previous: PreviousTokens | None = None) -> torch.Tensor:
+        """Apply the step's deltas and copies, run the model; logits fp32 [S, vocab] for the sampling chunks.
+        previous: the tokens the step before sampled, the inputs of the ``from_previous`` decodes."""
+        self._take = _previous_rows(step, previous)
         self.apply_requests(step)
         if step.block_copies or step.state_copies:
             self.pools.apply_copies(step.block_copies, step.state_copies)
@@ -210,17 +222,54 @@ class ModelRunner:
         width = graph_width(step, plan)
         key = None if width is None or self.graphs is None else self.graphs.key_for(len(step.chunks), width)
         if key is not None:  # None on a pipeline stage before the last (its state went on to the next stage)
-            return self.graphs.run(plan, key)
+            return self.graphs.run(plan, key, self._take_previous)
         if width is not None and width > 1:  # a verification: in decode shape, as its graph would run it
             pools = self.pools
             lay = decode_layout(plan, len(step.chunks), width, pad_block=pools.pad_block, block_size=self.block_size,
                                 pad_slot=pools.pad_slot)
             return self.model.forward(layout_batch(lay, width, self.device), cache)
         if self.images is None:
-            return self.model.forward(self.batch(plan), cache)
-        logits = self.model.forward(self.batch(plan, self.images.prepare(step, plan.cu_seqlens)), cache)
+            batch = self.batch(plan)
+            self._take_previous(batch.input_ids, plan.cu_seqlens[:-1])
+            return self.model.forward(batch, cache)
+        batch = self.batch(plan, self.images.prepare(step, plan.cu_seqlens))
+        self._take_previous(batch.input_ids, plan.cu_seqlens[:-1])
+        logits = self.model.forward(batch, cache)
         self.images.release(step)
         return logits
+
+    def _take_previous(self, input_ids: torch.Tensor, first_rows: np.ndarray) -> None:
+        """Write the ``from_previous`` decodes' input tokens into ``input_ids`` (on the device, after the step's
+        inputs were copied there): the previous step's samples. ``first_rows[i]``: the row of chunk i's first
+        token."""
+        if self._take is None:
+            return
+        chunks, src, prev = self._take
+        dst = first_rows[chunks].astype(np.int64)
+        k = len(dst)
+        if (dst == np.arange(k)).all() and (src == np.arange(k)).all():  # the same decodes in the same order
+            input_ids[:k].copy_(prev[:k])
+            return
+        index = torch.from_numpy(np.stack([dst, src]))  # [2, k] one copy
+        if self.device.type == "cuda":  # pinned: a pageable source may make the copy wait for the step in flight
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        input_ids[index[0]] = prev[index[1]].to(input_ids.dtype)
+
+
+def _previous_rows(step: StepInput, previous: PreviousTokens | None):
+    """(chunk indices of the step's ``from_previous`` decodes, their rows in ``previous``, its tokens), or None
+    when it has none; a RuntimeError when the previous step did not sample one of them."""
+    chunks = [i for i, c in enumerate(step.chunks) if c.from_previous]
+    if not chunks:
+        return None
+    missing = [step.chunks[i].request_id for i in chunks if previous is None or step.chunks[i].request_id
+               not in previous.rows]
+    if missing:
+        raise RuntimeError(f"step {step.step_id}: requests {missing} decode the previous step's token, which did "
+                           "not sample them")
+    src = np.fromiter((previous.rows[step.chunks[i].request_id] for i in chunks), dtype=np.int64, count=len(chunks))
+    return np.array(chunks, dtype=np.int64), src, previous.token_ids
 
 
 def split_verifications(step: StepInput) -> tuple[StepInput, StepInput | None]:

@@ -44,6 +44,8 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...] = ()
 
 
+PLACEHOLDER_TOKEN = -1  # the input token of a ``from_previous`` decode: the worker replaces it on the device
+
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -118,6 +120,9 @@ class ScheduledChunk:
     prompt_logprob_rows: the first this many positions of the chunk predict prompt tokens whose log-probabilities
                    the request asked for (``SamplingParams.prompt_logprobs``): the step returns them in
                    ``StepOutput.prompt_logprobs`` (the targets ``prompt[start + 1 : start + 1 + rows]``).
+    from_previous: asynchronous scheduling: a one-token decode whose input token is the one the step before
+                   (still running when this step was scheduled) samples for this request; ``token_ids`` holds
+                   :data:`PLACEHOLDER_TOKEN` and the worker takes the token on the device.
     """
 
     request_id: str
@@ -133,6 +138,7 @@ class ScheduledChunk:
     num_draft: int = 0
     slot_moved: bool = False
     prompt_logprob_rows: int = 0
+    from_previous: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from rocm_k3.worker.stage_link import StageLink
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import KVPools, PoolShapes
 from rocm_k3.worker.layer_view import LayerHookView
-from rocm_k3.worker.model_runner import ModelRunner, model_passes, sampling_chunks
+from rocm_k3.worker.model_runner import ModelRunner, PreviousTokens, model_passes, sampling_chunks
 from rocm_k3.worker.request_state import RequestTable
 from rocm_k3.worker.sampler import prompt_token_logprobs, sample
 from rocm_k3.worker.step_io import PromptLogprobs, SampledToken, ScheduledChunk, StepInput, StepOutput
@@ -59,6 +60,24 @@ DECODE_OPS = ("rms_norm", "attn_res_step", "kda_decode", "mla_write_cache", "mla
 NON_FINITE = "non-finite logits: the model produced NaN or Inf logits for this request"
 SPANS_KEPT = 256  # the last steps' (step id, start, end) times a rank keeps for rank_stats
 KDA_KERNEL_SAVE_GRID = 64  # the chunk size of the chunked KDA kernels: they save states at chunk ends only
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A launched step (:meth:`Worker.launch`) awaiting :meth:`Worker.finish`: its output when it needs no read
+    from the device, else what the read completes (sampling chunks and rows, their StepBatch, the sampler's output
+    and its [3, R] tokens / finite / fallback flags on the device, the prompt log-probabilities)."""
+
+    step: StepInput
+    output: StepOutput | None
+    chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    rows: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    batch: Any = None
+    sample: Any = None
+    flags: torch.Tensor | None = None
+    prompt: tuple[PromptLogprobs, ...] = ()
+    start: float = 0.0
+    kv: dict = dataclasses.field(default_factory=dict)
 
 
 class DeviceError(ValueError):
@@ -180,6 +199,8 @@ class Worker:
         self._kv_t0: tuple[int, int, float] = (0, 0, 0.0)  # bytes sent, received before the step; seconds blocked
         self.shard = self._vocab_shard()
         self.spans: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=SPANS_KEPT)
+        self._launched: collections.deque[_Launched] = collections.deque()  # launched, not finished (oldest first)
+        self._previous: PreviousTokens | None = None  # the last launched step's sampled tokens on the device
         self.idle_steps = 0  # data parallelism: steps this rank's replica sat out (its MoE layers ran zero tokens)
 
     @property
@@ -453,14 +474,32 @@ class Worker:
                 module.idle(self.device, self.config.dtype)
 
     def execute(self, step: StepInput) -> StepOutput:
+        """Run one step: :meth:`launch` then :meth:`finish`."""
+        self.launch(step)
+        return self.finish()
+
+    def launch(self, step: StepInput) -> None:
+        """Start a step without reading anything back from the device: request deltas, copies, the forward and
+        the sampler's kernels (asynchronous scheduling launches step N + 1 before :meth:`finish` reads step N; a
+        ``from_previous`` decode takes its input token from the last launched step's samples on the device)."""
         self._kv_step = {}
         start = time.monotonic()
-        out = self._execute(step)
-        if step.chunks:  # when this rank ran each step (CLOCK_MONOTONIC: comparable across the node's ranks)
-            self.spans.append((step.step_id, start, time.monotonic()))
-        return dataclasses.replace(out, **self._kv_step) if self._kv_step else out
+        launched = self._launch(step)
+        launched.start, launched.kv = start, self._kv_step
+        self._launched.append(launched)
 
-    def _execute(self, step: StepInput) -> StepOutput:
+    def finish(self) -> StepOutput:
+        """The oldest launched step's output: its one device -> host read and the StepOutput."""
+        if not self._launched:
+            raise RuntimeError("finish: no step was launched")
+        launched = self._launched.popleft()
+        out = self._finish(launched)
+        step = launched.step
+        if step.chunks:  # when this rank ran each step (CLOCK_MONOTONIC: comparable across the node's ranks)
+            self.spans.append((step.step_id, launched.start, time.monotonic()))
+        return dataclasses.replace(out, **launched.kv) if launched.kv else out
+
+    def _launch(self, step: StepInput) -> _Launched:
         if self.runner is None:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
@@ -469,28 +508,37 @@ class Worker:
             for req in step.new_requests:
                 self.requests.register(req)
         if not step.chunks:
-            return StepOutput(step.step_id)
+            return _Launched(step, StepOutput(step.step_id))
         chunks = sampling_chunks(step)
+        previous, self._previous = self._previous, None
         if not self.samples:  # only the last stage samples (TP rank 0, or all its TP ranks vocab-parallel)
-            self.runner.execute(step)
-            return StepOutput(step.step_id)
+            self.runner.execute(step, previous)
+            return _Launched(step, StepOutput(step.step_id))
         rows = expand_rows(chunks)  # one sampling row per logits row (a verification has 1 + num_draft)
         batch = self.requests.begin_step(step, chunks)  # starts the grammar masks: they fill during the forward
         try:
-            logits = self.runner.execute(step)  # [R + prompt rows, vocab (this rank's slice)] fp32
+            logits = self.runner.execute(step, previous)  # [R + prompt rows, vocab (this rank's slice)] fp32
             prompt = self._prompt_logprobs(step, logits[len(rows):])
             if not chunks:
-                return StepOutput(step.step_id, prompt_logprobs=prompt)
+                return _Launched(step, StepOutput(step.step_id, prompt_logprobs=prompt))
             tokens = None if self.shard is None else (self.shard.start, self.shard.width)
             out = sample(logits[: len(rows)], batch.params, batch.generators, batch.processors(tokens), self.shard)
-            # [3, R] tokens, finite flags, fallback flags: the step's one device -> host read
-            tokens, finite, fallback = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()]).tolist()
+            flags = torch.stack([out.token_ids, out.finite.long(), out.fallback.long()])  # [3, R] on the device
         finally:
             batch.close()
+        if len(rows) == len(chunks):  # (row i samples chunks[i]; a verification's rows are never taken ahead)
+            self._previous = PreviousTokens(out.token_ids, {c.request_id: i for i, c in enumerate(chunks)})
+        return _Launched(step, None, chunks, rows, batch, out, flags, prompt)
+
+    def _finish(self, launched: _Launched) -> StepOutput:
+        if launched.output is not None:
+            return launched.output
+        step, chunks, batch, out = launched.step, launched.chunks, launched.batch, launched.sample
+        tokens, finite, fallback = launched.flags.tolist()  # the step's one device -> host read
         if not self.ctx.is_sampling_rank:  # a vocab-parallel TP rank > 0: its part of the sampling is done
             return StepOutput(step.step_id)
         fallbacks = sum(fallback)
-        if len(rows) != len(chunks):
+        if len(launched.rows) != len(chunks):
             sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
                                   NON_FINITE, batch.draft_limit)
         else:
@@ -500,7 +548,7 @@ class Worker:
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
             sampled = self.proposer.attach(chunks, sampled)
-        return StepOutput(step.step_id, tuple(sampled), prompt, sampler_fallbacks=fallbacks)
+        return StepOutput(step.step_id, tuple(sampled), launched.prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:
         """The prompt log-probabilities of the chunks with ``prompt_logprob_rows`` from their logits rows

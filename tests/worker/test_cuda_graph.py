@@ -14,9 +14,9 @@ from rocm_k3.engine.llm import LLM
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.worker.cuda_graph import DecodeGraphs, graph_buckets
 from rocm_k3.worker.kv_pools import PoolShapes, KVPools
-from rocm_k3.worker.model_runner import ModelRunner
+from rocm_k3.worker.model_runner import ModelRunner, PreviousTokens
 from rocm_k3.worker.stage_link import StateBuffers, state_parts
-from rocm_k3.worker.step_io import ScheduledChunk, StepInput
+from rocm_k3.worker.step_io import PLACEHOLDER_TOKEN, ScheduledChunk, StepInput
 
 GEOM = PoolShapes(num_mla_layers=1, num_kda_layers=1, kda_heads=2, kda_head_dim=8, conv_width=4,
                      dtype=torch.float32)
@@ -82,6 +82,41 @@ def test_graph_run_falls_back_when_no_bucket_is_captured() -> None:
     assert graphs.captured == [] and graphs.key_for(1) is None
     with pytest.raises(AttributeError):  # the eager forward: the runner's model (None here) runs the step
         runner._forward(step, pools)
+
+
+class _Recorded:
+    """A captured graph stand-in: its replay records the input ids it would read."""
+
+    def __init__(self, graphs: DecodeGraphs, seen: list) -> None:
+        self.graphs, self.seen = graphs, seen
+
+    def replay(self) -> None:
+        self.seen.append(self.graphs.input_ids[:4].tolist())
+
+
+def test_graph_run_takes_the_previous_steps_tokens_after_the_fill() -> None:
+    """Asynchronous scheduling: a ``from_previous`` decode's input is the previous step's sample for its request,
+    written into the graph's input buffer after the fill and before the replay (in order: one copy; else indexed)."""
+    pools = KVPools(GEOM, block_size=4, num_blocks=10, num_slots=6)
+    graphs = DecodeGraphs(model=None, pools=pools, width=5, buckets=[1, 2, 4])
+    runner = ModelRunner(None, pools, max_blocks_per_seq=5)
+    runner.graphs, seen = graphs, []
+    graphs._graphs[(4, 1)], graphs._out[(4, 1)], graphs._tapped[(4, 1)] = _Recorded(graphs, seen), \
+        torch.zeros(4, 3), None
+
+    def step(step_id, rows):
+        chunks = tuple(ScheduledChunk(rid, (PLACEHOLDER_TOKEN if tok is None else tok,), start,
+                                      rid not in runner.rows, () if rid in runner.rows else (ord(rid) - 97,),
+                                      ord(rid) - 97, False, True, from_previous=tok is None)
+                       for rid, tok, start in rows)
+        return StepInput(step_id=step_id, chunks=chunks, num_decodes=len(chunks))
+
+    previous = PreviousTokens(torch.tensor([70, 71, 72]), {"a": 0, "b": 1, "c": 2})
+    runner.execute(step(1, [("a", None, 1), ("b", None, 2), ("c", 13, 3)]), previous)  # in order: one copy
+    runner.execute(step(2, [("c", None, 2), ("d", 14, 1), ("a", None, 2)]), previous)  # reordered: indexed
+    assert seen == [[70, 71, 13, 0], [72, 14, 70, 0]]
+    with pytest.raises(RuntimeError, match="did not sample"):
+        runner.execute(step(3, [("e", None, 1)]), previous)
 
 
 # ---------------------------------------------------------------------------------------------------------- cuda
