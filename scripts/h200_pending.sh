@@ -5,7 +5,9 @@
 # part cannot eat the rest.
 #
 #   bash scripts/h200_pending.sh [part ...]   parts (default all, in this order): slice spec_b1 spec_b8 spec_b32
-#                                             e2e kda cuda_tier
+#                                             e2e kda cuda_tier; on request: e2e_async (bench_e2e
+#                                             --async-scheduling), kda_phase (bench_kda --phase-compare),
+#                                             cuda_new (the cuda tests of session 14's merges)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
@@ -77,12 +79,18 @@ run_part() {
     spec_b8) spec 8 100 230 ;;
     spec_b32) spec 32 130 230 ;;
     e2e) part e2e 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" ;;
+    e2e_async) part e2e_async 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" \
+      --async-scheduling ;;
+    kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
+    cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
+      --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling.py \
+      tests/worker/test_cuda_graph.py tests/worker/test_verify_graphs.py tests/parallel/test_expert_dispatch_graph.py ;;
     kda) part kda 150 0 "$PY" -u benchmarks/bench_kda.py --fused-compare --json "$OUT/kda.json" ;;
     cuda_tier) part cuda_tier 600 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e kda cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async kda kda_phase cuda_new cuda_tier)" >&2; return 2 ;;
   esac
 }
 
