@@ -75,6 +75,7 @@ class _Launched:
     batch: Any = None
     sample: Any = None
     flags: torch.Tensor | None = None
+    ready: Any = None  # on a GPU: the event after the flags' copy into pinned host memory (``flags`` is that copy)
     prompt: tuple[PromptLogprobs, ...] = ()
     start: float = 0.0
     kv: dict = dataclasses.field(default_factory=dict)
@@ -528,12 +529,20 @@ class Worker:
             batch.close()
         if len(rows) == len(chunks):  # (row i samples chunks[i]; a verification's rows are never taken ahead)
             self._previous = PreviousTokens(out.token_ids, {c.request_id: i for i, c in enumerate(chunks)})
-        return _Launched(step, None, chunks, rows, batch, out, flags, prompt)
+        ready = None
+        if flags.is_cuda:  # the read is queued now, behind this step's kernels only: a later launched step's
+            # kernels (asynchronous scheduling) never delay it, as a .tolist() at finish time would
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            flags, ready = host.copy_(flags, non_blocking=True), torch.cuda.Event()
+            ready.record()
+        return _Launched(step, None, chunks, rows, batch, out, flags, ready, prompt)
 
     def _finish(self, launched: _Launched) -> StepOutput:
         if launched.output is not None:
             return launched.output
         step, chunks, batch, out = launched.step, launched.chunks, launched.batch, launched.sample
+        if launched.ready is not None:
+            launched.ready.synchronize()  # this step's copy, not the steps launched after it
         tokens, finite, fallback = launched.flags.tolist()  # the step's one device -> host read
         if not self.ctx.is_sampling_rank:  # a vocab-parallel TP rank > 0: its part of the sampling is done
             return StepOutput(step.step_id)
