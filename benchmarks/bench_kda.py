@@ -253,13 +253,14 @@ FUSED_SWEEP = (("ms_3launch", {"FUSED": False}), ("ms_fused_w2", _fused(2)), ("m
 FUSED_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False}),
                  ("ms_fused", _fused(tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG)))
 # ... and --phase-compare's: the four launches (timed again), then the state walk's tile (BV, warps) and pipeline
-# stages, where sm_90 fits two programs per SM (the default BV 64 / 8 warps / 2 stages holds 192 registers and
+# stages, where sm_90 fits two programs per SM (the earlier default BV 64 / 8 warps / 2 stages holds 192 registers and
 # 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132 SMs)
 def _walk(bv: int, warps: int, stages: int) -> dict:
     return {"state_tile": lambda n, v: (bv, warps), "STATE_STAGES": stages}
 
 
-PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32, "STATE_STAGES": 2}),
+PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32, "STATE_STAGES": None}),
+                 ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens

@@ -45,10 +45,11 @@ FUSED = False
 # Column slice of chunk_prep's [64, BK] tiles. H200 2026-12-04: BK = 128 (92 registers at 16 warps, one program
 # per SM) was 8-12 % slower end to end than 32 (64 registers, two per SM) at T = 4k-64k.
 PREP_BK = 32
-# num_stages of the state walk (2: chunk c + 1's dot operands are fetched by cp.async during chunk c's products).
-# sm_90 cross-compile: BV 64 / 8 warps holds 192 registers and 147 KB of shared memory at 2 stages (one program
-# per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two per SM. Not yet timed.
-STATE_STAGES = 2
+# num_stages of the state walk (2: chunk c + 1's dot operands are fetched by cp.async during chunk c's products);
+# None: state_stages' choice. sm_90 cross-compile: BV 64 / 8 warps holds 192 registers and 147 KB of shared memory
+# at 2 stages (one program per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two
+# per SM and was 1.06-1.11x faster end to end at T = 4k-64k and on varlen batches (H200, 2026-12-04, RESULTS.md).
+STATE_STAGES: int | None = None
 # Phases 2 and 3 (intra, solve) in one launch (chunk_wy) after chunk_prep. Off: 25-30 % slower on the H200
 # (2026-12-04, RESULTS.md; 255 registers, spills), see chunk_wy.
 MERGE_WY = False
@@ -70,12 +71,22 @@ def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
 def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
     """(value block BV, num_warps) of the state phase for ``n_seq_heads`` = N * H sequential walks.
 
-    Measured on the H200 (T = 4096 K3 prefill, 2026-11-29): BV = 64 with 8 warps is fastest once there are
-    >= 96 (walk, value block) programs; a lone TP-8 sequence (12 heads) is faster with BV = 16 and 4 warps.
+    Measured on the H200: BV = 64 is fastest once there are >= 96 (walk, value block) programs, with 4 warps and
+    one stage (two programs per SM; 2026-12-04: 1.75 / 6.47 / 26.1 ms at T = 4k / 16k / 64k, H = 96, against 1.93 /
+    7.14 / 28.8 with 8 warps and two stages); a lone TP-8 sequence (12 heads) is faster with BV = 16 and 4 warps
+    (2026-11-29).
     """
     if V >= 64 and n_seq_heads * (V // 64) >= 96:
-        return 64, 8
+        return 64, 4
     return min(16, V), 4
+
+
+def state_stages(bv: int) -> int:
+    """num_stages of the state walk for value block ``bv``: ``STATE_STAGES`` when set, else 1 for BV 64 (two
+    programs per SM, measured faster) and 2 below it (as timed on 2026-11-29)."""
+    if STATE_STAGES is not None:
+        return STATE_STAGES
+    return 1 if bv >= 64 else 2
 
 
 def supports_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -180,7 +191,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec,
-        num_warps=warps, num_stages=STATE_STAGES,
+        num_warps=warps, num_stages=state_stages(bv),
     )
     if split:
         bvo = min(64, V)
