@@ -155,6 +155,50 @@ def test_greedy_identical_with_a_dspark_drafter(model, greedy, tmp_path, k, cach
         assert stats["hit_requests"] >= 1, stats
 
 
+def test_graph_layouts_and_split_steps_draft_the_same(model, greedy, tmp_path):
+    """Verifications through the decode graphs' padded (batch, k) layout (replayed eagerly on the CPU), and steps
+    where a prefill shares a step with verifications (two forwards, taps concatenated), tap the same token rows:
+    the greedy tokens and every acceptance count equal the plain eager run's."""
+    from tests.worker.test_verify_graphs import EagerGraphs
+    from rocm_k3.worker.cuda_graph import graph_buckets
+
+    prompts, base = greedy
+    root = _bigram_drafter(tmp_path / "d", model, base, prompts)
+    late = [(i * 11) % model.cfg.vocab_size for i in range(150)]  # three prefill chunks of a 64-token budget
+
+    def run(graphs: bool):
+        cache = CacheConfig(block_size=16, match_unit=8, alignment=16, kda_save_grid=8, num_blocks=64,
+                            num_state_slots=60)
+        core = core_for(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
+                                            cache=cache, speculative=_spec(root, 3)))
+        worker = core.executor.worker
+        if graphs:
+            g = EagerGraphs(worker.stage, worker.runner.pools, worker.geometry.table_width, graph_buckets(4),
+                            max_drafts=3, taps=worker.model)
+            g.capture()
+            worker.runner.graphs = g
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i in range(3):
+            core.add_request(str(i), prompts[i], params)
+        done, steps = {}, 0
+        while core.has_unfinished():
+            steps += 1
+            if steps == 4:
+                core.add_request("late", late, params)
+            for delta in core.step():
+                if delta.finished:
+                    done[delta.request_id] = delta.output.token_ids
+        return done, core.stats(), (worker.runner.graphs.verify_replays if graphs else 0)
+
+    eager, eager_stats, _ = run(False)
+    graphed, stats, replays = run(True)
+    assert {r: eager[r] for r in map(str, range(3))} == {r: base[r] for r in map(str, range(3))}
+    assert graphed == eager and replays > 0
+    counts = [k for k in stats if k.startswith("spec_num_accepted_tokens") or k == "spec_num_drafts"]
+    assert {k: stats[k] for k in counts} == {k: eager_stats[k] for k in counts}
+    assert stats["spec_num_accepted_tokens"] > 0, stats
+
+
 def test_random_drafter_keeps_greedy_identical_and_reports_acceptance(model, greedy, tmp_path):
     prompts, base = greedy
     eng = _engine(model, _spec(_write(tmp_path / "d", model), 7))
