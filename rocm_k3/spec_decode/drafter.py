@@ -181,6 +181,15 @@ def refuse_foreign_drafter(root: Path, where: str) -> None:
                          f"{ARCHITECTURE!r} checkpoints only")
 
 
+def check_target(cfg, where: str, **target: int) -> None:
+    """ValueError naming the first of ``target`` (config field -> the target model's value) that a drafter
+    config ``cfg`` has otherwise: the drafter was trained for another model."""
+    for name, value in target.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"{where}: {name}={getattr(cfg, name)} in its {CONFIG_FILE}, but the target model has "
+                             f"{value}: this drafter was trained for another model")
+
+
 def save_drafter(drafter: TapDrafter, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (weights stored as ``dtype``) into ``directory``."""
     root = Path(directory)
@@ -212,12 +221,8 @@ def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidde
         raise ValueError(f"{where}: tap_layer_ids {list(cfg.tap_layer_ids)} in its {CONFIG_FILE} name depths "
                          f"{outside} outside the target model, which has depths 0..{target_num_hidden_layers} "
                          f"({target_num_hidden_layers} layers, then the final norm)")
-    target = {"target_hidden_size": target_hidden_size, "target_num_hidden_layers": target_num_hidden_layers,
-              "vocab_size": vocab_size}
-    for name, value in target.items():
-        if getattr(cfg, name) != value:
-            raise ValueError(f"{where}: {name}={getattr(cfg, name)} in its {CONFIG_FILE}, but the target model has "
-                             f"{value}: this drafter was trained for another model")
+    check_target(cfg, where, target_hidden_size=target_hidden_size,
+                 target_num_hidden_layers=target_num_hidden_layers, vocab_size=vocab_size)
     drafter = TapDrafter(cfg)
     try:
         tensors = load_file(str(root / WEIGHTS_FILE))

@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rocm_k3.spec_decode.drafter import CONFIG_FILE, WEIGHTS_FILE, check_target
 from rocm_k3.spec_decode.dspark import DSparkDrafter
 from rocm_k3.spec_decode.dspark_config import IGNORED_PREFIXES, DSparkConfig, tensor_shapes
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -84,12 +83,8 @@ def load_dspark(root: Path, where: str, *, target_hidden_size: int, target_num_h
                 vocab_size: int, device: torch.device, dtype: torch.dtype) -> DSparkDrafter:
     """The drafter in directory ``root`` for a target of the given shape, on ``device`` as ``dtype``."""
     cfg = read_dspark_config(root, where)
-    target = {"target_hidden_size": target_hidden_size, "target_num_hidden_layers": target_num_hidden_layers,
-              "vocab_size": vocab_size}
-    for name, value in target.items():
-        if getattr(cfg, name) != value:
-            raise ValueError(f"{where}: {name}={getattr(cfg, name)} in its {CONFIG_FILE}, but the target model has "
-                             f"{value}: this drafter was trained for another model")
+    check_target(cfg, where, target_hidden_size=target_hidden_size,
+                 target_num_hidden_layers=target_num_hidden_layers, vocab_size=vocab_size)
     if cfg.hidden_size != target_hidden_size:
         raise ValueError(f"{where}: hidden_size={cfg.hidden_size} in its {CONFIG_FILE} differs from the target's "
                          f"hidden size {target_hidden_size}, whose embedding and LM head the drafter shares")

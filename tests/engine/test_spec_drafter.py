@@ -173,17 +173,17 @@ REPO = "acme/k3-tiny-drafter"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _fake_hf_cache(tmp_path, source) -> Path:
-    """huggingface_hub's cache layout with ``source``'s files as the snapshot of REPO at COMMIT (branch main):
-    ``models--acme--k3-tiny-drafter/{refs/main, blobs/<file>, snapshots/<commit>/<file> -> ../../blobs/<file>}``."""
+def _fake_hf_cache(tmp_path, source, repo_id: str = REPO, commit: str = COMMIT) -> Path:
+    """huggingface_hub's cache layout with ``source``'s files as the snapshot of ``repo_id`` at ``commit`` (branch
+    main): ``models--acme--k3-tiny-drafter/{refs/main, blobs/<file>, snapshots/<commit>/<file> -> ../../blobs/<file>}``."""
     hub = tmp_path / "hub"
-    repo = hub / ("models--" + REPO.replace("/", "--"))
-    snap = repo / "snapshots" / COMMIT
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
     (repo / "refs").mkdir(parents=True)
     (repo / "blobs").mkdir()
     snap.mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
+    (repo / "refs" / "main").write_text(commit)
+    for f in (p.name for p in Path(source).iterdir() if p.is_file()):
         shutil.copyfile(Path(source) / f, repo / "blobs" / f)
         (snap / f).symlink_to(Path("..") / ".." / "blobs" / f)
     return hub

@@ -12,7 +12,6 @@ local cache; a missing, misshapen or unexpected tensor and a bad config key are 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from rocm_k3.spec_decode.dspark import DSparkDrafter
 from rocm_k3.spec_decode.dspark_config import DSparkConfig, tensor_shapes
 from rocm_k3.spec_decode.dspark_load import load_dspark
 from rocm_k3.spec_decode.dspark_proposer import DSparkProposer
+from tests.engine.test_spec_drafter import _fake_hf_cache
 from tests.engine_fixtures import core_for, run_checked, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
@@ -284,23 +284,9 @@ def test_the_markov_head_chains_each_draft_on_the_previous_one(model, tmp_path):
 
 
 # ---- loading: by name, and every problem named -------------------------------------------------------------
-def _fake_hf_cache(tmp_path, source: Path) -> Path:
-    hub = tmp_path / "hub"
-    repo = hub / ("models--" + REPO.replace("/", "--"))
-    snap = repo / "snapshots" / COMMIT
-    (repo / "refs").mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    snap.mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    for f in source.iterdir():
-        shutil.copyfile(f, repo / "blobs" / f.name)
-        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f.name)
-    return hub
-
-
 def test_loads_by_repo_id_from_the_local_hf_cache(model, tmp_path):
     root = _write(tmp_path / "d", model)
-    with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
+    with override(hf_hub_cache=_fake_hf_cache(tmp_path, root, REPO, COMMIT)):
         proposer = DraftProposer.for_model(SpeculativeConfig(method="draft_model", model=REPO,
                                                              num_speculative_tokens=7), model)
     try:
