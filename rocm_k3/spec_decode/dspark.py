@@ -10,8 +10,9 @@ the block); ``final_norm`` then the target's LM head give base logits at block r
 adds, left to right, ``markov_w2 @ markov_w1[previous token]`` (the previous token: the anchor, then each draft)
 before the greedy pick. Greedy drafts are deterministic, so the worker's acceptance rule stays exact.
 
-MLA: DeepSeek-V3 shape with q-LoRA, keys and values expanded from the latent (``kv_b_proj``: per head
-``[k_nope Dn | v Dv]``), ``q_b_proj`` per head ``[q_nope Dn | q_pe P]``; interleaved-pair (GPT-J style) RoPE on
+MLA: DeepSeek-V3 shape with q-LoRA, keys and values from the latent (``kv_b_proj``: per head ``[k_nope Dn | v Dv]``,
+applied absorbed: to q and to the output, so a step costs O(block x context x R), never expanding the context),
+``q_b_proj`` per head ``[q_nope Dn | q_pe P]``; interleaved-pair (GPT-J style) RoPE on
 the P dims with DeepSeek YaRN frequencies; softmax scale ``(Dn + P) ** -0.5 * yarn_mscale(factor,
 mscale_all_dim) ** 2``. MLP: ``down(silu(gate(x)) * up(x))``. RMSNorms in fp32.
 """
@@ -101,11 +102,14 @@ class DSparkAttention(nn.Module):
                            cfg.v_head_dim)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(-1, n, dn + p)  # [S, n, Dn + P]
         q_pe = apply_rope(q[..., dn:], positions, inv_freq, rope_scale)  # [S, n, P]
-        keys = torch.cat([context.to(x.dtype), self.latent(x, positions, inv_freq, rope_scale)])  # [C + S, R + P]
-        kv = self.kv_b_proj(keys[:, :r]).view(-1, n, dn + dv)  # [C + S, n, Dn + Dv]
-        scores = (torch.einsum("snd,cnd->nsc", q[..., :dn].float(), kv[..., :dn].float())
-                  + torch.einsum("snp,cp->nsc", q_pe.float(), keys[:, r:].float())) * softmax_scale  # [n, S, C + S]
-        out = torch.einsum("nsc,cnd->snd", scores.softmax(dim=-1), kv[..., dn:].float())  # [S, n, Dv]
+        keys = torch.cat([context.to(x.dtype), self.latent(x, positions, inv_freq, rope_scale)]).float()  # [C+S, R+P]
+        # absorbed: the key / value up-projections act on q and on the output, never on the C context rows
+        w = self.kv_b_proj.weight.float().view(n, dn + dv, r)  # [n, Dn + Dv, R]
+        q_lat = torch.einsum("snd,ndr->snr", q[..., :dn].float(), w[:, :dn])  # [S, n, R]
+        scores = (torch.einsum("snr,cr->nsc", q_lat, keys[:, :r])
+                  + torch.einsum("snp,cp->nsc", q_pe.float(), keys[:, r:])) * softmax_scale  # [n, S, C + S]
+        o_lat = torch.einsum("nsc,cr->snr", scores.softmax(dim=-1), keys[:, :r])  # [S, n, R]
+        out = torch.einsum("snr,ndr->snd", o_lat, w[:, dn:])  # [S, n, Dv]
         return self.o_proj(out.reshape(x.shape[0], n * dv).to(x.dtype))
 
 

@@ -367,3 +367,70 @@ def test_the_tap_drafter_loader_points_at_the_dspark_one(model, tmp_path):
                                          r"'K3DSparkModel' \(model_type 'k3_dspark'"):
         load_drafter(root, target_hidden_size=cfg.hidden_size, target_num_hidden_layers=cfg.num_hidden_layers,
                      vocab_size=cfg.vocab_size, device=torch.device("cpu"))
+
+
+# ---- the drafter's arithmetic against a naive transcription ------------------------------------------------
+def _naive_block_attention(attn, x, positions, context, drafter) -> torch.Tensor:
+    """DeepSeek MLA written out: keys / values expanded from every latent row, scores over context + block."""
+    cfg = attn.cfg
+    n, dn, p, r, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                       cfg.v_head_dim)
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(-1, n, dn + p)
+    angles = positions.float()[:, None] * drafter.inv_freq[None]  # [S, P / 2]
+    cos, sin = angles.cos() * drafter.rope_scale, angles.sin() * drafter.rope_scale
+    q_pe = torch.empty(q.shape[0], n, p)
+    q_pe[..., 0::2] = q[..., dn::2] * cos[:, None] - q[..., dn + 1::2] * sin[:, None]
+    q_pe[..., 1::2] = q[..., dn + 1::2] * cos[:, None] + q[..., dn::2] * sin[:, None]
+    kv = attn.kv_a_proj_with_mqa(x)
+    k_pe = torch.empty(x.shape[0], p)
+    k_pe[:, 0::2] = kv[:, r::2] * cos - kv[:, r + 1::2] * sin
+    k_pe[:, 1::2] = kv[:, r + 1::2] * cos + kv[:, r::2] * sin
+    latent = torch.cat([context, torch.cat([attn.kv_a_layernorm(kv[:, :r]), k_pe], dim=-1)])  # [C + S, R + P]
+    expanded = attn.kv_b_proj(latent[:, :r]).view(-1, n, dn + dv)
+    keys = torch.cat([expanded[..., :dn], latent[:, None, r:].expand(-1, n, p)], dim=-1)  # [C + S, n, Dn + P]
+    scores = torch.einsum("shd,chd->hsc", torch.cat([q[..., :dn], q_pe], dim=-1), keys) * drafter.softmax_scale
+    out = torch.einsum("hsc,chd->shd", scores.softmax(-1), expanded[..., dn:]).reshape(x.shape[0], n * dv)
+    return attn.o_proj(out)
+
+
+def test_absorbed_attention_matches_the_expanded_one(model):
+    cfg = DSparkConfig.from_dict(_config(model))
+    torch.manual_seed(5)
+    drafter = DSparkDrafter(cfg)
+    for prm in drafter.parameters():
+        torch.nn.init.normal_(prm, std=0.3)
+    attn = drafter.layers[1].self_attn
+    context = drafter.context(torch.randn(11, len(TAPS), cfg.target_hidden_size), torch.arange(11))[1]
+    x, positions = torch.randn(8, cfg.hidden_size), torch.arange(300, 308)  # past original_max (256): YaRN range
+    with torch.inference_mode():
+        got = attn(x, positions, context, drafter.inv_freq, drafter.rope_scale, drafter.softmax_scale)
+        want = _naive_block_attention(attn, x, positions, context, drafter)
+    assert torch.isfinite(got).all()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-5, rel  # fp32, same math in another order
+
+
+def test_yarn_frequencies_and_rope_are_relative():
+    """YaRN keeps the fast dims' frequencies, divides the slow dims' by the factor, ramps between; the rotation
+    makes q . k depend on the position difference only; mscale follows DeepSeek's 0.1 * m * ln(factor) + 1."""
+    from rocm_k3.spec_decode.dspark import apply_rope, rope_inv_freq, yarn_mscale
+    from rocm_k3.spec_decode.dspark_config import YarnRope
+
+    rope = YarnRope(theta=50000.0, factor=32.0, original_max_position_embeddings=32768, beta_fast=32, beta_slow=1,
+                    mscale=1.0, mscale_all_dim=1.0)
+    plain = 1.0 / 50000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    inv = rope_inv_freq(rope, 64).double()
+    # correction dims for 32 / 1 rotations over 32768 positions: 15.06 -> 15 and 25.3 -> 26 of the 32 pairs
+    assert torch.allclose(inv[:15], plain[:15]) and torch.allclose(inv[26:], plain[26:] / 32)
+    assert not torch.allclose(inv[16:25], plain[16:25]) and not torch.allclose(inv[16:25], plain[16:25] / 32)
+    assert ((inv <= plain * (1 + 1e-6)) & (inv >= plain / 32 * (1 - 1e-6))).all()
+    assert torch.allclose(rope_inv_freq(YarnRope(theta=50000.0), 64).double(), plain)
+    assert yarn_mscale(32.0, 1.0) == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
+    q, k = torch.randn(1, 64), torch.randn(1, 64)
+
+    def dot(m: int, n: int) -> float:
+        return float((apply_rope(q, torch.tensor([m]), inv.float(), 1.0)
+                      * apply_rope(k, torch.tensor([n]), inv.float(), 1.0)).sum())
+
+    assert dot(40, 35) == pytest.approx(dot(1005, 1000), rel=1e-4, abs=1e-4)
+    assert dot(40, 35) != pytest.approx(dot(40, 20), rel=1e-3)
