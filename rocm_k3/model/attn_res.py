@@ -83,14 +83,18 @@ class StackState:
 
 
 Tap = Callable[[int, torch.Tensor], None]  # (layer index, its normed attention input [T, hidden])
+# (layer index, the stream after that layer as (running [T, hidden] or None, delta [T, hidden]): running + delta is
+# the residual stream after the layer (AttnRes: the current block's partial sum), what a DSpark drafter reads)
+OutTap = Callable[[int, "torch.Tensor | None", torch.Tensor], None]
 
 
 def run_layers(state: StackState, layers: Sequence[StackLayer], block_size: int | None, eps: float,
-               table, tap: Tap | None = None) -> StackState:
+               table, tap: Tap | None = None, out_tap: OutTap | None = None) -> StackState:
     """Run ``layers`` (consecutive depths) from ``state``; returns the state after the last of them. ``tap``, if
-    given, sees each layer's normed attention input (what a speculative drafter reads)."""
+    given, sees each layer's normed attention input (what the tap drafter reads); ``out_tap`` the stream after
+    each layer (what a DSpark drafter reads)."""
     if block_size is None:
-        return _plain_layers(state, layers, eps, table, tap)
+        return _plain_layers(state, layers, eps, table, tap, out_tap)
     partial: torch.Tensor | None = state.running
     delta, blocks = state.delta, state.blocks
     for layer in layers:
@@ -107,6 +111,8 @@ def run_layers(state: StackState, layers: Sequence[StackLayer], block_size: int 
                                        proj_weight=layer.mlp_site.proj, norm_weight=layer.mlp_site.norm,
                                        rms_weight=layer.post_norm, eps=eps, backend=table)
         delta = layer.mlp_forward(x)
+        if out_tap is not None:
+            out_tap(layer.index, partial, delta)
     return StackState(partial, delta, blocks)
 
 
@@ -122,7 +128,8 @@ def finish(state: StackState, output_site: AttnResSite | None, final_norm: torch
     return h
 
 
-def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, table, tap: Tap | None) -> StackState:
+def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, table, tap: Tap | None,
+                  out_tap: OutTap | None) -> StackState:
     residual, delta = state.running, state.delta
     for layer in layers:
         if delta is None:  # layer 0: nothing to add yet
@@ -134,4 +141,6 @@ def _plain_layers(state: StackState, layers: Sequence[StackLayer], eps: float, t
         a = layer.attn_forward(x)
         x, residual = ops.add_rms_norm(a, residual, layer.post_norm, eps, backend=table)
         delta = layer.mlp_forward(x)
+        if out_tap is not None:
+            out_tap(layer.index, residual, delta)
     return StackState(residual, delta)

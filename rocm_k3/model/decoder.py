@@ -126,8 +126,12 @@ class KimiModel(WeightTargets):
                                                 table, **kw)
         # speculative drafting (set by the worker): tapped depths, 0..num_hidden_layers - 1 = that layer's normed
         # attention input, num_hidden_layers = the final-normed hidden state; each forward of a single-stage model
-        # then leaves ``tapped`` [N, len(tap_layers), hidden] at the logits rows
+        # then leaves ``tapped`` [N, len(tap_layers), hidden] at the logits rows. With ``tap_outputs`` (a DSpark
+        # drafter) depth i is instead the residual stream after layer i (AttnRes: the current block's partial
+        # sum), i in 0..num_hidden_layers - 1, and ``tapped`` [T, len(tap_layers), hidden] holds every token row
+        # (in a decode-shaped batch: every logits row, which are its token rows)
         self.tap_layers: tuple[int, ...] = ()
+        self.tap_outputs = False
         self.tapped: torch.Tensor | None = None
         self.final_norm = self.lm_head = self.output_site = None
         if ctx.is_last_stage:
@@ -179,13 +183,25 @@ class KimiModel(WeightTargets):
                 if index in wanted:
                     taps[index] = x[batch.logits_indices]  # [N, hidden]
 
+            # a decode-shaped batch (graph or verification layout) may hold padding rows: its token rows are its
+            # logits rows there; any other batch's rows are its tokens
+            token_rows = batch.logits_indices if batch.is_decode else None
+
+            def out_tap(index: int, running: torch.Tensor | None, delta: torch.Tensor) -> None:
+                if index in wanted:
+                    stream = delta if running is None else running + delta  # [T, hidden]
+                    taps[index] = stream.clone() if token_rows is None else stream[token_rows]
+
+            outputs = bool(wanted) and self.tap_outputs
             state = run_layers(state, list(self.layers), cfg.attn_res_block_size, cfg.rms_norm_eps, self.backend,
-                               tap if wanted else None)
+                               tap if wanted and not outputs else None, out_tap if outputs else None)
             if not self.ctx.is_last_stage:
                 return state
             hidden = finish(state, self.output_site, self.final_norm, cfg.rms_norm_eps, self.backend)  # [T, hidden]
             out = hidden[batch.logits_indices]  # [N, hidden]
-            if wanted:
+            if outputs:
+                self.tapped = torch.stack([taps[i] for i in self.tap_layers], dim=1)  # [T, len(tap_layers), hidden]
+            elif wanted:
                 taps[cfg.num_hidden_layers] = out
                 self.tapped = torch.stack([taps[i] for i in self.tap_layers], dim=1)  # [N, len(tap_layers), hidden]
             return self.lm_head(out)  # [N, vocab]

@@ -3,7 +3,7 @@
 Keys: ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (1..8), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (n-gram sizes tried, longest first), ``model`` (draft_model: a drafter directory, a Hugging
 Face repo id found in the local Hugging Face cache, or "embedded-drafter" for the one shipped beside the embedded
-tiny K3), ``revision`` (of a repo id: branch, tag or commit hash), ``disable_by_batch_size`` (no drafts in a step
+tiny K3; rocm-k3's tap drafter or a K3 DSpark checkpoint, e.g. "Inferact/Kimi-K3-DSpark"), ``revision`` (of a repo id: branch, tag or commit hash), ``disable_by_batch_size`` (no drafts in a step
 that decodes at least this many sequences: wide verifications cost more than they win at large batches, see
 benchmarks/RESULTS.md; None: always draft). Unknown keys are refused with their names;
 vLLM's other methods (eagle, eagle3, mtp, medusa, ...) are refused by name: rocm-k3's hidden-state drafter (the

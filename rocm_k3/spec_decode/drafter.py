@@ -33,6 +33,9 @@ from torch import nn
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.settings import get_settings
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER
+from rocm_k3.spec_decode.dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE
+from rocm_k3.spec_decode.dspark_config import MODEL_TYPE as DSPARK_MODEL_TYPE
+from rocm_k3.spec_decode.dspark_config import is_dspark_config
 
 ARCHITECTURE = "RocmK3TapDrafter"
 CONFIG_FILE = "config.json"
@@ -153,15 +156,11 @@ def resolve_drafter_path(model: str, revision: str | None = None) -> Path:
                      "writes one)")
 
 
-# Released K3 drafters this loader cannot run, by the ``model_type`` / ``architectures`` of their config.json (public
-# facts: TokenSpeed's KimiK3DSparkConfig, ATOM / vLLM-Ascend pull requests for Inferact/ and RadixArk/Kimi-K3-DSpark)
-_DSPARK = ("k3_dspark", "K3DSparkModel")
-
-
 def refuse_foreign_drafter(root: Path, where: str) -> None:
-    """ValueError naming the architecture when ``root``'s config.json is a released K3 DSpark drafter (or any other
-    architecture than :data:`ARCHITECTURE`, when it names one): rocm-k3's ``draft_model`` runs its own tap drafter
-    only. Nothing is raised for a config it cannot read (the caller reports that)."""
+    """ValueError naming the architecture when ``root``'s config.json names another architecture than
+    :data:`ARCHITECTURE`: a K3 DSpark drafter (``k3_dspark`` / ``K3DSparkModel``) is loaded by
+    :func:`~rocm_k3.spec_decode.dspark_load.load_dspark` (the engine picks it by its config), any other DSpark or
+    drafter layout is not one rocm-k3 runs. Nothing is raised for a config it cannot read (the caller reports that)."""
     try:
         raw = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, ValueError):
@@ -170,16 +169,25 @@ def refuse_foreign_drafter(root: Path, where: str) -> None:
         return
     arch, model_type = raw.get("architectures"), raw.get("model_type")
     names = [str(a) for a in arch] if isinstance(arch, list) else []
-    if model_type == _DSPARK[0] or _DSPARK[1] in names or any("dspark" in n.lower() for n in names):
-        taps = raw.get("target_layer_ids")
-        raise ValueError(f"{where}: a K3 DSpark drafter (model_type {model_type!r}, architectures {arch!r}"
-                         f"{f', target_layer_ids {taps}' if taps else ''}): its architecture (RoPE MLA layers that "
-                         "draft a block of tokens in one pass from tapped target hidden states, with a Markov head) "
-                         f"is not implemented in rocm-k3, whose method 'draft_model' loads {ARCHITECTURE!r} "
-                         "checkpoints only (rocm-k3 train-tiny-drafter DIR writes one); use method 'ngram' for K3")
+    if is_dspark_config(raw):
+        raise ValueError(f"{where}: a K3 DSpark drafter ({DSPARK_ARCHITECTURE}): load_dspark loads it (method "
+                         f"'draft_model' picks it by its config.json); load_drafter loads {ARCHITECTURE!r} only")
     if names and names != [ARCHITECTURE]:
-        raise ValueError(f"{where}: architectures {arch!r} in its {CONFIG_FILE} is not a drafter rocm-k3 can run "
-                         f"(method 'draft_model' loads {ARCHITECTURE!r} checkpoints only)")
+        other = any("dspark" in n.lower() or "dflash" in n.lower() for n in names)
+        kind = "a DSpark / DFlash drafter of another layout" if other else "not a drafter layout rocm-k3 runs"
+        raise ValueError(f"{where}: architectures {arch!r} (model_type {model_type!r}) in its {CONFIG_FILE} is "
+                         f"{kind}: method 'draft_model' loads {DSPARK_ARCHITECTURE!r} (model_type "
+                         f"{DSPARK_MODEL_TYPE!r}: MLA layers, target_layer_ids taps, a vanilla Markov head) and "
+                         f"{ARCHITECTURE!r} checkpoints only")
+
+
+def check_target(cfg, where: str, **target: int) -> None:
+    """ValueError naming the first of ``target`` (config field -> the target model's value) that a drafter
+    config ``cfg`` has otherwise: the drafter was trained for another model."""
+    for name, value in target.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"{where}: {name}={getattr(cfg, name)} in its {CONFIG_FILE}, but the target model has "
+                             f"{value}: this drafter was trained for another model")
 
 
 def save_drafter(drafter: TapDrafter, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -213,12 +221,8 @@ def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidde
         raise ValueError(f"{where}: tap_layer_ids {list(cfg.tap_layer_ids)} in its {CONFIG_FILE} name depths "
                          f"{outside} outside the target model, which has depths 0..{target_num_hidden_layers} "
                          f"({target_num_hidden_layers} layers, then the final norm)")
-    target = {"target_hidden_size": target_hidden_size, "target_num_hidden_layers": target_num_hidden_layers,
-              "vocab_size": vocab_size}
-    for name, value in target.items():
-        if getattr(cfg, name) != value:
-            raise ValueError(f"{where}: {name}={getattr(cfg, name)} in its {CONFIG_FILE}, but the target model has "
-                             f"{value}: this drafter was trained for another model")
+    check_target(cfg, where, target_hidden_size=target_hidden_size,
+                 target_num_hidden_layers=target_num_hidden_layers, vocab_size=vocab_size)
     drafter = TapDrafter(cfg)
     try:
         tensors = load_file(str(root / WEIGHTS_FILE))

@@ -37,6 +37,7 @@ from rocm_k3.kv_transfer.workers import connector_worker
 from rocm_k3.spec_decode.acceptance import expand_rows, verify_rows
 from rocm_k3.spec_decode.config import SpeculativeConfig
 from rocm_k3.spec_decode.draft_proposer import DraftProposer
+from rocm_k3.spec_decode.dspark_proposer import DSparkProposer
 from rocm_k3.model.loader import load_model
 from rocm_k3.model.moe import MoEBlock, RoutedExperts
 from rocm_k3.model.vision.loader import load_vision_model, vision_config_of
@@ -189,11 +190,12 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.structured = StructuredSampling(config.model_path, config.output_family, self.model.cfg.vocab_size)
         self.requests = RequestTable(self.structured, self.device)
-        self.proposer: DraftProposer | None = None  # draft_model speculation: the drafter (sampling rank only)
+        # draft_model speculation: the drafter (sampling rank only)
+        self.proposer: DraftProposer | DSparkProposer | None = None
         if config.drafts_on_worker and self.ctx.is_sampling_rank:
             self.proposer = DraftProposer.for_model(config.speculative, self.model)
         elif hasattr(self.model, "tap_layers"):  # a model served before by a drafting worker taps nothing here
-            self.model.tap_layers = ()
+            self.model.tap_layers, self.model.tap_outputs = (), False
         self.connector: SocketConnectorWorker | None = None
         self._kv_step: dict[str, int | tuple[str, ...]] = {}
         self._kv_view: LayerHookView | None = None  # the step's per-layer transfer view (see _begin_kv)
@@ -459,6 +461,8 @@ class Worker:
             if step is not None:
                 for rid in step.finished_request_ids:
                     self.requests.drop(rid)
+                    if self.proposer is not None:
+                        self.proposer.drop(rid)
                 self.runner.apply_requests(step)
         else:
             out = self.execute(step)
@@ -505,6 +509,8 @@ class Worker:
             raise RuntimeError("execute: init_cache() has not run")
         for rid in step.finished_request_ids:  # first: a finished id may be reused by a new request
             self.requests.drop(rid)
+            if self.proposer is not None:
+                self.proposer.drop(rid)
         if self.samples:  # sampling state (generators, penalties, grammars) lives on the sampling ranks only
             for req in step.new_requests:
                 self.requests.register(req)
@@ -556,7 +562,7 @@ class Worker:
                 error = batch.error(i) or ("" if ok else NON_FINITE)
                 sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
         if self.proposer is not None:
-            sampled = self.proposer.attach(chunks, sampled)
+            sampled = self.proposer.attach(step.chunks, sampled)
         return StepOutput(step.step_id, tuple(sampled), launched.prompt, sampler_fallbacks=fallbacks)
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> tuple[PromptLogprobs, ...]:

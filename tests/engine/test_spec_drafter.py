@@ -173,17 +173,17 @@ REPO = "acme/k3-tiny-drafter"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _fake_hf_cache(tmp_path, source) -> Path:
-    """huggingface_hub's cache layout with ``source``'s files as the snapshot of REPO at COMMIT (branch main):
-    ``models--acme--k3-tiny-drafter/{refs/main, blobs/<file>, snapshots/<commit>/<file> -> ../../blobs/<file>}``."""
+def _fake_hf_cache(tmp_path, source, repo_id: str = REPO, commit: str = COMMIT) -> Path:
+    """huggingface_hub's cache layout with ``source``'s files as the snapshot of ``repo_id`` at ``commit`` (branch
+    main): ``models--acme--k3-tiny-drafter/{refs/main, blobs/<file>, snapshots/<commit>/<file> -> ../../blobs/<file>}``."""
     hub = tmp_path / "hub"
-    repo = hub / ("models--" + REPO.replace("/", "--"))
-    snap = repo / "snapshots" / COMMIT
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
     (repo / "refs").mkdir(parents=True)
     (repo / "blobs").mkdir()
     snap.mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
+    (repo / "refs" / "main").write_text(commit)
+    for f in (p.name for p in Path(source).iterdir() if p.is_file()):
         shutil.copyfile(Path(source) / f, repo / "blobs" / f)
         (snap / f).symlink_to(Path("..") / ".." / "blobs" / f)
     return hub
@@ -239,22 +239,29 @@ def test_a_checkpoint_of_another_drafter_architecture_is_refused_by_name(tmp_pat
             _load(REPO, target_cfg)
 
 
-@pytest.mark.parametrize("config", [
-    # the config.json fields of the released K3 DSpark drafters as public serving code reads them (TokenSpeed's
-    # KimiK3DSparkConfig: model_type k3_dspark, sometimes without an architectures field), no weights needed
-    {"model_type": "k3_dspark", "hidden_size": 7168, "num_hidden_layers": 5, "target_layer_ids": [2, 23, 47, 71, 89],
-     "num_target_layers": 5, "markov_rank": 256, "markov_head_type": "vanilla", "vocab_size": 163840},
-    {"architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "target_layer_ids": [2, 23, 47, 71, 89]},
+@pytest.mark.parametrize("config, missing", [
+    # config.json fields of the released K3 DSpark drafters as public serving code reads them (TokenSpeed's
+    # KimiK3DSparkConfig: model_type k3_dspark, sometimes without an architectures field), short of the rest
+    ({"model_type": "k3_dspark", "hidden_size": 7168, "num_hidden_layers": 5, "target_layer_ids": [2, 23, 47, 71, 89],
+      "num_target_layers": 5, "markov_rank": 256, "markov_head_type": "vanilla", "vocab_size": 163840},
+     "'intermediate_size', 'num_attention_heads', 'q_lora_rank'"),
+    ({"architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "target_layer_ids": [2, 23, 47, 71, 89]},
+     "'hidden_size', 'intermediate_size'"),
 ], ids=["model-type-only", "architectures"])
-def test_a_released_k3_dspark_drafter_is_refused_naming_its_architecture(tmp_path, target_cfg, config):
-    """Loading a K3 DSpark checkpoint by repo id gives one clear error naming the architecture, before any weight
-    file is read."""
+def test_a_k3_dspark_config_short_of_its_keys_names_them(tmp_path, target_cfg, config, missing):
+    """A K3 DSpark checkpoint by repo id goes to the DSpark loader (tests/engine/test_spec_dspark.py), which names
+    the config keys it lacks before any weight file is read; load_drafter points at that loader."""
+    from rocm_k3.spec_decode.dspark_load import load_dspark
+
     root = tmp_path / "Kimi-K3-DSpark"
     root.mkdir()
     (root / CONFIG_FILE).write_text(json.dumps(config))
     (root / WEIGHTS_FILE).write_bytes(b"not read")  # refused on the config alone
     with override(hf_hub_cache=_fake_hf_cache(tmp_path, root)):
-        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter': a K3 DSpark drafter \(model_type 'k3_dspark'.*"
-                                             r"target_layer_ids \[2, 23, 47, 71, 89\].*not implemented in rocm-k3.*"
-                                             r"'ngram'"):
+        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter': a K3 DSpark drafter \(K3DSparkModel\): "
+                                             r"load_dspark loads it"):
             _load(REPO, target_cfg)
+        with pytest.raises(ValueError, match=r"'acme/k3-tiny-drafter': DSpark config: missing keys \[" + missing):
+            load_dspark(resolve_drafter_path(REPO), f"draft model {REPO!r}", target_hidden_size=target_cfg.hidden_size,
+                        target_num_hidden_layers=target_cfg.num_hidden_layers, vocab_size=target_cfg.vocab_size,
+                        device=torch.device("cpu"), dtype=torch.float32)

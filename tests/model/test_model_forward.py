@@ -61,7 +61,9 @@ def _situ(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)
 
 
-def naive_k3_logits(ckpt_dir, ids: list[int]) -> torch.Tensor:
+def naive_k3_logits(ckpt_dir, ids: list[int], streams: list | None = None) -> torch.Tensor:
+    """The logits [T, vocab]; ``streams``, if given, receives the stream after each layer (the block partial sum
+    p, what a DSpark drafter taps)."""
     text = json.loads((ckpt_dir / "config.json").read_text())["text_config"]
     raw = {k: v.float() for k, v in load_file(str(ckpt_dir / "model.safetensors")).items()
            if not k.endswith(("weight_packed", "weight_scale"))}
@@ -161,6 +163,8 @@ def naive_k3_logits(ckpt_dir, ids: list[int]) -> torch.Tensor:
         p = a if p is None else p + a
         x = _rms(mix(p, blocks, pre + "mlp_res"), W(pre + "post_attention_layernorm.weight"), eps)
         p = p + (mlp(pre + "mlp.", x) if l < text["first_k_dense_replace"] else moe(l, x))
+        if streams is not None:
+            streams.append(p)
     h = mix(p, blocks, "model.output_attn_res")
     return _rms(h, W("model.norm.weight"), eps) @ W("lm_head.weight").T
 
