@@ -265,8 +265,9 @@ class Scheduler:
         self.cache.finish_copies(out.copies)
         accepted_of = None  # built on the first verification chunk
         failed = set(output.kv_failed)
-        self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
-                             seconds=output.kv_transfer_s)
+        if output.kv_bytes_received or output.kv_bytes_sent or output.kv_transfer_s:  # (a Counter: missing = 0)
+            self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
+                                 seconds=output.kv_transfer_s)
         finished = SequenceStatus.FINISHED
         gone = {item.seq.seq_id for item in out.scheduled if item.seq.status is finished}  # aborted while in flight
         for item in out.scheduled:
@@ -439,7 +440,7 @@ class Scheduler:
             order = sorted(range(len(scheduled)), key=keys.__getitem__)
             scheduled[:] = [scheduled[i] for i in order]
         new_requests, chunks = [], []
-        cache, take_moved = self.cache, self.spec.take_moved
+        cache, take_moved, moved = self.cache, self.spec.take_moved, self.spec.num_tracked() > 0
         for item in scheduled:
             seq = item.seq
             if not seq.registered:
@@ -451,7 +452,7 @@ class Scheduler:
             table = cache.table(seq.seq_id)
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
-            images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted else ()
+            images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted and seq.images else ()
             if item.drafts:
                 token_ids = tuple(seq.token_ids[item.start : item.end - len(item.drafts)]) + tuple(item.drafts)
             elif item.num_new_tokens == 1:
@@ -460,10 +461,10 @@ class Scheduler:
                 token_ids = tuple(seq.token_ids[item.start : item.end])
             chunks.append(ScheduledChunk(
                 request_id=seq.request_id, token_ids=token_ids,
-                start=item.start, num_draft=len(item.drafts), slot_moved=take_moved(seq.seq_id),
+                start=item.start, num_draft=len(item.drafts), slot_moved=take_moved(seq.seq_id) if moved else False,
                 admitted=admitted, block_ids=tuple(table[sent:]) if sent < len(table) else (),
                 kda_slot=cache.slot(seq.seq_id),
-                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,
+                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves) if item.saves else (), images=images,
                 prompt_logprob_rows=max(0, min(item.end, seq.num_prompt_tokens - 1) - item.start)
                 if item.is_prefill and seq.needs_prompt_logprobs else 0,
             ))
