@@ -144,7 +144,7 @@ def measure(llm: LLM, graphs: StandInGraphs, batch: int, steps: int, repeats: in
             for k, v in s.items():
                 runs[k].append(v / steps * 1e6)
             if prof is not None:
-                pstats.Stats(prof).sort_stats(SORT).print_stats(45)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     finally:
         worker_module.sample = orig_sample
         for owner, name in ((engine.scheduler, "schedule"), (engine, "_commit"), (engine.executor, "execute")):
