@@ -194,10 +194,12 @@ class CacheManager:
 
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
         """Grow the block table to cover ``num_tokens`` positions; False (nothing allocated) if out of blocks."""
-        need = self.blocks_needed(seq_id, num_tokens)
+        table = self._seq(seq_id).block_table
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need <= 0:  # covered already (a decode step, most of the time)
+            return True
         if need > self.blocks.num_available:
             return False
-        table = self._seq(seq_id).block_table
         for _ in range(need):
             block = self.blocks.allocate()
             if block is None:  # cannot happen after the availability check; keep the table consistent anyway

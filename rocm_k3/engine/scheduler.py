@@ -61,7 +61,7 @@ class ScheduledSeq:
     placeholder: bool = False
 
     def __post_init__(self) -> None:
-        self.samples = self.end - len(self.drafts) == self.seq.num_tokens + self.placeholder
+        self.samples = self.start + self.num_new_tokens - len(self.drafts) == len(self.seq.token_ids) + self.placeholder
 
     @property
     def end(self) -> int:
@@ -214,7 +214,12 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         ahead = self._ahead_ids()  # in the newest step in flight, scheduled again with a placeholder token
-        decoding = [s for s in self.running if s.is_decoding and (s.seq_id not in taken or s.seq_id in ahead)]
+        decoding, prefilling = [], []  # running sequences not in flight (or ahead), past their prefill or not
+        for s in self.running:
+            if s.seq_id not in taken:
+                (decoding if s.is_decoding else prefilling).append(s)
+            elif s.seq_id in ahead and s.is_decoding:
+                decoding.append(s)
         # the batch-size cut counts every decoding sequence, in flight or not (pipelined steps see a share each)
         speculate = (self.spec.config is not None
                      and self.spec.config.drafts_at(sum(1 for s in self.running if s.is_decoding)))
@@ -232,7 +237,7 @@ class Scheduler:
                 taken.add(seq.seq_id)
                 budget -= 1 + len(drafts)
 
-        for seq in [s for s in self.running if not s.is_decoding and s.seq_id not in taken]:
+        for seq in prefilling:
             if len(scheduled) >= run_cap:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -304,32 +309,36 @@ class Scheduler:
         tokens, check the stop conditions and finish requests. Returns one delta per request that sampled."""
         out = self._take_in_flight(output.step_id)
         self.cache.finish_copies(out.copies)
-        accepted_of = {t.request_id: t.accepted for t in output.sampled}
+        accepted_of = None  # built on the first verification chunk
         failed = set(output.kv_failed)
-        self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
-                             seconds=output.kv_transfer_s)
-        gone = {item.seq.seq_id for item in out.scheduled if item.seq.is_finished}  # aborted while in flight
+        if output.kv_bytes_received or output.kv_bytes_sent or output.kv_transfer_s:  # (a Counter: missing = 0)
+            self.kv_stats.update(bytes_received=output.kv_bytes_received, bytes_sent=output.kv_bytes_sent,
+                                 seconds=output.kv_transfer_s)
+        finished = SequenceStatus.FINISHED
+        gone = {item.seq.seq_id for item in out.scheduled if item.seq.status is finished}  # aborted while in flight
         for item in out.scheduled:
-            if item.seq.seq_id in gone:  # its cache is freed already: only the step's save slots go back
+            seq = item.seq
+            if seq.seq_id in gone or seq.request_id in failed:
+                # gone: its cache is freed already, only the step's save slots go back; failed: its step ran on a
+                # cache that did not arrive, nothing is kept
                 self.cache.abandon_saves(item.saves)
                 item.saves = []
                 continue
-            if item.seq.request_id in failed:  # its step ran on a cache that did not arrive: nothing is kept
-                self.cache.abandon_saves(item.saves)
-                item.saves = []
-                continue
-            if item.seq.kv_loading:
-                item.seq.kv_loading = False
-                item.seq.kv_transfer_params = None
+            if seq.kv_loading:
+                seq.kv_loading = False
+                seq.kv_transfer_params = None
                 self.kv_stats["loaded"] += 1
             if item.is_prefill:
-                self.cache.commit_prefill(item.seq.seq_id, item.seq.cache_key_ids, item.end, item.saves)
-            item.seq.num_computed_tokens = item.end
+                self.cache.commit_prefill(seq.seq_id, seq.cache_key_ids, item.end, item.saves)
+            seq.num_computed_tokens = item.start + item.num_new_tokens
             if item.drafts:  # verified: keep the state after the last accepted token, give back the rest
+                if accepted_of is None:
+                    accepted_of = {t.request_id: t.accepted for t in output.sampled}
                 accepted = accepted_of.get(item.seq.request_id, ())
                 item.seq.num_computed_tokens = item.start + 1 + len(accepted)
                 self.spec.settle(item, len(accepted))
-        self._take_prompt_logprobs(out.scheduled, output)  # (an aborted sequence's are dropped with it)
+        if output.prompt_logprobs:
+            self._take_prompt_logprobs(out.scheduled, output)  # (an aborted sequence's are dropped with it)
         samplers = [item.seq for item in out.scheduled if item.samples]
         if len(samplers) != len(output.sampled):
             raise RuntimeError(f"step {output.step_id}: {len(output.sampled)} sampled tokens for "
@@ -341,6 +350,10 @@ class Scheduler:
                                    f"{seq.request_id!r} was expected")
             if seq.request_id in failed or seq.seq_id in gone:
                 continue
+            if not token.accepted:  # no verified drafts (the common case): one token, no merge
+                deltas.append(self._append(seq, token.token_id, token.logprobs, token.error))
+                seq.proposal = (len(seq.token_ids), token.draft_token_ids)
+                continue
             delta = None
             draft_logprobs = token.accepted_logprobs or (None,) * len(token.accepted)
             for draft, lp in zip(token.accepted, draft_logprobs):  # drafts first; a stop drops the rest
@@ -351,7 +364,7 @@ class Scheduler:
                 delta = _merge(delta, self._append(seq, token.token_id, token.logprobs, token.error))
                 seq.proposal = (seq.num_tokens, token.draft_token_ids)
             deltas.append(delta)
-        for item in out.scheduled:
+        for item in out.scheduled if failed else ():
             if item.seq.request_id in failed:
                 self._recompute_prompt(item.seq)
         self._free_deferred(out)
@@ -387,9 +400,9 @@ class Scheduler:
         """What :meth:`update` of the oldest step in flight may change (see :meth:`roll_back`)."""
         if not self.steps_in_flight:
             raise RuntimeError("checkpoint: no step in flight")
-        samplers = [(item.seq, item.seq.num_tokens, None if item.seq.logprobs is None else len(item.seq.logprobs),
-                     item.seq.stop.num_chars_emitted, item.seq.proposal)
-                    for item in self.steps_in_flight[0].scheduled if item.samples]
+        samplers = [(seq, len(seq.token_ids), None if seq.logprobs is None else len(seq.logprobs),
+                     seq.stop.num_chars_emitted, seq.proposal)
+                    for item in self.steps_in_flight[0].scheduled if item.samples for seq in (item.seq,)]
         return UpdateCheckpoint(list(self.running), len(self._finished_ids), samplers)
 
     def roll_back(self, checkpoint: UpdateCheckpoint) -> list[Sequence]:
@@ -470,10 +483,12 @@ class Scheduler:
     # ---- step contract -------------------------------------------------------------------------------------
     def _step_input(self, scheduled: list[ScheduledSeq], copies: CopyPlan) -> StepInput:
         """The workers' view of the step: decodes first, new requests once, block-table deltas."""
-        order = sorted(range(len(scheduled)),  # stable: one-token decodes first, then verifications, then prefills
-                       key=lambda i: (scheduled[i].is_prefill, bool(scheduled[i].drafts)))
-        scheduled[:] = [scheduled[i] for i in order]
+        keys = [(item.is_prefill, bool(item.drafts)) for item in scheduled]
+        if keys != sorted(keys):  # stable: one-token decodes first, then verifications, then prefills
+            order = sorted(range(len(scheduled)), key=keys.__getitem__)
+            scheduled[:] = [scheduled[i] for i in order]
         new_requests, chunks = [], []
+        cache, take_moved, moved = self.cache, self.spec.take_moved, self.spec.num_tracked() > 0
         for item in scheduled:
             seq = item.seq
             if not seq.registered:
@@ -482,18 +497,25 @@ class Scheduler:
                 new_requests.append(NewRequest(seq.request_id, seq.sampling, seq.num_prompt_tokens,
                                                tuple(seq.prompt_token_ids) if needs_prompt else ()))
                 seq.registered = seq.known_to_workers = True
-            table = self.cache.table(seq.seq_id)
+            table = cache.table(seq.seq_id)
             admitted = seq.admitted_this_step
             sent = 0 if admitted else seq.blocks_sent
-            images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted else ()
-            tokens = (PLACEHOLDER_TOKEN,) if item.placeholder else tuple(seq.token_ids[item.start : item.end
-                                                                                        - len(item.drafts)])
+            images = tuple(im for im in seq.images if im.pad_end > item.start) if admitted and seq.images else ()
+            if item.placeholder:  # the token sampled by the step in flight, taken on the device
+                token_ids = (PLACEHOLDER_TOKEN,)
+            elif item.drafts:
+                token_ids = tuple(seq.token_ids[item.start : item.end - len(item.drafts)]) + tuple(item.drafts)
+            elif item.num_new_tokens == 1:
+                token_ids = (seq.token_ids[item.start],)
+            else:
+                token_ids = tuple(seq.token_ids[item.start : item.end])
             chunks.append(ScheduledChunk(
-                request_id=seq.request_id,
-                token_ids=tokens + tuple(item.drafts), from_previous=item.placeholder,
-                start=item.start, num_draft=len(item.drafts), slot_moved=self.spec.take_moved(seq.seq_id),
-                admitted=admitted, block_ids=tuple(table[sent:]), kda_slot=self.cache.slot(seq.seq_id),
-                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves), images=images,
+                request_id=seq.request_id, token_ids=token_ids, from_previous=item.placeholder,
+                start=item.start, num_draft=len(item.drafts), slot_moved=take_moved(seq.seq_id) if moved else False,
+                admitted=admitted, block_ids=tuple(table[sent:]) if sent < len(table) else (),
+                kda_slot=cache.slot(seq.seq_id),
+                is_prefill=item.is_prefill, sample=item.samples, saves=tuple(item.saves) if item.saves else (),
+                images=images,
                 prompt_logprob_rows=max(0, min(item.end, seq.num_prompt_tokens - 1) - item.start)
                 if item.is_prefill and seq.needs_prompt_logprobs else 0,
             ))
@@ -521,7 +543,7 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None,
                 error: str) -> RequestDelta:
         """One sampled token of a running sequence: append it, check stops, finish when done."""
-        first = seq.num_tokens == seq.num_prompt_tokens  # the request's first delta carries its prompt logprobs
+        first = len(seq.token_ids) == len(seq.prompt_token_ids)  # the first delta carries the prompt logprobs
         prompt_lp = (seq.prompt_logprobs, seq.prompt_logprob_ranks) if first else (None, None)
         if error:
             self.finish(seq, "error")
@@ -534,13 +556,14 @@ class Scheduler:
             entry = dict(logprobs)
             if seq.logprobs is not None:
                 seq.logprobs.append(entry)
-        decision = seq.stop.push(token)
-        if decision.finish_reason is not None:
-            self.finish(seq, decision.finish_reason)
-        finished = seq.is_finished
-        return RequestDelta(seq.request_id, [token], seq.stop.take_text_delta(),
-                            None if entry is None else [entry], finished, seq.finish_reason, None,
-                            self._output(seq) if finished else None, *prompt_lp)
+        stop = seq.stop
+        reason = stop.push(token).finish_reason
+        if reason is None:
+            return RequestDelta(seq.request_id, [token], stop.take_text_delta(), None if entry is None else [entry],
+                                False, seq.finish_reason, None, None, *prompt_lp)
+        self.finish(seq, reason)
+        return RequestDelta(seq.request_id, [token], stop.take_text_delta(), None if entry is None else [entry],
+                            True, seq.finish_reason, None, self._output(seq), *prompt_lp)
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

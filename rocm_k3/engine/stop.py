@@ -31,6 +31,9 @@ class StopDecision:
     stop_reason: int | str | None = None
 
 
+_CONTINUE = StopDecision(None)  # (frozen: one instance serves every token that does not finish)
+
+
 class StopChecker:
     """The output of one request, token by token.
 
@@ -83,18 +86,20 @@ class StopChecker:
             raise ValueError("push: the request has already finished")
         self.num_tokens += 1
         if self._detok is not None and token_id not in self._hidden:
-            old = len(self.text)
-            self.text += self._detok.feed((token_id,))
-            decision = self._check_stop_strings(old)
-            if decision is not None:
-                return self._finish(decision)
+            piece = self._detok.feed((token_id,))
+            if piece:
+                old = len(self.text)
+                self.text += piece
+                decision = self._check_stop_strings(old)
+                if decision is not None:
+                    return self._finish(decision)
         if token_id in self._stop_ids:
             return self._finish(StopDecision("stop", token_id), flush=True)
         if token_id in self._eos:
             return self._finish(StopDecision("stop", None), flush=True)
         if self.num_tokens >= self._max_tokens:
             return self._finish(StopDecision("length"), flush=True)
-        return StopDecision(None)
+        return _CONTINUE
 
     def take_text_delta(self) -> str:
         """Text not yet returned, minus a tail that could still grow into a stop string (all of it once finished)."""

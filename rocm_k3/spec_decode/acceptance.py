@@ -28,11 +28,15 @@ from rocm_k3.worker.step_io import SampledToken, ScheduledChunk
 
 def expand_rows(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
     """The sampling row list: each chunk repeated once per logits row (1 + num_draft)."""
+    if not any(c.num_draft for c in chunks):
+        return list(chunks)
     return [c for c in chunks for _ in range(1 + c.num_draft)]
 
 
 def draft_prefixes(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
     """Per sampling row (:func:`expand_rows` order): the drafts its logits come after (row j: drafts[:j])."""
+    if not any(c.num_draft for c in chunks):
+        return [()] * len(chunks)
     out = []
     for c in chunks:
         drafts = tuple(c.token_ids[len(c.token_ids) - c.num_draft:]) if c.num_draft else ()

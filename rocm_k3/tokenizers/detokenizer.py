@@ -49,7 +49,8 @@ class IncrementalDetokenizer:
             if piece:
                 self._text.append(piece)
             return piece
-        data = b"".join(self._tokenizer.token_bytes(t) for t in ids)
+        data = self._tokenizer.token_bytes(ids[0]) if len(ids) == 1 else \
+            b"".join(self._tokenizer.token_bytes(t) for t in ids)
         piece = self._decoder.decode(data)
         if piece:
             self._text.append(piece)

@@ -161,15 +161,13 @@ class DecodeGraphs:
         if used > self.width:
             raise ValueError(f"fill: block table of {used} columns exceeds the graph width {self.width}")
         pools = self.pools
-        lay = decode_layout(plan, bucket, w, pad_block=pools.pad_block, block_size=pools.block_size,
-                            pad_slot=pools.pad_slot)
         rows = bucket * w
         if self._copied is not None:
             self._copied.synchronize()  # the last fill's copy has left the mirror
         mirror = self._mirror
-        for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "kda_slots"):
-            mirror[name][:rows] = getattr(lay, name)
-        mirror["block_table"][:rows, :used] = lay.block_table
+        # written into the mirror's first ``rows`` rows (the block table's first ``used`` columns)
+        lay = decode_layout(plan, bucket, w, pad_block=pools.pad_block, block_size=pools.block_size,
+                            pad_slot=pools.pad_slot, out=mirror)
         if lay.save_slots is not None:
             mirror["save_slots"][: lay.save_slots.shape[0]] = lay.save_slots
         end = self._table_at + rows * self.width * 4  # the small buffers whole, the block table's first rows

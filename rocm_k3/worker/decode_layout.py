@@ -33,9 +33,18 @@ class DecodeLayout:
     rows: np.ndarray  # int64 [logits rows]
 
 
-def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int, pad_slot: int) -> DecodeLayout:
+LAYOUT_ROWS = ("input_ids", "positions", "seq_lens", "slot_mapping", "kda_slots")  # the [R] arrays
+
+
+def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int, pad_slot: int,
+                  out: dict[str, np.ndarray] | None = None) -> DecodeLayout:
     """The layout of a plan (a :class:`~rocm_k3.worker.model_runner.HostPlan` of ``n <= groups`` sequences with an
-    initial state and at most ``w`` new tokens each) over ``groups`` groups of ``w`` rows."""
+    initial state and at most ``w`` new tokens each) over ``groups`` groups of ``w`` rows.
+
+    out: arrays to write the layout into (a decode graph's host mirror: each of :data:`LAYOUT_ROWS` and
+    ``block_table`` [rows, >= the plan's table width] with at least ``groups * w`` rows); the returned layout's
+    row arrays and block table are then views of them (only the plan's table columns of ``block_table`` are
+    written). A plain decode (w = 1) is written there directly, without intermediate arrays."""
     n = plan.seq_lens.shape[0]
     if n > groups:
         raise ValueError(f"fill: {n} rows do not fit bucket {groups}")
@@ -44,7 +53,7 @@ def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int,
         raise ValueError(f"fill: sequences of {lens.min()}..{lens.max()} new tokens do not fit width {w}")
     total = groups * w
     if w == 1:  # a decode: row i is sequence i, the padding after (the common step, laid out with slices)
-        return _plain_layout(plan, n, total, pad_block=pad_block, block_size=block_size, pad_slot=pad_slot)
+        return _plain_layout(plan, n, total, pad_block=pad_block, block_size=block_size, pad_slot=pad_slot, out=out)
     dst = (np.arange(n)[:, None] * w + np.arange(w)[None, :])[np.arange(w)[None, :] < lens[:, None]]  # [T]
     seq = np.repeat(np.arange(n), lens)  # [T]
 
@@ -64,31 +73,42 @@ def decode_layout(plan, groups: int, w: int, *, pad_block: int, block_size: int,
             if ((p < 1) | (p >= lens[i])).any():
                 raise ValueError("fill: a verification saves states only after its first 1 .. len - 1 tokens")
             saves[i * (w - 1) + p - 1] = plan.save_slots
-    return DecodeLayout(
+    lay = DecodeLayout(
         input_ids=scatter(plan.input_ids, 0, np.int64), positions=scatter(plan.positions, 0, np.int64),
         seq_lens=scatter(plan.positions + 1, 1, np.int32),
         slot_mapping=scatter(plan.slot_mapping, pad_block * block_size, np.int64),
         kda_slots=scatter(plan.kda_slots[seq], pad_slot, np.int32), block_table=table, save_slots=saves,
         rows=dst[plan.logits_indices],
     )
+    if out is None:
+        return lay
+    views = {name: out[name][:total] for name in LAYOUT_ROWS}
+    views["block_table"] = out["block_table"][:total, : table.shape[1]]
+    for name, view in views.items():
+        view[...] = getattr(lay, name)
+    return dataclasses.replace(lay, **views)
 
 
-def _plain_layout(plan, n: int, total: int, *, pad_block: int, block_size: int, pad_slot: int) -> DecodeLayout:
+def _plain_layout(plan, n: int, total: int, *, pad_block: int, block_size: int, pad_slot: int,
+                  out: dict[str, np.ndarray] | None) -> DecodeLayout:
     """:func:`decode_layout` at ``w = 1`` (one token per sequence): the plan's rows first, padding rows after."""
-    def padded(values: np.ndarray, pad: int, dtype) -> np.ndarray:
-        out = np.empty(total, dtype=dtype)
-        out[:n] = values
-        out[n:] = pad
-        return out
+    def padded(name: str, values: np.ndarray, pad: int, dtype) -> np.ndarray:
+        dst = np.empty(total, dtype=dtype) if out is None else out[name][:total]
+        dst[:n] = values
+        dst[n:] = pad
+        return dst
 
-    table = np.zeros((total, plan.block_table.shape[1]), dtype=np.int32)
+    used = plan.block_table.shape[1]
+    table = np.empty((total, used), dtype=np.int32) if out is None else out["block_table"][:total, :used]
     table[:n] = plan.block_table
+    table[n:] = 0
     table[n:, 0] = pad_block  # columns past a row's blocks are never read
     return DecodeLayout(
-        input_ids=padded(plan.input_ids, 0, np.int64), positions=padded(plan.positions, 0, np.int64),
-        seq_lens=padded(plan.positions + 1, 1, np.int32),
-        slot_mapping=padded(plan.slot_mapping, pad_block * block_size, np.int64),
-        kda_slots=padded(plan.kda_slots, pad_slot, np.int32), block_table=table, save_slots=None,
+        input_ids=padded("input_ids", plan.input_ids, 0, np.int64),
+        positions=padded("positions", plan.positions, 0, np.int64),
+        seq_lens=padded("seq_lens", plan.positions + 1, 1, np.int32),
+        slot_mapping=padded("slot_mapping", plan.slot_mapping, pad_block * block_size, np.int64),
+        kda_slots=padded("kda_slots", plan.kda_slots, pad_slot, np.int32), block_table=table, save_slots=None,
         rows=plan.logits_indices,
     )
 

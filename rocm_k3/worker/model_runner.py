@@ -54,6 +54,13 @@ class _Row:
         self.table[self.num_blocks : need] = block_ids
         self.num_blocks = need
 
+    def reserve(self, width: int) -> None:
+        """Hold at least ``width`` entries (those past ``num_blocks`` are 0), so the row slices at that width."""
+        if self.table.shape[0] < width:
+            grown = np.zeros(width, dtype=np.int32)
+            grown[: self.num_blocks] = self.table[: self.num_blocks]
+            self.table = grown
+
 
 @dataclasses.dataclass(frozen=True)
 class PreviousTokens:
@@ -129,7 +136,8 @@ class ModelRunner:
                 if row.kda_slot != chunk.kda_slot:
                     raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} changed KDA slot "
                                        f"{row.kda_slot} -> {chunk.kda_slot} without re-admission")
-            row.extend(chunk.block_ids)
+            if chunk.block_ids:
+                row.extend(chunk.block_ids)
             if row.num_blocks * self.block_size < chunk.end:
                 raise RuntimeError(f"step {step.step_id}: request {chunk.request_id!r} has {row.num_blocks} blocks "
                                    f"for {chunk.end} tokens")
@@ -141,30 +149,36 @@ class ModelRunner:
         if not chunks:
             raise ValueError(f"step {step.step_id}: no chunk to run")
         n = len(chunks)
-        lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        total = int(cu[-1])
-        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)  # [T]
+        rows = [self.rows[c.request_id] for c in chunks]
+        starts = np.array([c.start for c in chunks], dtype=np.int64)  # [N]
+        if all(len(c.token_ids) == 1 for c in chunks):  # one token each (a decode step): no ragged layout
+            lens = np.ones(n, dtype=np.int64)
+            cu = np.arange(n + 1, dtype=np.int64)
+            ids = np.array([c.token_ids[0] for c in chunks], dtype=np.int64)
+            positions = starts
+            seq_of_token = np.arange(n)  # [T]
+        else:
+            lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+            cu = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lens, out=cu[1:])
+            total = int(cu[-1])
+            ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total)
+            positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)  # [T]
+            seq_of_token = np.repeat(np.arange(n), lens)  # [T]
         seq_lens = (starts + lens).astype(np.int32)
         used = int((seq_lens.max() + self.block_size - 1) // self.block_size)
         if n * self.max_blocks_per_seq <= FIXED_WIDTH_LIMIT:
             used = self.max_blocks_per_seq  # the width a decode graph sees, so eager steps run the same kernels
-        table = np.zeros((n, used), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            row = self.rows[c.request_id]
-            k = min(used, row.num_blocks)
-            table[i, :k] = row.table[:k]
-        seq_of_token = np.repeat(np.arange(n), lens)  # [T]
+        for row in rows:  # entries past a row's blocks are 0: the first ``used`` entries are its table row
+            row.reserve(used)
+        table = np.stack([row.table[:used] for row in rows])  # [N, used]
         blocks = table[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        saves = [(i, pos - c.start, slot) for i, c in enumerate(chunks) for pos, slot in c.saves]
+        saves = [(i, pos - c.start, slot) for i, c in enumerate(chunks) if c.saves for pos, slot in c.saves]
         return HostPlan(
             input_ids=ids, positions=positions, slot_mapping=slot_mapping, cu_seqlens=cu.astype(np.int32),
             seq_lens=seq_lens, block_table=table,
-            kda_slots=np.fromiter((self.rows[c.request_id].kda_slot for c in chunks), dtype=np.int32, count=n),
+            kda_slots=np.array([row.kda_slot for row in rows], dtype=np.int32),
             has_initial_state=starts > 0,
             logits_indices=logits_rows(chunks, cu),
             save_positions=np.array([[i, p] for i, p, _ in saves], dtype=np.int32).reshape(-1, 2) if saves else None,
@@ -314,6 +328,8 @@ def logits_rows(chunks: tuple[ScheduledChunk, ...], cu: np.ndarray) -> np.ndarra
     """Token rows whose logits a step returns: the last 1 + num_draft tokens of each sampling chunk (a plain
     chunk: its last token; a verification: its last confirmed token and every draft), then, after all of those,
     the first ``prompt_logprob_rows`` tokens of each chunk that asks for prompt log-probabilities."""
+    if not any(c.num_draft or c.prompt_logprob_rows for c in chunks):  # each sampling chunk's last token
+        return (cu[1:] - 1)[np.array([c.sample for c in chunks], dtype=bool)].astype(np.int64)
     rows = [r for i, c in enumerate(chunks) if c.sample for r in range(int(cu[i + 1]) - 1 - c.num_draft, int(cu[i + 1]))]
     rows += [r for i, c in enumerate(chunks) for r in range(int(cu[i]), int(cu[i]) + c.prompt_logprob_rows)]
     return np.array(rows, dtype=np.int64)

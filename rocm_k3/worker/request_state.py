@@ -104,6 +104,12 @@ class StepBatch:
         constraint = self.states[row].constraint
         return constraint.error if constraint is not None else ""
 
+    def errors(self) -> list[str]:
+        """:meth:`error` of every row."""
+        if self._mask is None and all(s.constraint is None for s in self.states):
+            return [""] * len(self.states)
+        return [self.error(i) for i in range(len(self.states))]
+
     def close(self) -> None:
         if self._mask is not None:
             self._mask.wait()

@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     top, chosen = shard.argmax(processed.masked_fill(nan, float("-inf")))  # [N], [N]: one pass
     # nothing left to pick from (every logit NaN or masked): the model's own top logit, never token 0 by default
     empty = top == float("-inf")  # [N]
-    model_top = chosen if processed is logits else shard.argmax(_nan_to_neg_inf(logits))[1]  # [N]
-    chosen = torch.where(empty, model_top, chosen)
+    if processed is not logits:  # (unprocessed: the model's top logit is the pick already)
+        chosen = torch.where(empty, shard.argmax(_nan_to_neg_inf(logits))[1], chosen)  # [N]
     fallback = (flags[:, 1] | empty) & finite  # [N]
     if not all(p.temperature == 0 for p in params):
         temps = torch.tensor([float(p.temperature) for p in params], device=dev)  # [N]

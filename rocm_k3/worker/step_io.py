@@ -30,6 +30,33 @@ from rocm_k3.kv_transfer.base import ConnectorMeta
 from rocm_k3.sampling_params import SamplingParams
 
 
+def dict_init(cls: type) -> type:
+    """Give a frozen dataclass built on every step (per request) an ``__init__`` that writes its fields into the
+    instance dict at once: the generated one sets each field through ``object.__setattr__`` (1.7 us for 13
+    fields, against ~0.4 us). Same signature and defaults; the class stays frozen, equal, hashable, picklable.
+    Apply it above ``@dataclasses.dataclass``; classes with a ``__post_init__`` or field factories are refused."""
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+        raise TypeError(f"dict_init: {cls.__name__} has a __post_init__ or slots")
+    defaults, params = {}, []
+    for f in fields:
+        if f.default_factory is not dataclasses.MISSING or not f.init:
+            raise TypeError(f"dict_init: {cls.__name__}.{f.name} has a default factory or is not an init field")
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            defaults[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+    lines = [f"def __init__(self, {', '.join(params)}):", "    d = self.__dict__"]
+    lines += [f"    d[{f.name!r}] = {f.name}" for f in fields]
+    scope: dict = {}
+    exec("\n".join(lines), defaults, scope)  # noqa: S102 (source built from the dataclass's own field names)
+    init = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init
+    return cls
+
+
 @dataclasses.dataclass(frozen=True)
 class NewRequest:
     """A request the workers have not seen: its sampling parameters (the seed seeds its generator).
@@ -100,6 +127,7 @@ class ImageInput:
         return int(self.pixel_values.shape[0])
 
 
+@dict_init
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
     """One request's share of a step: ``token_ids`` at positions ``start .. start + len(token_ids) - 1``.
@@ -183,6 +211,7 @@ class StepInput:
         return bool(self.chunks) and self.num_decodes == len(self.chunks)
 
 
+@dict_init
 @dataclasses.dataclass(frozen=True)
 class SampledToken:
     """The token sampled for one request, with its log-probabilities when asked.

@@ -557,10 +557,10 @@ class Worker:
             sampled = verify_rows(chunks, tokens, [bool(f) for f in finite], out.logprobs, batch.error,
                                   NON_FINITE, batch.draft_limit)
         else:
-            sampled = []
-            for i, (c, tok, ok, lp) in enumerate(zip(chunks, tokens, finite, out.logprobs)):
-                error = batch.error(i) or ("" if ok else NON_FINITE)
-                sampled.append(SampledToken(c.request_id, int(tok), None if lp is None else tuple(lp.items()), error))
+            errors = batch.errors()
+            sampled = [SampledToken(c.request_id, tok, None if lp is None else tuple(lp.items()),
+                                    err or ("" if ok else NON_FINITE))
+                       for c, tok, ok, lp, err in zip(chunks, tokens, finite, out.logprobs, errors)]
         if self.proposer is not None:
             sampled = self.proposer.attach(step.chunks, sampled)
         return StepOutput(step.step_id, tuple(sampled), launched.prompt, sampler_fallbacks=fallbacks)
