@@ -339,6 +339,14 @@ def test_a_missing_misshapen_or_unexpected_tensor_is_named(model, tmp_path):
      r"target_num_hidden_layers=93 in its config.json, but the target model has 6"),
     ({"hidden_size": 64}, r"hidden_size=64 .* differs from the target's hidden size 128"),
     ({"vocab_size": 300, "draft_vocab_size": 300}, r"vocab_size=300"),
+    # JSON allows NaN / Infinity (Python's json reads them): never a NaN RoPE; a YaRN theta of 1 divides by log 1
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": float("nan")}}, r"rope theta"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": float("inf")}}, r"rope factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": float("nan")}}, r"rope beta_fast"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": float("nan")}}, r"rope mscale"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0}}, r"rope theta"),
+    ({"rope_parameters": None, "rope_theta": float("inf")}, r"rope theta"),
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps"),
 ])
 def test_a_bad_config_is_named(model, tmp_path, overrides, message):
     root = _write(tmp_path / "d", model)
