@@ -13,14 +13,15 @@ processed ahead over the drafts, see ``spec_decode.acceptance``). A K3 DSpark ch
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from rocm_k3 import checkpoint_io
 from rocm_k3.spec_decode.config import SpeculativeConfig
-from rocm_k3.spec_decode.drafter import CONFIG_FILE, TapDrafter, load_drafter, resolve_drafter_path
+from rocm_k3.spec_decode.drafter import (CONFIG_FILE, TapDrafter, load_drafter, read_drafter_config,
+                                         resolve_drafter_path)
 from rocm_k3.spec_decode.dspark_config import MAX_DRAFTS, is_dspark_config
 from rocm_k3.spec_decode.dspark_load import load_dspark
 from rocm_k3.spec_decode.dspark_proposer import DSparkProposer
@@ -43,7 +44,7 @@ class DraftProposer:
         ``k3_dspark``) or rocm-k3's tap drafter."""
         cfg = model.cfg
         root = resolve_drafter_path(str(config.model), config.revision)
-        if is_dspark_config(_config_json(root)):
+        if is_dspark_config(_config_json(root, f"draft model {str(config.model)!r}")):
             return _dspark_proposer(config, model, root)
         drafter = load_drafter(config.model, target_hidden_size=cfg.hidden_size,
                                target_num_hidden_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
@@ -75,12 +76,12 @@ class DraftProposer:
         return tuple(out)
 
 
-def _config_json(root: Path) -> object:
-    """``root``'s config.json, or None when it cannot be read (the tap drafter's loader then names the problem)."""
-    try:
-        return json.loads((root / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+def _config_json(root: Path, where: str) -> object:
+    """``root``'s config.json, or None when it is absent (the tap drafter's loader then names the problem);
+    ValueError when it cannot be read (a pipe, a symlink out of the directory, not JSON)."""
+    if not checkpoint_io.file_kind(root / CONFIG_FILE):
         return None
+    return read_drafter_config(root, where)
 
 
 def _dspark_proposer(config: SpeculativeConfig, model, root: Path) -> DSparkProposer:

@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rocm_k3 import checkpoint_io
 from rocm_k3.model.tiny import EMBEDDED_DIR
 from rocm_k3.settings import get_settings
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER
@@ -156,15 +157,25 @@ def resolve_drafter_path(model: str, revision: str | None = None) -> Path:
                      "writes one)")
 
 
+def read_drafter_config(root: Path, where: str) -> Any:
+    """The parsed ``config.json`` of drafter directory ``root`` (untrusted input: read through
+    :mod:`rocm_k3.checkpoint_io`, so a pipe or a symlink out of the directory is refused, never waited on);
+    ValueError naming the problem."""
+    try:
+        return checkpoint_io.read_json(checkpoint_io.member(root, CONFIG_FILE), ValueError)
+    except ValueError as e:
+        raise ValueError(f"{where}: {CONFIG_FILE}: {e}") from None
+
+
 def refuse_foreign_drafter(root: Path, where: str) -> None:
     """ValueError naming the architecture when ``root``'s config.json names another architecture than
     :data:`ARCHITECTURE`: a K3 DSpark drafter (``k3_dspark`` / ``K3DSparkModel``) is loaded by
     :func:`~rocm_k3.spec_decode.dspark_load.load_dspark` (the engine picks it by its config), any other DSpark or
-    drafter layout is not one rocm-k3 runs. Nothing is raised for a config it cannot read (the caller reports that)."""
-    try:
-        raw = json.loads((root / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+    drafter layout is not one rocm-k3 runs. Nothing is raised for a config that is absent (the caller reports
+    that); one that cannot be read is a ValueError naming why."""
+    if not checkpoint_io.file_kind(root / CONFIG_FILE):
         return
+    raw = read_drafter_config(root, where)
     if not isinstance(raw, dict):
         return
     arch, model_type = raw.get("architectures"), raw.get("model_type")
@@ -210,10 +221,9 @@ def load_drafter(model: str | Path, *, target_hidden_size: int, target_num_hidde
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise ValueError(f"{where}: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE} (rocm-k3 "
                          f"train-tiny-drafter DIR writes one), found none at {root}")
+    raw = read_drafter_config(root, where)
     try:
-        cfg = DrafterConfig.from_dict(json.loads((root / CONFIG_FILE).read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        cfg = DrafterConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     outside = [i for i in cfg.tap_layer_ids if i > target_num_hidden_layers]

@@ -25,6 +25,7 @@ Dn qk_nope_head_dim, Dv v_head_dim, V vocab, r markov_rank, k taps, Ht target hi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 MODEL_TYPE = "k3_dspark"
@@ -53,14 +54,14 @@ class YarnRope:
     mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("theta", "factor", "beta_fast", "beta_slow"):
+        # finite (JSON's NaN / Infinity parse); theta > 1: YaRN's correction dims divide by log(theta)
+        for name, low, strict in (("theta", 1, True), ("factor", 0, True), ("beta_fast", 0, True),
+                                  ("beta_slow", 0, True), ("mscale", 0, False), ("mscale_all_dim", 0, False)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"DSpark config: rope {name}: expected a positive number, got {value!r}")
-        for name in ("mscale", "mscale_all_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"DSpark config: rope {name}: expected a number >= 0, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < low or (strict and value == low)):
+                raise ValueError(f"DSpark config: rope {name}: expected a finite number {'>' if strict else '>='} "
+                                 f"{low}, got {value!r}")
         value = self.original_max_position_embeddings
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"DSpark config: rope original_max_position_embeddings: expected a positive int, "

@@ -1,18 +1,20 @@
 """Loading a K3 DSpark drafter checkpoint (config.json + model.safetensors, or a sharded index) for a target.
 
 Every problem is a ValueError naming it: a missing or unsupported config key, a target it was not trained for, and
-each missing, unexpected or misshapen tensor (checked from the safetensors headers before any weight is read).
+each missing, unexpected or misshapen tensor (checked from the safetensors headers before any weight is read). The
+directory is untrusted input: its files are opened through :mod:`rocm_k3.checkpoint_io` (a pipe is refused, never
+waited on; an index's shard names and every symlink stay inside the directory).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rocm_k3.spec_decode.drafter import CONFIG_FILE, WEIGHTS_FILE, check_target
+from rocm_k3 import checkpoint_io
+from rocm_k3.spec_decode.drafter import CONFIG_FILE, WEIGHTS_FILE, check_target, read_drafter_config
 from rocm_k3.spec_decode.dspark import DSparkDrafter
 from rocm_k3.spec_decode.dspark_config import IGNORED_PREFIXES, DSparkConfig, tensor_shapes
 
@@ -20,12 +22,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_dspark_config(root: Path, where: str) -> DSparkConfig:
-    try:
-        raw = json.loads((root / CONFIG_FILE).read_text())
-    except OSError as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} cannot be read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    raw = read_drafter_config(root, where)
     try:
         return DSparkConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
@@ -33,25 +30,29 @@ def read_dspark_config(root: Path, where: str) -> DSparkConfig:
 
 
 def _weight_files(root: Path, where: str) -> dict[str, Path]:
-    """Tensor name -> the file that holds it (from the index when the checkpoint is sharded)."""
-    if (root / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{where}: {INDEX_FILE} has no readable weight_map ({e})") from None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{where}: {INDEX_FILE}: weight_map is not an object")
-        files = {name: root / str(file) for name, file in weight_map.items()}
-    elif (root / WEIGHTS_FILE).is_file():
-        files = {}
-        try:
-            with safe_open(str(root / WEIGHTS_FILE), framework="pt") as f:
-                files = {name: root / WEIGHTS_FILE for name in f.keys()}  # noqa: SIM118
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{where}: {WEIGHTS_FILE} cannot be read ({e})") from None
-    else:
-        raise ValueError(f"{where}: expected {WEIGHTS_FILE} or {INDEX_FILE} beside {CONFIG_FILE} in {root}")
-    return files
+    """Tensor name -> the file that holds it (from the index when the checkpoint is sharded); every file checked
+    to stay inside ``root``."""
+    try:
+        index = checkpoint_io.member(root, INDEX_FILE)
+        weights = checkpoint_io.member(root, WEIGHTS_FILE)
+        if checkpoint_io.require_regular(index, ValueError):
+            try:
+                weight_map = checkpoint_io.read_json(index, ValueError)["weight_map"]
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"{INDEX_FILE} has no weight_map ({e})") from None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{INDEX_FILE}: weight_map is not an object")
+            return {name: checkpoint_io.member(root, file, f"shard named by {INDEX_FILE}")
+                    for name, file in weight_map.items()}
+        if checkpoint_io.require_regular(weights, ValueError):
+            try:
+                with safe_open(str(weights), framework="pt") as f:
+                    return {name: weights for name in f.keys()}  # noqa: SIM118
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{WEIGHTS_FILE} cannot be read ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    raise ValueError(f"{where}: expected {WEIGHTS_FILE} or {INDEX_FILE} beside {CONFIG_FILE} in {root}")
 
 
 def _read_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]], where: str) -> dict[str, torch.Tensor]:
@@ -65,6 +66,10 @@ def _read_tensors(files: dict[str, Path], expected: dict[str, tuple[int, ...]], 
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
+        try:
+            checkpoint_io.require_regular(path, ValueError)  # never hand a pipe to safe_open
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:

@@ -339,6 +339,14 @@ def test_a_missing_misshapen_or_unexpected_tensor_is_named(model, tmp_path):
      r"target_num_hidden_layers=93 in its config.json, but the target model has 6"),
     ({"hidden_size": 64}, r"hidden_size=64 .* differs from the target's hidden size 128"),
     ({"vocab_size": 300, "draft_vocab_size": 300}, r"vocab_size=300"),
+    # JSON allows NaN / Infinity (Python's json reads them): never a NaN RoPE; a YaRN theta of 1 divides by log 1
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": float("nan")}}, r"rope theta"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": float("inf")}}, r"rope factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": float("nan")}}, r"rope beta_fast"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": float("nan")}}, r"rope mscale"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0}}, r"rope theta"),
+    ({"rope_parameters": None, "rope_theta": float("inf")}, r"rope theta"),
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps"),
 ])
 def test_a_bad_config_is_named(model, tmp_path, overrides, message):
     root = _write(tmp_path / "d", model)
@@ -346,6 +354,57 @@ def test_a_bad_config_is_named(model, tmp_path, overrides, message):
     (root / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=message):
         _load(root, model)
+
+
+def test_a_shard_outside_the_checkpoint_directory_is_refused(model, tmp_path):
+    """The index's shard names and the files' symlinks stay inside the drafter directory (as for the target's
+    checkpoint, rocm_k3.checkpoint_io): a weight_map naming ``../`` or a shard linked out of it is refused."""
+    outside = _write(tmp_path / "outside", model)
+    root = _write(tmp_path / "d", model)
+    names = list(load_file(str(root / "model.safetensors")))
+    (root / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {n: "../outside/model.safetensors" for n in names}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"outside the checkpoint directory"):
+        _load(root, model)
+    (root / "model.safetensors.index.json").unlink()
+    (root / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(ValueError, match=r"outside the checkpoint directory"):
+        _load(root, model)
+
+
+def test_a_pipe_for_config_json_is_refused_not_waited_on(model, tmp_path):
+    """A named pipe in place of config.json (untrusted input) is a ValueError at once, for the loader and for the
+    proposer's pick of the drafter kind: reading it would block until someone writes (bounded here: a thread,
+    unblocked by a writer if it hangs)."""
+    import os
+    import threading
+
+    root = _write(tmp_path / "d", model)
+    name = "config.json"
+    (root / name).unlink()
+    os.mkfifo(root / name)
+    spec = SpeculativeConfig(method="draft_model", model=str(root), num_speculative_tokens=2)
+    for load in (lambda: _load(root, model), lambda: DraftProposer.for_model(spec, model)):
+        result: list[BaseException | None] = []
+
+        def run(load=load):
+            try:
+                load()
+                result.append(None)
+            except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+                result.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=20)
+        if thread.is_alive():  # it opened the pipe and waits: unblock it, then fail
+            fd = os.open(root / name, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            thread.join(timeout=20)
+            pytest.fail(f"reading a pipe named {name} blocked")
+        model.tap_layers, model.tap_outputs = (), False
+        assert isinstance(result[0], ValueError) and "not a regular file" in str(result[0]), result
 
 
 def test_more_drafts_than_the_block_holds_are_refused(model, tmp_path):
