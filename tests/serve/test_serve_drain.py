@@ -62,11 +62,14 @@ def _verdict(events) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "grace"), [(1, 120), pytest.param(2, 1, marks=pytest.mark.dist)],
-                         ids=["tp1-drains-all", "tp2-cuts-at-the-timeout"])
-def test_sigterm_mid_load_ends_every_stream_and_exits_0(tmp_path, tp, grace) -> None:
-    """tp1: a grace long enough for every stream (all finish in full); tp2: 1 s (the rest end with an error)."""
-    proc, port, log = _start(tmp_path, "-tp", str(tp), "--shutdown-timeout", str(grace))
+@pytest.mark.parametrize(("tp", "grace", "flags"),
+                         [(1, 120, ()), (1, 120, ("--async-scheduling",)),
+                          pytest.param(2, 1, (), marks=pytest.mark.dist)],
+                         ids=["tp1-drains-all", "tp1-async-drains-all", "tp2-cuts-at-the-timeout"])
+def test_sigterm_mid_load_ends_every_stream_and_exits_0(tmp_path, tp, grace, flags) -> None:
+    """tp1: a grace long enough for every stream (all finish in full), also with asynchronous scheduling (two steps
+    in flight when the signal lands); tp2: 1 s (the rest end with an error)."""
+    proc, port, log = _start(tmp_path, "-tp", str(tp), "--shutdown-timeout", str(grace), *flags)
     try:
         results: dict = {}
         started: set = set()
