@@ -32,7 +32,8 @@ from rocm_k3.spec_decode.dspark_config import DSparkConfig, tensor_shapes
 from rocm_k3.spec_decode.dspark_load import load_dspark
 from rocm_k3.spec_decode.dspark_proposer import DSparkProposer
 from tests.engine.test_spec_drafter import _fake_hf_cache
-from tests.engine_fixtures import core_for, run_checked, varied_prompts
+from tests.engine.test_spec_decode_interrupt import Terminated, _interrupt_first_verification, sigterm_raises  # noqa: F401
+from tests.engine_fixtures import check_between_steps, core_for, run_checked, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 REPO = "Inferact/Kimi-K3-DSpark"
@@ -493,3 +494,28 @@ def test_yarn_frequencies_and_rope_are_relative():
 
     assert dot(40, 35) == pytest.approx(dot(1005, 1000), rel=1e-4, abs=1e-4)
     assert dot(40, 35) != pytest.approx(dot(40, 20), rel=1e-3)
+
+
+@pytest.mark.usefixtures("sigterm_raises")
+def test_sigterm_during_a_dspark_verification_then_abort_leaks_nothing(model, greedy, tmp_path):
+    """A SIGTERM lands in the executor right after a step that verified DSpark drafts ran: the step is abandoned
+    (recomputed), nothing leaks, an abort of one of its requests then goes through, and every other request still
+    gets the tokens of decoding without speculation."""
+    prompts, base = greedy
+    eng = _engine(model, _spec(_write(tmp_path / "d", model), 3))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    verifying = _interrupt_first_verification(eng, "after")
+    done: dict[str, list[int]] = {}
+    with pytest.raises(Terminated):
+        while eng.has_unfinished():
+            for d in eng.step():
+                if d.finished:
+                    done[d.request_id] = d.output.token_ids
+    assert verifying, "no step verified drafts"
+    check_between_steps(eng)
+    victim = verifying[0]
+    assert eng.abort(victim)
+    done.update(run_checked(eng))
+    assert victim not in done
+    assert done == {r: t for r, t in base.items() if r != victim}
