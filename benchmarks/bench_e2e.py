@@ -29,8 +29,8 @@ includes the wait for the GPU).
 prefix (each starts with its own token; prefix caching off) arrive at once and are prefilled in steps of at most
 ``--budget`` tokens until every one has its first token (a warm-up round of other prompts first compiles the
 kernels for these shapes). The FLOP roofline counts every matmul of a prompt token (:func:`prefill_flops`): each
-weight matrix of the checkpoint (2 * rows * cols per token; routed experts at top-k of E; the LM head on every
-token, as the model computes it, though only the last one is sampled), MLA attention over the expanded heads
+weight matrix of the checkpoint (2 * rows * cols per token; routed experts at top-k of E; the LM head once per
+prompt, on the one row the model computes logits for), MLA attention over the expanded heads
 (2 (Dn + P + Dv) per causal (query, key, head) pair, the mean over the prompt's positions) and the KDA chunked
 recurrence (per token and head: 2 D^2 each for q S, W S and the state update k^T V', plus 2 C D each for the
 chunk's A, Aqk and Aqk V' products, C = 64). % of peak = FLOP/s over 989 TFLOP/s (H200 dense bf16, spec) and
@@ -267,7 +267,8 @@ def prefill_flops(cfg, prompt_len: int) -> dict[str, float]:
         shape = tuple(spec.shape)
         if ".experts." in name or "embed_tokens" in name or len(shape) < 2 or not name.endswith("weight"):
             continue
-        out["weights"] += 2 * math.prod(shape)  # [out, in] linear (conv1d [C, 1, W]: 2 C W)
+        # [out, in] linear (conv1d [C, 1, W]: 2 C W); the LM head runs on the last row of a prompt only
+        out["weights"] += 2 * math.prod(shape) / (prompt_len if name.endswith("lm_head.weight") else 1)
     moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     k_in = cfg.routed_expert_hidden_size or cfg.hidden_size
     out["routed experts"] = moe_layers * cfg.num_experts_per_token * 2 * 3 * k_in * cfg.moe_intermediate_size
@@ -334,6 +335,17 @@ def run_prefill(path: Path, args) -> None:
     print(f"achieved {achieved / 1e12:.0f} TFLOP/s = {100 * achieved / PEAK:.1f} % of {PEAK / 1e12:.0f} TFLOP/s "
           f"(H200 dense bf16) = {100 * achieved / 1e12 / matmul:.1f} % of the measured bf16 matmul "
           f"({matmul:.0f} TFLOP/s)", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = prefill_round("prof-")
+        events = prof.key_averages()
+        total = sum(e.device_time_total for e in events if e.device_time_total > 0)  # us, every CUDA event
+        print(f"profiled round: wall {wall * 1e3:.0f} ms, GPU time {total / 1e3:.0f} ms (kernels + copies); top 30:")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:30]:
+            print(f"  {e.device_time_total / 1e3:9.2f} ms {100 * e.device_time_total / total:5.1f} % "
+                  f"x{e.count:<5d} {e.key[:110]}")
     llm.shutdown()
 
 
@@ -354,6 +366,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of the --prefill run")
     ap.add_argument("--rounds", type=int, default=2, help="timed --prefill rounds (the fastest is printed)")
+    ap.add_argument("--profile", action="store_true", help="--prefill: one more round under torch.profiler, "
+                    "the 30 costliest CUDA kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e needs a GPU")

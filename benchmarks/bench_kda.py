@@ -221,25 +221,36 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
     return row
 
 
-def profile_prefill(H: int, T: int, gen: torch.Generator) -> None:
-    """Per-kernel CUDA time of one prefill call (torch profiler)."""
+def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> None:
+    """Per-kernel CUDA time of one prefill call (torch profiler, 10 calls), ours and FLA's ``chunk_kda`` when given."""
     from torch.profiler import ProfilerActivity, profile
 
     q, k, v, f = (torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
     beta = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
-    params = KDAGateParams(torch.zeros(H, device="cuda"), torch.zeros(H * D, device="cuda"), LOWER)
+    a_log, dt_bias = torch.zeros(H, device="cuda"), torch.zeros(H * D, device="cuda")
+    params = KDAGateParams(a_log, dt_bias, LOWER)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     pool = torch.zeros(1, H, D, D, device="cuda")
     idx, hi = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.bool, device="cuda")
     run = KERNELS["kda_prefill"][0]
-    for _ in range(3):
-        run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    calls = {"rocm_k3": lambda: run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)}
+    if chunk_kda is not None:
+        cu64, h0 = cu.long(), pool.clone()
+        calls["FLA chunk_kda"] = lambda: chunk_kda(
+            q[None], k[None], v[None], f[None], beta[None], initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+            lower_bound=LOWER, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64, cu_seqlens_cpu=cu64.cpu())
+    for name, call in calls.items():
+        with torch.inference_mode():
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize()
+        print(f"\n{name}: H = {H}, T = {T}, 10 calls", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
 # (row key, prefill settings): --sweep's fused settings ...
@@ -292,7 +303,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--sweep", action="store_true", help="also time other tile/warp choices")
-    parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill (ours, FLA)")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only the per-kernel profiles, at T = 4096 and 16384 (H = 96), ours and FLA's")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--fused-compare", action="store_true",
                         help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
@@ -303,6 +316,10 @@ def main() -> None:
     bw, mm = measure_ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     chunk_kda, fla_rec = _fla()
+    if args.profile_only:
+        for T in (4096, 16384):
+            profile_prefill(96, T, gen, chunk_kda)
+        return
     rows = []
     skip_decode = args.prefill_only or args.fused_compare or args.phase_compare
     for H, N in () if skip_decode else ((96, 64), (96, 256), (12, 256), (12, 1024)):
@@ -312,7 +329,7 @@ def main() -> None:
         rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, False, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
-        profile_prefill(96, 4096, gen)
+        profile_prefill(96, 4096, gen, chunk_kda)
     print(f"\n{'op':<11} {'shape':<26} {'ours ms':>8} {'FLA ms':>8} {'speedup':>8} {'floor ms':>9} {'% floor':>8}")
     for r in rows:
         if r["op"] == "kda_prefill":

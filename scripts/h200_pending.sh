@@ -81,6 +81,9 @@ run_part() {
     e2e) part e2e 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" ;;
     e2e_async) part e2e_async 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" \
       --async-scheduling ;;
+    e2e_prefill) part e2e_prefill 200 60 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 1 --profile \
+      --checkpoint "$CK" ;;
+    kda_prof) part kda_prof 150 0 "$PY" -u benchmarks/bench_kda.py --profile-only ;;
     kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
     cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling_cuda.py \
@@ -91,7 +94,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async kda kda_phase cuda_new cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill kda kda_prof kda_phase cuda_new cuda_tier)" >&2; return 2 ;;
   esac
 }
 
