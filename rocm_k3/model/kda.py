@@ -92,7 +92,7 @@ class KDALayer(WeightTargets):
 
         conv_saves = self._conv_snapshots(qkv, batch, conv_state) if batch.save_positions is not None else None
         mixed = ops.short_conv(
-            qkv.contiguous(), self.conv, batch.cu_seqlens, conv_state=conv_state, state_indices=batch.kda_slots,
+            qkv, self.conv, batch.cu_seqlens, conv_state=conv_state, state_indices=batch.kda_slots,
             has_initial_state=batch.has_initial_state, activation="silu", backend=table,
         )  # [T, 3 Hl D]
         t = x.shape[0]

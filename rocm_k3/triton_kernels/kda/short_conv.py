@@ -30,9 +30,12 @@ def _silu(y):
 @triton.jit
 def short_conv_kernel(
     x_ptr, w_ptr, y_ptr, conv_state_ptr, state_indices_ptr, has_init_ptr,
-    chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, C,
+    chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, C, stride_x,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
 ):
+    """One (BT-token block, BC-channel block) tile. x rows are ``stride_x`` elements apart (a column slice of a
+    wider projection is read in place). Every tap reads x with a plain masked load (row-contiguous, vectorised);
+    only a sequence's first block, whose first W-1 taps reach before bos, reads the history slot too."""
     ci = tl.program_id(0)
     ic = tl.program_id(1)
     seq = tl.load(chunk_seq_ptr + ci)
@@ -43,24 +46,21 @@ def short_conv_kernel(
     cols = ic * BC + tl.arange(0, BC)  # [BC] channels
     mc = cols < C
     mt = rows < eos
-    hist_lo = bos  # first row that reads history: bos - (W-1) with initial state, else none
-    state_row = conv_state_ptr
-    if HAS_STATE:
-        hist_lo = tl.where(tl.load(has_init_ptr + seq) != 0, bos - (W - 1), bos)
-        state_row = conv_state_ptr + tl.load(state_indices_ptr + seq).to(tl.int64) * C * (W - 1)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
         src = rows - (W - 1) + j  # [BT] input row feeding tap j
-        in_seq = src >= bos
-        x_ptrs = x_ptr + src.to(tl.int64)[:, None] * C + cols[None, :]
-        if HAS_STATE:  # rows before bos read the history slot instead: one gather per tap
-            hist = (src - bos + (W - 1))[:, None]  # position inside the [W-1] history
-            ptrs = tl.where(in_seq[:, None], x_ptrs, state_row + cols[None, :] * (W - 1) + hist)
-            valid = (src >= hist_lo) & mt
-        else:
-            ptrs = x_ptrs
-            valid = in_seq & mt
-        xv = tl.load(ptrs, mask=valid[:, None] & mc[None, :], other=0.0).to(tl.float32)
+        in_seq = (src >= bos) & mt
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
+                     mask=in_seq[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BT, BC]
+        if HAS_STATE:
+            if t0 - bos < W - 1:  # rows before bos read the history [C, W-1] (oldest first) if the sequence has one
+                hist_lo = tl.where(tl.load(has_init_ptr + seq) != 0, bos - (W - 1), bos)  # no history: none read
+                state_row = conv_state_ptr + tl.load(state_indices_ptr + seq).to(tl.int64) * C * (W - 1)
+                hist = src - bos + (W - 1)  # [BT] position inside the history
+                mh = (src < bos) & (src >= hist_lo) & mt
+                hv = tl.load(state_row + cols[None, :] * (W - 1) + hist[:, None],
+                             mask=mh[:, None] & mc[None, :], other=0.0)
+                xv += hv.to(tl.float32)
         wj = tl.load(w_ptr + cols * W + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
         acc += xv * wj[None, :]
     if SILU:
@@ -71,7 +71,7 @@ def short_conv_kernel(
 
 @triton.jit
 def conv_state_kernel(
-    x_ptr, conv_state_ptr, state_indices_ptr, has_init_ptr, cu_seqlens_ptr, C,
+    x_ptr, conv_state_ptr, state_indices_ptr, has_init_ptr, cu_seqlens_ptr, C, stride_x,
     W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
 ):
     """conv_state[slot] <- the last W-1 entries of (history, inputs) of one sequence (WP = pow2 >= W-1)."""
@@ -88,7 +88,7 @@ def conv_state_kernel(
     pos = eos - (W - 1) + jj  # [WP] source token of new history entry j
     in_seq = pos >= bos
     m = mc[:, None] & mj[None, :]
-    xv = tl.load(x_ptr + pos.to(tl.int64)[None, :] * C + cols[:, None], mask=m & in_seq[None, :], other=0.0)
+    xv = tl.load(x_ptr + pos.to(tl.int64)[None, :] * stride_x + cols[:, None], mask=m & in_seq[None, :], other=0.0)
     hist = pos - bos + (W - 1)
     mh = m & ((pos < bos) & (pos >= hist_lo))[None, :]
     hv = tl.load(state_row + cols[:, None] * (W - 1) + hist[None, :], mask=mh, other=0.0)
@@ -147,13 +147,15 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
                conv_state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
                has_initial_state: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
     """Varlen causal depthwise conv + activation: x [T, C], weight [C, W], cu_seqlens int32 [N+1] -> y [T, C]
-    (x dtype); conv_state [S, C, W-1] updated in place at state_indices when given."""
+    (x dtype); conv_state [S, C, W-1] updated in place at state_indices when given. x may be a column slice of a
+    wider tensor (rows any stride, channels contiguous): it is read in place."""
     T, C = x.shape
     W = weight.shape[1]
     N = cu_seqlens.shape[0] - 1
-    x, weight = x.contiguous(), weight.contiguous()
+    x = x if x.stride(1) == 1 or C == 1 else x.contiguous()
+    weight = weight.contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     has_state = conv_state is not None
     if has_state:
         idx = state_indices.to(torch.int32).contiguous()
@@ -167,12 +169,12 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
     if plan.num_chunks > 0:
         short_conv_kernel[(plan.num_chunks, triton.cdiv(C, _BC))](
             x, weight, y, conv_state if has_state else x, idx, has_init,
-            plan.chunk_seq, plan.chunk_start, cu, C,
+            plan.chunk_seq, plan.chunk_start, cu, C, x.stride(0),
             W=W, BT=_BT, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=4,
         )
     if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](
-            x, conv_state, idx, has_init, cu, C, W=W, WP=triton.next_power_of_2(W - 1), BC=_BC, num_warps=4,
+            x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=triton.next_power_of_2(W - 1), BC=_BC, num_warps=4,
         )
     return y
 

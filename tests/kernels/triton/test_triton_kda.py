@@ -110,11 +110,17 @@ def test_kda_gate_interpret(lower_bound: float | None) -> None:
 @needs_interp
 @pytest.mark.parametrize("with_state", [True, False], ids=["state", "nostate"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
-def test_short_conv_interpret(with_state: bool, dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["contiguous", "column-slice"])
+def test_short_conv_interpret(with_state: bool, dtype: torch.dtype, tol: float, in_place: bool) -> None:
+    """column-slice: x is the middle columns of a wider projection output (rows 150 + 40 apart), read in place."""
     gen = seeded(2)
     C = 96
     cu = torch.tensor([0, 2, 70, 150], dtype=torch.int32)
     x, w = _randn(150, C, gen=gen, dtype=dtype), _randn(C, 4, gen=gen, scale=0.5, dtype=dtype)
+    if in_place:
+        wide = torch.full((150, C + 40), float("nan"), dtype=dtype)  # poison: a read outside the slice shows
+        wide[:, 16:16 + C] = x
+        x = wide[:, 16:16 + C]
     kw = {}
     if with_state:
         pool = _randn(5, C, 3, gen=gen, dtype=dtype)
@@ -453,7 +459,10 @@ def test_short_conv_k3_cuda() -> None:
     gen = seeded(22)
     C, lengths = 3 * 96 * 128, [3000, 2, 1094]
     cu = torch.tensor([0, 3000, 3002, 4096], dtype=torch.int32, device="cuda")
-    x = _randn(sum(lengths), C, gen=gen, dtype=torch.bfloat16, device="cuda")
+    # x as the model passes it: the q|k|v columns of the KDA in_proj output (row width 3HD + D + H + HD)
+    wide = torch.full((sum(lengths), C + 128 + 96 + 96 * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[:, :C] = _randn(sum(lengths), C, gen=gen, dtype=torch.bfloat16, device="cuda")
+    x = wide[:, :C]
     w = _randn(C, 4, gen=gen, scale=0.5, dtype=torch.bfloat16, device="cuda")
     pool = _randn(4, C, 3, gen=gen, dtype=torch.bfloat16, device="cuda")
     kw = dict(state_indices=torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda"),
