@@ -279,11 +279,12 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         ok, why = grouped.supports(x, weights, interp)
         if not ok:
             raise ValueError(f"gemm='grouped' does not apply: {why}")
+        if decode == "asm":
+            raise ValueError("decode='asm' does not apply to gemm='grouped' (its dequant kernel decodes portably)")
         x = x if x.stride(-1) == 1 else x.contiguous()
         return grouped.fused_moe_grouped(
             _mxfp8_round_trip(x, fp8_dtype) if a8 else x, weights, topk_weights, topk_ids, out,
             activation=activation, out_mx=(emax, bias, fmax) if a8 else None,
-            decode=DECODE_PORTABLE if (interp or not nvidia or decode == "portable") else DECODE_ASM,
             fast_act=nvidia and not interp and act_math != "portable")
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)

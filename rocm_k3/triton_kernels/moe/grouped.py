@@ -9,7 +9,9 @@ into a bf16 scratch and lets the bf16 grouped GEMM (cuBLAS/CUTLASS behind ``torc
 2. ``_gather_kernel``: x rows (MXFP8-rounded first for A8W4, ``fused._mxfp8_round_trip``) in expert order, padding
    rows zero; it also records each pair's row.
 3. Per group of experts that fits the scratch (``Settings.moe_grouped_scratch_mib``): ``dequant_kernel`` decodes
-   w13 with :func:`.decode.weight_tile` (the fused path's decode: the same bytes give the same bf16 weights) into
+   w13 with :func:`.decode.weight_tile` (the fused path's decode, its portable variant: the inline-PTX one turns
+   the four bytes of one packed asm operand into one word, which holds only in the register layout of the MMA
+   kernels; in this store-only kernel it gave wrong weights on the H200, 2026-12-04) into
    [G, 2N, K] (gate rows, then up rows), ``torch._grouped_mm`` -> bf16 [rows, 2N], ``_act_kernel`` (the fused
    path's :func:`.kernels.gate_up_activation`, and for A8W4 its :func:`.kernels.mx_round_trip`) -> bf16 [rows, N],
    then w2 decoded into the same scratch [G, Kout, N] and ``torch._grouped_mm`` -> bf16 [rows, Kout].
@@ -36,7 +38,7 @@ from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.settings import get_settings
 from rocm_k3.triton_kernels.moe import layout
 from rocm_k3.triton_kernels.moe.align import align_routing
-from rocm_k3.triton_kernels.moe.decode import DECODE_ASM, DECODE_PORTABLE, weight_tile
+from rocm_k3.triton_kernels.moe.decode import DECODE_PORTABLE, weight_tile
 from rocm_k3.triton_kernels.moe.kernels import gate_up_activation, mx_round_trip
 
 BLOCK_M = 16  # rows per expert are padded to this (the grouped GEMM's offsets)
@@ -165,7 +167,7 @@ def supports(x: torch.Tensor, weights: ExpertWeights, interp: bool) -> tuple[boo
     return True, "supported"
 
 
-def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: torch.Tensor, decode: int) -> None:
+def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: torch.Tensor) -> None:
     """bf16 weights of ``experts`` (int32 [G] expert ids, on the device) into ``out``: w13 [G, 2N, K] (gate rows,
     then up rows, the checkpoint order) or w2 [G, Kout, N]; ``weights`` in the ``triton`` layout."""
     t = weights.extras[layout.LAYOUT]
@@ -177,7 +179,7 @@ def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: t
         return
     grid = (groups, w.shape[1] // 2, triton.cdiv(w.shape[2], _KU // 2))
     dequant_kernel[grid](w, ws, out, experts, rows, kdim, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
-                         out.stride(0), out.stride(1), GATE_UP=which == "w13", DECODE=decode, FOLD=fold, KU=_KU,
+                         out.stride(0), out.stride(1), GATE_UP=which == "w13", DECODE=DECODE_PORTABLE, FOLD=fold, KU=_KU,
                          num_warps=4)
 
 
@@ -194,13 +196,11 @@ def _plan(start: list[int], count: list[int], per_group: int) -> list[tuple[list
 
 def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       out: torch.Tensor, *, activation: MoEActivation, out_mx: tuple[int, int, float] | None,
-                      decode: int, fast_act: bool, scratch_bytes: int | None = None) -> torch.Tensor:
+                      fast_act: bool, scratch_bytes: int | None = None) -> torch.Tensor:
     """The grouped path into ``out`` [T, Kout]. ``xa``: bf16 x [T, K] (already MXFP8-rounded for A8W4),
     ``weights`` in the ``triton`` layout, ``out_mx``: (EMAX, BIAS, FP8_MAX) to round the intermediate through
-    MXFP8 (A8W4), ``decode``: DECODE_ASM or DECODE_PORTABLE, ``scratch_bytes``: the bf16 scratch bound (default
-    the setting)."""
-    if decode not in (DECODE_ASM, DECODE_PORTABLE):
-        raise ValueError(f"decode must be DECODE_ASM or DECODE_PORTABLE, got {decode!r}")
+    MXFP8 (A8W4), ``fast_act``: the epilogue's NVIDIA fast math, ``scratch_bytes``: the bf16 scratch bound
+    (default the setting)."""
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
     dev = xa.device
@@ -228,7 +228,7 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
         ends = [start[e] + (count[e] + BLOCK_M - 1) // BLOCK_M * BLOCK_M - r0 for e in ids]
         offs = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)  # [G] group ends, relative
         w13 = scratch[: g * 2 * n * hidden].view(g, 2 * n, hidden)
-        dequantize(weights, "w13", ids_dev, w13, decode)
+        dequantize(weights, "w13", ids_dev, w13)
         h = torch._grouped_mm(xs[r0:r1], w13.transpose(-2, -1), offs=offs)  # [rows, 2N] bf16
         inter = torch.empty(r1 - r0, n, dtype=torch.bfloat16, device=dev)  # [rows, N]
         _act_kernel[(triton.cdiv(r1 - r0, 16), triton.cdiv(n, block_n))](
@@ -239,7 +239,7 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
         )
         del h
         w2 = scratch[: g * kout * n].view(g, kout, n)  # the w13 GEMM is done with the scratch (stream order)
-        dequantize(weights, "w2", ids_dev, w2, decode)
+        dequantize(weights, "w2", ids_dev, w2)
         yg = torch._grouped_mm(inter, w2.transpose(-2, -1), offs=offs)  # [rows, Kout] bf16
         if y is None:
             y = yg

@@ -30,7 +30,6 @@ from rocm_k3.ops.moe_reference import fused_moe_reference  # noqa: E402
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference, quantize_mxfp4_reference  # noqa: E402
 from rocm_k3.settings import Settings  # noqa: E402
 from rocm_k3.triton_kernels.moe import grouped  # noqa: E402
-from rocm_k3.triton_kernels.moe.decode import DECODE_ASM, DECODE_PORTABLE  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import fused_moe_with, prepare_weights  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 from tests.helpers import assert_rel, poisoned_like, run_interpret_tier, seeded  # noqa: E402
@@ -54,7 +53,7 @@ def _routing(t: int, e: int, k: int, gen: torch.Generator, device: str = "cpu") 
     return w.to(device), ids.to(device)
 
 
-def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int], decode: int) -> None:
+def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
     """dequantize() of ``experts`` into NaN-poisoned buffers equals the reference dequantisation exactly."""
     dev = prepared.device
     n, k, kout = weights.intermediate, weights.hidden, weights.out_features
@@ -62,7 +61,7 @@ def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: lis
     for which, shape, codes, scales in (("w13", (2 * n, k), weights.w13, weights.w13_scale),
                                         ("w2", (kout, n), weights.w2, weights.w2_scale)):
         out = poisoned_like(torch.empty(len(experts), *shape, dtype=torch.bfloat16, device=dev))
-        grouped.dequantize(prepared, which, ids, out, decode)
+        grouped.dequantize(prepared, which, ids, out)
         ref = dequantize_mxfp4_reference(codes[experts], scales[experts], torch.float32)
         assert not out.isnan().any(), f"{which}: unwritten (NaN) elements"
         assert torch.equal(out.float(), ref), f"{which}: dequantised weights differ from the reference"
@@ -73,10 +72,10 @@ def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: lis
 @needs_interp
 @pytest.mark.parametrize("e,n,k,kout", [(3, 64, 128, 128), (4, 96, 160, 96)], ids=["even", "padded"])
 def test_dequant_kernel_interpret(e: int, n: int, k: int, kout: int) -> None:
-    """The dequant kernel (portable decode) on random experts, whole and padded layout tiles (N 96 < 128 rows of
+    """The dequant kernel on random experts, whole and padded layout tiles (N 96 < 128 rows of
     w2's K, K 160 and Kout 96 < their 128 multiples), experts in a shuffled order with a repeat."""
     weights = _experts(e, n, k, kout, seeded(1))
-    _check_dequant(weights, prepare_weights(weights), [e - 1, 0, e - 1], DECODE_PORTABLE)
+    _check_dequant(weights, prepare_weights(weights), [e - 1, 0, e - 1])
 
 
 @pytest.mark.interpret
@@ -170,11 +169,11 @@ def _poison_allocator() -> None:
 @pytest.mark.cuda
 def test_grouped_k3_cuda() -> None:
     """E 32, top-16, T 2048 at K3 widths: the grouped path against the reference (A16W4, A8W4 OCP) and the ws
-    path; the inline-PTX dequant equals the reference dequantisation; a small scratch (groups of 3 experts) gives
+    path; the dequant kernel compiled for the GPU equals the reference dequantisation; a small scratch (groups of 3 experts) gives
     the same bits as one group; the default picks it here (2048 x 16 / 32 = 1024 rows per expert)."""
     weights = _k3_width_experts(32)
     prepared = prepare_weights(weights)
-    _check_dequant(weights, prepared, [31, 0, 5], DECODE_ASM)
+    _check_dequant(weights, prepared, [31, 0, 5])
     g = seeded(11)
     tw, ids = _routing(2048, 32, 16, g, "cuda")
     x = (torch.randn(2048, 3584, generator=g)).to("cuda", torch.bfloat16)
@@ -188,7 +187,7 @@ def test_grouped_k3_cuda() -> None:
     small = 3 * 2 * 2 * 3072 * 3584  # bytes of 3 experts' w13 in bf16
     _poison_allocator()
     out_small = grouped.fused_moe_grouped(x, prepared, tw, ids, torch.empty_like(out), activation=MoEActivation(),
-                                          out_mx=None, decode=DECODE_ASM, fast_act=True, scratch_bytes=small)
+                                          out_mx=None, fast_act=True, scratch_bytes=small)
     assert torch.equal(out_small, out), "expert groups change the result"
     kw = dict(activation=MoEActivation(), act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)
     assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="grouped", **kw),
@@ -210,6 +209,8 @@ def test_grouped_odd_shape_and_graph_capture_cuda() -> None:
         _poison_allocator()
         assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="grouped", **kw),
                    fused_moe_reference(x, weights, tw, ids, **kw), tol, f"grouped {kw}")
+    with pytest.raises(ValueError, match="decode='asm' does not apply"):
+        fused_moe_with(x, prepared, tw, ids, gemm="grouped", decode="asm")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     seen = {}
