@@ -43,8 +43,12 @@ from rocm_k3.triton_kernels.moe.kernels import gate_up_activation, mx_round_trip
 
 BLOCK_M = 16  # rows per expert are padded to this (the grouped GEMM's offsets)
 # The measured break-even of the default rule, in routed rows per expert (T * top_k / E); benchmarks/RESULTS.md,
-# "MoE prefill: dequant + bf16 grouped GEMM". Below it the warp-specialised kernel stays.
-MIN_ROWS_PER_EXPERT = 512.0
+# "MoE prefill: dequant + bf16 grouped GEMM" (H200, K3 widths, top-16, A16W4, grouped eager vs ws graph replays):
+# 4096 rows (E 32, T 8192) 15.18 ms against 19.72 (1.30x); 1024 rows 4.90 / 5.06 ms (E 32, T 2048) and 19.82 /
+# 20.37 ms (E 128, T 8192); 512 rows 3.35 / 2.62 ms (E 32, T 1024); 256 rows 10.70 / 5.55 ms (E 128, T 2048);
+# E 896 loses at every T <= 8192 (58-60 ms against 6-25: the dequant of all 896 experts, ~1.5 ms per 32 experts,
+# is paid for at most 146 rows each). Below it the warp-specialised kernel stays.
+MIN_ROWS_PER_EXPERT = 1024.0
 _KU = 2  # 64-K units per decoded tile: 128 K, one scale group of the layout
 
 
@@ -146,25 +150,31 @@ def rows_rule(tokens: int, top_k: int, num_experts: int) -> bool:
 
 def auto_selects(x: torch.Tensor, weights: ExpertWeights, tokens: int, top_k: int, act_quant: str) -> bool:
     """The default rule of ``fused_moe_with`` (see the module doc)."""
-    return (x.dtype == torch.bfloat16 and weights.fmt == "mxfp4" and act_quant == "bf16"
-            and rows_rule(tokens, top_k, weights.num_experts) and platform_allows(x))
+    return (act_quant == "bf16" and rows_rule(tokens, top_k, weights.num_experts)
+            and _operand_problem(x, weights) is None and platform_allows(x))
+
+
+def _operand_problem(x: torch.Tensor, weights: ExpertWeights) -> str | None:
+    """Why the grouped GEMMs cannot take these operands, or None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no _grouped_mm"
+    if x.dtype != torch.bfloat16:
+        return f"x must be bf16 (the grouped GEMM's operands), got {x.dtype}"
+    if weights.fmt != "mxfp4":
+        return f"needs MXFP4 experts, got fmt={weights.fmt!r}"
+    if weights.hidden % 8 or weights.out_features % 8:
+        return "hidden and out_features must be multiples of 8 (16-byte grouped GEMM rows)"
+    return None
 
 
 def supports(x: torch.Tensor, weights: ExpertWeights, interp: bool) -> tuple[bool, str]:
     """Whether ``gemm="grouped"`` can run at all (explicit requests raise a ValueError with the reason)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False, f"torch {torch.__version__} has no _grouped_mm"
-    if x.dtype != torch.bfloat16:
-        return False, f"x must be bf16 (the grouped GEMM's operands), got {x.dtype}"
-    if weights.fmt != "mxfp4":
-        return False, f"needs MXFP4 experts, got fmt={weights.fmt!r}"
-    if weights.hidden % 8 or weights.out_features % 8:
-        return False, "hidden and out_features must be multiples of 8 (16-byte grouped GEMM rows)"
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False, "it reads the expert counts on the host: not inside CUDA-graph capture"
-    if x.device.type != "cuda" and not interp:
-        return False, "needs a CUDA device (or the Triton interpreter)"
-    return True, "supported"
+    problem = _operand_problem(x, weights)
+    if problem is None and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        problem = "it reads the expert counts on the host: not inside CUDA-graph capture"
+    if problem is None and x.device.type != "cuda" and not interp:
+        problem = "needs a CUDA device (or the Triton interpreter)"
+    return (False, problem) if problem else (True, "supported")
 
 
 def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: torch.Tensor) -> None:

@@ -27,30 +27,19 @@ triton = pytest.importorskip("triton")
 
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation  # noqa: E402
 from rocm_k3.ops.moe_reference import fused_moe_reference  # noqa: E402
-from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference, quantize_mxfp4_reference  # noqa: E402
+from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference  # noqa: E402
 from rocm_k3.settings import Settings  # noqa: E402
 from rocm_k3.triton_kernels.moe import grouped  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import fused_moe_with, prepare_weights  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 from tests.helpers import assert_rel, poisoned_like, run_interpret_tier, seeded  # noqa: E402
+from tests.helpers import moe_routing as _routing  # noqa: E402
+from tests.helpers import mxfp4_experts as _experts  # noqa: E402
 
 _INTERPRETED = interpreted(grouped.dequant_kernel) and interpreted(triton.language.sigmoid)
 needs_interp = pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; the interpreter "
                                                            "tier runs in test_interpret_tier_in_subprocess")
 FP8 = {"ocp": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}
-
-
-def _experts(e: int, n: int, k: int, kout: int, gen: torch.Generator, device: str = "cpu") -> ExpertWeights:
-    """Random experts quantised by the reference MXFP4 quantiser (ct rule)."""
-    w13, s13 = quantize_mxfp4_reference(torch.randn(e, 2 * n, k, generator=gen) * 0.05, "ct")
-    w2, s2 = quantize_mxfp4_reference(torch.randn(e, kout, n, generator=gen) * 0.05, "ct")
-    return ExpertWeights("mxfp4", w13.to(device), s13.to(device), w2.to(device), s2.to(device))
-
-
-def _routing(t: int, e: int, k: int, gen: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)  # [T, k] distinct
-    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
-    return w.to(device), ids.to(device)
 
 
 def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
@@ -131,6 +120,8 @@ def test_selection_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not grouped.auto_selects(x.float(), weights, at, 16, "bf16")
     bf16_experts = ExpertWeights("bf16", torch.zeros(32, 64, 64), None, torch.zeros(32, 64, 32), None)
     assert not grouped.auto_selects(x, bf16_experts, at, 16, "bf16")
+    odd = _experts(32, 32, 64, 68, seeded(0))  # Kout 68: w2 output rows of 136 bytes, not 16-byte multiples
+    assert not grouped.auto_selects(x, odd, at, 16, "bf16")
 
 
 def test_grouped_refuses_what_it_cannot_run() -> None:
