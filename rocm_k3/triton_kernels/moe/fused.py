@@ -239,9 +239,9 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     portable elsewhere) and GEMM kernel (``gemm``: "ws", the warp-specialised Hopper kernel of :mod:`.gemm_hopper`
     for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`, "grouped",
     dequantised experts and ``torch._grouped_mm`` (:mod:`.grouped`; bf16 x, MXFP4 experts; syncs once with the
-    host); default: "grouped" where :func:`.grouped.auto_selects` (prefill at many rows per expert, no explicit
-    ``config`` / ``ws_config``), else "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX
-    decode apply, else "triton";
+    host; decode="asm" does not apply there); default: "grouped" where :func:`.grouped.auto_selects` (prefill at
+    many rows per expert, no explicit ``config`` / ``ws_config`` / ``decode="asm"``), else "ws" for each GEMM
+    where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton";
     ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig`, default
     :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
     and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
@@ -274,7 +274,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
                          "on AMD")
     a8 = act_quant == "mxfp8"
     emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
-    if gemm == "grouped" or (gemm is None and config is None and ws_config is None
+    if gemm == "grouped" or (gemm is None and config is None and ws_config is None and decode != "asm"
                              and grouped.auto_selects(x, weights, tokens, top_k, act_quant)):
         ok, why = grouped.supports(x, weights, interp)
         if not ok:

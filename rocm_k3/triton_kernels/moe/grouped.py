@@ -1,4 +1,4 @@
-"""MoE prefill at many rows per expert: dequantised experts and ``torch._grouped_mm`` (``fused_moe_with(gemm="grouped")``).
+"""MoE prefill at many rows per expert: dequantised experts + ``torch._grouped_mm`` (``gemm="grouped"``).
 
 At prefill every expert gets hundreds to thousands of rows, the GEMMs are compute-bound and decoding MXFP4 inside
 the MMA loop (:mod:`.kernels`, :mod:`.gemm_hopper`) costs MMA issue slots. This path decodes each used expert once
@@ -189,8 +189,8 @@ def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: t
         return
     grid = (groups, w.shape[1] // 2, triton.cdiv(w.shape[2], _KU // 2))
     dequant_kernel[grid](w, ws, out, experts, rows, kdim, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
-                         out.stride(0), out.stride(1), GATE_UP=which == "w13", DECODE=DECODE_PORTABLE, FOLD=fold, KU=_KU,
-                         num_warps=4)
+                         out.stride(0), out.stride(1), GATE_UP=which == "w13", DECODE=DECODE_PORTABLE, FOLD=fold,
+                         KU=_KU, num_warps=4)
 
 
 def _plan(start: list[int], count: list[int], per_group: int) -> list[tuple[list[int], int, int]]:

@@ -160,8 +160,8 @@ def _poison_allocator() -> None:
 @pytest.mark.cuda
 def test_grouped_k3_cuda() -> None:
     """E 32, top-16, T 2048 at K3 widths: the grouped path against the reference (A16W4, A8W4 OCP) and the ws
-    path; the dequant kernel compiled for the GPU equals the reference dequantisation; a small scratch (groups of 3 experts) gives
-    the same bits as one group; the default picks it here (2048 x 16 / 32 = 1024 rows per expert)."""
+    path; the dequant kernel compiled for the GPU equals the reference dequantisation; a small scratch (groups of 3
+    experts) gives the same bits as one group; the default picks it here (2048 x 16 / 32 = 1024 rows per expert)."""
     weights = _k3_width_experts(32)
     prepared = prepare_weights(weights)
     _check_dequant(weights, prepared, [31, 0, 5])
