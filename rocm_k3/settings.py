@@ -47,6 +47,9 @@ class Settings:
     vllm_mla:       ROCM_K3_VLLM_MLA    how the vLLM plugin runs MLA: "auto" (vLLM's latent MLA layer where its
                                         MLA backends take the model's page, else expanded heads), "latent" or
                                         "expanded" (forced).
+    moe_grouped_scratch_mib: ROCM_K3_MOE_GROUPED_SCRATCH_MIB  the bf16 scratch (MiB) of the MXFP4 MoE's grouped
+                                        prefill path (rocm_k3.triton_kernels.moe.grouped): its experts are dequantised
+                                        into it in groups of as many as fit (at least one expert per group).
     hf_hub_cache:   HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub (huggingface_hub's rule):
                                         the Hugging Face cache where models named by repo id are looked up
                                         (offline: never downloaded).
@@ -63,6 +66,7 @@ class Settings:
     vllm_override: bool = False
     vllm_disable: bool = False
     vllm_mla: str = "auto"
+    moe_grouped_scratch_mib: int = 2048
     hf_hub_cache: Path = Path.home() / ".cache" / "huggingface" / "hub"
 
     def __post_init__(self) -> None:
@@ -71,6 +75,9 @@ class Settings:
                                     ("ROCM_K3_VLLM_MLA", self.vllm_mla, VLLM_MLA_CHOICES)):
             if value not in choices:
                 raise ValueError(f"{env}={value!r} is not one of {choices}")
+        if isinstance(self.moe_grouped_scratch_mib, bool) or not isinstance(self.moe_grouped_scratch_mib, int) \
+                or self.moe_grouped_scratch_mib < 1:
+            raise ValueError(f"ROCM_K3_MOE_GROUPED_SCRATCH_MIB={self.moe_grouped_scratch_mib!r} must be a positive int")
         if self.flydsl_arch is not None and self.flydsl_arch not in ("gfx942", "gfx950"):
             raise ValueError(f"ARCH={self.flydsl_arch!r}: rocm-k3 targets gfx942 and gfx950 only")
 
@@ -95,8 +102,19 @@ class Settings:
             vllm_override=flag("ROCM_K3_VLLM_OVERRIDE"),
             vllm_disable=flag("ROCM_K3_VLLM_DISABLE"),
             vllm_mla=env.get("ROCM_K3_VLLM_MLA", "auto").strip().lower() or "auto",
+            moe_grouped_scratch_mib=_int(env, "ROCM_K3_MOE_GROUPED_SCRATCH_MIB", cls.moe_grouped_scratch_mib),
             hf_hub_cache=_hf_hub_cache(env),
         )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
 
 
 def _hf_hub_cache(env: Mapping[str, str]) -> Path:

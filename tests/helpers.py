@@ -68,3 +68,20 @@ def run_compile_driver(script: str) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
+
+
+def mxfp4_experts(e: int, n: int, k: int, kout: int, gen: torch.Generator, device: str = "cpu"):
+    """Random MoE experts (w13 [E, 2N, K], w2 [E, Kout, N]) quantised by the reference MXFP4 quantiser (ct rule)."""
+    from rocm_k3.ops.moe import ExpertWeights
+    from rocm_k3.quant.mxfp4 import quantize_mxfp4_reference
+
+    w13, s13 = quantize_mxfp4_reference(torch.randn(e, 2 * n, k, generator=gen) * 0.05, "ct")
+    w2, s2 = quantize_mxfp4_reference(torch.randn(e, kout, n, generator=gen) * 0.05, "ct")
+    return ExpertWeights("mxfp4", w13.to(device), s13.to(device), w2.to(device), s2.to(device))
+
+
+def moe_routing(t: int, e: int, k: int, gen: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k] softmax-normalised, ids int32 [T, k] distinct experts per token)."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)  # [T, k] distinct
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
+    return w.to(device), ids.to(device)

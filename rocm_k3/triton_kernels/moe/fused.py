@@ -31,6 +31,7 @@ import torch
 import triton
 
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
+from rocm_k3.triton_kernels.moe import grouped
 from rocm_k3.triton_kernels.moe import kernels as K
 from rocm_k3.triton_kernels.moe import layout
 from rocm_k3.triton_kernels.moe.align import align_routing
@@ -236,8 +237,11 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     "asm" or "portable"; default: asm on NVIDIA, portable in the interpreter and on AMD), w13 epilogue math
     (``act_math``: "fast", the MUFU sigmoids of ``.kernels`` FAST_ACT, or "portable"; default: fast on NVIDIA,
     portable elsewhere) and GEMM kernel (``gemm``: "ws", the warp-specialised Hopper kernel of :mod:`.gemm_hopper`
-    for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`; default:
-    "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton";
+    for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`, "grouped",
+    dequantised experts and ``torch._grouped_mm`` (:mod:`.grouped`; bf16 x, MXFP4 experts; syncs once with the
+    host; decode="asm" does not apply there); default: "grouped" where :func:`.grouped.auto_selects` (prefill at
+    many rows per expert, no explicit ``config`` / ``ws_config`` / ``decode="asm"``), else "ws" for each GEMM
+    where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton";
     ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig`, default
     :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
     and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
@@ -248,8 +252,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         raise ValueError(f"decode must be 'asm', 'portable' or None, got {decode!r}")
     if act_math not in (None, "fast", "portable"):
         raise ValueError(f"act_math must be 'fast', 'portable' or None, got {act_math!r}")
-    if gemm not in (None, "ws", "triton"):
-        raise ValueError(f"gemm must be 'ws', 'triton' or None, got {gemm!r}")
+    if gemm not in (None, "ws", "triton", "grouped"):
+        raise ValueError(f"gemm must be 'ws', 'triton', 'grouped' or None, got {gemm!r}")
     if ws_config is not None:
         from rocm_k3.triton_kernels.moe.gemm_hopper import WsConfig  # Gluon: only where a WsConfig can exist
         if not isinstance(ws_config, WsConfig):
@@ -268,14 +272,26 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     if gemm == "ws" and (interp or not nvidia):  # before any launch (the others are checked per GEMM)
         raise ValueError("gemm='ws' (the Hopper kernel) runs on NVIDIA sm_90 GPUs only, not in the interpreter or "
                          "on AMD")
+    a8 = act_quant == "mxfp8"
+    emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
+    if gemm == "grouped" or (gemm is None and config is None and ws_config is None and decode != "asm"
+                             and grouped.auto_selects(x, weights, tokens, top_k, act_quant)):
+        ok, why = grouped.supports(x, weights, interp)
+        if not ok:
+            raise ValueError(f"gemm='grouped' does not apply: {why}")
+        if decode == "asm":
+            raise ValueError("decode='asm' does not apply to gemm='grouped' (its dequant kernel decodes portably)")
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return grouped.fused_moe_grouped(
+            _mxfp8_round_trip(x, fp8_dtype) if a8 else x, weights, topk_weights, topk_ids, out,
+            activation=activation, out_mx=(emax, bias, fmax) if a8 else None,
+            fast_act=nvidia and not interp and act_math != "portable")
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
     cfg = config or pick_config(tokens * top_k, num_experts)
     if ws_config is not None and ws_config.block_m != cfg.block_m:
         raise ValueError(f"ws_config.block_m ({ws_config.block_m}) must equal the MoEConfig's block_m "
                          f"({cfg.block_m}): both GEMMs read one routing")
-    a8 = act_quant == "mxfp8"
-    emax, bias, fmax = _FP8.get(fp8_dtype, (8, 7, 448.0))
     op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
     dec = DECODE_PORTABLE if (op_f32 or interp or not nvidia or decode == "portable") else DECODE_ASM
     # programmatic dependent launches (sm_90+): the align and the reduce start early and wait on the device

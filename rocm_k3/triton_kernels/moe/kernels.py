@@ -58,7 +58,7 @@ GEMM_DIVISIBLE = ("a_ptr", "w_ptr", "ws_ptr", "out_ptr", "topw_ptr", "sorted_ptr
 
 
 @triton.jit
-def _mx_round_trip(v, R: tl.constexpr, C: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
+def mx_round_trip(v, R: tl.constexpr, C: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
                    FP8_MAX: tl.constexpr):
     """fp32 [R, C] -> fp32 [R, C]: quantised to MXFP8 per 32 along C (ct rule) and decoded back (exact)."""
     g = tl.reshape(v, (R, C // 32, 32))  # [R, G, 32]
@@ -75,7 +75,7 @@ def mxfp8_round_trip_kernel(x_ptr, out_ptr, n_rows, K, stride_x, stride_out, EMA
     mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _mx_round_trip(x, ROWS, BLOCK_K, EMAX, BIAS, FP8_MAX)
+    y = mx_round_trip(x, ROWS, BLOCK_K, EMAX, BIAS, FP8_MAX)
     tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -196,7 +196,7 @@ def moe_gemm_kernel(
             n = tile * 64 + tl.arange(0, 64)
             ht = tl.trans(h)  # [BMT, 64]
             if OUT_MX:
-                ht = _mx_round_trip(ht, BMT, 64, EMAX, BIAS, FP8_MAX)
+                ht = mx_round_trip(ht, BMT, 64, EMAX, BIAS, FP8_MAX)
             optr = out_ptr + rows.to(tl.int64)[:, None] * stride_out + n[None, :]
             tl.store(optr, ht.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (n < N_OUT)[None, :])
         else:

@@ -39,7 +39,6 @@ from rocm_k3.ops.moe_reference import (  # noqa: E402
     silu_and_mul_reference,
     situ_and_mul_reference,
 )
-from rocm_k3.quant.mxfp4 import quantize_mxfp4_reference  # noqa: E402
 from rocm_k3.triton_kernels import attn_res as tri_attn_res  # noqa: E402
 from rocm_k3.triton_kernels import norm as tri_norm  # noqa: E402
 from rocm_k3.triton_kernels import mla_prefill as tri_mla_prefill  # noqa: E402
@@ -54,6 +53,8 @@ from rocm_k3.triton_kernels.moe.fused import (  # noqa: E402
     prepare_weights,
 )
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
+from tests.helpers import moe_routing as _routing  # noqa: E402
+from tests.helpers import mxfp4_experts as _mxfp4_experts  # noqa: E402
 from tests.helpers import (  # noqa: E402
     assert_rel,
     poisoned_like,
@@ -73,19 +74,6 @@ FP8 = {"ocp": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}
 def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0, device: str = "cpu",
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-
-def _mxfp4_experts(e: int, n: int, k: int, kout: int, gen: torch.Generator, device: str = "cpu") -> ExpertWeights:
-    """Random experts quantised by the reference MXFP4 quantiser (ct rule)."""
-    w13, s13 = quantize_mxfp4_reference(torch.randn(e, 2 * n, k, generator=gen) * 0.05, "ct")
-    w2, s2 = quantize_mxfp4_reference(torch.randn(e, kout, n, generator=gen) * 0.05, "ct")
-    return ExpertWeights("mxfp4", w13.to(device), s13.to(device), w2.to(device), s2.to(device))
-
-
-def _routing(t: int, e: int, k: int, gen: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)  # [T, k] distinct
-    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
-    return w.to(device), ids.to(device)
 
 
 # ------------------------------------------------------------------------------------------------- interpret tier
