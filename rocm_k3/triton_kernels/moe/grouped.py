@@ -228,7 +228,9 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
         xa, xs, row_of, routing.sorted_pairs, routing.block_expert, routing.expert_start, routing.expert_count,
         n_rows, hidden, top_k, xa.stride(0), xs.stride(0), BM=BLOCK_M, ROWS=16, BLOCK_K=block_k,
     )
-    scratch = torch.empty(min(per_group, len(groups[0][0])) * per_expert // 2, dtype=torch.bfloat16, device=dev)
+    # sized for the budget (or all experts), not this call's first group: the engine's profiled prefill (dummy tokens
+    # routed to only top_k experts) then reserves what a real step with many used experts takes
+    scratch = torch.empty(min(per_group, num_experts) * per_expert // 2, dtype=torch.bfloat16, device=dev)
     y = None if len(groups) == 1 else torch.empty(n_rows, kout, dtype=torch.bfloat16, device=dev)  # [rows, Kout]
     emax, bias, fmax = out_mx or (8, 7, 448.0)
     block_n = min(128, triton.next_power_of_2(n))
