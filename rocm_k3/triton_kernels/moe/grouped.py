@@ -4,8 +4,11 @@ At prefill every expert gets hundreds to thousands of rows, the GEMMs are comput
 the MMA loop (:mod:`.kernels`, :mod:`.gemm_hopper`) costs MMA issue slots. This path decodes each used expert once
 into a bf16 scratch and lets the bf16 grouped GEMM (cuBLAS/CUTLASS behind ``torch._grouped_mm``) run at its speed:
 
-1. :func:`.align.align_routing` (16-row blocks; on the device) groups the (token, slot) pairs by expert; one host
-   read of the per-expert starts and counts plans the expert groups (the only sync: never inside CUDA-graph capture).
+1. :func:`.align.align_routing` (16-row blocks; on the device) groups the (token, slot) pairs by expert. When every
+   expert fits the scratch, all of them form one group and nothing is read on the host (the GEMMs take the
+   experts' row ends on the device; rows past the last end are the layout's zero padding and are never read back).
+   Otherwise one host read of the per-expert starts and counts plans groups of used experts (a sync: never inside
+   CUDA-graph capture).
 2. ``_gather_kernel``: x rows (MXFP8-rounded first for A8W4, ``fused._mxfp8_round_trip``) in expert order, padding
    rows zero; it also records each pair's row.
 3. Per group of experts that fits the scratch (``Settings.moe_grouped_scratch_mib``): ``dequant_kernel`` decodes
@@ -215,11 +218,19 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
     dev = xa.device
     routing = align_routing(topk_ids, num_experts, BLOCK_M)
-    start, count = torch.stack((routing.expert_start, routing.expert_count)).tolist()  # the one host sync
     per_expert = 2 * max(2 * n * hidden, kout * n)  # bf16 bytes of one expert's larger matrix
     budget = scratch_bytes if scratch_bytes is not None else get_settings().moe_grouped_scratch_mib << 20
     per_group = max(1, budget // per_expert)
-    groups = _plan(start, count, per_group)
+    if num_experts <= per_group:  # every expert in one group: no host read, the layout's bound as the rows
+        ends = routing.expert_start + (routing.expert_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E] on device
+        groups = [(torch.arange(num_experts, dtype=torch.int32, device=dev), 0, routing.sorted_pairs.numel(),
+                   ends.to(torch.int32))]  # rows past ends[-1]: zero inputs, unread outputs
+    else:  # the one host sync: plan groups of used experts that fit the scratch
+        start, count = torch.stack((routing.expert_start, routing.expert_count)).tolist()
+        groups = [(torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True), r0, r1, torch.tensor(
+                      [start[e] + (count[e] + BLOCK_M - 1) // BLOCK_M * BLOCK_M - r0 for e in ids],
+                      dtype=torch.int32).to(dev, non_blocking=True))  # [G] group ends, relative to r0
+                  for ids, r0, r1 in _plan(start, count, per_group)]
     n_rows = groups[-1][2]
     xs = torch.empty(n_rows, hidden, dtype=torch.bfloat16, device=dev)  # [rows, K] x in expert order
     row_of = torch.empty(tokens * top_k, dtype=torch.int32, device=dev)  # [T*k] row of each pair
@@ -234,11 +245,8 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
     y = None if len(groups) == 1 else torch.empty(n_rows, kout, dtype=torch.bfloat16, device=dev)  # [rows, Kout]
     emax, bias, fmax = out_mx or (8, 7, 448.0)
     block_n = min(128, triton.next_power_of_2(n))
-    for ids, r0, r1 in groups:
-        g = len(ids)
-        ids_dev = torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True)
-        ends = [start[e] + (count[e] + BLOCK_M - 1) // BLOCK_M * BLOCK_M - r0 for e in ids]
-        offs = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)  # [G] group ends, relative
+    for ids_dev, r0, r1, offs in groups:
+        g = ids_dev.numel()
         w13 = scratch[: g * 2 * n * hidden].view(g, 2 * n, hidden)
         dequantize(weights, "w13", ids_dev, w13)
         h = torch._grouped_mm(xs[r0:r1], w13.transpose(-2, -1), offs=offs)  # [rows, 2N] bf16
