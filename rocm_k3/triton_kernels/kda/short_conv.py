@@ -20,6 +20,7 @@ from rocm_k3.triton_kernels.kda.common import plan_chunks
 
 _BC = 128  # channels per program
 _BT = 32  # tokens per program
+_WARPS = 4  # of the prefill conv (H200 sweep: benchmarks/RESULTS.md)
 
 
 @triton.jit
@@ -170,7 +171,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
         short_conv_kernel[(plan.num_chunks, triton.cdiv(C, _BC))](
             x, weight, y, conv_state if has_state else x, idx, has_init,
             plan.chunk_seq, plan.chunk_start, cu, C, x.stride(0),
-            W=W, BT=_BT, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=4,
+            W=W, BT=_BT, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=_WARPS,
         )
     if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](
