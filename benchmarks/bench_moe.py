@@ -48,6 +48,7 @@ from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.ops.moe_reference import fused_moe_reference
 from rocm_k3.triton_kernels.moe import kernels as K
 from rocm_k3.triton_kernels.moe.fused import MoEConfig, fused_moe_with, pick_config, prepare_weights
+from rocm_k3.triton_kernels.moe.grouped import rows_rule as grouped_rule
 from rocm_k3.triton_kernels.moe.pointwise import route
 
 HBM_BPS = 4.27e12
@@ -400,7 +401,10 @@ def main() -> None:
             print(f"T{t}: rel. error vs reference {err:.2e}, default vs moe_gemm_kernel {ws:.1e}, inline PTX == "
                   f"portable decode (moe_gemm_kernel): {same}", flush=True)
         picked = pick_config(t * TOP_K, E)
-        variants = [(f"ours A16W4 {_short(picked)}", ours(prepared, "bf16", None)),
+        # the default A16W4 op takes the grouped path from grouped.MIN_ROWS_PER_EXPERT rows per expert (outside graph
+        # capture): label it so, which also times it eagerly (_time_variants)
+        a16 = "grouped (default)" if grouped_rule(t, TOP_K, E) else _short(picked)
+        variants = [(f"ours A16W4 {a16}", ours(prepared, "bf16", None)),
                     (f"ours A8W4 {_short(picked)}", ours(prepared, "mxfp8", None))]
         if args.act_ab:  # the w13 epilogue's portable math beside the default (fast) one, same tiles
             variants.insert(1, ("ours A16W4 portable epilogue", ours(prepared, "bf16", None, "portable")))

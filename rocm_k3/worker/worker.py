@@ -311,7 +311,12 @@ class Worker:
         blocks = math.ceil(tokens / bs)
         pools = KVPools(self.shapes, block_size=bs, num_blocks=blocks, num_slots=1, device=self.device)
         runner = ModelRunner(self.stage, pools, blocks)
-        chunk = ScheduledChunk(request_id="profile", token_ids=(0,) * tokens, start=0, admitted=True,
+        # distinct token ids: the router spreads them over the experts as real text does (one repeated token would
+        # route every row to the same top-k experts and leave the MoE's wide-routing buffers, and under expert
+        # parallelism other ranks' experts, out of the measured peak)
+        vocab = self.model.cfg.vocab_size
+        chunk = ScheduledChunk(request_id="profile", token_ids=tuple(i % vocab for i in range(tokens)), start=0,
+                               admitted=True,
                                block_ids=tuple(range(blocks)), kda_slot=0, is_prefill=True, sample=True)
         runner.execute(StepInput(step_id=0, chunks=(chunk,)))
         torch.cuda.synchronize(self.device)

@@ -6,7 +6,8 @@ into a bf16 scratch and lets the bf16 grouped GEMM (cuBLAS/CUTLASS behind ``torc
 
 1. :func:`.align.align_routing` (16-row blocks; on the device) groups the (token, slot) pairs by expert. When every
    expert fits the scratch, all of them form one group and nothing is read on the host (the GEMMs take the
-   experts' row ends on the device; rows past the last end are the layout's zero padding and are never read back).
+   experts' row ends on the device; rows past the last end hold zero inputs and uninitialised outputs that are never
+   read back).
    Otherwise one host read of the per-expert starts and counts plans groups of used experts (a sync: never inside
    CUDA-graph capture).
 2. ``_gather_kernel``: x rows (MXFP8-rounded first for A8W4, ``fused._mxfp8_round_trip``) in expert order, padding
@@ -139,11 +140,20 @@ def _combine_kernel(y_ptr, row_of_ptr, tw_ptr, out_ptr, Kout, stride_y, stride_o
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+MIN_TORCH = (2, 9)  # torch._grouped_mm with zero-row groups (earlier builds could hang on them)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 def platform_allows(x: torch.Tensor) -> bool:
-    """Where the grouped path can be the default: NVIDIA sm_90+, torch with ``_grouped_mm``, not capturing a graph
-    (the path reads the expert counts on the host)."""
+    """Where the grouped path can be the default: NVIDIA sm_90+, torch >= :data:`MIN_TORCH` with ``_grouped_mm``,
+    not capturing a graph (with more experts than the scratch holds the path reads the expert counts on the host)."""
     return (x.device.type == "cuda" and torch.version.hip is None and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and not torch.cuda.is_current_stream_capturing())
+            and _torch_version() >= MIN_TORCH and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def rows_rule(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -159,8 +169,8 @@ def auto_selects(x: torch.Tensor, weights: ExpertWeights, tokens: int, top_k: in
 
 def _operand_problem(x: torch.Tensor, weights: ExpertWeights) -> str | None:
     """Why the grouped GEMMs cannot take these operands, or None."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no _grouped_mm"
+    if not hasattr(torch, "_grouped_mm") or _torch_version() < MIN_TORCH:
+        return f"torch {torch.__version__}: needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} with _grouped_mm"
     if x.dtype != torch.bfloat16:
         return f"x must be bf16 (the grouped GEMM's operands), got {x.dtype}"
     if weights.fmt != "mxfp4":
@@ -177,6 +187,9 @@ def supports(x: torch.Tensor, weights: ExpertWeights, interp: bool) -> tuple[boo
         problem = "it reads the expert counts on the host: not inside CUDA-graph capture"
     if problem is None and x.device.type != "cuda" and not interp:
         problem = "needs a CUDA device (or the Triton interpreter)"
+    if problem is None and x.device.type == "cuda" and (
+            torch.version.hip is not None or torch.cuda.get_device_capability(x.device) < (9, 0)):
+        problem = "the bf16 grouped GEMM runs on NVIDIA sm_90+ only"
     return (False, problem) if problem else (True, "supported")
 
 
@@ -242,7 +255,9 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
     # sized for the budget (or all experts), not this call's first group: the engine's profiled prefill (dummy tokens
     # routed to only top_k experts) then reserves what a real step with many used experts takes
     scratch = torch.empty(min(per_group, num_experts) * per_expert // 2, dtype=torch.bfloat16, device=dev)
-    y = None if len(groups) == 1 else torch.empty(n_rows, kout, dtype=torch.bfloat16, device=dev)  # [rows, Kout]
+    # [rows, Kout]; the one-group path writes the w2 GEMM's output directly. Past the scratch, y is allocated even for
+    # a single group of used experts, so a profiled step (dummy tokens: top_k experts) counts the several-group peak
+    y = None if num_experts <= per_group else torch.empty(n_rows, kout, dtype=torch.bfloat16, device=dev)
     emax, bias, fmax = out_mx or (8, 7, 448.0)
     block_n = min(128, triton.next_power_of_2(n))
     for ids_dev, r0, r1, offs in groups:

@@ -40,6 +40,9 @@ _INTERPRETED = interpreted(grouped.dequant_kernel) and interpreted(triton.langua
 needs_interp = pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled in this process; the interpreter "
                                                            "tier runs in test_interpret_tier_in_subprocess")
 FP8 = {"ocp": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm") and grouped._torch_version() >= grouped.MIN_TORCH
+pytestmark = pytest.mark.skipif(not _HAS_GROUPED_MM, reason=f"torch {torch.__version__} lacks a usable _grouped_mm "
+                                                              f"(the path needs torch >= 2.9); it is never selected")
 
 
 def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
@@ -171,6 +174,8 @@ def test_grouped_k3_cuda() -> None:
     _poison_allocator()
     out = fused_moe_with(x, prepared, tw, ids, gemm="grouped")
     assert grouped.auto_selects(x, prepared, 2048, 16, "bf16") == grouped.rows_rule(2048, 16, 32)
+    # the default takes the grouped path here: bit-equal to it (the ws path rounds differently)
+    assert torch.equal(fused_moe_with(x, prepared, tw, ids), out), "the default did not take the grouped path"
     ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation())
     assert_rel(out, ref, 5e-3, "grouped A16W4")
     assert_rel(out, fused_moe_with(x, prepared, tw, ids, gemm="ws"), 5e-3, "grouped vs ws")
@@ -183,6 +188,27 @@ def test_grouped_k3_cuda() -> None:
     kw = dict(activation=MoEActivation(), act_quant="mxfp8", fp8_dtype=torch.float8_e4m3fn)
     assert_rel(fused_moe_with(x, prepared, tw, ids, gemm="grouped", **kw),
                fused_moe_reference(x, weights, tw, ids, **kw), 3e-2, "grouped A8W4")
+
+
+@pytest.mark.cuda
+def test_grouped_unused_experts_cuda() -> None:
+    """Experts with no rows (before, between and after the used ones) in the one-group path (zero-row groups handed
+    to torch._grouped_mm on the device) and in the several-group path (host-planned used experts), against the
+    reference: E 12, the tokens routed to 6 of them only."""
+    g = seeded(13)
+    weights = _experts(12, 96, 160, 96, g, "cuda")
+    prepared = prepare_weights(weights)
+    tw, ids = _routing(40, 6, 3, g, "cuda")
+    ids = torch.tensor([1, 2, 4, 7, 8, 10], dtype=torch.int32, device="cuda")[ids.long()]  # used: 1 2 4 7 8 10
+    x = torch.randn(40, 160, generator=g).to("cuda", torch.bfloat16)
+    ref = fused_moe_reference(x, weights, tw, ids, activation=MoEActivation())
+    one = fused_moe_with(x, prepared, tw, ids, gemm="grouped")
+    assert_rel(one, ref, 5e-3, "grouped, one group with unused experts")
+    per_expert = 2 * 2 * 96 * 160  # bf16 bytes of one expert's w13: one expert per group
+    _poison_allocator()
+    several = grouped.fused_moe_grouped(x, prepared, tw, ids, torch.empty_like(one), activation=MoEActivation(),
+                                        out_mx=None, fast_act=True, scratch_bytes=per_expert)
+    assert torch.equal(several, one), "expert groups change the result"
 
 
 @pytest.mark.cuda
