@@ -6,7 +6,9 @@ For the rows of one 64-token chunk of one head:
     q' = scale * q / sqrt(sum q^2 + 1e-6),  k' = k / sqrt(...)      (when qk_l2norm; else q' = scale * q, k' = k)
     b  = sigmoid(beta)                                              (when beta_logits; else beta as is), fp32 [T, H]
     QG = q' * exp(G),  KD = k' * exp(G_last - G),  GL = exp(G_last)  (G_last: G at the chunk's last token)
-q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K].
+q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K]. q and k may be strided views (any
+token-row stride, head stride K, element stride 1: column slices of the short conv's [T, 3HK] output); g, beta
+and every output are contiguous.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
 
 @triton.jit
 def chunk_prep_kernel(
-    q_ptr, k_ptr, g_ptr, beta_ptr,  # inputs: q, k [T, H, K]; g [T, H, K] (log-decay or raw f); beta [T, H]
+    q_ptr, k_ptr, g_ptr, beta_ptr,  # inputs: q, k [T, H, K] (row strides below); g [T, H, K] (log-decay or raw f); beta [T, H]
     a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
     qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
     qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
     scale, lower_bound,  # fp32 scalars
+    stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
 ):
@@ -38,7 +41,10 @@ def chunk_prep_kernel(
     cols = tl.arange(0, BK)
     mask_t = (t0 + rows) < eos  # [BT]
     mask = mask_t[:, None]
-    base = (t0 + rows).to(tl.int64)[:, None] * (H * K) + h * K + cols[None, :]  # [BT, BK], slice 0
+    r64 = (t0 + rows).to(tl.int64)[:, None]
+    base = r64 * (H * K) + h * K + cols[None, :]  # [BT, BK], slice 0 of the outputs
+    q_base = r64 * stride_q + h * K + cols[None, :]  # ... and of the (possibly strided) inputs
+    k_base = r64 * stride_k + h * K + cols[None, :]
 
     q_scale = tl.full([BT], 1.0, tl.float32) * scale  # per-row factor of q: scale (/ ||q||)
     k_scale = tl.full([BT], 1.0, tl.float32)
@@ -46,8 +52,8 @@ def chunk_prep_kernel(
         q_sq = tl.zeros([BT], dtype=tl.float32)
         k_sq = tl.zeros([BT], dtype=tl.float32)
         for j in range(0, K // BK):
-            qs = tl.load(q_ptr + base + j * BK, mask=mask, other=0.0).to(tl.float32)
-            ks = tl.load(k_ptr + base + j * BK, mask=mask, other=0.0).to(tl.float32)
+            qs = tl.load(q_ptr + q_base + j * BK, mask=mask, other=0.0).to(tl.float32)
+            ks = tl.load(k_ptr + k_base + j * BK, mask=mask, other=0.0).to(tl.float32)
             q_sq += tl.sum(qs * qs, axis=1)
             k_sq += tl.sum(ks * ks, axis=1)
         q_scale = scale / tl.sqrt(q_sq + 1e-6)
@@ -65,8 +71,8 @@ def chunk_prep_kernel(
         tl.store(gcum_ptr + offs, gc, mask=mask)
         glast = tl.sum(g, axis=0)  # [BK] G at the last token (padding rows add 0)
         tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + j * BK + cols, tl.exp(glast))
-        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * q_scale[:, None]
-        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32) * k_scale[:, None]
+        q = tl.load(q_ptr + q_base + j * BK, mask=mask, other=0.0).to(tl.float32) * q_scale[:, None]
+        k = tl.load(k_ptr + k_base + j * BK, mask=mask, other=0.0).to(tl.float32) * k_scale[:, None]
         tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
         tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
         tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)

@@ -57,8 +57,8 @@ def invert_diagonal_blocks(a00, a11, a22, a33, BC: tl.constexpr):
 
 
 @triton.jit
-def _rhs(kn_ptr, v_ptr, gcum_ptr, beta_ptr, t0, n_rows, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-         V: tl.constexpr, BC: tl.constexpr):
+def _rhs(kn_ptr, v_ptr, gcum_ptr, beta_ptr, t0, n_rows, stride_v, I: tl.constexpr, H: tl.constexpr,
+         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     """Right-hand sides of sub-block I: b * exp(G) * k' [BC, K] and b * v [BC, V], fp32."""
     rows = I * BC + tl.arange(0, BC)
     m = rows < n_rows
@@ -67,7 +67,7 @@ def _rhs(kn_ptr, v_ptr, gcum_ptr, beta_ptr, t0, n_rows, I: tl.constexpr, H: tl.c
     b = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
     g = tl.load(gcum_ptr + offs_k, mask=m[:, None], other=0.0)
     x = tl.load(kn_ptr + offs_k, mask=m[:, None], other=0.0).to(tl.float32) * tl.exp(g) * b
-    y = tl.load(v_ptr + r64 * (H * V) + tl.arange(0, V)[None, :], mask=m[:, None], other=0.0).to(tl.float32) * b
+    y = tl.load(v_ptr + r64 * stride_v + tl.arange(0, V)[None, :], mask=m[:, None], other=0.0).to(tl.float32) * b
     return x, y
 
 
@@ -91,6 +91,7 @@ def chunk_solve_kernel(
     a_ptr, kn_ptr, v_ptr, gcum_ptr, beta_ptr,  # A fp32 [T, H, 64]; k' [T, H, K]; v [T, H, V]; G fp32; b fp32 [T, H]
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     w_ptr, u_ptr,  # outputs: W [T, H, K], U [T, H, V]
+    stride_v,  # token-row stride of v in elements (head stride V, element stride 1; the rest is contiguous)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
 ):
     BT: tl.constexpr = 64
@@ -109,25 +110,25 @@ def chunk_solve_kernel(
     kn_h, v_h, g_h, b_h = kn_ptr + h * K, v_ptr + h * V, gcum_ptr + h * K, beta_ptr + h
     w_h, u_h = w_ptr + h * K, u_ptr + h * V
     # block forward substitution: W_I = T_II (X_I - sum_{J<I} A_IJ W_J), same for U
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, 0, H, K, V, BC)
+    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 0, H, K, V, BC)
     w0 = _mm(t00, x, DOT_T, PREC)
     u0 = _mm(t00, y, DOT_T, PREC)
     _store_rows(w_h, u_h, t0, n, 0, w0, u0, H, K, V, BC)
 
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, 1, H, K, V, BC)
+    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 1, H, K, V, BC)
     a10 = _load_block(a_h, t0, n, 1, 0, sa, BC)
     w1 = _mm(t11, x - _mm(a10, w0, DOT_T, PREC), DOT_T, PREC)
     u1 = _mm(t11, y - _mm(a10, u0, DOT_T, PREC), DOT_T, PREC)
     _store_rows(w_h, u_h, t0, n, 1, w1, u1, H, K, V, BC)
 
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, 2, H, K, V, BC)
+    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 2, H, K, V, BC)
     a20 = _load_block(a_h, t0, n, 2, 0, sa, BC)
     a21 = _load_block(a_h, t0, n, 2, 1, sa, BC)
     w2 = _mm(t22, x - _mm(a20, w0, DOT_T, PREC) - _mm(a21, w1, DOT_T, PREC), DOT_T, PREC)
     u2 = _mm(t22, y - _mm(a20, u0, DOT_T, PREC) - _mm(a21, u1, DOT_T, PREC), DOT_T, PREC)
     _store_rows(w_h, u_h, t0, n, 2, w2, u2, H, K, V, BC)
 
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, 3, H, K, V, BC)
+    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 3, H, K, V, BC)
     a30 = _load_block(a_h, t0, n, 3, 0, sa, BC)
     a31 = _load_block(a_h, t0, n, 3, 1, sa, BC)
     a32 = _load_block(a_h, t0, n, 3, 2, sa, BC)

@@ -72,19 +72,19 @@ def _row_block(k_h, g_h, q_h, b_h, t0, eos, n_rows, I: tl.constexpr, H: tl.const
 def _wy_rows(kn_h, v_h, g_h, b_h, w_h, u_h, t0, n_rows, I: tl.constexpr, t_0, t_1, t_2, t_3,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
     """W_I = sum_{J <= I} T_IJ X_J and U_I likewise (t_J = T_IJ; unused ones are ignored), written."""
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, 0, H, K, V, 16)
+    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, H * V, 0, H, K, V, 16)
     w = _mm(t_0, x, DOT_T, PREC)
     u = _mm(t_0, y, DOT_T, PREC)
     if I >= 1:
-        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, 1, H, K, V, 16)
+        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, H * V, 1, H, K, V, 16)
         w += _mm(t_1, x, DOT_T, PREC)
         u += _mm(t_1, y, DOT_T, PREC)
     if I >= 2:
-        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, 2, H, K, V, 16)
+        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, H * V, 2, H, K, V, 16)
         w += _mm(t_2, x, DOT_T, PREC)
         u += _mm(t_2, y, DOT_T, PREC)
     if I >= 3:
-        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, 3, H, K, V, 16)
+        x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n_rows, H * V, 3, H, K, V, 16)
         w += _mm(t_3, x, DOT_T, PREC)
         u += _mm(t_3, y, DOT_T, PREC)
     _store_rows(w_h, u_h, t0, n_rows, I, w, u, H, K, V, 16)

@@ -10,6 +10,8 @@
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
+q, k and v are read in place when their token rows are strided (head stride D, element stride 1: the model passes
+column slices of the short conv's [T, 3HD] output); FUSED and MERGE_WY copy them first.
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
@@ -112,6 +114,15 @@ def supports_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return True, "supported"
 
 
+def _row_strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [T, H, D] itself when the kernels can read it in place (element stride 1, head stride D, any token-row
+    stride: a column slice of a [T, n * H * D] tensor), else a contiguous copy."""
+    H, D = t.shape[1], t.shape[2]
+    if t.stride(2) == 1 and (H == 1 or t.stride(1) == D):
+        return t
+    return t.contiguous()
+
+
 def _inter_map(positions: torch.Tensor, seq_first_chunk: torch.Tensor, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int32 [NC] chunk -> row of the intermediate buffer (-1: none), and, when two rows ask for the same state,
     the row each one copies from afterwards."""
@@ -137,7 +148,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     N = cu_seqlens.shape[0] - 1
     scale = K**-0.5 if scale is None else float(scale)
     dev = q.device
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v = (_row_strided(t) for t in (q, k, v))  # column views of the short conv's output: no copy
+    g, beta = g.contiguous(), beta.contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     plan = plan_chunks(cu)
     o = torch.empty(T, H, V, dtype=v.dtype, device=dev)
@@ -170,7 +182,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     aqk = buf(T, H, CHUNK)
     if FUSED:
         chunk_fused_kernel[grid](
-            q, k, v, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+            q.contiguous(), k.contiguous(), v.contiguous(), g, beta, a_log, dt_bias, plan.chunk_seq,
+            plan.chunk_start, cu,
             qg, kd, glast, aqk, w, u, scale, lower, H=H, K=K, V=V, **flags,
             DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["fused"], num_stages=1,
             **({} if FUSED_MAXNREG is None else {"maxnreg": FUSED_MAXNREG}),
@@ -219,12 +232,13 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, scale, lower, H=H, K=K, BT=CHUNK, BK=min(PREP_BK, K), **flags,
+        qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
+        H=H, K=K, BT=CHUNK, BK=min(PREP_BK, K), **flags,
         num_warps=PHASE_WARPS["prep"], num_stages=1,
     )
     if MERGE_WY:
         chunk_wy_kernel[grid](
-            qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk, w, u,
+            qn, kn, v.contiguous(), gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk, w, u,
             H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["wy"], num_stages=1,
         )
         return
@@ -234,6 +248,6 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
     )
     chunk_solve_kernel[grid](
-        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
         H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

@@ -260,6 +260,50 @@ def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, pat
 
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_kda_prefill_strided_qkv_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v as column slices of one NaN-padded [T, 3HD + 8] tensor (the model's short-conv output) and v of
+    another row stride ([T, HD + 24]): the default path reads them in place (no copy), FUSED / MERGE_WY through
+    their copy; every buffer the prefill allocates starts as NaN, so a stride bug or an unwritten element fails.
+    Twin: the reference op on contiguous copies; tolerance 1e-5 (fp32, as the other fp32 prefill twins)."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+    from tests.helpers import poisoned_like
+
+    _set_path(monkeypatch, path)
+    gen = seeded(7)
+    q0, k0, v0, f, beta, cu, params = _prefill_inputs([37, 64, 49], torch.float32, -5.0, True, True, gen)
+    T, H, D = q0.shape
+    qkv = torch.full((T, 3 * H * D + 8), float("nan"))
+    qkv[:, : H * D], qkv[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)  # v's slot stays NaN
+    q, k = (part.reshape(T, H, D) for part in qkv[:, : 2 * H * D].split(H * D, dim=-1))
+    vbuf = torch.full((T, H * D + 24), float("nan"))
+    vbuf[:, 8: 8 + H * D] = v0.reshape(T, H * D)
+    v = vbuf[:, 8: 8 + H * D].reshape(T, H, D)
+    assert q.stride(0) == 3 * H * D + 8 and v.stride(0) == H * D + 24 and not q.is_contiguous()
+    assert all(tri_prefill._row_strided(t) is t for t in (q, k, v)), "row-strided views must not be copied"
+    pool = _randn(4, H, D, D, gen=gen, scale=0.3)
+    idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    pos = torch.tensor([[1, 64]], dtype=torch.int32)
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        return poisoned_like(t) if t.dtype.is_floating_point else t
+
+    monkeypatch.setattr(tri_prefill.torch, "empty", nan_empty)
+    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                             intermediate_positions=pos)
+    monkeypatch.setattr(tri_prefill.torch, "empty", empty)
+    want = ref.kda_prefill(q0, k0, v0, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
+                           intermediate_positions=pos)
+    assert_rel(out.o, want.o, 1e-5, "o")
+    assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
+    assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate states")
+
+
+@pytest.mark.interpret
+@needs_interp
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
 def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: float) -> None:
     """chunk_wy (phases 2 + 3 in one launch) against its twin, chunk_intra then chunk_solve, on chunk_prep's
@@ -288,12 +332,12 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
         plan.num_chunks, H, D, dt=torch.float32)
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H=H, K=D, BT=64, BK=D, HAS_GATE=True,
-                            SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True)
+                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
+                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True)
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
     chunk_intra_kernel[(plan.num_chunks, H, 4)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
                                                 H=H, K=D, DOT_T=dot_t, PREC=prec)
-    chunk_solve_kernel[grid](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+    chunk_solve_kernel[grid](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, H * D,
                              H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
