@@ -34,6 +34,7 @@ from rocm_k3.ops.kda.datatypes import KDAGateParams
 from rocm_k3.triton_kernels.kda import KERNELS
 from rocm_k3.triton_kernels.kda import decode as tri_decode
 from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+from rocm_k3.triton_kernels.kda import short_conv as tri_conv
 
 D = 128
 LOWER = -5.0
@@ -253,6 +254,44 @@ def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> Non
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
+CONV_TILES = ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 4), (64, 256, 8), (16, 256, 4))
+
+
+def conv_case(bw: float) -> None:
+    """--conv: the prefill short conv at the K3-width slice's shape (16 sequences x 512 tokens with initial states,
+    C = 3 x 96 x 128, x a column slice of the KDA in_proj output as the model passes it) per (BT, BC, warps) tile,
+    beside torch's depthwise conv1d (cuDNN; contiguous channels-first input, no state: a lower bound on its work)
+    and the floor (x read + y written once / measured copy bandwidth)."""
+    T, C, W = 8192, 3 * 96 * 128, 4
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(T, C + 128 + 96 + 96 * 128, generator=gen).to("cuda", torch.bfloat16)
+    x = wide[:, :C]
+    w = (0.5 * torch.randn(C, W, generator=gen)).to("cuda", torch.bfloat16)
+    cu = torch.arange(0, T + 1, 512, dtype=torch.int32, device="cuda")
+    pool = torch.randn(17, C, W - 1, generator=gen).to("cuda", torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int32, device="cuda")
+    hi = torch.ones(16, dtype=torch.bool, device="cuda")
+    floor = 2 * T * C * 2 / bw * 1e3
+    default = (tri_conv._BT, tri_conv._BC, tri_conv._WARPS)
+    ref = tri_conv.short_conv(x, w, cu, conv_state=pool.clone(), state_indices=idx, has_initial_state=hi)
+    print(f"short_conv T {T} C {C} W {W} (16 sequences, initial states, strided x): floor {floor:.3f} ms", flush=True)
+    try:
+        for bt, bc, warps in CONV_TILES:
+            tri_conv._BT, tri_conv._BC, tri_conv._WARPS = bt, bc, warps
+            y = tri_conv.short_conv(x, w, cu, conv_state=pool.clone(), state_indices=idx, has_initial_state=hi)
+            same = torch.equal(y, ref)
+            ms = _bench(lambda: tri_conv.short_conv(x, w, cu, conv_state=pool, state_indices=idx,
+                                                     has_initial_state=hi))
+            mark = " (default)" if (bt, bc, warps) == default else ""
+            print(f"  BT {bt:>3} BC {bc:>3} warps {warps}: {ms:.3f} ms, {100 * floor / ms:.0f} % of the floor, "
+                  f"output == default's: {same}{mark}", flush=True)
+    finally:
+        tri_conv._BT, tri_conv._BC, tri_conv._WARPS = default
+    xc = x.t().contiguous()[None]  # [1, C, T]
+    peer = _bench(lambda: torch.nn.functional.conv1d(xc, w[:, None, :], padding=W - 1, groups=C))
+    print(f"  peer torch conv1d (depthwise, cuDNN, channels-first, no state): {peer:.3f} ms", flush=True)
+
+
 # (row key, prefill settings): --sweep's fused settings ...
 def _fused(warps: int, nreg: int | None = None) -> dict:
     return {"FUSED": True, "FUSED_MAXNREG": nreg, "PHASE_WARPS": {"fused": warps}}
@@ -304,6 +343,7 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--sweep", action="store_true", help="also time other tile/warp choices")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill (ours, FLA)")
+    parser.add_argument("--conv", action="store_true", help="only the prefill short conv's tiles vs torch conv1d")
     parser.add_argument("--profile-only", action="store_true",
                         help="only the per-kernel profiles, at T = 4096 and 16384 (H = 96), ours and FLA's")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
@@ -315,6 +355,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
     print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    if args.conv:
+        conv_case(bw)
+        return
     chunk_kda, fla_rec = _fla()
     if args.profile_only:
         for T in (4096, 16384):
