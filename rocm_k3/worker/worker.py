@@ -484,7 +484,10 @@ class Worker:
                 module.idle(self.device, self.config.dtype)
 
     def execute(self, step: StepInput) -> StepOutput:
-        """Run one step: :meth:`launch` then :meth:`finish`."""
+        """Run one step: :meth:`launch` then :meth:`finish`. A step launched by an execute that an exception (a
+        Ctrl-C) cut short between the two is dropped first: the engine abandoned it, and one step at a time the
+        oldest launched step must be this one."""
+        self._launched.clear()
         self.launch(step)
         return self.finish()
 

@@ -164,6 +164,28 @@ def test_real_ctrl_c_at_random_times(ckpt: Path, alone) -> None:
     assert llm.stats()["preemptions"] == 0
 
 
+def test_an_interrupt_between_launch_and_finish_leaves_no_stale_step(ckpt: Path, alone, monkeypatch) -> None:
+    """A Ctrl-C after the worker launched a step and before it finished it (the window test_real_ctrl_c_at_random_times
+    hits now and then): the next steps get their own outputs, not the abandoned step's."""
+    llm = _llm(ckpt)
+    worker = llm.engine.executor.worker
+    original, calls = worker.finish, [0]
+
+    def finish():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt  # the launched step stays queued in the worker
+        return original()
+
+    monkeypatch.setattr(worker, "finish", finish)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert calls[0] == 3
+    _assert_clean(llm)
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == alone[0]
+    assert [o.token_ids for o in llm.generate([PROMPTS[3], PROMPTS[0]], GREEDY)] == [alone[3], alone[0]]
+
+
 def test_non_finite_logits_fail_only_that_request(ckpt: Path, tmp_path: Path) -> None:
     bad = nan_embedding_checkpoint(ckpt, tmp_path / "nan_embedding", 42)  # token 42 poisons its sequence
     llm = _llm(bad)
