@@ -34,6 +34,8 @@ MXFP4 experts, A16W4, not capturing a CUDA graph, and at least :data:`MIN_ROWS_P
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -144,8 +146,9 @@ MIN_TORCH = (2, 9)  # torch._grouped_mm with zero-row groups (earlier builds cou
 
 
 def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    """(major, minor) of torch: the leading digits of its first two parts ('2.8rc1' -> (2, 8))."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 def platform_allows(x: torch.Tensor) -> bool:

@@ -41,8 +41,8 @@ needs_interp = pytest.mark.skipif(not _INTERPRETED, reason="kernels are compiled
                                                            "tier runs in test_interpret_tier_in_subprocess")
 FP8 = {"ocp": torch.float8_e4m3fn, "fnuz": torch.float8_e4m3fnuz}
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm") and grouped._torch_version() >= grouped.MIN_TORCH
-pytestmark = pytest.mark.skipif(not _HAS_GROUPED_MM, reason=f"torch {torch.__version__} lacks a usable _grouped_mm "
-                                                              f"(the path needs torch >= 2.9); it is never selected")
+needs_grouped_mm = pytest.mark.skipif(not _HAS_GROUPED_MM, reason=f"torch {torch.__version__} lacks a usable "
+                                                                  f"_grouped_mm (the path needs torch >= 2.9)")
 
 
 def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
@@ -70,6 +70,7 @@ def test_dequant_kernel_interpret(e: int, n: int, k: int, kout: int) -> None:
     _check_dequant(weights, prepare_weights(weights), [e - 1, 0, e - 1])
 
 
+@needs_grouped_mm
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("act,aq,fp8,scratch", [("situ", "bf16", None, False), ("silu", "bf16", None, True),
@@ -108,6 +109,7 @@ def test_plan_groups_used_experts() -> None:
     assert grouped._plan(start, count, 8) == [([0, 2, 4], 0, 64)]
 
 
+@needs_grouped_mm  # (the version gate is test_torch_version_gate's)
 def test_selection_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default picks the grouped path only at >= MIN_ROWS_PER_EXPERT rows per expert, bf16 x, MXFP4 experts,
     and only where the platform allows (never on the CPU / in the interpreter)."""
@@ -127,6 +129,25 @@ def test_selection_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not grouped.auto_selects(x, odd, at, 16, "bf16")
 
 
+@pytest.mark.parametrize("version,ok", [("2.8.0", False), ("2.8rc1", False), ("2.8.0a0+git1", False),
+                                        ("2.9.0+cu130", True), ("2.11.0a0+git1234", True), ("3.0.0", True)])
+def test_torch_version_gate(monkeypatch: pytest.MonkeyPatch, version: str, ok: bool) -> None:
+    """Below torch 2.9 the grouped path is refused by name and never selected."""
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None), raising=False)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    weights = prepare_weights(_experts(4, 32, 64, 64, seeded(0)))
+    problem = grouped._operand_problem(x, weights)
+    assert (problem is None) == ok, problem
+    if not ok:
+        tw, ids = _routing(3, 4, 2, seeded(1))
+        with pytest.raises(ValueError, match="needs torch >= 2.9"):
+            fused_moe_with(x, weights, tw, ids, gemm="grouped")
+        monkeypatch.setattr(grouped, "platform_allows", lambda x: True)
+        assert not grouped.auto_selects(x, weights, 1 << 20, 16, "bf16")
+
+
+@needs_grouped_mm  # (the version gate is test_torch_version_gate's)
 def test_grouped_refuses_what_it_cannot_run() -> None:
     weights = prepare_weights(_experts(4, 32, 64, 64, seeded(0)))
     tw, ids = _routing(3, 4, 2, seeded(1))
@@ -160,6 +181,7 @@ def _poison_allocator() -> None:
     del block
 
 
+@needs_grouped_mm
 @pytest.mark.cuda
 def test_grouped_k3_cuda() -> None:
     """E 32, top-16, T 2048 at K3 widths: the grouped path against the reference (A16W4, A8W4 OCP) and the ws
@@ -190,6 +212,7 @@ def test_grouped_k3_cuda() -> None:
                fused_moe_reference(x, weights, tw, ids, **kw), 3e-2, "grouped A8W4")
 
 
+@needs_grouped_mm
 @pytest.mark.cuda
 def test_grouped_unused_experts_cuda() -> None:
     """Experts with no rows (before, between and after the used ones) in the one-group path (zero-row groups handed
@@ -211,6 +234,7 @@ def test_grouped_unused_experts_cuda() -> None:
     assert torch.equal(several, one), "expert groups change the result"
 
 
+@needs_grouped_mm
 @pytest.mark.cuda
 def test_grouped_odd_shape_and_graph_capture_cuda() -> None:
     """An odd shape (T 37, top-5 of 9 experts, N 96, K 160, Kout 96: padded layout tiles) on the GPU, A16W4 / SiLU
