@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from rocm_k3.cache.invariants import check_invariants
 from rocm_k3.engine.config import EngineConfig
 from rocm_k3.engine.core import EngineCore
@@ -60,6 +62,18 @@ def run_checked(core: EngineCore) -> dict[str, list[int]]:
                 done[delta.request_id] = delta.output.token_ids
         check_between_steps(core)
     assert_nothing_held(core)
+    return done
+
+
+def run_until_raised(core: EngineCore, exc: type[BaseException]) -> dict[str, list[int]]:
+    """Step ``core`` until a step raises ``exc`` (it must, before the requests finish); the token ids of each
+    request finished before that."""
+    done = {}
+    with pytest.raises(exc):
+        while core.has_unfinished():
+            for delta in core.step():
+                if delta.finished:
+                    done[delta.request_id] = delta.output.token_ids
     return done
 
 

@@ -21,7 +21,7 @@ from rocm_k3.model.loader import load_model
 from rocm_k3.model.tiny import ensure_embedded_model
 from rocm_k3.sampling_params import SamplingParams
 from rocm_k3.spec_decode.config import EMBEDDED_DRAFTER, SpeculativeConfig
-from tests.engine_fixtures import check_between_steps, core_for, run_checked, varied_prompts
+from tests.engine_fixtures import check_between_steps, core_for, run_checked, run_until_raised, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -98,12 +98,7 @@ def test_sigterm_during_a_verification_then_abort_leaks_nothing(model, greedy, m
     for i, p in enumerate(_prompts(model)):
         eng.add_request(str(i), p, GREEDY)
     verifying = _interrupt_first_verification(eng, when)
-    done: dict[str, list[int]] = {}
-    with pytest.raises(Terminated):
-        while eng.has_unfinished():
-            for d in eng.step():
-                if d.finished:
-                    done[d.request_id] = d.output.token_ids
+    done = run_until_raised(eng, Terminated)
     assert verifying, "no step verified drafts"
     check_between_steps(eng)  # the abandoned verification holds no per-position slot and no pending save
     assert eng.scheduler.spec.num_tracked() <= len(verifying)

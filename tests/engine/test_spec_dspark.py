@@ -33,7 +33,7 @@ from rocm_k3.spec_decode.dspark_load import load_dspark
 from rocm_k3.spec_decode.dspark_proposer import DSparkProposer
 from tests.engine.test_spec_drafter import _fake_hf_cache
 from tests.engine.test_spec_decode_interrupt import Terminated, _interrupt_first_verification, sigterm_raises  # noqa: F401
-from tests.engine_fixtures import check_between_steps, core_for, run_checked, varied_prompts
+from tests.engine_fixtures import check_between_steps, core_for, run_checked, run_until_raised, varied_prompts
 from tests.model_fixtures import one_thread  # noqa: F401 (autouse: one intra-op thread for tiny matmuls)
 
 REPO = "Inferact/Kimi-K3-DSpark"
@@ -506,12 +506,7 @@ def test_sigterm_during_a_dspark_verification_then_abort_leaks_nothing(model, gr
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, GREEDY)
     verifying = _interrupt_first_verification(eng, "after")
-    done: dict[str, list[int]] = {}
-    with pytest.raises(Terminated):
-        while eng.has_unfinished():
-            for d in eng.step():
-                if d.finished:
-                    done[d.request_id] = d.output.token_ids
+    done = run_until_raised(eng, Terminated)
     assert verifying, "no step verified drafts"
     check_between_steps(eng)
     victim = verifying[0]

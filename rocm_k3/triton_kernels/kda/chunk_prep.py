@@ -21,7 +21,7 @@ from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
 
 @triton.jit
 def chunk_prep_kernel(
-    q_ptr, k_ptr, g_ptr, beta_ptr,  # inputs: q, k [T, H, K] (row strides below); g [T, H, K] (log-decay or raw f); beta [T, H]
+    q_ptr, k_ptr, g_ptr, beta_ptr,  # q, k [T, H, K] (row strides below); g [T, H, K] (log-decay or raw f); beta [T, H]
     a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
     qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]

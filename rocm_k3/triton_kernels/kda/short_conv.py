@@ -175,7 +175,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
         )
     if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](
-            x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=triton.next_power_of_2(W - 1), BC=_BC, num_warps=4,
+            x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=triton.next_power_of_2(W - 1), BC=_BC,
+            num_warps=4,
         )
     return y
 

@@ -239,9 +239,10 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     portable elsewhere) and GEMM kernel (``gemm``: "ws", the warp-specialised Hopper kernel of :mod:`.gemm_hopper`
     for both GEMMs (a ValueError where it does not apply), "triton", :func:`.kernels.moe_gemm_kernel`, "grouped",
     dequantised experts and ``torch._grouped_mm`` (:mod:`.grouped`; bf16 x, MXFP4 experts; syncs once with the
-    host only when the experts exceed its scratch; decode="asm" does not apply there); default: "grouped" where :func:`.grouped.auto_selects` (prefill at
-    many rows per expert, no explicit ``config`` / ``ws_config`` / ``decode="asm"``), else "ws" for each GEMM
-    where :func:`.gemm_hopper.supported` and the inline-PTX decode apply, else "triton";
+    host only when the experts exceed its scratch; decode="asm" does not apply there); default: "grouped" where
+    :func:`.grouped.auto_selects` (prefill at many rows per expert, no explicit ``config`` / ``ws_config`` /
+    ``decode="asm"``), else "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode
+    apply, else "triton";
     ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig`, default
     :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
     and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
