@@ -24,6 +24,7 @@ minimal bytes = q, k, v, f (bf16), beta, o read/written once plus the states; bo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from typing import Callable
 
@@ -34,7 +35,9 @@ from rocm_k3.ops.kda.datatypes import KDAGateParams
 from rocm_k3.triton_kernels.kda import KERNELS
 from rocm_k3.triton_kernels.kda import decode as tri_decode
 from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-from rocm_k3.triton_kernels.kda import short_conv as tri_conv
+
+# the module, not the package's re-exported function of the same name (its tile knobs live on the module)
+tri_conv = importlib.import_module("rocm_k3.triton_kernels.kda.short_conv")
 
 D = 128
 LOWER = -5.0

@@ -20,7 +20,7 @@ def _specs() -> dict:
     import triton.language as tl
 
     from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS
-    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, state_tile
+    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, SOLVE_BD, state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
     dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
@@ -49,8 +49,8 @@ def _specs() -> dict:
                        {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
                         "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
                         "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
-                        "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
-                        "stride_k": "i32"},
+                        "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32",
+                        "stride_q": "i32", "stride_k": "i32"},
                        dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True),
                        PHASE_WARPS["prep"], 1),
         "chunk_intra": (f"{pkg}.chunk_intra", "chunk_intra_kernel",
@@ -59,8 +59,7 @@ def _specs() -> dict:
         "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
                         {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
                          "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16", "stride_v": "i32"},
-                        dict(H=H, K=K, V=V, **dots),
-                        PHASE_WARPS["solve"], 1),
+                        dict(H=H, K=K, V=V, BD=SOLVE_BD, **dots), PHASE_WARPS["solve"], 1),
         "chunk_fused": (f"{pkg}.chunk_fused", "chunk_fused_kernel",
                         {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
                          "beta_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qg_ptr": "*bf16",

@@ -57,33 +57,53 @@ def invert_diagonal_blocks(a00, a11, a22, a33, BC: tl.constexpr):
 
 
 @triton.jit
-def _rhs(kn_ptr, v_ptr, gcum_ptr, beta_ptr, t0, n_rows, stride_v, I: tl.constexpr, H: tl.constexpr,
-         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
-    """Right-hand sides of sub-block I: b * exp(G) * k' [BC, K] and b * v [BC, V], fp32."""
-    rows = I * BC + tl.arange(0, BC)
-    m = rows < n_rows
-    r64 = (t0 + rows).to(tl.int64)[:, None]
-    offs_k = r64 * (H * K) + tl.arange(0, K)[None, :]
-    b = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
-    g = tl.load(gcum_ptr + offs_k, mask=m[:, None], other=0.0)
-    x = tl.load(kn_ptr + offs_k, mask=m[:, None], other=0.0).to(tl.float32) * tl.exp(g) * b
-    y = tl.load(v_ptr + r64 * stride_v + tl.arange(0, V)[None, :], mask=m[:, None], other=0.0).to(tl.float32) * b
-    return x, y
-
-
-@triton.jit
 def _mm(a, b, DOT_T: tl.constexpr, PREC: tl.constexpr):
     return tl.dot(a.to(DOT_T), b.to(DOT_T), input_precision=PREC)
 
 
 @triton.jit
-def _store_rows(w_ptr, u_ptr, t0, n_rows, I: tl.constexpr, w, u, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BC: tl.constexpr):
+def _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n_rows, stride, I: tl.constexpr, H: tl.constexpr, BC: tl.constexpr,
+              BD: tl.constexpr, DECAY: tl.constexpr):
+    """[BC, BD] columns of sub-block I's right-hand side, fp32: b * exp(G) * k' (DECAY, G from g_ptr, same
+    stride) or b * v."""
     rows = I * BC + tl.arange(0, BC)
-    m = (rows < n_rows)[:, None]
-    r64 = (t0 + rows).to(tl.int64)[:, None]
-    tl.store(w_ptr + r64 * (H * K) + tl.arange(0, K)[None, :], w.to(w_ptr.dtype.element_ty), mask=m)
-    tl.store(u_ptr + r64 * (H * V) + tl.arange(0, V)[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
+    m = rows < n_rows
+    offs = (t0 + rows).to(tl.int64)[:, None] * stride + tl.arange(0, BD)[None, :]
+    x = tl.load(x_ptr + offs, mask=m[:, None], other=0.0).to(tl.float32)
+    if DECAY:
+        x = x * tl.exp(tl.load(g_ptr + offs, mask=m[:, None], other=0.0))
+    return x * tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
+
+
+@triton.jit
+def _store_cols(y_ptr, t0, n_rows, stride, I: tl.constexpr, y, BC: tl.constexpr, BD: tl.constexpr):
+    rows = I * BC + tl.arange(0, BC)
+    offs = (t0 + rows).to(tl.int64)[:, None] * stride + tl.arange(0, BD)[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None])
+
+
+@triton.jit
+def _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, x_ptr, g_ptr, beta_ptr, stride_x, y_ptr, stride_y,
+                H: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DECAY: tl.constexpr, DOT_T: tl.constexpr,
+                PREC: tl.constexpr):
+    """Y = (I + A)^-1 X on [64, BD] columns by block forward substitution: Y_I = T_II (X_I - sum_{J<I} A_IJ Y_J).
+    Y_J is held in the dot dtype once computed (it enters the later products rounded to it anyway, and is stored
+    from it)."""
+    y0 = _mm(t00, _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 0, H, BC, BD, DECAY), DOT_T, PREC).to(DOT_T)
+    _store_cols(y_ptr, t0, n, stride_y, 0, y0, BC, BD)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 1, H, BC, BD, DECAY)
+    y1 = _mm(t11, x - _mm(_load_block(a_h, t0, n, 1, 0, sa, BC), y0, DOT_T, PREC), DOT_T, PREC).to(DOT_T)
+    _store_cols(y_ptr, t0, n, stride_y, 1, y1, BC, BD)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 2, H, BC, BD, DECAY)
+    x -= _mm(_load_block(a_h, t0, n, 2, 0, sa, BC), y0, DOT_T, PREC)
+    x -= _mm(_load_block(a_h, t0, n, 2, 1, sa, BC), y1, DOT_T, PREC)
+    y2 = _mm(t22, x, DOT_T, PREC).to(DOT_T)
+    _store_cols(y_ptr, t0, n, stride_y, 2, y2, BC, BD)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 3, H, BC, BD, DECAY)
+    x -= _mm(_load_block(a_h, t0, n, 3, 0, sa, BC), y0, DOT_T, PREC)
+    x -= _mm(_load_block(a_h, t0, n, 3, 1, sa, BC), y1, DOT_T, PREC)
+    x -= _mm(_load_block(a_h, t0, n, 3, 2, sa, BC), y2, DOT_T, PREC)
+    _store_cols(y_ptr, t0, n, stride_y, 3, _mm(t33, x, DOT_T, PREC), BC, BD)
 
 
 @triton.jit
@@ -92,48 +112,28 @@ def chunk_solve_kernel(
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     w_ptr, u_ptr,  # outputs: W [T, H, K], U [T, H, V]
     stride_v,  # token-row stride of v in elements (head stride V, element stride 1; the rest is contiguous)
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
 ):
+    """One program per (chunk, head, BD-column block of [W | U]): blocks 0 .. K / BD - 1 are W's, the rest U's.
+    Each program inverts the diagonal blocks itself (a few hundred FMAs); fewer columns per program hold fewer
+    registers, so more programs share an SM."""
     BT: tl.constexpr = 64
     BC: tl.constexpr = 16
     c = tl.program_id(0)
     h = tl.program_id(1)
+    p = tl.program_id(2)
     t0, n = chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT)  # rows t0 .. t0 + n - 1
     sa = H * BT
     a_h = a_ptr + h * BT
-    r = tl.arange(0, BC)
-
     t00, t11, t22, t33 = invert_diagonal_blocks(
         _load_block(a_h, t0, n, 0, 0, sa, BC), _load_block(a_h, t0, n, 1, 1, sa, BC),
         _load_block(a_h, t0, n, 2, 2, sa, BC), _load_block(a_h, t0, n, 3, 3, sa, BC), BC)
-
-    kn_h, v_h, g_h, b_h = kn_ptr + h * K, v_ptr + h * V, gcum_ptr + h * K, beta_ptr + h
-    w_h, u_h = w_ptr + h * K, u_ptr + h * V
-    # block forward substitution: W_I = T_II (X_I - sum_{J<I} A_IJ W_J), same for U
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 0, H, K, V, BC)
-    w0 = _mm(t00, x, DOT_T, PREC)
-    u0 = _mm(t00, y, DOT_T, PREC)
-    _store_rows(w_h, u_h, t0, n, 0, w0, u0, H, K, V, BC)
-
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 1, H, K, V, BC)
-    a10 = _load_block(a_h, t0, n, 1, 0, sa, BC)
-    w1 = _mm(t11, x - _mm(a10, w0, DOT_T, PREC), DOT_T, PREC)
-    u1 = _mm(t11, y - _mm(a10, u0, DOT_T, PREC), DOT_T, PREC)
-    _store_rows(w_h, u_h, t0, n, 1, w1, u1, H, K, V, BC)
-
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 2, H, K, V, BC)
-    a20 = _load_block(a_h, t0, n, 2, 0, sa, BC)
-    a21 = _load_block(a_h, t0, n, 2, 1, sa, BC)
-    w2 = _mm(t22, x - _mm(a20, w0, DOT_T, PREC) - _mm(a21, w1, DOT_T, PREC), DOT_T, PREC)
-    u2 = _mm(t22, y - _mm(a20, u0, DOT_T, PREC) - _mm(a21, u1, DOT_T, PREC), DOT_T, PREC)
-    _store_rows(w_h, u_h, t0, n, 2, w2, u2, H, K, V, BC)
-
-    x, y = _rhs(kn_h, v_h, g_h, b_h, t0, n, stride_v, 3, H, K, V, BC)
-    a30 = _load_block(a_h, t0, n, 3, 0, sa, BC)
-    a31 = _load_block(a_h, t0, n, 3, 1, sa, BC)
-    a32 = _load_block(a_h, t0, n, 3, 2, sa, BC)
-    w3 = _mm(t33, x - _mm(a30, w0, DOT_T, PREC) - _mm(a31, w1, DOT_T, PREC) - _mm(a32, w2, DOT_T, PREC),
-             DOT_T, PREC)
-    u3 = _mm(t33, y - _mm(a30, u0, DOT_T, PREC) - _mm(a31, u1, DOT_T, PREC) - _mm(a32, u2, DOT_T, PREC),
-             DOT_T, PREC)
-    _store_rows(w_h, u_h, t0, n, 3, w3, u3, H, K, V, BC)
+    if p < K // BD:
+        col = p * BD + h * K
+        _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, kn_ptr + col, gcum_ptr + col, beta_ptr + h, H * K,
+                    w_ptr + col, H * K, H, BC, BD, True, DOT_T, PREC)
+    else:
+        col = (p - K // BD) * BD + h * V
+        _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, v_ptr + col, gcum_ptr, beta_ptr + h, stride_v,
+                    u_ptr + col, H * V, H, BC, BD, False, DOT_T, PREC)

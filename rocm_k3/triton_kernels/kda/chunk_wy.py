@@ -29,8 +29,33 @@ import triton
 import triton.language as tl
 
 from rocm_k3.triton_kernels.kda.chunk_intra import _decayed, pair_products
-from rocm_k3.triton_kernels.kda.chunk_solve import _mm, _rhs, _store_rows, invert_diagonal_blocks
+from rocm_k3.triton_kernels.kda.chunk_solve import _mm, invert_diagonal_blocks
 from rocm_k3.triton_kernels.kda.common import chunk_bounds
+
+
+@triton.jit
+def _rhs(kn_ptr, v_ptr, gcum_ptr, beta_ptr, t0, n_rows, stride_v, I: tl.constexpr, H: tl.constexpr,
+         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    """Right-hand sides of sub-block I: b * exp(G) * k' [BC, K] and b * v [BC, V], fp32."""
+    rows = I * BC + tl.arange(0, BC)
+    m = rows < n_rows
+    r64 = (t0 + rows).to(tl.int64)[:, None]
+    offs_k = r64 * (H * K) + tl.arange(0, K)[None, :]
+    b = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
+    g = tl.load(gcum_ptr + offs_k, mask=m[:, None], other=0.0)
+    x = tl.load(kn_ptr + offs_k, mask=m[:, None], other=0.0).to(tl.float32) * tl.exp(g) * b
+    y = tl.load(v_ptr + r64 * stride_v + tl.arange(0, V)[None, :], mask=m[:, None], other=0.0).to(tl.float32) * b
+    return x, y
+
+
+@triton.jit
+def _store_rows(w_ptr, u_ptr, t0, n_rows, I: tl.constexpr, w, u, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BC: tl.constexpr):
+    rows = I * BC + tl.arange(0, BC)
+    m = (rows < n_rows)[:, None]
+    r64 = (t0 + rows).to(tl.int64)[:, None]
+    tl.store(w_ptr + r64 * (H * K) + tl.arange(0, K)[None, :], w.to(w_ptr.dtype.element_ty), mask=m)
+    tl.store(u_ptr + r64 * (H * V) + tl.arange(0, V)[None, :], u.to(u_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

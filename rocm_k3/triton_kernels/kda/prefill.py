@@ -40,7 +40,13 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 2, "fused": 4, "wy": 4}
+PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 1, "fused": 4, "wy": 4}
+# Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
+# 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
+# against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
+# 0.549 / 2.13. The FlyDSL twin keeps the solve in the intra workgroup (kda_chunk_intra): same algorithm, its own
+# work split.
+SOLVE_BD = 64
 # Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
 # the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).
 FUSED = False
@@ -247,7 +253,8 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
     )
-    chunk_solve_kernel[grid](
+    bd = min(SOLVE_BD, K, V)
+    chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
         a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
-        H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
+        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

@@ -337,8 +337,8 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
     chunk_intra_kernel[(plan.num_chunks, H, 4)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
                                                 H=H, K=D, DOT_T=dot_t, PREC=prec)
-    chunk_solve_kernel[grid](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, H * D,
-                             H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
+    chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
+                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
                           H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
