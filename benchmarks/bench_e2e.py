@@ -21,7 +21,8 @@ kernels.
 ``--async-scheduling``: the graph runs schedule asynchronously (EngineConfig.async_scheduling: step N + 1 is
 launched before step N's tokens are read, so the host's work overlaps the GPU's step); the eager runs, which give
 the kernel sum, stay one step at a time. The host split then times the executor's submit and collect (collect
-includes the wait for the GPU).
+includes the wait for the GPU). With ``--prefill`` it schedules the prefill steps asynchronously: step N + 1 takes
+prompts step N does not hold and is launched before step N's first tokens are read.
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --prefill [--prompts 16] [--prompt-len 2048] [--budget 8192]
 
@@ -296,7 +297,7 @@ def run_prefill(path: Path, args) -> None:
     """Prompt tokens/s of ``args.prompts`` prompts sharing no prefix, and the FLOP roofline (module doc)."""
     llm = LLM(path, dtype=args.dtype, backend="triton", device="cuda", max_num_seqs=args.prompts,
               max_model_len=args.prompt_len + 8, max_num_batched_tokens=args.budget, enable_prefix_caching=False,
-              kv_cache_bytes=8 << 30, state_cache_bytes=8 << 30)
+              kv_cache_bytes=8 << 30, state_cache_bytes=8 << 30, async_scheduling=args.async_scheduling)
     core, vocab = llm.engine, llm.vocab_size
     gen = torch.Generator().manual_seed(0)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -360,7 +361,8 @@ def main() -> None:
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="graph runs schedule asynchronously (module doc); eager runs stay one step at a time")
+                    help="graph runs (and --prefill) schedule asynchronously (module doc); eager decode runs stay "
+                    "one step at a time")
     ap.add_argument("--prefill", action="store_true", help="prompt tokens/s and the FLOP roofline (module doc)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -376,7 +378,7 @@ def main() -> None:
         path = path or Path(tempfile.mkdtemp()) / "k3-slice"
         write_tiny_checkpoint(path, text_overrides=k3_slice_overrides(args.width))
     print(f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}"
-          + (", graph runs with async scheduling" if args.async_scheduling else ""))
+          + (", async scheduling" if args.async_scheduling else ""))
     if args.prefill:
         run_prefill(path, args)
         return

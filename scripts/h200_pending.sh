@@ -83,6 +83,8 @@ run_part() {
       --async-scheduling ;;
     e2e_prefill) part e2e_prefill 200 60 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 1 --profile \
       --checkpoint "$CK" ;;
+    e2e_prefill_async) part e2e_prefill_async 150 0 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 2 \
+      --async-scheduling --checkpoint "$CK" ;;
     conv) part conv 90 0 "$PY" -u benchmarks/bench_kda.py --conv ;;
     moe32) part moe32 120 0 "$PY" -u benchmarks/bench_moe.py --experts 32 --tokens 8192 2048 --grouped --no-peer \
       --no-sass ;;
@@ -100,7 +102,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill kda kda_prof kda_phase conv moe32 cuda_new cuda_s15 cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase conv moe32 cuda_new cuda_s15 cuda_tier)" >&2; return 2 ;;
   esac
 }
 
