@@ -75,6 +75,7 @@ PREP_SPLIT = True
 # (+11 %).
 SOLVE_KB = True
 
+
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """(operand dtype, input precision) of the kernels' ``tl.dot`` calls for activations of ``dtype``.
 
@@ -247,12 +248,11 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
     grid = (plan.num_chunks, H)
     bk = min(PREP_BK, K)
-    split = PREP_SPLIT
-    chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if split else grid](  # slice fastest (common.grid_ids)
+    chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if PREP_SPLIT else grid](  # slice fastest (common.grid_ids)
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=split,
-        num_warps=PHASE_WARPS["prep_split" if split else "prep"], num_stages=1,
+        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT,
+        num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
     if MERGE_WY:
         chunk_wy_kernel[grid](
