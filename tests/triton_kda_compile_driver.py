@@ -15,6 +15,32 @@ TARGETS = ("sm_90", "gfx942", "gfx950")
 H, K, V, W = 96, 128, 128, 4
 
 
+def _prep_spec(pkg: str, plan: dict, split: bool, warps: int) -> tuple:
+    return (f"{pkg}.chunk_prep", "chunk_prep_kernel",
+            {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
+             "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+             "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
+             "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32", "stride_k": "i32"},
+            dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
+                 COL_SPLIT=split), warps, 1)
+
+
+def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int) -> tuple:
+    """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB)."""
+    return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
+            {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
+             "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16"},
+            dict(H=H, K=K, **dots, WRITE_KB=kb), warps, 2)
+
+
+def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int) -> tuple:
+    """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB)."""
+    return (f"{pkg}.chunk_solve", "chunk_solve_kernel",
+            {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
+             "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16", "stride_v": "i32"},
+            dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb), warps, 1)
+
+
 def _specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
     import triton.language as tl
@@ -45,21 +71,12 @@ def _specs() -> dict:
         "short_conv_update": (f"{pkg}.short_conv", "short_conv_update_kernel",
                               {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "conv_state_ptr": "*bf16",
                                "state_indices_ptr": "*i32", "C": "i32"}, dict(W=W, WP=4, BC=128, SILU=True), 4, 2),
-        "chunk_prep": (f"{pkg}.chunk_prep", "chunk_prep_kernel",
-                       {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
-                        "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
-                        "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
-                        "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32",
-                        "stride_q": "i32", "stride_k": "i32"},
-                       dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True),
-                       PHASE_WARPS["prep"], 1),
-        "chunk_intra": (f"{pkg}.chunk_intra", "chunk_intra_kernel",
-                        {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
-                         "a_ptr": "*fp32", "aqk_ptr": "*bf16"}, dict(H=H, K=K, **dots), PHASE_WARPS["intra"], 2),
-        "chunk_solve": (f"{pkg}.chunk_solve", "chunk_solve_kernel",
-                        {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
-                         "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16", "stride_v": "i32"},
-                        dict(H=H, K=K, V=V, BD=SOLVE_BD, **dots), PHASE_WARPS["solve"], 1),
+        "chunk_prep": _prep_spec(pkg, plan, split=False, warps=PHASE_WARPS["prep"]),
+        "chunk_prep_split": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"]),
+        "chunk_intra": _intra_spec(pkg, plan, dots, False, PHASE_WARPS["intra"]),
+        "chunk_intra_kb": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"]),
+        "chunk_solve": _solve_spec(pkg, plan, dots, False, PHASE_WARPS["solve"], SOLVE_BD),
+        "chunk_solve_kb": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_fused": (f"{pkg}.chunk_fused", "chunk_fused_kernel",
                         {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
                          "beta_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qg_ptr": "*bf16",

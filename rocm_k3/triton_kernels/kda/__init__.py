@@ -9,7 +9,7 @@ behind ``prefill.MERGE_WY``): the phases of the chunked prefill, driven by
 ``prefill.py``; ``decode.py`` (the fused one-kernel decode step); ``common.py``
 (shared device helpers and the varlen chunk plan). Tuning knobs (measured on the H200) sit beside the kernels:
 ``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.STATE_STAGES`` / ``prefill.PREP_BK`` /
-``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` / ``prefill.MERGE_WY`` and
+``prefill.PREP_SPLIT`` / ``prefill.SOLVE_KB`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` / ``prefill.MERGE_WY`` and
 ``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """

@@ -5,7 +5,9 @@ With G the in-chunk cumulative log-decay, q' and k' from phase 1 and b = beta (f
     A[i, j]   = b_i * sum_d k'_i[d] k'_j[d] exp(G_i[d] - G_j[d])      j <  i   (strictly lower), fp32
     Aqk[i, j] =       sum_d q'_i[d] k'_j[d] exp(G_i[d] - G_j[d])      j <= i   (activation dtype)
 
-Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 columns, zeros above the diagonal).
+Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 columns, zeros above the diagonal). With
+``WRITE_KB`` the program also writes chunk_solve's right-hand side of W for its rows, KB = b * exp(G) * k' (the
+activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G.
 
 Numerics: ``exp(G_i - G_j)`` cannot be split as ``exp(G_i) * exp(-G_j)`` over a whole chunk (64 steps of decay
 overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a reference row m (its 8th row):
@@ -21,16 +23,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.common import grid_ids
+
+
+@triton.jit
+def _load_rows(x_ptr, row0, eos, stride, D: tl.constexpr, BC: tl.constexpr):
+    """(x[row0 .. row0 + BC - 1, :D] as stored, rows past eos 0; the row mask [BC, 1])."""
+    rows = row0 + tl.arange(0, BC)
+    m = (rows < eos)[:, None]
+    offs = rows.to(tl.int64)[:, None] * stride + tl.arange(0, D)[None, :]
+    return tl.load(x_ptr + offs, mask=m, other=0.0), m
+
+
+@triton.jit
+def _decay(x, g, gref, m, SIGN: tl.constexpr):
+    """x * exp(SIGN * (g - gref)) as fp32; masked rows (m false) get exponent 0."""
+    return x.to(tl.float32) * tl.exp(tl.where(m, SIGN * (g - gref[None, :]), 0.0))
+
 
 @triton.jit
 def _decayed(x_ptr, g_ptr, row0, eos, gref, stride, D: tl.constexpr, BC: tl.constexpr, SIGN: tl.constexpr):
     """x[rows] * exp(SIGN * (G[rows] - gref)) as fp32 [BC, D]; rows past eos are 0 (their exponent is 0)."""
-    rows = row0 + tl.arange(0, BC)
-    m = (rows < eos)[:, None]
-    offs = rows.to(tl.int64)[:, None] * stride + tl.arange(0, D)[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=m, other=0.0)
-    return x * tl.exp(tl.where(m, SIGN * (g - gref[None, :]), 0.0))
+    x, m = _load_rows(x_ptr, row0, eos, stride, D, BC)
+    g, _ = _load_rows(g_ptr, row0, eos, stride, D, BC)
+    return _decay(x, g, gref, m, SIGN)
 
 
 @triton.jit
@@ -51,13 +67,16 @@ def chunk_intra_kernel(
     qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K], G fp32 [T, H, K], b fp32 [T, H]
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     a_ptr, aqk_ptr,  # outputs: A fp32 [T, H, 64], Aqk [T, H, 64]
-    H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
+    H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
 ):
+    """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
+    sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
+    G) are read once and give the row operands, the diagonal block's column operand and (WRITE_KB) KB; the earlier
+    sub-blocks' k' and G are read for their column operands."""
     BC: tl.constexpr = 16
     BT: tl.constexpr = 64
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    blk = tl.program_id(2)
+    c, h, blk = grid_ids(BT // BC)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
     eos = tl.minimum(tl.load(cu_seqlens_ptr + seq + 1), t0 + BT)  # end of this chunk
@@ -71,22 +90,29 @@ def chunk_intra_kernel(
         r = tl.arange(0, BC)
         gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # reference row
         b = tl.load(beta_ptr + rows.to(tl.int64) * H + h, mask=m, other=0.0)  # [BC]
-        kp = _decayed(k_ptr, g_ptr, r0, eos, gm, sk, K, BC, 1.0).to(DOT_T)  # [BC, K]
-        qp = _decayed(qn_ptr + h * K, g_ptr, r0, eos, gm, sk, K, BC, 1.0).to(DOT_T)
+        k_own, mk = _load_rows(k_ptr, r0, eos, sk, K, BC)  # [BC, K] as stored
+        g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
+        q_own, _ = _load_rows(qn_ptr + h * K, r0, eos, sk, K, BC)
+        kp = _decay(k_own, g_own, gm, mk, 1.0).to(DOT_T)  # [BC, K]
+        qp = _decay(q_own, g_own, gm, mk, 1.0).to(DOT_T)
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
-        for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
-            kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]
-            akk = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
-            aqk = tl.dot(qp, kn, input_precision=PREC)
-            tl.store(a_ptr + out_rows + j * BC, akk, mask=m[:, None])
-            tl.store(aqk_ptr + out_rows + j * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
-        kn = tl.trans(_decayed(k_ptr, g_ptr, r0, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # diagonal block
+        kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0).to(DOT_T))  # diagonal block's column operand [K, BC]
+        if WRITE_KB:
+            kb = k_own.to(tl.float32) * tl.exp(g_own) * b[:, None]  # exp(G) <= 1
+            own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
+            tl.store(kb_ptr + own, kb.to(kb_ptr.dtype.element_ty), mask=mk)
         akk = tl.dot(kp, kn, input_precision=PREC)
         aqk = tl.dot(qp, kn, input_precision=PREC)
         akk = tl.where(r[:, None] > r[None, :], akk * b[:, None], 0.0)
         aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
         tl.store(a_ptr + out_rows + blk * BC, akk, mask=m[:, None])
         tl.store(aqk_ptr + out_rows + blk * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
+        for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
+            kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]
+            akk = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
+            aqk = tl.dot(qp, kn, input_precision=PREC)
+            tl.store(a_ptr + out_rows + j * BC, akk, mask=m[:, None])
+            tl.store(aqk_ptr + out_rows + j * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
         zero = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(blk + 1, BT // BC):
             tl.store(a_ptr + out_rows + j * BC, zero, mask=m[:, None])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
+from rocm_k3.triton_kernels.kda.common import gate, grid_ids, sigmoid_f32
 
 
 @triton.jit
@@ -30,10 +30,14 @@ def chunk_prep_kernel(
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
+    COL_SPLIT: tl.constexpr,
 ):
-    """Works on [BT, BK] column slices (BK divides K): the squared norms first, then everything else."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    """Works on [BT, BK] column slices (BK divides K): the squared norms first (over all K columns), then
+    everything else. Grid (NC, H): one program per (chunk, head) walks the K / BK slices; with COL_SPLIT, grid
+    (NC * K / BK, H): one program per (chunk, slice, head) does one slice (a chunk-head's slices run side by side,
+    so their repeated norm reads of q and k hit L2), and the slice-0 program writes b."""
+    n_slices: tl.constexpr = 1 if COL_SPLIT else K // BK
+    c, h, j0 = grid_ids(K // BK // n_slices)  # grid (NC * K / BK, H), or (NC, H) without COL_SPLIT
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
     eos = tl.load(cu_seqlens_ptr + seq + 1)
@@ -59,7 +63,8 @@ def chunk_prep_kernel(
         q_scale = scale / tl.sqrt(q_sq + 1e-6)
         k_scale = 1.0 / tl.sqrt(k_sq + 1e-6)
 
-    for j in range(0, K // BK):
+    for jj in range(0, n_slices):
+        j = j0 + jj
         offs = base + j * BK
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
         if HAS_GATE:
@@ -79,8 +84,9 @@ def chunk_prep_kernel(
         kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
         tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
 
-    b_offs = (t0 + rows).to(tl.int64) * H + h
-    b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]
-    if BETA_LOGITS:
-        b = sigmoid_f32(b)
-    tl.store(beta_out_ptr + b_offs, b, mask=mask_t)
+    if j0 == 0:
+        b_offs = (t0 + rows).to(tl.int64) * H + h
+        b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]
+        if BETA_LOGITS:
+            b = sigmoid_f32(b)
+        tl.store(beta_out_ptr + b_offs, b, mask=mask_t)

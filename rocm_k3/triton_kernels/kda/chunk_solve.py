@@ -63,16 +63,18 @@ def _mm(a, b, DOT_T: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n_rows, stride, I: tl.constexpr, H: tl.constexpr, BC: tl.constexpr,
-              BD: tl.constexpr, DECAY: tl.constexpr):
+              BD: tl.constexpr, DECAY: tl.constexpr, SCALE_B: tl.constexpr):
     """[BC, BD] columns of sub-block I's right-hand side, fp32: b * exp(G) * k' (DECAY, G from g_ptr, same
-    stride) or b * v."""
+    stride), b * v, or (not SCALE_B) x as stored (chunk_intra's KB = b * exp(G) * k')."""
     rows = I * BC + tl.arange(0, BC)
     m = rows < n_rows
     offs = (t0 + rows).to(tl.int64)[:, None] * stride + tl.arange(0, BD)[None, :]
     x = tl.load(x_ptr + offs, mask=m[:, None], other=0.0).to(tl.float32)
     if DECAY:
         x = x * tl.exp(tl.load(g_ptr + offs, mask=m[:, None], other=0.0))
-    return x * tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
+    if SCALE_B:
+        x = x * tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H, mask=m, other=0.0)[:, None]
+    return x
 
 
 @triton.jit
@@ -84,22 +86,23 @@ def _store_cols(y_ptr, t0, n_rows, stride, I: tl.constexpr, y, BC: tl.constexpr,
 
 @triton.jit
 def _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, x_ptr, g_ptr, beta_ptr, stride_x, y_ptr, stride_y,
-                H: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DECAY: tl.constexpr, DOT_T: tl.constexpr,
-                PREC: tl.constexpr):
+                H: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DECAY: tl.constexpr, SCALE_B: tl.constexpr,
+                DOT_T: tl.constexpr, PREC: tl.constexpr):
     """Y = (I + A)^-1 X on [64, BD] columns by block forward substitution: Y_I = T_II (X_I - sum_{J<I} A_IJ Y_J).
     Y_J is held in the dot dtype once computed (it enters the later products rounded to it anyway, and is stored
     from it)."""
-    y0 = _mm(t00, _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 0, H, BC, BD, DECAY), DOT_T, PREC).to(DOT_T)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 0, H, BC, BD, DECAY, SCALE_B)
+    y0 = _mm(t00, x, DOT_T, PREC).to(DOT_T)
     _store_cols(y_ptr, t0, n, stride_y, 0, y0, BC, BD)
-    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 1, H, BC, BD, DECAY)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 1, H, BC, BD, DECAY, SCALE_B)
     y1 = _mm(t11, x - _mm(_load_block(a_h, t0, n, 1, 0, sa, BC), y0, DOT_T, PREC), DOT_T, PREC).to(DOT_T)
     _store_cols(y_ptr, t0, n, stride_y, 1, y1, BC, BD)
-    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 2, H, BC, BD, DECAY)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 2, H, BC, BD, DECAY, SCALE_B)
     x -= _mm(_load_block(a_h, t0, n, 2, 0, sa, BC), y0, DOT_T, PREC)
     x -= _mm(_load_block(a_h, t0, n, 2, 1, sa, BC), y1, DOT_T, PREC)
     y2 = _mm(t22, x, DOT_T, PREC).to(DOT_T)
     _store_cols(y_ptr, t0, n, stride_y, 2, y2, BC, BD)
-    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 3, H, BC, BD, DECAY)
+    x = _rhs_cols(x_ptr, g_ptr, beta_ptr, t0, n, stride_x, 3, H, BC, BD, DECAY, SCALE_B)
     x -= _mm(_load_block(a_h, t0, n, 3, 0, sa, BC), y0, DOT_T, PREC)
     x -= _mm(_load_block(a_h, t0, n, 3, 1, sa, BC), y1, DOT_T, PREC)
     x -= _mm(_load_block(a_h, t0, n, 3, 2, sa, BC), y2, DOT_T, PREC)
@@ -108,16 +111,17 @@ def _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, x_ptr, g_ptr, beta_ptr, stri
 
 @triton.jit
 def chunk_solve_kernel(
-    a_ptr, kn_ptr, v_ptr, gcum_ptr, beta_ptr,  # A fp32 [T, H, 64]; k' [T, H, K]; v [T, H, V]; G fp32; b fp32 [T, H]
+    a_ptr, kn_ptr, v_ptr, gcum_ptr, beta_ptr,  # A fp32 [T, H, 64]; k' or KB [T, H, K]; v [T, H, V]; G fp32; b fp32
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     w_ptr, u_ptr,  # outputs: W [T, H, K], U [T, H, V]
     stride_v,  # token-row stride of v in elements (head stride V, element stride 1; the rest is contiguous)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, DOT_T: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, KB: tl.constexpr,
 ):
     """One program per (chunk, head, BD-column block of [W | U]): blocks 0 .. K / BD - 1 are W's, the rest U's.
     Each program inverts the diagonal blocks itself (a few hundred FMAs); fewer columns per program hold fewer
-    registers, so more programs share an SM."""
+    registers, so more programs share an SM. With KB, kn_ptr holds chunk_intra's KB (the finished right-hand side
+    of W) and G is not read."""
     BT: tl.constexpr = 64
     BC: tl.constexpr = 16
     c = tl.program_id(0)
@@ -132,8 +136,8 @@ def chunk_solve_kernel(
     if p < K // BD:
         col = p * BD + h * K
         _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, kn_ptr + col, gcum_ptr + col, beta_ptr + h, H * K,
-                    w_ptr + col, H * K, H, BC, BD, True, DOT_T, PREC)
+                    w_ptr + col, H * K, H, BC, BD, not KB, not KB, DOT_T, PREC)
     else:
         col = (p - K // BD) * BD + h * V
         _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, v_ptr + col, gcum_ptr, beta_ptr + h, stride_v,
-                    u_ptr + col, H * V, H, BC, BD, False, DOT_T, PREC)
+                    u_ptr + col, H * V, H, BC, BD, False, True, DOT_T, PREC)

@@ -1,8 +1,9 @@
 """Pieces shared by the KDA Triton kernels: device-side math helpers and the host-side varlen chunk plan.
 
-Device helpers (``@triton.jit``, inlined into the kernels): ``gate``, the KDA decay gate (safe gate
-``L * sigmoid(exp(A_log) * (f + dt_bias))`` or softplus gate ``-exp(A_log) * softplus(f + dt_bias)``) in fp32,
-and the fp32 ``sigmoid_f32`` / ``softplus_f32`` it is made of.
+Device helpers (``@triton.jit``, inlined into the kernels): ``grid_ids`` and ``chunk_bounds`` (program ids and
+rows of the per-chunk grids), ``gate``, the KDA decay gate (safe gate ``L * sigmoid(exp(A_log) * (f + dt_bias))``
+or softplus gate ``-exp(A_log) * softplus(f + dt_bias)``) in fp32, and the fp32 ``sigmoid_f32`` /
+``softplus_f32`` it is made of.
 
 Host helper :func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into
 (one host synchronisation per prefill call, like every varlen chunked kernel).
@@ -41,6 +42,14 @@ def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
     else:
         g = -a * softplus_f32(x)
     return g
+
+
+@triton.jit
+def grid_ids(M: tl.constexpr):
+    """(chunk, head, minor) program ids of a grid (NC * M, H) whose first axis runs the minor index fastest: blocks
+    launch in order of the first axis, so the M programs of one (chunk, head) run side by side and share the rows
+    they each read through L2 (and NC stays on the first axis, which has no 65535 limit)."""
+    return tl.program_id(0) // M, tl.program_id(1), tl.program_id(0) % M
 
 
 @triton.jit

@@ -4,7 +4,7 @@
              chunk_state  phase 4
 
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
-    phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block
+    phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k')
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
@@ -40,7 +40,7 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "intra": 4, "solve": 1, "fused": 4, "wy": 4}
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "fused": 4, "wy": 4}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -63,6 +63,17 @@ STATE_STAGES: int | None = None
 MERGE_WY = False
 # NVIDIA register cap per thread of chunk_fused (None: the compiler's choice).
 FUSED_MAXNREG: int | None = None
+# chunk_prep as one program per (chunk, PREP_BK-column slice, head) at PHASE_WARPS["prep_split"] warps (True) or one
+# per (chunk, head) walking the slices at PHASE_WARPS["prep"] (False). H200 2026-12-04 (session 16, RESULTS.md),
+# H = 96: split at 8 warps 0.434 / 1.718 ms at T = 4k / 16k against 0.456 / 1.848 unsplit at 16 warps (split at
+# 4 warps: equal to unsplit).
+PREP_SPLIT = True
+# chunk_intra writes KB = b * exp(G) * k' (activation dtype) and chunk_solve reads it as W's right-hand side instead
+# of k' and fp32 G (2 bytes per element instead of 6, 147 registers instead of 202 on sm_90). H200 2026-12-04:
+# solve 0.421 / 1.638 ms vs 0.507 / 2.021, intra +0.037 / +0.135 ms, outputs unchanged (relative error 0 / 1e-6).
+# Measured and dropped in the same call: A in bf16 (solve 2x slower), the solve's column blocks first in the grid
+# (+11 %).
+SOLVE_KB = True
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -236,11 +247,12 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     qn, kn = buf(T, H, K), buf(T, H, K)
     gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
     grid = (plan.num_chunks, H)
-    chunk_prep_kernel[grid](
+    bk = min(PREP_BK, K)
+    chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if PREP_SPLIT else grid](  # slice fastest (common.grid_ids)
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-        H=H, K=K, BT=CHUNK, BK=min(PREP_BK, K), **flags,
-        num_warps=PHASE_WARPS["prep"], num_stages=1,
+        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT,
+        num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
     if MERGE_WY:
         chunk_wy_kernel[grid](
@@ -249,12 +261,13 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         )
         return
     a = buf(T, H, CHUNK, dtype=torch.float32)
-    chunk_intra_kernel[(plan.num_chunks, H, CHUNK // 16)](
-        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["intra"],
+    kb = buf(T, H, K) if SOLVE_KB else kn  # kn: an unwritten placeholder
+    chunk_intra_kernel[(plan.num_chunks * (CHUNK // 16), H)](  # sub-block fastest (common.grid_ids)
+        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
+        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=SOLVE_KB, num_warps=PHASE_WARPS["intra"],
     )
     bd = min(SOLVE_BD, K, V)
     chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
-        a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
-        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["solve"], num_stages=1,
+        a, kb, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
+        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=SOLVE_KB, num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

@@ -159,16 +159,22 @@ _PREFILL_CASES = [
 ]
 
 
-# Phase-1-3 paths of the Triton prefill: (prefill.FUSED, prefill.MERGE_WY)
-_PATHS = {"4-launch": (False, False), "merged-wy": (False, True), "fused": (True, False)}
+# Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the default, the
+# column-split prep and the solve reading intra's KB; "4-launch-unsplit": the prep walking its column slices and
+# the solve reading k' and G)
+_PATHS = {
+    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True),
+    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False),
+    "merged-wy": dict(FUSED=False, MERGE_WY=True),
+    "fused": dict(FUSED=True, MERGE_WY=False),
+}
 
 
 def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
-    fused, merge_wy = _PATHS[path]
-    monkeypatch.setattr(tri_prefill, "FUSED", fused)
-    monkeypatch.setattr(tri_prefill, "MERGE_WY", merge_wy)
+    for name, value in _PATHS[path].items():
+        monkeypatch.setattr(tri_prefill, name, value)
 
 
 def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="cpu", H=2, D=32):
@@ -333,12 +339,12 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
                             qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
-                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True)
+                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
-    chunk_intra_kernel[(plan.num_chunks, H, 4)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-                                                H=H, K=D, DOT_T=dot_t, PREC=prec)
+    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False)
     chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
-                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec)
+                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
                           H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
@@ -415,12 +421,13 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 
 # -------------------------------------------------------------------------------------------------- compile tier
-_KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_intra",
-                "chunk_solve", "chunk_fused", "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output",
-                "kda_decode")
+_KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_prep_split",
+                "chunk_intra", "chunk_intra_kb", "chunk_solve", "chunk_solve_kb", "chunk_fused", "chunk_wy",
+                "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_kb": ("mma.sync.aligned", "v_mfma"), "chunk_solve_kb": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
