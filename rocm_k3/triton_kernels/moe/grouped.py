@@ -73,7 +73,7 @@ class DequantTile:
             raise ValueError(f"DequantTile.num_warps must be 2, 4, 8 or 16, got {self.num_warps!r}")
 
 
-DEQUANT_TILE = DequantTile()  # the default launch shape (benchmarks/bench_dequant.py sweeps the others)
+DEQUANT_TILE = DequantTile(2, 8)  # sm_90 cross-compile: 52 registers (4 warps: 178, two programs per SM); H200: RESULTS.md
 
 
 @triton.jit
