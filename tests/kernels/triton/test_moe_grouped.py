@@ -14,6 +14,7 @@ has 4e-3); 5e-3 against the ws path (A16W4: the same decoded weights and activat
 the w13 and w2 outputs to bf16 where ws keeps fp32).
 """
 
+import dataclasses
 import os
 import types
 
@@ -47,7 +48,8 @@ needs_grouped_mm = pytest.mark.skipif(not _HAS_GROUPED_MM, reason=f"torch {torch
                                                                   f"_grouped_mm (the path needs torch >= 2.9)")
 
 
-def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
+def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int],
+                   tile: grouped.DequantTile | None = None) -> None:
     """dequantize() of ``experts`` into NaN-poisoned buffers equals the reference dequantisation exactly."""
     dev = prepared.device
     n, k, kout = weights.intermediate, weights.hidden, weights.out_features
@@ -55,10 +57,10 @@ def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: lis
     for which, shape, codes, scales in (("w13", (2 * n, k), weights.w13, weights.w13_scale),
                                         ("w2", (kout, n), weights.w2, weights.w2_scale)):
         out = poisoned_like(torch.empty(len(experts), *shape, dtype=torch.bfloat16, device=dev))
-        grouped.dequantize(prepared, which, ids, out)
+        grouped.dequantize(prepared, which, ids, out, tile)
         ref = dequantize_mxfp4_reference(codes[experts], scales[experts], torch.float32)
         assert not out.isnan().any(), f"{which}: unwritten (NaN) elements"
-        assert torch.equal(out.float(), ref), f"{which}: dequantised weights differ from the reference"
+        assert torch.equal(out.float(), ref), f"{which}: dequantised weights differ from the reference ({tile})"
 
 
 # ------------------------------------------------------------------------------------------------- interpret tier
@@ -257,6 +259,20 @@ def _poison_allocator() -> None:
     free = torch.cuda.mem_get_info()[0]
     block = torch.full((min(free // 4, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
     del block
+
+
+@pytest.mark.cuda
+def test_dequant_tiles_k3_cuda() -> None:
+    """Every launch shape bench_dequant.py times, compiled for the GPU, at K3 widths (4 experts; scale bytes 3..254:
+    tiny to huge scales), equal to the reference dequantisation."""
+    weights = _k3_width_experts(4)
+    gd = torch.Generator(device="cuda").manual_seed(8)
+    weights = dataclasses.replace(weights, **{
+        name: torch.randint(3, 255, getattr(weights, name).shape, dtype=torch.uint8, device="cuda", generator=gd)
+        for name in ("w13_scale", "w2_scale")})
+    prepared = prepare_weights(weights)
+    for ku, warps in ((2, 4), (2, 8), (2, 16), (4, 8), (4, 16)):
+        _check_dequant(weights, prepared, [3, 0, 2], grouped.DequantTile(ku, warps))
 
 
 @needs_grouped_mm

@@ -944,3 +944,9 @@ def test_norms_k3_cuda() -> None:
     wh = _randn(128, gen=g, device="cuda", dtype=torch.bfloat16)
     assert_rel(tri_norm.gated_rms_norm(xh, gh, wh), ref_gated_rms_norm(xh, gh, wh, backend="reference"), 1e-2,
                "gated_rms_norm")
+    # KDA's output gate: the last H D columns of the in_proj output (row 3HD + D + H + HD wide), read in place
+    wide = torch.full((33, 4 * 96 * 128 + 128 + 96), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[:, -96 * 128:] = gh.reshape(33, -1)
+    strided = wide[:, -96 * 128:].reshape(33, 96, 128)
+    assert torch.equal(tri_norm.gated_rms_norm(xh, strided, wh), tri_norm.gated_rms_norm(xh, gh, wh)), \
+        "gated_rms_norm: the strided gate changed the result"
