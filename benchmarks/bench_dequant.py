@@ -69,8 +69,9 @@ def main() -> None:
                                          rep=100, return_mode="median")
             name = "default" if tile is None else f"KU {tile.ku} warps {tile.num_warps}"
             mark = " (default)" if tile is not None and tile == default else ""
-            print(f"  {which} {name:>16}: {ms:.3f} ms, {moved / ms / 1e6:,.0f} GB/s, {100 * moved / ms / 1e-3 / bw:.0f} % "
-                  f"of copy, NaN {bool(out.isnan().any())}, checksum {checksum:012x}{mark}", flush=True)
+            print(f"  {which} {name:>16}: {ms:.3f} ms, {moved / ms / 1e6:,.0f} GB/s, "
+                  f"{100 * moved / ms / 1e-3 / bw:.0f} % of copy, NaN {bool(out.isnan().any())}, "
+                  f"checksum {checksum:012x}{mark}", flush=True)
         del out
 
 

@@ -21,7 +21,7 @@ from rocm_k3.triton_kernels.kda.common import plan_chunks
 
 _BC = 128  # channels per program
 _BT = 32  # tokens per program
-_WARPS = 8  # of the prefill conv: 64 registers at BT 32 x BC 128 on sm_90 (4 warps: 106); H200 sweep: RESULTS.md
+_WARPS = 8  # of the prefill conv: 64 registers at BT 32 x BC 128 on sm_90 (4 warps: 106); not yet timed (RESULTS.md)
 
 
 @triton.jit

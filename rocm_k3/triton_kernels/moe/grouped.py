@@ -15,7 +15,8 @@ into a bf16 scratch and lets the bf16 grouped GEMM (cuBLAS/CUTLASS behind ``torc
 3. Per group of experts that fits the scratch (``Settings.moe_grouped_scratch_mib``): ``dequant_kernel`` decodes
    w13 with :func:`.decode.weight_tile` (the fused path's decode, its portable variant: the inline-PTX one turns
    the four bytes of one packed asm operand into one word, which holds only in the register layout of the MMA
-   kernels; in this store-only kernel it gave wrong weights on the H200, 2026-12-04) into
+   kernels; in this store-only kernel it gave wrong weights on the H200, 2026-12-04; the portable decode builds
+   each fp32 value from the code's bits, ~87 % of a copy's bandwidth at :data:`DEQUANT_TILE`) into
    [G, 2N, K] (gate rows, then up rows), ``torch._grouped_mm`` -> bf16 [rows, 2N], ``_act_kernel`` (the fused
    path's :func:`.kernels.gate_up_activation`, and for A8W4 its :func:`.kernels.mx_round_trip`) -> bf16 [rows, N],
    then w2 decoded into the same scratch [G, Kout, N] and ``torch._grouped_mm`` -> bf16 [rows, Kout].
@@ -73,7 +74,10 @@ class DequantTile:
             raise ValueError(f"DequantTile.num_warps must be 2, 4, 8 or 16, got {self.num_warps!r}")
 
 
-DEQUANT_TILE = DequantTile(2, 8)  # sm_90 cross-compile: 52 registers (4 warps: 178, two programs per SM); H200: RESULTS.md
+# the default launch shape. H200, K3 widths, 32 experts (benchmarks/RESULTS.md, bench_dequant.py): w13 0.481 ms
+# (3.7 TB/s, 87 % of a copy) at KU 2 / 8 warps against 0.600 at 4 warps and 0.888 before the bit-built decode; on
+# sm_90, 52 registers (4 warps: 178, two programs per SM). KU 4 is slower (8 warps 0.995 ms, 16 warps 0.535).
+DEQUANT_TILE = DequantTile(2, 8)
 
 
 @triton.jit
@@ -81,9 +85,9 @@ def dequant_kernel(w_ptr, ws_ptr, out_ptr, experts_ptr, R_OUT, K_OUT, stride_we,
                    stride_wsg, stride_oe, stride_or, GATE_UP: tl.constexpr, DECODE: tl.constexpr,
                    FOLD: tl.constexpr, KU: tl.constexpr):
     """out[i, row, k] (bf16) = the weight of expert experts[i] (``triton`` layout), one [128, 64 KU] tile per
-    program: grid (experts, 128-row tiles, K tiles of 64 KU). GATE_UP (w13): tile rows 0..63 are gate rows 64 tile + r, rows
-    64..127 the up rows, stored at R_OUT + 64 tile + r (R_OUT = N); else rows 128 tile + r. Rows >= R_OUT (per half)
-    and K >= K_OUT are padding and not stored."""
+    program: grid (experts, 128-row tiles, K tiles of 64 KU). GATE_UP (w13): tile rows 0..63 are gate rows
+    64 tile + r, rows 64..127 the up rows, stored at R_OUT + 64 tile + r (R_OUT = N); else rows 128 tile + r.
+    Rows >= R_OUT (per half) and K >= K_OUT are padding and not stored."""
     i = tl.program_id(0)
     tile = tl.program_id(1)
     kt = tl.program_id(2)
