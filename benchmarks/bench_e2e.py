@@ -256,6 +256,8 @@ def kernel_time_us(core) -> float:
 
 
 PEAK = 989e12  # H200 dense bf16 MMA, spec sheet
+COPY_OPS = ("aten::copy_", "aten::contiguous", "aten::clone", "aten::_to_copy", "aten::to", "aten::reshape",
+            "aten::cat", "aten::index", "aten::index_put_")
 KDA_CHUNK = 64
 
 
@@ -347,6 +349,16 @@ def run_prefill(path: Path, args) -> None:
         for e in sorted(events, key=lambda e: -e.device_time_total)[:30]:
             print(f"  {e.device_time_total / 1e3:9.2f} ms {100 * e.device_time_total / total:5.1f} % "
                   f"x{e.count:<5d} {e.key[:110]}")
+    if args.copies:  # which torch ops launch the copy kernels (a separate round: host-side profiling is slower)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            prefill_round("copies-")
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.key in COPY_OPS and e.device_time_total > 0]
+        print("torch ops that copy on the GPU (device time incl. their kernels, calls, input shapes):")
+        for e in sorted(ops, key=lambda e: -e.device_time_total)[:12]:
+            print(f"  {e.device_time_total / 1e3:9.2f} ms x{e.count:<5d} {e.key} {str(e.input_shapes)[:120]}")
     llm.shutdown()
 
 
@@ -370,6 +382,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="timed --prefill rounds (the fastest is printed)")
     ap.add_argument("--profile", action="store_true", help="--prefill: one more round under torch.profiler, "
                     "the 30 costliest CUDA kernels")
+    ap.add_argument("--copies", action="store_true", help="--prefill: one more profiled round that names the "
+                    "torch ops (and input shapes) behind the GPU copy kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e needs a GPU")

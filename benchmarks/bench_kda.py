@@ -257,7 +257,10 @@ def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> Non
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
-CONV_TILES = ((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (32, 256, 4), (64, 256, 8), (16, 256, 4))
+# (BT tokens, BC channels, warps): the default, more tokens per program (64 .. 256), BC 64 / 128 / 256, 2 / 4 / 8 warps
+CONV_TILES = ((32, 128, 4), (32, 128, 2), (32, 64, 2), (64, 64, 2), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+              (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (256, 64, 4), (32, 256, 4), (64, 256, 8),
+              (128, 256, 8), (16, 256, 4))
 
 
 def conv_case(bw: float) -> None:

@@ -64,7 +64,7 @@ def _launch_specs() -> dict:
                      {"x_ptr": "*bf16", "res_ptr": "*bf16", "gate_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                       "res_out_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32", "stride_x": "i32",
                       "stride_res": "i32", "stride_gate": "i32", "stride_out": "i32", "stride_res_out": "i32",
-                      "eps": "fp32"},
+                      "eps": "fp32", "gate_heads": "i32", "stride_gate_h": "i32"},
                      dict(HAS_RES=True, HAS_GATE=False, ROWS=1, BLOCK_D=8192), 16),
         "attn_res_step": ("rocm_k3.triton_kernels.attn_res", "_attn_res_kernel",
                           {"partial_ptr": "*bf16", "delta_ptr": "*bf16", "blocks_ptr": "*bf16", "proj_ptr": "*bf16",

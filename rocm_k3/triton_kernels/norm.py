@@ -23,7 +23,7 @@ _MAX_BLOCK_D = 16384
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_rows, n_cols, stride_x, stride_res, stride_gate, stride_out, stride_res_out, eps,
+    n_rows, n_cols, stride_x, stride_res, stride_gate, stride_out, stride_res_out, eps, gate_heads, stride_gate_h,
     HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
@@ -45,7 +45,8 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # [BLOCK_D]
     y = xf * inv_rms[:, None] * w[None, :]
     if HAS_GATE:
-        g = tl.load(gate_ptr + r64[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g_row = (r64 // gate_heads) * stride_gate + (r64 % gate_heads) * stride_gate_h  # [ROWS] (token, head)
+        g = tl.load(gate_ptr + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * tl.sigmoid(g)
     tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -56,7 +57,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2, res2, gate2, weight, out2, res_out2, eps: float) -> None:
+def _launch(x2, res2, gate2, weight, out2, res_out2, eps: float,
+            gate_heads: tuple[int, int, int] | None = None) -> None:
+    """``gate_heads``: (heads, token stride, head stride) of a gate read as [T, H, D] in place (gate row r = token
+    r // H, head r % H); None: ``gate2`` is [R, D] with its row stride."""
     n_rows, n_cols = x2.shape
     block_d = triton.next_power_of_2(n_cols)
     rows = max(1, min(64, 2048 // block_d))
@@ -66,8 +70,10 @@ def _launch(x2, res2, gate2, weight, out2, res_out2, eps: float) -> None:
         x2, res2 if res2 is not None else x2, gate2 if gate2 is not None else x2, weight, out2,
         res_out2 if res_out2 is not None else out2,
         n_rows, n_cols, x2.stride(0),
-        res2.stride(0) if res2 is not None else 0, gate2.stride(0) if gate2 is not None else 0,
+        res2.stride(0) if res2 is not None else 0,
+        gate_heads[1] if gate_heads else gate2.stride(0) if gate2 is not None else 0,
         out2.stride(0), res_out2.stride(0) if res_out2 is not None else 0, float(eps),
+        gate_heads[0] if gate_heads else 1, gate_heads[2] if gate_heads else 0,
         HAS_RES=res2 is not None, HAS_GATE=gate2 is not None, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
 
@@ -93,11 +99,18 @@ def add_rms_norm(
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """``x, gate [T, H, D]``, ``weight [D]`` -> ``RMSNorm_D(x) * weight * sigmoid(gate)`` ``[T, H, D]`` x dtype."""
-    x2, g2 = _rows(x), _rows(gate)
+    """``x, gate [T, H, D]``, ``weight [D]`` -> ``RMSNorm_D(x) * weight * sigmoid(gate)`` ``[T, H, D]`` x dtype.
+    A gate with contiguous D and any token / head strides (KDA's output gate: a column slice of the in_proj output)
+    is read in place, not copied to ``[T H, D]``."""
+    x2 = _rows(x)
+    heads = None
+    if gate.dim() == 3 and gate.stride(-1) == 1:
+        g2, heads = gate, (gate.shape[1], gate.stride(0), gate.stride(1))
+    else:
+        g2 = _rows(gate)
     out = torch.empty_like(x2)
     if x2.shape[0] > 0:
-        _launch(x2, None, g2, weight.contiguous(), out, None, eps)
+        _launch(x2, None, g2, weight.contiguous(), out, None, eps, heads)
     return out.view(x.shape)
 
 

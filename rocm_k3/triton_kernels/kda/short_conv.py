@@ -5,9 +5,10 @@ W-1 history inputs (``conv_state[state_indices[i]]`` [C, W-1], oldest first, whe
 state, else zeros). Semantics and signatures are those of :func:`rocm_k3.ops.kda.short_conv` and
 :func:`rocm_k3.ops.kda.short_conv_update`.
 
-Prefill runs two launches: the convolution over (32-token block, channel block) tiles, then one program per
-(sequence, channel block) that writes the new conv state (the last W-1 inputs), so that no program can
-overwrite a history another program still has to read.
+Prefill runs three launches: the convolution over (token block, channel block) tiles with zeros before each
+sequence's first token, then one program per (sequence, channel block) that redoes a sequence's first W-1 rows with
+its history when it has one, then one per (sequence, channel block) that writes the new conv state (the last W-1
+inputs), so that no program can overwrite a history another program still has to read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rocm_k3.triton_kernels.kda.common import plan_chunks
 
 _BC = 128  # channels per program
 _BT = 32  # tokens per program
-_WARPS = 4  # of the prefill conv (H200 sweep: benchmarks/RESULTS.md)
+_WARPS = 8  # of the prefill conv: 64 registers at BT 32 x BC 128 on sm_90 (4 warps: 106); not yet timed (RESULTS.md)
 
 
 @triton.jit
@@ -30,13 +31,14 @@ def _silu(y):
 
 @triton.jit
 def short_conv_kernel(
-    x_ptr, w_ptr, y_ptr, conv_state_ptr, state_indices_ptr, has_init_ptr,
-    chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, C, stride_x,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, C, stride_x,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
 ):
     """One (BT-token block, BC-channel block) tile. x rows are ``stride_x`` elements apart (a column slice of a
     wider projection is read in place). Every tap reads x with a plain masked load (row-contiguous, vectorised);
-    only a sequence's first block, whose first W-1 taps reach before bos, reads the history slot too."""
+    taps before bos read 0: a sequence with a history gets its first W-1 rows again from
+    :func:`conv_history_kernel` (so this kernel holds no history path: with it, the sm_90 build took 255 registers
+    and spilled)."""
     ci = tl.program_id(0)
     ic = tl.program_id(1)
     seq = tl.load(chunk_seq_ptr + ci)
@@ -53,17 +55,42 @@ def short_conv_kernel(
         in_seq = (src >= bos) & mt
         xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
                      mask=in_seq[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BT, BC]
-        if HAS_STATE:
-            if t0 - bos < W - 1:  # rows before bos read the history [C, W-1] (oldest first) if the sequence has one
-                hist_lo = tl.where(tl.load(has_init_ptr + seq) != 0, bos - (W - 1), bos)  # no history: none read
-                state_row = conv_state_ptr + tl.load(state_indices_ptr + seq).to(tl.int64) * C * (W - 1)
-                hist = src - bos + (W - 1)  # [BT] position inside the history
-                mh = (src < bos) & (src >= hist_lo) & mt
-                hv = tl.load(state_row + cols[None, :] * (W - 1) + hist[:, None],
-                             mask=mh[:, None] & mc[None, :], other=0.0)
-                xv += hv.to(tl.float32)
         wj = tl.load(w_ptr + cols * W + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
         acc += xv * wj[None, :]
+    if SILU:
+        acc = _silu(acc)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def conv_history_kernel(
+    x_ptr, w_ptr, y_ptr, conv_state_ptr, state_indices_ptr, has_init_ptr, cu_seqlens_ptr, C, stride_x,
+    W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+):
+    """The first W-1 rows of sequence n again, with its history (``conv_state`` [C, W-1], oldest first) for the
+    taps before bos, when it has one (else :func:`short_conv_kernel`'s zeros were right: nothing is done). The
+    same taps in the same order as that kernel: bit-equal to one pass that reads the history. WP = pow2 >= W-1."""
+    n = tl.program_id(0)
+    ic = tl.program_id(1)
+    if tl.load(has_init_ptr + n) == 0:
+        return
+    bos = tl.load(cu_seqlens_ptr + n)
+    eos = tl.load(cu_seqlens_ptr + n + 1)
+    state_row = conv_state_ptr + tl.load(state_indices_ptr + n).to(tl.int64) * C * (W - 1)
+    rows = bos + tl.arange(0, WP)  # [WP]
+    mt = (rows < eos) & (rows < bos + W - 1)
+    cols = ic * BC + tl.arange(0, BC)  # [BC]
+    mc = cols < C
+    acc = tl.zeros([WP, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = rows - (W - 1) + j  # [WP]
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
+                     mask=((src >= bos) & mt)[:, None] & mc[None, :], other=0.0)
+        hv = tl.load(state_row + cols[None, :] * (W - 1) + (src - bos + (W - 1))[:, None],
+                     mask=((src < bos) & mt)[:, None] & mc[None, :], other=0.0)
+        wj = tl.load(w_ptr + cols * W + j, mask=mc, other=0.0).to(tl.float32)  # [BC]
+        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wj[None, :]
     if SILU:
         acc = _silu(acc)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -167,16 +194,20 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
     else:
         idx, has_init = cu, cu  # unread placeholders
     plan = plan_chunks(cu, _BT)
+    silu = activation == "silu"
     if plan.num_chunks > 0:
         short_conv_kernel[(plan.num_chunks, triton.cdiv(C, _BC))](
-            x, weight, y, conv_state if has_state else x, idx, has_init,
-            plan.chunk_seq, plan.chunk_start, cu, C, x.stride(0),
-            W=W, BT=_BT, BC=_BC, HAS_STATE=has_state, SILU=activation == "silu", num_warps=_WARPS,
+            x, weight, y, plan.chunk_seq, plan.chunk_start, cu, C, x.stride(0), W=W, BT=_BT, BC=_BC, SILU=silu,
+            num_warps=_WARPS,
+        )
+    wp = triton.next_power_of_2(W - 1)
+    if has_state and N > 0:  # before conv_state_kernel overwrites the histories it reads (stream order)
+        conv_history_kernel[(N, triton.cdiv(C, _BC))](
+            x, weight, y, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=wp, BC=_BC, SILU=silu, num_warps=4,
         )
     if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](
-            x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=triton.next_power_of_2(W - 1), BC=_BC,
-            num_warps=4,
+            x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=wp, BC=_BC, num_warps=4,
         )
     return y
 

@@ -15,7 +15,8 @@ into a bf16 scratch and lets the bf16 grouped GEMM (cuBLAS/CUTLASS behind ``torc
 3. Per group of experts that fits the scratch (``Settings.moe_grouped_scratch_mib``): ``dequant_kernel`` decodes
    w13 with :func:`.decode.weight_tile` (the fused path's decode, its portable variant: the inline-PTX one turns
    the four bytes of one packed asm operand into one word, which holds only in the register layout of the MMA
-   kernels; in this store-only kernel it gave wrong weights on the H200, 2026-12-04) into
+   kernels; in this store-only kernel it gave wrong weights on the H200, 2026-12-04; the portable decode builds
+   each fp32 value from the code's bits, ~87 % of a copy's bandwidth at :data:`DEQUANT_TILE`) into
    [G, 2N, K] (gate rows, then up rows), ``torch._grouped_mm`` -> bf16 [rows, 2N], ``_act_kernel`` (the fused
    path's :func:`.kernels.gate_up_activation`, and for A8W4 its :func:`.kernels.mx_round_trip`) -> bf16 [rows, N],
    then w2 decoded into the same scratch [G, Kout, N] and ``torch._grouped_mm`` -> bf16 [rows, Kout].
@@ -34,6 +35,7 @@ MXFP4 experts, A16W4, not capturing a CUDA graph, and at least :data:`MIN_ROWS_P
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -55,7 +57,27 @@ BLOCK_M = 16  # rows per expert are padded to this (the grouped GEMM's offsets)
 # E 896 loses at every T <= 8192 (58-60 ms against 6-25: the dequant of all 896 experts, ~1.5 ms per 32 experts,
 # is paid for at most 146 rows each). Below it the warp-specialised kernel stays.
 MIN_ROWS_PER_EXPERT = 1024.0
-_KU = 2  # 64-K units per decoded tile: 128 K, one scale group of the layout
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantTile:
+    """Launch shape of ``dequant_kernel``: ``ku`` 64-K units per program (2: one 128-K scale group, 4: two) and
+    ``num_warps``. A ``ku`` the matrix's K groups do not divide falls back to 2 (the decode's loads are unmasked)."""
+
+    ku: int = 2
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ku, bool) or self.ku not in (2, 4):
+            raise ValueError(f"DequantTile.ku must be 2 or 4, got {self.ku!r}")
+        if isinstance(self.num_warps, bool) or self.num_warps not in (2, 4, 8, 16):
+            raise ValueError(f"DequantTile.num_warps must be 2, 4, 8 or 16, got {self.num_warps!r}")
+
+
+# the default launch shape. H200, K3 widths, 32 experts (benchmarks/RESULTS.md, bench_dequant.py): w13 0.481 ms
+# (3.7 TB/s, 87 % of a copy) at KU 2 / 8 warps against 0.600 at 4 warps and 0.888 before the bit-built decode; on
+# sm_90, 52 registers (4 warps: 178, two programs per SM). KU 4 is slower (8 warps 0.995 ms, 16 warps 0.535).
+DEQUANT_TILE = DequantTile(2, 8)
 
 
 @triton.jit
@@ -63,9 +85,9 @@ def dequant_kernel(w_ptr, ws_ptr, out_ptr, experts_ptr, R_OUT, K_OUT, stride_we,
                    stride_wsg, stride_oe, stride_or, GATE_UP: tl.constexpr, DECODE: tl.constexpr,
                    FOLD: tl.constexpr, KU: tl.constexpr):
     """out[i, row, k] (bf16) = the weight of expert experts[i] (``triton`` layout), one [128, 64 KU] tile per
-    program: grid (experts, 128-row tiles, K tiles). GATE_UP (w13): tile rows 0..63 are gate rows 64 tile + r, rows
-    64..127 the up rows, stored at R_OUT + 64 tile + r (R_OUT = N); else rows 128 tile + r. Rows >= R_OUT (per half)
-    and K >= K_OUT are padding and not stored."""
+    program: grid (experts, 128-row tiles, K tiles of 64 KU). GATE_UP (w13): tile rows 0..63 are gate rows
+    64 tile + r, rows 64..127 the up rows, stored at R_OUT + 64 tile + r (R_OUT = N); else rows 128 tile + r.
+    Rows >= R_OUT (per half) and K >= K_OUT are padding and not stored."""
     i = tl.program_id(0)
     tile = tl.program_id(1)
     kt = tl.program_id(2)
@@ -196,9 +218,14 @@ def supports(x: torch.Tensor, weights: ExpertWeights, interp: bool) -> tuple[boo
     return (False, problem) if problem else (True, "supported")
 
 
-def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: torch.Tensor) -> None:
+def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: torch.Tensor,
+               tile: DequantTile | None = None) -> None:
     """bf16 weights of ``experts`` (int32 [G] expert ids, on the device) into ``out``: w13 [G, 2N, K] (gate rows,
-    then up rows, the checkpoint order) or w2 [G, Kout, N]; ``weights`` in the ``triton`` layout."""
+    then up rows, the checkpoint order) or w2 [G, Kout, N]; ``weights`` in the ``triton`` layout; ``tile`` the
+    launch shape (default :data:`DEQUANT_TILE`)."""
+    if tile is not None and not isinstance(tile, DequantTile):
+        raise TypeError(f"tile must be a DequantTile or None, got {type(tile).__name__}")
+    tile = tile or DEQUANT_TILE
     t = weights.extras[layout.LAYOUT]
     w, ws, fold = (t.w13, t.w13_s, t.fold13) if which == "w13" else (t.w2, t.w2_s, t.fold2)
     rows, kdim = (weights.intermediate, weights.hidden) if which == "w13" else (weights.out_features,
@@ -206,10 +233,11 @@ def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: t
     groups = experts.numel()
     if groups == 0:
         return
-    grid = (groups, w.shape[1] // 2, triton.cdiv(w.shape[2], _KU // 2))
+    ku = tile.ku if w.shape[2] % (tile.ku // 2) == 0 else 2  # whole tiles only: the code loads are unmasked
+    grid = (groups, w.shape[1] // 2, w.shape[2] // (ku // 2))
     dequant_kernel[grid](w, ws, out, experts, rows, kdim, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
                          out.stride(0), out.stride(1), GATE_UP=which == "w13", DECODE=DECODE_PORTABLE, FOLD=fold,
-                         KU=_KU, num_warps=4)
+                         KU=ku, num_warps=tile.num_warps)
 
 
 def _plan(start: list[int], count: list[int], per_group: int) -> list[tuple[list[int], int, int]]:

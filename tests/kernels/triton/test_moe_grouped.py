@@ -14,6 +14,7 @@ has 4e-3); 5e-3 against the ws path (A16W4: the same decoded weights and activat
 the w13 and w2 outputs to bf16 where ws keeps fp32).
 """
 
+import dataclasses
 import os
 import types
 
@@ -24,12 +25,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: see test_triton_ops.py
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation  # noqa: E402
 from rocm_k3.ops.moe_reference import fused_moe_reference  # noqa: E402
 from rocm_k3.quant.mxfp4 import dequantize_mxfp4_reference  # noqa: E402
 from rocm_k3.settings import Settings  # noqa: E402
 from rocm_k3.triton_kernels.moe import grouped  # noqa: E402
+from rocm_k3.triton_kernels.moe.decode import _half_value  # noqa: E402
 from rocm_k3.triton_kernels.moe.fused import fused_moe_with, prepare_weights  # noqa: E402
 from rocm_k3.triton_kernels.runtime import interpreted  # noqa: E402
 from tests.helpers import assert_rel, poisoned_like, run_interpret_tier, seeded  # noqa: E402
@@ -45,7 +48,8 @@ needs_grouped_mm = pytest.mark.skipif(not _HAS_GROUPED_MM, reason=f"torch {torch
                                                                   f"_grouped_mm (the path needs torch >= 2.9)")
 
 
-def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int]) -> None:
+def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: list[int],
+                   tile: grouped.DequantTile | None = None) -> None:
     """dequantize() of ``experts`` into NaN-poisoned buffers equals the reference dequantisation exactly."""
     dev = prepared.device
     n, k, kout = weights.intermediate, weights.hidden, weights.out_features
@@ -53,10 +57,10 @@ def _check_dequant(weights: ExpertWeights, prepared: ExpertWeights, experts: lis
     for which, shape, codes, scales in (("w13", (2 * n, k), weights.w13, weights.w13_scale),
                                         ("w2", (kout, n), weights.w2, weights.w2_scale)):
         out = poisoned_like(torch.empty(len(experts), *shape, dtype=torch.bfloat16, device=dev))
-        grouped.dequantize(prepared, which, ids, out)
+        grouped.dequantize(prepared, which, ids, out, tile)
         ref = dequantize_mxfp4_reference(codes[experts], scales[experts], torch.float32)
         assert not out.isnan().any(), f"{which}: unwritten (NaN) elements"
-        assert torch.equal(out.float(), ref), f"{which}: dequantised weights differ from the reference"
+        assert torch.equal(out.float(), ref), f"{which}: dequantised weights differ from the reference ({tile})"
 
 
 # ------------------------------------------------------------------------------------------------- interpret tier
@@ -68,6 +72,82 @@ def test_dequant_kernel_interpret(e: int, n: int, k: int, kout: int) -> None:
     w2's K, K 160 and Kout 96 < their 128 multiples), experts in a shuffled order with a repeat."""
     weights = _experts(e, n, k, kout, seeded(1))
     _check_dequant(weights, prepare_weights(weights), [e - 1, 0, e - 1])
+
+
+@triton.jit
+def _half_value_probe(o_ptr, s_ptr, out_ptr, N: tl.constexpr):
+    """out[0, i] / out[1, i] = decode._half_value of the low / high half of word o[i], times scale s[i]."""
+    i = tl.arange(0, N)
+    o = tl.load(o_ptr + i)
+    s = tl.load(s_ptr + i)
+    tl.store(out_ptr + i, _half_value(o, False, s))
+    tl.store(out_ptr + N + i, _half_value(o, True, s))
+
+
+@pytest.mark.interpret
+@needs_interp
+def test_half_value_exact_for_every_code_and_scale() -> None:
+    """The bit-built decode against the E2M1 table: all 16 x 16 (low, high) codes of a word, placed as the masks
+    leave them (sign 15, exponent 8..7, mantissa 6 of each half), times every E8M0 scale 2^-127 .. 2^127, bit
+    for bit in fp32 (signed zeros included)."""
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    def half_bits(code: int) -> int:  # the code's bits where the decode's masks leave them in a bf16 half
+        return ((code & 8) << 12) | (((code >> 1) & 3) << 7) | ((code & 1) << 6)
+
+    words, values = [], []
+    for lo in range(16):
+        for hi in range(16):
+            words.append(half_bits(lo) | (half_bits(hi) << 16))
+            values.append([(-1.0 if c & 8 else 1.0) * table[c & 7] for c in (lo, hi)])
+    words = torch.tensor(words, dtype=torch.int64).to(torch.int32)  # [256] (the top bit wraps to int32's sign)
+    values = torch.tensor(values, dtype=torch.float64)  # [256, 2]
+    for s in range(0, 255, 1):
+        scale = torch.full((256,), 2.0 ** (s - 127), dtype=torch.float64)
+        out = torch.full((2, 256), float("nan"), dtype=torch.float32)
+        _half_value_probe[(1,)](words, scale.to(torch.float32), out, N=256)
+        ref = (values * scale[:, None]).to(torch.float32).t()  # exact: E2M1 x 2^e fits fp32 (subnormals included)
+        same = out.view(torch.int32) == ref.view(torch.int32)
+        assert bool(same.all()), f"scale byte {s}: {int((~same).sum())} values differ, e.g. words " \
+                                 f"{words[~same.any(0)][:4].tolist()}"
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("tile", [grouped.DequantTile(4, 8), grouped.DequantTile(2, 2)], ids=["ku4-w8", "ku2-w2"])
+def test_dequant_tiles_and_extreme_scales_interpret(tile: grouped.DequantTile) -> None:
+    """Other launch shapes (KU 4 on K groups it divides and falls back from on 3 groups) on random codes with
+    scale bytes 3 .. 254 (tiny to huge scales, overflow to inf included), against the reference. Bytes 0 .. 2
+    (bf16 subnormal weights) are left out here: the interpreter's fp32 -> bf16 cast flushes them to zero, before
+    and after this decode alike; the fp32 values are checked for every byte above."""
+    g = seeded(5)
+    e, n, k, kout = 2, 64, 384, 256  # w13 K 384 = 3 groups (KU 4 falls back), w2 K 64 -> 1 padded group
+
+    def mat(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (e, rows, cols // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(3, 255, (e, rows, cols // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+        return codes, scales
+
+    (w13, s13), (w2, s2) = mat(2 * n, k), mat(kout, n)
+    weights = ExpertWeights("mxfp4", w13, s13, w2, s2)
+    prepared = prepare_weights(weights)
+    ids = torch.tensor([1, 0], dtype=torch.int32)
+    for which, shape, codes, scales in (("w13", (2 * n, k), w13, s13), ("w2", (kout, n), w2, s2)):
+        out = poisoned_like(torch.empty(e, *shape, dtype=torch.bfloat16))
+        grouped.dequantize(prepared, which, ids, out, tile)
+        ref = dequantize_mxfp4_reference(codes[[1, 0]], scales[[1, 0]], torch.float32)
+        assert not out.isnan().any(), f"{which}: unwritten (NaN) elements"
+        same = out.float().view(torch.int32) == ref.to(torch.bfloat16).float().view(torch.int32)
+        assert bool(same.all()), f"{which}: {int((~same).sum())} dequantised weights differ from the reference"
+
+
+def test_dequant_tile_validation() -> None:
+    with pytest.raises(ValueError, match="ku"):
+        grouped.DequantTile(ku=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        grouped.DequantTile(num_warps=6)
+    with pytest.raises(TypeError, match="DequantTile"):
+        grouped.dequantize(None, "w13", torch.zeros(1, dtype=torch.int32), torch.empty(0), tile=(2, 4))
 
 
 @needs_grouped_mm
@@ -179,6 +259,20 @@ def _poison_allocator() -> None:
     free = torch.cuda.mem_get_info()[0]
     block = torch.full((min(free // 4, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
     del block
+
+
+@pytest.mark.cuda
+def test_dequant_tiles_k3_cuda() -> None:
+    """Every launch shape bench_dequant.py times, compiled for the GPU, at K3 widths (4 experts; scale bytes 3..254:
+    tiny to huge scales), equal to the reference dequantisation."""
+    weights = _k3_width_experts(4)
+    gd = torch.Generator(device="cuda").manual_seed(8)
+    weights = dataclasses.replace(weights, **{
+        name: torch.randint(3, 255, getattr(weights, name).shape, dtype=torch.uint8, device="cuda", generator=gd)
+        for name in ("w13_scale", "w2_scale")})
+    prepared = prepare_weights(weights)
+    for ku, warps in ((2, 4), (2, 8), (2, 16), (4, 8), (4, 16)):
+        _check_dequant(weights, prepared, [3, 0, 2], grouped.DequantTile(ku, warps))
 
 
 @needs_grouped_mm

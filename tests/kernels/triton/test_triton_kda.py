@@ -421,9 +421,9 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 
 # -------------------------------------------------------------------------------------------------- compile tier
-_KDA_KERNELS = ("kda_gate", "short_conv", "conv_state", "short_conv_update", "chunk_prep", "chunk_prep_split",
-                "chunk_intra", "chunk_intra_kb", "chunk_solve", "chunk_solve_kb", "chunk_fused", "chunk_wy",
-                "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+_KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
+                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_solve", "chunk_solve_kb", "chunk_fused",
+                "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),

@@ -94,6 +94,32 @@ def test_norms_interpret(rows: int, d: int) -> None:
 
 @pytest.mark.interpret
 @needs_interp
+def test_gated_rms_norm_strided_gate_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KDA's output gate as the model passes it: a column slice [T, H D] of a wider projection, viewed [T, H, D]
+    (token stride 4 H D + 40, head stride D): read in place (it never reaches the reshaping _rows), the
+    columns around it NaN, equal to the contiguous gate's result and to the reference."""
+    g = seeded(4)
+    t, h, d = 5, 3, 96
+    x, w = _randn(t, h, d, gen=g), _randn(d, gen=g)
+    wide = torch.full((t, 4 * h * d + 40), float("nan"))
+    wide[:, h * d : 2 * h * d] = _randn(t, h * d, gen=g)
+    gate = wide[:, h * d : 2 * h * d].reshape(t, h, d)  # strides (4 H D + 40, D, 1)
+    want = tri_norm.gated_rms_norm(x, gate.contiguous(), w)
+    rows = tri_norm._rows
+
+    def rows_not_of_gate(t: torch.Tensor) -> torch.Tensor:  # _rows is what reshapes (and copies) [T, H, D] inputs
+        assert t.data_ptr() != gate.data_ptr(), "the gate went through _rows (a [T H, D] copy)"
+        return rows(t)
+
+    monkeypatch.setattr(tri_norm, "_rows", rows_not_of_gate)
+    out = tri_norm.gated_rms_norm(x, gate, w)
+    assert not out.isnan().any()
+    assert torch.equal(out, want), "the strided gate changed the result"
+    assert_rel(out, ref_gated_rms_norm(x, gate, w, backend="reference"), 1e-5, "gated_rms_norm strided gate")
+
+
+@pytest.mark.interpret
+@needs_interp
 @pytest.mark.parametrize("has_partial,has_delta,num_blocks,write", [(True, True, 3, True), (False, True, 0, False),
                                                                    (True, False, 2, False)],
                          ids=["p+d-nb3-write", "d-nb0", "p-nb2"])
@@ -918,3 +944,9 @@ def test_norms_k3_cuda() -> None:
     wh = _randn(128, gen=g, device="cuda", dtype=torch.bfloat16)
     assert_rel(tri_norm.gated_rms_norm(xh, gh, wh), ref_gated_rms_norm(xh, gh, wh, backend="reference"), 1e-2,
                "gated_rms_norm")
+    # KDA's output gate: the last H D columns of the in_proj output (row 3HD + D + H + HD wide), read in place
+    wide = torch.full((33, 4 * 96 * 128 + 128 + 96), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[:, -96 * 128:] = gh.reshape(33, -1)
+    strided = wide[:, -96 * 128:].reshape(33, 96, 128)
+    assert torch.equal(tri_norm.gated_rms_norm(xh, strided, wh), tri_norm.gated_rms_norm(xh, gh, wh)), \
+        "gated_rms_norm: the strided gate changed the result"
