@@ -110,7 +110,8 @@ def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfi
     """(MoEConfig, WsConfig or None for ``moe_gemm_kernel``) tile candidates of the prefill tile table at T = tokens
     (>= 256): the Hopper kernel at the block sizes from a quarter of an expert's average rows to the first that holds
     them (128-row blocks, one CTA per SM, from T = 1024), each at its default residency and one ring depth either side,
-    and from T = 2048 ``moe_gemm_kernel`` at 128-row blocks (one program per SM)."""
+    at 32 / 64-row blocks also 256-row weight tiles (``gemm_hopper.wide_config``), and from T = 2048
+    ``moe_gemm_kernel`` at 128-row blocks (one program per SM)."""
     from rocm_k3.triton_kernels.moe import gemm_hopper as H
 
     rep = dataclasses.replace
@@ -127,6 +128,8 @@ def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfi
                 out.append((moe, rep(base, stages=st)))
             except ValueError:
                 continue
+        if bm in (32, 64):
+            out.append((moe, H.wide_config(bm)))
     if tokens >= 2048:
         out.append((rep(picked, block_m=128, programs_per_sm=1, max_registers=None), None))
     return out

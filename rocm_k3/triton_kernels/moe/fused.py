@@ -89,7 +89,9 @@ class MoEConfig:
 # the Hopper kernel runs the same block_m at gemm_hopper.default_config. K3 (896 experts, top-16) on the H200,
 # 2026-12-04 sweep (benchmarks/RESULTS.md, "MoE prefill tiles"): T = 256 / 512 -> 16 rows (4.6-4.8 / 4.7-5.2 ms;
 # 32 rows 5.5 ms at 512), T = 1024 -> 32 (5.9 ms; 16 rows 7.7, 64 rows 7.4), T = 2048 -> 64 (8.2 ms; 32 rows 10.1,
-# 128 rows 14.3), T = 8192 -> 64 (24.6-27.0 ms; 128 rows 28.8, moe_gemm_kernel at 128 rows 36.1).
+# 128 rows 14.3), T = 8192 -> 64 (24.6-27.0 ms; 128 rows 28.8, moe_gemm_kernel at 128 rows 36.1). Session 16: the
+# Hopper kernel's 256-row weight tiles (gemm_hopper.wide_config) 5.87 vs 6.15 ms at T = 1024 (bm32, within the
+# default's spread across calls), 8.66 vs 8.47 at 2048 and 26.72 vs 26.56 at 8192 (bm64): not picked.
 TILE_TABLE = ((12.0, 16, 4, 128), (24.0, 32, 3, 168), (float("inf"), 64, 2, None))
 
 
@@ -214,18 +216,26 @@ def _ws_applies(stage, mat, weights, a, kdim, cfg, common, required) -> bool:
     return ok
 
 
+def _ws_tiles(mat: _Matrix, ws) -> int:
+    """Items per block (and K part) of the Hopper kernel: ``ws.tile_rows``-row weight tiles (the last one of an
+    odd count of 128-row tiles reads past the expert's rows at 256: its outputs are masked, n >= n_out)."""
+    return triton.cdiv(mat.tiles * 128, ws.tile_rows)
+
+
 def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common, programs, ws, split,
              out_mx) -> None:
     """One GEMM on the warp-specialised Hopper kernel into ``dst`` (``ws``: its WsConfig, ``split``: w2's K parts,
     ``out_mx``: (EMAX, BIAS, FP8_MAX) to round the w13 output through MXFP8, A8W4)."""
     from rocm_k3.triton_kernels.moe import gemm_hopper
 
-    descs = weights.extras.get("triton-ws")  # the prepared weights' TMA descriptors, made once
+    key = f"triton-ws{ws.groups}"  # the prepared weights' TMA descriptors per box height, made once
+    descs = weights.extras.get(key)
     if descs is None:
         t = weights.extras[LAYOUT]
-        descs = (gemm_hopper.descriptors(t.w13, t.w13_s), gemm_hopper.descriptors(t.w2, t.w2_s))
-        weights.extras["triton-ws"] = descs
-    gemm_hopper.launch(stage, descs[stage - 1], a, dst, tw, routing, mat.tiles, n_out, top_k,
+        descs = (gemm_hopper.descriptors(t.w13, t.w13_s, ws.groups),
+                 gemm_hopper.descriptors(t.w2, t.w2_s, ws.groups))
+        weights.extras[key] = descs
+    gemm_hopper.launch(stage, descs[stage - 1], a, dst, tw, routing, _ws_tiles(mat, ws), n_out, top_k,
                        float(activation.beta), float(activation.linear_beta or 1.0), common["ACT"],
                        common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs, ws, split, out_mx)
 
@@ -326,7 +336,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         ws_programs = ws.ctas_per_sm * num_sms
         if on_ws[2]:  # expected blocks at decode: one per used expert (distinct experts of uniform routing)
             expected = num_experts * (1 - (1 - top_k / num_experts) ** tokens) if cfg.block_m == 16 else num_blocks
-            split = gemm_hopper.w2_parts(ws, expected * w2m.tiles, ws_programs, triton.cdiv(n, 128))
+            split = gemm_hopper.w2_parts(ws, expected * _ws_tiles(w2m, ws), ws_programs, triton.cdiv(n, 128))
     y = torch.empty(split, tokens * top_k, kout, dtype=torch.float32, device=x.device)  # weighted per-pair outputs
     # item counters of the dynamic schedule (zeroed by the align): w13 word 0, w2 word 4 (16-byte aligned pointers)
     for stage, mat, kdim, n_out, nsplit, work in ((1, w13m, hidden, n, 1, routing.work),
@@ -334,7 +344,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         a, dst = (xa, inter) if stage == 1 else (inter, y)
         if on_ws[stage]:
             _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common,
-                     max(1, min(ws_programs, num_blocks * mat.tiles * nsplit)), ws, nsplit,
+                     max(1, min(ws_programs, num_blocks * _ws_tiles(mat, ws) * nsplit)), ws, nsplit,
                      (emax, bias, fmax) if a8 and stage == 1 else None)
             continue
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128

@@ -3,15 +3,18 @@
 Same work as :func:`.kernels.moe_gemm_kernel` on the same ``triton`` layout (:mod:`.layout`), item order (static:
 program p takes items p, p + programs, ...), decode bits (:data:`.decode.ASM_FOLD`) and epilogue math
 (:func:`.kernels.gate_up_activation`); only the schedule differs. An item is one expert block of ``BM`` (16, 32, 64
-or 128) rows, the MMA's N side, times one 128-row N tile (and, for w2, one of ``SPLIT`` K parts). Per CTA:
+or 128) rows, the MMA's N side, times one 128-row N tile (or, with ``WsConfig.tile_rows`` 256, two: four 64-row
+groups and accumulators, the block's activation rows read once per 256 weight rows; :func:`wide_config`, measured
+at K3's prefill and not picked by default, benchmarks/RESULTS.md session 16) and, for w2, one of ``SPLIT`` K parts.
+Per CTA:
 
 - producer partition (``BM // 16`` warps, at most 4, ``producer_regs`` registers after ``setmaxnreg``): per 128-K step
-  it waits for a free slot of a ``STAGES``-deep ring (``empty`` mbarrier); warp 0 TMA-loads the tile's codes (two 64-row
+  it waits for a free slot of a ``STAGES``-deep ring (``empty`` mbarrier); warp 0 TMA-loads the codes (2 or 4 64-row
   groups x two 64-K units, each unit one 2 KB row of the int64 view ``[E * groups, 2 K groups, 256]``: with 16-byte TMA
-  rows the same kernel reached 57 % of HBM, with 2 KB rows 83 %) and scales (``[2, 256 B]``), and every producer thread
-  cp.async-loads its share of the block's activation rows (``[BM, 128]`` bf16: gathered token rows of x for w13, the
-  block's own rows of the intermediate for w2); the slot's ``full`` mbarrier completes when the TMA bytes and every
-  producer thread's copies have landed.
+  rows the same kernel reached 57 % of HBM, with 2 KB rows 83 %) and scales (``[groups, 256 B]``), and every producer
+  thread cp.async-loads its share of the block's activation rows (``[BM, 128]`` bf16: gathered token rows of x for
+  w13, the block's own rows of the intermediate for w2); the slot's ``full`` mbarrier completes when the TMA bytes
+  and every producer thread's copies have landed.
 - consumer partition (4 warps, one warpgroup): per step it waits for ``full``, and for each 64-row group loads its
   own 16-byte chunks from shared memory and decodes them straight into the register A operand of ``wgmma``
   (``assert_trivial``: the layouts only relabel registers), then issues that group's asynchronous ``m64nBMk16``
@@ -48,7 +51,8 @@ from rocm_k3.triton_kernels.moe.mx import mxfp8_value
 
 SHARED_PER_SM = 227 * 1024  # bytes of shared memory the CTAs of one SM may use (sm_90)
 ASM_FOLD = gl.constexpr(decode.ASM_FOLD.value)
-STEP_BYTES = gl.constexpr(8192 + 512)  # codes + scales of one 128-K step of a 128-row tile
+GROUP_BYTES = gl.constexpr(4096 + 256)  # codes + scales of one 128-K step of one 64-row group
+TILE_ROWS = (128, 256)  # weight rows of one item (2 or 4 row groups) the kernel takes
 _VERSION = re.match(r"(\d+)\.(\d+)", triton.__version__)
 TRITON_VERSION = (int(_VERSION.group(1)), int(_VERSION.group(2))) if _VERSION else (0, 0)  # checked by supported()
 # Triton 3.6 names the shared-memory view cast ``_reinterpret`` and the loads ``async_copy_global_to_shared``
@@ -65,12 +69,12 @@ def producer_warps(block_m: int) -> int:
 
 
 def codes_smem_layout() -> gl.NVMMASharedLayout:
-    """The codes' TMA box ``[2 groups, 2 units, 256]`` int64, unswizzled (each thread then reads its own 16 B)."""
+    """The codes' TMA box ``[groups, 2 units, 256]`` int64, unswizzled (each thread then reads its own 16 B)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=3)
 
 
 def scales_smem_layout() -> gl.NVMMASharedLayout:
-    """The scales' TMA box ``[2 groups, 1 K group, 256 B]``, unswizzled."""
+    """The scales' TMA box ``[groups, 1 K group, 256 B]``, unswizzled."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
 
@@ -113,9 +117,10 @@ def _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr, sorted_ptr, BM:
 
 
 @gluon.jit
-def _load_weights(codes_desc, scales_desc, codes_s, scales_s, bar, rg, ks):
-    """One step's codes and scales (TMA) into a ring slot, completing on ``bar`` (which expects their bytes)."""
-    mbarrier.expect(bar, STEP_BYTES)
+def _load_weights(codes_desc, scales_desc, codes_s, scales_s, bar, rg, ks, G: gl.constexpr):
+    """One step's codes and scales of G row groups (TMA) into a ring slot, completing on ``bar`` (which expects
+    their bytes)."""
+    mbarrier.expect(bar, G * GROUP_BYTES)
     tma_load(codes_desc, [rg, 2 * ks, 0], bar, codes_s)
     tma_load(scales_desc, [rg, ks, 0], bar, scales_s)
 
@@ -124,7 +129,7 @@ def _load_weights(codes_desc, scales_desc, codes_s, scales_s, bar, rg, ks):
 def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
               codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups,
               STAGE: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr,
-              PW: gl.constexpr, PDL: gl.constexpr):
+              PW: gl.constexpr, PDL: gl.constexpr, G: gl.constexpr):
     AL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [PW, 1], [1, 0])  # [BM, 128] bf16, 8 x 16 B per thread
     kk = gl.arange(0, 128, layout=gl.SliceLayout(0, AL))
     pre = 0  # steps of the first item whose weights were loaded before waiting on the previous kernel
@@ -136,12 +141,12 @@ def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, star
             first = gl.program_id(0)
             if first < gl.load(nblk_ptr) * n_tiles * SPLIT:
                 tile0 = (first // SPLIT) % n_tiles
-                rg0 = gl.load(block_expert_ptr + first // (SPLIT * n_tiles)) * row_groups + 2 * tile0
+                rg0 = gl.load(block_expert_ptr + first // (SPLIT * n_tiles)) * row_groups + G * tile0
                 k0 = (first % SPLIT) * steps
                 pre = gl.minimum(steps, NUM_STAGES)
                 for ks in range(pre):
                     _load_weights(codes_desc, scales_desc, codes_s.index(ks), scales_s.index(ks), full.index(ks),
-                                  rg0, k0 + ks)
+                                  rg0, k0 + ks, G)
             _gdc_wait()  # the intermediate is the w13 kernel's output
     n_items = gl.load(nblk_ptr) * n_tiles * SPLIT
     cnt = 0
@@ -153,7 +158,7 @@ def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, star
             a_rows = a_ptr + ((pair // top_k).to(gl.int64) * stride_a)[:, None] + (k0 * 128 + kk)[None, :]  # x
         else:
             a_rows = a_ptr + (rows.to(gl.int64) * stride_a)[:, None] + (k0 * 128 + kk)[None, :]  # inter rows
-        rg = expert * row_groups + 2 * tile
+        rg = expert * row_groups + G * tile
         for ks in range(steps):
             s = cnt % NUM_STAGES
             mbarrier.wait(empty.index(s), ((cnt // NUM_STAGES) & 1) ^ 1)  # the ring's first pass waits on nothing
@@ -162,7 +167,7 @@ def _producer(codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, star
             async_copy.mbarrier_arrive(full.index(s), increment_count=False)
             if cnt >= pre:
                 _load_weights(codes_desc, scales_desc, codes_s.index(s), scales_s.index(s), full.index(s), rg,
-                              k0 + ks)
+                              k0 + ks, G)
             cnt += 1
 
 
@@ -186,11 +191,39 @@ def _decode(codes_s, scales_s, L3: gl.constexpr, L7: gl.constexpr, A: gl.constex
 
 
 @gluon.jit
+def _epilogue(acc0, acc1, pt, part, rows, rmask, pair, out_ptr, topw_ptr, n_out, stride_out, stride_split, beta,
+              linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr,
+              FAST_ACT: gl.constexpr, OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr,
+              FP8_MAX: gl.constexpr, MMA: gl.constexpr):
+    """Stores one pair of row groups' accumulators ``[64, BM]``: 128-row tile ``pt`` of the weights (w13: gate
+    and up rows of outputs 64 pt .. 64 pt + 63; w2: outputs 128 pt .. 128 pt + 127)."""
+    r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    if STAGE == 1:  # [64 outputs, BM rows] -> inter[row, 64 tile + r]
+        h = gate_up_activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
+        if OUT_MX:  # A8W4: h rounded through MXFP8 per 32 outputs of a row (the reference's rule), in place
+            lo = (r64 < 32)[:, None]  # the tile's two MX blocks per row: outputs 0-31 and 32-63
+            a = gl.abs(h)
+            amax = gl.where(lo, gl.max(gl.where(lo, a, 0.0), axis=0)[None, :],
+                            gl.max(gl.where(lo, 0.0, a), axis=0)[None, :])
+            h = mxfp8_value(h, amax, EMAX, BIAS, FP8_MAX)
+        n = pt * 64 + r64
+        optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
+        gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])
+    else:  # y[part, pair, 128 tile + r] = topk_weight[pair] * acc (the K part's share; the reduce sums them)
+        rw = gl.load(topw_ptr + pair, mask=rmask, other=0.0)[None, :]
+        optr = out_ptr + part.to(gl.int64) * stride_split + pair.to(gl.int64)[None, :] * stride_out
+        n = pt * 128 + r64
+        gl.store(optr + n[:, None], acc0 * rw, mask=rmask[None, :] & (n < n_out)[:, None])
+        gl.store(optr + (n + 64)[:, None], acc1 * rw, mask=rmask[None, :] & (n + 64 < n_out)[:, None])
+
+
+@gluon.jit
 def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s, scales_s,
               act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta, linear_beta,
               STAGE: gl.constexpr, ACT: gl.constexpr, HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr,
               BM: gl.constexpr, SPLIT: gl.constexpr, NUM_STAGES: gl.constexpr, PDL: gl.constexpr,
-              OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr):
+              OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr,
+              G: gl.constexpr):
     L3: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
     L7: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, 2, 4], [1, 1, 8, 4, 1, 1, 1], [1, 4, 1, 1, 1, 1, 1],
                                         [6, 5, 4, 3, 2, 1, 0])
@@ -206,42 +239,48 @@ def _consumer(out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         acc0 = gl.zeros([64, BM], gl.float32, layout=MMA)  # the tile's first row group (w13: gate rows)
         acc1 = gl.zeros([64, BM], gl.float32, layout=MMA)  # the second (w13: the matching up rows)
+        if G == 4:  # the next 128-row tile's two groups
+            acc2 = gl.zeros([64, BM], gl.float32, layout=MMA)
+            acc3 = gl.zeros([64, BM], gl.float32, layout=MMA)
         prev = 0
         for ks in range(steps):
             s = cnt % NUM_STAGES
             mbarrier.wait(full.index(s), (cnt // NUM_STAGES) & 1)
             b = act_s.index(s).permute((1, 0))  # [128, BM]
-            cs = _view(codes_s.index(s), gl.uint8, [2, 256, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            ss = _view(scales_s.index(s), gl.int32, [2, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-            acc0 = warpgroup_mma(_decode(cs.index(0), ss.index(0), L3, L7, A), b, acc0, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])  # the previous step's second chain is done
-            mbarrier.arrive(empty.index(prev), pred=ks > 0)
-            acc1 = warpgroup_mma(_decode(cs.index(1), ss.index(1), L3, L7, A), b, acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])
+            cs = _view(codes_s.index(s), gl.uint8, [G, 256, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            ss = _view(scales_s.index(s), gl.int32, [G, 4, 8, 2], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            if G == 2:
+                acc0 = warpgroup_mma(_decode(cs.index(0), ss.index(0), L3, L7, A), b, acc0, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])  # the previous step's second chain is done
+                mbarrier.arrive(empty.index(prev), pred=ks > 0)
+                acc1 = warpgroup_mma(_decode(cs.index(1), ss.index(1), L3, L7, A), b, acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(1, deps=[acc0, acc1])
+            else:  # one chain in flight while the next group is decoded, as above, over four groups
+                acc0 = warpgroup_mma(_decode(cs.index(0), ss.index(0), L3, L7, A), b, acc0, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(1, deps=[acc0, acc1, acc2, acc3])
+                mbarrier.arrive(empty.index(prev), pred=ks > 0)  # the previous step's last chain is done
+                acc1 = warpgroup_mma(_decode(cs.index(1), ss.index(1), L3, L7, A), b, acc1, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(1, deps=[acc0, acc1, acc2, acc3])
+                acc2 = warpgroup_mma(_decode(cs.index(2), ss.index(2), L3, L7, A), b, acc2, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(1, deps=[acc0, acc1, acc2, acc3])
+                acc3 = warpgroup_mma(_decode(cs.index(3), ss.index(3), L3, L7, A), b, acc3, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(1, deps=[acc0, acc1, acc2, acc3])
             prev = s
             cnt += 1
-        acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        if G == 2:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        else:
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
         mbarrier.arrive(empty.index(prev))
         tile, part, expert, rows, rmask, pair = _item(item, n_tiles, block_expert_ptr, start_ptr, count_ptr,
                                                       sorted_ptr, BM, SPLIT, gl.SliceLayout(0, MMA))
-        r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        if STAGE == 1:  # [64 outputs, BM rows] -> inter[row, 64 tile + r]
-            h = gate_up_activation(acc0, acc1, beta, linear_beta, ACT, HAS_LINEAR_BETA, FAST_ACT)
-            if OUT_MX:  # A8W4: h rounded through MXFP8 per 32 outputs of a row (the reference's rule), in place
-                lo = (r64 < 32)[:, None]  # the tile's two MX blocks per row: outputs 0-31 and 32-63
-                a = gl.abs(h)
-                amax = gl.where(lo, gl.max(gl.where(lo, a, 0.0), axis=0)[None, :],
-                                gl.max(gl.where(lo, 0.0, a), axis=0)[None, :])
-                h = mxfp8_value(h, amax, EMAX, BIAS, FP8_MAX)
-            n = tile * 64 + r64
-            optr = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n[:, None]
-            gl.store(optr, h.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (n < n_out)[:, None])
-        else:  # y[part, pair, 128 tile + r] = topk_weight[pair] * acc (the K part's share; the reduce sums them)
-            rw = gl.load(topw_ptr + pair, mask=rmask, other=0.0)[None, :]
-            optr = out_ptr + part.to(gl.int64) * stride_split + pair.to(gl.int64)[None, :] * stride_out
-            n = tile * 128 + r64
-            gl.store(optr + n[:, None], acc0 * rw, mask=rmask[None, :] & (n < n_out)[:, None])
-            gl.store(optr + (n + 64)[:, None], acc1 * rw, mask=rmask[None, :] & (n + 64 < n_out)[:, None])
+        _epilogue(acc0, acc1, tile * (G // 2), part, rows, rmask, pair, out_ptr, topw_ptr, n_out, stride_out,
+                  stride_split, beta, linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, OUT_MX, EMAX, BIAS,
+                  FP8_MAX, MMA)
+        if G == 4:
+            _epilogue(acc2, acc3, tile * 2 + 1, part, rows, rmask, pair, out_ptr, topw_ptr, n_out, stride_out,
+                      stride_split, beta, linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, OUT_MX, EMAX, BIAS,
+                      FP8_MAX, MMA)
 
 
 @gluon.jit
@@ -250,16 +289,19 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
                        row_groups, beta, linear_beta, STAGE: gl.constexpr, ACT: gl.constexpr,
                        HAS_LINEAR_BETA: gl.constexpr, FAST_ACT: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
                        NUM_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr,
-                       OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr):
+                       OUT_MX: gl.constexpr, EMAX: gl.constexpr, BIAS: gl.constexpr, FP8_MAX: gl.constexpr,
+                       GROUPS: gl.constexpr = 2):
     """STAGE 1: ``out = inter [P, n_out] = act(W13_e x_t)``; STAGE 2: ``out = y [T * top_k, n_out] (fp32) =
     topk_weight * W2_e inter``, or with SPLIT > 1 (w2 only) ``y [SPLIT, T * top_k, n_out]`` the partial sums of
-    SPLIT equal K parts, over the used (BM-row block, 128-row tile, K part) items. The arguments are those of
+    SPLIT equal K parts, over the used (BM-row block, 64 GROUPS-row tile, K part) items. The arguments are those of
     :func:`.kernels.moe_gemm_kernel` (K = 128 * steps * SPLIT), the weights as TMA descriptors over the int64
-    codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8). BM: 16,
-    32, 64 or 128 (:func:`producer_warps`); PDL: launched with ``launch_pdl`` (see :class:`WsConfig`)."""
+    codes view ``[E * groups, 2 * steps, 256]`` and the scales view ``[E * groups, steps, 256]`` (uint8), boxes of
+    GROUPS row groups; n_tiles counts GROUPS-group tiles. BM: 16, 32, 64 or 128 (:func:`producer_warps`); PDL:
+    launched with ``launch_pdl`` (see :class:`WsConfig`); GROUPS: 64-row weight groups per item, 2 or 4 (4: four
+    accumulators, the block's activation rows read once per 256 weight rows instead of per 128)."""
     PW: gl.constexpr = BM // 16 if BM <= 64 else 4  # producer warps (producer_warps)
-    codes_s = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 2, 2, 256], codes_desc.layout)
-    scales_s = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2, 1, 256], scales_desc.layout)
+    codes_s = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, GROUPS, 2, 256], codes_desc.layout)
+    scales_s = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, GROUPS, 1, 256], scales_desc.layout)
     act_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BM, 128],
                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -272,10 +314,10 @@ def moe_gemm_ws_kernel(codes_desc, scales_desc, a_ptr, out_ptr, topw_ptr, sorted
         (_consumer, (out_ptr, topw_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr, codes_s,
                      scales_s, act_s, full, empty, n_tiles, steps, n_out, stride_out, stride_split, beta,
                      linear_beta, STAGE, ACT, HAS_LINEAR_BETA, FAST_ACT, BM, SPLIT, NUM_STAGES, PDL, OUT_MX, EMAX,
-                     BIAS, FP8_MAX)),
+                     BIAS, FP8_MAX, GROUPS)),
         (_producer, (codes_desc, scales_desc, a_ptr, sorted_ptr, block_expert_ptr, start_ptr, count_ptr, nblk_ptr,
                      codes_s, scales_s, act_s, full, empty, n_tiles, steps, top_k, stride_a, row_groups, STAGE, BM,
-                     SPLIT, NUM_STAGES, PW, PDL)),
+                     SPLIT, NUM_STAGES, PW, PDL, GROUPS)),
     ], [PW], [PRODUCER_REGS])
 
 
@@ -293,6 +335,8 @@ class WsConfig:
         launches the align and the top-k reduce the same way (False: every launch waits for the previous one).
     w2_split: K parts of the w2 GEMM (1-4; the top-k reduce sums them), None: :func:`w2_parts` picks them from the
         expected item count (more, shorter items where few items would leave programs idle at the end).
+    tile_rows: weight rows of one item, 128 (two 64-row groups, two accumulators) or 256 (four: half the activation
+        re-reads per weight byte, twice the accumulator registers).
     """
 
     block_m: int = 16
@@ -302,14 +346,17 @@ class WsConfig:
     producer_regs: int = 24
     pdl: bool = True
     w2_split: int | None = None
+    tile_rows: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "stages", "ctas_per_sm", "max_registers", "producer_regs"):
+        for name in ("block_m", "stages", "ctas_per_sm", "max_registers", "producer_regs", "tile_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"WsConfig.{name} must be an int, got {value!r}")
         if self.block_m not in BLOCK_SIZES:
             raise ValueError(f"WsConfig.block_m must be 16, 32, 64 or 128, got {self.block_m}")
+        if self.tile_rows not in TILE_ROWS:
+            raise ValueError(f"WsConfig.tile_rows must be 128 or 256, got {self.tile_rows}")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"WsConfig.stages must be in [2, 8], got {self.stages}")
         if not 1 <= self.ctas_per_sm <= 4:
@@ -333,11 +380,18 @@ class WsConfig:
     def shared_bytes(self) -> int:
         """Shared memory of one CTA: the ring (codes, scales, activation rows) and its barriers, the A8W4
         epilogue's cross-warp maxima (16 B per row), plus 1 KB the hardware reserves per CTA."""
-        return self.stages * (STEP_BYTES.value + self.block_m * 256 + 16) + self.block_m * 16 + 1024
+        step = self.groups * GROUP_BYTES.value + self.block_m * 256 + 16
+        return self.stages * step + self.block_m * 16 + 1024
+
+    @property
+    def groups(self) -> int:
+        """64-row weight groups per item."""
+        return self.tile_rows // 64
 
 
 def default_config(block_m: int) -> WsConfig:
-    """The measured defaults per block size (benchmarks/RESULTS.md, sessions 7 to 9)."""
+    """The measured defaults per block size (benchmarks/RESULTS.md, sessions 7 to 9; 128-row weight tiles: the
+    256-row ones of :func:`wide_config` were level or slower at K3's T = 2048 / 8192, session 16)."""
     if block_m == 16:
         return WsConfig(16, 4, 3, 80, 40)
     if block_m == 32:
@@ -349,6 +403,17 @@ def default_config(block_m: int) -> WsConfig:
     raise ValueError(f"the warp-specialised GEMM takes 16-, 32-, 64- or 128-row blocks, got {block_m}")
 
 
+def wide_config(block_m: int) -> WsConfig:
+    """256-row weight tiles at the prefill block sizes (the block's activation rows read once per 256 weight rows):
+    at 32-row blocks 2 CTAs per SM (the four [64, 32] accumulators fit 128 registers per thread), at 64 rows one
+    CTA (four [64, 64] accumulators: at 128 registers ptxas serialises the wgmma chains) with a 6-deep ring."""
+    if block_m == 32:
+        return WsConfig(32, 4, 2, 128, 32, tile_rows=256)
+    if block_m == 64:
+        return WsConfig(64, 6, 1, 248, 40, tile_rows=256)
+    raise ValueError(f"256-row weight tiles are configured for 32- or 64-row blocks, got {block_m}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Descriptors:
     """TMA descriptors of one prepared MXFP4 matrix (``layout.TritonExperts`` w13 or w2) and its sizes."""
@@ -357,18 +422,20 @@ class Descriptors:
     scales: TensorDescriptor
     row_groups: int  # 64-row groups per expert
     steps: int  # 128-K groups
+    groups: int = 2  # row groups per TMA box (WsConfig.groups)
 
 
-def descriptors(codes: torch.Tensor, scales: torch.Tensor) -> Descriptors:
-    """Descriptors of codes uint8 [E, G, KG, 2, 128, 16] and scales uint8 [E, G, KG, 32, 8] (contiguous)."""
+def descriptors(codes: torch.Tensor, scales: torch.Tensor, groups: int = 2) -> Descriptors:
+    """Descriptors of codes uint8 [E, G, KG, 2, 128, 16] and scales uint8 [E, G, KG, 32, 8] (contiguous), boxes of
+    ``groups`` row groups (``WsConfig.groups``)."""
     if not (codes.is_contiguous() and scales.is_contiguous()):
         raise ValueError("the prepared MXFP4 codes and scales must be contiguous for their TMA descriptors")
     e, g, kg = codes.shape[:3]
     c = codes.view(torch.int64).view(e * g, kg * 2, 256)  # a 64-K unit's 128 chunks of 16 B as one 2 KB row
     s = scales.view(e * g, kg, 256)
-    return Descriptors(TensorDescriptor(c, list(c.shape), list(c.stride()), [2, 2, 256], codes_smem_layout()),
-                       TensorDescriptor(s, list(s.shape), list(s.stride()), [2, 1, 256], scales_smem_layout()),
-                       g, kg)
+    return Descriptors(TensorDescriptor(c, list(c.shape), list(c.stride()), [groups, 2, 256], codes_smem_layout()),
+                       TensorDescriptor(s, list(s.shape), list(s.stride()), [groups, 1, 256], scales_smem_layout()),
+                       g, kg, groups)
 
 
 def supported(x: torch.Tensor, fold: bool, block_m: int, split_k: int, k: int) -> tuple[bool, str]:
@@ -415,12 +482,15 @@ def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, to
            fast_act: bool, programs: int, cfg: WsConfig, split: int = 1,
            out_mx: tuple[int, int, float] | None = None) -> None:
     """One GEMM of the op (see :func:`moe_gemm_ws_kernel`); ``programs``: the grid (``cfg.ctas_per_sm`` per SM at
-    most); ``cfg.block_m`` must be the routing's; ``split``: K parts (w2 only, dividing its steps; ``out`` then
+    most); ``cfg.block_m`` must be the routing's; ``n_tiles``: items per block and K part (``cfg.tile_rows``-row
+    tiles); ``desc``: boxes of ``cfg.groups`` row groups; ``split``: K parts (w2 only, dividing its steps; ``out`` then
     [split, pairs, n_out]); ``out_mx``: (EMAX, BIAS, FP8_MAX) of the FP8 format the w13 output is rounded
     through (A8W4), None for none."""
     if out_mx is not None and stage != 1:
         raise ValueError("the MXFP8 output rounding (A8W4) applies to the w13 GEMM only")
     emax, bias, fp8_max = out_mx or (8, 7, 448.0)  # unused without OUT_MX
+    if desc.groups != cfg.groups:
+        raise ValueError(f"descriptors of {desc.groups}-group boxes for WsConfig.tile_rows {cfg.tile_rows}")
     if cfg.block_m != routing.block_m:
         raise ValueError(f"WsConfig.block_m {cfg.block_m} differs from the routing's blocks of {routing.block_m}")
     if split != 1 and (stage != 2 or desc.steps % split or out.dim() != 3 or out.shape[0] != split):
@@ -432,4 +502,5 @@ def launch(stage: int, desc: Descriptors, a: torch.Tensor, out: torch.Tensor, to
         out.stride(-2), out.stride(0) if out.dim() == 3 else 0, desc.row_groups, beta, linear_beta, STAGE=stage,
         ACT=act, HAS_LINEAR_BETA=has_linear_beta, FAST_ACT=fast_act, BM=cfg.block_m, SPLIT=split,
         NUM_STAGES=cfg.stages, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, OUT_MX=out_mx is not None,
-        EMAX=emax, BIAS=bias, FP8_MAX=fp8_max, num_warps=4, maxnreg=cfg.max_registers, launch_pdl=cfg.pdl)
+        EMAX=emax, BIAS=bias, FP8_MAX=fp8_max, GROUPS=cfg.groups, num_warps=4, maxnreg=cfg.max_registers,
+        launch_pdl=cfg.pdl)

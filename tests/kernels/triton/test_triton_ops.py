@@ -440,8 +440,10 @@ def test_moe_config_validation(bad: dict) -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(block_m=48), dict(stages=1), dict(ctas_per_sm=0), dict(producer_regs=30),
-                                 dict(max_registers=256), dict(ctas_per_sm=4), dict(stages=8)],
-                         ids=["BM48", "stages1", "ctas0", "regs30", "maxreg256", "regfile", "shared"])
+                                 dict(max_registers=256), dict(ctas_per_sm=4), dict(stages=8), dict(tile_rows=192),
+                                 dict(block_m=64, max_registers=128, ctas_per_sm=2, tile_rows=256)],
+                         ids=["BM48", "stages1", "ctas0", "regs30", "maxreg256", "regfile", "shared", "tile192",
+                              "shared256"])
 def test_ws_config_validation(bad: dict) -> None:
     """The Hopper kernel's WsConfig: bad fields, and residencies the SM's 65536 registers (4 CTAs x 256 threads x
     80) or 227 KB of shared memory (8 stages x 3 CTAs) cannot hold, are ValueErrors naming the config."""
@@ -452,6 +454,11 @@ def test_ws_config_validation(bad: dict) -> None:
     with pytest.raises(TypeError, match="WsConfig.pdl"):
         gemm_hopper.WsConfig(pdl=1)
     assert gemm_hopper.default_config(64).shared_bytes() * 2 <= gemm_hopper.SHARED_PER_SM
+    for bm in (32, 64):  # the 256-row weight tiles' residencies fit, and bm16 (decode) has none
+        wide = gemm_hopper.wide_config(bm)
+        assert wide.groups == 4 and wide.shared_bytes() * wide.ctas_per_sm <= gemm_hopper.SHARED_PER_SM
+    with pytest.raises(ValueError, match="256-row"):
+        gemm_hopper.wide_config(16)
     c = gemm_hopper.default_config(16)  # w2's K parts: T = 1 on K3 (16 blocks x 28 tiles on 396 CTAs) -> 4
     assert gemm_hopper.w2_parts(c, 16 * 28, 396, 24) == 4 and gemm_hopper.w2_parts(c, 8 * 396, 396, 24) == 1
     with pytest.raises(ValueError, match="w2_split 3"):
@@ -609,7 +616,8 @@ def compiled_hopper() -> dict:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("variant", ["ws_w13", "ws_w13_mx", "ws_w2", "ws_w13_bm32", "ws_w13_bm64", "ws_w2_bm64",
-                                     "ws_w2_split2", "ws_w13_bm128", "ws_w2_bm128"])
+                                     "ws_w2_split2", "ws_w13_bm128", "ws_w2_bm128", "ws_w13_bm64_t256",
+                                     "ws_w2_bm64_t256", "ws_w13_bm32_t256", "ws_w2_bm32_t256"])
 def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
     """The warp-specialised Hopper MoE GEMM (.moe.gemm_hopper) for sm_90 at each block size's default config: TMA
     loads, setmaxnreg, programmatic-dependent-launch waits, wgmma (N = the block's rows) with the decoded weights
@@ -617,7 +625,8 @@ def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
     bf16x2 scale multiplies, no local memory or shuffles, wgmma chains not serialised by ptxas (a serialised loop
     waits after each of its 16 wgmma: 32 WARPGROUP instructions; the overlapped one has 4), and at most 2.6 SASS
     per weight (306-312 per 128 weights measured with Triton 3.6 and 3.9); the shared memory WsConfig budgets
-    covers what the kernel declares."""
+    covers what the kernel declares. 256-row weight tiles (``_t256``, four groups) double the loop's decode and
+    wgmma (562-567 SASS per 256 weights with Triton 3.9)."""
     res = compiled_hopper[variant]
     assert res["ok"], res["error"]
     mnemonics = set(res["mnemonics"])
@@ -630,10 +639,11 @@ def test_hopper_ws_gemm_compiles(compiled_hopper: dict, variant: str) -> None:
     if loops is None:
         pytest.skip("no cuobjdump to read the SASS")
     k_loop = next(lp for lp in loops if lp["opcodes"].get("HGMMA"))  # the innermost loop with the MMA
-    assert k_loop["opcodes"].get("HMUL2") == 64 and k_loop["opcodes"].get("HGMMA") == 16, k_loop
+    groups = res["groups"]  # 64-row weight groups per item: 128 weights per thread and step each 2
+    assert k_loop["opcodes"].get("HMUL2") == 32 * groups and k_loop["opcodes"].get("HGMMA") == 8 * groups, k_loop
     assert not {"LDL", "STL", "STS", "SHFL"} & set(k_loop["opcodes"]), k_loop
     assert k_loop["opcodes"].get("WARPGROUP", 0) <= 8, f"serialised wgmma: {k_loop}"
-    assert k_loop["instructions"] / 128 <= 2.6, k_loop
+    assert k_loop["instructions"] / (64 * groups) <= 2.6, k_loop
 
 
 # ------------------------------------------------------------------------------------------------------ cuda tier
@@ -708,7 +718,9 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     above) and captured in a CUDA graph (replays equal the eager result for new routings), at 16-, 32-, 64- and
     128-row blocks, with and without programmatic dependent launch, w2 in 1, 2 and 4 K parts; where they do not apply
     (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default runs that GEMM
-    on ``moe_gemm_kernel`` (checked against the reference)."""
+    on ``moe_gemm_kernel`` (checked against the reference). 256-row weight tiles (``wide_config``) give the
+    128-row tiles' bits at 32 / 64-row blocks (w2 in one K part), and match the reference where the last tile is
+    half outside."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised GEMM is sm_90 only")
     g = seeded(23)
@@ -741,6 +753,25 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
         assert_rel(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=ws, **kw),
                    fused_moe_reference(x2, weights, tw2, ids2, **kw), 1e-2, f"ws A8W4 bm{bm}")
         _assert_graph_replays(prepared, x2, tw2, ids2, e, (26,), gemm="ws", config=cfg, ws_config=ws)
+        if bm in (32, 64):  # 256-row weight tiles (four accumulators): the same sums per output, the same bits
+            wide = gemm_hopper.wide_config(bm)
+            out_wide = fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=wide)
+            assert_rel(out_wide, ref2, 5e-3, f"ws A16W4 bm{bm} 256-row tiles")
+            one = [fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg,
+                                  ws_config=dataclasses.replace(c, w2_split=1)) for c in (ws, wide)]
+            assert torch.equal(one[0], one[1]), f"bm{bm}: 256- vs 128-row weight tiles (w2 in one K part)"
+            assert_rel(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=wide, **kw),
+                       fused_moe_reference(x2, weights, tw2, ids2, **kw), 1e-2, f"ws A8W4 bm{bm} 256-row tiles")
+            _assert_graph_replays(prepared, x2, tw2, ids2, e, (28,), gemm="ws", config=cfg, ws_config=wide)
+    # an odd count of 128-row w2 tiles (Kout 384): the last 256-row item reads the next expert's rows (or past the
+    # last expert: TMA zero fill) for outputs >= Kout, which are masked
+    odd = _mxfp4_experts(16, 256, 384, 384, g, "cuda")
+    tw3, ids3 = _routing(64, 16, 4, g, "cuda")
+    x3 = _randn(64, 384, gen=g, device="cuda", dtype=torch.bfloat16)
+    cfg3 = dataclasses.replace(pick_config(64 * 4, 16), block_m=32)
+    assert_rel(fused_moe_with(x3, prepare_weights(odd), tw3, ids3, gemm="ws", config=cfg3,
+                              ws_config=gemm_hopper.wide_config(32)),
+               fused_moe_reference(x3, odd, tw3, ids3), 5e-3, "ws 256-row tiles, 3 w2 tiles")
     for parts in (2, 4):  # w2 in K parts (the reduce sums them): another fp32 summation order, bf16 output
         ws = dataclasses.replace(gemm_hopper.default_config(16), w2_split=parts)
         out_split = fused_moe_with(x, prepared, tw, ids, gemm="ws", ws_config=ws)
