@@ -82,7 +82,7 @@ run_part() {
     e2e_async) part e2e_async 200 80 "$PY" -u benchmarks/bench_e2e.py --batch 1 8 32 --steps 8 --checkpoint "$CK" \
       --async-scheduling ;;
     e2e_prefill) part e2e_prefill 200 60 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 1 --profile \
-      --checkpoint "$CK" ;;
+      --copies --checkpoint "$CK" ;;
     e2e_prefill_async) part e2e_prefill_async 150 0 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 2 \
       --async-scheduling --checkpoint "$CK" ;;
     conv) part conv 90 0 "$PY" -u benchmarks/bench_kda.py --conv ;;
@@ -91,6 +91,10 @@ run_part() {
     cuda_s15) part cuda_s15 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_moe_grouped.py tests/kernels/triton/test_triton_kda.py \
       -k "grouped or short_conv or strided or (prefill and not fused)" ;;
+    cuda_s16) part cuda_s16 240 0 env ROCM_K3_TEST_SLICE="$CK" "$PY" -m pytest -v -p no:cacheprovider -m cuda \
+      --durations=10 tests/kernels/triton/test_moe_grouped.py tests/kernels/triton/test_triton_kda.py \
+      tests/kernels/triton/test_triton_ops.py tests/kernels/triton/test_triton_model.py \
+      -k "grouped or dequant or short_conv or kda_prefill or norms or ws_gemm_graph or (fused_moe_k3 and T2048) or k3_slice_bf16" ;;
     kda_prof) part kda_prof 150 0 "$PY" -u benchmarks/bench_kda.py --profile-only ;;
     kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
     cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
@@ -102,7 +106,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase conv moe32 cuda_new cuda_s15 cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase conv moe32 cuda_new cuda_s15 cuda_s16 cuda_tier)" >&2; return 2 ;;
   esac
 }
 

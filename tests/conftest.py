@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def k3_slice_path(tmp_path_factory: pytest.TempPathFactory):
     """The K3-width 4-layer slice checkpoint (``k3_slice_overrides()``), written once per session (several GB: the
-    cuda-tier tests share it)."""
+    cuda-tier tests share it). ``ROCM_K3_TEST_SLICE``: the folder of that same checkpoint already written (e.g.
+    by scripts/h200_pending.sh's ``slice`` part at width 1), used as it is instead."""
     from rocm_k3.model.tiny import k3_slice_overrides, write_tiny_checkpoint
 
+    given = os.environ.get("ROCM_K3_TEST_SLICE")
+    if given:
+        if not (Path(given) / "config.json").is_file():
+            raise ValueError(f"ROCM_K3_TEST_SLICE={given!r}: no config.json there (unset it to write the slice)")
+        return Path(given)
     return write_tiny_checkpoint(tmp_path_factory.mktemp("k3-slice-shared"), text_overrides=k3_slice_overrides())
 
 
