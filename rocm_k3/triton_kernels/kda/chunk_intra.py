@@ -101,16 +101,12 @@ def chunk_intra_kernel(
             kb = k_own.to(tl.float32) * tl.exp(g_own) * b[:, None]  # exp(G) <= 1
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, kb.to(kb_ptr.dtype.element_ty), mask=mk)
-        akk = tl.dot(kp, kn, input_precision=PREC)
-        aqk = tl.dot(qp, kn, input_precision=PREC)
-        akk = tl.where(r[:, None] > r[None, :], akk * b[:, None], 0.0)
-        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+        akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         tl.store(a_ptr + out_rows + blk * BC, akk, mask=m[:, None])
         tl.store(aqk_ptr + out_rows + blk * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]
-            akk = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
-            aqk = tl.dot(qp, kn, input_precision=PREC)
+            akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
             tl.store(a_ptr + out_rows + j * BC, akk, mask=m[:, None])
             tl.store(aqk_ptr + out_rows + j * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
         zero = tl.zeros([BC, BC], dtype=tl.float32)

@@ -1,4 +1,5 @@
-"""Phase 1 of the chunked KDA prefill: per-token preparation, one program per (chunk, head).
+"""Phase 1 of the chunked KDA prefill: per-token preparation, one program per (chunk, head) or, with
+``COL_SPLIT`` (``prefill.PREP_SPLIT``), per (chunk, BK-column slice, head).
 
 For the rows of one 64-token chunk of one head:
     g  = kda_gate(f)            when the gate is fused (else g is the given fp32 log-decay)

@@ -20,6 +20,7 @@ Tolerances (relative L2 error, tests/helpers.rel_err):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -177,6 +178,25 @@ def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         monkeypatch.setattr(tri_prefill, name, value)
 
 
+@contextlib.contextmanager
+def _poisoned_buffers(monkeypatch: pytest.MonkeyPatch):
+    """Every floating-point buffer torch.empty allocates inside the block starts as NaN (the prefill's scratch and
+    outputs), so an element a kernel does not write fails; torch.empty is restored on leaving."""
+    from tests.helpers import poisoned_like
+
+    empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        return poisoned_like(t) if t.dtype.is_floating_point else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(torch, "empty", empty)
+
+
 def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="cpu", H=2, D=32):
     T = sum(lengths)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
@@ -264,6 +284,25 @@ def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, pat
     assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate state")
 
 
+def _check_poisoned_prefill(qkv, qkv_ref, f, beta, cu, params, gen, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton prefill on q, k, v = ``qkv`` (three sequences, H = 2, D = 32, fp32), its buffers NaN-poisoned,
+    against the reference op on ``qkv_ref``: initial states present and absent, a prefix state at (1, 64);
+    tolerance 1e-5 (fp32, as the other fp32 prefill twins)."""
+    H, D = qkv[0].shape[1:]
+    pool = _randn(4, H, D, D, gen=gen, scale=0.3)
+    idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    pos = torch.tensor([[1, 64]], dtype=torch.int32)
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    with _poisoned_buffers(monkeypatch):
+        out = _fn("kda_prefill")(*qkv, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                                 intermediate_positions=pos)
+    want = ref.kda_prefill(*qkv_ref, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
+                           intermediate_positions=pos)
+    assert_rel(out.o, want.o, 1e-5, "o")
+    assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
+    assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate states")
+
+
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("path", list(_PATHS))
@@ -271,9 +310,8 @@ def test_kda_prefill_strided_qkv_interpret(path: str, monkeypatch: pytest.Monkey
     """q, k, v as column slices of one NaN-padded [T, 3HD + 8] tensor (the model's short-conv output) and v of
     another row stride ([T, HD + 24]): the default path reads them in place (no copy), FUSED / MERGE_WY through
     their copy; every buffer the prefill allocates starts as NaN, so a stride bug or an unwritten element fails.
-    Twin: the reference op on contiguous copies; tolerance 1e-5 (fp32, as the other fp32 prefill twins)."""
+    Twin: the reference op on contiguous copies (_check_poisoned_prefill)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-    from tests.helpers import poisoned_like
 
     _set_path(monkeypatch, path)
     gen = seeded(7)
@@ -287,25 +325,26 @@ def test_kda_prefill_strided_qkv_interpret(path: str, monkeypatch: pytest.Monkey
     v = vbuf[:, 8: 8 + H * D].reshape(T, H, D)
     assert q.stride(0) == 3 * H * D + 8 and v.stride(0) == H * D + 24 and not q.is_contiguous()
     assert all(tri_prefill._row_strided(t) is t for t in (q, k, v)), "row-strided views must not be copied"
-    pool = _randn(4, H, D, D, gen=gen, scale=0.3)
-    idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
-    pos = torch.tensor([[1, 64]], dtype=torch.int32)
-    pool_tri, pool_ref = pool.clone(), pool.clone()
-    empty = torch.empty
+    _check_poisoned_prefill((q, k, v), (q0, k0, v0), f, beta, cu, params, gen, monkeypatch)
 
-    def nan_empty(*shape, **kw):
-        t = empty(*shape, **kw)
-        return poisoned_like(t) if t.dtype.is_floating_point else t
 
-    monkeypatch.setattr(tri_prefill.torch, "empty", nan_empty)
-    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
-                             intermediate_positions=pos)
-    monkeypatch.setattr(tri_prefill.torch, "empty", empty)
-    want = ref.kda_prefill(q0, k0, v0, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
-                           intermediate_positions=pos)
-    assert_rel(out.o, want.o, 1e-5, "o")
-    assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
-    assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate states")
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("path", ["4-launch", "4-launch-unsplit"])
+def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """chunk_prep over several column slices per head, as at K3's K = 128 / PREP_BK = 32 (the other interpreter
+    tests have K = PREP_BK = 32: one slice, so a slice index, a per-slice gate-bias or G_last offset, or a slice
+    that no program does would pass them): PREP_BK = 8 gives 4 slices at D = 32, split into 4 programs per
+    (chunk, head) ("4-launch") or walked by one ("4-launch-unsplit"). Varlen with short chunks, fused safe gate,
+    initial states present and absent, a prefix state; every buffer the prefill allocates starts as NaN
+    (_check_poisoned_prefill)."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    _set_path(monkeypatch, path)
+    monkeypatch.setattr(tri_prefill, "PREP_BK", 8)
+    gen = seeded(8)
+    q, k, v, f, beta, cu, params = _prefill_inputs([37, 64, 49], torch.float32, -5.0, True, True, gen)
+    _check_poisoned_prefill((q, k, v), (q, k, v), f, beta, cu, params, gen, monkeypatch)
 
 
 @pytest.mark.interpret
