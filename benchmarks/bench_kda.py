@@ -71,7 +71,7 @@ def _fla():
 
 
 def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
-                 sweep_warps: bool = False, fused_variants: tuple = (), inter_every: int = 0,
+                 fused_variants: tuple = (), inter_every: int = 0,
                  fresh: tuple[int, ...] = ()) -> dict:
     """One prefill shape; ``fused_variants``: (row key, {prefill attribute: value}) settings timed beside the
     default (FUSED_SWEEP, FUSED_COMPARE, PHASE_COMPARE; "PHASE_WARPS" entries update that dict); ``inter_every``
@@ -146,17 +146,6 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
                 row[key] = timed_variant()
             finally:
                 tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT = default_tile, default_split
-    if sweep_warps:
-        default_warps = dict(tri_prefill.PHASE_WARPS)
-        for phase, warps in (("prep", 4), ("prep", 16), ("intra", 2), ("intra", 8), ("solve", 2), ("solve", 8)):
-            tri_prefill.PHASE_WARPS[phase] = warps
-            try:
-                row[f"ms_{phase}_w{warps}"] = round(_bench(
-                    lambda: run(q, k, v, f, beta, cu, pool, idx, has_init, gate_params=params)), 4)
-            except Exception as exc:
-                row[f"ms_{phase}_w{warps}"] = repr(exc)[:80]
-            finally:
-                tri_prefill.PHASE_WARPS.update(default_warps)
     if chunk_kda is not None:
         cu64 = cu.long()
         h0 = pool.clone()
