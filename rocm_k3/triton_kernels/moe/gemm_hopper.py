@@ -336,7 +336,8 @@ class WsConfig:
     w2_split: K parts of the w2 GEMM (1-4; the top-k reduce sums them), None: :func:`w2_parts` picks them from the
         expected item count (more, shorter items where few items would leave programs idle at the end).
     tile_rows: weight rows of one item, 128 (two 64-row groups, two accumulators) or 256 (four: half the activation
-        re-reads per weight byte, twice the accumulator registers).
+        re-reads per weight byte, twice the accumulator registers; not at 128-row blocks, whose four accumulators
+        alone would take 256 registers per consumer thread).
     """
 
     block_m: int = 16
@@ -357,6 +358,10 @@ class WsConfig:
             raise ValueError(f"WsConfig.block_m must be 16, 32, 64 or 128, got {self.block_m}")
         if self.tile_rows not in TILE_ROWS:
             raise ValueError(f"WsConfig.tile_rows must be 128 or 256, got {self.tile_rows}")
+        if self.groups * self.block_m // 2 >= 256:  # fp32 accumulators [64, BM] per group over 128 consumer threads
+            raise ValueError(f"WsConfig: tile_rows {self.tile_rows} at {self.block_m}-row blocks needs "
+                             f"{self.groups * self.block_m // 2} accumulator registers per consumer thread (at most "
+                             "255: ptxas spills them and serialises the wgmma); use 128-row tiles or smaller blocks")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"WsConfig.stages must be in [2, 8], got {self.stages}")
         if not 1 <= self.ctas_per_sm <= 4:

@@ -441,12 +441,14 @@ def test_moe_config_validation(bad: dict) -> None:
 
 @pytest.mark.parametrize("bad", [dict(block_m=48), dict(stages=1), dict(ctas_per_sm=0), dict(producer_regs=30),
                                  dict(max_registers=256), dict(ctas_per_sm=4), dict(stages=8), dict(tile_rows=192),
-                                 dict(block_m=64, max_registers=128, ctas_per_sm=2, tile_rows=256)],
+                                 dict(block_m=64, max_registers=128, ctas_per_sm=2, tile_rows=256),
+                                 dict(block_m=128, ctas_per_sm=1, max_registers=248, tile_rows=256)],
                          ids=["BM48", "stages1", "ctas0", "regs30", "maxreg256", "regfile", "shared", "tile192",
-                              "shared256"])
+                              "shared256", "acc256"])
 def test_ws_config_validation(bad: dict) -> None:
     """The Hopper kernel's WsConfig: bad fields, and residencies the SM's 65536 registers (4 CTAs x 256 threads x
-    80) or 227 KB of shared memory (8 stages x 3 CTAs) cannot hold, are ValueErrors naming the config."""
+    80) or 227 KB of shared memory (8 stages x 3 CTAs) cannot hold, and 256-row tiles at 128-row blocks (four
+    [64, 128] fp32 accumulators: 256 registers per consumer thread, spilled), are ValueErrors naming the config."""
     from rocm_k3.triton_kernels.moe import gemm_hopper
 
     with pytest.raises(ValueError, match="WsConfig"):
