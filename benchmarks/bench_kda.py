@@ -246,7 +246,8 @@ def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> Non
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
-# (BT tokens, BC channels, warps): the default, more tokens per program (64 .. 256), BC 64 / 128 / 256, 2 / 4 / 8 warps
+# (BT tokens, BC channels, warps): the old default (32, 128, 4), more tokens per program (64 .. 256), BC 64 / 128 /
+# 256, 2 / 4 / 8 warps; conv_case times short_conv's current default first, whether it is listed here or not
 CONV_TILES = ((32, 128, 4), (32, 128, 2), (32, 64, 2), (64, 64, 2), (64, 64, 4), (64, 128, 4), (64, 128, 8),
               (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (256, 64, 4), (32, 256, 4), (64, 256, 8),
               (128, 256, 8), (16, 256, 4))
@@ -271,7 +272,7 @@ def conv_case(bw: float) -> None:
     ref = tri_conv.short_conv(x, w, cu, conv_state=pool.clone(), state_indices=idx, has_initial_state=hi)
     print(f"short_conv T {T} C {C} W {W} (16 sequences, initial states, strided x): floor {floor:.3f} ms", flush=True)
     try:
-        for bt, bc, warps in CONV_TILES:
+        for bt, bc, warps in (default, *(tile for tile in CONV_TILES if tile != default)):
             tri_conv._BT, tri_conv._BC, tri_conv._WARPS = bt, bc, warps
             y = tri_conv.short_conv(x, w, cu, conv_state=pool.clone(), state_indices=idx, has_initial_state=hi)
             same = torch.equal(y, ref)

@@ -138,6 +138,28 @@ def test_short_conv_interpret(with_state: bool, dtype: torch.dtype, tol: float, 
 
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("width", [2, 4])
+def test_short_conv_edge_sequences_interpret(width: int) -> None:
+    """Empty sequences (with and without a history: the slot keeps its history / becomes zeros), sequences shorter
+    than W-1 (the state shifts old history), a history on some sequences only; x a NaN-padded column slice."""
+    gen = seeded(12)
+    C, lens = 130, [0, 2, 0, 1, 5, 40]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    wide = torch.full((sum(lens), C + 7), float("nan"))
+    wide[:, 3:3 + C] = _randn(sum(lens), C, gen=gen)
+    x, w = wide[:, 3:3 + C], _randn(C, width, gen=gen, scale=0.5)
+    pool = _randn(8, C, width - 1, gen=gen)
+    kw = dict(state_indices=torch.tensor([6, 0, 3, 7, 1, 4], dtype=torch.int32),
+              has_initial_state=torch.tensor([True, True, False, True, False, True]))
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    y = _fn("short_conv")(x, w, cu, conv_state=pool_tri, **kw)
+    assert not y.isnan().any()
+    assert_rel(y, ref.short_conv(x, w, cu, conv_state=pool_ref, **kw), 1e-5, "y")
+    assert torch.equal(pool_tri, pool_ref), "conv state slots differ (they are plain copies of inputs)"
+
+
+@pytest.mark.interpret
+@needs_interp
 @pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "identity"])
 def test_short_conv_update_interpret(activation: str | None) -> None:
     gen = seeded(3)

@@ -94,6 +94,26 @@ def test_norms_interpret(rows: int, d: int) -> None:
 
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("layout", ["head-stride-2D", "broadcast-tokens", "broadcast-heads", "heads-major",
+                                    "strided-last-dim"])
+def test_gated_rms_norm_gate_layouts_interpret(layout: str) -> None:
+    """Gates the in-place read must address right (head stride != D, zero strides of an expand, heads outermost)
+    and one it must not read in place (last dim strided: copied), against the reference."""
+    g = seeded(6)
+    t, h, d = 5, 3, 64
+    x, w = _randn(t, h, d, gen=g), _randn(d, gen=g)
+    gate = {"head-stride-2D": lambda: _randn(t, h, 2 * d, gen=g)[:, :, d:],
+            "broadcast-tokens": lambda: _randn(1, h, d, gen=g).expand(t, h, d),
+            "broadcast-heads": lambda: _randn(t, 1, d, gen=g).expand(t, h, d),
+            "heads-major": lambda: _randn(h, t, d, gen=g).transpose(0, 1),
+            "strided-last-dim": lambda: _randn(t, h, 2 * d, gen=g)[:, :, ::2]}[layout]()
+    out = tri_norm.gated_rms_norm(x, gate, w)
+    assert not out.isnan().any()
+    assert_rel(out, ref_gated_rms_norm(x, gate, w, backend="reference"), 1e-5, f"gated_rms_norm {layout} gate")
+
+
+@pytest.mark.interpret
+@needs_interp
 def test_gated_rms_norm_strided_gate_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     """KDA's output gate as the model passes it: a column slice [T, H D] of a wider projection, viewed [T, H, D]
     (token stride 4 H D + 40, head stride D): read in place (it never reaches the reshaping _rows), the
