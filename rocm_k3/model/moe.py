@@ -25,6 +25,7 @@ import torch
 from torch.profiler import record_function
 
 from rocm_k3 import ops
+from rocm_k3.checkpoint_errors import CorruptCheckpointError
 from rocm_k3.distributed.context import LayoutError, ParallelContext
 from rocm_k3.model.config import ModelConfig
 from rocm_k3.model.expert_dispatch import combine, combine_static, dispatch, dispatch_static, static_capacity
@@ -41,6 +42,7 @@ from rocm_k3.model.layers.weights import Read, Target, WeightTargets, new_param
 from rocm_k3.ops.devices import device_info
 from rocm_k3.ops.moe import ExpertWeights, MoEActivation
 from rocm_k3.quant import fp8_dtype_for_arch
+from rocm_k3.quant.e8m0 import E8M0_NAN
 
 ACT_QUANT_MODES = ("bf16", "mxfp8")
 MXFP4_GROUP = 32
@@ -173,6 +175,13 @@ class RoutedExperts(WeightTargets):
         return out
 
     def finish_load(self) -> None:
+        if self.fmt == "mxfp4":  # a NaN scale byte would decode to 2^127 on the fast paths (the reference: NaN)
+            for name, scales in (("w13", self.w13_scale), ("w2", self.w2_scale)):
+                bad = int((scales == E8M0_NAN).sum())
+                if bad:
+                    raise CorruptCheckpointError(
+                        f"{self.prefix}experts: {bad} E8M0 scale byte(s) of the {name} weight_scale tensors are "
+                        f"0xFF (NaN); an MXFP4 block with a NaN scale cannot be dequantised")
         # the parameters themselves, not detached views: training reaches them through the reference fused_moe
         raw = ExpertWeights(fmt=self.fmt, w13=self.w13, w13_scale=self.w13_scale, w2=self.w2,
                             w2_scale=self.w2_scale)

@@ -160,6 +160,20 @@ def test_packed_expert_must_be_uint8(tiny_copy) -> None:
         load_model(tiny_copy, progress=False)
 
 
+@pytest.mark.parametrize("proj,which", [("w3", "w13"), ("w2", "w2")])
+def test_nan_expert_scale_byte_is_refused(tiny_copy, proj: str, which: str) -> None:
+    """An E8M0 0xFF (NaN) scale byte in a routed expert: named at load (the fast paths would decode it as 2^127)."""
+    name = P + f"model.layers.3.block_sparse_moe.experts.5.{proj}.weight_scale"
+
+    def poison(t) -> None:
+        t[name] = t[name].clone()
+        t[name][1, 0] = 0xFF
+
+    _edit(tiny_copy, poison)
+    with pytest.raises(CorruptCheckpointError, match=rf"layers\.3\..*experts: 1 E8M0 scale byte\(s\) of the {which} "):
+        load_model(tiny_copy, progress=False)
+
+
 def test_unsupported_model_type(tiny_copy) -> None:
     config = json.loads((tiny_copy / "config.json").read_text())
     config["model_type"] = "deepseek_v3"
