@@ -205,7 +205,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
         conv_history_kernel[(N, triton.cdiv(C, _BC))](
             x, weight, y, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=wp, BC=_BC, SILU=silu, num_warps=4,
         )
-    if has_state and N > 0:
         conv_state_kernel[(N, triton.cdiv(C, _BC))](
             x, conv_state, idx, has_init, cu, C, x.stride(0), W=W, WP=wp, BC=_BC, num_warps=4,
         )

@@ -14,7 +14,7 @@ bytes, chosen by the ``DECODE`` constexpr:
   chunk, so the reshapes after the asm only relabel registers.
 - ``DECODE_PORTABLE`` (the interpreter, AMD targets, fp32 operands, the grouped path's dequant kernel): the same
   masks on int32 words in Triton, each bf16 half moved to an fp32 word and re-biased to the exact fp32 E2M1 value
-  (:func:`_half_value`; ``mx.e2m1_decode`` of its code, bit for bit), times the exact fp32 scale. It checks the
+  (:func:`_half_value`; the reference ``rocm_k3.quant.e2m1_values`` of its code, bit for bit), times the exact fp32 scale. It checks the
   layout and the bit formulas the asm uses, without the asm.
 """
 
@@ -128,7 +128,7 @@ def _half_value(o, HIGH: tl.constexpr, scale):
     Straight from the bits, no code extraction: the half moved to the top of an fp32 word keeps its sign (bit 31),
     E2M1 exponent E (bits 24..23) and mantissa M (bit 22); adding 126 to the fp32 exponent field gives
     2^(E-1) (1 + M/2) for E > 0, and E = 0 (0 or the subnormal 0.5) becomes exactly 0.5 M (+ 0x3EC00000 when M
-    is set, nothing when not). Equal, bit for bit, to ``e2m1_decode(code) * scale`` (exhaustive interpreter test),
+    is set, nothing when not). Equal, bit for bit, to ``e2m1_values()[code] * scale`` (exhaustive interpreter test),
     in 7 integer ops instead of ~19."""
     if HIGH:
         b = o & -65536  # 0xFFFF0000

@@ -240,13 +240,18 @@ def dequantize(weights: ExpertWeights, which: str, experts: torch.Tensor, out: t
                          KU=ku, num_warps=tile.num_warps)
 
 
+def _row_end(start, count):
+    """End row of an expert's rows in the aligned layout (its count padded to BLOCK_M): ints or tensors alike."""
+    return start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+
+
 def _plan(start: list[int], count: list[int], per_group: int) -> list[tuple[list[int], int, int]]:
     """Groups of at most ``per_group`` used experts: (expert ids, first row, end row) of the aligned layout."""
     used = [e for e, c in enumerate(count) if c]
     groups = []
     for i in range(0, len(used), per_group):
         ids = used[i : i + per_group]
-        end = start[ids[-1]] + (count[ids[-1]] + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = _row_end(start[ids[-1]], count[ids[-1]])
         groups.append((ids, start[ids[0]], end))
     return groups
 
@@ -266,13 +271,13 @@ def fused_moe_grouped(xa: torch.Tensor, weights: ExpertWeights, topk_weights: to
     budget = scratch_bytes if scratch_bytes is not None else get_settings().moe_grouped_scratch_mib << 20
     per_group = max(1, budget // per_expert)
     if num_experts <= per_group:  # every expert in one group: no host read, the layout's bound as the rows
-        ends = routing.expert_start + (routing.expert_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E] on device
+        ends = _row_end(routing.expert_start, routing.expert_count)  # [E] on device
         groups = [(torch.arange(num_experts, dtype=torch.int32, device=dev), 0, routing.sorted_pairs.numel(),
                    ends.to(torch.int32))]  # rows past ends[-1]: zero inputs, unread outputs
     else:  # the one host sync: plan groups of used experts that fit the scratch
         start, count = torch.stack((routing.expert_start, routing.expert_count)).tolist()
         groups = [(torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True), r0, r1, torch.tensor(
-                      [start[e] + (count[e] + BLOCK_M - 1) // BLOCK_M * BLOCK_M - r0 for e in ids],
+                      [_row_end(start[e], count[e]) - r0 for e in ids],
                       dtype=torch.int32).to(dev, non_blocking=True))  # [G] group ends, relative to r0
                   for ids, r0, r1 in _plan(start, count, per_group)]
     n_rows = groups[-1][2]

@@ -76,13 +76,3 @@ def mxfp8_value(v, amax, EMAX: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.con
     e = mx_scale_exponent(amax, EMAX)
     scaled = tl.minimum(tl.maximum(v * pow2(-e), -FP8_MAX), FP8_MAX)
     return fp8_e4m3_decode(fp8_e4m3_encode(scaled, BIAS), BIAS) * pow2(e)
-
-
-@triton.jit
-def e2m1_decode(nib):
-    """fp32 value of E2M1 codes (int32 0..15): +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 = sign."""
-    e = (nib >> 1) & 3
-    m = nib & 1
-    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))  # 2 * |value| as an integer
-    val = twice.to(tl.float32) * 0.5
-    return tl.where((nib & 8) != 0, -val, val)
