@@ -107,10 +107,11 @@ def ws_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, ob
 
 
 def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, object]]:
-    """(MoEConfig, WsConfig or None for ``moe_gemm_kernel``) tile candidates of the prefill tile table at T = tokens
+    """(MoEConfig, WsConfig, a (w13, w2) pair of them, or None for ``moe_gemm_kernel``) tile candidates of the prefill tile table at T = tokens
     (>= 256): the Hopper kernel at the block sizes from a quarter of an expert's average rows to the first that holds
     them (128-row blocks, one CTA per SM, from T = 1024), each at its default residency and one ring depth either side,
-    at 32 / 64-row blocks also 256-row weight tiles (``gemm_hopper.wide_config``), and from T = 2048
+    at 32 / 64-row blocks also 256-row weight tiles (``gemm_hopper.wide_config``) for both GEMMs and for w2 alone (a
+    (w13, w2) pair; session 16 measured w2 -18 % and w13 +12 % on them at T = 2048), and from T = 2048
     ``moe_gemm_kernel`` at 128-row blocks (one program per SM)."""
     from rocm_k3.triton_kernels.moe import gemm_hopper as H
 
@@ -128,17 +129,21 @@ def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfi
                 out.append((moe, rep(base, stages=st)))
             except ValueError:
                 continue
-        if bm in (32, 64):
+        if bm in (32, 64):  # 256-row tiles for both GEMMs, and for w2 only (w13 on its default 128-row tiles)
             out.append((moe, H.wide_config(bm)))
+            out.append((moe, (base, H.wide_config(bm))))
     if tokens >= 2048:
         out.append((rep(picked, block_m=128, programs_per_sm=1, max_registers=None), None))
     return out
 
 
 def _ws_short(moe: MoEConfig, ws) -> str:
-    """The WsConfig's fields that differ from the default of its block size, e.g. ``bm64 pdlFalse``."""
+    """The WsConfig's fields that differ from the default of its block size, e.g. ``bm64 pdlFalse``; a (w13, w2)
+    pair as ``w13[...] w2[...]``."""
     from rocm_k3.triton_kernels.moe import gemm_hopper as H
 
+    if isinstance(ws, tuple):
+        return " ".join(f"{name}[{_ws_short(moe, w)}]" for name, w in zip(("w13", "w2"), ws))
     base = H.default_config(ws.block_m)
     parts = [f"bm{ws.block_m}"] + [f"{f.name}{getattr(ws, f.name)}" for f in dataclasses.fields(ws)
                                    if getattr(ws, f.name) != getattr(base, f.name)]
@@ -344,6 +349,9 @@ def main() -> None:
                         help="also time the warp-specialised Hopper kernel's variants (WsConfig) at every T")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="also time the prefill tile candidates (prefill_sweep_configs) at every T >= 256")
+    parser.add_argument("--prefill-filter", type=_regex, default=re.compile(""),
+                        help="only the prefill sweep's candidates whose printed label matches this regular expression "
+                             "(e.g. 'tile_rows256' for the 256-row weight tiles; the default tiles always run)")
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU times of ours (torch.profiler)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--act-ab", action="store_true",
@@ -441,11 +449,12 @@ def main() -> None:
     if args.prefill_sweep:
         for t in (t for t in args.tokens if t >= 256):
             picked = pick_config(t * TOP_K, E)
+            labels = [(f"tiles A16W4 {_ws_short(moe, ws) if ws is not None else 'moe_gemm_kernel ' + _short(moe)}",
+                       moe, ws) for moe, ws in prefill_sweep_configs(picked, t)]
             rows += _time_variants(t, inputs[t], [(f"tiles A16W4 default {_short(picked)}",
                                                    ours(prepared, "bf16", None))] + [
-                (f"tiles A16W4 {_ws_short(moe, ws) if ws is not None else 'moe_gemm_kernel ' + _short(moe)}",
-                 ours(prepared, "bf16", moe, None, "triton" if ws is None else "ws", ws))
-                for moe, ws in prefill_sweep_configs(picked, t)])
+                (label, ours(prepared, "bf16", moe, None, "triton" if ws is None else "ws", ws))
+                for label, moe, ws in labels if args.prefill_filter.search(label)])
     print("\nsummary (speedup = peer time / ours):", flush=True)
     for row in rows:
         peer_us = next((r["us"] for r in rows if r["tokens"] == row["tokens"] and r["variant"].startswith("peer")),

@@ -88,6 +88,8 @@ run_part() {
     conv) part conv 90 0 "$PY" -u benchmarks/bench_kda.py --conv ;;
     moe32) part moe32 120 0 "$PY" -u benchmarks/bench_moe.py --experts 32 --tokens 8192 2048 --grouped --no-peer \
       --no-sass ;;
+    moe_tiles) part moe_tiles 150 0 "$PY" -u benchmarks/bench_moe.py --tokens 1024 2048 --no-peer --no-sass \
+      --prefill-sweep --prefill-filter "tile_rows256" --out "$OUT" ;;
     cuda_s15) part cuda_s15 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_moe_grouped.py tests/kernels/triton/test_triton_kda.py \
       -k "grouped or short_conv or strided or (prefill and not fused)" ;;
@@ -106,7 +108,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase conv moe32 cuda_new cuda_s15 cuda_s16 cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_tier)" >&2; return 2 ;;
   esac
 }
 

@@ -216,6 +216,24 @@ def _ws_applies(stage, mat, weights, a, kdim, cfg, common, required) -> bool:
     return ok
 
 
+def _ws_pair(ws_config) -> tuple | None:
+    """``ws_config`` as (w13's WsConfig, w2's WsConfig), or None for the defaults: one WsConfig is taken for both
+    GEMMs, a pair per GEMM (e.g. w2 on 256-row weight tiles, w13 on 128). Both must launch alike (``pdl``): the
+    align, the two GEMMs and the reduce form one chain of dependent launches."""
+    if ws_config is None:
+        return None
+    from rocm_k3.triton_kernels.moe.gemm_hopper import WsConfig  # Gluon: only where a WsConfig can exist
+
+    pair = (ws_config, ws_config) if isinstance(ws_config, WsConfig) else ws_config
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(w, WsConfig) for w in pair)):
+        raise TypeError("ws_config must be a gemm_hopper.WsConfig, a (w13, w2) tuple of two, or None, got "
+                        f"{type(ws_config).__name__}")
+    if pair[0].pdl != pair[1].pdl:
+        raise ValueError(f"ws_config: w13's pdl ({pair[0].pdl}) and w2's ({pair[1].pdl}) must agree (the align, "
+                         "both GEMMs and the reduce launch as one chain)")
+    return pair
+
+
 def _ws_tiles(mat: _Matrix, ws) -> int:
     """Items per block (and K part) of the Hopper kernel: ``ws.tile_rows``-row weight tiles (the last one of an
     odd count of 128-row tiles reads past the expert's rows at 256: its outputs are masked, n >= n_out)."""
@@ -228,14 +246,13 @@ def _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation,
     ``out_mx``: (EMAX, BIAS, FP8_MAX) to round the w13 output through MXFP8, A8W4)."""
     from rocm_k3.triton_kernels.moe import gemm_hopper
 
-    key = f"triton-ws{ws.groups}"  # the prepared weights' TMA descriptors per box height, made once
-    descs = weights.extras.get(key)
-    if descs is None:
+    key = f"triton-ws{stage}-{ws.groups}"  # the prepared weights' TMA descriptors per GEMM and box height, made once
+    desc = weights.extras.get(key)
+    if desc is None:
         t = weights.extras[LAYOUT]
-        descs = (gemm_hopper.descriptors(t.w13, t.w13_s, ws.groups),
-                 gemm_hopper.descriptors(t.w2, t.w2_s, ws.groups))
-        weights.extras[key] = descs
-    gemm_hopper.launch(stage, descs[stage - 1], a, dst, tw, routing, _ws_tiles(mat, ws), n_out, top_k,
+        desc = gemm_hopper.descriptors(*((t.w13, t.w13_s) if stage == 1 else (t.w2, t.w2_s)), ws.groups)
+        weights.extras[key] = desc
+    gemm_hopper.launch(stage, desc, a, dst, tw, routing, _ws_tiles(mat, ws), n_out, top_k,
                        float(activation.beta), float(activation.linear_beta or 1.0), common["ACT"],
                        common["HAS_LINEAR_BETA"], common["FAST_ACT"], programs, ws, split, out_mx)
 
@@ -253,8 +270,8 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     :func:`.grouped.auto_selects` (prefill at many rows per expert, no explicit ``config`` / ``ws_config`` /
     ``decode="asm"``), else "ws" for each GEMM where :func:`.gemm_hopper.supported` and the inline-PTX decode
     apply, else "triton";
-    ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig`, default
-    :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
+    ``ws_config``: the Hopper kernel's :class:`.gemm_hopper.WsConfig` for both GEMMs or a (w13, w2) pair of them,
+    default :func:`.gemm_hopper.default_config` of the block size, which must equal ``config``'s). Decode
     and epilogue math are independent: with the default math "asm" and "portable" give the same bits; "ws" and
     "triton" run the same decode and epilogue math (outputs equal up to the fp32 summation order of the MMA)."""
     if config is not None and not isinstance(config, MoEConfig):
@@ -265,10 +282,7 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
         raise ValueError(f"act_math must be 'fast', 'portable' or None, got {act_math!r}")
     if gemm not in (None, "ws", "triton", "grouped"):
         raise ValueError(f"gemm must be 'ws', 'triton', 'grouped' or None, got {gemm!r}")
-    if ws_config is not None:
-        from rocm_k3.triton_kernels.moe.gemm_hopper import WsConfig  # Gluon: only where a WsConfig can exist
-        if not isinstance(ws_config, WsConfig):
-            raise TypeError(f"ws_config must be a gemm_hopper.WsConfig or None, got {type(ws_config).__name__}")
+    ws_pair = _ws_pair(ws_config)
     weights = _kernel_weights(weights)
     tokens, top_k = topk_ids.shape
     num_experts, n, hidden, kout = weights.num_experts, weights.intermediate, weights.hidden, weights.out_features
@@ -300,14 +314,14 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     w13m, w2m = _matrices(weights)
     num_sms = _num_sms(x.device)
     cfg = config or pick_config(tokens * top_k, num_experts)
-    if ws_config is not None and ws_config.block_m != cfg.block_m:
-        raise ValueError(f"ws_config.block_m ({ws_config.block_m}) must equal the MoEConfig's block_m "
-                         f"({cfg.block_m}): both GEMMs read one routing")
+    if ws_pair is not None and any(w.block_m != cfg.block_m for w in ws_pair):
+        raise ValueError(f"ws_config.block_m ({'/'.join(str(w.block_m) for w in ws_pair)}) must equal the "
+                         f"MoEConfig's block_m ({cfg.block_m}): both GEMMs read one routing")
     op_f32 = x.dtype == torch.float32 and not a8  # fp32 operands, IEEE dots (module doc of .kernels)
     dec = DECODE_PORTABLE if (op_f32 or interp or not nvidia or decode == "portable") else DECODE_ASM
     # programmatic dependent launches (sm_90+): the align and the reduce start early and wait on the device
     pdl = (nvidia and not interp and torch.cuda.get_device_capability(x.device) >= (9, 0)
-           and (ws_config is None or ws_config.pdl))
+           and (ws_pair is None or ws_pair[0].pdl))
     routing = align_routing(topk_ids, num_experts, cfg.block_m, pdl=pdl)
     num_blocks = routing.block_expert.numel()
     padded_rows = routing.sorted_pairs.numel()
@@ -328,23 +342,26 @@ def fused_moe_with(x, weights, topk_weights, topk_ids, *, activation=MoEActivati
     if gemm != "triton":
         on_ws = {1: _ws_applies(1, w13m, weights, xa, hidden, cfg, common, gemm == "ws"),
                  2: _ws_applies(2, w2m, weights, inter, n, cfg, common, gemm == "ws")}
-    split, ws, ws_programs = cfg.split_k, None, 0
+    split, ws_of = cfg.split_k, {}  # ws_of: stage -> the WsConfig of a GEMM on the Hopper kernel
     if on_ws[1] or on_ws[2]:
         from rocm_k3.triton_kernels.moe import gemm_hopper
 
-        ws = ws_config or gemm_hopper.default_config(cfg.block_m)
-        ws_programs = ws.ctas_per_sm * num_sms
+        pair = ws_pair or (gemm_hopper.default_config(cfg.block_m),) * 2
+        ws_of = {stage: pair[stage - 1] for stage in (1, 2) if on_ws[stage]}
         if on_ws[2]:  # expected blocks at decode: one per used expert (distinct experts of uniform routing)
+            ws2 = ws_of[2]
             expected = num_experts * (1 - (1 - top_k / num_experts) ** tokens) if cfg.block_m == 16 else num_blocks
-            split = gemm_hopper.w2_parts(ws, expected * _ws_tiles(w2m, ws), ws_programs, triton.cdiv(n, 128))
+            split = gemm_hopper.w2_parts(ws2, expected * _ws_tiles(w2m, ws2), ws2.ctas_per_sm * num_sms,
+                                         triton.cdiv(n, 128))
     y = torch.empty(split, tokens * top_k, kout, dtype=torch.float32, device=x.device)  # weighted per-pair outputs
     # item counters of the dynamic schedule (zeroed by the align): w13 word 0, w2 word 4 (16-byte aligned pointers)
     for stage, mat, kdim, n_out, nsplit, work in ((1, w13m, hidden, n, 1, routing.work),
                                                   (2, w2m, n, kout, split, routing.work[4:])):
         a, dst = (xa, inter) if stage == 1 else (inter, y)
         if on_ws[stage]:
+            ws = ws_of[stage]
             _ws_gemm(stage, mat, weights, a, dst, tw, routing, top_k, n_out, activation, common,
-                     max(1, min(ws_programs, num_blocks * _ws_tiles(mat, ws) * nsplit)), ws, nsplit,
+                     max(1, min(ws.ctas_per_sm * num_sms, num_blocks * _ws_tiles(mat, ws) * nsplit)), ws, nsplit,
                      (emax, bias, fmax) if a8 and stage == 1 else None)
             continue
         bk = cfg.block_k if triton.cdiv(kdim, 128) * 128 % cfg.block_k == 0 else 128

@@ -491,6 +491,26 @@ def test_ws_config_validation(bad: dict) -> None:
     assert [gemm_hopper.producer_warps(bm) for bm in gemm_hopper.BLOCK_SIZES] == [1, 2, 4, 4]
 
 
+def test_ws_config_pair_validation() -> None:
+    """``fused_moe_with(ws_config=...)`` takes one WsConfig (both GEMMs) or a (w13, w2) pair: anything else is a
+    TypeError, a pair whose GEMMs launch differently (pdl) or whose block size is not the routing's a ValueError, all
+    before any kernel runs (CPU)."""
+    from rocm_k3.triton_kernels.moe import gemm_hopper
+
+    g = seeded(31)
+    weights = prepare_weights(_mxfp4_experts(4, 64, 64, 64, g, "cpu"))
+    tw, ids = _routing(4, 4, 2, g, "cpu")
+    x = _randn(4, 64, gen=g, dtype=torch.bfloat16)
+    bm16, wide = gemm_hopper.default_config(16), gemm_hopper.wide_config(32)
+    for bad in ((bm16,), (bm16, bm16, bm16), (bm16, "w2"), [bm16, bm16], MoEConfig()):
+        with pytest.raises(TypeError, match="ws_config must be"):
+            fused_moe_with(x, weights, tw, ids, ws_config=bad)
+    with pytest.raises(ValueError, match="pdl"):
+        fused_moe_with(x, weights, tw, ids, ws_config=(bm16, dataclasses.replace(bm16, pdl=False)))
+    with pytest.raises(ValueError, match=r"ws_config.block_m \(16/32\)"):  # T = 4 x 2 pairs: 16-row blocks
+        fused_moe_with(x, weights, tw, ids, ws_config=(bm16, wide))
+
+
 def test_moe_config_dynamic_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="MoEConfig.dynamic"):
         MoEConfig(dynamic=1)
@@ -741,8 +761,8 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
     128-row blocks, with and without programmatic dependent launch, w2 in 1, 2 and 4 K parts; where they do not apply
     (a scale byte > 128, fp32 x) a forced ``gemm="ws"`` is a ValueError naming why, and the default runs that GEMM
     on ``moe_gemm_kernel`` (checked against the reference). 256-row weight tiles (``wide_config``) give the
-    128-row tiles' bits at 32 / 64-row blocks (w2 in one K part), and match the reference where the last tile is
-    half outside."""
+    128-row tiles' bits at 32 / 64-row blocks (w2 in one K part), also as w2's tiles only (a (w13, w2) config
+    pair), and match the reference where the last tile is half outside."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised GEMM is sm_90 only")
     g = seeded(23)
@@ -782,6 +802,10 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
             one = [fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg,
                                   ws_config=dataclasses.replace(c, w2_split=1)) for c in (ws, wide)]
             assert torch.equal(one[0], one[1]), f"bm{bm}: 256- vs 128-row weight tiles (w2 in one K part)"
+            mixed = (ws, dataclasses.replace(wide, w2_split=1))  # per GEMM: w13 on 128-row tiles, w2 on 256
+            assert torch.equal(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=mixed),
+                               one[0]), f"bm{bm}: w13 128 / w2 256-row tiles vs 128 for both"
+            _assert_graph_replays(prepared, x2, tw2, ids2, e, (29,), gemm="ws", config=cfg, ws_config=(ws, wide))
             assert_rel(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=wide, **kw),
                        fused_moe_reference(x2, weights, tw2, ids2, **kw), 1e-2, f"ws A8W4 bm{bm} 256-row tiles")
             _assert_graph_replays(prepared, x2, tw2, ids2, e, (28,), gemm="ws", config=cfg, ws_config=wide)
