@@ -25,20 +25,22 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int) -> tuple:
                  COL_SPLIT=split), warps, 1)
 
 
-def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int) -> tuple:
-    """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB)."""
+def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False) -> tuple:
+    """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
+    prefill.INTRA_INVERTS) T_II in the diagonal blocks."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
              "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb), warps, 2)
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv), warps, 2)
 
 
-def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int) -> tuple:
-    """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB)."""
+def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False) -> tuple:
+    """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB), inverting the diagonal blocks
+    or (inv, prefill.INTRA_INVERTS) reading intra's inverses."""
     return (f"{pkg}.chunk_solve", "chunk_solve_kernel",
             {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
              "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16", "stride_v": "i32"},
-            dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb), warps, 1)
+            dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb, DIAG_INVERTED=inv), warps, 1)
 
 
 def _specs() -> dict:
@@ -80,6 +82,8 @@ def _specs() -> dict:
         "chunk_intra_kb": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"]),
         "chunk_solve": _solve_spec(pkg, plan, dots, False, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_solve_kb": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD),
+        "chunk_intra_inv": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True),
+        "chunk_solve_inv": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, inv=True),
         "chunk_fused": (f"{pkg}.chunk_fused", "chunk_fused_kernel",
                         {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
                          "beta_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qg_ptr": "*bf16",

@@ -7,7 +7,9 @@ With G the in-chunk cumulative log-decay, q' and k' from phase 1 and b = beta (f
 
 Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 columns, zeros above the diagonal). With
 ``WRITE_KB`` the program also writes chunk_solve's right-hand side of W for its rows, KB = b * exp(G) * k' (the
-activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G.
+activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G. With ``INVERT_DIAG``
+(``prefill.INTRA_INVERTS``) the band's diagonal block holds T_II = (I + A_II)^-1 instead of A_II (row by row in
+fp32, chunk_solve's substitution), computed once here instead of once per solve column block.
 
 Numerics: ``exp(G_i - G_j)`` cannot be split as ``exp(G_i) * exp(-G_j)`` over a whole chunk (64 steps of decay
 overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a reference row m (its 8th row):
@@ -23,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.chunk_solve import invert_diagonal_block
 from rocm_k3.triton_kernels.kda.common import grid_ids
 
 
@@ -69,6 +72,7 @@ def chunk_intra_kernel(
     a_ptr, aqk_ptr,  # outputs: A fp32 [T, H, 64], Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
+    INVERT_DIAG: tl.constexpr,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -102,6 +106,8 @@ def chunk_intra_kernel(
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, kb.to(kb_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
+        if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
+            akk = invert_diagonal_block(akk, BC)
         tl.store(a_ptr + out_rows + blk * BC, akk, mask=m[:, None])
         tl.store(aqk_ptr + out_rows + blk * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)

@@ -40,6 +40,16 @@ def _substitute_row(a, t, i, r):
 
 
 @triton.jit
+def invert_diagonal_block(a, BC: tl.constexpr):
+    """(I + a)^-1 of one strictly lower [BC, BC] block, row by row in fp32 (chunk_intra's INVERT_DIAG)."""
+    r = tl.arange(0, BC)
+    t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        t = _substitute_row(a, t, i, r)
+    return t
+
+
+@triton.jit
 def invert_diagonal_blocks(a00, a11, a22, a33, BC: tl.constexpr):
     """(I + a_II)^-1 of the four strictly lower [BC, BC] diagonal blocks, row by row in fp32, inverted together
     (four independent chains per step)."""
@@ -116,12 +126,14 @@ def chunk_solve_kernel(
     w_ptr, u_ptr,  # outputs: W [T, H, K], U [T, H, V]
     stride_v,  # token-row stride of v in elements (head stride V, element stride 1; the rest is contiguous)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, DOT_T: tl.constexpr,
-    PREC: tl.constexpr, KB: tl.constexpr,
+    PREC: tl.constexpr, KB: tl.constexpr, DIAG_INVERTED: tl.constexpr,
 ):
     """One program per (chunk, head, BD-column block of [W | U]): blocks 0 .. K / BD - 1 are W's, the rest U's.
-    Each program inverts the diagonal blocks itself (a few hundred FMAs); fewer columns per program hold fewer
-    registers, so more programs share an SM. With KB, kn_ptr holds chunk_intra's KB (the finished right-hand side
-    of W) and G is not read."""
+    Each program inverts the diagonal blocks itself (15 dependent row steps on four [16, 16] blocks) unless
+    DIAG_INVERTED: then chunk_intra (INVERT_DIAG) stored T_II = (I + A_II)^-1 in A's diagonal blocks, once per
+    (chunk, head) instead of once per column block. Fewer columns per program hold fewer registers, so more
+    programs share an SM. With KB, kn_ptr holds chunk_intra's KB (the finished right-hand side of W) and G is not
+    read."""
     BT: tl.constexpr = 64
     BC: tl.constexpr = 16
     c = tl.program_id(0)
@@ -130,9 +142,12 @@ def chunk_solve_kernel(
     t0, n = chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT)  # rows t0 .. t0 + n - 1
     sa = H * BT
     a_h = a_ptr + h * BT
-    t00, t11, t22, t33 = invert_diagonal_blocks(
-        _load_block(a_h, t0, n, 0, 0, sa, BC), _load_block(a_h, t0, n, 1, 1, sa, BC),
-        _load_block(a_h, t0, n, 2, 2, sa, BC), _load_block(a_h, t0, n, 3, 3, sa, BC), BC)
+    t00 = _load_block(a_h, t0, n, 0, 0, sa, BC)
+    t11 = _load_block(a_h, t0, n, 1, 1, sa, BC)
+    t22 = _load_block(a_h, t0, n, 2, 2, sa, BC)
+    t33 = _load_block(a_h, t0, n, 3, 3, sa, BC)
+    if not DIAG_INVERTED:  # the loaded blocks are A_II: invert them here
+        t00, t11, t22, t33 = invert_diagonal_blocks(t00, t11, t22, t33, BC)
     if p < K // BD:
         col = p * BD + h * K
         _solve_cols(a_h, t0, n, sa, t00, t11, t22, t33, kn_ptr + col, gcum_ptr + col, beta_ptr + h, H * K,

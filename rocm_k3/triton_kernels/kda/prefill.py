@@ -4,7 +4,8 @@
              chunk_state  phase 4
 
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
-    phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k')
+    phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
+                          INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
@@ -74,6 +75,11 @@ PREP_SPLIT = True
 # Measured and dropped in the same call: A in bf16 (solve 2x slower), the solve's column blocks first in the grid
 # (+11 %).
 SOLVE_KB = True
+# chunk_intra inverts its diagonal 16 x 16 block of A (it holds it in registers) and stores T_II = (I + A_II)^-1 in
+# its place; chunk_solve then loads T_II instead of inverting all four blocks in each of its K / BD + V / BD programs
+# per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Untimed (session 17, no GPU): off
+# until the H200 compares it (scripts/h200_pending.md).
+INTRA_INVERTS = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -264,10 +270,12 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     kb = buf(T, H, K) if SOLVE_KB else kn  # kn: an unwritten placeholder
     chunk_intra_kernel[(plan.num_chunks * (CHUNK // 16), H)](  # sub-block fastest (common.grid_ids)
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=SOLVE_KB, num_warps=PHASE_WARPS["intra"],
+        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=SOLVE_KB, INVERT_DIAG=INTRA_INVERTS,
+        num_warps=PHASE_WARPS["intra"],
     )
     bd = min(SOLVE_BD, K, V)
     chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
         a, kb, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
-        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=SOLVE_KB, num_warps=PHASE_WARPS["solve"], num_stages=1,
+        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=SOLVE_KB, DIAG_INVERTED=INTRA_INVERTS,
+        num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

@@ -188,6 +188,7 @@ _PREFILL_CASES = [
 _PATHS = {
     "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True),
     "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False),
+    "4-launch-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=True),
     "merged-wy": dict(FUSED=False, MERGE_WY=True),
     "fused": dict(FUSED=True, MERGE_WY=False),
 }
@@ -403,9 +404,11 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
                             HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
     chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False)
+                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
+                                                 INVERT_DIAG=False)
     chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
-                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False)
+                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
+                                                DIAG_INVERTED=False)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
                           H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
@@ -483,12 +486,14 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
-                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_solve", "chunk_solve_kb", "chunk_fused",
+                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve", "chunk_solve_kb",
+                "chunk_solve_inv", "chunk_fused",
                 "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_kb": ("mma.sync.aligned", "v_mfma"), "chunk_solve_kb": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_inv": ("mma.sync.aligned", "v_mfma"), "chunk_solve_inv": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
