@@ -179,17 +179,21 @@ _PREFILL_CASES = [
     ("T37+64+49-H2-D32-fp16-softplus", [37, 64, 49], torch.float16, None, True, True, [False, True, True],
      [[1, 64]], 5e-3, 5e-3),
     ("T100-H2-D32-fp32-rawg-probs", [100], torch.float32, "raw", False, False, [True], [], 1e-5, 1e-5),
+    # empty sequences in the batch (no chunk of theirs; an empty one with an initial state keeps it)
+    ("T0+70+0+13-H2-D32-fp32-safe-empty", [0, 70, 0, 13], torch.float32, -5.0, True, True,
+     [True, False, False, True], [[1, 64]], 1e-5, 1e-5),
 ]
 
 
 # Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the default, the
 # column-split prep and the solve reading intra's KB; "4-launch-unsplit": the prep walking its column slices and
-# the solve reading k' and G)
+# the solve reading k' and G; "3-launch-prep-in-intra": the default with the prep done by chunk_prep_intra)
 _PATHS = {
-    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True),
-    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False),
-    "merged-wy": dict(FUSED=False, MERGE_WY=True),
-    "fused": dict(FUSED=True, MERGE_WY=False),
+    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False),
+    "3-launch-prep-in-intra": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=True),
+    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False, PREP_IN_INTRA=False),
+    "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False),
+    "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False),
 }
 
 
@@ -483,15 +487,21 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
-                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_solve", "chunk_solve_kb", "chunk_fused",
-                "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_prep_intra", "chunk_solve",
+                "chunk_solve_kb", "chunk_fused", "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output",
+                "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_kb": ("mma.sync.aligned", "v_mfma"), "chunk_solve_kb": ("mma.sync.aligned", "v_mfma"),
+        "chunk_prep_intra": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
+
+# Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
+# see chunk_intra.stacked_pair_products): a spill there is a regression of that shape.
+_NO_SPILLS = ("chunk_prep_intra",)
 
 
 @pytest.fixture(scope="module")
@@ -511,6 +521,9 @@ def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> No
             f"{kernel} on {target}: no {want}; matrix ops {[m for m in res['mnemonics'] if 'mma' in m or 'mfma' in m]}")
     elif target != "sm_90":
         assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
+    if kernel in _NO_SPILLS:
+        assert res["spills"] == 0 and res["scratch"] == 0, (
+            f"{kernel} on {target} spills ({res['spills']} / {res['scratch']} B, {res['registers']} registers)")
 
 
 # ----------------------------------------------------------------------------------------------------- cuda tier
