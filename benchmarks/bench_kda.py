@@ -227,8 +227,10 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
     return row
 
 
-# --profile-only's settings of the prefill module profiled beside the default (same inputs, same process)
-PROFILE_VARIANTS = (("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),)
+# --profile-only's settings of the prefill module profiled beside the default (same inputs, same process):
+# chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136)
+PROFILE_VARIANTS = (("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
+                    ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
