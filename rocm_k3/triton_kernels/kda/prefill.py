@@ -82,9 +82,10 @@ PREP_SPLIT = True
 SOLVE_KB = True
 # Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
 # (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
-# are neither written nor read back (HBM traffic of the two phases ~8.5 instead of ~15.5 T*H*K bf16 units, L2
-# re-reads not counted); the solve reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). sm_90 cross-compile:
-# 147 registers, no spills (three programs per SM). Off: not yet timed (scripts/h200_pending.md, session 17).
+# are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
+# 3986, L2 re-reads not counted; each program evaluates the gate over its whole chunk: 4x chunk_prep's); the solve
+# reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). sm_90 cross-compile: 147 registers, no spills (three
+# programs per SM). Off: not yet timed (scripts/h200_pending.md, session 17).
 PREP_IN_INTRA = False
 
 
