@@ -487,10 +487,11 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
     plan = plan_chunks(cu)
     dot_t, prec = tri_prefill.dot_config(dtype)
     want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5)
-    got = {"A": torch.empty(T, H, 64), "Aqk": torch.empty(T, H, 64, dtype=dtype), "KB": torch.empty(T, H, D, dtype=dtype),
-           "b": torch.empty(T, H), "QG": torch.empty(T, H, D, dtype=dtype), "KD": torch.empty(T, H, D, dtype=dtype),
-           "GL": torch.empty(plan.num_chunks, H, D)}
-    got = {name: poisoned_like(t) for name, t in got.items()}
+    shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
+              "GL": (plan.num_chunks, H, D)}
+    fp32 = ("A", "b", "GL")
+    got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
+           for name, shape in shapes.items()}
     a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
     chunk_prep_intra_kernel[(plan.num_chunks * 4, H)](
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"],
