@@ -1,13 +1,16 @@
 """Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
 
     python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only] [--fused-compare]
-                                   [--phase-compare]
+                                   [--phase-compare] [--prep-compare] [--profile-only] [--conv]
 
 ``--fused-compare``: only the K3 prefill shapes T = 4k / 16k / 64k and the varlen batch, each timed on the
 four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped settings (``ms_fused``, relative error
 of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
 ``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
-``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``).
+``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``); ``--prep-compare`` the same with
+``PREP_COMPARE`` (``prefill.PREP_IN_INTRA``: chunk_prep folded into chunk_intra, three launches).
+``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
+settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -24,6 +27,7 @@ minimal bytes = q, k, v, f (bf16), beta, o read/written once plus the states; bo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 from typing import Callable
@@ -58,6 +62,26 @@ def measure_ceilings() -> tuple[float, float]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t_mm = _bench(lambda: a @ b) * 1e-3
     return bw, 2 * 8192**3 / t_mm
+
+
+@contextlib.contextmanager
+def prefill_settings(settings: dict):
+    """The prefill module's attributes set to ``settings`` inside the block ("PHASE_WARPS" entries update that
+    dict), all restored on leaving."""
+    saved = {name: getattr(tri_prefill, name) for name in settings if name != "PHASE_WARPS"}
+    saved_warps = dict(tri_prefill.PHASE_WARPS)
+    try:
+        for name, value in settings.items():
+            if name == "PHASE_WARPS":
+                tri_prefill.PHASE_WARPS.update(value)
+            else:
+                setattr(tri_prefill, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tri_prefill, name, value)
+        tri_prefill.PHASE_WARPS.clear()
+        tri_prefill.PHASE_WARPS.update(saved_warps)
 
 
 def _fla():
@@ -122,19 +146,8 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
     if fused_variants:  # other settings of the prefill module, each checked against the default
         for key, settings in fused_variants:
-            saved = {name: getattr(tri_prefill, name) for name in settings if name != "PHASE_WARPS"}
-            saved_warps = dict(tri_prefill.PHASE_WARPS)
-            for name, value in settings.items():
-                if name == "PHASE_WARPS":
-                    tri_prefill.PHASE_WARPS.update(value)
-                else:
-                    setattr(tri_prefill, name, value)
-            try:
+            with prefill_settings(settings):
                 row[key] = timed_variant()
-            finally:
-                for name, value in saved.items():
-                    setattr(tri_prefill, name, value)
-                tri_prefill.PHASE_WARPS.update(saved_warps)
     if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
         default_tile, default_split = tri_prefill.state_tile, tri_prefill.SPLIT_OUTPUT
         for tile, split in (((16, 4), False), ((32, 4), False), ((64, 8), False), ((16, 4), True),
@@ -214,27 +227,62 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
     return row
 
 
-def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> None:
-    """Per-kernel CUDA time of one prefill call (torch profiler, 10 calls), ours and FLA's ``chunk_kda`` when given."""
+# --profile-only's settings of the prefill module profiled beside the default (same inputs, same process):
+# chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136)
+PROFILE_VARIANTS = (("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
+                    ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}),
+                    ("INTRA_INVERTS", {"INTRA_INVERTS": True}),
+                    ("PREP_IN_INTRA + INTRA_INVERTS", {"PREP_IN_INTRA": True, "INTRA_INVERTS": True}))
+
+
+def _kernel_ms(prof, calls: int) -> float:
+    """Sum of the device kernels' own time per call (ms) in a torch profile of ``calls`` calls."""
+    total = 0.0
+    for ev in prof.key_averages():
+        total += getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+    return total / calls / 1e3
+
+
+def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=None,
+                    variants: tuple = PROFILE_VARIANTS) -> None:
+    """Per-kernel CUDA time of one prefill call (torch profiler, 10 calls) over sequences of ``lengths`` tokens:
+    ours at the default settings, ours at each of ``variants`` (with the relative error of o against the
+    default's) and FLA's ``chunk_kda`` when given; each table is followed by its kernel sum per call."""
     from torch.profiler import ProfilerActivity, profile
 
+    T, N = sum(lengths), len(lengths)
     q, k, v, f = (torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
     beta = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
     a_log, dt_bias = torch.zeros(H, device="cuda"), torch.zeros(H * D, device="cuda")
     params = KDAGateParams(a_log, dt_bias, LOWER)
-    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    pool = torch.zeros(1, H, D, D, device="cuda")
-    idx, hi = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.bool, device="cuda")
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    pool = torch.zeros(N, H, D, D, device="cuda")
+    idx = torch.arange(N, dtype=torch.int32, device="cuda")
+    hi = torch.ones(N, dtype=torch.bool, device="cuda")
+    pool0 = pool.clone()  # the profiled calls update pool in place; the error checks start from this copy
     run = KERNELS["kda_prefill"][0]
-    calls = {"rocm_k3": lambda: run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)}
+
+    def ours():
+        return run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
+
+    calls = [("rocm_k3", ours, {})] + [(f"rocm_k3 {name}", ours, settings) for name, settings in variants]
     if chunk_kda is not None:
         cu64, h0 = cu.long(), pool.clone()
-        calls["FLA chunk_kda"] = lambda: chunk_kda(
+        calls.append(("FLA chunk_kda", lambda: chunk_kda(
             q[None], k[None], v[None], f[None], beta[None], initial_state=h0, output_final_state=True,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-            lower_bound=LOWER, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64, cu_seqlens_cpu=cu64.cpu())
-    for name, call in calls.items():
-        with torch.inference_mode():
+            lower_bound=LOWER, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64, cu_seqlens_cpu=cu64.cpu()), {}))
+    shape = f"T = {T}" + (f" in {N} sequences {lengths}" if N > 1 else "")
+    o_ref = None
+    for name, call, settings in calls:
+        with prefill_settings(settings), torch.inference_mode():
+            note = ""
+            if name.startswith("rocm_k3"):
+                o = run(q, k, v, f, beta, cu, pool0.clone(), idx, hi, gate_params=params).o.float()
+                if o_ref is None:
+                    o_ref = o
+                else:
+                    note = f", o relative error vs the default {((o - o_ref).norm() / o_ref.norm()).item():.1e}"
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
@@ -242,7 +290,8 @@ def profile_prefill(H: int, T: int, gen: torch.Generator, chunk_kda=None) -> Non
                 for _ in range(10):
                     call()
                 torch.cuda.synchronize()
-        print(f"\n{name}: H = {H}, T = {T}, 10 calls", flush=True)
+        print(f"\n{name}: H = {H}, {shape}, 10 calls; kernel sum {_kernel_ms(prof, 10):.3f} ms per call{note}",
+              flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
@@ -309,16 +358,24 @@ PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 3
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
+# ... and --prep-compare's: the four launches (timed again), chunk_prep folded into chunk_intra (three launches), the
+# diagonal blocks' inverses computed by the intra kernel (INTRA_INVERTS), and both
+_PREP = {"FUSED": False, "MERGE_WY": False}
+PREP_COMPARE = (("ms_4launch", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": False}),
+                ("ms_prep_in_intra", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": False}),
+                ("ms_intra_inverts", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": True}),
+                ("ms_prep_in_intra_inverts", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
-def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False) -> list[tuple]:
+def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False,
+                  prep_compare: bool = False) -> list[tuple]:
     """(H, lengths, state-tile sweep, variants, save every, sequences without an initial state) per row."""
-    if fused_compare or phase_compare:  # the K3 shapes of issue 35 item 1 only: few compiles, so the call holds them
-        v = PHASE_COMPARE if phase_compare else FUSED_COMPARE
+    if fused_compare or phase_compare or prep_compare:  # the K3 shapes of issue 35 item 1 only: few compiles
+        v = PHASE_COMPARE if phase_compare else PREP_COMPARE if prep_compare else FUSED_COMPARE
         rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
                 (96, VARLEN, False, v, 0, (1, 3))]
-        return rows + ([(96, VARLEN, False, v[:2], 1024, (1, 3))] if phase_compare else [])
+        return rows + ([(96, VARLEN, False, v[:2], 1024, (1, 3))] if phase_compare or prep_compare else [])
     fused = FUSED_SWEEP if sweep else ()
     return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
             (96, [65536], False, fused, 0, ()), (96, VARLEN, False, fused, 0, (1, 3)),
@@ -341,12 +398,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one K3 prefill (ours, FLA)")
     parser.add_argument("--conv", action="store_true", help="only the prefill short conv's tiles vs torch conv1d")
     parser.add_argument("--profile-only", action="store_true",
-                        help="only the per-kernel profiles, at T = 4096 and 16384 (H = 96), ours and FLA's")
+                        help="only the per-kernel profiles, at T = 4096, 16384 and the varlen batch (H = 96): ours "
+                             "(default and PROFILE_VARIANTS) and FLA's")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--fused-compare", action="store_true",
                         help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
     parser.add_argument("--phase-compare", action="store_true",
                         help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
+    parser.add_argument("--prep-compare", action="store_true",
+                        help="as --fused-compare, with the PREP_COMPARE settings (prep folded into intra)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
@@ -356,19 +416,20 @@ def main() -> None:
         return
     chunk_kda, fla_rec = _fla()
     if args.profile_only:
-        for T in (4096, 16384):
-            profile_prefill(96, T, gen, chunk_kda)
+        for lengths in ([4096], [16384], VARLEN):
+            profile_prefill(96, lengths, gen, chunk_kda)
         return
     rows = []
-    skip_decode = args.prefill_only or args.fused_compare or args.phase_compare
+    skip_decode = args.prefill_only or args.fused_compare or args.phase_compare or args.prep_compare
     for H, N in () if skip_decode else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare, args.phase_compare):
+    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare, args.phase_compare,
+                                                                args.prep_compare):
         rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, False, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
-        profile_prefill(96, 4096, gen, chunk_kda)
+        profile_prefill(96, [4096], gen, chunk_kda)
     print(f"\n{'op':<11} {'shape':<26} {'ours ms':>8} {'FLA ms':>8} {'speedup':>8} {'floor ms':>9} {'% floor':>8}")
     for r in rows:
         if r["op"] == "kda_prefill":

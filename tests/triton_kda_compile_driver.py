@@ -34,6 +34,19 @@ def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: boo
             dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv), warps, 2)
 
 
+def _prep_intra_spec(pkg: str, plan: dict, dots: dict, warps: int, inv: bool = False) -> tuple:
+    """chunk_prep_intra (prefill.PREP_IN_INTRA): phases 1 and 2 from the raw inputs, the model's gate flags; with
+    inv (prefill.INTRA_INVERTS) T_II in the diagonal blocks."""
+    return (f"{pkg}.chunk_prep_intra", "chunk_prep_intra_kernel",
+            {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
+             "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16",
+             "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "glast_ptr": "*fp32", "scale": "fp32",
+             "lower_bound": "fp32", "stride_q": "i32", "stride_k": "i32"},
+            dict(H=H, K=K, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, **dots, INVERT_DIAG=inv),
+            warps, 1)
+
+
+
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False) -> tuple:
     """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB), inverting the diagonal blocks
     or (inv, prefill.INTRA_INVERTS) reading intra's inverses."""
@@ -80,6 +93,8 @@ def _specs() -> dict:
         "chunk_prep_split": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"]),
         "chunk_intra": _intra_spec(pkg, plan, dots, False, PHASE_WARPS["intra"]),
         "chunk_intra_kb": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"]),
+        "chunk_prep_intra": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"]),
+        "chunk_prep_intra_inv": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"], inv=True),
         "chunk_solve": _solve_spec(pkg, plan, dots, False, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_solve_kb": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_intra_inv": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True),

@@ -27,20 +27,7 @@ import triton.language as tl
 
 from rocm_k3.triton_kernels.kda.chunk_intra import pair_products
 from rocm_k3.triton_kernels.kda.chunk_solve import _mm, invert_diagonal_blocks
-from rocm_k3.triton_kernels.kda.common import chunk_bounds, gate, sigmoid_f32
-
-
-@triton.jit
-def _gate_block(g_c, a_log_ptr, dt_bias_ptr, n, lower_bound, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr):
-    """Log-decay g of sub-block I, fp32 [16, K] (0 past the chunk's end)."""
-    rows = I * 16 + tl.arange(0, 16)
-    rk = tl.arange(0, K)
-    m2d = (rows < n)[:, None]
-    g = tl.load(g_c + rows[:, None] * (H * K) + rk[None, :], mask=m2d, other=0.0).to(tl.float32)
-    if HAS_GATE:
-        g = gate(g, tl.load(a_log_ptr), tl.load(dt_bias_ptr + rk)[None, :], lower_bound, SAFE_GATE)
-    return tl.where(m2d, g, 0.0)
+from rocm_k3.triton_kernels.kda.common import chunk_bounds, gate_block, sigmoid_f32
 
 
 @triton.jit
@@ -55,7 +42,7 @@ def _prep_block(q_c, k_c, g_c, beta_c, a_log_ptr, dt_bias_ptr, qg_c, kd_c, w_c, 
     mrow = rows < n
     m2d = mrow[:, None]
     loc = rows[:, None] * (H * K) + rk[None, :]  # [BC, K] from the chunk's first row (head offset in the bases)
-    g = _gate_block(g_c, a_log_ptr, dt_bias_ptr, n, lower_bound, I, H, K, HAS_GATE, SAFE_GATE)
+    g = gate_block(g_c, a_log_ptr, dt_bias_ptr, n, lower_bound, I, H, K, HAS_GATE, SAFE_GATE)
     gc = carry[None, :] + tl.cumsum(g, axis=0)  # G, flat past the chunk's end
     m = tl.sum(tl.where(r[:, None] == 7, gc, 0.0), axis=0)  # [K] reference row
     b = tl.load(beta_c + rows * H, mask=mrow, other=0.0).to(tl.float32)
@@ -143,7 +130,7 @@ def chunk_fused_kernel(
     a_log_h, dt_bias_h = a_log_ptr + h, dt_bias_ptr + h * K
     glast = tl.zeros([K], dtype=tl.float32)  # G at the chunk's last row, first (KD is written during the walk)
     for i in tl.static_range(BT // BC):
-        glast += tl.sum(_gate_block(g_c, a_log_h, dt_bias_h, n, lower_bound, i, H, K, HAS_GATE, SAFE_GATE), axis=0)
+        glast += tl.sum(gate_block(g_c, a_log_h, dt_bias_h, n, lower_bound, i, H, K, HAS_GATE, SAFE_GATE), axis=0)
     tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(glast))
     carry = tl.zeros([K], dtype=tl.float32)
     rt = tl.arange(0, BT)

@@ -53,16 +53,57 @@ def _decayed(x_ptr, g_ptr, row0, eos, gref, stride, D: tl.constexpr, BC: tl.cons
 
 
 @triton.jit
+def _keep_lower(a, aqk):
+    """A's strictly lower and Aqk's lower part of a diagonal [16, 16] block."""
+    r = tl.arange(0, 16)
+    return tl.where(r[:, None] > r[None, :], a, 0.0), tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+
+
+@triton.jit
 def pair_products(kp, qp, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
     """(A_IJ fp32, Aqk_IJ fp32) of one [16, 16] block from the decayed row operands kp, qp [16, K] and the
     decayed column operand kn [K, 16]; DIAG (J = I) keeps A's strictly lower and Aqk's lower part."""
-    r = tl.arange(0, 16)
     a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
     aqk = tl.dot(qp, kn, input_precision=PREC)
     if DIAG:
-        a = tl.where(r[:, None] > r[None, :], a, 0.0)
-        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0)
+        a, aqk = _keep_lower(a, aqk)
     return a, aqk
+
+
+@triton.jit
+def stack_rows(kp, qp):
+    """[kp; qp]: two [16, K] row operands as one [32, K] operand for stacked_pair_products."""
+    return tl.reshape(tl.permute(tl.join(kp, qp), (2, 0, 1)), (2 * kp.shape[0], kp.shape[1]))
+
+
+@triton.jit
+def stacked_pair_products(kq, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """pair_products with the row operands stacked (kq = stack_rows(kp, qp) [32, K]): one [32, 16] product split
+    into (A_IJ, Aqk_IJ). On sm_90's mma.sync the four warps then split it 2 x 2, each holding a [16, K] half of
+    the row operand, where the two [16, 16] products replicate both whole row operands in every warp (64 registers
+    per thread at K = 128, live across a loop over column blocks)."""
+    p = tl.reshape(tl.dot(kq, kn, input_precision=PREC), (2, 16, 16))
+    a, aqk = tl.split(tl.permute(p, (1, 2, 0)))
+    a = a * b[:, None]
+    if DIAG:
+        a, aqk = _keep_lower(a, aqk)
+    return a, aqk
+
+
+@triton.jit
+def store_band_block(a_ptr, aqk_ptr, out_rows, J, a, aqk, m):
+    """Column block J of the [T, H, 64] row bands: A (fp32) and Aqk (in its dtype) for the rows whose offsets of
+    column 0 are out_rows [16, 16]; m: their row mask [16]."""
+    tl.store(a_ptr + out_rows + J * 16, a, mask=m[:, None])
+    tl.store(aqk_ptr + out_rows + J * 16, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
+    """Zeros in the column blocks J > I (above the diagonal block) of sub-block I's row bands."""
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    for j in range(I + 1, 4):
+        store_band_block(a_ptr, aqk_ptr, out_rows, j, zero, zero, m)
 
 
 @triton.jit
@@ -108,14 +149,9 @@ def chunk_intra_kernel(
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
             akk = invert_diagonal_block(akk, BC)
-        tl.store(a_ptr + out_rows + blk * BC, akk, mask=m[:, None])
-        tl.store(aqk_ptr + out_rows + blk * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
+        store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
-            tl.store(a_ptr + out_rows + j * BC, akk, mask=m[:, None])
-            tl.store(aqk_ptr + out_rows + j * BC, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
-        zero = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(blk + 1, BT // BC):
-            tl.store(a_ptr + out_rows + j * BC, zero, mask=m[:, None])
-            tl.store(aqk_ptr + out_rows + j * BC, zero.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
+            store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
+        zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

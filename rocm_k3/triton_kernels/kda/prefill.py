@@ -1,4 +1,5 @@
-"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches (default) or two (``FUSED``).
+"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches (default), three
+(``PREP_IN_INTRA``) or two (``FUSED``).
 
     FUSED    chunk_fused  phases 1-3 below in one program per (chunk, head), A kept on chip
              chunk_state  phase 4
@@ -6,13 +7,17 @@
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
                           INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place)
+    PREP_IN_INTRA         chunk_prep_intra: phases 1 and 2 in one launch, per (chunk, 16-row sub-block, head),
+                          from the raw q, k, g, beta; writes A, Aqk, KB, b, QG, KD, GL (q', k', G never go to
+                          memory; three launches in all)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
 q, k and v are read in place when their token rows are strided (head stride D, element stride 1: the model passes
-column slices of the short conv's [T, 3HD] output); FUSED and MERGE_WY copy them first.
+column slices of the short conv's [T, 3HD] output; chunk_prep and chunk_prep_intra take q's and k's row strides);
+FUSED and MERGE_WY copy them first.
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
@@ -29,6 +34,7 @@ from rocm_k3.triton_kernels.kda.chunk_fused import chunk_fused_kernel
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
+from rocm_k3.triton_kernels.kda.chunk_prep_intra import chunk_prep_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.chunk_wy import chunk_wy_kernel
@@ -41,7 +47,7 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "fused": 4, "wy": 4}
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "fused": 4, "wy": 4, "prep_intra": 4}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -80,6 +86,13 @@ SOLVE_KB = True
 # per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Untimed (session 17, no GPU): off
 # until the H200 compares it (scripts/h200_pending.md).
 INTRA_INVERTS = False
+# Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
+# (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
+# are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
+# 3986, L2 re-reads not counted; each program evaluates the gate over its whole chunk: 4x chunk_prep's); the solve
+# reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). sm_90 cross-compile: 147 registers, no spills (three
+# programs per SM). Off: not yet timed (scripts/h200_pending.md, session 17).
+PREP_IN_INTRA = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -242,16 +255,28 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
                   dot_t, prec) -> None:
-    """Phases 1-3 as three launches (prep, intra, solve) or two (prep, chunk_wy: ``MERGE_WY``); writes qg, kd,
-    glast, aqk, w, u."""
+    """Phases 1-3 as three launches (prep, intra, solve), two (chunk_prep_intra, solve: ``PREP_IN_INTRA``; or prep,
+    chunk_wy: ``MERGE_WY``); writes qg, kd, glast, aqk, w, u."""
     T, H, K = q.shape
     V = v.shape[-1]
 
     def buf(*shape: int, dtype: torch.dtype = q.dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=q.device)
 
+    b = buf(T, H, dtype=torch.float32)
+    intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
+    if PREP_IN_INTRA:
+        a, kb = buf(T, H, CHUNK, dtype=torch.float32), buf(T, H, K)
+        chunk_prep_intra_kernel[intra_grid](
+            q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
+            a, aqk, kb, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
+            H=H, K=K, **flags, DOT_T=dot_t, PREC=prec, INVERT_DIAG=INTRA_INVERTS,
+            num_warps=PHASE_WARPS["prep_intra"], num_stages=1,
+        )
+        _solve(a, kb, v, b, b, plan, cu, w, u, dot_t, prec, True)  # b: an unread placeholder for G
+        return
     qn, kn = buf(T, H, K), buf(T, H, K)
-    gcum, b = buf(T, H, K, dtype=torch.float32), buf(T, H, dtype=torch.float32)
+    gcum = buf(T, H, K, dtype=torch.float32)
     grid = (plan.num_chunks, H)
     bk = min(PREP_BK, K)
     chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if PREP_SPLIT else grid](  # slice fastest (common.grid_ids)
@@ -268,14 +293,21 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         return
     a = buf(T, H, CHUNK, dtype=torch.float32)
     kb = buf(T, H, K) if SOLVE_KB else kn  # kn: an unwritten placeholder
-    chunk_intra_kernel[(plan.num_chunks * (CHUNK // 16), H)](  # sub-block fastest (common.grid_ids)
+    chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
         H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=SOLVE_KB, INVERT_DIAG=INTRA_INVERTS,
         num_warps=PHASE_WARPS["intra"],
     )
+    _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, SOLVE_KB)
+
+
+def _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, read_kb: bool) -> None:
+    """Phase 3 (chunk_solve): W, U from A and KB (``read_kb``) or k' and G, v and b."""
+    H, K = kb.shape[1], kb.shape[2]
+    V = v.shape[-1]
     bd = min(SOLVE_BD, K, V)
     chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
         a, kb, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
-        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=SOLVE_KB, DIAG_INVERTED=INTRA_INVERTS,
+        H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=read_kb, DIAG_INVERTED=INTRA_INVERTS,
         num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

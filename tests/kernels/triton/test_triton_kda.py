@@ -179,18 +179,29 @@ _PREFILL_CASES = [
     ("T37+64+49-H2-D32-fp16-softplus", [37, 64, 49], torch.float16, None, True, True, [False, True, True],
      [[1, 64]], 5e-3, 5e-3),
     ("T100-H2-D32-fp32-rawg-probs", [100], torch.float32, "raw", False, False, [True], [], 1e-5, 1e-5),
+    # empty sequences in the batch (no chunk of theirs; an empty one with an initial state keeps it)
+    ("T0+70+0+13-H2-D32-fp32-safe-empty", [0, 70, 0, 13], torch.float32, -5.0, True, True,
+     [True, False, False, True], [[1, 64]], 1e-5, 1e-5),
 ]
 
 
 # Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the default, the
 # column-split prep and the solve reading intra's KB; "4-launch-unsplit": the prep walking its column slices and
-# the solve reading k' and G)
+# the solve reading k' and G; "3-launch-prep-in-intra": the default with the prep done by chunk_prep_intra;
+# "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve)
 _PATHS = {
-    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True),
-    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False),
-    "4-launch-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=True),
-    "merged-wy": dict(FUSED=False, MERGE_WY=True),
-    "fused": dict(FUSED=True, MERGE_WY=False),
+    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
+                     INTRA_INVERTS=False),
+    "3-launch-prep-in-intra": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=True,
+                                   INTRA_INVERTS=False),
+    "4-launch-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
+                                   INTRA_INVERTS=True),
+    "3-launch-prep-in-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True,
+                                           PREP_IN_INTRA=True, INTRA_INVERTS=True),
+    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False, PREP_IN_INTRA=False,
+                             INTRA_INVERTS=False),
+    "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False),
+    "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False),
 }
 
 
@@ -417,6 +428,97 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     assert_rel(u2, u, tol, "U")
 
 
+def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
+    """fp64 twin of chunk_prep_intra's outputs (safe gate, or the raw log-decay when params is None; q/k L2 norm;
+    beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last - G),
+    KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A strictly lower times
+    b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64 difference."""
+    T, H, K = q.shape
+    g = f.double()
+    if params is not None:
+        x = g + params.dt_bias.double().view(H, K)
+        g = params.lower_bound * torch.sigmoid(params.A_log.double().exp().view(H, 1) * x)
+    qn, kn = ref.l2norm(q.double()) * scale, ref.l2norm(k.double())
+    b = torch.sigmoid(beta.double())
+    out = {name: torch.zeros(T, H, K, dtype=torch.float64) for name in ("QG", "KD", "KB")}
+    out["A"], out["Aqk"] = torch.zeros(T, H, 64, dtype=torch.float64), torch.zeros(T, H, 64, dtype=torch.float64)
+    gl = []
+    bounds = cu.tolist()
+    for s in range(len(bounds) - 1):
+        for t0 in range(bounds[s], bounds[s + 1], 64):
+            t1 = min(t0 + 64, bounds[s + 1])
+            n = t1 - t0
+            G = g[t0:t1].cumsum(0)  # [n, H, K]
+            gl.append(G[-1].exp())
+            out["QG"][t0:t1] = qn[t0:t1] * G.exp()
+            out["KD"][t0:t1] = kn[t0:t1] * (G[-1] - G).exp()
+            out["KB"][t0:t1] = kn[t0:t1] * G.exp() * b[t0:t1, :, None]
+            kj = kn[None, t0:t1] * (G[:, None] - G[None, :]).exp()  # [i, j, H, K]: k'_j exp(G_i - G_j)
+            kk = (kn[t0:t1, None] * kj).sum(-1) * b[t0:t1, None]  # [i, j, H]
+            qk = (qn[t0:t1, None] * kj).sum(-1)
+            tril = torch.ones(n, n, dtype=torch.bool).tril()[:, :, None]
+            strict = tril & ~torch.eye(n, dtype=torch.bool)[:, :, None]
+            out["A"][t0:t1, :, :n] = torch.where(strict, kk, 0.0).transpose(1, 2)
+            out["Aqk"][t0:t1, :, :n] = torch.where(tril, qk, 0.0).transpose(1, 2)
+    out["GL"], out["b"] = torch.stack(gl), b
+    return out
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("gate,dtype,tol", [("safe", torch.float32, 2e-5), ("mild", torch.float32, 1e-5),
+                                            ("mild", torch.float16, 1e-3)], ids=["safe-fp32", "mild-fp32", "mild-fp16"])
+def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float) -> None:
+    """chunk_prep_intra (prefill.PREP_IN_INTRA) tensor by tensor against its fp64 twin (_prep_intra_oracle): A, Aqk,
+    KB, b, QG, KD, GL on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
+    Its outputs start as NaN, so an element it does not write fails. "safe": K3's safe gate (|g| < 5: decay factors
+    up to exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every row's QG, KD, KB is O(1)
+    and a wrong carry or G_last shows in every 16-row block (under the safe gate a later block's QG is ~exp(-40) of
+    the first's). QG, KD, KB are checked per 16-row block of each chunk. Tolerances: "mild" fp32 1e-5 (fp32
+    arithmetic, |G| < 13; measured <= 4e-7); "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320:
+    2^-24 * 320 ~ 2e-5 per rounding of it; measured <= 7e-6, the four-launch chunk_prep + chunk_intra 1.2e-5);
+    fp16 1e-3 (outputs rounded to fp16, 2^-11, with fp32 dot operands; measured <= 2.3e-4; under the safe gate the
+    later blocks' QG, ~exp(-40), are below fp16's range, hence the mild gate)."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+    from rocm_k3.triton_kernels.kda.chunk_prep_intra import chunk_prep_intra_kernel
+    from rocm_k3.triton_kernels.kda.common import plan_chunks
+    from tests.helpers import poisoned_like
+
+    gen = seeded(9)
+    lengths = [37, 64, 49, 5, 70]
+    q0, k0, _, f, beta, cu, params = _prefill_inputs(lengths, dtype, -5.0 if gate == "safe" else "raw", True, True,
+                                                     gen)
+    T, H, D = q0.shape
+    if gate == "mild":
+        f = f * 0.04  # raw log-decay in (-0.2, 0)
+    qk = torch.full((T, 2 * H * D + 8), float("nan"), dtype=dtype)
+    qk[:, : H * D], qk[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)
+    q, k = (part.reshape(T, H, D) for part in qk[:, : 2 * H * D].split(H * D, dim=-1))
+    plan = plan_chunks(cu)
+    dot_t, prec = tri_prefill.dot_config(dtype)
+    want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5)
+    shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
+              "GL": (plan.num_chunks, H, D)}
+    fp32 = ("A", "b", "GL")
+    got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
+           for name, shape in shapes.items()}
+    a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
+    chunk_prep_intra_kernel[(plan.num_chunks * 4, H)](
+        q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"],
+        got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
+        HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True, DOT_T=dot_t,
+        PREC=prec, INVERT_DIAG=False)
+    for name in ("A", "Aqk", "b", "GL"):
+        assert_rel(got[name], want[name], tol, name)
+    bounds = cu.tolist()
+    blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
+              for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()) for i in range(4)]
+    for name in ("QG", "KD", "KB"):
+        for r0, r1 in blocks:
+            if r0 < r1:
+                assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
+
+
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_kernel_signatures_match_the_contract(op: str) -> None:
     """Implementation and supports() take exactly the reference op's parameters (names, kinds, defaults)."""
@@ -486,17 +588,22 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
-                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve", "chunk_solve_kb",
-                "chunk_solve_inv", "chunk_fused",
-                "chunk_wy", "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_prep_intra",
+                "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_fused", "chunk_wy",
+                "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_kb": ("mma.sync.aligned", "v_mfma"), "chunk_solve_kb": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv": ("mma.sync.aligned", "v_mfma"), "chunk_solve_inv": ("mma.sync.aligned", "v_mfma"),
+        "chunk_prep_intra": ("mma.sync.aligned", "v_mfma"), "chunk_prep_intra_inv": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
+
+# Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
+# see chunk_intra.stacked_pair_products): a spill there is a regression of that shape.
+_NO_SPILLS = ("chunk_prep_intra", "chunk_prep_intra_inv")
 
 
 @pytest.fixture(scope="module")
@@ -516,6 +623,9 @@ def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> No
             f"{kernel} on {target}: no {want}; matrix ops {[m for m in res['mnemonics'] if 'mma' in m or 'mfma' in m]}")
     elif target != "sm_90":
         assert res["scratch"] == 0, f"{kernel} on {target} uses {res['scratch']} B of scratch (register spills)"
+    if kernel in _NO_SPILLS:
+        assert res["spills"] == 0 and res["scratch"] == 0, (
+            f"{kernel} on {target} spills ({res['spills']} / {res['scratch']} B, {res['registers']} registers)")
 
 
 # ----------------------------------------------------------------------------------------------------- cuda tier
