@@ -228,10 +228,17 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 
 
 # --profile-only's settings of the prefill module profiled beside the default (same inputs, same process):
-# chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136)
+# chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136);
+# the diagonal inverses from the intra kernel (chunk_solve at BD 64 / 1 warp: 168 registers instead of 196) and,
+# since the solve programs then only run the block substitution, its other tiles (sm_90: BD 32 / 1 warp 106, BD 64 /
+# 2 warps 108, BD 128 / 2 warps 145 registers); and both options together
 PROFILE_VARIANTS = (("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
                     ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}),
                     ("INTRA_INVERTS", {"INTRA_INVERTS": True}),
+                    ("INTRA_INVERTS solve BD32", {"INTRA_INVERTS": True, "SOLVE_BD": 32}),
+                    ("INTRA_INVERTS solve w2", {"INTRA_INVERTS": True, "PHASE_WARPS": {"solve": 2}}),
+                    ("INTRA_INVERTS solve BD128 w2", {"INTRA_INVERTS": True, "SOLVE_BD": 128,
+                                                      "PHASE_WARPS": {"solve": 2}}),
                     ("PREP_IN_INTRA + INTRA_INVERTS", {"PREP_IN_INTRA": True, "INTRA_INVERTS": True}))
 
 
