@@ -231,8 +231,11 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136);
 # the diagonal inverses from the intra kernel (chunk_solve at BD 64 / 1 warp: 168 registers instead of 196) and,
 # since the solve programs then only run the block substitution, its other tiles (sm_90: BD 32 / 1 warp 106, BD 64 /
-# 2 warps 108, BD 128 / 2 warps 145 registers); and both options together
-PROFILE_VARIANTS = (("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
+# 2 warps 108, BD 128 / 2 warps 145 registers); and both options together. First: the solve inside the state walk
+# (SOLVE_IN_WALK: no chunk_solve launch), with the prep folded into intra two launches in all
+PROFILE_VARIANTS = (("PREP_IN_INTRA + SOLVE_IN_WALK", {"PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}),
+                    ("SOLVE_IN_WALK", {"SOLVE_IN_WALK": True}),
+                    ("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
                     ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}),
                     ("INTRA_INVERTS", {"INTRA_INVERTS": True}),
                     ("INTRA_INVERTS solve BD32", {"INTRA_INVERTS": True, "SOLVE_BD": 32}),
@@ -366,12 +369,15 @@ PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 3
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 # ... and --prep-compare's: the four launches (timed again), chunk_prep folded into chunk_intra (three launches), the
-# diagonal blocks' inverses computed by the intra kernel (INTRA_INVERTS), and both
+# diagonal blocks' inverses computed by the intra kernel (INTRA_INVERTS), both, the solve inside the state walk
+# (SOLVE_IN_WALK) and with the prep folded in too (two launches)
 _PREP = {"FUSED": False, "MERGE_WY": False}
-PREP_COMPARE = (("ms_4launch", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": False}),
+PREP_COMPARE = (("ms_4launch", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": False, "SOLVE_IN_WALK": False}),
                 ("ms_prep_in_intra", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": False}),
                 ("ms_intra_inverts", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": True}),
-                ("ms_prep_in_intra_inverts", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": True}))
+                ("ms_prep_in_intra_inverts", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": True}),
+                ("ms_solve_in_walk", {**_PREP, "PREP_IN_INTRA": False, "SOLVE_IN_WALK": True}),
+                ("ms_2launch", {**_PREP, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -382,7 +388,8 @@ def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False,
         v = PHASE_COMPARE if phase_compare else PREP_COMPARE if prep_compare else FUSED_COMPARE
         rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
                 (96, VARLEN, False, v, 0, (1, 3))]
-        return rows + ([(96, VARLEN, False, v[:2], 1024, (1, 3))] if phase_compare or prep_compare else [])
+        saving = v[:2] if phase_compare else (v[0], v[1], v[-1])  # prep-compare: also the two-launch path
+        return rows + ([(96, VARLEN, False, saving, 1024, (1, 3))] if phase_compare or prep_compare else [])
     fused = FUSED_SWEEP if sweep else ()
     return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
             (96, [65536], False, fused, 0, ()), (96, VARLEN, False, fused, 0, (1, 3)),

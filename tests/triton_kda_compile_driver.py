@@ -61,7 +61,7 @@ def _specs() -> dict:
     import triton.language as tl
 
     from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS
-    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, SOLVE_BD, state_tile
+    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, SOLVE_BD, state_stages, state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
     dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
@@ -70,7 +70,8 @@ def _specs() -> dict:
     state_sig = {"w_ptr": "*bf16", "u_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "aqk_ptr": "*bf16",
                  "glast_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "seq_first_chunk_ptr": "*i32", "state_ptr": "*fp32",
                  "state_indices_ptr": "*i32", "has_init_ptr": "*i8", "o_ptr": "*bf16", "inter_ptr": "*fp32",
-                 "inter_map_ptr": "*i32", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16"}
+                 "inter_map_ptr": "*i32", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "a_ptr": "*fp32", "kb_ptr": "*bf16",
+                 "v_ptr": "*bf16", "b_ptr": "*fp32", "stride_v": "i32"}
     return {
         "kda_gate": (f"{pkg}.gate", "kda_gate_kernel",
                      {"f_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "g_ptr": "*fp32", "T": "i32",
@@ -111,9 +112,15 @@ def _specs() -> dict:
                       "beta_ptr": "*fp32", "aqk_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16"},
                      dict(H=H, K=K, V=V, **dots), PHASE_WARPS["wy"], 1),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
-                        dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots), state_warps, 2),
+                        dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=False),
+                        state_warps, state_stages(bv)),
         "chunk_state_split": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
-                              dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=False, **dots), state_warps, 2),
+                              dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=False, **dots, SOLVE_IN=False),
+                              state_warps, state_stages(bv)),
+        # SOLVE_IN_WALK: the walk with the WY solve inside (prefill.SOLVE_IN_WALK)
+        "chunk_state_solve": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
+                              dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True),
+                              state_warps, state_stages(bv)),
         "chunk_output": (f"{pkg}.chunk_output", "chunk_output_kernel",
                          {**plan, "qg_ptr": "*bf16", "aqk_ptr": "*bf16", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16",
                           "o_ptr": "*bf16"}, dict(H=H, K=K, V=V, BV=64, **dots), 4, 2),

@@ -7,6 +7,16 @@ slice S [K, BV] in registers::
     O  = QG S + Aqk V'                 [C, BV]   (written in o's dtype)
     S  = diag(GL) S + KD^T V'          [K, BV]
 
+With ``SOLVE_IN`` (``prefill.SOLVE_IN_WALK``) there is no W and no U: by associativity
+``V' = U - W S = (I + A)^-1 (b v - KB S)``, so each chunk step forms X = b v - KB S and solves it by the block
+forward substitution of chunk_solve on [16, BV] row blocks, reading the [T, H, 64] A band whose diagonal blocks
+hold T_II = (I + A_II)^-1 (chunk_intra's INVERT_DIAG), KB, v (row-strided) and b; the separate solve launch and
+its W / U round trip go away, at the price of the substitution inside the sequential step. Its products run on
+16-row tiles::
+
+    X_I  = b_I v_I - KB_I S,   V'_I = T_II (X_I - sum_{J<I} A_IJ V'_J)
+    O_I  = QG_I S + sum_{J<=I} Aqk_IJ V'_J,   S = diag(GL) S + sum_J KD_J^T V'_J
+
 With ``WITH_OUTPUT`` false the loop skips the output and instead stores the state at each chunk's start
 (``hbuf`` [NC, H, K, V], dot dtype) and V' (``vbuf`` [T, H, V]) for :mod:`.chunk_output`, which computes O for
 all chunks in parallel: a shorter sequential step for more bytes moved.
@@ -23,15 +33,132 @@ import triton.language as tl
 
 
 @triton.jit
+def _step_wu(s_dot, t0, eos, rt, loc_k, loc_v, loc_a, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, o_ptr, vbuf_ptr,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr,
+             PREC: tl.constexpr):
+    """One chunk from chunk_solve's W and U: V' = U - W S, O (or V' to vbuf), and KD^T V' [K, BV] returned."""
+    BT: tl.constexpr = 64
+    m = (rt < eos - t0)[:, None]
+    w = tl.load(w_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+    u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
+    v_dot = (u - tl.dot(w, s_dot, input_precision=PREC)).to(DOT_T)  # [BT, BV]
+    if WITH_OUTPUT:
+        qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+        aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
+        o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
+        tl.store(o_ptr + t0 * (H * V) + loc_v, o.to(o_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(vbuf_ptr + t0 * (H * V) + loc_v, v_dot.to(vbuf_ptr.dtype.element_ty), mask=m)
+    kd = tl.load(kd_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+    return tl.dot(tl.trans(kd), v_dot, input_precision=PREC)
+
+
+@triton.jit
+def _rows16(ptr, t0, I: tl.constexpr, eos, stride, cols, other):
+    """Rows t0 + 16 I .. + 15 of a [T, ...] tensor at columns ``cols`` [C] (offsets within a row), rows past eos
+    ``other``: [16, C] as stored."""
+    r = tl.arange(0, 16)
+    row0 = t0 + I * 16  # int64 scalar base, int32 offsets within the block
+    return tl.load(ptr + row0 * stride + (r[:, None] * stride + cols[None, :]), mask=(r < eos - row0)[:, None],
+                   other=other)
+
+
+@triton.jit
+def _band(ptr, t0, I: tl.constexpr, J: tl.constexpr, eos, h, H: tl.constexpr):
+    """Block (I, J) [16, 16] of a [T, H, 64] row band (rows past eos 0)."""
+    return _rows16(ptr, t0, I, eos, H * 64, h * 64 + J * 16 + tl.arange(0, 16), 0.0)
+
+
+@triton.jit
+def _mmd(a, b, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    return tl.dot(a.to(DOT_T), b.to(DOT_T), input_precision=PREC)
+
+
+@triton.jit
+def _solved_block(I: tl.constexpr, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,
+                  H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """X_I = b_I v_I - KB_I S  [16, BV] fp32 (the right-hand side of row block I before the substitution)."""
+    r = t0 + I * 16 + tl.arange(0, 16)
+    b = tl.load(b_ptr + r * H + h, mask=r < eos, other=0.0)  # [16]
+    v = _rows16(v_ptr, t0, I, eos, stride_v, rv, 0.0).to(tl.float32)  # rv holds h * V + the value columns
+    kb = _rows16(kb_ptr, t0, I, eos, H * K, h * K + rk, 0.0)
+    return b[:, None] * v - _mmd(kb, s_dot, DOT_T, PREC)
+
+
+@triton.jit
+def _emit_block(I: tl.constexpr, vp, s_dot, t0, eos, h, rk, rv_o, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr,
+                v0, v1, v2, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr,
+                DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """Row block I's output O_I = QG_I S + sum_{J<=I} Aqk_IJ V'_J (or V'_I to vbuf); v0..v2: V'_0..2 (those
+    below I are read)."""
+    r = tl.arange(0, 16)
+    row0 = t0 + I * 16
+    mo = (r < eos - row0)[:, None]
+    offs = row0 * (H * V) + (r[:, None] * (H * V) + rv_o[None, :])
+    if WITH_OUTPUT:
+        qg = _rows16(qg_ptr, t0, I, eos, H * K, h * K + rk, 0.0)
+        o = _mmd(qg, s_dot, DOT_T, PREC) + _mmd(_band(aqk_ptr, t0, I, I, eos, h, H), vp, DOT_T, PREC)
+        if I > 0:
+            o += _mmd(_band(aqk_ptr, t0, I, 0, eos, h, H), v0, DOT_T, PREC)
+        if I > 1:
+            o += _mmd(_band(aqk_ptr, t0, I, 1, eos, h, H), v1, DOT_T, PREC)
+        if I > 2:
+            o += _mmd(_band(aqk_ptr, t0, I, 2, eos, h, H), v2, DOT_T, PREC)
+        tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=mo)
+    else:
+        tl.store(vbuf_ptr + offs, vp.to(vbuf_ptr.dtype.element_ty), mask=mo)
+
+
+@triton.jit
+def _step_solved(s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr, o_ptr,
+                 vbuf_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr,
+                 DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """One chunk with the WY solve inside (SOLVE_IN): V'_I by block substitution over the four 16-row blocks,
+    each block's output as soon as its V'_I is known; returns sum_J KD_J^T V'_J [K, BV]."""
+    rv_v = h * V + rv  # value columns of head h in v (row stride stride_v) and in o / vbuf (row stride H V)
+    x = _solved_block(0, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
+    v0 = _mmd(_band(a_ptr, t0, 0, 0, eos, h, H), x, DOT_T, PREC).to(DOT_T)
+    _emit_block(0, v0, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v0, v0, H, K, V,
+                WITH_OUTPUT, DOT_T, PREC)
+    x = _solved_block(1, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 1, 0, eos, h, H), v0, DOT_T, PREC)
+    v1 = _mmd(_band(a_ptr, t0, 1, 1, eos, h, H), x, DOT_T, PREC).to(DOT_T)
+    _emit_block(1, v1, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v0, v0, H, K, V,
+                WITH_OUTPUT, DOT_T, PREC)
+    x = _solved_block(2, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 2, 0, eos, h, H), v0, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 2, 1, eos, h, H), v1, DOT_T, PREC)
+    v2 = _mmd(_band(a_ptr, t0, 2, 2, eos, h, H), x, DOT_T, PREC).to(DOT_T)
+    _emit_block(2, v2, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v1, v1, H, K, V,
+                WITH_OUTPUT, DOT_T, PREC)
+    x = _solved_block(3, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 3, 0, eos, h, H), v0, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 3, 1, eos, h, H), v1, DOT_T, PREC)
+    x -= _mmd(_band(a_ptr, t0, 3, 2, eos, h, H), v2, DOT_T, PREC)
+    v3 = _mmd(_band(a_ptr, t0, 3, 3, eos, h, H), x, DOT_T, PREC).to(DOT_T)
+    _emit_block(3, v3, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v1, v2, H, K, V,
+                WITH_OUTPUT, DOT_T, PREC)
+    upd = _mmd(tl.trans(_rows16(kd_ptr, t0, 0, eos, H * K, h * K + rk, 0.0)), v0, DOT_T, PREC)
+    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 1, eos, H * K, h * K + rk, 0.0)), v1, DOT_T, PREC)
+    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 2, eos, H * K, h * K + rk, 0.0)), v2, DOT_T, PREC)
+    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 3, eos, H * K, h * K + rk, 0.0)), v3, DOT_T, PREC)
+    return upd
+
+
+@triton.jit
 def chunk_state_kernel(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, glast_ptr,  # outputs of phases 1-3 (see prefill.py)
     cu_seqlens_ptr, seq_first_chunk_ptr,  # int32 [N+1] each
     state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
     hbuf_ptr, vbuf_ptr,  # without WITH_OUTPUT: chunk-start states [NC, H, K, V] and V' [T, H, V]
+    a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band fp32 [T, H, 64] (T_II diagonal), KB, v, b fp32 [T, H]
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    SOLVE_IN: tl.constexpr,
 ):
+    """Grid (V / BV, N, H). Without SOLVE_IN, w_ptr / u_ptr hold chunk_solve's W / U and a_ptr .. b_ptr are unread;
+    with it, w_ptr / u_ptr are unread."""
     BT: tl.constexpr = 64
     iv = tl.program_id(0)
     n = tl.program_id(1)
@@ -58,24 +185,18 @@ def chunk_state_kernel(
     loc_a = rt[:, None] * (H * BT) + h * BT + rt[None, :]  # [BT, BT]
     for ci in range(0, n_chunks):
         t0 = (bos + ci * BT).to(tl.int64)  # scalar 64-bit row base; the tiles add 32-bit offsets
-        m = (rt < eos - t0)[:, None]
         s_dot = s.to(DOT_T)
-        w = tl.load(w_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
-        u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
-        v_new = u - tl.dot(w, s_dot, input_precision=PREC)  # [BT, BV]
-        v_dot = v_new.to(DOT_T)
-        if WITH_OUTPUT:
-            qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
-            aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
-            o = tl.dot(qg, s_dot, input_precision=PREC) + tl.dot(aqk, v_dot, input_precision=PREC)
-            tl.store(o_ptr + t0 * (H * V) + loc_v, o.to(o_ptr.dtype.element_ty), mask=m)
-        else:
+        if not WITH_OUTPUT:
             h_c = hbuf_ptr + ((c_first + ci) * H + h).to(tl.int64) * (K * V)
             tl.store(h_c + s_offs, s_dot.to(hbuf_ptr.dtype.element_ty))
-            tl.store(vbuf_ptr + t0 * (H * V) + loc_v, v_dot.to(vbuf_ptr.dtype.element_ty), mask=m)
-        kd = tl.load(kd_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+        if SOLVE_IN:
+            upd = _step_solved(s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr,
+                               aqk_ptr, o_ptr, vbuf_ptr, H, K, V, WITH_OUTPUT, DOT_T, PREC)
+        else:
+            upd = _step_wu(s_dot, t0, eos, rt, loc_k, loc_v, loc_a, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, o_ptr,
+                           vbuf_ptr, H, K, V, WITH_OUTPUT, DOT_T, PREC)
         gl = tl.load(glast_ptr + ((c_first + ci) * H + h).to(tl.int64) * K + rk)  # [K]
-        s = s * gl[:, None] + tl.dot(tl.trans(kd), v_dot, input_precision=PREC)
+        s = s * gl[:, None] + upd
         if HAS_INTER:
             row = tl.load(inter_map_ptr + c_first + ci)
             if row >= 0:

@@ -12,6 +12,7 @@
                           memory; three launches in all)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
+    SOLVE_IN_WALK         no phase 3: the state walk solves V' = (I + A)^-1 (b v - KB S) per chunk itself
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
@@ -86,6 +87,12 @@ SOLVE_KB = True
 # per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Untimed (session 17, no GPU): off
 # until the H200 compares it (scripts/h200_pending.md).
 INTRA_INVERTS = False
+# The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
+# forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
+# back (at K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses
+# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). Untimed (session
+# 17, no GPU): off until the H200 compares it (scripts/h200_pending.md).
+SOLVE_IN_WALK = False
 # Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
 # (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
 # are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
@@ -213,7 +220,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                  BETA_LOGITS=beta_logits)
     lower = 0.0 if lower is None else float(lower)
     grid = (plan.num_chunks, H)
-    qg, kd, w, u = buf(T, H, K), buf(T, H, K), buf(T, H, K), buf(T, H, V)
+    solve_in = SOLVE_IN_WALK and not (FUSED or MERGE_WY)
+    qg, kd = buf(T, H, K), buf(T, H, K)
+    w, u = (o, o) if solve_in else (buf(T, H, K), buf(T, H, V))  # o: unread placeholders (the walk solves)
+    walk_in = (o, o, o)  # (A band, KB, b) read by the walk when it solves, else unread placeholders
     glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     aqk = buf(T, H, CHUNK)
     if FUSED:
@@ -225,8 +235,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             **({} if FUSED_MAXNREG is None else {"maxnreg": FUSED_MAXNREG}),
         )
     else:
-        _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
-                      dot_t, prec)
+        walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
+                                w, u, dot_t, prec, solve_in) or walk_in
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -238,8 +248,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
-        o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
-        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec,
+        o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf, walk_in[0], walk_in[1], v, walk_in[2],
+        v.stride(0),
+        H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
         num_warps=warps, num_stages=state_stages(bv),
     )
     if split:
@@ -254,9 +265,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
-                  dot_t, prec) -> None:
+                  dot_t, prec, solve_in: bool) -> tuple | None:
     """Phases 1-3 as three launches (prep, intra, solve), two (chunk_prep_intra, solve: ``PREP_IN_INTRA``; or prep,
-    chunk_wy: ``MERGE_WY``); writes qg, kd, glast, aqk, w, u."""
+    chunk_wy: ``MERGE_WY``); writes qg, kd, glast, aqk, w, u. With ``solve_in`` (``SOLVE_IN_WALK``) no solve runs:
+    the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are returned for the state walk."""
     T, H, K = q.shape
     V = v.shape[-1]
 
@@ -270,11 +282,13 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         chunk_prep_intra_kernel[intra_grid](
             q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
             a, aqk, kb, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-            H=H, K=K, **flags, DOT_T=dot_t, PREC=prec, INVERT_DIAG=INTRA_INVERTS,
+            H=H, K=K, **flags, DOT_T=dot_t, PREC=prec, INVERT_DIAG=INTRA_INVERTS or solve_in,
             num_warps=PHASE_WARPS["prep_intra"], num_stages=1,
         )
+        if solve_in:
+            return a, kb, b
         _solve(a, kb, v, b, b, plan, cu, w, u, dot_t, prec, True)  # b: an unread placeholder for G
-        return
+        return None
     qn, kn = buf(T, H, K), buf(T, H, K)
     gcum = buf(T, H, K, dtype=torch.float32)
     grid = (plan.num_chunks, H)
@@ -290,15 +304,19 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
             qn, kn, v.contiguous(), gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk, w, u,
             H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["wy"], num_stages=1,
         )
-        return
+        return None
     a = buf(T, H, CHUNK, dtype=torch.float32)
-    kb = buf(T, H, K) if SOLVE_KB else kn  # kn: an unwritten placeholder
+    write_kb = SOLVE_KB or solve_in
+    kb = buf(T, H, K) if write_kb else kn  # kn: an unwritten placeholder
     chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=SOLVE_KB, INVERT_DIAG=INTRA_INVERTS,
+        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         num_warps=PHASE_WARPS["intra"],
     )
+    if solve_in:
+        return a, kb, b
     _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, SOLVE_KB)
+    return None
 
 
 def _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, read_kb: bool) -> None:

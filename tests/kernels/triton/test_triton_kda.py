@@ -188,20 +188,25 @@ _PREFILL_CASES = [
 # Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the default, the
 # column-split prep and the solve reading intra's KB; "4-launch-unsplit": the prep walking its column slices and
 # the solve reading k' and G; "3-launch-prep-in-intra": the default with the prep done by chunk_prep_intra;
-# "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve)
+# "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve;
+# "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting overrides them))
 _PATHS = {
     "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
-                     INTRA_INVERTS=False),
+                     INTRA_INVERTS=False, SOLVE_IN_WALK=False),
     "3-launch-prep-in-intra": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=True,
-                                   INTRA_INVERTS=False),
+                                   INTRA_INVERTS=False, SOLVE_IN_WALK=False),
     "4-launch-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
-                                   INTRA_INVERTS=True),
+                                   INTRA_INVERTS=True, SOLVE_IN_WALK=False),
     "3-launch-prep-in-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True,
-                                           PREP_IN_INTRA=True, INTRA_INVERTS=True),
+                                           PREP_IN_INTRA=True, INTRA_INVERTS=True, SOLVE_IN_WALK=False),
     "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False, PREP_IN_INTRA=False,
-                             INTRA_INVERTS=False),
-    "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False),
-    "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False),
+                             INTRA_INVERTS=False, SOLVE_IN_WALK=False),
+    "3-launch-solve-in-walk": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=False, PREP_IN_INTRA=False,
+                                   INTRA_INVERTS=False, SOLVE_IN_WALK=True),
+    "2-launch-prep-in-intra-solve-in-walk": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True,
+                                                 PREP_IN_INTRA=True, INTRA_INVERTS=False, SOLVE_IN_WALK=True),
+    "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
+    "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
 }
 
 
@@ -293,8 +298,10 @@ def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"), (False, "fused"),
-                                               (False, "merged-wy")],
-                         ids=["fused-output", "split-output", "chunk-fused", "merged-wy"])
+                                               (False, "merged-wy"), (True, "3-launch-solve-in-walk"),
+                                               (True, "2-launch-prep-in-intra-solve-in-walk")],
+                         ids=["fused-output", "split-output", "chunk-fused", "merged-wy", "solve-in-walk-split-output",
+                              "prep-in-intra-solve-in-walk-split-output"])
 def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
@@ -590,7 +597,7 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_prep_intra",
                 "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_fused", "chunk_wy",
-                "chunk_state", "chunk_state_split", "chunk_output", "kda_decode")
+                "chunk_state", "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -599,6 +606,7 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_prep_intra": ("mma.sync.aligned", "v_mfma"), "chunk_prep_intra_inv": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
+        "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
