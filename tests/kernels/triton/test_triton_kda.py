@@ -433,6 +433,36 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     assert torch.equal(aqk2.float(), aqk.float()), "Aqk: same products, same order"
     assert_rel(w2, w, tol, "W")
     assert_rel(u2, u, tol, "U")
+    # prefill.INTRA_INVERTS: chunk_intra's INVERT_DIAG band holds (I + A_II)^-1 in its diagonal blocks (over each
+    # block's rows inside its chunk; the other blocks as without it), and chunk_solve's DIAG_INVERTED reads them
+    a3, aqk3, w3, u3 = poisoned_like(a), poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
+    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a3, aqk3,
+                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
+                                                 INVERT_DIAG=True)
+    assert torch.equal(aqk3, aqk), "Aqk does not depend on INVERT_DIAG"
+    assert_rel(a3, _invert_band_diagonal(a.double(), cu), 1e-5, "A band with T_II diagonal blocks")
+    chunk_solve_kernel[(plan.num_chunks, H, 4)](a3, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w3, u3,
+                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
+                                                DIAG_INVERTED=True)
+    assert_rel(w3, w, tol, "W from the intra kernel's T_II")
+    assert_rel(u3, u, tol, "U from the intra kernel's T_II")
+
+
+def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """A [T, H, 64] row band with each chunk's diagonal 16 x 16 blocks A_II replaced by (I + A_II)^-1 over the
+    block's rows inside the chunk (fp64; a short block's columns past the chunk's end stay 0): what chunk_intra /
+    chunk_prep_intra store with INVERT_DIAG."""
+    out = a.clone()
+    bounds = cu.tolist()
+    for s in range(len(bounds) - 1):
+        for t0 in range(bounds[s], bounds[s + 1], 64):
+            n = min(64, bounds[s + 1] - t0)
+            for i0 in range(0, n, 16):
+                i1 = min(i0 + 16, n)
+                blk = a[t0 + i0:t0 + i1, :, i0:i1].transpose(0, 1)  # [H, rows, cols]
+                eye = torch.eye(i1 - i0, dtype=a.dtype)
+                out[t0 + i0:t0 + i1, :, i0:i1] = torch.linalg.inv(eye + blk).transpose(0, 1)
+    return out
 
 
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
@@ -473,9 +503,10 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol", [("safe", torch.float32, 2e-5), ("mild", torch.float32, 1e-5),
-                                            ("mild", torch.float16, 1e-3)], ids=["safe-fp32", "mild-fp32", "mild-fp16"])
-def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("gate,dtype,tol,inverts", [
+    ("safe", torch.float32, 2e-5, False), ("mild", torch.float32, 1e-5, False), ("mild", torch.float16, 1e-3, False),
+    ("safe", torch.float32, 2e-5, True)], ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts"])
+def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool) -> None:
     """chunk_prep_intra (prefill.PREP_IN_INTRA) tensor by tensor against its fp64 twin (_prep_intra_oracle): A, Aqk,
     KB, b, QG, KD, GL on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
     Its outputs start as NaN, so an element it does not write fails. "safe": K3's safe gate (|g| < 5: decay factors
@@ -485,7 +516,8 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
     arithmetic, |G| < 13; measured <= 4e-7); "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320:
     2^-24 * 320 ~ 2e-5 per rounding of it; measured <= 7e-6, the four-launch chunk_prep + chunk_intra 1.2e-5);
     fp16 1e-3 (outputs rounded to fp16, 2^-11, with fp32 dot operands; measured <= 2.3e-4; under the safe gate the
-    later blocks' QG, ~exp(-40), are below fp16's range, hence the mild gate)."""
+    later blocks' QG, ~exp(-40), are below fp16's range, hence the mild gate). "inverts": INVERT_DIAG
+    (prefill.INTRA_INVERTS), A's diagonal blocks then hold (I + A_II)^-1 (_invert_band_diagonal of the twin's A)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
     from rocm_k3.triton_kernels.kda.chunk_prep_intra import chunk_prep_intra_kernel
     from rocm_k3.triton_kernels.kda.common import plan_chunks
@@ -504,6 +536,8 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
     plan = plan_chunks(cu)
     dot_t, prec = tri_prefill.dot_config(dtype)
     want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5)
+    if inverts:
+        want["A"] = _invert_band_diagonal(want["A"], cu)
     shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
               "GL": (plan.num_chunks, H, D)}
     fp32 = ("A", "b", "GL")
@@ -514,7 +548,7 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"],
         got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True, DOT_T=dot_t,
-        PREC=prec, INVERT_DIAG=False)
+        PREC=prec, INVERT_DIAG=inverts)
     for name in ("A", "Aqk", "b", "GL"):
         assert_rel(got[name], want[name], tol, name)
     bounds = cu.tolist()
