@@ -82,10 +82,11 @@ PREP_SPLIT = True
 # Measured and dropped in the same call: A in bf16 (solve 2x slower), the solve's column blocks first in the grid
 # (+11 %).
 SOLVE_KB = True
-# chunk_intra inverts its diagonal 16 x 16 block of A (it holds it in registers) and stores T_II = (I + A_II)^-1 in
-# its place; chunk_solve then loads T_II instead of inverting all four blocks in each of its K / BD + V / BD programs
-# per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Untimed (session 17, no GPU): off
-# until the H200 compares it (scripts/h200_pending.md).
+# chunk_intra (or chunk_prep_intra, PREP_IN_INTRA) inverts its diagonal 16 x 16 block of A (it holds it in
+# registers) and stores T_II = (I + A_II)^-1 in its place; chunk_solve then loads T_II instead of inverting all four
+# blocks in each of its K / BD + V / BD programs per (chunk, head) (4x the inversions at BD 64, 15 dependent row
+# steps each). No effect under FUSED or MERGE_WY (they invert in registers). Untimed (session 17, no GPU): off until
+# the H200 compares it (scripts/h200_pending.md).
 INTRA_INVERTS = False
 # The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
 # forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
@@ -97,8 +98,9 @@ SOLVE_IN_WALK = False
 # (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
 # are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
 # 3986, L2 re-reads not counted; each program evaluates the gate over its whole chunk: 4x chunk_prep's); the solve
-# reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). sm_90 cross-compile: 147 registers, no spills (three
-# programs per SM). Off: not yet timed (scripts/h200_pending.md, session 17).
+# reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). FUSED takes precedence over it, and it over MERGE_WY
+# (with both set chunk_wy does not run). sm_90 cross-compile: 147 registers, no spills (three programs per SM). Off:
+# not yet timed (scripts/h200_pending.md, session 17).
 PREP_IN_INTRA = False
 
 
