@@ -395,7 +395,9 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     """chunk_wy (phases 2 + 3 in one launch) against its twin, chunk_intra then chunk_solve, on chunk_prep's
     outputs for a varlen batch with short chunks; chunk_wy's Aqk, W and U start as NaN, so any element it does not
     write fails. Tolerances: fp32 1e-5 (summation order: T_IJ X_J vs block substitution); fp16 5e-3 (W, U, Aqk
-    are stored in fp16, and the two orders round different intermediates)."""
+    are stored in fp16, and the two orders round different intermediates). Then INVERT_DIAG / DIAG_INVERTED
+    (prefill.INTRA_INVERTS): chunk_intra's band against _invert_band_diagonal of its plain band (fp32 row
+    substitution vs fp64 inverse, 1e-5; measured ~3e-10), and the solve from it against the inverting solve."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
     from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
     from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
