@@ -107,8 +107,8 @@ def ws_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, ob
 
 
 def prefill_sweep_configs(picked: MoEConfig, tokens: int) -> list[tuple[MoEConfig, object]]:
-    """(MoEConfig, WsConfig, a (w13, w2) pair of them, or None for ``moe_gemm_kernel``) tile candidates of the prefill tile table at T = tokens
-    (>= 256): the Hopper kernel at the block sizes from a quarter of an expert's average rows to the first that holds
+    """(MoEConfig, WsConfig, a (w13, w2) pair of them, or None for ``moe_gemm_kernel``) tile candidates of the
+    prefill tile table at T = tokens (>= 256): the Hopper kernel at the block sizes from a quarter of an expert's average rows to the first that holds
     them (128-row blocks, one CTA per SM, from T = 1024), each at its default residency and one ring depth either side,
     at 32 / 64-row blocks also 256-row weight tiles (``gemm_hopper.wide_config``) for both GEMMs and for w2 alone (a
     (w13, w2) pair; session 16 measured w2 -18 % and w13 +12 % on them at T = 2048), and from T = 2048

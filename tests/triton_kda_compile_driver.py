@@ -46,7 +46,6 @@ def _prep_intra_spec(pkg: str, plan: dict, dots: dict, warps: int, inv: bool = F
             warps, 1)
 
 
-
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False) -> tuple:
     """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB), inverting the diagonal blocks
     or (inv, prefill.INTRA_INVERTS) reading intra's inverses."""

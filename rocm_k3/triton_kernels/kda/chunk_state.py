@@ -86,63 +86,63 @@ def _solved_block(I: tl.constexpr, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_p
 
 
 @triton.jit
-def _emit_block(I: tl.constexpr, vp, s_dot, t0, eos, h, rk, rv_o, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr,
-                v0, v1, v2, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr,
-                DOT_T: tl.constexpr, PREC: tl.constexpr):
-    """Row block I's output O_I = QG_I S + sum_{J<=I} Aqk_IJ V'_J (or V'_I to vbuf); v0..v2: V'_0..2 (those
-    below I are read)."""
+def _lower_sum(acc, ptr, t0, I: tl.constexpr, eos, h, v0, v1, v2, H: tl.constexpr, SIGN: tl.constexpr,
+               DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """acc + SIGN * sum_{J<I} band_IJ V'_J over the row band at ``ptr`` (A or Aqk) and V'_0..2 (those below I are
+    read)."""
+    if I > 0:
+        acc += SIGN * _mmd(_band(ptr, t0, I, 0, eos, h, H), v0, DOT_T, PREC)
+    if I > 1:
+        acc += SIGN * _mmd(_band(ptr, t0, I, 1, eos, h, H), v1, DOT_T, PREC)
+    if I > 2:
+        acc += SIGN * _mmd(_band(ptr, t0, I, 2, eos, h, H), v2, DOT_T, PREC)
+    return acc
+
+
+@triton.jit
+def _block_step(I: tl.constexpr, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr,
+                aqk_ptr, o_ptr, vbuf_ptr, v0, v1, v2, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """Row block I of a chunk: V'_I = T_II (X_I - sum_{J<I} A_IJ V'_J) in the dot dtype, returned, and its output
+    O_I = QG_I S + sum_{J<=I} Aqk_IJ V'_J (or V'_I to vbuf)."""
+    x = _lower_sum(_solved_block(I, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T,
+                                 PREC), a_ptr, t0, I, eos, h, v0, v1, v2, H, -1.0, DOT_T, PREC)
+    vp = _mmd(_band(a_ptr, t0, I, I, eos, h, H), x, DOT_T, PREC).to(DOT_T)
     r = tl.arange(0, 16)
     row0 = t0 + I * 16
     mo = (r < eos - row0)[:, None]
-    offs = row0 * (H * V) + (r[:, None] * (H * V) + rv_o[None, :])
+    offs = row0 * (H * V) + (r[:, None] * (H * V) + rv_v[None, :])
     if WITH_OUTPUT:
-        qg = _rows16(qg_ptr, t0, I, eos, H * K, h * K + rk, 0.0)
-        o = _mmd(qg, s_dot, DOT_T, PREC) + _mmd(_band(aqk_ptr, t0, I, I, eos, h, H), vp, DOT_T, PREC)
-        if I > 0:
-            o += _mmd(_band(aqk_ptr, t0, I, 0, eos, h, H), v0, DOT_T, PREC)
-        if I > 1:
-            o += _mmd(_band(aqk_ptr, t0, I, 1, eos, h, H), v1, DOT_T, PREC)
-        if I > 2:
-            o += _mmd(_band(aqk_ptr, t0, I, 2, eos, h, H), v2, DOT_T, PREC)
+        o = _mmd(_rows16(qg_ptr, t0, I, eos, H * K, h * K + rk, 0.0), s_dot, DOT_T, PREC)
+        o = _lower_sum(o + _mmd(_band(aqk_ptr, t0, I, I, eos, h, H), vp, DOT_T, PREC), aqk_ptr, t0, I, eos, h,
+                       v0, v1, v2, H, 1.0, DOT_T, PREC)
         tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=mo)
     else:
         tl.store(vbuf_ptr + offs, vp.to(vbuf_ptr.dtype.element_ty), mask=mo)
+    return vp
 
 
 @triton.jit
 def _step_solved(s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr, o_ptr,
                  vbuf_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr,
                  DOT_T: tl.constexpr, PREC: tl.constexpr):
-    """One chunk with the WY solve inside (SOLVE_IN): V'_I by block substitution over the four 16-row blocks,
-    each block's output as soon as its V'_I is known; returns sum_J KD_J^T V'_J [K, BV]."""
+    """One chunk with the WY solve inside (SOLVE_IN): the four 16-row blocks in order (block substitution), each
+    block's output as soon as its V'_I is known; returns sum_I KD_I^T V'_I [K, BV]."""
     rv_v = h * V + rv  # value columns of head h in v (row stride stride_v) and in o / vbuf (row stride H V)
-    x = _solved_block(0, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
-    v0 = _mmd(_band(a_ptr, t0, 0, 0, eos, h, H), x, DOT_T, PREC).to(DOT_T)
-    _emit_block(0, v0, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v0, v0, H, K, V,
-                WITH_OUTPUT, DOT_T, PREC)
-    x = _solved_block(1, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 1, 0, eos, h, H), v0, DOT_T, PREC)
-    v1 = _mmd(_band(a_ptr, t0, 1, 1, eos, h, H), x, DOT_T, PREC).to(DOT_T)
-    _emit_block(1, v1, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v0, v0, H, K, V,
-                WITH_OUTPUT, DOT_T, PREC)
-    x = _solved_block(2, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 2, 0, eos, h, H), v0, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 2, 1, eos, h, H), v1, DOT_T, PREC)
-    v2 = _mmd(_band(a_ptr, t0, 2, 2, eos, h, H), x, DOT_T, PREC).to(DOT_T)
-    _emit_block(2, v2, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v1, v1, H, K, V,
-                WITH_OUTPUT, DOT_T, PREC)
-    x = _solved_block(3, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 3, 0, eos, h, H), v0, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 3, 1, eos, h, H), v1, DOT_T, PREC)
-    x -= _mmd(_band(a_ptr, t0, 3, 2, eos, h, H), v2, DOT_T, PREC)
-    v3 = _mmd(_band(a_ptr, t0, 3, 3, eos, h, H), x, DOT_T, PREC).to(DOT_T)
-    _emit_block(3, v3, s_dot, t0, eos, h, rk, rv_v, qg_ptr, aqk_ptr, o_ptr, vbuf_ptr, v0, v1, v2, H, K, V,
-                WITH_OUTPUT, DOT_T, PREC)
-    upd = _mmd(tl.trans(_rows16(kd_ptr, t0, 0, eos, H * K, h * K + rk, 0.0)), v0, DOT_T, PREC)
-    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 1, eos, H * K, h * K + rk, 0.0)), v1, DOT_T, PREC)
-    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 2, eos, H * K, h * K + rk, 0.0)), v2, DOT_T, PREC)
-    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 3, eos, H * K, h * K + rk, 0.0)), v3, DOT_T, PREC)
-    return upd
+    v0 = _block_step(0, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr,
+                     o_ptr, vbuf_ptr, s_dot, s_dot, s_dot, H, K, V, WITH_OUTPUT, DOT_T, PREC)  # reads no V'_J
+    v1 = _block_step(1, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr,
+                     o_ptr, vbuf_ptr, v0, v0, v0, H, K, V, WITH_OUTPUT, DOT_T, PREC)
+    v2 = _block_step(2, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr,
+                     o_ptr, vbuf_ptr, v0, v1, v1, H, K, V, WITH_OUTPUT, DOT_T, PREC)
+    v3 = _block_step(3, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr, aqk_ptr,
+                     o_ptr, vbuf_ptr, v0, v1, v2, H, K, V, WITH_OUTPUT, DOT_T, PREC)
+    # the state update after the outputs (the [K, BV] accumulator is not live across them: fewer registers)
+    kd = h * K + rk
+    upd = _mmd(tl.trans(_rows16(kd_ptr, t0, 0, eos, H * K, kd, 0.0)), v0, DOT_T, PREC)
+    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 1, eos, H * K, kd, 0.0)), v1, DOT_T, PREC)
+    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 2, eos, H * K, kd, 0.0)), v2, DOT_T, PREC)
+    return upd + _mmd(tl.trans(_rows16(kd_ptr, t0, 3, eos, H * K, kd, 0.0)), v3, DOT_T, PREC)
 
 
 @triton.jit

@@ -803,8 +803,10 @@ def test_fused_moe_ws_gemm_graph_and_fallback_cuda() -> None:
                                   ws_config=dataclasses.replace(c, w2_split=1)) for c in (ws, wide)]
             assert torch.equal(one[0], one[1]), f"bm{bm}: 256- vs 128-row weight tiles (w2 in one K part)"
             mixed = (ws, dataclasses.replace(wide, w2_split=1))  # per GEMM: w13 on 128-row tiles, w2 on 256
-            assert torch.equal(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=mixed),
+            fresh = prepare_weights(weights)  # its TMA descriptors say which GEMM ran with which tile (the bits can't)
+            assert torch.equal(fused_moe_with(x2, fresh, tw2, ids2, gemm="ws", config=cfg, ws_config=mixed),
                                one[0]), f"bm{bm}: w13 128 / w2 256-row tiles vs 128 for both"
+            assert {key for key in fresh.extras if key.startswith("triton-ws")} == {"triton-ws1-2", "triton-ws2-4"}
             _assert_graph_replays(prepared, x2, tw2, ids2, e, (29,), gemm="ws", config=cfg, ws_config=(ws, wide))
             assert_rel(fused_moe_with(x2, prepared, tw2, ids2, gemm="ws", config=cfg, ws_config=wide, **kw),
                        fused_moe_reference(x2, weights, tw2, ids2, **kw), 1e-2, f"ws A8W4 bm{bm} 256-row tiles")
