@@ -232,8 +232,14 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # the diagonal inverses from the intra kernel (chunk_solve at BD 64 / 1 warp: 168 registers instead of 196) and,
 # since the solve programs then only run the block substitution, its other tiles (sm_90: BD 32 / 1 warp 106, BD 64 /
 # 2 warps 108, BD 128 / 2 warps 145 registers); and both options together. First: the solve inside the state walk
-# (SOLVE_IN_WALK: no chunk_solve launch), with the prep folded into intra two launches in all
-PROFILE_VARIANTS = (("PREP_IN_INTRA + SOLVE_IN_WALK", {"PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}),
+# (SOLVE_IN_WALK: no chunk_solve launch), with the prep folded into intra two launches in all; its walk at 1 stage
+# spills 32 B on sm_90 (255 registers)
+_TWO = {"PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}
+PROFILE_VARIANTS = (("PREP_IN_INTRA + SOLVE_IN_WALK", _TWO),
+                    # the solving walk's tiles without sm_90 spills: 2 stages (253 registers), BV 32 / 2 stages (190)
+                    ("PREP_IN_INTRA + SOLVE_IN_WALK, walk 2 stages", {**_TWO, "STATE_STAGES": 2}),
+                    ("PREP_IN_INTRA + SOLVE_IN_WALK, walk BV32 2 stages",
+                     {**_TWO, "STATE_STAGES": 2, "state_tile": lambda n, v: (min(32, v), 4)}),
                     ("SOLVE_IN_WALK", {"SOLVE_IN_WALK": True}),
                     ("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
                     ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}),
