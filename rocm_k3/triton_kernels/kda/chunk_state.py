@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.chunk_solve import _mm
+
 
 @triton.jit
 def _step_wu(s_dot, t0, eos, rt, loc_k, loc_v, loc_a, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, o_ptr, vbuf_ptr,
@@ -70,11 +72,6 @@ def _band(ptr, t0, I: tl.constexpr, J: tl.constexpr, eos, h, H: tl.constexpr):
 
 
 @triton.jit
-def _mmd(a, b, DOT_T: tl.constexpr, PREC: tl.constexpr):
-    return tl.dot(a.to(DOT_T), b.to(DOT_T), input_precision=PREC)
-
-
-@triton.jit
 def _solved_block(I: tl.constexpr, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,
                   H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
     """X_I = b_I v_I - KB_I S  [16, BV] fp32 (the right-hand side of row block I before the substitution)."""
@@ -82,7 +79,7 @@ def _solved_block(I: tl.constexpr, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_p
     b = tl.load(b_ptr + r * H + h, mask=r < eos, other=0.0)  # [16]
     v = _rows16(v_ptr, t0, I, eos, stride_v, rv, 0.0).to(tl.float32)  # rv holds h * V + the value columns
     kb = _rows16(kb_ptr, t0, I, eos, H * K, h * K + rk, 0.0)
-    return b[:, None] * v - _mmd(kb, s_dot, DOT_T, PREC)
+    return b[:, None] * v - _mm(kb, s_dot, DOT_T, PREC)
 
 
 @triton.jit
@@ -91,11 +88,11 @@ def _lower_sum(acc, ptr, t0, I: tl.constexpr, eos, h, v0, v1, v2, H: tl.constexp
     """acc + SIGN * sum_{J<I} band_IJ V'_J over the row band at ``ptr`` (A or Aqk) and V'_0..2 (those below I are
     read)."""
     if I > 0:
-        acc += SIGN * _mmd(_band(ptr, t0, I, 0, eos, h, H), v0, DOT_T, PREC)
+        acc += SIGN * _mm(_band(ptr, t0, I, 0, eos, h, H), v0, DOT_T, PREC)
     if I > 1:
-        acc += SIGN * _mmd(_band(ptr, t0, I, 1, eos, h, H), v1, DOT_T, PREC)
+        acc += SIGN * _mm(_band(ptr, t0, I, 1, eos, h, H), v1, DOT_T, PREC)
     if I > 2:
-        acc += SIGN * _mmd(_band(ptr, t0, I, 2, eos, h, H), v2, DOT_T, PREC)
+        acc += SIGN * _mm(_band(ptr, t0, I, 2, eos, h, H), v2, DOT_T, PREC)
     return acc
 
 
@@ -107,14 +104,14 @@ def _block_step(I: tl.constexpr, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_p
     O_I = QG_I S + sum_{J<=I} Aqk_IJ V'_J (or V'_I to vbuf)."""
     x = _lower_sum(_solved_block(I, s_dot, t0, eos, h, rk, rv_v, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, H, K, DOT_T,
                                  PREC), a_ptr, t0, I, eos, h, v0, v1, v2, H, -1.0, DOT_T, PREC)
-    vp = _mmd(_band(a_ptr, t0, I, I, eos, h, H), x, DOT_T, PREC).to(DOT_T)
+    vp = _mm(_band(a_ptr, t0, I, I, eos, h, H), x, DOT_T, PREC).to(DOT_T)
     r = tl.arange(0, 16)
     row0 = t0 + I * 16
     mo = (r < eos - row0)[:, None]
     offs = row0 * (H * V) + (r[:, None] * (H * V) + rv_v[None, :])
     if WITH_OUTPUT:
-        o = _mmd(_rows16(qg_ptr, t0, I, eos, H * K, h * K + rk, 0.0), s_dot, DOT_T, PREC)
-        o = _lower_sum(o + _mmd(_band(aqk_ptr, t0, I, I, eos, h, H), vp, DOT_T, PREC), aqk_ptr, t0, I, eos, h,
+        o = _mm(_rows16(qg_ptr, t0, I, eos, H * K, h * K + rk, 0.0), s_dot, DOT_T, PREC)
+        o = _lower_sum(o + _mm(_band(aqk_ptr, t0, I, I, eos, h, H), vp, DOT_T, PREC), aqk_ptr, t0, I, eos, h,
                        v0, v1, v2, H, 1.0, DOT_T, PREC)
         tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=mo)
     else:
@@ -139,10 +136,10 @@ def _step_solved(s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_
                      o_ptr, vbuf_ptr, v0, v1, v2, H, K, V, WITH_OUTPUT, DOT_T, PREC)
     # the state update after the outputs (the [K, BV] accumulator is not live across them: fewer registers)
     kd = h * K + rk
-    upd = _mmd(tl.trans(_rows16(kd_ptr, t0, 0, eos, H * K, kd, 0.0)), v0, DOT_T, PREC)
-    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 1, eos, H * K, kd, 0.0)), v1, DOT_T, PREC)
-    upd += _mmd(tl.trans(_rows16(kd_ptr, t0, 2, eos, H * K, kd, 0.0)), v2, DOT_T, PREC)
-    return upd + _mmd(tl.trans(_rows16(kd_ptr, t0, 3, eos, H * K, kd, 0.0)), v3, DOT_T, PREC)
+    upd = _mm(tl.trans(_rows16(kd_ptr, t0, 0, eos, H * K, kd, 0.0)), v0, DOT_T, PREC)
+    upd += _mm(tl.trans(_rows16(kd_ptr, t0, 1, eos, H * K, kd, 0.0)), v1, DOT_T, PREC)
+    upd += _mm(tl.trans(_rows16(kd_ptr, t0, 2, eos, H * K, kd, 0.0)), v2, DOT_T, PREC)
+    return upd + _mm(tl.trans(_rows16(kd_ptr, t0, 3, eos, H * K, kd, 0.0)), v3, DOT_T, PREC)
 
 
 @triton.jit

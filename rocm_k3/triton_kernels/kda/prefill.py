@@ -250,8 +250,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
-        o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf, walk_in[0], walk_in[1], v, walk_in[2],
-        v.stride(0),
+        o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
+        walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
         num_warps=warps, num_stages=state_stages(bv),
     )

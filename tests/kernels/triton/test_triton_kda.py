@@ -190,21 +190,16 @@ _PREFILL_CASES = [
 # the solve reading k' and G; "3-launch-prep-in-intra": the default with the prep done by chunk_prep_intra;
 # "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve;
 # "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting overrides them))
+_FOUR = dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False, INTRA_INVERTS=False,
+             SOLVE_IN_WALK=False)  # the default four launches, every session-17 option named (off)
 _PATHS = {
-    "4-launch": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
-                     INTRA_INVERTS=False, SOLVE_IN_WALK=False),
-    "3-launch-prep-in-intra": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=True,
-                                   INTRA_INVERTS=False, SOLVE_IN_WALK=False),
-    "4-launch-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False,
-                                   INTRA_INVERTS=True, SOLVE_IN_WALK=False),
-    "3-launch-prep-in-intra-inverts": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True,
-                                           PREP_IN_INTRA=True, INTRA_INVERTS=True, SOLVE_IN_WALK=False),
-    "4-launch-unsplit": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=False, SOLVE_KB=False, PREP_IN_INTRA=False,
-                             INTRA_INVERTS=False, SOLVE_IN_WALK=False),
-    "3-launch-solve-in-walk": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=False, PREP_IN_INTRA=False,
-                                   INTRA_INVERTS=False, SOLVE_IN_WALK=True),
-    "2-launch-prep-in-intra-solve-in-walk": dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True,
-                                                 PREP_IN_INTRA=True, INTRA_INVERTS=False, SOLVE_IN_WALK=True),
+    "4-launch": _FOUR,
+    "3-launch-prep-in-intra": {**_FOUR, "PREP_IN_INTRA": True},
+    "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
+    "3-launch-prep-in-intra-inverts": {**_FOUR, "PREP_IN_INTRA": True, "INTRA_INVERTS": True},
+    "4-launch-unsplit": {**_FOUR, "PREP_SPLIT": False, "SOLVE_KB": False},
+    "3-launch-solve-in-walk": {**_FOUR, "SOLVE_KB": False, "SOLVE_IN_WALK": True},
+    "2-launch-prep-in-intra-solve-in-walk": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True},
     "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
     "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
 }
