@@ -8,7 +8,7 @@ four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped setting
 of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
 ``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
 ``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``); ``--prep-compare`` the same with
-``PREP_COMPARE`` (``prefill.PREP_IN_INTRA``: chunk_prep folded into chunk_intra, three launches).
+``PREP_COMPARE`` (the diagonal inverses by products, the state walk at 2 stages, the solve inside the walk).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -227,28 +227,19 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
     return row
 
 
-# --profile-only's settings of the prefill module profiled beside the default (same inputs, same process):
-# chunk_prep folded into chunk_intra at its 4 warps (147 registers on sm_90: three programs per SM) and at 8 (136);
-# the diagonal inverses from the intra kernel (chunk_solve at BD 64 / 1 warp: 168 registers instead of 196) and,
-# since the solve programs then only run the block substitution, its other tiles (sm_90: BD 32 / 1 warp 106, BD 64 /
-# 2 warps 108, BD 128 / 2 warps 145 registers); and both options together. First: the solve inside the state walk
-# (SOLVE_IN_WALK: no chunk_solve launch), with the prep folded into intra two launches in all; its walk at 1 stage
-# spills 32 B on sm_90 (255 registers)
-_TWO = {"PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}
-PROFILE_VARIANTS = (("PREP_IN_INTRA + SOLVE_IN_WALK", _TWO),
-                    # the solving walk's tiles without sm_90 spills: 2 stages (253 registers), BV 32 / 2 stages (190)
-                    ("PREP_IN_INTRA + SOLVE_IN_WALK, walk 2 stages", {**_TWO, "STATE_STAGES": 2}),
-                    ("PREP_IN_INTRA + SOLVE_IN_WALK, walk BV32 2 stages",
-                     {**_TWO, "STATE_STAGES": 2, "state_tile": lambda n, v: (min(32, v), 4)}),
-                    ("SOLVE_IN_WALK", {"SOLVE_IN_WALK": True}),
-                    ("PREP_IN_INTRA", {"PREP_IN_INTRA": True}),
-                    ("PREP_IN_INTRA w8", {"PREP_IN_INTRA": True, "PHASE_WARPS": {"prep_intra": 8}}),
-                    ("INTRA_INVERTS", {"INTRA_INVERTS": True}),
-                    ("INTRA_INVERTS solve BD32", {"INTRA_INVERTS": True, "SOLVE_BD": 32}),
-                    ("INTRA_INVERTS solve w2", {"INTRA_INVERTS": True, "PHASE_WARPS": {"solve": 2}}),
-                    ("INTRA_INVERTS solve BD128 w2", {"INTRA_INVERTS": True, "SOLVE_BD": 128,
-                                                      "PHASE_WARPS": {"solve": 2}}),
-                    ("PREP_IN_INTRA + INTRA_INVERTS", {"PREP_IN_INTRA": True, "INTRA_INVERTS": True}))
+# --profile-only's settings of the prefill module profiled beside the default (same inputs, same process). H100
+# 2026-12-05 (session 18, RESULTS.md): chunk_prep_intra took 1.5-1.8 ms where prep + intra take 0.78, INTRA_INVERTS
+# doubled chunk_intra (its row-by-row inversion: +0.36 ms for -0.16 ms of solve), and the solving walk at 2 stages
+# ran 0.39 ms where solve + walk take 0.74 (1.33 at 1 stage, spilling). So: the diagonal inverses as products of four
+# factors (INVERT_BY_PRODUCTS) in the solve and in the intra kernel, the solving walk at 2 stages with and without
+# them, and the default walk at 2 stages.
+_WALK2 = {"STATE_STAGES": 2}
+PROFILE_VARIANTS = (("INVERT_BY_PRODUCTS", {"INVERT_BY_PRODUCTS": True}),
+                    ("INTRA_INVERTS by products", {"INTRA_INVERTS": True, "INVERT_BY_PRODUCTS": True}),
+                    ("walk 2 stages", _WALK2),
+                    ("SOLVE_IN_WALK, walk 2 stages", {"SOLVE_IN_WALK": True, **_WALK2}),
+                    ("SOLVE_IN_WALK by products, walk 2 stages",
+                     {"SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, **_WALK2}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -374,16 +365,15 @@ PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 3
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the four launches (timed again), chunk_prep folded into chunk_intra (three launches), the
-# diagonal blocks' inverses computed by the intra kernel (INTRA_INVERTS), both, the solve inside the state walk
-# (SOLVE_IN_WALK) and with the prep folded in too (two launches)
-_PREP = {"FUSED": False, "MERGE_WY": False}
-PREP_COMPARE = (("ms_4launch", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": False, "SOLVE_IN_WALK": False}),
-                ("ms_prep_in_intra", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": False}),
-                ("ms_intra_inverts", {**_PREP, "PREP_IN_INTRA": False, "INTRA_INVERTS": True}),
-                ("ms_prep_in_intra_inverts", {**_PREP, "PREP_IN_INTRA": True, "INTRA_INVERTS": True}),
-                ("ms_solve_in_walk", {**_PREP, "PREP_IN_INTRA": False, "SOLVE_IN_WALK": True}),
-                ("ms_2launch", {**_PREP, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True}))
+# ... and --prep-compare's: the four launches (timed again), the diagonal inverses by products (in the solve), the
+# default walk at 2 stages, the solve inside the state walk at 2 stages (SOLVE_IN_WALK: three launches) with its
+# inverses row by row and by products (the last one is also timed while saving states, with the first two)
+_PREP = {"FUSED": False, "MERGE_WY": False, "PREP_IN_INTRA": False, "INTRA_INVERTS": False}
+PREP_COMPARE = (("ms_4launch", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False, "STATE_STAGES": None}),
+                ("ms_products", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": True, "STATE_STAGES": None}),
+                ("ms_walk2", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False, **_WALK2}),
+                ("ms_solve_in_walk2", {**_PREP, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": False, **_WALK2}),
+                ("ms_solve_in_walk2_products", {**_PREP, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, **_WALK2}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -394,7 +384,7 @@ def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False,
         v = PHASE_COMPARE if phase_compare else PREP_COMPARE if prep_compare else FUSED_COMPARE
         rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
                 (96, VARLEN, False, v, 0, (1, 3))]
-        saving = v[:2] if phase_compare else (v[0], v[1], v[-1])  # prep-compare: also the two-launch path
+        saving = v[:2] if phase_compare else (v[0], v[1], v[-1])  # prep-compare: also the last setting
         return rows + ([(96, VARLEN, False, saving, 1024, (1, 3))] if phase_compare or prep_compare else [])
     fused = FUSED_SWEEP if sweep else ()
     return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),

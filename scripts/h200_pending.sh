@@ -103,7 +103,7 @@ run_part() {
     kda_prof) part kda_prof 240 0 "$PY" -u benchmarks/bench_kda.py --profile-only ;;
     kda_prep) part kda_prep 200 0 "$PY" -u benchmarks/bench_kda.py --prep-compare --json "$OUT/kda_prep.json" ;;
     cuda_prep) part cuda_prep 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
-      tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (prep-in-intra or inverts or solve-in-walk)" ;;
+      tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (products or solve-in-walk)" ;;
     kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
     cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling_cuda.py \

@@ -25,34 +25,38 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int) -> tuple:
                  COL_SPLIT=split), warps, 1)
 
 
-def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False) -> tuple:
+def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
+                prod: bool = False) -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
-    prefill.INTRA_INVERTS) T_II in the diagonal blocks."""
+    prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
+    as a product of four factors."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
              "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv), warps, 2)
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod), warps, 2)
 
 
-def _prep_intra_spec(pkg: str, plan: dict, dots: dict, warps: int, inv: bool = False) -> tuple:
+def _prep_intra_spec(pkg: str, plan: dict, dots: dict, warps: int, inv: bool = False, prod: bool = False) -> tuple:
     """chunk_prep_intra (prefill.PREP_IN_INTRA): phases 1 and 2 from the raw inputs, the model's gate flags; with
-    inv (prefill.INTRA_INVERTS) T_II in the diagonal blocks."""
+    inv (prefill.INTRA_INVERTS) T_II in the diagonal blocks (prod: by products, prefill.INVERT_BY_PRODUCTS)."""
     return (f"{pkg}.chunk_prep_intra", "chunk_prep_intra_kernel",
             {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
              "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16",
              "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "glast_ptr": "*fp32", "scale": "fp32",
              "lower_bound": "fp32", "stride_q": "i32", "stride_k": "i32"},
-            dict(H=H, K=K, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, **dots, INVERT_DIAG=inv),
-            warps, 1)
+            dict(H=H, K=K, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, **dots, INVERT_DIAG=inv,
+                 INVERT_PRODUCTS=prod), warps, 1)
 
 
-def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False) -> tuple:
+def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
+                prod: bool = False) -> tuple:
     """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB), inverting the diagonal blocks
-    or (inv, prefill.INTRA_INVERTS) reading intra's inverses."""
+    (row by row, or by products: prod, prefill.INVERT_BY_PRODUCTS) or (inv, prefill.INTRA_INVERTS) reading intra's
+    inverses."""
     return (f"{pkg}.chunk_solve", "chunk_solve_kernel",
             {**plan, "a_ptr": "*fp32", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
              "beta_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16", "stride_v": "i32"},
-            dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb, DIAG_INVERTED=inv), warps, 1)
+            dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb, DIAG_INVERTED=inv, INVERT_PRODUCTS=prod), warps, 1)
 
 
 def _specs() -> dict:
@@ -99,6 +103,11 @@ def _specs() -> dict:
         "chunk_solve_kb": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_intra_inv": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True),
         "chunk_solve_inv": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, inv=True),
+        # prefill.INVERT_BY_PRODUCTS: the diagonal blocks inverted by six 16 x 16 x 16 fp32 products
+        "chunk_solve_kb_prod": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, prod=True),
+        "chunk_intra_inv_prod": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True),
+        "chunk_prep_intra_inv_prod": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"], inv=True,
+                                                      prod=True),
         "chunk_fused": (f"{pkg}.chunk_fused", "chunk_fused_kernel",
                         {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
                          "beta_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qg_ptr": "*bf16",

@@ -113,7 +113,7 @@ def chunk_intra_kernel(
     a_ptr, aqk_ptr,  # outputs: A fp32 [T, H, 64], Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
-    INVERT_DIAG: tl.constexpr,
+    INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -148,7 +148,7 @@ def chunk_intra_kernel(
             tl.store(kb_ptr + own, kb.to(kb_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
-            akk = invert_diagonal_block(akk, BC)
+            akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]

@@ -67,7 +67,7 @@ def chunk_prep_intra_kernel(
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    DOT_T: tl.constexpr, PREC: tl.constexpr, INVERT_DIAG: tl.constexpr,
+    DOT_T: tl.constexpr, PREC: tl.constexpr, INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: a chunk-head's four programs run side by side and share
     their re-reads of q, k and g through L2). Programs whose block starts past the chunk's end write nothing."""
@@ -129,6 +129,6 @@ def chunk_prep_intra_kernel(
         k_own, _ = _normed_rows(k_h, r0, eos, stride_k, 1.0, K, QK_NORM)
         tl.store(kb_ptr + own, (k_own * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
         if INVERT_DIAG:  # chunk_intra's INVERT_DIAG: T_II = (I + A_II)^-1 in A's diagonal block
-            tl.store(a_ptr + out_rows + blk * BC, invert_diagonal_block(akk, BC), mask=m[:, None])
+            tl.store(a_ptr + out_rows + blk * BC, invert_diagonal_block(akk, BC, INVERT_PRODUCTS), mask=m[:, None])
         if blk == 0:  # C_0 = 0: tail is G_last
             tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(tail))

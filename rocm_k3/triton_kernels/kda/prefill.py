@@ -102,6 +102,12 @@ SOLVE_IN_WALK = False
 # (with both set chunk_wy does not run). sm_90 cross-compile: 147 registers, no spills (three programs per SM). Off:
 # not yet timed (scripts/h200_pending.md, session 17).
 PREP_IN_INTRA = False
+# How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve, chunk_intra or chunk_prep_intra
+# invert them: row by row (False: 15 dependent steps of two cross-thread reductions each) or as the product
+# (I - A)(I + A^2)(I + A^4)(I + A^8) (True: six fp32 16 x 16 x 16 products, four dependent levels). H100
+# 2026-12-05 (session 18, RESULTS.md): the row-by-row inversion costs chunk_intra 0.36 ms of its 0.70 ms at
+# T = 4096, H = 96 (INTRA_INVERTS). Off until timed.
+INVERT_BY_PRODUCTS = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -285,7 +291,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
             q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
             a, aqk, kb, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
             H=H, K=K, **flags, DOT_T=dot_t, PREC=prec, INVERT_DIAG=INTRA_INVERTS or solve_in,
-            num_warps=PHASE_WARPS["prep_intra"], num_stages=1,
+            INVERT_PRODUCTS=INVERT_BY_PRODUCTS, num_warps=PHASE_WARPS["prep_intra"], num_stages=1,
         )
         if solve_in:
             return a, kb, b
@@ -313,7 +319,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
         H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        num_warps=PHASE_WARPS["intra"],
+        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:
         return a, kb, b
@@ -329,5 +335,6 @@ def _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, read_kb: bool) -> Non
     chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
         a, kb, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
         H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=read_kb, DIAG_INVERTED=INTRA_INVERTS,
+        INVERT_PRODUCTS=INVERT_BY_PRODUCTS,
         num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

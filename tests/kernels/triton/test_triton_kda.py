@@ -191,7 +191,7 @@ _PREFILL_CASES = [
 # "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve;
 # "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting overrides them))
 _FOUR = dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False, INTRA_INVERTS=False,
-             SOLVE_IN_WALK=False)  # the default four launches, every session-17 option named (off)
+             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False)  # the default four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "3-launch-prep-in-intra": {**_FOUR, "PREP_IN_INTRA": True},
@@ -200,6 +200,11 @@ _PATHS = {
     "4-launch-unsplit": {**_FOUR, "PREP_SPLIT": False, "SOLVE_KB": False},
     "3-launch-solve-in-walk": {**_FOUR, "SOLVE_KB": False, "SOLVE_IN_WALK": True},
     "2-launch-prep-in-intra-solve-in-walk": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True},
+    # prefill.INVERT_BY_PRODUCTS: the solve's, the intra kernel's and chunk_prep_intra's diagonal inverses by products
+    "4-launch-products": {**_FOUR, "INVERT_BY_PRODUCTS": True},
+    "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
+    "2-launch-prep-in-intra-solve-in-walk-products": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True,
+                                                      "INVERT_BY_PRODUCTS": True},
     "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
     "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
 }
@@ -420,10 +425,10 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
     chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
                                                  kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
-                                                 INVERT_DIAG=False)
+                                                 INVERT_DIAG=False, INVERT_PRODUCTS=False)
     chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
                                                 H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
-                                                DIAG_INVERTED=False)
+                                                DIAG_INVERTED=False, INVERT_PRODUCTS=False)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
                           H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
@@ -435,14 +440,26 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     a3, aqk3, w3, u3 = poisoned_like(a), poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a3, aqk3,
                                                  kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
-                                                 INVERT_DIAG=True)
+                                                 INVERT_DIAG=True, INVERT_PRODUCTS=False)
     assert torch.equal(aqk3, aqk), "Aqk does not depend on INVERT_DIAG"
     assert_rel(a3, _invert_band_diagonal(a.double(), cu), 1e-5, "A band with T_II diagonal blocks")
     chunk_solve_kernel[(plan.num_chunks, H, 4)](a3, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w3, u3,
                                                 H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
-                                                DIAG_INVERTED=True)
+                                                DIAG_INVERTED=True, INVERT_PRODUCTS=False)
     assert_rel(w3, w, tol, "W from the intra kernel's T_II")
     assert_rel(u3, u, tol, "U from the intra kernel's T_II")
+    # prefill.INVERT_BY_PRODUCTS: T_II = (I - A)(I + A^2)(I + A^4)(I + A^8) in the intra kernel (against the fp64
+    # inverse, 1e-5 as the row substitution) and in the solve (against the row-by-row solve: same tolerance as W3)
+    a4, w4, u4 = poisoned_like(a), poisoned_like(w), poisoned_like(u)
+    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a4,
+                                                 poisoned_like(aqk), kn, H=H, K=D, DOT_T=dot_t, PREC=prec,
+                                                 WRITE_KB=False, INVERT_DIAG=True, INVERT_PRODUCTS=True)
+    assert_rel(a4, _invert_band_diagonal(a.double(), cu), 1e-5, "A band with T_II by products")
+    chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w4, u4,
+                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
+                                                DIAG_INVERTED=False, INVERT_PRODUCTS=True)
+    assert_rel(w4, w, tol, "W with T_II by products")
+    assert_rel(u4, u, tol, "U with T_II by products")
 
 
 def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
@@ -545,7 +562,7 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"],
         got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True, DOT_T=dot_t,
-        PREC=prec, INVERT_DIAG=inverts)
+        PREC=prec, INVERT_DIAG=inverts, INVERT_PRODUCTS=False)
     for name in ("A", "Aqk", "b", "GL"):
         assert_rel(got[name], want[name], tol, name)
     bounds = cu.tolist()
