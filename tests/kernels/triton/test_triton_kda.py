@@ -422,44 +422,39 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
                             qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
                             HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
+    def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
+        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a_out,
+                                                     aqk_out, kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
+                                                     INVERT_DIAG=invert, INVERT_PRODUCTS=products)
+
+    def solve(a_in, w_out, u_out, inverted: bool, products: bool) -> None:
+        chunk_solve_kernel[(plan.num_chunks, H, 4)](a_in, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
+                                                    w_out, u_out, H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t,
+                                                    PREC=prec, KB=False, DIAG_INVERTED=inverted,
+                                                    INVERT_PRODUCTS=products)
+
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
-    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
-                                                 INVERT_DIAG=False, INVERT_PRODUCTS=False)
-    chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u,
-                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
-                                                DIAG_INVERTED=False, INVERT_PRODUCTS=False)
+    intra(a, aqk, False, False)
+    solve(a, w, u, False, False)
     aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
     chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
                           H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
     assert torch.equal(aqk2.float(), aqk.float()), "Aqk: same products, same order"
     assert_rel(w2, w, tol, "W")
     assert_rel(u2, u, tol, "U")
+    inverse = _invert_band_diagonal(a.double(), cu)
     # prefill.INTRA_INVERTS: chunk_intra's INVERT_DIAG band holds (I + A_II)^-1 in its diagonal blocks (over each
-    # block's rows inside its chunk; the other blocks as without it), and chunk_solve's DIAG_INVERTED reads them
-    a3, aqk3, w3, u3 = poisoned_like(a), poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
-    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a3, aqk3,
-                                                 kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
-                                                 INVERT_DIAG=True, INVERT_PRODUCTS=False)
-    assert torch.equal(aqk3, aqk), "Aqk does not depend on INVERT_DIAG"
-    assert_rel(a3, _invert_band_diagonal(a.double(), cu), 1e-5, "A band with T_II diagonal blocks")
-    chunk_solve_kernel[(plan.num_chunks, H, 4)](a3, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w3, u3,
-                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
-                                                DIAG_INVERTED=True, INVERT_PRODUCTS=False)
-    assert_rel(w3, w, tol, "W from the intra kernel's T_II")
-    assert_rel(u3, u, tol, "U from the intra kernel's T_II")
-    # prefill.INVERT_BY_PRODUCTS: T_II = (I - A)(I + A^2)(I + A^4)(I + A^8) in the intra kernel (against the fp64
-    # inverse, 1e-5 as the row substitution) and in the solve (against the row-by-row solve: same tolerance as W3)
-    a4, w4, u4 = poisoned_like(a), poisoned_like(w), poisoned_like(u)
-    chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a4,
-                                                 poisoned_like(aqk), kn, H=H, K=D, DOT_T=dot_t, PREC=prec,
-                                                 WRITE_KB=False, INVERT_DIAG=True, INVERT_PRODUCTS=True)
-    assert_rel(a4, _invert_band_diagonal(a.double(), cu), 1e-5, "A band with T_II by products")
-    chunk_solve_kernel[(plan.num_chunks, H, 4)](a, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w4, u4,
-                                                H * D, H=H, K=D, V=D, BD=D // 2, DOT_T=dot_t, PREC=prec, KB=False,
-                                                DIAG_INVERTED=False, INVERT_PRODUCTS=True)
-    assert_rel(w4, w, tol, "W with T_II by products")
-    assert_rel(u4, u, tol, "U with T_II by products")
+    # block's rows inside its chunk; the other blocks as without it), row by row or (prefill.INVERT_BY_PRODUCTS) as
+    # (I - A)(I + A^2)(I + A^4)(I + A^8), both against the fp64 inverse (1e-5); chunk_solve's DIAG_INVERTED reads
+    # them, and chunk_solve inverting by products (from A) matches the row-by-row solve (W and U at tol)
+    for products in (False, True):
+        a3, aqk3, w3, u3 = poisoned_like(a), poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
+        intra(a3, aqk3, True, products)
+        assert torch.equal(aqk3, aqk), "Aqk does not depend on INVERT_DIAG"
+        assert_rel(a3, inverse, 1e-5, f"A band with T_II diagonal blocks (products {products})")
+        solve(a3 if not products else a, w3, u3, not products, products)
+        assert_rel(w3, w, tol, f"W from T_II (intra's: {not products}, by products: {products})")
+        assert_rel(u3, u, tol, f"U from T_II (intra's: {not products}, by products: {products})")
 
 
 def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
