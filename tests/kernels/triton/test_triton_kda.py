@@ -639,8 +639,9 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_prep_intra",
-                "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_fused", "chunk_wy",
-                "chunk_state", "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode")
+                "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod",
+                "chunk_intra_inv_prod", "chunk_prep_intra_inv_prod", "chunk_fused", "chunk_wy", "chunk_state",
+                "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -648,13 +649,16 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_intra_inv": ("mma.sync.aligned", "v_mfma"), "chunk_solve_inv": ("mma.sync.aligned", "v_mfma"),
         "chunk_prep_intra": ("mma.sync.aligned", "v_mfma"), "chunk_prep_intra_inv": ("mma.sync.aligned", "v_mfma"),
         "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
+        # prefill.INVERT_BY_PRODUCTS: the bf16 products stay on the matrix units (the inverses' fp32 ones are FMAs)
+        "chunk_solve_kb_prod": ("mma.sync.aligned", "v_mfma"), "chunk_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
+        "chunk_prep_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
 # see chunk_intra.stacked_pair_products): a spill there is a regression of that shape.
-_NO_SPILLS = ("chunk_prep_intra", "chunk_prep_intra_inv")
+_NO_SPILLS = ("chunk_prep_intra", "chunk_prep_intra_inv", "chunk_prep_intra_inv_prod")
 
 
 @pytest.fixture(scope="module")
