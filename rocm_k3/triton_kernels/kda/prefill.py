@@ -85,14 +85,15 @@ SOLVE_KB = True
 # chunk_intra (or chunk_prep_intra, PREP_IN_INTRA) inverts its diagonal 16 x 16 block of A (it holds it in
 # registers) and stores T_II = (I + A_II)^-1 in its place; chunk_solve then loads T_II instead of inverting all four
 # blocks in each of its K / BD + V / BD programs per (chunk, head) (4x the inversions at BD 64, 15 dependent row
-# steps each). No effect under FUSED or MERGE_WY (they invert in registers). Untimed (session 17, no GPU): off until
-# the H200 compares it (scripts/h200_pending.md).
+# steps each). No effect under FUSED or MERGE_WY (they invert in registers). Off: H100 2026-12-05 (session 18,
+# RESULTS.md) chunk_intra 0.343 -> 0.701 ms, solve 0.433 -> 0.270 at T = 4096, H = 96 (1.72 vs 1.53 ms in all).
 INTRA_INVERTS = False
 # The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
 # forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
 # back (at K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses
-# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). Untimed (session
-# 17, no GPU): off until the H200 compares it (scripts/h200_pending.md).
+# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). Off: H100
+# 2026-12-05 (session 18, RESULTS.md) 2.46 vs 1.53 ms at T = 4096 (walk 1.33 ms at 1 stage, spilling; 0.39 at
+# STATE_STAGES 2, where solve + walk take 0.74; the intra kernel's inversion +0.36 ms).
 SOLVE_IN_WALK = False
 # Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
 # (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
@@ -100,7 +101,7 @@ SOLVE_IN_WALK = False
 # 3986, L2 re-reads not counted; each program evaluates the gate over its whole chunk: 4x chunk_prep's); the solve
 # reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). FUSED takes precedence over it, and it over MERGE_WY
 # (with both set chunk_wy does not run). sm_90 cross-compile: 147 registers, no spills (three programs per SM). Off:
-# not yet timed (scripts/h200_pending.md, session 17).
+# H100 2026-12-05 (session 18, RESULTS.md) chunk_prep_intra 1.51 ms where chunk_prep + chunk_intra take 0.78.
 PREP_IN_INTRA = False
 # How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve, chunk_intra or chunk_prep_intra
 # invert them: row by row (False: 15 dependent steps of two cross-thread reductions each) or as the product
