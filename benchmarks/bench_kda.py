@@ -228,18 +228,14 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 
 
 # --profile-only's settings of the prefill module profiled beside the default (same inputs, same process). H100
-# 2026-12-05 (session 18, RESULTS.md): chunk_prep_intra took 1.5-1.8 ms where prep + intra take 0.78, INTRA_INVERTS
-# doubled chunk_intra (its row-by-row inversion: +0.36 ms for -0.16 ms of solve), and the solving walk at 2 stages
-# ran 0.39 ms where solve + walk take 0.74 (1.33 at 1 stage, spilling). So: the diagonal inverses as products of four
-# factors (INVERT_BY_PRODUCTS) in the solve and in the intra kernel, the solving walk at 2 stages with and without
-# them, and the default walk at 2 stages.
-_WALK2 = {"STATE_STAGES": 2}
-PROFILE_VARIANTS = (("INVERT_BY_PRODUCTS", {"INVERT_BY_PRODUCTS": True}),
-                    ("INTRA_INVERTS by products", {"INTRA_INVERTS": True, "INVERT_BY_PRODUCTS": True}),
-                    ("walk 2 stages", _WALK2),
-                    ("SOLVE_IN_WALK, walk 2 stages", {"SOLVE_IN_WALK": True, **_WALK2}),
-                    ("SOLVE_IN_WALK by products, walk 2 stages",
-                     {"SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, **_WALK2}))
+# 2026-12-05 (session 19, RESULTS.md) at T = 4k / 16k: the solve inside the walk with the intra kernel's inverses by
+# products (the default since) 1.287 / 5.084 ms, INTRA_INVERTS by products 1.484 / 5.864, the four launches 1.536 /
+# 6.072; slower than the four launches: the products in chunk_solve, the default walk at 2 stages, the solving walk
+# with row-by-row inverses, chunk_prep at 64-column slices. So: the four launches and INTRA_INVERTS by products.
+_FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
+PROFILE_VARIANTS = (("four launches (the default before session 19)", _FOUR_LAUNCHES),
+                    ("INTRA_INVERTS by products, four launches",
+                     {**_FOUR_LAUNCHES, "INTRA_INVERTS": True, "INVERT_BY_PRODUCTS": True}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -365,15 +361,17 @@ PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 3
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the four launches (timed again), the diagonal inverses by products (in the solve), the
-# default walk at 2 stages, the solve inside the state walk at 2 stages (SOLVE_IN_WALK: three launches) with its
-# inverses row by row and by products (the last one is also timed while saving states, with the first two)
-_PREP = {"FUSED": False, "MERGE_WY": False, "PREP_IN_INTRA": False, "INTRA_INVERTS": False}
-PREP_COMPARE = (("ms_4launch", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False, "STATE_STAGES": None}),
-                ("ms_products", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": True, "STATE_STAGES": None}),
-                ("ms_walk2", {**_PREP, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False, **_WALK2}),
-                ("ms_solve_in_walk2", {**_PREP, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": False, **_WALK2}),
-                ("ms_solve_in_walk2_products", {**_PREP, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, **_WALK2}))
+# ... and --prep-compare's: the four launches (timed again), the diagonal inverses in the intra kernel by products
+# (INTRA_INVERTS: the solve reads them) and the solve inside the state walk (SOLVE_IN_WALK, three launches) with its
+# inverses by products and its walk at SOLVE_WALK_STAGES; all three also timed while saving states. Session 19's
+# profile on an H100 dropped the rest (the products in chunk_solve, the default walk at 2 stages, the row-by-row
+# inverses in the intra kernel; RESULTS.md).
+_PREP = {"FUSED": False, "MERGE_WY": False, "PREP_IN_INTRA": False, "STATE_STAGES": None}
+PREP_COMPARE = (("ms_4launch", {**_PREP, "INTRA_INVERTS": False, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False}),
+                ("ms_intra_inverts_products", {**_PREP, "INTRA_INVERTS": True, "SOLVE_IN_WALK": False,
+                                               "INVERT_BY_PRODUCTS": True}),
+                ("ms_solve_in_walk_products", {**_PREP, "INTRA_INVERTS": False, "SOLVE_IN_WALK": True,
+                                               "INVERT_BY_PRODUCTS": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -384,7 +382,7 @@ def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False,
         v = PHASE_COMPARE if phase_compare else PREP_COMPARE if prep_compare else FUSED_COMPARE
         rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
                 (96, VARLEN, False, v, 0, (1, 3))]
-        saving = v[:2] if phase_compare else (v[0], v[1], v[-1])  # prep-compare: also the last setting
+        saving = v[:2] if phase_compare else v
         return rows + ([(96, VARLEN, False, saving, 1024, (1, 3))] if phase_compare or prep_compare else [])
     fused = FUSED_SWEEP if sweep else ()
     return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
@@ -436,7 +434,7 @@ def main() -> None:
         _progress(rows[-1], args.json)
     for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare, args.phase_compare,
                                                                 args.prep_compare):
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, False, fused, every, fresh))
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
         profile_prefill(96, [4096], gen, chunk_kda)

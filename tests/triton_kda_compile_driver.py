@@ -128,7 +128,7 @@ def _specs() -> dict:
         # SOLVE_IN_WALK: the walk with the WY solve inside (prefill.SOLVE_IN_WALK)
         "chunk_state_solve": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
                               dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True),
-                              state_warps, state_stages(bv)),
+                              state_warps, state_stages(bv, solve_in=True)),
         "chunk_output": (f"{pkg}.chunk_output", "chunk_output_kernel",
                          {**plan, "qg_ptr": "*bf16", "aqk_ptr": "*bf16", "hbuf_ptr": "*bf16", "vbuf_ptr": "*bf16",
                           "o_ptr": "*bf16"}, dict(H=H, K=K, V=V, BV=64, **dots), 4, 2),

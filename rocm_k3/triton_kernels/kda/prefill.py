@@ -91,10 +91,12 @@ INTRA_INVERTS = False
 # The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
 # forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
 # back (at K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses
-# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). Off: H100
-# 2026-12-05 (session 18, RESULTS.md) 2.46 vs 1.53 ms at T = 4096 (walk 1.33 ms at 1 stage, spilling; 0.39 at
-# STATE_STAGES 2, where solve + walk take 0.74; the intra kernel's inversion +0.36 ms).
-SOLVE_IN_WALK = False
+# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). On (three
+# launches) with INVERT_BY_PRODUCTS and the walk at SOLVE_WALK_STAGES = 2: H100 2026-12-05 (session 19, RESULTS.md)
+# kernel sum 1.287 / 5.084 ms at T = 4k / 16k, H = 96, against 1.536 / 6.072 for the four launches (intra 0.455 ms
+# with its inverses, walk 0.388 where solve + walk took 0.745). Session 18: with row-by-row inverses the intra
+# kernel took 0.70 ms, and the walk at 1 stage 1.33 (spilling).
+SOLVE_IN_WALK = True
 # Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
 # (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
 # are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
@@ -105,10 +107,15 @@ SOLVE_IN_WALK = False
 PREP_IN_INTRA = False
 # How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve, chunk_intra or chunk_prep_intra
 # invert them: row by row (False: 15 dependent steps of two cross-thread reductions each) or as the product
-# (I - A)(I + A^2)(I + A^4)(I + A^8) (True: six fp32 16 x 16 x 16 products, four dependent levels). H100
-# 2026-12-05 (session 18, RESULTS.md): the row-by-row inversion costs chunk_intra 0.36 ms of its 0.70 ms at
-# T = 4096, H = 96 (INTRA_INVERTS). Off until timed.
-INVERT_BY_PRODUCTS = False
+# (I - A)(I + A^2)(I + A^4)(I + A^8) (True: six fp32 16 x 16 x 16 products, four dependent levels). H100 2026-12-05
+# (session 19, RESULTS.md), T = 4096, H = 96: the intra kernel with its inverses 0.455 ms by products against 0.704
+# row by row (0.344 without them); chunk_solve's own inversion is slower by products (0.506 vs 0.435 ms), but with
+# SOLVE_IN_WALK on chunk_solve does not run.
+INVERT_BY_PRODUCTS = True
+# num_stages of the walk that solves (SOLVE_IN_WALK) when STATE_STAGES is None. H100 2026-12-05 (session 18): 1.33 ms
+# at 1 stage (spilling), 0.39 ms at 2 (BV 64, 4 warps, T = 4096, H = 96); the default walk stays at 1 (2 stages:
+# 0.31 -> 0.40 ms, session 19).
+SOLVE_WALK_STAGES = 2
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -135,11 +142,14 @@ def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
     return min(16, V), 4
 
 
-def state_stages(bv: int) -> int:
-    """num_stages of the state walk for value block ``bv``: ``STATE_STAGES`` when set, else 1 for BV 64 (two
-    programs per SM, measured faster) and 2 below it (as timed on 2026-11-29)."""
+def state_stages(bv: int, solve_in: bool = False) -> int:
+    """num_stages of the state walk for value block ``bv``: ``STATE_STAGES`` when set; else, for the walk that solves
+    (``solve_in``, SOLVE_IN_WALK), ``SOLVE_WALK_STAGES``; else 1 for BV 64 (two programs per SM, measured faster)
+    and 2 below it (as timed on 2026-11-29)."""
     if STATE_STAGES is not None:
         return STATE_STAGES
+    if solve_in:
+        return SOLVE_WALK_STAGES
     return 1 if bv >= 64 else 2
 
 
@@ -260,7 +270,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
-        num_warps=warps, num_stages=state_stages(bv),
+        num_warps=warps, num_stages=state_stages(bv, solve_in),
     )
     if split:
         bvo = min(64, V)
