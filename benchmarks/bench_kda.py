@@ -414,7 +414,10 @@ def main() -> None:
     parser.add_argument("--phase-compare", action="store_true",
                         help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --fused-compare, with the PREP_COMPARE settings (prep folded into intra)")
+                        help="as --fused-compare, with the PREP_COMPARE settings (the solve in the walk, the intra "
+                             "kernel's inverses)")
+    parser.add_argument("--saving-only", action="store_true",
+                        help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw, mm = measure_ceilings()
@@ -432,8 +435,10 @@ def main() -> None:
     for H, N in () if skip_decode else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    for H, lengths, tiles, fused, every, fresh in prefill_cases(args.sweep, args.fused_compare, args.phase_compare,
-                                                                args.prep_compare):
+    cases = prefill_cases(args.sweep, args.fused_compare, args.phase_compare, args.prep_compare)
+    if args.saving_only:
+        cases = [c for c in cases if c[4] > 0]
+    for H, lengths, tiles, fused, every, fresh in cases:
         rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, fused, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:

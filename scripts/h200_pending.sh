@@ -108,6 +108,10 @@ run_part() {
     cuda_kda) part cuda_kda 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py tests/kernels/triton/test_triton_model.py tests/engine/test_engine_cuda.py \
       -k "(prefill and not (prep-in-intra or merged or fused or unsplit)) or tiny or geometry or prefix_caching" ;;
+    cuda_engine) part cuda_engine 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
+      tests/engine/test_engine_cuda.py tests/kernels/triton/test_triton_model.py -k "prefix_caching or bf16_triton_logits" ;;
+    kda_saving) part kda_saving 90 0 "$PY" -u benchmarks/bench_kda.py --prep-compare --saving-only \
+      --json "$OUT/kda_saving.json" ;;
     kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
     cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling_cuda.py \
@@ -118,7 +122,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_engine cuda_tier)" >&2; return 2 ;;
   esac
 }
 
