@@ -11,7 +11,8 @@ behind ``prefill.MERGE_WY``; ``chunk_prep_intra.py``, phases 1 and 2 in one laun
 (shared device helpers and the varlen chunk plan). Tuning knobs (measured on the H200) sit beside the kernels:
 ``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.STATE_STAGES`` / ``prefill.PREP_BK`` /
 ``prefill.PREP_SPLIT`` / ``prefill.SOLVE_KB`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` / ``prefill.MERGE_WY`` /
-``prefill.PREP_IN_INTRA`` / ``prefill.INTRA_INVERTS`` / ``prefill.SOLVE_IN_WALK`` and
+``prefill.PREP_IN_INTRA`` / ``prefill.INTRA_INVERTS`` / ``prefill.SOLVE_IN_WALK`` / ``prefill.INVERT_BY_PRODUCTS`` /
+``prefill.SOLVE_WALK_STAGES`` and
 ``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """

@@ -1,5 +1,6 @@
-"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in four launches (default), three
-(``PREP_IN_INTRA``) or two (``FUSED``).
+"""Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches (default: prep, intra with
+the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``), four (phase 3 as its own launch), or two
+(``FUSED``; ``PREP_IN_INTRA`` with ``SOLVE_IN_WALK``).
 
     FUSED    chunk_fused  phases 1-3 below in one program per (chunk, head), A kept on chip
              chunk_state  phase 4

@@ -185,13 +185,14 @@ _PREFILL_CASES = [
 ]
 
 
-# Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the default, the
-# column-split prep and the solve reading intra's KB; "4-launch-unsplit": the prep walking its column slices and
-# the solve reading k' and G; "3-launch-prep-in-intra": the default with the prep done by chunk_prep_intra;
-# "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for the solve;
-# "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting overrides them))
+# Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the column-split
+# prep and a separate solve reading intra's KB, the default before session 19; "4-launch-unsplit": the prep walking
+# its column slices and the solve reading k' and G; "3-launch-prep-in-intra": the four launches with the prep done
+# by chunk_prep_intra; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for
+# the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting
+# overrides them); "-products": INVERT_BY_PRODUCTS. The default is "3-launch-solve-in-walk-products")
 _FOUR = dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False, INTRA_INVERTS=False,
-             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False)  # the default four launches, every option named (off)
+             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "3-launch-prep-in-intra": {**_FOUR, "PREP_IN_INTRA": True},
