@@ -27,9 +27,14 @@ DRY=${DRY:-0}
 SLICE_WIDTH=${SLICE_WIDTH:-1}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
+# FLA (bench_kda's peer) goes to its own folder, on the path of the bench_kda parts only: where it is importable,
+# the device image's transformers runs its Kimi Linear reference through FLA's Triton kernels even on CPU tensors,
+# which fails the cuda tests that compare against transformers (session 19).
+FLA_SITE=${FLA_SITE:-/tmp/rocm_k3_fla_site}
 start=$SECONDS
 mkdir -p "$OUT"
 export PYTHONPATH=".:$CARRY/peer/vllm/third_party${PYTHONPATH:+:$PYTHONPATH}"
+PEER=(env "PYTHONPATH=$FLA_SITE:$PYTHONPATH" "$PY")
 
 part() {  # part NAME CAP RESERVE CMD... : run CMD under timeout min(CAP, left - RESERVE), output to $OUT/NAME.txt
   local name=$1 cap_var="CAP_$1" keep_var="KEEP_$1"
@@ -63,11 +68,11 @@ print(f"slice checkpoint {ck} written in {time.perf_counter() - t0:.1f} s")'
 
 setup() {  # the FLA peer for bench_kda (no registry on the device: carried wheels only)
   if [ "$DRY" != 1 ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-deps --no-index "$CARRY"/wheels/*.whl 2>&1 | tail -n 3
+    "$PY" -m pip install -q --no-deps --no-index --target "$FLA_SITE" "$CARRY"/wheels/*.whl 2>&1 | tail -n 3
   fi
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-  "$PY" -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -n 1
+  PYTHONPATH="$FLA_SITE:$PYTHONPATH" "$PY" -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -n 1
   git log -1 --format='code: %h %s' 2>/dev/null || true
 }
 
@@ -89,7 +94,7 @@ run_part() {
       --copies --checkpoint "$CK" ;;
     e2e_prefill_async) part e2e_prefill_async 150 0 "$PY" -u benchmarks/bench_e2e.py --prefill --rounds 2 \
       --async-scheduling --checkpoint "$CK" ;;
-    conv) part conv 90 0 "$PY" -u benchmarks/bench_kda.py --conv ;;
+    conv) part conv 90 0 "${PEER[@]}" -u benchmarks/bench_kda.py --conv ;;
     moe32) part moe32 120 0 "$PY" -u benchmarks/bench_moe.py --experts 32 --tokens 8192 2048 --grouped --no-peer \
       --no-sass ;;
     moe_tiles) part moe_tiles 150 0 "$PY" -u benchmarks/bench_moe.py --tokens 1024 2048 --no-peer --no-sass \
@@ -101,23 +106,23 @@ run_part() {
       --durations=10 tests/kernels/triton/test_moe_grouped.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_ops.py tests/kernels/triton/test_triton_model.py \
       -k "grouped or dequant or short_conv or kda_prefill or norms or ws_gemm_graph or (fused_moe_k3 and T2048) or k3_slice_bf16" ;;
-    kda_prof) part kda_prof 240 0 "$PY" -u benchmarks/bench_kda.py --profile-only ;;
-    kda_prep) part kda_prep 200 0 "$PY" -u benchmarks/bench_kda.py --prep-compare --json "$OUT/kda_prep.json" ;;
+    kda_prof) part kda_prof 240 0 "${PEER[@]}" -u benchmarks/bench_kda.py --profile-only ;;
+    kda_prep) part kda_prep 200 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --json "$OUT/kda_prep.json" ;;
     cuda_prep) part cuda_prep 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (products or solve-in-walk)" ;;
     cuda_kda) part cuda_kda 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py tests/kernels/triton/test_triton_model.py tests/engine/test_engine_cuda.py \
       -k "(prefill and not (prep-in-intra or merged or fused or unsplit)) or tiny or geometry or prefix_caching" ;;
     cuda_engine) part cuda_engine 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
-      tests/engine/test_engine_cuda.py tests/kernels/triton/test_triton_model.py -k "prefix_caching or bf16_triton_logits" ;;
-    kda_saving) part kda_saving 90 0 "$PY" -u benchmarks/bench_kda.py --prep-compare --saving-only \
+      tests/engine/test_engine_cuda.py tests/kernels/triton/test_triton_model.py -k "prefix_caching or geometry or bf16_triton_logits" ;;
+    kda_saving) part kda_saving 90 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --saving-only \
       --json "$OUT/kda_saving.json" ;;
-    kda_phase) part kda_phase 150 0 "$PY" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
+    kda_phase) part kda_phase 150 0 "${PEER[@]}" -u benchmarks/bench_kda.py --phase-compare --json "$OUT/kda_phase.json" ;;
     cuda_new) part cuda_new 300 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling_cuda.py \
       tests/worker/test_cuda_graph.py tests/worker/test_verify_graphs.py tests/parallel/test_expert_dispatch_graph.py \
       tests/kernels/triton/test_triton_kda.py -k "not gfx and (prefill or graph or slice or stage or async or static or speculation)" ;;
-    kda) part kda 150 0 "$PY" -u benchmarks/bench_kda.py --fused-compare --json "$OUT/kda.json" ;;
+    kda) part kda 150 0 "${PEER[@]}" -u benchmarks/bench_kda.py --fused-compare --json "$OUT/kda.json" ;;
     cuda_tier) part cuda_tier 600 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
