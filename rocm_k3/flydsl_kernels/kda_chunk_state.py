@@ -1,13 +1,16 @@
-"""Phase 4 of the chunked FlyDSL KDA prefill: the inter-chunk state walk and the output, one wave per
-(value tile of 16 columns, sequence, head), the chunk products on fp32 MFMA (``v_mfma_f32_16x16x4_f32``).
+"""Phase 3 of the chunked FlyDSL KDA prefill: the inter-chunk state walk with the WY solve inside it and the
+output, one wave per (value tile of 16 columns, sequence, head), the chunk products on fp32 MFMA
+(``v_mfma_f32_16x16x4_f32``).
 
-Twin of ``rocm_k3.triton_kernels.kda.chunk_state`` (with the output fused, ``WITH_OUTPUT``). Walking the
-sequence's chunks in order with the fp32 state slice S [K, 16] in registers, for the n <= 64 rows of a chunk
-(G, q', k' from phase 1, W, U, Aqk from phases 2-3, G_last = G at the chunk's last row)::
+Twin of ``rocm_k3.triton_kernels.kda.chunk_state`` with ``SOLVE_IN`` and the output fused (``WITH_OUTPUT``), the
+Triton default since session 19 (``prefill.SOLVE_IN_WALK``). Walking the sequence's chunks in order with the fp32
+state slice S [K, 16] in registers, for the n <= 64 rows of a chunk (G, q', k', b from phase 1; the A band, KB, Aqk
+from phase 2; G_last = G at the chunk's last row), by associativity V' = U - W S = (I + A)^-1 (b v - KB S), solved
+by block forward substitution over the chunk's four 16-row tiles I in order::
 
-    V' = U - W S                                   [n, 16]
-    O  = (q' exp(G)) S + Aqk V'                    [n, 16]   (written in o's dtype)
-    S  = diag(exp(G_last)) S + (k' exp(G_last - G))^T V'
+    V'_I = T_II (b v_I - KB_I S - sum_{J < I} A_IJ V'_J)        [16, 16] per tile  (T_II = (I + A_II)^-1)
+    O    = (q' exp(G)) S + Aqk V'                               [n, 16]   (written in o's dtype)
+    S    = diag(exp(G_last)) S + (k' exp(G_last - G))^T V'
 
 The initial state is ``State[Slots[n]]`` when ``HasInit[n]`` (else 0, selected so a never-written slot's NaN
 cannot leak in); the final state is written back to the same slot. ``InterMap[chunk]`` >= 0 asks for the state
@@ -15,13 +18,15 @@ after that chunk in row ``InterMap[chunk]`` of ``Inter``.
 
 Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane); contractions step
 through rows in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are used directly as the B
-operands of W S and (q' exp(G)) S. V' is built one 16-row tile per iteration and goes through LDS ([64, 16]),
-from where each lane reads the B operands of Aqk V' and KD^T V' in the same step order. The A operands (W,
-q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32 intermediates, one value per lane and step. Rows
-past the chunk's end read the chunk's last row (in range) and their V' is set to 0, so they add nothing;
-their outputs are not stored. All operands and accumulators are fp32 (exact fp32 products, fp32
-accumulation, as the reference). Row tiles and the KD^T V' row groups are runtime loops (112 MFMAs in the
-code per chunk instead of 448), which keeps the register count near 240.
+operands of KB S and (q' exp(G)) S, and the C fragment of a tile's right-hand side is the B operand of its T_II
+product. V' is built one 16-row tile per iteration and goes through LDS ([64, 16]), from where each lane reads
+the B operands of the later tiles' A_IJ V'_J, of Aqk V' and of KD^T V' in the same step order (a barrier after
+each tile). The A operands (KB, the A band, q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32
+intermediates, one value per lane and step. Rows past the chunk's end read the chunk's last row (in range); their
+right-hand side and their V' are set to 0, so they add nothing (T_II and A are lower triangular: a valid row
+never reads a later one); their outputs are not stored. All operands and accumulators are fp32 (exact fp32
+products, fp32 accumulation, as the reference). Row tiles, the substitution's earlier tiles and the KD^T V' row
+groups are runtime loops, which keeps the register count near 240.
 """
 
 import flydsl.compiler as flyc
@@ -37,11 +42,14 @@ TILE = 16
 
 
 def build_kda_chunk_state(config):
-    """``launch(Qn, Kn, Gc, WU, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter, InterMap, num_seqs)``.
+    """``launch(Qn, Kn, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter, InterMap,
+    num_seqs)``.
 
-    Qn, Kn, Gc fp32 [T, H, K]; WU fp32 [T, H, K + V]; Aqk fp32 [T, H, 64]; CuSeq and SeqFirstChunk int32 [N+1];
-    State fp32 [S, H, K, V] (in place); Slots, HasInit int32 [N]; O [T, H, V] (activation dtype); Inter fp32
-    [M, H, K, V]; InterMap int32 [NC]. ``config`` is a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig`.
+    Qn, Kn, Gc fp32 [T, H, K] and B fp32 [T, H] from phase 1; the A band Ab fp32 [T, H, 64] (T_II on its diagonal
+    blocks), KB fp32 [T, H, K] and Aqk fp32 [T, H, 64] from phase 2; V [T, H, V] (activation dtype); CuSeq and
+    SeqFirstChunk int32 [N+1]; State fp32 [S, H, K, V] (in place); Slots, HasInit int32 [N]; O [T, H, V]
+    (activation dtype); Inter fp32 [M, H, K, V]; InterMap int32 [NC]. ``config`` is a
+    :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig`.
     """
     H, K = config.num_heads, config.head_dim
     k_tiles, k_steps = K // TILE, K // MFMA_K  # S row tiles; MFMA steps over K
@@ -60,9 +68,9 @@ def build_kda_chunk_state(config):
 
     @flyc.kernel
     def kda_chunk_state_kernel(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, WU: fx.Tensor, Aqk: fx.Tensor, CuSeq: fx.Tensor,
-        SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, O: fx.Tensor,
-        Inter: fx.Tensor, InterMap: fx.Tensor,
+        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
+        Aqk: fx.Tensor, CuSeq: fx.Tensor, SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor,
+        HasInit: fx.Tensor, O: fx.Tensor, Inter: fx.Tensor, InterMap: fx.Tensor,
     ):
         lane = gpu.thread_idx.x
         q = lane // TILE  # lane group: C rows 4q .. 4q+3 of a tile, contraction index group of a step
@@ -93,19 +101,31 @@ def build_kda_chunk_state(config):
             t_last = t0 + cnt - 1
             s_frag = [fx.memref_load_vec(st[m]) for m in range_constexpr(k_tiles)]
 
-            # V' = U - W S, one 16-row tile of the chunk per iteration, into LDS ([64, 16], row-major)
+            # V'_I = T_II (b v_I - KB_I S - sum_{J < I} A_IJ V'_J), one 16-row tile I per iteration, into LDS
+            # ([64, 16], row-major); the earlier tiles' V' rows are read back from LDS as B operands
             for r in range(c_tiles):
                 src = fx.min(t0 + r * TILE + a_row, t_last)
-                acc_w = common.fill_rmem(4, 0.0)
+                acc = common.fill_rmem(4, 0.0)  # KB_I S + sum_{J < I} A_IJ V'_J
                 for s in range_constexpr(k_steps):
-                    fx.gemm(atom, acc_w, one(fx.Float32(WU[src, h, mfma_krow(s, q)])), one(s_frag[s // 4][s % 4]),
-                            acc_w)
-                ws = fx.memref_load_vec(acc_w)
+                    fx.gemm(atom, acc, one(fx.Float32(KB[src, h, mfma_krow(s, q)])), one(s_frag[s // 4][s % 4]), acc)
+                for s in range(r * (TILE // MFMA_K)):  # the contraction over rows 0 .. 16 I - 1
+                    j = mfma_krow(s, q)
+                    fx.gemm(atom, acc, one(fx.Float32(Ab[src, h, j])), one(svp[j * STATE_BV + a_row]), acc)
+                kbs = fx.memref_load_vec(acc)
+                rhs = []  # C fragment of the tile's right-hand side = B operands of its T_II product
                 for i in range_constexpr(4):
                     row = r * TILE + mfma_krow(i, q)  # chunk row of C element i
-                    u = fx.Float32(WU[fx.min(t0 + row, t_last), h, K + col])
-                    svp[row * STATE_BV + a_row] = (row < cnt).select(u - ws[i], 0.0)  # rows past the end: 0
-            gpu.barrier()
+                    t = fx.min(t0 + row, t_last)
+                    bv = fx.Float32(B[t, h]) * fx.Float32(V[t, h, col])
+                    rhs.append((row < cnt).select(bv - kbs[i], 0.0))  # rows past the end: 0
+                acc_v = common.fill_rmem(4, 0.0)
+                for i in range_constexpr(4):
+                    fx.gemm(atom, acc_v, one(fx.Float32(Ab[src, h, r * TILE + mfma_krow(i, q)])), one(rhs[i]), acc_v)
+                vs = fx.memref_load_vec(acc_v)
+                for i in range_constexpr(4):
+                    row = r * TILE + mfma_krow(i, q)
+                    svp[row * STATE_BV + a_row] = (row < cnt).select(vs[i], 0.0)
+                gpu.barrier()  # the next tile reads this one's V' rows
             vp = [svp[mfma_krow(s, q) * STATE_BV + a_row] for s in range_constexpr(c_steps)]  # B operands over rows
 
             # O = (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal), one 16-row tile per iteration
@@ -156,11 +176,12 @@ def build_kda_chunk_state(config):
 
     @flyc.jit
     def launch(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, WU: fx.Tensor, Aqk: fx.Tensor, CuSeq: fx.Tensor,
-        SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor, HasInit: fx.Tensor, O: fx.Tensor,
-        Inter: fx.Tensor, InterMap: fx.Tensor, num_seqs: fx.Int32, stream: fx.Stream = common.DEFAULT_STREAM,
+        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
+        Aqk: fx.Tensor, CuSeq: fx.Tensor, SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor,
+        HasInit: fx.Tensor, O: fx.Tensor, Inter: fx.Tensor, InterMap: fx.Tensor, num_seqs: fx.Int32,
+        stream: fx.Stream = common.DEFAULT_STREAM,
     ):
-        kda_chunk_state_kernel(Qn, Kn, Gc, WU, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter,
+        kda_chunk_state_kernel(Qn, Kn, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter,
                                InterMap).launch(grid=(K // STATE_BV, num_seqs, H), block=(common.WAVE,), stream=stream)
 
     return launch

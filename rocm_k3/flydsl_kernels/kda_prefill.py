@@ -9,22 +9,25 @@ fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_ke
     Triton phase             FlyDSL kernel (module)            grid / tiling
     1 chunk_prep             kda_chunk_prep                    (chunk, head), 2K lanes: gate, in-chunk cumsum G,
                                                                q/k L2 norm (+ scale), beta sigmoid -> fp32 q', k', G, b
-    2 chunk_intra            kda_chunk_intra (first half)      (chunk, head), 256 lanes: A (strictly lower, times b)
-                                                               and Aqk (lower incl. diagonal), 16 pair entries per lane,
-                                                               k'/q'/G staged in LDS slabs; VALU, exp(G_i - G_j) exact
-    3 chunk_solve            kda_chunk_intra (second half)     same workgroup: W = (I + A)^-1 (b exp(G) k'),
-                                                               U = (I + A)^-1 (b v) by forward substitution row by row
-                                                               (the Triton block substitution with 1 x 1 blocks), A in
-                                                               LDS, one [W | U] column per lane -> fp32 WU [T, H, 2K]
-    4 chunk_state (+output)  kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
-                                                               registers: V' = U - W S, O = (q' exp G) S + Aqk V',
+    2 chunk_intra            kda_chunk_intra                   (chunk, head), 256 lanes: A (strictly lower, times b)
+      (INVERT_DIAG,                                            and Aqk (lower incl. diagonal), 16 pair entries per lane,
+      WRITE_KB)                                                k'/q'/G staged in LDS slabs; VALU, exp(G_i - G_j) exact;
+                                                               the four diagonal blocks' inverses T_II = (I + A_II)^-1
+                                                               by forward substitution (one block column per lane)
+                                                               -> fp32 A band (T_II on the diagonal blocks), Aqk, and
+                                                               KB = b exp(G) k'
+    3 chunk_state            kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
+      (SOLVE_IN, output)                                       registers: V'_I = T_II (b v_I - KB_I S - sum_{J<I}
+                                                               A_IJ V'_J) tile by tile, O = (q' exp G) S + Aqk V',
                                                                S = diag(exp G_last) S + (k' exp(G_last - G))^T V', all
-                                                               four products on fp32 MFMA v_mfma_f32_16x16x4_f32
+                                                               products on fp32 MFMA v_mfma_f32_16x16x4_f32
 
-Differences from the Triton twin: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16
-activations), so products are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference
-G_i - G_j per element (no 16-row reference-row split, hence no per-token |g| range limit); phases 2 and 3 share a
-workgroup (A never leaves LDS). Index maps: ``kda_prefill_plan`` (host-tested). Intermediate states are taken at
+The Triton twin's default since session 19 (``prefill.SOLVE_IN_WALK``): no separate WY solve, no W or U in memory.
+Differences from it: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16 activations), so products
+are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference G_i - G_j per element (no 16-row
+reference-row split, hence no per-token |g| range limit); the diagonal inverses by substitution on VALU where the
+Triton twin multiplies four factors on tensor cores (``prefill.INVERT_BY_PRODUCTS``, see kda_chunk_intra). Index
+maps: ``kda_prefill_plan`` (host-tested). Intermediate states are taken at
 chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes ``ops_impl`` run the
 recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
 

@@ -11,7 +11,8 @@ Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intr
   ``j = (tid % 4) * 16 + r``, r < 16 (``intra_pair``).
 - intra slab: the chunk's [64, SLAB] slice of k' / q' / G is staged in LDS; element ``e`` of lane ``tid``
   is slab position ``tid + e * 256`` (``intra_slab``), 64 * SLAB / 256 elements per lane.
-- solve: lane ``tid`` < 2K owns column ``tid`` of [W | U] (K + V = 2K columns), all 64 rows in registers.
+- inverses: lane ``tid`` < 64 owns column ``tid % 16`` of the inverse of diagonal block ``tid // 16``
+  (``intra_inverse``), its 16 rows in registers.
 - state walk: one wave owns a [K, STATE_BV] slice of one head's state as fp32 MFMA 16x16x4 C fragments;
   contractions step through rows in the order ``mfma_krow`` (below), which makes C fragments B operands.
 """
@@ -22,13 +23,18 @@ CHUNK = 64
 LANES = 256  # workgroup of the intra and state kernels
 INTRA_COLS = 16  # pair-matrix columns per lane
 INTRA_SLAB = 32  # key channels staged in LDS per step of the intra kernel
-SOLVE_COLS = 128  # [W | U] columns per solve pass (LDS holds their 64 solved rows)
+SUB = 16  # rows of a diagonal block of A (inverted by the intra kernel, substituted by the state walk)
 STATE_BV = 16  # value columns per state-walk wave (one MFMA tile wide)
 
 
 def intra_pair(tid, r):
     """(row i, column j) of the 64 x 64 pair matrices held in accumulator ``r`` (< 16) by lane ``tid``."""
     return tid // (LANES // CHUNK), (tid % (LANES // CHUNK)) * INTRA_COLS + r
+
+
+def intra_inverse(tid):
+    """(diagonal block, column) of T_II = (I + A_II)^-1 that lane ``tid`` < 64 solves for."""
+    return tid // SUB, tid % SUB
 
 
 def intra_slab(tid, e):

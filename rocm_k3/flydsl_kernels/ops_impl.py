@@ -237,7 +237,7 @@ def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has
         return False, "state must be contiguous [S, H, K, V]"
     if _off_grid(cu_seqlens, intermediate_positions):
         return True, "flydsl recurrent-form prefill (intermediate positions off the 64-token chunk grid)"
-    return True, "flydsl chunked prefill (C = 64, VALU, fp32 intermediates)"
+    return True, "flydsl chunked prefill (C = 64, fp32 intermediates, the WY solve inside the state walk)"
 
 
 def _off_grid(cu_seqlens: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -272,7 +272,8 @@ def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: 
 
 
 def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inter, positions, a_log, dt_bias, scale):
-    """The three chunked launches (prep, intra + solve, state walk) with fp32 intermediates; returns o [T, H, V].
+    """The three chunked launches (prep, intra with the diagonal inverses, the state walk that solves) with fp32
+    intermediates; returns o [T, H, V].
     ``inter`` [max(M, 1), H, K, V] is filled in place (a repeated request copies the first one's state)."""
     from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, chunk_plan, inter_map
 
@@ -286,14 +287,15 @@ def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inte
     imap, source = inter_map(first, rows, NC)
     f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
     qn, kn, gc, b = f32(T, H, K), f32(T, H, K), f32(T, H, K), f32(T, H)  # phase 1
-    aqk, wu = f32(T, H, CHUNK), f32(T, H, 2 * K)  # phases 2-3: Aqk [T, H, 64], [W | U] [T, H, K + V]
+    aqk, ab, kb = f32(T, H, CHUNK), f32(T, H, CHUNK), f32(T, H, K)  # phase 2: Aqk, A band (T_II diagonal), KB
     o = torch.empty(T, H, K, dtype=v.dtype, device=dev)
     prep, intra, walk = _kda_chunk_launchers(cfg)
     seqs, starts = as_i32(chunk_seq), as_i32(chunk_start)
     stream = stream_of(q)
     prep(q, k, g, beta, seqs, starts, cu, a_log, dt_bias, qn, kn, gc, b, NC, scale, **stream)
-    intra(qn, kn, gc, b, v, seqs, starts, cu, aqk, wu, NC, **stream)
-    walk(qn, kn, gc, wu, aqk, cu, as_i32(first), state, slots, has_init, o, inter, as_i32(imap), N, **stream)
+    intra(qn, kn, gc, b, seqs, starts, cu, aqk, ab, kb, NC, **stream)
+    walk(qn, kn, gc, ab, kb, v, b, aqk, cu, as_i32(first), state, slots, has_init, o, inter, as_i32(imap), N,
+         **stream)
     if rows and source != list(range(len(rows))):
         inter[: len(rows)] = inter[torch.tensor(source, device=dev)]
     return o

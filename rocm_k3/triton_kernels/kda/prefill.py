@@ -53,8 +53,8 @@ PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "fused": 4, 
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
-# 0.549 / 2.13. The FlyDSL twin keeps the solve in the intra workgroup (kda_chunk_intra): same algorithm, its own
-# work split.
+# 0.549 / 2.13. The FlyDSL twin has no separate solve: it follows SOLVE_IN_WALK (kda_chunk_intra inverts the
+# diagonal blocks, kda_chunk_state substitutes).
 SOLVE_BD = 64
 # Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
 # the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).

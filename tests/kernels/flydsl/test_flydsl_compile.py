@@ -139,13 +139,14 @@ def _kda_chunk_case(phase: str, shape: str) -> Case:
     args = {
         "prep": lambda: (z(T, H, HEAD), z(T, H, HEAD), f32(T, H, HEAD), z(T, H), *plan, f32(H), f32(H * HEAD),
                          f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), NC, HEAD**-0.5),
-        "intra": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), z(T, H, HEAD), *plan,
-                          f32(T, H, 64), f32(T, H, 2 * HEAD), NC),
-        "state": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, 2 * HEAD), f32(T, H, 64),
-                          i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD), i32(N), i32(N), z(T, H, HEAD),
-                          f32(M, H, HEAD, HEAD), i32(NC), N),
+        "intra": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), *plan,
+                          f32(T, H, 64), f32(T, H, 64), f32(T, H, HEAD), NC),
+        "state": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, 64), f32(T, H, HEAD),
+                          z(T, H, HEAD), f32(T, H), f32(T, H, 64), i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD),
+                          i32(N), i32(N), z(T, H, HEAD), f32(M, H, HEAD, HEAD), i32(NC), N),
     }[phase]
-    # budgets (arch VGPRs + AGPRs): prep ~31; intra 32 accumulators + 16 in-flight exps (~170); state: 32 state +
+    # budgets (arch VGPRs + AGPRs): prep ~31; intra 32 accumulators + 16 in-flight exps + the 16 solved rows of a
+    # diagonal-block column (177 on gfx942, 141 on gfx950); state: 32 state +
     # 16 V' + 4 output accumulator registers plus the hoisted A-operand loads of a 48-MFMA row tile (~240)
     budget = {"prep": 64, "intra": 192, "state": 256}[phase]
     mfma = (lambda arch: "v_mfma_f32_16x16x4_f32") if phase == "state" else (lambda arch: None)

@@ -589,6 +589,12 @@ def test_kda_chunk_intra_maps_cover_tiles_once() -> None:
     slab = collections.Counter(kp.intra_slab(t, e) for t in range(kp.LANES) for e in range(kp.intra_slab_elems()))
     assert set(slab) == {(r, d) for r in range(kp.CHUNK) for d in range(kp.INTRA_SLAB)}
     assert set(slab.values()) == {1}
+    # the inverses: lanes 0 .. 63 take each (diagonal block, column) once; a pair lane's 16 columns are one block
+    inv = collections.Counter(kp.intra_inverse(t) for t in range(kp.CHUNK))
+    assert set(inv) == {(blk, c) for blk in range(kp.CHUNK // kp.SUB) for c in range(kp.SUB)}
+    assert set(inv.values()) == {1}
+    for t in range(kp.LANES):
+        assert len({kp.intra_pair(t, r)[1] // kp.SUB for r in range(kp.INTRA_COLS)}) == 1
 
 
 @pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)

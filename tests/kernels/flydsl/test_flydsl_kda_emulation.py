@@ -33,36 +33,47 @@ def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, p
     gc = torch.empty_like(g)
     for t0, te in zip(start, ends):
         gc[t0:te] = torch.cumsum(g[t0:te], 0)
-    aqk, wu = torch.zeros(T, H, kp.CHUNK), torch.empty(T, H, 2 * K)
-    for t0, te in zip(start, ends):  # phases 2-3
+    aqk, ab = torch.zeros(T, H, kp.CHUNK), torch.zeros(T, H, kp.CHUNK)
+    kb = b[:, :, None] * torch.exp(gc) * kn  # [T, H, K]: the walk's right-hand side in W's place
+    for t0, te in zip(start, ends):  # phase 2: pair matrices, the A band with the diagonal blocks inverted
         n = te - t0
         diff = gc[t0:te, None] - gc[None, t0:te]  # [i, j, H, K]: G_i - G_j
         lower = torch.ones(n, n).tril()[:, :, None, None].bool()
         e = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0) * kn[None, t0:te]
         a = torch.einsum("ihd,ijhd->hij", kn[t0:te], e) * b[t0:te].T[:, :, None] * torch.ones(n, n).tril(-1)
         aqk[t0:te, :, :n] = torch.einsum("ihd,ijhd->ihj", qn[t0:te], e)
-        x = torch.cat([b[t0:te, :, None] * torch.exp(gc[t0:te]) * kn[t0:te], b[t0:te, :, None] * v[t0:te]], -1)
-        w = []
-        for r in range(n):
-            w.append(x[r] - sum((a[:, r, j, None] * w[j] for j in range(r)), torch.zeros(H, 2 * K)))
-        wu[t0:te] = torch.stack(w)
+        ab[t0:te, :, :n] = a.permute(1, 0, 2)
+        for i0 in range(0, n, kp.SUB):  # T_II = (I + A_II)^-1, row by row as the kernel's lanes solve it
+            m = min(kp.SUB, n - i0)
+            blk = a[:, i0:i0 + m, i0:i0 + m]  # [H, m, m] strictly lower
+            t = []
+            for r in range(m):
+                t.append(torch.eye(m)[r].expand(H, m) - sum((blk[:, r, j, None] * t[j] for j in range(r)),
+                                                            torch.zeros(H, m)))
+            ab[t0 + i0:t0 + i0 + m, :, i0:i0 + m] = torch.stack(t)  # [m, H, m]
     imap, source = kp.inter_map(first, positions, len(seq))
     inter = torch.zeros(len(positions), H, K, K)
     o = torch.empty(T, H, K)
-    for i in range(len(bounds) - 1):  # phase 4
+    for i in range(len(bounds) - 1):  # phase 3: the walk, solving tile by tile
         s = torch.where(has_init[i], state[slots[i]], torch.zeros(H, K, K))
         for c in range(first[i], first[i + 1]):
             t0, te = start[c], ends[c]
-            vp = wu[t0:te, :, K:] - torch.einsum("thk,hkv->thv", wu[t0:te, :, :K], s)
+            n = te - t0
+            rhs = b[t0:te, :, None] * v[t0:te] - torch.einsum("thk,hkv->thv", kb[t0:te], s)  # [n, H, V]
+            vp = torch.zeros(n, H, K)
+            for i0 in range(0, n, kp.SUB):
+                m = min(kp.SUB, n - i0)
+                x = rhs[i0:i0 + m] - torch.einsum("thj,jhv->thv", ab[t0 + i0:t0 + i0 + m, :, :i0], vp[:i0])
+                vp[i0:i0 + m] = torch.einsum("thj,jhv->thv", ab[t0 + i0:t0 + i0 + m, :, i0:i0 + m], x)
             o[t0:te] = (torch.einsum("thk,hkv->thv", qn[t0:te] * torch.exp(gc[t0:te]), s)
-                        + torch.einsum("thj,jhv->thv", aqk[t0:te, :, : te - t0], vp))
+                        + torch.einsum("thj,jhv->thv", aqk[t0:te, :, :n], vp))
             glast = gc[te - 1]  # [H, K]
             kd = kn[t0:te] * torch.exp(glast[None] - gc[t0:te])
             s = torch.exp(glast)[:, :, None] * s + torch.einsum("thk,thv->hkv", kd, vp)
             if imap[c] >= 0:
                 inter[imap[c]] = s
         state[slots[i]] = s
-    mids = {"qn": qn, "kn": kn, "gc": gc, "wu": wu, "aqk": aqk}  # the intermediates phase 4 reads
+    mids = {"qn": qn, "kn": kn, "gc": gc, "ab": ab, "kb": kb, "v": v, "b": b, "aqk": aqk}  # what phase 3 reads
     return o, (inter[source] if positions else inter), mids
 
 
@@ -110,7 +121,7 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
     the MFMA emulated per lane."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    qn, kn, gc, wu, aqk = (mids[x] for x in ("qn", "kn", "gc", "wu", "aqk"))
+    qn, kn, gc, ab, kb, v, b, aqk = (mids[x] for x in ("qn", "kn", "gc", "ab", "kb", "v", "b", "aqk"))
     lane = torch.arange(64)
     q, a_row = lane // 16, lane % 16
     col = vt * kp.STATE_BV + a_row
@@ -122,19 +133,31 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
         cnt = min(bounds[n + 1] - t0, kp.CHUNK)
         t_last = t0 + cnt - 1
         s_frag = [x.clone() for x in st]
-        vp, o_acc = [], []
+        svp = torch.full((kp.CHUNK, kp.STATE_BV), float("nan"))  # the LDS V' tile, [64, 16]
+        o_acc = []
         for r in range(kp.CHUNK // 16):
             src = (t0 + r * 16 + a_row).clamp(max=t_last)
-            acc_w, acc_o = torch.zeros(64, 4), torch.zeros(64, 4)
+            acc, acc_o = torch.zeros(64, 4), torch.zeros(64, 4)
             for s in range(K // 4):
-                k, b = krow(s, q), s_frag[s // 4][:, s % 4]
-                acc_w = _mfma_16x16x4(acc_w, wu[src, h, k], b)
-                acc_o = _mfma_16x16x4(acc_o, qn[src, h, k] * torch.exp(gc[src, h, k]), b)
+                k, bf = krow(s, q), s_frag[s // 4][:, s % 4]
+                acc = _mfma_16x16x4(acc, kb[src, h, k], bf)
+                acc_o = _mfma_16x16x4(acc_o, qn[src, h, k] * torch.exp(gc[src, h, k]), bf)
+            for s in range(r * 4):  # the earlier tiles' V' rows, read back from LDS
+                j = krow(s, q)
+                acc = _mfma_16x16x4(acc, ab[src, h, j], svp[j, a_row])
+            rhs = []
             for i in range(4):
                 row = r * 16 + krow(i, q)
-                u = wu[(t0 + row).clamp(max=t_last), h, K + col]
-                vp.append(torch.where(row < cnt, u - acc_w[:, i], 0.0))
+                t = (t0 + row).clamp(max=t_last)
+                rhs.append(torch.where(row < cnt, b[t, h] * v[t, h, col] - acc[:, i], 0.0))
+            acc_v = torch.zeros(64, 4)
+            for i in range(4):
+                acc_v = _mfma_16x16x4(acc_v, ab[src, h, r * 16 + krow(i, q)], rhs[i])
+            for i in range(4):
+                row = r * 16 + krow(i, q)
+                svp[row, a_row] = torch.where(row < cnt, acc_v[:, i], 0.0)
             o_acc.append(acc_o)
+        vp = [svp[krow(s, q), a_row] for s in range(kp.CHUNK // 4)]
         for r in range(kp.CHUNK // 16):
             src = (t0 + r * 16 + a_row).clamp(max=t_last)
             for s in range(kp.CHUNK // 4):
