@@ -46,8 +46,6 @@ from rocm_k3.flydsl_kernels.kda_prefill_plan import (
 )
 
 
-
-
 def build_kda_chunk_intra(config):
     """``launch(Qn, Kn, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB, num_chunks)``.
 

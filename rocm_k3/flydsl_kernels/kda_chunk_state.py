@@ -1,6 +1,6 @@
-"""Phase 3 of the chunked FlyDSL KDA prefill: the inter-chunk state walk with the WY solve inside it and the
-output, one wave per (value tile of 16 columns, sequence, head), the chunk products on fp32 MFMA
-(``v_mfma_f32_16x16x4_f32``).
+"""Phase 3 of the chunked FlyDSL KDA prefill (the Triton twin's phase 4): the inter-chunk state walk with the
+WY solve inside it and the output, one wave per (value tile of 16 columns, sequence, head), the chunk products on
+fp32 MFMA (``v_mfma_f32_16x16x4_f32``).
 
 Twin of ``rocm_k3.triton_kernels.kda.chunk_state`` with ``SOLVE_IN`` and the output fused (``WITH_OUTPUT``), the
 Triton default since session 19 (``prefill.SOLVE_IN_WALK``). Walking the sequence's chunks in order with the fp32
@@ -23,8 +23,8 @@ product. V' is built one 16-row tile per iteration and goes through LDS ([64, 16
 the B operands of the later tiles' A_IJ V'_J, of Aqk V' and of KD^T V' in the same step order (a barrier after
 each tile). The A operands (KB, the A band, q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32
 intermediates, one value per lane and step. Rows past the chunk's end read the chunk's last row (in range); their
-right-hand side and their V' are set to 0, so they add nothing (T_II and A are lower triangular: a valid row
-never reads a later one); their outputs are not stored. All operands and accumulators are fp32 (exact fp32
+right-hand side and their V' are set to 0, so they add nothing (T_II's upper triangle is stored as exact zeros,
+so a valid row gives a later row's right-hand side zero weight); their outputs are not stored. All operands and accumulators are fp32 (exact fp32
 products, fp32 accumulation, as the reference). Row tiles, the substitution's earlier tiles and the KD^T V' row
 groups are runtime loops, which keeps the register count near 240.
 """

@@ -16,13 +16,14 @@ fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_ke
                                                                by forward substitution (one block column per lane)
                                                                -> fp32 A band (T_II on the diagonal blocks), Aqk, and
                                                                KB = b exp(G) k'
-    3 chunk_state            kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
+    4 chunk_state            kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
       (SOLVE_IN, output)                                       registers: V'_I = T_II (b v_I - KB_I S - sum_{J<I}
                                                                A_IJ V'_J) tile by tile, O = (q' exp G) S + Aqk V',
                                                                S = diag(exp G_last) S + (k' exp(G_last - G))^T V', all
                                                                products on fp32 MFMA v_mfma_f32_16x16x4_f32
 
-The Triton twin's default since session 19 (``prefill.SOLVE_IN_WALK``): no separate WY solve, no W or U in memory.
+The Triton twin's default since session 19 (``prefill.SOLVE_IN_WALK``): no phase 3 (chunk_solve), no W or U in
+memory.
 Differences from it: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16 activations), so products
 are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference G_i - G_j per element (no 16-row
 reference-row split, hence no per-token |g| range limit); the diagonal inverses by substitution on VALU where the

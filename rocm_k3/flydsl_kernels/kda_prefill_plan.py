@@ -20,7 +20,7 @@ Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intr
 from __future__ import annotations
 
 CHUNK = 64
-LANES = 256  # workgroup of the intra and state kernels
+LANES = 256  # workgroup of the intra kernel (the state kernel is one 64-lane wave)
 INTRA_COLS = 16  # pair-matrix columns per lane
 INTRA_SLAB = 32  # key channels staged in LDS per step of the intra kernel
 SUB = 16  # rows of a diagonal block of A (inverted by the intra kernel, substituted by the state walk)

@@ -1,11 +1,13 @@
 """Host emulation of the chunked FlyDSL kda_prefill (unit tier, no compiler, no GPU).
 
 The FlyDSL kernels cannot run here, so their algorithm is checked in torch, step for step:
-- the three phases in matrix form (the kernels' fp32 formulas: exp of G differences, row-by-row forward
-  substitution, masked chunk tails, chunk-end intermediate states) against the float64 token recurrence
-  ``kda_prefill_naive`` — an independent formulation;
+- the three phases in matrix form (the kernels' fp32 formulas: exp of G differences, the diagonal blocks'
+  inverses by row-by-row forward substitution, the walk's block substitution over 16-row tiles, masked chunk
+  tails, chunk-end intermediate states) against the float64 token recurrence ``kda_prefill_naive`` — an
+  independent formulation;
 - the state kernel's per-lane MFMA fragment bookkeeping (``kda_prefill_plan.mfma_krow``, MFMA emulated per
-  lane) against that matrix form.
+  lane) against that matrix form;
+- the intra kernel's writes lane by lane (NaN where no lane writes), fed to that fragment walk.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from tests.helpers import assert_rel, seeded
 
 
 def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale):
-    """The chunked FlyDSL prefill's phases in torch fp32, step for step (row-by-row forward substitution,
-    exp of fp32 differences, chunk walk with masked tails); logdecay gate, l2 norm, beta logits."""
+    """The chunked FlyDSL prefill's phases in torch fp32, step for step (the diagonal inverses row by row, the
+    walk's block substitution, exp of fp32 differences, masked tails); logdecay gate, l2 norm, beta logits."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
     T, H, K = q.shape
@@ -181,7 +183,7 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
 
 
 def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
-    """The state kernel's per-lane MFMA bookkeeping (emulated) against the matrix form of phase 4."""
+    """The state kernel's per-lane MFMA bookkeeping (emulated) against the matrix form of phase 3."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
     H, K, lens, save = 1, 32, [70, 5], [(0, 64), (1, 5)]
@@ -203,5 +205,80 @@ def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
         _emulate_state_wave(mids, bounds, first, st_frag, slots[n], has_init[n], n, 0, vt, K, o_frag, inter_frag,
                             imap)
     assert_rel(o_frag, o_mat, 1e-5, "o")  # NaN (a row or column never written) fails
+    assert_rel(st_frag, st_mat, 1e-5, "final states")
+    assert_rel(inter_frag, inter_mat, 1e-5, "intermediate states")
+
+
+def _emulate_intra_writes(mids, bounds, H, K):
+    """kda_chunk_intra's global writes lane by lane (which lane writes which Aqk, A band and KB entry; the pair sums
+    in matrix form from the chunk's rows clamped to its last one, as the kernel stages them) into NaN-filled
+    outputs: an entry the walk reads but no lane writes stays NaN."""
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    qn, kn, gc, b = (mids[x] for x in ("qn", "kn", "gc", "b"))
+    T = qn.shape[0]
+    aqk, ab, kb = (torch.full((T, H, n), float("nan")) for n in (kp.CHUNK, kp.CHUNK, K))
+    seq, start, _ = kp.chunk_plan(bounds)
+    I, J = torch.arange(kp.CHUNK)[:, None], torch.arange(kp.CHUNK)[None, :]
+    for (sq, t0), h in itertools.product(zip(seq, start), range(H)):
+        t_end = min(bounds[sq + 1], t0 + kp.CHUNK)
+        rows = (t0 + torch.arange(kp.CHUNK)).clamp(max=t_end - 1)
+        e = torch.exp(gc[rows, h][:, None] - gc[rows, h][None]) * kn[rows, h][None]  # [i, j, K]; j > i may be inf
+        sa = torch.where(J < I, (kn[rows, h][:, None] * e).sum(-1) * b[rows, h][:, None], 0.0)  # the LDS A
+        qk = torch.where(J <= I, (qn[rows, h][:, None] * e).sum(-1), 0.0)
+        for tid in range(kp.LANES):  # pair lanes: Aqk, and the A band off the diagonal blocks
+            i, j0 = kp.intra_pair(tid, 0)
+            if t0 + i < t_end:
+                for r in range(kp.INTRA_COLS):
+                    j = kp.intra_pair(tid, r)[1]
+                    aqk[t0 + i, h, j] = qk[i, j]
+                    if j0 // kp.SUB != i // kp.SUB:
+                        ab[t0 + i, h, j] = sa[i, j]
+        for tid in range(kp.CHUNK):  # inverse lanes: one column of one diagonal block each
+            blk, c = kp.intra_inverse(tid)
+            base, t = blk * kp.SUB, []
+            for r in range(kp.SUB):
+                t.append(float(c == r) - sum((sa[base + r, base + jj] * t[jj] for jj in range(r)), torch.tensor(0.0)))
+                if t0 + base + r < t_end:
+                    ab[t0 + base + r, h, base + c] = t[r]
+        for tid, el in itertools.product(range(kp.LANES), range(kp.CHUNK * K // kp.LANES)):  # KB
+            row, d = divmod(tid + el * kp.LANES, K)
+            if t0 + row < t_end:
+                kb[t0 + row, h, d] = kn[t0 + row, h, d] * torch.exp(gc[t0 + row, h, d]) * b[t0 + row, h]
+    return aqk, ab, kb
+
+
+@pytest.mark.parametrize("lens,gscale", [([1, 17, 33], 0.5), ([64, 65], 0.5), ([40], 30.0)],
+                         ids=["short-tails", "full-and-one", "strong-decay"])
+def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: float) -> None:
+    """kda_chunk_intra's per-lane writes (NaN where no lane writes) equal the matrix form, and fed to the state
+    kernel's fragment walk give the matrix form's o and states: partial chunks (1, 17, 33 rows), a chunk of one row
+    after a full one, and decays strong enough that the discarded exp(G_i - G_j), j > i, overflow."""
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    H, K = 1, 32
+    bounds = [0, *itertools.accumulate(lens)]
+    T, N = bounds[-1], len(lens)
+    gen = seeded(52)
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    g = -torch.rand(T, H, K, generator=gen) * gscale
+    beta = torch.randn(T, H, generator=gen)
+    state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
+    slots, has_init = list(range(1, N + 1)), [i % 2 == 0 for i in range(N)]
+    save = [(i, n) for i, n in enumerate(lens)]
+    st_mat, st_frag = state.clone(), state.clone()
+    o_mat, inter_mat, mids = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_mat, slots,
+                                                      torch.tensor(has_init), save, K**-0.5)
+    aqk, ab, kb = _emulate_intra_writes(mids, bounds, H, K)
+    for name, got, key in (("Aqk", aqk, "aqk"), ("A band", ab, "ab"), ("KB", kb, "kb")):
+        assert_rel(got, mids[key], 1e-6, name)  # NaN (an entry no lane writes) fails
+    _, _, first = kp.chunk_plan(bounds)
+    imap, _ = kp.inter_map(first, save, first[-1])
+    o_frag, inter_frag = torch.full((T, H, K), float("nan")), torch.full((len(save), H, K, K), float("nan"))
+    lanes = dict(mids, aqk=aqk, ab=ab, kb=kb)
+    for n, vt in itertools.product(range(N), range(K // kp.STATE_BV)):
+        _emulate_state_wave(lanes, bounds, first, st_frag, slots[n], has_init[n], n, 0, vt, K, o_frag, inter_frag,
+                            imap)
+    assert_rel(o_frag, o_mat, 1e-5, "o")
     assert_rel(st_frag, st_mat, 1e-5, "final states")
     assert_rel(inter_frag, inter_mat, 1e-5, "intermediate states")
