@@ -76,7 +76,8 @@ def test_slow_image_hosts_do_not_starve_other_requests(vision_dir) -> None:
         assert _chat(client, host.url("/ok.png")).choices[0].finish_reason == "length"  # fetched and served
         got = client.responses.create(input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": host.url("/hops/2")},
-            {"type": "input_text", "text": "What is it?"}]}], max_output_tokens=2)
+            {"type": "input_text", "text": "What is it?"}]}], max_output_tokens=2, temperature=0.0,
+            extra_body={"ignore_eos": True})  # sampled or greedy, an early EOS would end it "completed"
         assert got.status == "incomplete" and got.usage.input_tokens > 20  # the image's block is in the prompt
         errors: list[str | None] = [None] * SLOW_REQUESTS
         ended = [0.0] * SLOW_REQUESTS
