@@ -8,7 +8,7 @@ four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped setting
 of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
 ``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
 ``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``); ``--prep-compare`` the same with
-``PREP_COMPARE`` (the diagonal inverses by products, the state walk at 2 stages, the solve inside the walk).
+``PREP_COMPARE`` (session 20's byte cuts of the default: the intra kernel reading the raw q, k; the A band in bf16).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -232,11 +232,15 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # products (the default since) 1.287 / 5.084 ms, INTRA_INVERTS by products 1.484 / 5.864, the four launches 1.536 /
 # 6.072; slower than the four launches: the products in chunk_solve, the default walk at 2 stages, the solving walk
 # with row-by-row inverses, chunk_prep at 64-column slices (0.55 vs 0.44 ms: fewer, larger programs lose although
-# they re-read q and k half as often). So: the four launches for reference, then the untimed knobs of the new default's
-# phases: chunk_prep at 16-column slices (more, smaller programs) at 4 and 8 warps, the solving walk at 3 stages, and
-# the inverting intra kernel at 8 warps.
-_FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
-PROFILE_VARIANTS = (("four launches (the default before session 19)", _FOUR_LAUNCHES),
+# they re-read q and k half as often). So, first, session 20's byte cuts (each alone and both), then the untimed
+# knobs of the default's phases: chunk_prep at 16-column slices (more, smaller programs) at 4 and 8 warps, the solving
+# walk at 3 stages, and the inverting intra kernel at 8 warps. (The four launches, timed on both cards in session 19,
+# are dropped.)
+_LEAN = {"INTRA_READS_RAW_QK": True, "BAND_IN_DOT_DTYPE": True}  # session 20's byte cuts (untimed when written)
+PROFILE_VARIANTS = (("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
+                    ("A band bf16 (BAND_IN_DOT_DTYPE)", {"BAND_IN_DOT_DTYPE": True}),
+                    ("lean: both", _LEAN),
+                    ("lean + inverse products on tf32 (INVERT_TF32)", {**_LEAN, "INVERT_TF32": True}),
                     ("prep BK 16, 4 warps", {"PREP_BK": 16, "PHASE_WARPS": {"prep_split": 4}}),
                     ("prep BK 16, 8 warps", {"PREP_BK": 16}),
                     ("solving walk 3 stages", {"SOLVE_WALK_STAGES": 3}),
@@ -370,17 +374,12 @@ PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 3
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the four launches (timed again), the diagonal inverses in the intra kernel by products
-# (INTRA_INVERTS: the solve reads them) and the solve inside the state walk (SOLVE_IN_WALK, three launches) with its
-# inverses by products and its walk at SOLVE_WALK_STAGES; all three also timed while saving states. Session 19's
-# profile on an H100 dropped the rest (the products in chunk_solve, the default walk at 2 stages, the row-by-row
-# inverses in the intra kernel; RESULTS.md).
-_PREP = {"FUSED": False, "MERGE_WY": False, "PREP_IN_INTRA": False, "STATE_STAGES": None}
-PREP_COMPARE = (("ms_4launch", {**_PREP, "INTRA_INVERTS": False, "SOLVE_IN_WALK": False, "INVERT_BY_PRODUCTS": False}),
-                ("ms_intra_inverts_products", {**_PREP, "INTRA_INVERTS": True, "SOLVE_IN_WALK": False,
-                                               "INVERT_BY_PRODUCTS": True}),
-                ("ms_solve_in_walk_products", {**_PREP, "INTRA_INVERTS": False, "SOLVE_IN_WALK": True,
-                                               "INVERT_BY_PRODUCTS": True}))
+# ... and --prep-compare's: the default's byte cuts of session 20, each alone and both (the intra kernel reading the
+# raw q, k and the prep's row factors instead of q', k'; the A band in bf16), both with the intra kernel's inverse
+# products on tf32 tensor cores (INVERT_TF32), all also timed while saving states.
+# Session 19 timed the four launches, INTRA_INVERTS by products and the solve in the walk (RESULTS.md).
+PREP_COMPARE = (("ms_raw_qk", {"INTRA_READS_RAW_QK": True}), ("ms_band16", {"BAND_IN_DOT_DTYPE": True}),
+                ("ms_lean", _LEAN), ("ms_lean_tf32", {**_LEAN, "INVERT_TF32": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -423,8 +422,8 @@ def main() -> None:
     parser.add_argument("--phase-compare", action="store_true",
                         help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --fused-compare, with the PREP_COMPARE settings (the solve in the walk, the intra "
-                             "kernel's inverses)")
+                        help="as --fused-compare, with the PREP_COMPARE settings (the intra kernel reading the raw "
+                             "q, k; the A band in bf16; both; both with tf32 inverse products)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

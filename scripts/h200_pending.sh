@@ -11,7 +11,8 @@
 #                                             (bench_kda --profile-only: per kernel, default vs PROFILE_VARIANTS
 #                                             vs FLA), kda_prep (bench_kda --prep-compare), cuda_prep (the K3
 #                                             prefill cuda tests of prefill.PREP_IN_INTRA), cuda_kda (every
-#                                             KDA prefill cuda test but of the paths measured slower)
+#                                             KDA prefill cuda test but of the paths measured slower), cuda_lean
+#                                             (the K3 prefill cuda tests of session 20's byte cuts and tf32 inverses)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
@@ -113,6 +114,8 @@ run_part() {
     cuda_kda) part cuda_kda 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py tests/kernels/triton/test_triton_model.py tests/engine/test_engine_cuda.py \
       -k "(prefill and not (prep-in-intra or merged or fused or unsplit)) or tiny or geometry or prefix_caching" ;;
+    cuda_lean) part cuda_lean 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
+      tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (lean or raw-qk)" ;;
     cuda_engine) part cuda_engine 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/engine/test_engine_cuda.py tests/kernels/triton/test_triton_model.py -k "prefix_caching or geometry or bf16_triton_logits" ;;
     kda_saving) part kda_saving 90 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --saving-only \
@@ -127,7 +130,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_engine cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
   esac
 }
 

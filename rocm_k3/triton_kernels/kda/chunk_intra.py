@@ -9,7 +9,13 @@ Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 column
 ``WRITE_KB`` the program also writes chunk_solve's right-hand side of W for its rows, KB = b * exp(G) * k' (the
 activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G. With ``INVERT_DIAG``
 (``prefill.INTRA_INVERTS``) the band's diagonal block holds T_II = (I + A_II)^-1 instead of A_II (row by row in
-fp32, chunk_solve's substitution), computed once here instead of once per solve column block.
+fp32, chunk_solve's substitution), computed once here instead of once per solve column block. With ``RAW_QK``
+(``prefill.INTRA_READS_RAW_QK``) the program reads the raw q and k (at their token-row strides) and chunk_prep's
+row factors RS [T, H, 2] (q' / q, k' / k) instead of q' and k', scaling rows as it loads them: chunk_prep then
+writes neither q' nor k' (at K = 128 in bf16, 1 KB per token and head less HBM traffic over the two phases), and q'
+and k' reach the dot operands from fp32 (one rounding less than through their stored copies). The A band is
+stored in a_ptr's dtype: fp32, or the dot dtype when the state walk solves (``prefill.BAND_IN_DOT_DTYPE``: the
+walk rounds every A block to its dot operands anyway).
 
 Numerics: ``exp(G_i - G_j)`` cannot be split as ``exp(G_i) * exp(-G_j)`` over a whole chunk (64 steps of decay
 overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a reference row m (its 8th row):
@@ -36,6 +42,19 @@ def _load_rows(x_ptr, row0, eos, stride, D: tl.constexpr, BC: tl.constexpr):
     m = (rows < eos)[:, None]
     offs = rows.to(tl.int64)[:, None] * stride + tl.arange(0, D)[None, :]
     return tl.load(x_ptr + offs, mask=m, other=0.0), m
+
+
+@triton.jit
+def _qk_rows(x_ptr, rs_ptr, row0, eos, stride, h, H: tl.constexpr, WHICH: tl.constexpr, D: tl.constexpr,
+             BC: tl.constexpr, RAW: tl.constexpr):
+    """(q' or k' rows row0 .. row0 + BC - 1 [BC, D]: as stored, or with RAW the raw rows times their row factor
+    RS[row, h, WHICH] in fp32 (rows past eos 0); the row mask [BC, 1])."""
+    x, m = _load_rows(x_ptr, row0, eos, stride, D, BC)
+    if RAW:
+        rows = row0 + tl.arange(0, BC)
+        f = tl.load(rs_ptr + (rows.to(tl.int64) * H + h) * 2 + WHICH, mask=rows < eos, other=0.0)  # [BC]
+        x = x.to(tl.float32) * f[:, None]
+    return x, m
 
 
 @triton.jit
@@ -92,9 +111,9 @@ def stacked_pair_products(kq, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def store_band_block(a_ptr, aqk_ptr, out_rows, J, a, aqk, m):
-    """Column block J of the [T, H, 64] row bands: A (fp32) and Aqk (in its dtype) for the rows whose offsets of
+    """Column block J of the [T, H, 64] row bands: A and Aqk (each in its buffer's dtype) for the rows whose offsets of
     column 0 are out_rows [16, 16]; m: their row mask [16]."""
-    tl.store(a_ptr + out_rows + J * 16, a, mask=m[:, None])
+    tl.store(a_ptr + out_rows + J * 16, a.to(a_ptr.dtype.element_ty), mask=m[:, None])
     tl.store(aqk_ptr + out_rows + J * 16, aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
 
 
@@ -108,12 +127,14 @@ def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
 
 @triton.jit
 def chunk_intra_kernel(
-    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K], G fp32 [T, H, K], b fp32 [T, H]
+    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (RAW_QK: the raw q, k at row strides
+    # stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
+    rscale_ptr, stride_q, stride_k,  # RAW_QK: RS fp32 [T, H, 2] (q' / q, k' / k); the raw q's and k's row strides
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
-    a_ptr, aqk_ptr,  # outputs: A fp32 [T, H, 64], Aqk [T, H, 64]
+    a_ptr, aqk_ptr,  # outputs: A [T, H, 64] (fp32, or BAND_IN_DOT_DTYPE's dtype), Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
-    INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr,
+    INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, INV_PREC: tl.constexpr = "ieee",
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -128,6 +149,11 @@ def chunk_intra_kernel(
     r0 = t0 + blk * BC  # first row of sub-block I
     if r0 < eos:
         sk = H * K
+        sq_in = sk  # row strides of the q and k read: q', k' contiguous, or the raw q, k as passed
+        sk_in = sk
+        if RAW_QK:
+            sq_in = stride_q
+            sk_in = stride_k
         k_ptr = kn_ptr + h * K
         g_ptr = gcum_ptr + h * K
         rows = r0 + tl.arange(0, BC)
@@ -135,9 +161,9 @@ def chunk_intra_kernel(
         r = tl.arange(0, BC)
         gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # reference row
         b = tl.load(beta_ptr + rows.to(tl.int64) * H + h, mask=m, other=0.0)  # [BC]
-        k_own, mk = _load_rows(k_ptr, r0, eos, sk, K, BC)  # [BC, K] as stored
+        k_own, mk = _qk_rows(k_ptr, rscale_ptr, r0, eos, sk_in, h, H, 1, K, BC, RAW_QK)  # [BC, K] k'
         g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
-        q_own, _ = _load_rows(qn_ptr + h * K, r0, eos, sk, K, BC)
+        q_own, _ = _qk_rows(qn_ptr + h * K, rscale_ptr, r0, eos, sq_in, h, H, 0, K, BC, RAW_QK)
         kp = _decay(k_own, g_own, gm, mk, 1.0).to(DOT_T)  # [BC, K]
         qp = _decay(q_own, g_own, gm, mk, 1.0).to(DOT_T)
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
@@ -148,10 +174,12 @@ def chunk_intra_kernel(
             tl.store(kb_ptr + own, kb.to(kb_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
-            akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
+            akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS, INV_PREC)
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
-            kn = tl.trans(_decayed(k_ptr, g_ptr, t0 + j * BC, eos, gm, sk, K, BC, -1.0).to(DOT_T))  # [K, BC]
+            k_j, m_j = _qk_rows(k_ptr, rscale_ptr, t0 + j * BC, eos, sk_in, h, H, 1, K, BC, RAW_QK)
+            g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
+            kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
         zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

@@ -129,6 +129,7 @@ def chunk_prep_intra_kernel(
         k_own, _ = _normed_rows(k_h, r0, eos, stride_k, 1.0, K, QK_NORM)
         tl.store(kb_ptr + own, (k_own * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
         if INVERT_DIAG:  # chunk_intra's INVERT_DIAG: T_II = (I + A_II)^-1 in A's diagonal block
-            tl.store(a_ptr + out_rows + blk * BC, invert_diagonal_block(akk, BC, INVERT_PRODUCTS), mask=m[:, None])
+            t_ii = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
+            tl.store(a_ptr + out_rows + blk * BC, t_ii.to(a_ptr.dtype.element_ty), mask=m[:, None])
         if blk == 0:  # C_0 = 0: tail is G_last
             tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(tail))

@@ -117,6 +117,22 @@ INVERT_BY_PRODUCTS = True
 # at 1 stage (spilling), 0.39 ms at 2 (BV 64, 4 warps, T = 4096, H = 96); the default walk stays at 1 (2 stages:
 # 0.31 -> 0.40 ms, session 19).
 SOLVE_WALK_STAGES = 2
+# chunk_prep writes the row factors q' / q and k' / k (RS fp32 [T, H, 2]) instead of q' and k', and chunk_intra
+# scales the raw q and k rows (read in place, at their row strides) as it loads them: at K = 128 in bf16, 512 bytes
+# per token and head less written by the prep and 8 more, the intra kernel's reads unchanged (of ~5.7 KB per token
+# and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
+# Not with PREP_IN_INTRA (q', k' never go to memory there), FUSED, MERGE_WY or a solve reading k' (not SOLVE_KB).
+INTRA_READS_RAW_QK = False
+# With SOLVE_IN_WALK, the [T, H, 64] A band (and its diagonal inverses) stored in the dot dtype (bf16 for bf16
+# activations) instead of fp32: the walk rounds every A block to its dot operands anyway, so the outputs are the same
+# and 128 bytes per token and head are neither written nor read. fp16 / fp32 activations keep an fp32 band (their
+# dots are fp32). Off: not timed yet (as above).
+BAND_IN_DOT_DTYPE = False
+# chunk_intra's inverse products (INVERT_BY_PRODUCTS) at tf32 input precision (tensor cores) instead of fp32 FMAs,
+# with bf16 activations only (their walk rounds T_II to bf16: 8 mantissa bits, tf32 operands keep 10). Off: not
+# timed yet (as above). NVIDIA only (ROCm builds keep "ieee": gfx950 has no xf32 MFMA and Triton refuses tf32 there;
+# on AMD the "ieee" 16 x 16 products already run on fp32 MFMAs, v_mfma_f32_16x16x4_f32).
+INVERT_TF32 = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -128,6 +144,20 @@ def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     if dtype == torch.bfloat16:
         return tl.bfloat16, "ieee"
     return tl.float32, "ieee"
+
+
+def band_dtype(dot_t: tl.dtype, solve_in: bool) -> torch.dtype:
+    """dtype of the [T, H, 64] A band: the dot dtype (bf16) when BAND_IN_DOT_DTYPE and the walk solves with bf16
+    dots, else fp32 (chunk_solve inverts and substitutes from it in fp32)."""
+    if BAND_IN_DOT_DTYPE and solve_in and dot_t == tl.bfloat16:
+        return torch.bfloat16
+    return torch.float32
+
+
+def inverse_precision(dot_t: tl.dtype) -> str:
+    """Input precision of chunk_intra's inverse products: "tf32" when INVERT_TF32, bf16 dots and a CUDA build of
+    torch (not ROCm), else "ieee"."""
+    return "tf32" if INVERT_TF32 and dot_t == tl.bfloat16 and torch.version.hip is None else "ieee"
 
 
 def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
@@ -298,7 +328,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     b = buf(T, H, dtype=torch.float32)
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
     if PREP_IN_INTRA:
-        a, kb = buf(T, H, CHUNK, dtype=torch.float32), buf(T, H, K)
+        a, kb = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in)), buf(T, H, K)
         chunk_prep_intra_kernel[intra_grid](
             q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
             a, aqk, kb, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
@@ -309,14 +339,18 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
             return a, kb, b
         _solve(a, kb, v, b, b, plan, cu, w, u, dot_t, prec, True)  # b: an unread placeholder for G
         return None
-    qn, kn = buf(T, H, K), buf(T, H, K)
+    raw_qk = INTRA_READS_RAW_QK and not MERGE_WY and (SOLVE_KB or solve_in)  # nothing else reads k' then
+    if raw_qk:  # the intra kernel reads q and k in place and scales them by RS
+        qn, kn, rscale = q, k, buf(T, H, 2, dtype=torch.float32)
+    else:
+        qn, kn, rscale = buf(T, H, K), buf(T, H, K), b  # b: an unwritten placeholder
     gcum = buf(T, H, K, dtype=torch.float32)
     grid = (plan.num_chunks, H)
     bk = min(PREP_BK, K)
     chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if PREP_SPLIT else grid](  # slice fastest (common.grid_ids)
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT,
+        qn, kn, gcum, b, qg, kd, glast, rscale, scale, lower, q.stride(0), k.stride(0),
+        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, WRITE_QK=not raw_qk,
         num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
     if MERGE_WY:
@@ -325,13 +359,14 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
             H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["wy"], num_stages=1,
         )
         return None
-    a = buf(T, H, CHUNK, dtype=torch.float32)
+    a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     write_kb = SOLVE_KB or solve_in
-    kb = buf(T, H, K) if write_kb else kn  # kn: an unwritten placeholder
+    kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)
     chunk_intra_kernel[intra_grid](
-        qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
+        qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
         H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, num_warps=PHASE_WARPS["intra"],
+        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, RAW_QK=raw_qk,
+        INV_PREC=inverse_precision(dot_t), num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:
         return a, kb, b

@@ -190,9 +190,13 @@ _PREFILL_CASES = [
 # its column slices and the solve reading k' and G; "3-launch-prep-in-intra": the four launches with the prep done
 # by chunk_prep_intra; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for
 # the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting
-# overrides them); "-products": INVERT_BY_PRODUCTS. The default is "3-launch-solve-in-walk-products")
+# overrides them); "-products": INVERT_BY_PRODUCTS; "-raw-qk": INTRA_READS_RAW_QK (the intra kernel scales the raw
+# q, k by the prep's row factors); "-lean": the default with INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE (whose bf16
+# band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
+# "3-launch-solve-in-walk-products")
 _FOUR = dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False, INTRA_INVERTS=False,
-             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False)  # the four launches, every option named (off)
+             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False, INTRA_READS_RAW_QK=False,
+             BAND_IN_DOT_DTYPE=False, INVERT_TF32=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "3-launch-prep-in-intra": {**_FOUR, "PREP_IN_INTRA": True},
@@ -206,15 +210,23 @@ _PATHS = {
     "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
     "2-launch-prep-in-intra-solve-in-walk-products": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True,
                                                       "INVERT_BY_PRODUCTS": True},
+    "4-launch-raw-qk": {**_FOUR, "INTRA_READS_RAW_QK": True},
+    "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "INTRA_READS_RAW_QK": True,
+                      "BAND_IN_DOT_DTYPE": True},
     "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
     "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
 }
 
 
+# Paths whose difference only bf16 activations on a GPU see (the interpreter's dots are fp32 there): cuda tier only.
+# "-tf32": INVERT_TF32, the intra kernel's inverse products on tf32 tensor cores.
+_CUDA_PATHS = {**_PATHS, "3-launch-lean-tf32": {**_PATHS["3-launch-lean"], "INVERT_TF32": True}}
+
+
 def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
-    for name, value in _PATHS[path].items():
+    for name, value in _CUDA_PATHS[path].items():
         monkeypatch.setattr(tri_prefill, name, value)
 
 
@@ -391,6 +403,41 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
+@pytest.mark.parametrize("path", ["3-launch-lean", "2-launch-prep-in-intra-solve-in-walk-products"])
+def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
+    runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel (or chunk_prep_intra) stores
+    the band and its diagonal inverses in bf16 and the solving walk reads them into fp32 dots. Every buffer the
+    prefill allocates starts as NaN. Against the reference op: o and states within 2e-2 relative (the band's 8
+    mantissa bits, rounding 2^-9 per entry, the level the cuda tier's bf16 cases allow), and the fp32-band run's o
+    must differ from it (the band really went through bf16)."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    _set_path(monkeypatch, path)
+    gen = seeded(9)
+    q, k, v, f, beta, cu, params = _prefill_inputs([37, 64, 49], torch.float32, -5.0, True, True, gen)
+    H, D = q.shape[1:]
+    pool = _randn(4, H, D, D, gen=gen, scale=0.3)
+    idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    pos = torch.tensor([[1, 64]], dtype=torch.int32)
+    pool_ref = pool.clone()
+    want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
+                           intermediate_positions=pos)
+    fp32_band = _fn("kda_prefill")(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params,
+                                   intermediate_positions=pos)
+    monkeypatch.setattr(tri_prefill, "band_dtype", lambda dot_t, solve_in: torch.bfloat16)
+    pool_tri = pool.clone()
+    with _poisoned_buffers(monkeypatch):
+        out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
+                                 intermediate_positions=pos)
+    assert_rel(out.o, want.o, 2e-2, "o")
+    assert_rel(pool_tri, pool_ref, 2e-2, "state pool")
+    assert not torch.equal(out.o, fp32_band.o), "the bf16 band changed nothing: was it stored in bf16?"
+    assert_rel(out.intermediate_states, want.intermediate_states, 2e-2, "intermediate states")
+
+
+@pytest.mark.interpret
+@needs_interp
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
 def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: float) -> None:
     """chunk_wy (phases 2 + 3 in one launch) against its twin, chunk_intra then chunk_solve, on chunk_prep's
@@ -421,12 +468,14 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
         plan.num_chunks, H, D, dt=torch.float32)
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
-                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
+                            qn, kn, gcum, b, qg, kd, glast, b, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
+                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False,
+                            WRITE_QK=True)
     def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
-        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, plan.chunk_seq, plan.chunk_start, cu, a_out,
-                                                     aqk_out, kn, H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=False,
-                                                     INVERT_DIAG=invert, INVERT_PRODUCTS=products)
+        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, b, H * D, H * D, plan.chunk_seq,
+                                                     plan.chunk_start, cu, a_out, aqk_out, kn, H=H, K=D, DOT_T=dot_t,
+                                                     PREC=prec, WRITE_KB=False, INVERT_DIAG=invert,
+                                                     INVERT_PRODUCTS=products, RAW_QK=False)
 
     def solve(a_in, w_out, u_out, inverted: bool, products: bool) -> None:
         chunk_solve_kernel[(plan.num_chunks, H, 4)](a_in, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
@@ -642,7 +691,11 @@ _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_c
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_prep_intra",
                 "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod",
                 "chunk_intra_inv_prod", "chunk_prep_intra_inv_prod", "chunk_fused", "chunk_wy", "chunk_state",
-                "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode")
+                "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
+                # INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE ("3-launch-lean")
+                "chunk_prep_split_rs", "chunk_intra_inv_prod_raw", "chunk_state_solve_band16",
+                "chunk_intra_inv_tf32")  # INVERT_TF32 (NVIDIA only: _CUDA_ONLY)
+_CUDA_ONLY = ("chunk_intra_inv_tf32",)  # the wrappers never build these for ROCm (prefill.inverse_precision)
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -655,6 +708,9 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_prep_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_inv_prod_raw": ("mma.sync.aligned", "v_mfma"),
+        "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_inv_tf32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
@@ -671,6 +727,8 @@ def kda_compiled() -> dict:
 @pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
 @pytest.mark.parametrize("kernel", _KDA_KERNELS)
 def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> None:
+    if kernel in _CUDA_ONLY and target != "sm_90":
+        pytest.skip(f"{kernel} is built for NVIDIA only")
     res = kda_compiled[f"{kernel}/{target}"]
     assert res["ok"], res["error"]
     if kernel in _MMA:
@@ -692,7 +750,7 @@ _K3_PREFILL = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("path", list(_CUDA_PATHS))
 @pytest.mark.parametrize("H,lengths,inter_rows", _K3_PREFILL)
 def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]], path: str,
                              monkeypatch: pytest.MonkeyPatch) -> None:
