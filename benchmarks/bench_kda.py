@@ -1,13 +1,12 @@
 """Benchmark the Triton KDA kernels on an NVIDIA GPU against FLA and against the memory roofline.
 
-    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only] [--fused-compare]
-                                   [--phase-compare] [--prep-compare] [--profile-only] [--conv]
+    python benchmarks/bench_kda.py [--json out.json] [--sweep] [--profile] [--prefill-only] [--phase-compare]
+                                   [--prep-compare] [--profile-only] [--conv]
 
-``--fused-compare``: only the K3 prefill shapes T = 4k / 16k / 64k and the varlen batch, each timed on the
-four-launch path (``ms_4launch``), with ``prefill.FUSED`` at its shipped settings (``ms_fused``, relative error
-of o against the default) and FLA: one fused compile per shape, so it fits a short device call.
-``--phase-compare``: the same rows (plus the varlen batch saving a state every 1024 tokens) with the settings of
-``PHASE_COMPARE`` (the state walk's tile and pipeline stages, ``STATE_STAGES``); ``--prep-compare`` the same with
+``--phase-compare``: only the K3 prefill shapes T = 4k / 16k / 64k, the varlen batch and the varlen batch saving a
+state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
+and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
+a short device call; ``--prep-compare`` the same with
 ``PREP_COMPARE`` (session 20's byte cuts of the default: the intra kernel reading the raw q, k; the A band in bf16).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
@@ -95,10 +94,10 @@ def _fla():
 
 
 def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sweep: bool,
-                 fused_variants: tuple = (), inter_every: int = 0,
+                 variants: tuple = (), inter_every: int = 0,
                  fresh: tuple[int, ...] = ()) -> dict:
-    """One prefill shape; ``fused_variants``: (row key, {prefill attribute: value}) settings timed beside the
-    default (FUSED_SWEEP, FUSED_COMPARE, PHASE_COMPARE; "PHASE_WARPS" entries update that dict); ``inter_every``
+    """One prefill shape; ``variants``: (row key, {prefill attribute: value}) settings timed beside the
+    default (PHASE_COMPARE, PREP_COMPARE; "PHASE_WARPS" entries update that dict); ``inter_every``
     > 0 also saves the state every that many tokens of each sequence (prefix caching), ``fresh`` lists the
     sequences without an initial state."""
     T, N = sum(lengths), len(lengths)
@@ -142,10 +141,10 @@ def prefill_case(H: int, lengths: list[int], gen: torch.Generator, chunk_kda, sw
         except Exception as exc:
             return repr(exc)[:80]
 
-    if sweep or fused_variants:
+    if sweep or variants:
         o_ref = run(q, k, v, f, beta, cu, pool0.clone(), idx, has_init, gate_params=params).o.float()
-    if fused_variants:  # other settings of the prefill module, each checked against the default
-        for key, settings in fused_variants:
+    if variants:  # other settings of the prefill module, each checked against the default
+        for key, settings in variants:
             with prefill_settings(settings):
                 row[key] = timed_variant()
     if sweep:  # other state-phase tiles, output fused in the walk or split out; checked against the default
@@ -236,6 +235,7 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # knobs of the default's phases: chunk_prep at 16-column slices (more, smaller programs) at 4 and 8 warps, the solving
 # walk at 3 stages, and the inverting intra kernel at 8 warps. (The four launches, timed on both cards in session 19,
 # are dropped.)
+_FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
 _LEAN = {"INTRA_READS_RAW_QK": True, "BAND_IN_DOT_DTYPE": True}  # session 20's byte cuts (untimed when written)
 PROFILE_VARIANTS = (("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
                     ("A band bf16 (BAND_IN_DOT_DTYPE)", {"BAND_IN_DOT_DTYPE": True}),
@@ -353,24 +353,15 @@ def conv_case(bw: float) -> None:
     print(f"  peer torch conv1d (depthwise, cuDNN, channels-first, no state): {peer:.3f} ms", flush=True)
 
 
-# (row key, prefill settings): --sweep's fused settings ...
-def _fused(warps: int, nreg: int | None = None) -> dict:
-    return {"FUSED": True, "FUSED_MAXNREG": nreg, "PHASE_WARPS": {"fused": warps}}
-
-
-FUSED_SWEEP = (("ms_3launch", {"FUSED": False}), ("ms_fused_w2", _fused(2)), ("ms_fused_w4", _fused(4)),
-               ("ms_fused_w8", _fused(8)), ("ms_fused_w8_r128", _fused(8, 128)), ("ms_fused_w4_r128", _fused(4, 128)))
-# ... --fused-compare's two: the four-launch path and the fused kernel at its shipped settings (one compile each) ...
-FUSED_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False}),
-                 ("ms_fused", _fused(tri_prefill.PHASE_WARPS["fused"], tri_prefill.FUSED_MAXNREG)))
-# ... and --phase-compare's: the four launches (timed again), then the state walk's tile (BV, warps) and pipeline
-# stages, where sm_90 fits two programs per SM (the earlier default BV 64 / 8 warps / 2 stages holds 192 registers and
-# 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132 SMs)
+# (row key, prefill settings): --phase-compare's: the four launches (timed again), then the state walk's tile (BV,
+# warps) and pipeline stages, where sm_90 fits two programs per SM (the earlier default BV 64 / 8 warps / 2 stages holds
+# 192 registers and 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132
+# SMs)
 def _walk(bv: int, warps: int, stages: int) -> dict:
     return {"state_tile": lambda n, v: (bv, warps), "STATE_STAGES": stages}
 
 
-PHASE_COMPARE = (("ms_4launch", {"FUSED": False, "MERGE_WY": False, "PREP_BK": 32, "STATE_STAGES": None}),
+PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES": None}),
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
@@ -383,18 +374,16 @@ PREP_COMPARE = (("ms_raw_qk", {"INTRA_READS_RAW_QK": True}), ("ms_band16", {"BAN
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
-def prefill_cases(sweep: bool, fused_compare: bool, phase_compare: bool = False,
-                  prep_compare: bool = False) -> list[tuple]:
+def prefill_cases(sweep: bool, phase_compare: bool = False, prep_compare: bool = False) -> list[tuple]:
     """(H, lengths, state-tile sweep, variants, save every, sequences without an initial state) per row."""
-    if fused_compare or phase_compare or prep_compare:  # the K3 shapes of issue 35 item 1 only: few compiles
-        v = PHASE_COMPARE if phase_compare else PREP_COMPARE if prep_compare else FUSED_COMPARE
+    if phase_compare or prep_compare:  # the K3 shapes of issue 35 item 1 only: few compiles
+        v = PHASE_COMPARE if phase_compare else PREP_COMPARE
         rows = [(96, [4096], False, v, 0, ()), (96, [16384], False, v, 0, ()), (96, [65536], False, v, 0, ()),
                 (96, VARLEN, False, v, 0, (1, 3))]
         saving = v[:2] if phase_compare else v
-        return rows + ([(96, VARLEN, False, saving, 1024, (1, 3))] if phase_compare or prep_compare else [])
-    fused = FUSED_SWEEP if sweep else ()
-    return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, fused, 0, ()), (96, [16384], False, (), 0, ()),
-            (96, [65536], False, fused, 0, ()), (96, VARLEN, False, fused, 0, (1, 3)),
+        return rows + [(96, VARLEN, False, saving, 1024, (1, 3))]
+    return [(96, [1024], False, (), 0, ()), (96, [4096], sweep, (), 0, ()), (96, [16384], False, (), 0, ()),
+            (96, [65536], False, (), 0, ()), (96, VARLEN, False, (), 0, (1, 3)),
             (96, VARLEN, False, (), 1024, (1, 3)), (96, [1024] * 4, False, (), 0, ()),
             (12, [4096], False, (), 0, ()), (12, [8192] * 4, False, (), 0, ())]
 
@@ -417,12 +406,11 @@ def main() -> None:
                         help="only the per-kernel profiles, at T = 4096, 16384 and the varlen batch (H = 96): ours "
                              "(default and PROFILE_VARIANTS) and FLA's")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
-    parser.add_argument("--fused-compare", action="store_true",
-                        help="prefill rows T = 4k/16k/64k + varlen only: the four-launch path vs prefill.FUSED vs FLA")
     parser.add_argument("--phase-compare", action="store_true",
-                        help="as --fused-compare, with the PHASE_COMPARE settings (state-walk tiles and stages)")
+                        help="prefill rows T = 4k/16k/64k + varlen (+ saving states) only: the default vs the "
+                             "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --fused-compare, with the PREP_COMPARE settings (the intra kernel reading the raw "
+                        help="as --phase-compare, with the PREP_COMPARE settings (the intra kernel reading the raw "
                              "q, k; the A band in bf16; both; both with tf32 inverse products)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
@@ -439,15 +427,15 @@ def main() -> None:
             profile_prefill(96, lengths, gen, chunk_kda)
         return
     rows = []
-    skip_decode = args.prefill_only or args.fused_compare or args.phase_compare or args.prep_compare
+    skip_decode = args.prefill_only or args.phase_compare or args.prep_compare
     for H, N in () if skip_decode else ((96, 64), (96, 256), (12, 256), (12, 1024)):
         rows.append(decode_case(H, N, gen, fla_rec, args.sweep))
         _progress(rows[-1], args.json)
-    cases = prefill_cases(args.sweep, args.fused_compare, args.phase_compare, args.prep_compare)
+    cases = prefill_cases(args.sweep, args.phase_compare, args.prep_compare)
     if args.saving_only:
         cases = [c for c in cases if c[4] > 0]
-    for H, lengths, tiles, fused, every, fresh in cases:
-        rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, fused, every, fresh))
+    for H, lengths, tiles, variants, every, fresh in cases:
+        rows.append(prefill_case(H, lengths, gen, chunk_kda, tiles, variants, every, fresh))
         _progress(rows[-1], args.json)
     if args.profile:
         profile_prefill(96, [4096], gen, chunk_kda)

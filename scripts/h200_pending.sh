@@ -10,7 +10,8 @@
 #                                             cuda_new (the cuda tests of session 14's merges), kda_prof
 #                                             (bench_kda --profile-only: per kernel, default vs PROFILE_VARIANTS
 #                                             vs FLA), kda_prep (bench_kda --prep-compare), cuda_prep (the K3
-#                                             prefill cuda tests of prefill.PREP_IN_INTRA), cuda_kda (every
+#                                             prefill cuda tests of the products and solve-in-walk paths),
+#                                             cuda_kda (every
 #                                             KDA prefill cuda test but of the paths measured slower), cuda_lean
 #                                             (the K3 prefill cuda tests of session 20's byte cuts and tf32 inverses)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
@@ -113,7 +114,7 @@ run_part() {
       tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (products or solve-in-walk)" ;;
     cuda_kda) part cuda_kda 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py tests/kernels/triton/test_triton_model.py tests/engine/test_engine_cuda.py \
-      -k "(prefill and not (prep-in-intra or merged or fused or unsplit)) or tiny or geometry or prefix_caching" ;;
+      -k "(prefill and not unsplit) or tiny or geometry or prefix_caching" ;;
     cuda_lean) part cuda_lean 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (lean or raw-qk)" ;;
     cuda_engine) part cuda_engine 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
@@ -125,7 +126,7 @@ run_part() {
       --durations=10 tests/worker/test_stage_graphs.py tests/engine/test_async_scheduling_cuda.py \
       tests/worker/test_cuda_graph.py tests/worker/test_verify_graphs.py tests/parallel/test_expert_dispatch_graph.py \
       tests/kernels/triton/test_triton_kda.py -k "not gfx and (prefill or graph or slice or stage or async or static or speculation)" ;;
-    kda) part kda 150 0 "${PEER[@]}" -u benchmarks/bench_kda.py --fused-compare --json "$OUT/kda.json" ;;
+    kda) part kda 150 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prefill-only --json "$OUT/kda.json" ;;
     cuda_tier) part cuda_tier 600 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --continue-on-collection-errors \
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \

@@ -43,18 +43,6 @@ def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: boo
             warps, 2)
 
 
-def _prep_intra_spec(pkg: str, plan: dict, dots: dict, warps: int, inv: bool = False, prod: bool = False) -> tuple:
-    """chunk_prep_intra (prefill.PREP_IN_INTRA): phases 1 and 2 from the raw inputs, the model's gate flags; with
-    inv (prefill.INTRA_INVERTS) T_II in the diagonal blocks (prod: by products, prefill.INVERT_BY_PRODUCTS)."""
-    return (f"{pkg}.chunk_prep_intra", "chunk_prep_intra_kernel",
-            {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
-             "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "a_ptr": "*fp32", "aqk_ptr": "*bf16", "kb_ptr": "*bf16",
-             "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "glast_ptr": "*fp32", "scale": "fp32",
-             "lower_bound": "fp32", "stride_q": "i32", "stride_k": "i32"},
-            dict(H=H, K=K, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, **dots, INVERT_DIAG=inv,
-                 INVERT_PRODUCTS=prod), warps, 1)
-
-
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
                 prod: bool = False) -> tuple:
     """chunk_solve reading k' and G (kb False) or intra's KB (prefill.SOLVE_KB), inverting the diagonal blocks
@@ -104,8 +92,6 @@ def _specs() -> dict:
         "chunk_prep_split": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"]),
         "chunk_intra": _intra_spec(pkg, plan, dots, False, PHASE_WARPS["intra"]),
         "chunk_intra_kb": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"]),
-        "chunk_prep_intra": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"]),
-        "chunk_prep_intra_inv": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"], inv=True),
         "chunk_solve": _solve_spec(pkg, plan, dots, False, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_solve_kb": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD),
         "chunk_intra_inv": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True),
@@ -113,8 +99,6 @@ def _specs() -> dict:
         # prefill.INVERT_BY_PRODUCTS: the diagonal blocks inverted by six 16 x 16 x 16 fp32 products
         "chunk_solve_kb_prod": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, prod=True),
         "chunk_intra_inv_prod": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True),
-        "chunk_prep_intra_inv_prod": _prep_intra_spec(pkg, plan, dots, PHASE_WARPS["prep_intra"], inv=True,
-                                                      prod=True),
         # prefill.INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE: the prep writes row factors, not q' / k'; the intra kernel
         # scales the raw rows and stores the A band in bf16; the solving walk reads it
         "chunk_prep_split_rs": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False),
@@ -126,17 +110,6 @@ def _specs() -> dict:
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),
-        "chunk_fused": (f"{pkg}.chunk_fused", "chunk_fused_kernel",
-                        {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
-                         "beta_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qg_ptr": "*bf16",
-                         "kd_ptr": "*bf16", "glast_ptr": "*fp32", "aqk_ptr": "*bf16", "w_ptr": "*bf16",
-                         "u_ptr": "*bf16", "scale": "fp32", "lower_bound": "fp32"},
-                        dict(H=H, K=K, V=V, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, **dots),
-                        PHASE_WARPS["fused"], 1),
-        "chunk_wy": (f"{pkg}.chunk_wy", "chunk_wy_kernel",
-                     {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "v_ptr": "*bf16", "gcum_ptr": "*fp32",
-                      "beta_ptr": "*fp32", "aqk_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16"},
-                     dict(H=H, K=K, V=V, **dots), PHASE_WARPS["wy"], 1),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
                         dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=False),
                         state_warps, state_stages(bv)),

@@ -32,7 +32,7 @@ def test_dry_run_names_every_part_with_its_command(tmp_path):
     for p in PARTS:
         assert (out / f"{p}.txt").read_text().startswith(f"== {p} (timeout")
     assert "--batches 32 --max-tokens 32" in (out / "spec_b32.txt").read_text()
-    assert "bench_kda.py --fused-compare" in (out / "kda.txt").read_text()
+    assert "bench_kda.py --prefill-only" in (out / "kda.txt").read_text()
     assert "--continue-on-collection-errors" in (out / "cuda_tier.txt").read_text()
 
 

@@ -3,16 +3,14 @@
 ``KERNELS`` maps each op name to ``(implementation, supports)``; both take the op's contract signature
 (minus ``backend``) and :mod:`rocm_k3.triton_kernels.backend` registers them. Files, by phase:
 ``gate.py`` (kda_gate), ``short_conv.py`` (short_conv, short_conv_update), ``chunk_prep.py`` /
-``chunk_intra.py`` / ``chunk_solve.py`` / ``chunk_state.py`` (+ optional ``chunk_output.py``; ``chunk_fused.py``,
-the first three phases in one launch, behind ``prefill.FUSED``; ``chunk_wy.py``, phases 2 and 3 in one launch,
-behind ``prefill.MERGE_WY``; ``chunk_prep_intra.py``, phases 1 and 2 in one launch, behind
-``prefill.PREP_IN_INTRA``): the phases of the chunked prefill, driven by
+``chunk_intra.py`` / ``chunk_solve.py`` / ``chunk_state.py`` (+ optional ``chunk_output.py``): the phases of the
+chunked prefill, driven by
 ``prefill.py``; ``decode.py`` (the fused one-kernel decode step); ``common.py``
 (shared device helpers and the varlen chunk plan). Tuning knobs (measured on the H200) sit beside the kernels:
 ``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.STATE_STAGES`` / ``prefill.PREP_BK`` /
-``prefill.PREP_SPLIT`` / ``prefill.SOLVE_KB`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.FUSED`` / ``prefill.MERGE_WY`` /
-``prefill.PREP_IN_INTRA`` / ``prefill.INTRA_INVERTS`` / ``prefill.SOLVE_IN_WALK`` / ``prefill.INVERT_BY_PRODUCTS`` /
-``prefill.SOLVE_WALK_STAGES`` and
+``prefill.PREP_SPLIT`` / ``prefill.SOLVE_KB`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.INTRA_INVERTS`` /
+``prefill.SOLVE_IN_WALK`` / ``prefill.INVERT_BY_PRODUCTS`` / ``prefill.SOLVE_WALK_STAGES`` /
+``prefill.INTRA_READS_RAW_QK`` / ``prefill.BAND_IN_DOT_DTYPE`` / ``prefill.INVERT_TF32`` and
 ``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """

@@ -64,14 +64,6 @@ def _decay(x, g, gref, m, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _decayed(x_ptr, g_ptr, row0, eos, gref, stride, D: tl.constexpr, BC: tl.constexpr, SIGN: tl.constexpr):
-    """x[rows] * exp(SIGN * (G[rows] - gref)) as fp32 [BC, D]; rows past eos are 0 (their exponent is 0)."""
-    x, m = _load_rows(x_ptr, row0, eos, stride, D, BC)
-    g, _ = _load_rows(g_ptr, row0, eos, stride, D, BC)
-    return _decay(x, g, gref, m, SIGN)
-
-
-@triton.jit
 def _keep_lower(a, aqk):
     """A's strictly lower and Aqk's lower part of a diagonal [16, 16] block."""
     r = tl.arange(0, 16)
@@ -84,26 +76,6 @@ def pair_products(kp, qp, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
     decayed column operand kn [K, 16]; DIAG (J = I) keeps A's strictly lower and Aqk's lower part."""
     a = tl.dot(kp, kn, input_precision=PREC) * b[:, None]
     aqk = tl.dot(qp, kn, input_precision=PREC)
-    if DIAG:
-        a, aqk = _keep_lower(a, aqk)
-    return a, aqk
-
-
-@triton.jit
-def stack_rows(kp, qp):
-    """[kp; qp]: two [16, K] row operands as one [32, K] operand for stacked_pair_products."""
-    return tl.reshape(tl.permute(tl.join(kp, qp), (2, 0, 1)), (2 * kp.shape[0], kp.shape[1]))
-
-
-@triton.jit
-def stacked_pair_products(kq, kn, b, DIAG: tl.constexpr, PREC: tl.constexpr):
-    """pair_products with the row operands stacked (kq = stack_rows(kp, qp) [32, K]): one [32, 16] product split
-    into (A_IJ, Aqk_IJ). On sm_90's mma.sync the four warps then split it 2 x 2, each holding a [16, K] half of
-    the row operand, where the two [16, 16] products replicate both whole row operands in every warp (64 registers
-    per thread at K = 128, live across a loop over column blocks)."""
-    p = tl.reshape(tl.dot(kq, kn, input_precision=PREC), (2, 16, 16))
-    a, aqk = tl.split(tl.permute(p, (1, 2, 0)))
-    a = a * b[:, None]
     if DIAG:
         a, aqk = _keep_lower(a, aqk)
     return a, aqk

@@ -3,7 +3,7 @@
 Device helpers (``@triton.jit``, inlined into the kernels): ``grid_ids`` and ``chunk_bounds`` (program ids and
 rows of the per-chunk grids), ``gate``, the KDA decay gate (safe gate ``L * sigmoid(exp(A_log) * (f + dt_bias))``
 or softplus gate ``-exp(A_log) * softplus(f + dt_bias)``) in fp32, and the fp32 ``sigmoid_f32`` /
-``softplus_f32`` it is made of; ``gate_block``, the gate of one 16-row sub-block of a chunk.
+``softplus_f32`` it is made of.
 
 Host helper :func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into
 (one host synchronisation per prefill call, like every varlen chunked kernel).
@@ -42,21 +42,6 @@ def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
     else:
         g = -a * softplus_f32(x)
     return g
-
-
-@triton.jit
-def gate_block(g_c, a_log_ptr, dt_bias_ptr, n, lower_bound, I, H: tl.constexpr, K: tl.constexpr,
-               HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr):
-    """Log-decay g of the chunk's 16-row sub-block I (rows 16 I .. 16 I + 15 from g_c, the chunk's first row of
-    this head; row stride H * K), fp32 [16, K]: ``gate`` of the raw input when HAS_GATE (a_log_ptr, dt_bias_ptr at
-    this head), else the input itself; rows >= n (past the chunk's end) are 0. I may be a runtime value."""
-    rows = I * 16 + tl.arange(0, 16)
-    rk = tl.arange(0, K)
-    m2d = (rows < n)[:, None]
-    g = tl.load(g_c + rows[:, None] * (H * K) + rk[None, :], mask=m2d, other=0.0).to(tl.float32)
-    if HAS_GATE:
-        g = gate(g, tl.load(a_log_ptr), tl.load(dt_bias_ptr + rk)[None, :], lower_bound, SAFE_GATE)
-    return tl.where(m2d, g, 0.0)
 
 
 @triton.jit

@@ -1,25 +1,21 @@
 """Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches (default: prep, intra with
-the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``), four (phase 3 as its own launch), or two
-(``FUSED``; ``PREP_IN_INTRA`` with ``SOLVE_IN_WALK``).
-
-    FUSED    chunk_fused  phases 1-3 below in one program per (chunk, head), A kept on chip
-             chunk_state  phase 4
+the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``) or four (phase 3 as its own launch).
 
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
                           INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place)
-    PREP_IN_INTRA         chunk_prep_intra: phases 1 and 2 in one launch, per (chunk, 16-row sub-block, head),
-                          from the raw q, k, g, beta; writes A, Aqk, KB, b, QG, KD, GL (q', k', G never go to
-                          memory; three launches in all)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
-    MERGE_WY chunk_wy     phases 2 and 3 in one program per (chunk, head), A kept in registers (three launches in all)
     SOLVE_IN_WALK         no phase 3: the state walk solves V' = (I + A)^-1 (b v - KB S) per chunk itself
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
 q, k and v are read in place when their token rows are strided (head stride D, element stride 1: the model passes
-column slices of the short conv's [T, 3HD] output; chunk_prep and chunk_prep_intra take q's and k's row strides);
-FUSED and MERGE_WY copy them first.
+column slices of the short conv's [T, 3HD] output; chunk_prep, and chunk_intra with INTRA_READS_RAW_QK, take q's and
+k's row strides).
+Measured and removed (session 20; RESULTS.md has their numbers, git history their code): phases 1-3 in one launch
+(FUSED, chunk_fused: not faster on the H200, 255 registers and spills), phases 2 and 3 in one (MERGE_WY, chunk_wy:
+25-30 % slower on the H200), phases 1 and 2 in one (PREP_IN_INTRA, chunk_prep_intra: 2x slower than the two
+launches on the H100, twice).
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
@@ -32,14 +28,11 @@ import torch
 import triton.language as tl
 
 from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
-from rocm_k3.triton_kernels.kda.chunk_fused import chunk_fused_kernel
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
-from rocm_k3.triton_kernels.kda.chunk_prep_intra import chunk_prep_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
-from rocm_k3.triton_kernels.kda.chunk_wy import chunk_wy_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,16 +42,13 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "fused": 4, "wy": 4, "prep_intra": 4}
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
 # 0.549 / 2.13. The FlyDSL twin has no separate solve: it follows SOLVE_IN_WALK (kda_chunk_intra inverts the
 # diagonal blocks, kda_chunk_state substitutes).
 SOLVE_BD = 64
-# Phases 1-3 in one launch (chunk_fused) rather than three. Off: not faster on the H200 (2026-12-04, RESULTS.md):
-# the fused program holds 255 registers per thread and spills (one or two CTAs per SM, a latency-bound chain).
-FUSED = False
 # Column slice of chunk_prep's [64, BK] tiles. H200 2026-12-04: BK = 128 (92 registers at 16 warps, one program
 # per SM) was 8-12 % slower end to end than 32 (64 registers, two per SM) at T = 4k-64k.
 PREP_BK = 32
@@ -67,11 +57,6 @@ PREP_BK = 32
 # at 2 stages (one program per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two
 # per SM and was 1.06-1.11x faster end to end at T = 4k-64k and on varlen batches (H200, 2026-12-04, RESULTS.md).
 STATE_STAGES: int | None = None
-# Phases 2 and 3 (intra, solve) in one launch (chunk_wy) after chunk_prep. Off: 25-30 % slower on the H200
-# (2026-12-04, RESULTS.md; 255 registers, spills), see chunk_wy.
-MERGE_WY = False
-# NVIDIA register cap per thread of chunk_fused (None: the compiler's choice).
-FUSED_MAXNREG: int | None = None
 # chunk_prep as one program per (chunk, PREP_BK-column slice, head) at PHASE_WARPS["prep_split"] warps (True) or one
 # per (chunk, head) walking the slices at PHASE_WARPS["prep"] (False). H200 2026-12-04 (session 16, RESULTS.md),
 # H = 96: split at 8 warps 0.434 / 1.718 ms at T = 4k / 16k against 0.456 / 1.848 unsplit at 16 warps (split at
@@ -83,35 +68,26 @@ PREP_SPLIT = True
 # Measured and dropped in the same call: A in bf16 (solve 2x slower), the solve's column blocks first in the grid
 # (+11 %).
 SOLVE_KB = True
-# chunk_intra (or chunk_prep_intra, PREP_IN_INTRA) inverts its diagonal 16 x 16 block of A (it holds it in
-# registers) and stores T_II = (I + A_II)^-1 in its place; chunk_solve then loads T_II instead of inverting all four
-# blocks in each of its K / BD + V / BD programs per (chunk, head) (4x the inversions at BD 64, 15 dependent row
-# steps each). No effect under FUSED or MERGE_WY (they invert in registers). Off: H100 2026-12-05 (session 18,
+# chunk_intra inverts its diagonal 16 x 16 block of A (it holds it in registers) and stores T_II = (I + A_II)^-1 in
+# its place; chunk_solve then loads T_II instead of inverting all four blocks in each of its K / BD + V / BD programs
+# per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Off: H100 2026-12-05 (session 18,
 # RESULTS.md) chunk_intra 0.343 -> 0.701 ms, solve 0.433 -> 0.270 at T = 4096, H = 96 (1.72 vs 1.53 ms in all).
 INTRA_INVERTS = False
 # The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
 # forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
 # back (at K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses
-# whatever SOLVE_KB / INTRA_INVERTS say. Not with FUSED or MERGE_WY (they make W and U themselves). On (three
+# whatever SOLVE_KB / INTRA_INVERTS say. On (three
 # launches) with INVERT_BY_PRODUCTS and the walk at SOLVE_WALK_STAGES = 2: H100 2026-12-05 (session 19, RESULTS.md)
 # kernel sum 1.287 / 5.084 ms at T = 4k / 16k, H = 96, against 1.536 / 6.072 for the four launches (intra 0.455 ms
 # with its inverses, walk 0.388 where solve + walk took 0.745). Session 18: with row-by-row inverses the intra
 # kernel took 0.70 ms, and the walk at 1 stage 1.33 (spilling).
 SOLVE_IN_WALK = True
-# Phases 1 and 2 in one launch (chunk_prep_intra, PHASE_WARPS["prep_intra"] warps, 1 stage): its programs, one per
-# (chunk, 16-row sub-block, head), read the raw q, k, g, beta and do the prep for the rows they need, so q', k' and G
-# are neither written nor read back (HBM bytes of the two phases per token and head at K = 128: 1934 instead of
-# 3986, L2 re-reads not counted; each program evaluates the gate over its whole chunk: 4x chunk_prep's); the solve
-# reads its KB (SOLVE_KB semantics whatever SOLVE_KB says). FUSED takes precedence over it, and it over MERGE_WY
-# (with both set chunk_wy does not run). sm_90 cross-compile: 147 registers, no spills (three programs per SM). Off:
-# H100 2026-12-05 (session 18, RESULTS.md) chunk_prep_intra 1.51 ms where chunk_prep + chunk_intra take 0.78.
-PREP_IN_INTRA = False
-# How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve, chunk_intra or chunk_prep_intra
-# invert them: row by row (False: 15 dependent steps of two cross-thread reductions each) or as the product
-# (I - A)(I + A^2)(I + A^4)(I + A^8) (True: six fp32 16 x 16 x 16 products, four dependent levels). H100 2026-12-05
-# (session 19, RESULTS.md), T = 4096, H = 96: the intra kernel with its inverses 0.455 ms by products against 0.704
-# row by row (0.344 without them); chunk_solve's own inversion is slower by products (0.506 vs 0.435 ms), but with
-# SOLVE_IN_WALK on chunk_solve does not run.
+# How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve or chunk_intra invert them: row by row
+# (False: 15 dependent steps of two cross-thread reductions each) or as the product (I - A)(I + A^2)(I + A^4)(I + A^8)
+# (True: six fp32 16 x 16 x 16 products, four dependent levels). H100 2026-12-05 (session 19, RESULTS.md), T = 4096, H =
+# 96: the intra kernel with its inverses 0.455 ms by products against 0.704 row by row (0.344 without them);
+# chunk_solve's own inversion is slower by products (0.506 vs 0.435 ms), but with SOLVE_IN_WALK on chunk_solve does not
+# run.
 INVERT_BY_PRODUCTS = True
 # num_stages of the walk that solves (SOLVE_IN_WALK) when STATE_STAGES is None. H100 2026-12-05 (session 18): 1.33 ms
 # at 1 stage (spilling), 0.39 ms at 2 (BV 64, 4 warps, T = 4096, H = 96); the default walk stays at 1 (2 stages:
@@ -121,7 +97,7 @@ SOLVE_WALK_STAGES = 2
 # scales the raw q and k rows (read in place, at their row strides) as it loads them: at K = 128 in bf16, 512 bytes
 # per token and head less written by the prep and 8 more, the intra kernel's reads unchanged (of ~5.7 KB per token
 # and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
-# Not with PREP_IN_INTRA (q', k' never go to memory there), FUSED, MERGE_WY or a solve reading k' (not SOLVE_KB).
+# Not with a solve reading k' (four launches without SOLVE_KB).
 INTRA_READS_RAW_QK = False
 # With SOLVE_IN_WALK, the [T, H, 64] A band (and its diagonal inverses) stored in the dot dtype (bf16 for bf16
 # activations) instead of fp32: the walk rounds every A block to its dot operands anyway, so the outputs are the same
@@ -269,24 +245,13 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     flags = dict(HAS_GATE=gate_params is not None, SAFE_GATE=lower is not None, QK_NORM=qk_l2norm,
                  BETA_LOGITS=beta_logits)
     lower = 0.0 if lower is None else float(lower)
-    grid = (plan.num_chunks, H)
-    solve_in = SOLVE_IN_WALK and not (FUSED or MERGE_WY)
+    solve_in = SOLVE_IN_WALK
     qg, kd = buf(T, H, K), buf(T, H, K)
     w, u = (o, o) if solve_in else (buf(T, H, K), buf(T, H, V))  # o: unread placeholders (the walk solves)
-    walk_in = (o, o, o)  # (A band, KB, b) read by the walk when it solves, else unread placeholders
     glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     aqk = buf(T, H, CHUNK)
-    if FUSED:
-        chunk_fused_kernel[grid](
-            q.contiguous(), k.contiguous(), v.contiguous(), g, beta, a_log, dt_bias, plan.chunk_seq,
-            plan.chunk_start, cu,
-            qg, kd, glast, aqk, w, u, scale, lower, H=H, K=K, V=V, **flags,
-            DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["fused"], num_stages=1,
-            **({} if FUSED_MAXNREG is None else {"maxnreg": FUSED_MAXNREG}),
-        )
-    else:
-        walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
-                                w, u, dot_t, prec, solve_in) or walk_in
+    walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
+                            w, u, dot_t, prec, solve_in) or (o, o, o)  # (A band, KB, b) when the walk solves
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -316,9 +281,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
                   dot_t, prec, solve_in: bool) -> tuple | None:
-    """Phases 1-3 as three launches (prep, intra, solve), two (chunk_prep_intra, solve: ``PREP_IN_INTRA``; or prep,
-    chunk_wy: ``MERGE_WY``); writes qg, kd, glast, aqk, w, u. With ``solve_in`` (``SOLVE_IN_WALK``) no solve runs:
-    the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are returned for the state walk."""
+    """Phases 1-3 as three launches (prep, intra, solve); writes qg, kd, glast, aqk, w, u. With ``solve_in``
+    (``SOLVE_IN_WALK``) no solve runs: the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are
+    returned for the state walk."""
     T, H, K = q.shape
     V = v.shape[-1]
 
@@ -327,38 +292,20 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
 
     b = buf(T, H, dtype=torch.float32)
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
-    if PREP_IN_INTRA:
-        a, kb = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in)), buf(T, H, K)
-        chunk_prep_intra_kernel[intra_grid](
-            q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-            a, aqk, kb, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-            H=H, K=K, **flags, DOT_T=dot_t, PREC=prec, INVERT_DIAG=INTRA_INVERTS or solve_in,
-            INVERT_PRODUCTS=INVERT_BY_PRODUCTS, num_warps=PHASE_WARPS["prep_intra"], num_stages=1,
-        )
-        if solve_in:
-            return a, kb, b
-        _solve(a, kb, v, b, b, plan, cu, w, u, dot_t, prec, True)  # b: an unread placeholder for G
-        return None
-    raw_qk = INTRA_READS_RAW_QK and not MERGE_WY and (SOLVE_KB or solve_in)  # nothing else reads k' then
+    raw_qk = INTRA_READS_RAW_QK and (SOLVE_KB or solve_in)  # nothing else reads k' then
     if raw_qk:  # the intra kernel reads q and k in place and scales them by RS
         qn, kn, rscale = q, k, buf(T, H, 2, dtype=torch.float32)
     else:
         qn, kn, rscale = buf(T, H, K), buf(T, H, K), b  # b: an unwritten placeholder
     gcum = buf(T, H, K, dtype=torch.float32)
-    grid = (plan.num_chunks, H)
     bk = min(PREP_BK, K)
-    chunk_prep_kernel[(plan.num_chunks * (K // bk), H) if PREP_SPLIT else grid](  # slice fastest (common.grid_ids)
+    prep_grid = (plan.num_chunks * (K // bk), H) if PREP_SPLIT else (plan.num_chunks, H)  # slice fastest (grid_ids)
+    chunk_prep_kernel[prep_grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, rscale, scale, lower, q.stride(0), k.stride(0),
         H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, WRITE_QK=not raw_qk,
         num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
-    if MERGE_WY:
-        chunk_wy_kernel[grid](
-            qn, kn, v.contiguous(), gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk, w, u,
-            H=H, K=K, V=V, DOT_T=dot_t, PREC=prec, num_warps=PHASE_WARPS["wy"], num_stages=1,
-        )
-        return None
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     write_kb = SOLVE_KB or solve_in
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)

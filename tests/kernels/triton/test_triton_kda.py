@@ -185,36 +185,28 @@ _PREFILL_CASES = [
 ]
 
 
-# Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the column-split
-# prep and a separate solve reading intra's KB, the default before session 19; "4-launch-unsplit": the prep walking
-# its column slices and the solve reading k' and G; "3-launch-prep-in-intra": the four launches with the prep done
-# by chunk_prep_intra; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed by the intra kernel for
-# the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off there: the setting
-# overrides them); "-products": INVERT_BY_PRODUCTS; "-raw-qk": INTRA_READS_RAW_QK (the intra kernel scales the raw
-# q, k by the prep's row factors); "-lean": the default with INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE (whose bf16
-# band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
+# Phase-1-3 paths of the Triton prefill: the prefill module settings each one sets ("4-launch": the column-split prep
+# and a separate solve reading intra's KB, the default before session 19; "4-launch-unsplit": the prep walking its
+# column slices and the solve reading k' and G; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed
+# by the intra kernel for the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off
+# there: the setting overrides them); "-products": INVERT_BY_PRODUCTS; "-raw-qk": INTRA_READS_RAW_QK (the intra kernel
+# scales the raw q, k by the prep's row factors); "-lean": the default with INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE
+# (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
 # "3-launch-solve-in-walk-products")
-_FOUR = dict(FUSED=False, MERGE_WY=False, PREP_SPLIT=True, SOLVE_KB=True, PREP_IN_INTRA=False, INTRA_INVERTS=False,
-             SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False, INTRA_READS_RAW_QK=False,
-             BAND_IN_DOT_DTYPE=False, INVERT_TF32=False)  # the four launches, every option named (off)
+_FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
+             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False,
+             INVERT_TF32=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
-    "3-launch-prep-in-intra": {**_FOUR, "PREP_IN_INTRA": True},
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
-    "3-launch-prep-in-intra-inverts": {**_FOUR, "PREP_IN_INTRA": True, "INTRA_INVERTS": True},
     "4-launch-unsplit": {**_FOUR, "PREP_SPLIT": False, "SOLVE_KB": False},
     "3-launch-solve-in-walk": {**_FOUR, "SOLVE_KB": False, "SOLVE_IN_WALK": True},
-    "2-launch-prep-in-intra-solve-in-walk": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True},
-    # prefill.INVERT_BY_PRODUCTS: the solve's, the intra kernel's and chunk_prep_intra's diagonal inverses by products
+    # prefill.INVERT_BY_PRODUCTS: the solve's and the intra kernel's diagonal inverses by products
     "4-launch-products": {**_FOUR, "INVERT_BY_PRODUCTS": True},
     "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
-    "2-launch-prep-in-intra-solve-in-walk-products": {**_FOUR, "PREP_IN_INTRA": True, "SOLVE_IN_WALK": True,
-                                                      "INVERT_BY_PRODUCTS": True},
     "4-launch-raw-qk": {**_FOUR, "INTRA_READS_RAW_QK": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "INTRA_READS_RAW_QK": True,
                       "BAND_IN_DOT_DTYPE": True},
-    "merged-wy": dict(FUSED=False, MERGE_WY=True, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
-    "fused": dict(FUSED=True, MERGE_WY=False, PREP_IN_INTRA=False, SOLVE_IN_WALK=True),
 }
 
 
@@ -272,9 +264,7 @@ def _prefill_inputs(lengths, dtype, gate, qk_l2norm, beta_logits, gen, device="c
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("case,path", [
-    pytest.param(c, p, id=f"{c[0]}-{p}") for c in _PREFILL_CASES for p in _PATHS
-    # the merged path (off by default) on the varlen fp16 case only: its own twin test is test_chunk_wy_*
-    if p != "merged-wy" or c[0].startswith("T37+64+49")])
+    pytest.param(c, p, id=f"{c[0]}-{p}") for c in _PREFILL_CASES for p in _PATHS])
 def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _set_path(monkeypatch, path)
     _, lengths, dtype, gate, qk_l2norm, beta_logits, has_init_l, inter_rows, o_tol, s_tol = case
@@ -310,15 +300,13 @@ def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"), (False, "fused"),
-                                               (False, "merged-wy"), (True, "3-launch-solve-in-walk"),
-                                               (True, "2-launch-prep-in-intra-solve-in-walk")],
-                         ids=["fused-output", "split-output", "chunk-fused", "merged-wy", "solve-in-walk-split-output",
-                              "prep-in-intra-solve-in-walk-split-output"])
+@pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"),
+                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean")],
+                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output"])
 def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
-    output computed inside the state walk or by the separate output launch, phases 1-3 in three launches or one."""
+    output computed inside the state walk or by the separate output launch."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
     monkeypatch.setattr(tri_prefill, "SPLIT_OUTPUT", split_output)
@@ -362,9 +350,9 @@ def _check_poisoned_prefill(qkv, qkv_ref, f, beta, cu, params, gen, monkeypatch:
 @pytest.mark.parametrize("path", list(_PATHS))
 def test_kda_prefill_strided_qkv_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """q, k, v as column slices of one NaN-padded [T, 3HD + 8] tensor (the model's short-conv output) and v of
-    another row stride ([T, HD + 24]): the default path reads them in place (no copy), FUSED / MERGE_WY through
-    their copy; every buffer the prefill allocates starts as NaN, so a stride bug or an unwritten element fails.
-    Twin: the reference op on contiguous copies (_check_poisoned_prefill)."""
+    another row stride ([T, HD + 24]): every path reads them in place (no copy); every buffer the prefill
+    allocates starts as NaN, so a stride bug or an unwritten element fails. Twin: the reference op on contiguous
+    copies (_check_poisoned_prefill)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
     _set_path(monkeypatch, path)
@@ -403,10 +391,10 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("path", ["3-launch-lean", "2-launch-prep-in-intra-solve-in-walk-products"])
+@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products"])
 def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
-    runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel (or chunk_prep_intra) stores
+    runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel stores
     the band and its diagonal inverses in bf16 and the solving walk reads them into fp32 dots. Every buffer the
     prefill allocates starts as NaN. Against the reference op: o and states within 2e-2 relative (the band's 8
     mantissa bits, rounding 2^-9 per entry, the level the cuda tier's bf16 cases allow), and the fp32-band run's o
@@ -439,18 +427,16 @@ def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPa
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)], ids=["fp32", "fp16"])
-def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: float) -> None:
-    """chunk_wy (phases 2 + 3 in one launch) against its twin, chunk_intra then chunk_solve, on chunk_prep's
-    outputs for a varlen batch with short chunks; chunk_wy's Aqk, W and U start as NaN, so any element it does not
-    write fails. Tolerances: fp32 1e-5 (summation order: T_IJ X_J vs block substitution); fp16 5e-3 (W, U, Aqk
-    are stored in fp16, and the two orders round different intermediates). Then INVERT_DIAG / DIAG_INVERTED
-    (prefill.INTRA_INVERTS): chunk_intra's band against _invert_band_diagonal of its plain band (fp32 row
-    substitution vs fp64 inverse, 1e-5; measured ~3e-10), and the solve from it against the inverting solve."""
+def test_chunk_intra_inverses_feed_the_solve_interpret(dtype: torch.dtype, tol: float) -> None:
+    """INVERT_DIAG / DIAG_INVERTED (prefill.INTRA_INVERTS) on chunk_prep's outputs for a varlen batch with short
+    chunks: chunk_intra's band against _invert_band_diagonal of its plain band (fp32 row substitution or products vs
+    fp64 inverse, 1e-5; measured ~3e-10 row by row), its Aqk unchanged, and chunk_solve from it against the solve
+    that inverts itself (W, U at tol: fp32 1e-5, summation order; fp16 5e-3, W and U stored in fp16). Outputs of
+    the runs under test start as NaN, so an element not written fails."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
     from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
     from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
     from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
-    from rocm_k3.triton_kernels.kda.chunk_wy import chunk_wy_kernel
     from rocm_k3.triton_kernels.kda.common import plan_chunks
     from tests.helpers import poisoned_like
 
@@ -486,12 +472,6 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
     a, aqk, w, u = empty(T, H, 64, dt=torch.float32), empty(T, H, 64), empty(T, H, D), empty(T, H, D)
     intra(a, aqk, False, False)
     solve(a, w, u, False, False)
-    aqk2, w2, u2 = poisoned_like(aqk), poisoned_like(w), poisoned_like(u)
-    chunk_wy_kernel[grid](qn, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, aqk2, w2, u2,
-                          H=H, K=D, V=D, DOT_T=dot_t, PREC=prec)
-    assert torch.equal(aqk2.float(), aqk.float()), "Aqk: same products, same order"
-    assert_rel(w2, w, tol, "W")
-    assert_rel(u2, u, tol, "U")
     inverse = _invert_band_diagonal(a.double(), cu)
     # prefill.INTRA_INVERTS: chunk_intra's INVERT_DIAG band holds (I + A_II)^-1 in its diagonal blocks (over each
     # block's rows inside its chunk; the other blocks as without it), row by row or (prefill.INVERT_BY_PRODUCTS) as
@@ -509,8 +489,8 @@ def test_chunk_wy_matches_intra_and_solve_interpret(dtype: torch.dtype, tol: flo
 
 def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """A [T, H, 64] row band with each chunk's diagonal 16 x 16 blocks A_II replaced by (I + A_II)^-1 over the
-    block's rows inside the chunk (fp64; a short block's columns past the chunk's end stay 0): what chunk_intra /
-    chunk_prep_intra store with INVERT_DIAG."""
+    block's rows inside the chunk (fp64; a short block's columns past the chunk's end stay 0): what chunk_intra
+    stores with INVERT_DIAG."""
     out = a.clone()
     bounds = cu.tolist()
     for s in range(len(bounds) - 1):
@@ -525,16 +505,19 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
-    """fp64 twin of chunk_prep_intra's outputs (safe gate, or the raw log-decay when params is None; q/k L2 norm;
-    beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last - G),
-    KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A strictly lower times
-    b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64 difference."""
+    """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None;
+    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k' and their row factors RS [T, H, 2] (q' / q,
+    k' / k), b, then QG = q' exp(G), KD = k' exp(G_last - G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and
+    the row bands A / Aqk [T, H, 64] (A strictly lower times b, Aqk lower, zeros above), each decay factor
+    exp(G_i - G_j) taken from the fp64 difference."""
     T, H, K = q.shape
     g = f.double()
     if params is not None:
         x = g + params.dt_bias.double().view(H, K)
         g = params.lower_bound * torch.sigmoid(params.A_log.double().exp().view(H, 1) * x)
     qn, kn = ref.l2norm(q.double()) * scale, ref.l2norm(k.double())
+    rs = torch.stack([scale / (q.double().square().sum(-1) + ref.L2NORM_EPS).sqrt(),
+                      1.0 / (k.double().square().sum(-1) + ref.L2NORM_EPS).sqrt()], dim=-1)  # [T, H, 2]
     b = torch.sigmoid(beta.double())
     out = {name: torch.zeros(T, H, K, dtype=torch.float64) for name in ("QG", "KD", "KB")}
     out["A"], out["Aqk"] = torch.zeros(T, H, 64, dtype=torch.float64), torch.zeros(T, H, 64, dtype=torch.float64)
@@ -556,29 +539,35 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
             strict = tril & ~torch.eye(n, dtype=torch.bool)[:, :, None]
             out["A"][t0:t1, :, :n] = torch.where(strict, kk, 0.0).transpose(1, 2)
             out["Aqk"][t0:t1, :, :n] = torch.where(tril, qk, 0.0).transpose(1, 2)
-    out["GL"], out["b"] = torch.stack(gl), b
+    out["GL"], out["b"], out["qn"], out["kn"], out["RS"] = torch.stack(gl), b, qn, kn, rs
     return out
 
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,inverts", [
-    ("safe", torch.float32, 2e-5, False), ("mild", torch.float32, 1e-5, False), ("mild", torch.float16, 1e-3, False),
-    ("safe", torch.float32, 2e-5, True)], ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts"])
-def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool) -> None:
-    """chunk_prep_intra (prefill.PREP_IN_INTRA) tensor by tensor against its fp64 twin (_prep_intra_oracle): A, Aqk,
-    KB, b, QG, KD, GL on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
-    Its outputs start as NaN, so an element it does not write fails. "safe": K3's safe gate (|g| < 5: decay factors
-    up to exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every row's QG, KD, KB is O(1)
-    and a wrong carry or G_last shows in every 16-row block (under the safe gate a later block's QG is ~exp(-40) of
-    the first's). QG, KD, KB are checked per 16-row block of each chunk. Tolerances: "mild" fp32 1e-5 (fp32
-    arithmetic, |G| < 13; measured <= 4e-7); "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320:
-    2^-24 * 320 ~ 2e-5 per rounding of it; measured <= 7e-6, the four-launch chunk_prep + chunk_intra 1.2e-5);
-    fp16 1e-3 (outputs rounded to fp16, 2^-11, with fp32 dot operands; measured <= 2.3e-4; under the safe gate the
-    later blocks' QG, ~exp(-40), are below fp16's range, hence the mild gate). "inverts": INVERT_DIAG
-    (prefill.INTRA_INVERTS), A's diagonal blocks then hold (I + A_II)^-1 (_invert_band_diagonal of the twin's A)."""
+@pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
+    ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
+    ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
+    ("mild", torch.float16, 1e-3, True, True)],
+    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-raw-qk", "mild-fp16-inverts-raw-qk"])
+def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
+                                                raw: bool) -> None:
+    """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their
+    fp64 twin (_prep_intra_oracle): q', k' (or, raw: INTRA_READS_RAW_QK, the row factors RS and nothing written to
+    q' / k'), b, QG, KD, GL, then A, Aqk, KB, on a varlen batch with short chunks and strided q, k (column slices of
+    one NaN-padded tensor). Every output starts as NaN, so an element not written fails. "safe": K3's safe gate
+    (|g| < 5: decay factors up to exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every
+    row's QG, KD, KB is O(1) and a wrong G_last or cumsum shows in every 16-row block (under the safe gate a later
+    block's QG is ~exp(-40) of the first's). QG, KD, KB are checked per 16-row block of each chunk. Tolerances:
+    "mild" fp32 1e-5 (fp32 arithmetic, |G| < 13); "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320:
+    2^-24 * 320 ~ 2e-5 per rounding of it; the four-launch pair measured 1.2e-5 when this test covered the fused
+    prep); fp16 1e-3 (outputs rounded to fp16, 2^-11, with fp32 dot operands; under the safe gate the later blocks'
+    QG, ~exp(-40), are below fp16's range, hence the mild gate). "inverts": INVERT_DIAG by products
+    (prefill.INTRA_INVERTS / SOLVE_IN_WALK), A's diagonal blocks then hold (I + A_II)^-1 (_invert_band_diagonal of
+    the twin's A)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-    from rocm_k3.triton_kernels.kda.chunk_prep_intra import chunk_prep_intra_kernel
+    from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
+    from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
     from rocm_k3.triton_kernels.kda.common import plan_chunks
     from tests.helpers import poisoned_like
 
@@ -598,17 +587,28 @@ def test_chunk_prep_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: 
     if inverts:
         want["A"] = _invert_band_diagonal(want["A"], cu)
     shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
-              "GL": (plan.num_chunks, H, D)}
-    fp32 = ("A", "b", "GL")
+              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D), "RS": (T, H, 2)}
+    fp32 = ("A", "b", "GL", "G", "RS")
     got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
            for name, shape in shapes.items()}
     a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
-    chunk_prep_intra_kernel[(plan.num_chunks * 4, H)](
-        q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"],
-        got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
-        HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True, DOT_T=dot_t,
-        PREC=prec, INVERT_DIAG=inverts, INVERT_PRODUCTS=False)
-    for name in ("A", "Aqk", "b", "GL"):
+    bk = D // 2
+    chunk_prep_kernel[(plan.num_chunks * (D // bk), H)](
+        q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["qn"], got["kn"], got["G"],
+        got["b"], got["QG"], got["KD"], got["GL"], got["RS"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
+        BT=64, BK=bk, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True,
+        COL_SPLIT=True, WRITE_QK=not raw)
+    qa, ka = (q, k) if raw else (got["qn"], got["kn"])
+    chunk_intra_kernel[(plan.num_chunks * 4, H)](
+        qa, ka, got["G"], got["b"], got["RS"], qa.stride(0), ka.stride(0), plan.chunk_seq, plan.chunk_start, cu,
+        got["A"], got["Aqk"], got["KB"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True, INVERT_DIAG=inverts,
+        INVERT_PRODUCTS=True, RAW_QK=raw)
+    if raw:
+        assert_rel(got["RS"], want["RS"], tol, "RS")
+        assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
+    else:
+        assert got["RS"].isnan().all(), "RS written although the intra reads q', k'"
+    for name in ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")):
         assert_rel(got[name], want[name], tol, name)
     bounds = cu.tolist()
     blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
@@ -688,9 +688,8 @@ def test_kda_interpret_tier_in_subprocess() -> None:
 
 # -------------------------------------------------------------------------------------------------- compile tier
 _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_conv_update", "chunk_prep",
-                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_prep_intra",
-                "chunk_prep_intra_inv", "chunk_solve", "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod",
-                "chunk_intra_inv_prod", "chunk_prep_intra_inv_prod", "chunk_fused", "chunk_wy", "chunk_state",
+                "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve",
+                "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE ("3-launch-lean")
                 "chunk_prep_split_rs", "chunk_intra_inv_prod_raw", "chunk_state_solve_band16",
@@ -701,11 +700,8 @@ _CUDA_ONLY = ("chunk_intra_inv_tf32",)  # the wrappers never build these for ROC
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_kb": ("mma.sync.aligned", "v_mfma"), "chunk_solve_kb": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv": ("mma.sync.aligned", "v_mfma"), "chunk_solve_inv": ("mma.sync.aligned", "v_mfma"),
-        "chunk_prep_intra": ("mma.sync.aligned", "v_mfma"), "chunk_prep_intra_inv": ("mma.sync.aligned", "v_mfma"),
-        "chunk_fused": ("mma.sync.aligned", "v_mfma"), "chunk_wy": ("mma.sync.aligned", "v_mfma"),
         # prefill.INVERT_BY_PRODUCTS: the bf16 products stay on the matrix units (the inverses' fp32 ones are FMAs)
         "chunk_solve_kb_prod": ("mma.sync.aligned", "v_mfma"), "chunk_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
-        "chunk_prep_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_raw": ("mma.sync.aligned", "v_mfma"),
@@ -713,9 +709,9 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_intra_inv_tf32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
-# Dot kernels shaped to fit their registers on every target (chunk_prep_intra: the stacked row operand of its loop,
-# see chunk_intra.stacked_pair_products): a spill there is a regression of that shape.
-_NO_SPILLS = ("chunk_prep_intra", "chunk_prep_intra_inv", "chunk_prep_intra_inv_prod")
+# Dot kernels that fit their registers on every target (the default's inverting intra kernel, with and without the
+# raw q / k reads: sm_90 170 / 178, gfx942 104 / 102, gfx950 102 / 112 in session 20): a spill there is a regression.
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_raw")
 
 
 @pytest.fixture(scope="module")
