@@ -7,7 +7,7 @@
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (session 20's byte cuts of the default: the intra kernel reading the raw q, k; the A band in bf16).
+``PREP_COMPARE`` (session 20's byte cuts of the default: q, k normalised in the intra kernel; the A band in bf16).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -236,10 +236,11 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # walk at 3 stages, and the inverting intra kernel at 8 warps. (The four launches, timed on both cards in session 19,
 # are dropped.)
 _FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
-_LEAN = {"INTRA_READS_RAW_QK": True, "BAND_IN_DOT_DTYPE": True}  # session 20's byte cuts (untimed when written)
-PROFILE_VARIANTS = (("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
+_LEAN = {"NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True}  # session 20's byte cuts (untimed when written)
+PROFILE_VARIANTS = (("lean: norms + QG/KD in intra, A band bf16", _LEAN),
+                    ("norms + QG/KD in intra (NORMS_IN_INTRA)", {"NORMS_IN_INTRA": True}),
                     ("A band bf16 (BAND_IN_DOT_DTYPE)", {"BAND_IN_DOT_DTYPE": True}),
-                    ("lean: both", _LEAN),
+                    ("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
                     ("lean + inverse products on tf32 (INVERT_TF32)", {**_LEAN, "INVERT_TF32": True}),
                     ("prep BK 16, 4 warps", {"PREP_BK": 16, "PHASE_WARPS": {"prep_split": 4}}),
                     ("prep BK 16, 8 warps", {"PREP_BK": 16}),
@@ -365,12 +366,14 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the default's byte cuts of session 20, each alone and both (the intra kernel reading the
-# raw q, k and the prep's row factors instead of q', k'; the A band in bf16), both with the intra kernel's inverse
-# products on tf32 tensor cores (INVERT_TF32), all also timed while saving states.
+# ... and --prep-compare's: the default's byte cuts of session 20: the prep only gating and summing, the intra kernel
+# normalising q, k and writing QG, KD (NORMS_IN_INTRA), with the A band in bf16 (BAND_IN_DOT_DTYPE; "lean") and
+# alone; the band alone; the intra kernel reading the raw q, k and the prep's row factors (INTRA_READS_RAW_QK); lean
+# with the inverse products on tf32 tensor cores (INVERT_TF32); all also timed while saving states.
 # Session 19 timed the four launches, INTRA_INVERTS by products and the solve in the walk (RESULTS.md).
-PREP_COMPARE = (("ms_raw_qk", {"INTRA_READS_RAW_QK": True}), ("ms_band16", {"BAND_IN_DOT_DTYPE": True}),
-                ("ms_lean", _LEAN), ("ms_lean_tf32", {**_LEAN, "INVERT_TF32": True}))
+PREP_COMPARE = (("ms_lean", _LEAN), ("ms_norms_in_intra", {"NORMS_IN_INTRA": True}),
+                ("ms_band16", {"BAND_IN_DOT_DTYPE": True}), ("ms_raw_qk", {"INTRA_READS_RAW_QK": True}),
+                ("ms_lean_tf32", {**_LEAN, "INVERT_TF32": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -410,8 +413,8 @@ def main() -> None:
                         help="prefill rows T = 4k/16k/64k + varlen (+ saving states) only: the default vs the "
                              "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --phase-compare, with the PREP_COMPARE settings (the intra kernel reading the raw "
-                             "q, k; the A band in bf16; both; both with tf32 inverse products)")
+                        help="as --phase-compare, with the PREP_COMPARE settings (session 20's byte cuts: norms "
+                             "and QG / KD in the intra kernel, the A band in bf16, raw q / k reads, tf32 inverses)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

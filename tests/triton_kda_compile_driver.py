@@ -15,9 +15,10 @@ TARGETS = ("sm_90", "gfx942", "gfx950")
 H, K, V, W = 96, 128, 128, 4
 
 
-def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, write_qk: bool = True) -> tuple:
+def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, write_qk: bool = True, write_rs: bool = False,
+               gate_only: bool = False) -> tuple:
     """chunk_prep over one column slice per program (split) or all of them; writing q', k' (write_qk) or their row
-    factors RS (prefill.INTRA_READS_RAW_QK)."""
+    factors RS (write_rs, prefill.INTRA_READS_RAW_QK), or (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone."""
     return (f"{pkg}.chunk_prep", "chunk_prep_kernel",
             {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
              "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
@@ -25,22 +26,22 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, write_qk: bool = T
              "glast_ptr": "*fp32", "rscale_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
              "stride_k": "i32"},
             dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
-                 COL_SPLIT=split, WRITE_QK=write_qk), warps, 1)
+                 COL_SPLIT=split, WRITE_QK=write_qk, WRITE_RS=write_rs, GATE_ONLY=gate_only), warps, 1)
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
-                prod: bool = False, raw: bool = False, band: str = "*fp32", inv_prec: str = "ieee") -> tuple:
+                prod: bool = False, qk_in: int = 0, band: str = "*fp32", inv_prec: str = "ieee") -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
     prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
-    as a product of four factors (at input precision inv_prec: prefill.INVERT_TF32); reading q', k' or (raw,
-    prefill.INTRA_READS_RAW_QK) the raw q, k and their row factors; the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE:
-    bf16)."""
+    as a product of four factors (at input precision inv_prec: prefill.INVERT_TF32); reading q', k' (qk_in 0) or the
+    raw q, k and their row factors (1: prefill.INTRA_READS_RAW_QK) or computing the factors (2:
+    prefill.NORMS_IN_INTRA: QG and KD written too); the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16)."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
-             "rscale_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "a_ptr": band, "aqk_ptr": "*bf16",
-             "kb_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, INV_PREC=inv_prec),
-            warps, 2)
+             "rscale_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
+             "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16"},
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, QK_IN=qk_in, QK_NORM=True,
+                 INV_PREC=inv_prec), warps, 2)
 
 
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
@@ -101,9 +102,15 @@ def _specs() -> dict:
         "chunk_intra_inv_prod": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True),
         # prefill.INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE: the prep writes row factors, not q' / k'; the intra kernel
         # scales the raw rows and stores the A band in bf16; the solving walk reads it
-        "chunk_prep_split_rs": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False),
+        "chunk_prep_split_rs": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False,
+                                          write_rs=True),
         "chunk_intra_inv_prod_raw": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
-                                                raw=True, band="*bf16"),
+                                                qk_in=1, band="*bf16"),
+        # prefill.NORMS_IN_INTRA: the prep gates and sums only, the intra kernel normalises q, k and writes QG, KD
+        "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False,
+                                            gate_only=True),
+        "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
+                                                  qk_in=2),
         # prefill.INVERT_TF32: the inverse products on tf32 tensor cores
         "chunk_intra_inv_tf32": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                             inv_prec="tf32"),

@@ -99,6 +99,12 @@ SOLVE_WALK_STAGES = 2
 # and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
 # Not with a solve reading k' (four launches without SOLVE_KB).
 INTRA_READS_RAW_QK = False
+# INTRA_READS_RAW_QK taken further: chunk_prep only gates and sums (G, GL, b: no q or k read, no norm pass that
+# re-reads every full q and k row once per column slice); chunk_intra computes the row norms from the full rows it
+# loads anyway and writes QG and KD for its own rows besides A, Aqk and KB (it holds q', k' and G there). At K = 128
+# in bf16, 512 bytes per token and head less than INTRA_READS_RAW_QK (q and k read once, by the intra kernel), 1.5 KB
+# less than the default. Needs the intra kernel's KB (SOLVE_KB or SOLVE_IN_WALK). Off: not timed yet (as above).
+NORMS_IN_INTRA = False
 # With SOLVE_IN_WALK, the [T, H, 64] A band (and its diagonal inverses) stored in the dot dtype (bf16 for bf16
 # activations) instead of fp32: the walk rounds every A block to its dot operands anyway, so the outputs are the same
 # and 128 bytes per token and head are neither written nor read. fp16 / fp32 activations keep an fp32 band (their
@@ -292,9 +298,11 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
 
     b = buf(T, H, dtype=torch.float32)
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
-    raw_qk = INTRA_READS_RAW_QK and (SOLVE_KB or solve_in)  # nothing else reads k' then
-    if raw_qk:  # the intra kernel reads q and k in place and scales them by RS
-        qn, kn, rscale = q, k, buf(T, H, 2, dtype=torch.float32)
+    write_kb = SOLVE_KB or solve_in
+    norms_in = NORMS_IN_INTRA and write_kb
+    raw_qk = norms_in or (INTRA_READS_RAW_QK and write_kb)  # nothing else reads k' then
+    if raw_qk:  # the intra kernel reads q and k in place and scales them by RS (or by the norms it takes itself)
+        qn, kn, rscale = q, k, b if norms_in else buf(T, H, 2, dtype=torch.float32)  # b: an unwritten placeholder
     else:
         qn, kn, rscale = buf(T, H, K), buf(T, H, K), b  # b: an unwritten placeholder
     gcum = buf(T, H, K, dtype=torch.float32)
@@ -304,15 +312,15 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, rscale, scale, lower, q.stride(0), k.stride(0),
         H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, WRITE_QK=not raw_qk,
+        WRITE_RS=raw_qk and not norms_in, GATE_ONLY=norms_in,
         num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
-    write_kb = SOLVE_KB or solve_in
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)
     chunk_intra_kernel[intra_grid](
-        qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), plan.chunk_seq, plan.chunk_start, cu, a, aqk, kb,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, RAW_QK=raw_qk,
+        qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+        kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
+        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, QK_IN=2 if norms_in else int(raw_qk), QK_NORM=flags["QK_NORM"],
         INV_PREC=inverse_precision(dot_t), num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:

@@ -190,12 +190,13 @@ _PREFILL_CASES = [
 # column slices and the solve reading k' and G; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed
 # by the intra kernel for the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off
 # there: the setting overrides them); "-products": INVERT_BY_PRODUCTS; "-raw-qk": INTRA_READS_RAW_QK (the intra kernel
-# scales the raw q, k by the prep's row factors); "-lean": the default with INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE
+# scales the raw q, k by the prep's row factors); "-norms-in-intra": NORMS_IN_INTRA (the prep only gates and sums; the
+# intra kernel normalises q, k itself and writes QG, KD); "-lean": the default with NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
 # (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
 # "3-launch-solve-in-walk-products")
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False,
-             INVERT_TF32=False)  # the four launches, every option named (off)
+             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False, INVERT_TF32=False,
+             NORMS_IN_INTRA=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -205,7 +206,8 @@ _PATHS = {
     "4-launch-products": {**_FOUR, "INVERT_BY_PRODUCTS": True},
     "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
     "4-launch-raw-qk": {**_FOUR, "INTRA_READS_RAW_QK": True},
-    "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "INTRA_READS_RAW_QK": True,
+    "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
+    "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
 }
 
@@ -456,12 +458,13 @@ def test_chunk_intra_inverses_feed_the_solve_interpret(dtype: torch.dtype, tol: 
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
                             qn, kn, gcum, b, qg, kd, glast, b, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
                             HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False,
-                            WRITE_QK=True)
+                            WRITE_QK=True, WRITE_RS=False)
     def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
-        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, b, H * D, H * D, plan.chunk_seq,
-                                                     plan.chunk_start, cu, a_out, aqk_out, kn, H=H, K=D, DOT_T=dot_t,
+        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, b, H * D, H * D, 1.0, plan.chunk_seq,
+                                                     plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, H=H, K=D,
+                                                     DOT_T=dot_t,
                                                      PREC=prec, WRITE_KB=False, INVERT_DIAG=invert,
-                                                     INVERT_PRODUCTS=products, RAW_QK=False)
+                                                     INVERT_PRODUCTS=products, QK_IN=0)
 
     def solve(a_in, w_out, u_out, inverted: bool, products: bool) -> None:
         chunk_solve_kernel[(plan.num_chunks, H, 4)](a_in, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
@@ -545,26 +548,28 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
-    ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
-    ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
-    ("mild", torch.float16, 1e-3, True, True)],
-    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-raw-qk", "mild-fp16-inverts-raw-qk"])
+@pytest.mark.parametrize("gate,dtype,tol,inverts,qk_in", [
+    ("safe", torch.float32, 2e-5, False, 0), ("mild", torch.float32, 1e-5, False, 0),
+    ("mild", torch.float16, 1e-3, False, 0), ("safe", torch.float32, 2e-5, True, 1),
+    ("mild", torch.float16, 1e-3, True, 1), ("safe", torch.float32, 2e-5, True, 2),
+    ("mild", torch.float16, 1e-3, True, 2)],
+    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-raw-qk", "mild-fp16-inverts-raw-qk",
+         "safe-fp32-inverts-norms-in-intra", "mild-fp16-inverts-norms-in-intra"])
 def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
-                                                raw: bool) -> None:
-    """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their
-    fp64 twin (_prep_intra_oracle): q', k' (or, raw: INTRA_READS_RAW_QK, the row factors RS and nothing written to
-    q' / k'), b, QG, KD, GL, then A, Aqk, KB, on a varlen batch with short chunks and strided q, k (column slices of
-    one NaN-padded tensor). Every output starts as NaN, so an element not written fails. "safe": K3's safe gate
-    (|g| < 5: decay factors up to exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every
-    row's QG, KD, KB is O(1) and a wrong G_last or cumsum shows in every 16-row block (under the safe gate a later
-    block's QG is ~exp(-40) of the first's). QG, KD, KB are checked per 16-row block of each chunk. Tolerances:
-    "mild" fp32 1e-5 (fp32 arithmetic, |G| < 13); "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320:
-    2^-24 * 320 ~ 2e-5 per rounding of it; the four-launch pair measured 1.2e-5 when this test covered the fused
-    prep); fp16 1e-3 (outputs rounded to fp16, 2^-11, with fp32 dot operands; under the safe gate the later blocks'
-    QG, ~exp(-40), are below fp16's range, hence the mild gate). "inverts": INVERT_DIAG by products
-    (prefill.INTRA_INVERTS / SOLVE_IN_WALK), A's diagonal blocks then hold (I + A_II)^-1 (_invert_band_diagonal of
-    the twin's A)."""
+                                                qk_in: int) -> None:
+    """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their fp64
+    twin (_prep_intra_oracle): q', k' (or, qk_in 1: INTRA_READS_RAW_QK, the prep's row factors RS and nothing written to
+    q' / k'; qk_in 2: NORMS_IN_INTRA, the prep writes G, GL, b alone and the intra kernel QG and KD), b, QG, KD, GL,
+    then A, Aqk, KB, on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
+    Every output starts as NaN, so an element not written fails. "safe": K3's safe gate (|g| < 5: decay factors up to
+    exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every row's QG, KD, KB is O(1) and a wrong
+    G_last or cumsum shows in every 16-row block (under the safe gate a later block's QG is ~exp(-40) of the first's).
+    QG, KD, KB are checked per 16-row block of each chunk. Tolerances: "mild" fp32 1e-5 (fp32 arithmetic, |G| < 13);
+    "safe" fp32 2e-5 (exp of an fp32 exponent of magnitude up to 320: 2^-24 * 320 ~ 2e-5 per rounding of it; the
+    four-launch pair measured 1.2e-5 when this test covered the fused prep); fp16 1e-3 (outputs rounded to fp16, 2^-11,
+    with fp32 dot operands; under the safe gate the later blocks' QG, ~exp(-40), are below fp16's range, hence the mild
+    gate). "inverts": INVERT_DIAG by products (prefill.INTRA_INVERTS / SOLVE_IN_WALK), A's diagonal blocks then hold (I
+    + A_II)^-1 (_invert_band_diagonal of the twin's A)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
     from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
     from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
@@ -593,21 +598,25 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
            for name, shape in shapes.items()}
     a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
     bk = D // 2
+    raw = qk_in > 0
     chunk_prep_kernel[(plan.num_chunks * (D // bk), H)](
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["qn"], got["kn"], got["G"],
         got["b"], got["QG"], got["KD"], got["GL"], got["RS"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         BT=64, BK=bk, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True,
-        COL_SPLIT=True, WRITE_QK=not raw)
+        COL_SPLIT=True, WRITE_QK=not raw, WRITE_RS=qk_in == 1, GATE_ONLY=qk_in == 2)
+    if qk_in == 2:
+        assert all(got[n].isnan().all() for n in ("RS", "QG", "KD")), "the prep wrote more than G, GL, b"
     qa, ka = (q, k) if raw else (got["qn"], got["kn"])
     chunk_intra_kernel[(plan.num_chunks * 4, H)](
-        qa, ka, got["G"], got["b"], got["RS"], qa.stride(0), ka.stride(0), plan.chunk_seq, plan.chunk_start, cu,
-        got["A"], got["Aqk"], got["KB"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True, INVERT_DIAG=inverts,
-        INVERT_PRODUCTS=True, RAW_QK=raw)
-    if raw:
+        qa, ka, got["G"], got["b"], got["RS"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq, plan.chunk_start,
+        cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True,
+        INVERT_DIAG=inverts, INVERT_PRODUCTS=True, QK_IN=qk_in, QK_NORM=True)
+    if qk_in == 1:
         assert_rel(got["RS"], want["RS"], tol, "RS")
-        assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
     else:
-        assert got["RS"].isnan().all(), "RS written although the intra reads q', k'"
+        assert got["RS"].isnan().all(), "RS written although nothing reads it"
+    if raw:
+        assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
     for name in ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")):
         assert_rel(got[name], want[name], tol, name)
     bounds = cu.tolist()
@@ -693,7 +702,9 @@ _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_c
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE ("3-launch-lean")
                 "chunk_prep_split_rs", "chunk_intra_inv_prod_raw", "chunk_state_solve_band16",
-                "chunk_intra_inv_tf32")  # INVERT_TF32 (NVIDIA only: _CUDA_ONLY)
+                "chunk_intra_inv_tf32",  # INVERT_TF32 (NVIDIA only: _CUDA_ONLY)
+                # NORMS_IN_INTRA ("3-launch-norms-in-intra")
+                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms")
 _CUDA_ONLY = ("chunk_intra_inv_tf32",)  # the wrappers never build these for ROCm (prefill.inverse_precision)
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
@@ -707,11 +718,12 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_intra_inv_prod_raw": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_tf32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32", "v_mfma"),
+        "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the default's inverting intra kernel, with and without the
 # raw q / k reads: sm_90 170 / 178, gfx942 104 / 102, gfx950 102 / 112 in session 20): a spill there is a regression.
-_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_raw")
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_raw", "chunk_intra_inv_prod_norms")
 
 
 @pytest.fixture(scope="module")
