@@ -241,7 +241,6 @@ PROFILE_VARIANTS = (("lean: norms + QG/KD in intra, A band bf16", _LEAN),
                     ("norms + QG/KD in intra (NORMS_IN_INTRA)", {"NORMS_IN_INTRA": True}),
                     ("A band bf16 (BAND_IN_DOT_DTYPE)", {"BAND_IN_DOT_DTYPE": True}),
                     ("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
-                    ("lean + inverse products on tf32 (INVERT_TF32)", {**_LEAN, "INVERT_TF32": True}),
                     ("prep BK 16, 4 warps", {"PREP_BK": 16, "PHASE_WARPS": {"prep_split": 4}}),
                     ("prep BK 16, 8 warps", {"PREP_BK": 16}),
                     ("solving walk 3 stages", {"SOLVE_WALK_STAGES": 3}),
@@ -368,12 +367,11 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 # ... and --prep-compare's: the default's byte cuts of session 20: the prep only gating and summing, the intra kernel
 # normalising q, k and writing QG, KD (NORMS_IN_INTRA), with the A band in bf16 (BAND_IN_DOT_DTYPE; "lean") and
-# alone; the band alone; the intra kernel reading the raw q, k and the prep's row factors (INTRA_READS_RAW_QK); lean
-# with the inverse products on tf32 tensor cores (INVERT_TF32); all also timed while saving states.
+# alone; the band alone; the intra kernel reading the raw q, k and the prep's row factors (INTRA_READS_RAW_QK); all
+# also timed while saving states.
 # Session 19 timed the four launches, INTRA_INVERTS by products and the solve in the walk (RESULTS.md).
 PREP_COMPARE = (("ms_lean", _LEAN), ("ms_norms_in_intra", {"NORMS_IN_INTRA": True}),
-                ("ms_band16", {"BAND_IN_DOT_DTYPE": True}), ("ms_raw_qk", {"INTRA_READS_RAW_QK": True}),
-                ("ms_lean_tf32", {**_LEAN, "INVERT_TF32": True}))
+                ("ms_band16", {"BAND_IN_DOT_DTYPE": True}), ("ms_raw_qk", {"INTRA_READS_RAW_QK": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -414,7 +412,7 @@ def main() -> None:
                              "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
                         help="as --phase-compare, with the PREP_COMPARE settings (session 20's byte cuts: norms "
-                             "and QG / KD in the intra kernel, the A band in bf16, raw q / k reads, tf32 inverses)")
+                             "and QG / KD in the intra kernel, the A band in bf16, raw q / k reads)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

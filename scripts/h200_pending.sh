@@ -13,7 +13,7 @@
 #                                             prefill cuda tests of the products and solve-in-walk paths),
 #                                             cuda_kda (every
 #                                             KDA prefill cuda test but of the paths measured slower), cuda_lean
-#                                             (the K3 prefill cuda tests of session 20's byte cuts and tf32 inverses)
+#                                             (the K3 prefill cuda tests of session 20's byte cuts)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's

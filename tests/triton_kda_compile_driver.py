@@ -30,18 +30,18 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, write_qk: bool = T
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
-                prod: bool = False, qk_in: int = 0, band: str = "*fp32", inv_prec: str = "ieee") -> tuple:
+                prod: bool = False, qk_in: int = 0, band: str = "*fp32") -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
     prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
-    as a product of four factors (at input precision inv_prec: prefill.INVERT_TF32); reading q', k' (qk_in 0) or the
+    as a product of four factors; reading q', k' (qk_in 0) or the
     raw q, k and their row factors (1: prefill.INTRA_READS_RAW_QK) or computing the factors (2:
     prefill.NORMS_IN_INTRA: QG and KD written too); the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16)."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
              "rscale_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
              "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, QK_IN=qk_in, QK_NORM=True,
-                 INV_PREC=inv_prec), warps, 2)
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, QK_IN=qk_in, QK_NORM=True),
+            warps, 2)
 
 
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
@@ -100,7 +100,7 @@ def _specs() -> dict:
         # prefill.INVERT_BY_PRODUCTS: the diagonal blocks inverted by six 16 x 16 x 16 fp32 products
         "chunk_solve_kb_prod": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, prod=True),
         "chunk_intra_inv_prod": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True),
-        # prefill.INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE: the prep writes row factors, not q' / k'; the intra kernel
+        # prefill.INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE: the prep writes row factors, not q' / k'; the intra kernel
         # scales the raw rows and stores the A band in bf16; the solving walk reads it
         "chunk_prep_split_rs": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False,
                                           write_rs=True),
@@ -111,9 +111,6 @@ def _specs() -> dict:
                                             gate_only=True),
         "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                                   qk_in=2),
-        # prefill.INVERT_TF32: the inverse products on tf32 tensor cores
-        "chunk_intra_inv_tf32": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
-                                            inv_prec="tf32"),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),

@@ -8,17 +8,17 @@ With G the in-chunk cumulative log-decay, q' and k' from phase 1 and b = beta (f
 Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 columns, zeros above the diagonal). With
 ``WRITE_KB`` the program also writes chunk_solve's right-hand side of W for its rows, KB = b * exp(G) * k' (the
 activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G. With ``INVERT_DIAG``
-(``prefill.INTRA_INVERTS``) the band's diagonal block holds T_II = (I + A_II)^-1 instead of A_II (row by row in
-fp32, chunk_solve's substitution), computed once here instead of once per solve column block. With ``QK_IN`` 1
-(``prefill.INTRA_READS_RAW_QK``) the program reads the raw q and k (at their token-row strides) and chunk_prep's
-row factors RS [T, H, 2] (q' / q, k' / k) instead of q' and k', scaling rows as it loads them: chunk_prep then
-writes neither q' nor k' (at K = 128 in bf16, 1 KB per token and head less HBM traffic over the two phases), and q'
-and k' reach the dot operands from fp32 (one rounding less than through their stored copies). With ``QK_IN`` 2
-(``prefill.NORMS_IN_INTRA``) it computes the row factors itself from the full rows it loads (scale / ||q||,
-1 / ||k||, the L2 norm only with QK_NORM) and also writes chunk_prep's QG = q' exp(G) and KD = k' exp(G_last - G)
-for its own rows (G_last: G at the chunk's last row): chunk_prep then only gates and sums. The A band is
-stored in a_ptr's dtype: fp32, or the dot dtype when the state walk solves (``prefill.BAND_IN_DOT_DTYPE``: the
-walk rounds every A block to its dot operands anyway).
+(``prefill.INTRA_INVERTS``, and always under ``prefill.SOLVE_IN_WALK``) the band's diagonal block holds T_II = (I +
+A_II)^-1 instead of A_II (in fp32, row by row or, INVERT_PRODUCTS, by four-factor products), computed once here instead
+of once per solve column block. With ``QK_IN`` 1 (``prefill.INTRA_READS_RAW_QK``) the program reads the raw q and k (at
+their token-row strides) and chunk_prep's row factors RS [T, H, 2] (q' / q, k' / k) instead of q' and k', scaling rows
+as it loads them: chunk_prep then writes neither q' nor k' (at K = 128 in bf16, 512 bytes per token and head less HBM
+traffic: the intra kernel's reads are the same size), and q' and k' reach the dot operands from fp32 (one rounding less
+than through their stored copies). With ``QK_IN`` 2 (``prefill.NORMS_IN_INTRA``) it computes the row factors itself from
+the full rows it loads (scale / ||q||, 1 / ||k||, the L2 norm only with QK_NORM) and also writes chunk_prep's QG = q'
+exp(G) and KD = k' exp(G_last - G) for its own rows (G_last: G at the chunk's last row): chunk_prep then only gates and
+sums. The A band is stored in a_ptr's dtype: fp32, or the dot dtype when the state walk solves
+(``prefill.BAND_IN_DOT_DTYPE``: the walk rounds every A block to its dot operands anyway).
 
 Numerics: ``exp(G_i - G_j)`` cannot be split as ``exp(G_i) * exp(-G_j)`` over a whole chunk (64 steps of decay
 overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a reference row m (its 8th row):
@@ -109,8 +109,8 @@ def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
 
 @triton.jit
 def chunk_intra_kernel(
-    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (RAW_QK: the raw q, k at row strides
-    # stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
+    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (QK_IN 1 / 2: the raw q, k at row
+    # strides stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
     rscale_ptr, stride_q, stride_k, scale,  # QK_IN 1: RS fp32 [T, H, 2] (q' / q, k' / k); QK_IN 1 / 2: the raw q's
     # and k's row strides; QK_IN 2: q's scale
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
@@ -119,7 +119,6 @@ def chunk_intra_kernel(
     qg_ptr, kd_ptr,  # outputs when QK_IN 2: QG, KD [T, H, K] (chunk_prep's, see there)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, QK_IN: tl.constexpr, QK_NORM: tl.constexpr = True,
-    INV_PREC: tl.constexpr = "ieee",
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -127,6 +126,7 @@ def chunk_intra_kernel(
     sub-blocks' k' and G are read for their column operands."""
     BC: tl.constexpr = 16
     BT: tl.constexpr = 64
+    tl.static_assert(QK_IN != 2 or WRITE_KB, "QK_IN 2 writes QG and KD with KB: it needs WRITE_KB")
     c, h, blk = grid_ids(BT // BC)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
@@ -164,7 +164,7 @@ def chunk_intra_kernel(
                 tl.store(kd_ptr + own, kd.to(kd_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
-            akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS, INV_PREC)
+            akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             k_j, m_j = _qk_rows(k_ptr, rscale_ptr, t0 + j * BC, eos, sk_in, h, 1.0, H, 1, K, BC, QK_IN, QK_NORM)

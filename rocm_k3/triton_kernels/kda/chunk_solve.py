@@ -40,28 +40,30 @@ def _substitute_row(a, t, i, r):
 
 
 @triton.jit
-def _invert_by_products(a, BC: tl.constexpr, PREC: tl.constexpr = "ieee"):
+def _invert_by_products(a, BC: tl.constexpr):
     """(I + a)^-1 of one strictly lower [16, 16] block as (I - a)(I + a^2)(I + a^4)(I + a^8) (a^16 = 0: the
     telescoping product is I - a^16 = I once multiplied by I + a): six fp32 16 x 16 x 16 products, four dependent
-    levels, instead of 15 dependent row steps of two cross-thread reductions each. PREC "ieee" (fp32 FMAs) or
-    "tf32" (tensor cores, 10-bit mantissa operands: prefill.INVERT_TF32, for inverses that the walk rounds to bf16)."""
+    levels, instead of 15 dependent row steps of two cross-thread reductions each. Kept in fp32 ("ieee"): for
+    strongly correlated keys and weak decay the powers of a grow like binomials (entries ~3e3 at a^8) and the product
+    cancels back to O(1), so tf32 operands (11 bits) would leave errors of order 1 (a session-20 review; the option
+    was dropped untimed)."""
     tl.static_assert(BC == 16)
     r = tl.arange(0, BC)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    a2 = tl.dot(a, a, input_precision=PREC)
-    a4 = tl.dot(a2, a2, input_precision=PREC)
-    t = tl.dot(eye - a, eye + a2, input_precision=PREC)
-    a8 = tl.dot(a4, a4, input_precision=PREC)
-    t = tl.dot(t, eye + a4, input_precision=PREC)
-    return tl.dot(t, eye + a8, input_precision=PREC)
+    a2 = tl.dot(a, a, input_precision="ieee")
+    a4 = tl.dot(a2, a2, input_precision="ieee")
+    t = tl.dot(eye - a, eye + a2, input_precision="ieee")
+    a8 = tl.dot(a4, a4, input_precision="ieee")
+    t = tl.dot(t, eye + a4, input_precision="ieee")
+    return tl.dot(t, eye + a8, input_precision="ieee")
 
 
 @triton.jit
-def invert_diagonal_block(a, BC: tl.constexpr, BY_PRODUCTS: tl.constexpr = False, PREC: tl.constexpr = "ieee"):
+def invert_diagonal_block(a, BC: tl.constexpr, BY_PRODUCTS: tl.constexpr = False):
     """(I + a)^-1 of one strictly lower [BC, BC] block in fp32 (chunk_intra's INVERT_DIAG): row by row, or
-    (BY_PRODUCTS) as a product of four factors (_invert_by_products, its products at input precision PREC)."""
+    (BY_PRODUCTS) as a product of four factors (_invert_by_products)."""
     if BY_PRODUCTS:
-        return _invert_by_products(a, BC, PREC)
+        return _invert_by_products(a, BC)
     r = tl.arange(0, BC)
     t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in range(1, BC):

@@ -149,7 +149,7 @@ def chunk_state_kernel(
     state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
     hbuf_ptr, vbuf_ptr,  # without WITH_OUTPUT: chunk-start states [NC, H, K, V] and V' [T, H, V]
-    a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band fp32 [T, H, 64] (T_II diagonal), KB, v, b fp32 [T, H]
+    a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band [T, H, 64] (fp32 or bf16; T_II diagonal), KB, v, b
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
     SOLVE_IN: tl.constexpr,

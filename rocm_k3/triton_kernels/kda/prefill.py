@@ -2,6 +2,7 @@
 the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``) or four (phase 3 as its own launch).
 
     phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
+                          (NORMS_IN_INTRA: the gate, the cumsum and beta only; chunk_intra does the rest)
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
                           INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
@@ -10,8 +11,8 @@ the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``) or four (p
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
 q, k and v are read in place when their token rows are strided (head stride D, element stride 1: the model passes
-column slices of the short conv's [T, 3HD] output; chunk_prep, and chunk_intra with INTRA_READS_RAW_QK, take q's and
-k's row strides).
+column slices of the short conv's [T, 3HD] output; chunk_prep, and chunk_intra with INTRA_READS_RAW_QK or
+NORMS_IN_INTRA, take q's and k's row strides).
 Measured and removed (session 20; RESULTS.md has their numbers, git history their code): phases 1-3 in one launch
 (FUSED, chunk_fused: not faster on the H200, 255 registers and spills), phases 2 and 3 in one (MERGE_WY, chunk_wy:
 25-30 % slower on the H200), phases 1 and 2 in one (PREP_IN_INTRA, chunk_prep_intra: 2x slower than the two
@@ -99,22 +100,18 @@ SOLVE_WALK_STAGES = 2
 # and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
 # Not with a solve reading k' (four launches without SOLVE_KB).
 INTRA_READS_RAW_QK = False
-# INTRA_READS_RAW_QK taken further: chunk_prep only gates and sums (G, GL, b: no q or k read, no norm pass that
-# re-reads every full q and k row once per column slice); chunk_intra computes the row norms from the full rows it
-# loads anyway and writes QG and KD for its own rows besides A, Aqk and KB (it holds q', k' and G there). At K = 128
-# in bf16, 512 bytes per token and head less than INTRA_READS_RAW_QK (q and k read once, by the intra kernel), 1.5 KB
-# less than the default. Needs the intra kernel's KB (SOLVE_KB or SOLVE_IN_WALK). Off: not timed yet (as above).
+# INTRA_READS_RAW_QK taken further: chunk_prep only gates and sums (G, GL, b: no q or k read, no norm pass that re-reads
+# every full q and k row once per column slice); chunk_intra computes the row norms from the full rows it loads anyway
+# and writes QG and KD for its own rows besides A, Aqk and KB (it holds q', k' and G there). At K = 128 in bf16, of ~5.6
+# KB of HBM traffic per token and head over the three launches: 1.5 KB less at the prep, 0.5 KB more at the intra kernel
+# (QG, KD written there), so ~4.6 KB (512 bytes less than INTRA_READS_RAW_QK). Needs the intra kernel's KB (SOLVE_KB or
+# SOLVE_IN_WALK). Off: not timed yet (as above).
 NORMS_IN_INTRA = False
 # With SOLVE_IN_WALK, the [T, H, 64] A band (and its diagonal inverses) stored in the dot dtype (bf16 for bf16
 # activations) instead of fp32: the walk rounds every A block to its dot operands anyway, so the outputs are the same
 # and 128 bytes per token and head are neither written nor read. fp16 / fp32 activations keep an fp32 band (their
 # dots are fp32). Off: not timed yet (as above).
 BAND_IN_DOT_DTYPE = False
-# chunk_intra's inverse products (INVERT_BY_PRODUCTS) at tf32 input precision (tensor cores) instead of fp32 FMAs,
-# with bf16 activations only (their walk rounds T_II to bf16: 8 mantissa bits, tf32 operands keep 10). Off: not
-# timed yet (as above). NVIDIA only (ROCm builds keep "ieee": gfx950 has no xf32 MFMA and Triton refuses tf32 there;
-# on AMD the "ieee" 16 x 16 products already run on fp32 MFMAs, v_mfma_f32_16x16x4_f32).
-INVERT_TF32 = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -134,12 +131,6 @@ def band_dtype(dot_t: tl.dtype, solve_in: bool) -> torch.dtype:
     if BAND_IN_DOT_DTYPE and solve_in and dot_t == tl.bfloat16:
         return torch.bfloat16
     return torch.float32
-
-
-def inverse_precision(dot_t: tl.dtype) -> str:
-    """Input precision of chunk_intra's inverse products: "tf32" when INVERT_TF32, bf16 dots and a CUDA build of
-    torch (not ROCm), else "ieee"."""
-    return "tf32" if INVERT_TF32 and dot_t == tl.bfloat16 and torch.version.hip is None else "ieee"
 
 
 def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
@@ -321,7 +312,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         INVERT_PRODUCTS=INVERT_BY_PRODUCTS, QK_IN=2 if norms_in else int(raw_qk), QK_NORM=flags["QK_NORM"],
-        INV_PREC=inverse_precision(dot_t), num_warps=PHASE_WARPS["intra"],
+        num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:
         return a, kb, b

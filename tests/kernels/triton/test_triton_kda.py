@@ -195,7 +195,7 @@ _PREFILL_CASES = [
 # (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
 # "3-launch-solve-in-walk-products")
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False, INVERT_TF32=False,
+             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False,
              NORMS_IN_INTRA=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
@@ -206,21 +206,17 @@ _PATHS = {
     "4-launch-products": {**_FOUR, "INVERT_BY_PRODUCTS": True},
     "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
     "4-launch-raw-qk": {**_FOUR, "INTRA_READS_RAW_QK": True},
+    "3-launch-raw-qk": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "INTRA_READS_RAW_QK": True},
     "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
 }
 
 
-# Paths whose difference only bf16 activations on a GPU see (the interpreter's dots are fp32 there): cuda tier only.
-# "-tf32": INVERT_TF32, the intra kernel's inverse products on tf32 tensor cores.
-_CUDA_PATHS = {**_PATHS, "3-launch-lean-tf32": {**_PATHS["3-launch-lean"], "INVERT_TF32": True}}
-
-
 def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
-    for name, value in _CUDA_PATHS[path].items():
+    for name, value in _PATHS[path].items():
         monkeypatch.setattr(tri_prefill, name, value)
 
 
@@ -700,12 +696,10 @@ _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_c
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve",
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
-                # INTRA_READS_RAW_QK + BAND_IN_DOT_DTYPE ("3-launch-lean")
+                # INTRA_READS_RAW_QK ("4-launch-raw-qk", "3-launch-raw-qk") and BAND_IN_DOT_DTYPE ("3-launch-lean")
                 "chunk_prep_split_rs", "chunk_intra_inv_prod_raw", "chunk_state_solve_band16",
-                "chunk_intra_inv_tf32",  # INVERT_TF32 (NVIDIA only: _CUDA_ONLY)
                 # NORMS_IN_INTRA ("3-launch-norms-in-intra")
                 "chunk_prep_split_gate", "chunk_intra_inv_prod_norms")
-_CUDA_ONLY = ("chunk_intra_inv_tf32",)  # the wrappers never build these for ROCm (prefill.inverse_precision)
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -717,7 +711,6 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_raw": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
-        "chunk_intra_inv_tf32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
@@ -735,8 +728,6 @@ def kda_compiled() -> dict:
 @pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
 @pytest.mark.parametrize("kernel", _KDA_KERNELS)
 def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> None:
-    if kernel in _CUDA_ONLY and target != "sm_90":
-        pytest.skip(f"{kernel} is built for NVIDIA only")
     res = kda_compiled[f"{kernel}/{target}"]
     assert res["ok"], res["error"]
     if kernel in _MMA:
@@ -758,7 +749,7 @@ _K3_PREFILL = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", list(_CUDA_PATHS))
+@pytest.mark.parametrize("path", list(_PATHS))
 @pytest.mark.parametrize("H,lengths,inter_rows", _K3_PREFILL)
 def test_kda_prefill_k3_cuda(H: int, lengths: list[int], inter_rows: list[list[int]], path: str,
                              monkeypatch: pytest.MonkeyPatch) -> None:
