@@ -89,6 +89,10 @@ SOLVE_IN_WALK = True
 # 96: the intra kernel with its inverses 0.455 ms by products against 0.704 row by row (0.344 without them);
 # chunk_solve's own inversion is slower by products (0.506 vs 0.435 ms), but with SOLVE_IN_WALK on chunk_solve does not
 # run.
+# Only with bf16 dots (invert_by_products): the products' intermediate powers grow like binomials when keys are
+# strongly correlated (|A^8| ~3e3 at b ~1, near-identical keys, weak decay) and cancel back to O(1), which leaves
+# ~1e-4 relative error in fp32 (row by row: ~1e-7; measured on the CPU in session 20), below bf16's rounding but not
+# fp32's: fp16 / fp32 activations invert row by row.
 INVERT_BY_PRODUCTS = True
 # num_stages of the walk that solves (SOLVE_IN_WALK) when STATE_STAGES is None. H100 2026-12-05 (session 18): 1.33 ms
 # at 1 stage (spilling), 0.39 ms at 2 (BV 64, 4 warps, T = 4096, H = 96); the default walk stays at 1 (2 stages:
@@ -123,6 +127,11 @@ def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     if dtype == torch.bfloat16:
         return tl.bfloat16, "ieee"
     return tl.float32, "ieee"
+
+
+def invert_by_products(dot_t: tl.dtype) -> bool:
+    """Whether the diagonal blocks are inverted by products: INVERT_BY_PRODUCTS with bf16 dots (see there)."""
+    return INVERT_BY_PRODUCTS and dot_t == tl.bfloat16
 
 
 def band_dtype(dot_t: tl.dtype, solve_in: bool) -> torch.dtype:
@@ -311,7 +320,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=INVERT_BY_PRODUCTS, QK_IN=2 if norms_in else int(raw_qk), QK_NORM=flags["QK_NORM"],
+        INVERT_PRODUCTS=invert_by_products(dot_t), QK_IN=2 if norms_in else int(raw_qk), QK_NORM=flags["QK_NORM"],
         num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:
@@ -328,6 +337,6 @@ def _solve(a, kb, v, gcum, b, plan, cu, w, u, dot_t, prec, read_kb: bool) -> Non
     chunk_solve_kernel[(plan.num_chunks, H, K // bd + V // bd)](
         a, kb, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu, w, u, v.stride(0),
         H=H, K=K, V=V, BD=bd, DOT_T=dot_t, PREC=prec, KB=read_kb, DIAG_INVERTED=INTRA_INVERTS,
-        INVERT_PRODUCTS=INVERT_BY_PRODUCTS,
+        INVERT_PRODUCTS=invert_by_products(dot_t),
         num_warps=PHASE_WARPS["solve"], num_stages=1,
     )

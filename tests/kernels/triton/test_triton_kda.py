@@ -214,10 +214,15 @@ _PATHS = {
 
 
 def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The path's prefill settings; a "-products" path inverts by products at every dtype here (the prefill does so
+    for bf16 dots only, which the interpreter cannot run: test_fp32_inverses_row_by_row_for_correlated_keys_interpret
+    checks that gate)."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
 
     for name, value in _PATHS[path].items():
         monkeypatch.setattr(tri_prefill, name, value)
+    if _PATHS[path]["INVERT_BY_PRODUCTS"]:
+        monkeypatch.setattr(tri_prefill, "invert_by_products", lambda dot_t: True)
 
 
 @contextlib.contextmanager
@@ -420,6 +425,40 @@ def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPa
     assert_rel(pool_tri, pool_ref, 2e-2, "state pool")
     assert not torch.equal(out.o, fp32_band.o), "the bf16 band changed nothing: was it stored in bf16?"
     assert_rel(out.intermediate_states, want.intermediate_states, 2e-2, "intermediate states")
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("products", [False, True], ids=["default", "products-forced"])
+def test_fp32_inverses_row_by_row_for_correlated_keys_interpret(products: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Near-identical keys, weak decay (raw log-decay ~ -1e-3) and b ~ 0.99 (beta given as probabilities): A's
+    diagonal blocks have entries ~0.99 and their powers A^2 .. A^8 reach ~3e3 before cancelling. The default settings
+    (SOLVE_IN_WALK, INVERT_BY_PRODUCTS) invert row by row for fp32 activations (prefill.invert_by_products): o and the
+    final state within 1e-5 of the reference op (fp32; measured 1.1e-6). Forcing the products at fp32 leaves 2.8e-4
+    here, so "products-forced" must exceed the tolerance: the dtype gate is what keeps fp32 exact."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+
+    gen = seeded(11)
+    T, H, D = 80, 2, 32
+    base = torch.randn(1, H, D, generator=gen)
+    k = base + 1e-3 * torch.randn(T, H, D, generator=gen)
+    q, v = torch.randn(T, H, D, generator=gen), torch.randn(T, H, D, generator=gen)
+    f = -1e-3 * torch.rand(T, H, D, generator=gen)  # the raw log-decay itself (no gate)
+    beta = torch.full((T, H), 0.99)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    pool = torch.zeros(1, H, D, D)
+    idx, has_init = torch.zeros(1, dtype=torch.int32), torch.tensor([False])
+    if products:
+        monkeypatch.setattr(tri_prefill, "invert_by_products", lambda dot_t: True)
+    pool_tri, pool_ref = pool.clone(), pool.clone()
+    out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, beta_logits=False)
+    want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, beta_logits=False)
+    err = max(((out.o - want.o).norm() / want.o.norm()).item(), ((pool_tri - pool_ref).norm() / pool_ref.norm()).item())
+    if products:
+        assert err > 1e-5, f"products at fp32 within 1e-5 ({err:.1e}): this case no longer tells the two apart"
+    else:
+        assert err <= 1e-5, f"fp32 prefill {err:.1e} from the reference with correlated keys"
 
 
 @pytest.mark.interpret
