@@ -27,7 +27,8 @@ memory.
 Differences from it: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16 activations), so products
 are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference G_i - G_j per element (no 16-row
 reference-row split, hence no per-token |g| range limit); the diagonal inverses by substitution on VALU where the
-Triton twin multiplies four factors on tensor cores (``prefill.INVERT_BY_PRODUCTS``, see kda_chunk_intra). Index
+Triton twin multiplies four factors on tensor cores for bf16 dots (``prefill.invert_by_products``, see
+kda_chunk_intra; its fp16 / fp32 paths substitute row by row too: the products lose ~1e-4 on correlated keys). Index
 maps: ``kda_prefill_plan`` (host-tested). Intermediate states are taken at
 chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes ``ops_impl`` run the
 recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
