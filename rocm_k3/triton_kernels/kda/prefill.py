@@ -74,14 +74,13 @@ SOLVE_KB = True
 # per (chunk, head) (4x the inversions at BD 64, 15 dependent row steps each). Off: H100 2026-12-05 (session 18,
 # RESULTS.md) chunk_intra 0.343 -> 0.701 ms, solve 0.433 -> 0.270 at T = 4096, H = 96 (1.72 vs 1.53 ms in all).
 INTRA_INVERTS = False
-# The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk
-# forms b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read
-# back (at K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses
-# whatever SOLVE_KB / INTRA_INVERTS say. On (three
-# launches) with INVERT_BY_PRODUCTS and the walk at SOLVE_WALK_STAGES = 2: H100 2026-12-05 (session 19, RESULTS.md)
-# kernel sum 1.287 / 5.084 ms at T = 4k / 16k, H = 96, against 1.536 / 6.072 for the four launches (intra 0.455 ms
-# with its inverses, walk 0.388 where solve + walk took 0.745). Session 18: with row-by-row inverses the intra
-# kernel took 0.70 ms, and the walk at 1 stage 1.33 (spilling).
+# The WY solve inside the state walk (chunk_state's SOLVE_IN): V' = U - W S = (I + A)^-1 (b v - KB S), so the walk forms
+# b v - KB S per chunk and runs the block substitution itself; no chunk_solve launch, no W / U written and read back (at
+# K = V = 128: 1 KB per token and head less). The intra kernel then writes KB and the diagonal inverses whatever
+# SOLVE_KB / INTRA_INVERTS say. On (three launches) with INVERT_BY_PRODUCTS and the walk at SOLVE_WALK_STAGES = 2: H100
+# 2026-12-05 (session 19, RESULTS.md) kernel sum 1.287 / 5.084 ms at T = 4k / 16k, H = 96, against 1.536 / 6.072 for the
+# four launches (intra 0.455 ms with its inverses, walk 0.388 where solve + walk took 0.745). Session 18: with
+# row-by-row inverses the intra kernel took 0.70 ms, and the walk at 1 stage 1.33 (spilling).
 SOLVE_IN_WALK = True
 # How the 16 x 16 diagonal blocks (I + A_II) are inverted wherever chunk_solve or chunk_intra invert them: row by row
 # (False: 15 dependent steps of two cross-thread reductions each) or as the product (I - A)(I + A^2)(I + A^4)(I + A^8)
@@ -100,7 +99,7 @@ INVERT_BY_PRODUCTS = True
 SOLVE_WALK_STAGES = 2
 # chunk_prep writes the row factors q' / q and k' / k (RS fp32 [T, H, 2]) instead of q' and k', and chunk_intra
 # scales the raw q and k rows (read in place, at their row strides) as it loads them: at K = 128 in bf16, 512 bytes
-# per token and head less written by the prep and 8 more, the intra kernel's reads unchanged (of ~5.7 KB per token
+# per token and head less written by the prep and 8 more, the intra kernel's reads unchanged (of ~5.6 KB per token
 # and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
 # Not with a solve reading k' (four launches without SOLVE_KB).
 INTRA_READS_RAW_QK = False

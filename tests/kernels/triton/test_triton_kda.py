@@ -329,10 +329,12 @@ def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, pat
     assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate state")
 
 
-def _check_poisoned_prefill(qkv, qkv_ref, f, beta, cu, params, gen, monkeypatch: pytest.MonkeyPatch) -> None:
+def _check_poisoned_prefill(qkv, qkv_ref, f, beta, cu, params, gen, monkeypatch: pytest.MonkeyPatch,
+                            tol: float = 1e-5) -> tuple:
     """The Triton prefill on q, k, v = ``qkv`` (three sequences, H = 2, D = 32, fp32), its buffers NaN-poisoned,
     against the reference op on ``qkv_ref``: initial states present and absent, a prefix state at (1, 64);
-    tolerance 1e-5 (fp32, as the other fp32 prefill twins)."""
+    tolerance ``tol`` (1e-5: fp32, as the other fp32 prefill twins). Returns (the prefill's output, the initial
+    state pool)."""
     H, D = qkv[0].shape[1:]
     pool = _randn(4, H, D, D, gen=gen, scale=0.3)
     idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
@@ -343,9 +345,10 @@ def _check_poisoned_prefill(qkv, qkv_ref, f, beta, cu, params, gen, monkeypatch:
                                  intermediate_positions=pos)
     want = ref.kda_prefill(*qkv_ref, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
                            intermediate_positions=pos)
-    assert_rel(out.o, want.o, 1e-5, "o")
-    assert_rel(pool_tri, pool_ref, 1e-5, "state pool")
-    assert_rel(out.intermediate_states, want.intermediate_states, 1e-5, "intermediate states")
+    assert_rel(out.o, want.o, tol, "o")
+    assert_rel(pool_tri, pool_ref, tol, "state pool")
+    assert_rel(out.intermediate_states, want.intermediate_states, tol, "intermediate states")
+    return out, pool
 
 
 @pytest.mark.interpret
@@ -407,24 +410,14 @@ def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPa
     _set_path(monkeypatch, path)
     gen = seeded(9)
     q, k, v, f, beta, cu, params = _prefill_inputs([37, 64, 49], torch.float32, -5.0, True, True, gen)
-    H, D = q.shape[1:]
-    pool = _randn(4, H, D, D, gen=gen, scale=0.3)
-    idx, has_init = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
-    pos = torch.tensor([[1, 64]], dtype=torch.int32)
-    pool_ref = pool.clone()
-    want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
-                           intermediate_positions=pos)
-    fp32_band = _fn("kda_prefill")(q, k, v, f, beta, cu, pool.clone(), idx, has_init, gate_params=params,
-                                   intermediate_positions=pos)
+    fp32_band_dtype = tri_prefill.band_dtype
     monkeypatch.setattr(tri_prefill, "band_dtype", lambda dot_t, solve_in: torch.bfloat16)
-    pool_tri = pool.clone()
-    with _poisoned_buffers(monkeypatch):
-        out = _fn("kda_prefill")(q, k, v, f, beta, cu, pool_tri, idx, has_init, gate_params=params,
-                                 intermediate_positions=pos)
-    assert_rel(out.o, want.o, 2e-2, "o")
-    assert_rel(pool_tri, pool_ref, 2e-2, "state pool")
+    out, pool = _check_poisoned_prefill((q, k, v), (q, k, v), f, beta, cu, params, gen, monkeypatch, tol=2e-2)
+    monkeypatch.setattr(tri_prefill, "band_dtype", fp32_band_dtype)
+    fp32_band = _fn("kda_prefill")(q, k, v, f, beta, cu, pool.clone(), torch.tensor([3, 0, 2], dtype=torch.int32),
+                                   torch.tensor([True, False, True]), gate_params=params,
+                                   intermediate_positions=torch.tensor([[1, 64]], dtype=torch.int32))
     assert not torch.equal(out.o, fp32_band.o), "the bf16 band changed nothing: was it stored in bf16?"
-    assert_rel(out.intermediate_states, want.intermediate_states, 2e-2, "intermediate states")
 
 
 @pytest.mark.interpret
