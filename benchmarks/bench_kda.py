@@ -7,7 +7,7 @@
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (session 20's byte cuts of the default: q, k normalised in the intra kernel; the A band in bf16).
+``PREP_COMPARE`` (session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -227,24 +227,23 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 
 
 # --profile-only's settings of the prefill module profiled beside the default (same inputs, same process). H100
-# 2026-12-05 (session 19, RESULTS.md) at T = 4k / 16k: the solve inside the walk with the intra kernel's inverses by
-# products (the default since) 1.287 / 5.084 ms, INTRA_INVERTS by products 1.484 / 5.864, the four launches 1.536 /
-# 6.072; slower than the four launches: the products in chunk_solve, the default walk at 2 stages, the solving walk
-# with row-by-row inverses, chunk_prep at 64-column slices (0.55 vs 0.44 ms: fewer, larger programs lose although
-# they re-read q and k half as often). So, first, session 20's byte cuts (each alone and both), then the untimed
-# knobs of the default's phases: chunk_prep at 16-column slices (more, smaller programs) at 4 and 8 warps, the solving
-# walk at 3 stages, and the inverting intra kernel at 8 warps. (The four launches, timed on both cards in session 19,
-# are dropped.)
-_FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
-_LEAN = {"NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True}  # session 20's byte cuts (untimed when written)
-PROFILE_VARIANTS = (("lean: norms + QG/KD in intra, A band bf16", _LEAN),
-                    ("norms + QG/KD in intra (NORMS_IN_INTRA)", {"NORMS_IN_INTRA": True}),
-                    ("A band bf16 (BAND_IN_DOT_DTYPE)", {"BAND_IN_DOT_DTYPE": True}),
-                    ("intra reads raw q, k (INTRA_READS_RAW_QK)", {"INTRA_READS_RAW_QK": True}),
-                    ("prep BK 16, 4 warps", {"PREP_BK": 16, "PHASE_WARPS": {"prep_split": 4}}),
-                    ("prep BK 16, 8 warps", {"PREP_BK": 16}),
-                    ("solving walk 3 stages", {"SOLVE_WALK_STAGES": 3}),
-                    ("intra 8 warps", {"PHASE_WARPS": {"intra": 8}}))
+# 2026-12-05 (session 21, RESULTS.md) at T = 4k / 16k / varlen 16k, kernel sums: session 20's byte cuts together
+# (NORMS_IN_INTRA + BAND_IN_DOT_DTYPE, the default since) 1.084 / 4.333 / 4.240 ms against 1.297 / 5.136 / 5.042 for
+# session 19's default (NORMS_IN_INTRA alone 1.106 / 4.360 / 4.264, the band alone 1.251 / 4.973 / 4.889); slower than
+# session 19's default: the intra kernel scaling raw q, k by the prep's row factors (1.275 / 5.032, a half-way step,
+# removed), the norm-taking prep at 16-column slices at 4 / 8 warps (1.534 / 1.483 at 4k), the solving walk at 3
+# stages (1.391), the inverting intra kernel at 8 warps (1.678). FLA's chunk_kda: 1.611 / 6.366 / 6.305. So: session
+# 19's default as the reference, then the knobs of the new phases: the gate-only prep (now 0.21 of 1.08 ms at 4k, ~50 %
+# of the copy rate) at 4 warps and at 64- / 128-column slices, the intra kernel (now 0.50 ms, the norms and QG / KD
+# added) at 2 warps, and the solving walk at BV 32 (four value blocks per walk: twice the programs, each re-reading the
+# band, KB, QG, KD).
+_S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
+PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAULT),
+                    ("gate-only prep 4 warps", {"PHASE_WARPS": {"prep_split": 4}}),
+                    ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}),
+                    ("gate-only prep BK 128, 4 warps", {"PREP_BK": 128, "PHASE_WARPS": {"prep_split": 4}}),
+                    ("intra 2 warps", {"PHASE_WARPS": {"intra": 2}}),
+                    ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -259,7 +258,8 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
                     variants: tuple = PROFILE_VARIANTS) -> None:
     """Per-kernel CUDA time of one prefill call (torch profiler, 10 calls) over sequences of ``lengths`` tokens:
     ours at the default settings, ours at each of ``variants`` (with the relative error of o against the
-    default's) and FLA's ``chunk_kda`` when given; each table is followed by its kernel sum per call."""
+    default's) and FLA's ``chunk_kda`` when given; each table is followed by its kernel sum per call. Each of ours
+    also gets o's relative error against the same inputs in fp32 through the prefill's fp32 path."""
     from torch.profiler import ProfilerActivity, profile
 
     T, N = sum(lengths), len(lengths)
@@ -286,6 +286,9 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
             lower_bound=LOWER, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64, cu_seqlens_cpu=cu64.cpu()), {}))
     shape = f"T = {T}" + (f" in {N} sequences {lengths}" if N > 1 else "")
     o_ref = None
+    with torch.inference_mode():  # the same inputs in fp32 through the fp32 path (fp32 dots, row-by-row inverses)
+        o_32 = run(q.float(), k.float(), v.float(), f.float(), beta.float(), cu, pool0.clone(), idx, hi,
+                   gate_params=params).o
     for name, call, settings in calls:
         try:
             with prefill_settings(settings), torch.inference_mode():
@@ -296,6 +299,7 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
                         o_ref = o
                     else:
                         note = f", o relative error vs the default {((o - o_ref).norm() / o_ref.norm()).item():.1e}"
+                    note += f", vs the fp32 path {((o - o_32).norm() / o_32.norm()).item():.1e}"
                 for _ in range(3):
                     call()
                 torch.cuda.synchronize()
@@ -365,13 +369,10 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the default's byte cuts of session 20: the prep only gating and summing, the intra kernel
-# normalising q, k and writing QG, KD (NORMS_IN_INTRA), with the A band in bf16 (BAND_IN_DOT_DTYPE; "lean") and
-# alone; the band alone; the intra kernel reading the raw q, k and the prep's row factors (INTRA_READS_RAW_QK); all
-# also timed while saving states.
-# Session 19 timed the four launches, INTRA_INVERTS by products and the solve in the walk (RESULTS.md).
-PREP_COMPARE = (("ms_lean", _LEAN), ("ms_norms_in_intra", {"NORMS_IN_INTRA": True}),
-                ("ms_band16", {"BAND_IN_DOT_DTYPE": True}), ("ms_raw_qk", {"INTRA_READS_RAW_QK": True}))
+# ... and --prep-compare's: session 19's default (the prep normalising q, k, the A band in fp32) against today's, also
+# while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
+# four launches, INTRA_INVERTS by products and the solve in the walk.
+PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT),)
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -411,8 +412,8 @@ def main() -> None:
                         help="prefill rows T = 4k/16k/64k + varlen (+ saving states) only: the default vs the "
                              "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --phase-compare, with the PREP_COMPARE settings (session 20's byte cuts: norms "
-                             "and QG / KD in the intra kernel, the A band in bf16, raw q / k reads)")
+                        help="as --phase-compare, with the PREP_COMPARE settings (session 19's default: the prep "
+                             "normalising q / k, an fp32 A band)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

@@ -15,32 +15,30 @@ TARGETS = ("sm_90", "gfx942", "gfx950")
 H, K, V, W = 96, 128, 128, 4
 
 
-def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, write_qk: bool = True, write_rs: bool = False,
-               gate_only: bool = False) -> tuple:
-    """chunk_prep over one column slice per program (split) or all of them; writing q', k' (write_qk) or their row
-    factors RS (write_rs, prefill.INTRA_READS_RAW_QK), or (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone."""
+def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = False) -> tuple:
+    """chunk_prep over one column slice per program (split) or all of them; writing q', k', QG, KD, G, GL and b, or
+    (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone."""
     return (f"{pkg}.chunk_prep", "chunk_prep_kernel",
             {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
              "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
              "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
-             "glast_ptr": "*fp32", "rscale_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
+             "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
              "stride_k": "i32"},
             dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
-                 COL_SPLIT=split, WRITE_QK=write_qk, WRITE_RS=write_rs, GATE_ONLY=gate_only), warps, 1)
+                 COL_SPLIT=split, GATE_ONLY=gate_only), warps, 1)
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
-                prod: bool = False, qk_in: int = 0, band: str = "*fp32") -> tuple:
+                prod: bool = False, raw: bool = False, band: str = "*fp32") -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
     prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
-    as a product of four factors; reading q', k' (qk_in 0) or the
-    raw q, k and their row factors (1: prefill.INTRA_READS_RAW_QK) or computing the factors (2:
-    prefill.NORMS_IN_INTRA: QG and KD written too); the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16)."""
+    as a product of four factors; reading q', k' or (raw, prefill.NORMS_IN_INTRA) the raw q, k, normalising them
+    itself and writing QG and KD too; the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16)."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
-             "rscale_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
+             "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
              "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, QK_IN=qk_in, QK_NORM=True),
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, QK_NORM=True),
             warps, 2)
 
 
@@ -100,17 +98,11 @@ def _specs() -> dict:
         # prefill.INVERT_BY_PRODUCTS: the diagonal blocks inverted by six 16 x 16 x 16 fp32 products
         "chunk_solve_kb_prod": _solve_spec(pkg, plan, dots, True, PHASE_WARPS["solve"], SOLVE_BD, prod=True),
         "chunk_intra_inv_prod": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True),
-        # prefill.INTRA_READS_RAW_QK and BAND_IN_DOT_DTYPE: the prep writes row factors, not q' / k'; the intra kernel
-        # scales the raw rows and stores the A band in bf16; the solving walk reads it
-        "chunk_prep_split_rs": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False,
-                                          write_rs=True),
-        "chunk_intra_inv_prod_raw": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
-                                                qk_in=1, band="*bf16"),
-        # prefill.NORMS_IN_INTRA: the prep gates and sums only, the intra kernel normalises q, k and writes QG, KD
-        "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], write_qk=False,
-                                            gate_only=True),
+        # the default (session 21): prefill.NORMS_IN_INTRA, the prep gates and sums only, the intra kernel normalises
+        # q, k and writes QG, KD; BAND_IN_DOT_DTYPE, the intra kernel stores the A band in bf16, the solving walk reads it
+        "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], gate_only=True),
         "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
-                                                  qk_in=2),
+                                                  raw=True, band="*bf16"),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),

@@ -10,7 +10,7 @@ chunked prefill, driven by
 ``prefill.PHASE_WARPS`` / ``prefill.state_tile`` / ``prefill.STATE_STAGES`` / ``prefill.PREP_BK`` /
 ``prefill.PREP_SPLIT`` / ``prefill.SOLVE_KB`` / ``prefill.SPLIT_OUTPUT`` / ``prefill.INTRA_INVERTS`` /
 ``prefill.SOLVE_IN_WALK`` / ``prefill.INVERT_BY_PRODUCTS`` / ``prefill.SOLVE_WALK_STAGES`` /
-``prefill.INTRA_READS_RAW_QK`` / ``prefill.NORMS_IN_INTRA`` / ``prefill.BAND_IN_DOT_DTYPE`` and
+``prefill.NORMS_IN_INTRA`` / ``prefill.BAND_IN_DOT_DTYPE`` and
 ``decode.DECODE_WARPS`` / ``decode.DECODE_PREFETCH``.
 Importing this package imports triton.
 """

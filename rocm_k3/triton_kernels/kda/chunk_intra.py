@@ -10,15 +10,13 @@ Both are written as [T, H, 64] row bands (row i of the chunk holds its 64 column
 activation dtype), so the solve reads one 2-byte tensor instead of k' and fp32 G. With ``INVERT_DIAG``
 (``prefill.INTRA_INVERTS``, and always under ``prefill.SOLVE_IN_WALK``) the band's diagonal block holds T_II = (I +
 A_II)^-1 instead of A_II (in fp32, row by row or, INVERT_PRODUCTS, by four-factor products), computed once here instead
-of once per solve column block. With ``QK_IN`` 1 (``prefill.INTRA_READS_RAW_QK``) the program reads the raw q and k (at
-their token-row strides) and chunk_prep's row factors RS [T, H, 2] (q' / q, k' / k) instead of q' and k', scaling rows
-as it loads them: chunk_prep then writes neither q' nor k' (at K = 128 in bf16, 512 bytes per token and head less HBM
-traffic: the intra kernel's reads are the same size), and q' and k' reach the dot operands from fp32 (one rounding less
-than through their stored copies). With ``QK_IN`` 2 (``prefill.NORMS_IN_INTRA``) it computes the row factors itself from
-the full rows it loads (scale / ||q||, 1 / ||k||, the L2 norm only with QK_NORM) and also writes chunk_prep's QG = q'
-exp(G) and KD = k' exp(G_last - G) for its own rows (G_last: G at the chunk's last row): chunk_prep then only gates and
-sums. The A band is stored in a_ptr's dtype: fp32, or the dot dtype when the state walk solves
-(``prefill.BAND_IN_DOT_DTYPE``: the walk rounds every A block to its dot operands anyway).
+of once per solve column block. With ``RAW_QK`` (``prefill.NORMS_IN_INTRA``, the default) the program reads the raw q
+and k (at their token-row strides), computes the row factors itself from the full rows it loads (scale / ||q||, 1 /
+||k||, the L2 norm only with QK_NORM; q' and k' reach the dot operands from fp32, one rounding less than through stored
+copies) and also writes chunk_prep's QG = q' exp(G) and KD = k' exp(G_last - G) for its own rows (G_last: G at the
+chunk's last row): chunk_prep then only gates and sums. The A band is stored in a_ptr's dtype: fp32, or the dot dtype
+when the state walk solves (``prefill.BAND_IN_DOT_DTYPE``, the default: the walk rounds every A block to its dot
+operands anyway).
 
 Numerics: ``exp(G_i - G_j)`` cannot be split as ``exp(G_i) * exp(-G_j)`` over a whole chunk (64 steps of decay
 overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a reference row m (its 8th row):
@@ -48,17 +46,13 @@ def _load_rows(x_ptr, row0, eos, stride, D: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _qk_rows(x_ptr, rs_ptr, row0, eos, stride, h, fscale, H: tl.constexpr, WHICH: tl.constexpr, D: tl.constexpr,
-             BC: tl.constexpr, QK_IN: tl.constexpr, QK_NORM: tl.constexpr):
-    """(q' or k' rows row0 .. row0 + BC - 1 [BC, D]; the row mask [BC, 1]) from x_ptr (rows past eos 0): QK_IN 0,
-    q' / k' as stored; 1, the raw rows times RS[row, h, WHICH] (fp32); 2, the raw rows times their own factor
-    fscale / sqrt(sum x^2 + 1e-6) (fscale without QK_NORM), fp32."""
+def _qk_rows(x_ptr, row0, eos, stride, fscale, D: tl.constexpr, BC: tl.constexpr, RAW_QK: tl.constexpr,
+             QK_NORM: tl.constexpr):
+    """(q' or k' rows row0 .. row0 + BC - 1 [BC, D]; the row mask [BC, 1]) from x_ptr (rows past eos 0): q' / k' as
+    stored, or (RAW_QK) the raw rows times their own factor fscale / sqrt(sum x^2 + 1e-6) (fscale without QK_NORM),
+    fp32."""
     x, m = _load_rows(x_ptr, row0, eos, stride, D, BC)
-    if QK_IN == 1:
-        rows = row0 + tl.arange(0, BC)
-        f = tl.load(rs_ptr + (rows.to(tl.int64) * H + h) * 2 + WHICH, mask=rows < eos, other=0.0)  # [BC]
-        x = x.to(tl.float32) * f[:, None]
-    elif QK_IN == 2:
+    if RAW_QK:
         x = x.to(tl.float32)
         if QK_NORM:
             x = x * (fscale / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
@@ -109,16 +103,15 @@ def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
 
 @triton.jit
 def chunk_intra_kernel(
-    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (QK_IN 1 / 2: the raw q, k at row
-    # strides stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
-    rscale_ptr, stride_q, stride_k, scale,  # QK_IN 1: RS fp32 [T, H, 2] (q' / q, k' / k); QK_IN 1 / 2: the raw q's
-    # and k's row strides; QK_IN 2: q's scale
+    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (RAW_QK: the raw q, k at row strides
+    # stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
+    stride_q, stride_k, scale,  # RAW_QK: the raw q's and k's row strides and q's scale
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     a_ptr, aqk_ptr,  # outputs: A [T, H, 64] (fp32, or BAND_IN_DOT_DTYPE's dtype), Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
-    qg_ptr, kd_ptr,  # outputs when QK_IN 2: QG, KD [T, H, K] (chunk_prep's, see there)
+    qg_ptr, kd_ptr,  # outputs when RAW_QK: QG, KD [T, H, K] (chunk_prep's, see there)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
-    INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, QK_IN: tl.constexpr, QK_NORM: tl.constexpr = True,
+    INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -126,7 +119,7 @@ def chunk_intra_kernel(
     sub-blocks' k' and G are read for their column operands."""
     BC: tl.constexpr = 16
     BT: tl.constexpr = 64
-    tl.static_assert(QK_IN != 2 or WRITE_KB, "QK_IN 2 writes QG and KD with KB: it needs WRITE_KB")
+    tl.static_assert(not RAW_QK or WRITE_KB, "RAW_QK writes QG and KD with KB: it needs WRITE_KB")
     c, h, blk = grid_ids(BT // BC)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
@@ -136,7 +129,7 @@ def chunk_intra_kernel(
         sk = H * K
         sq_in = sk  # row strides of the q and k read: q', k' contiguous, or the raw q, k as passed
         sk_in = sk
-        if QK_IN > 0:
+        if RAW_QK:
             sq_in = stride_q
             sk_in = stride_k
         k_ptr = kn_ptr + h * K
@@ -146,9 +139,9 @@ def chunk_intra_kernel(
         r = tl.arange(0, BC)
         gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # reference row
         b = tl.load(beta_ptr + rows.to(tl.int64) * H + h, mask=m, other=0.0)  # [BC]
-        k_own, mk = _qk_rows(k_ptr, rscale_ptr, r0, eos, sk_in, h, 1.0, H, 1, K, BC, QK_IN, QK_NORM)  # k'
+        k_own, mk = _qk_rows(k_ptr, r0, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)  # k'
         g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
-        q_own, _ = _qk_rows(qn_ptr + h * K, rscale_ptr, r0, eos, sq_in, h, scale, H, 0, K, BC, QK_IN, QK_NORM)
+        q_own, _ = _qk_rows(qn_ptr + h * K, r0, eos, sq_in, scale, K, BC, RAW_QK, QK_NORM)
         kp = _decay(k_own, g_own, gm, mk, 1.0).to(DOT_T)  # [BC, K]
         qp = _decay(q_own, g_own, gm, mk, 1.0).to(DOT_T)
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
@@ -157,7 +150,7 @@ def chunk_intra_kernel(
             eg = tl.exp(g_own)  # exp(G) <= 1
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, (k_own.to(tl.float32) * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
-            if QK_IN == 2:  # chunk_prep's QG and KD for these rows
+            if RAW_QK:  # chunk_prep's QG and KD for these rows
                 tl.store(qg_ptr + own, (q_own * eg).to(qg_ptr.dtype.element_ty), mask=mk)
                 g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # G at the chunk's last row
                 kd = k_own * tl.exp(tl.where(mk, g_last[None, :] - g_own, 0.0))  # <= 1
@@ -167,7 +160,7 @@ def chunk_intra_kernel(
             akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
-            k_j, m_j = _qk_rows(k_ptr, rscale_ptr, t0 + j * BC, eos, sk_in, h, 1.0, H, 1, K, BC, QK_IN, QK_NORM)
+            k_j, m_j = _qk_rows(k_ptr, t0 + j * BC, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)
             g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
             kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)

@@ -7,13 +7,11 @@ For the rows of one 64-token chunk of one head:
     q' = scale * q / sqrt(sum q^2 + 1e-6),  k' = k / sqrt(...)      (when qk_l2norm; else q' = scale * q, k' = k)
     b  = sigmoid(beta)                                              (when beta_logits; else beta as is), fp32 [T, H]
     QG = q' * exp(G),  KD = k' * exp(G_last - G),  GL = exp(G_last)  (G_last: G at the chunk's last token)
-q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K]. Without ``WRITE_QK``
-(``prefill.INTRA_READS_RAW_QK``) q' and k' are not written: with ``WRITE_RS`` the per-row factors q' / q and k' / k
-go to RS fp32 [T, H, 2] instead, and chunk_intra scales the raw q and k as it loads them (512 bytes per token and
-head less written here and 8 more, at K = 128 in bf16). With ``GATE_ONLY`` (``prefill.NORMS_IN_INTRA``) q and k
-are not read at all and q', k', QG, KD not written: only G, GL and b (chunk_intra then writes QG and KD). q and k
-may be strided views (any token-row stride, head stride K, element stride 1: column slices of the short conv's
-[T, 3HK] output); g, beta and every output are contiguous.
+q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K]. With ``GATE_ONLY``
+(``prefill.NORMS_IN_INTRA``, the default) q and k are not read at all and q', k', QG, KD not written: only G, GL and
+b (chunk_intra then normalises the raw q, k itself and writes QG and KD). q and k may be strided views (any token-row
+stride, head stride K, element stride 1: column slices of the short conv's [T, 3HK] output); g, beta and every output
+are contiguous.
 """
 
 from __future__ import annotations
@@ -31,17 +29,16 @@ def chunk_prep_kernel(
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
     qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
     qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
-    rscale_ptr,  # output with WRITE_RS: RS fp32 [T, H, 2], the row factors (q' / q, k' / k)
     scale, lower_bound,  # fp32 scalars
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    COL_SPLIT: tl.constexpr, WRITE_QK: tl.constexpr, WRITE_RS: tl.constexpr, GATE_ONLY: tl.constexpr = False,
+    COL_SPLIT: tl.constexpr, GATE_ONLY: tl.constexpr = False,
 ):
     """Works on [BT, BK] column slices (BK divides K): the squared norms first (over all K columns), then
     everything else. Grid (NC, H): one program per (chunk, head) walks the K / BK slices; with COL_SPLIT, grid
     (NC * K / BK, H): one program per (chunk, slice, head) does one slice (a chunk-head's slices run side by side,
-    so their repeated norm reads of q and k hit L2), and the slice-0 program writes b (and RS)."""
+    so their repeated norm reads of q and k hit L2), and the slice-0 program writes b."""
     n_slices: tl.constexpr = 1 if COL_SPLIT else K // BK
     c, h, j0 = grid_ids(K // BK // n_slices)  # grid (NC * K / BK, H), or (NC, H) without COL_SPLIT
     seq = tl.load(chunk_seq_ptr + c)
@@ -85,9 +82,8 @@ def chunk_prep_kernel(
         if not GATE_ONLY:
             q = tl.load(q_ptr + q_base + j * BK, mask=mask, other=0.0).to(tl.float32) * q_scale[:, None]
             k = tl.load(k_ptr + k_base + j * BK, mask=mask, other=0.0).to(tl.float32) * k_scale[:, None]
-            if WRITE_QK:
-                tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
-                tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
+            tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
+            tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
             tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)
             kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
             tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
@@ -98,6 +94,3 @@ def chunk_prep_kernel(
         if BETA_LOGITS:
             b = sigmoid_f32(b)
         tl.store(beta_out_ptr + b_offs, b, mask=mask_t)
-        if WRITE_RS:
-            tl.store(rscale_ptr + b_offs * 2, q_scale, mask=mask_t)
-            tl.store(rscale_ptr + b_offs * 2 + 1, k_scale, mask=mask_t)

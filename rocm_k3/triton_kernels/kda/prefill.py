@@ -1,18 +1,19 @@
 """Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches (default: prep, intra with
 the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``) or four (phase 3 as its own launch).
 
-    phase 1  chunk_prep   gate, in-chunk cumsum of g, q/k L2 norm and scale, beta sigmoid, decayed q and k
-                          (NORMS_IN_INTRA: the gate, the cumsum and beta only; chunk_intra does the rest)
+    phase 1  chunk_prep   gate, in-chunk cumsum of g, beta sigmoid (NORMS_IN_INTRA, the default); without it also
+                          the q/k L2 norm and scale and the decayed q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
-                          INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place)
+                          INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place; NORMS_IN_INTRA, the q/k
+                          norms and the decayed q and k)
     phase 3  chunk_solve  the WY form W = (I + A)^-1 X, U = (I + A)^-1 (b v), by block forward substitution
     SOLVE_IN_WALK         no phase 3: the state walk solves V' = (I + A)^-1 (b v - KB S) per chunk itself
     phase 4  chunk_state  sequential state recurrence over each sequence's chunks + output
              (or, with SPLIT_OUTPUT, the recurrence alone and then chunk_output over all chunks in parallel)
 
 q, k and v are read in place when their token rows are strided (head stride D, element stride 1: the model passes
-column slices of the short conv's [T, 3HD] output; chunk_prep, and chunk_intra with INTRA_READS_RAW_QK or
-NORMS_IN_INTRA, take q's and k's row strides).
+column slices of the short conv's [T, 3HD] output; chunk_prep, and chunk_intra with NORMS_IN_INTRA, take q's and k's
+row strides).
 Measured and removed (session 20; RESULTS.md has their numbers, git history their code): phases 1-3 in one launch
 (FUSED, chunk_fused: not faster on the H200, 255 registers and spills), phases 2 and 3 in one (MERGE_WY, chunk_wy:
 25-30 % slower on the H200), phases 1 and 2 in one (PREP_IN_INTRA, chunk_prep_intra: 2x slower than the two
@@ -97,24 +98,22 @@ INVERT_BY_PRODUCTS = True
 # at 1 stage (spilling), 0.39 ms at 2 (BV 64, 4 warps, T = 4096, H = 96); the default walk stays at 1 (2 stages:
 # 0.31 -> 0.40 ms, session 19).
 SOLVE_WALK_STAGES = 2
-# chunk_prep writes the row factors q' / q and k' / k (RS fp32 [T, H, 2]) instead of q' and k', and chunk_intra
-# scales the raw q and k rows (read in place, at their row strides) as it loads them: at K = 128 in bf16, 512 bytes
-# per token and head less written by the prep and 8 more, the intra kernel's reads unchanged (of ~5.6 KB per token
-# and head over the three launches). Off: not timed yet (session 20 had no device; scripts/h200_pending.md).
-# Not with a solve reading k' (four launches without SOLVE_KB).
-INTRA_READS_RAW_QK = False
-# INTRA_READS_RAW_QK taken further: chunk_prep only gates and sums (G, GL, b: no q or k read, no norm pass that re-reads
-# every full q and k row once per column slice); chunk_intra computes the row norms from the full rows it loads anyway
-# and writes QG and KD for its own rows besides A, Aqk and KB (it holds q', k' and G there). At K = 128 in bf16, of ~5.6
-# KB of HBM traffic per token and head over the three launches: 1.5 KB less at the prep, 0.5 KB more at the intra kernel
-# (QG, KD written there), so ~4.6 KB (512 bytes less than INTRA_READS_RAW_QK). Needs the intra kernel's KB (SOLVE_KB or
-# SOLVE_IN_WALK). Off: not timed yet (as above).
-NORMS_IN_INTRA = False
+# chunk_prep only gates and sums (G, GL, b: no q or k read, no norm pass that re-reads every full q and k row once per
+# column slice); chunk_intra computes the row norms from the full raw q, k rows it loads anyway (in place, at their row
+# strides) and writes QG and KD for its own rows besides A, Aqk and KB. At K = 128 in bf16, of ~5.6 KB of HBM traffic
+# per token and head over the three launches: 1.5 KB less at the prep, 0.5 KB more at the intra kernel, so ~4.6 KB.
+# Needs the intra kernel's KB (SOLVE_KB or SOLVE_IN_WALK). On: H100 2026-12-05 (session 21, RESULTS.md), H = 96,
+# kernel sum with BAND_IN_DOT_DTYPE 1.084 / 4.333 / 4.240 ms at T = 4k / 16k / varlen 16k against 1.297 / 5.136 /
+# 5.042 without either (alone: 1.106 / 4.360 / 4.264); prep 0.21 ms instead of 0.44 at 4k, intra 0.50 instead of 0.46.
+# Measured and dropped in the same call: the half-way step (the prep writing row factors, the intra kernel scaling the
+# raw rows: 1.275 ms at 4k).
+NORMS_IN_INTRA = True
 # With SOLVE_IN_WALK, the [T, H, 64] A band (and its diagonal inverses) stored in the dot dtype (bf16 for bf16
 # activations) instead of fp32: the walk rounds every A block to its dot operands anyway, so the outputs are the same
 # and 128 bytes per token and head are neither written nor read. fp16 / fp32 activations keep an fp32 band (their
-# dots are fp32). Off: not timed yet (as above).
-BAND_IN_DOT_DTYPE = False
+# dots are fp32). On: H100 2026-12-05 (session 21): 1.251 / 4.973 ms at T = 4k / 16k alone against 1.297 / 5.136; with
+# NORMS_IN_INTRA 1.084 / 4.333 against 1.106 / 4.360 (the walk's sm_90 build spills 128 B at 255 registers with it).
+BAND_IN_DOT_DTYPE = True
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -298,28 +297,24 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     b = buf(T, H, dtype=torch.float32)
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
     write_kb = SOLVE_KB or solve_in
-    norms_in = NORMS_IN_INTRA and write_kb
-    raw_qk = norms_in or (INTRA_READS_RAW_QK and write_kb)  # nothing else reads k' then
-    if raw_qk:  # the intra kernel reads q and k in place and scales them by RS (or by the norms it takes itself)
-        qn, kn, rscale = q, k, b if norms_in else buf(T, H, 2, dtype=torch.float32)  # b: an unwritten placeholder
-    else:
-        qn, kn, rscale = buf(T, H, K), buf(T, H, K), b  # b: an unwritten placeholder
+    norms_in = NORMS_IN_INTRA and write_kb  # nothing else reads k' then
+    # the intra kernel reads q and k in place and normalises them itself, or reads the prep's q', k'
+    qn, kn = (q, k) if norms_in else (buf(T, H, K), buf(T, H, K))
     gcum = buf(T, H, K, dtype=torch.float32)
     bk = min(PREP_BK, K)
     prep_grid = (plan.num_chunks * (K // bk), H) if PREP_SPLIT else (plan.num_chunks, H)  # slice fastest (grid_ids)
     chunk_prep_kernel[prep_grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, rscale, scale, lower, q.stride(0), k.stride(0),
-        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, WRITE_QK=not raw_qk,
-        WRITE_RS=raw_qk and not norms_in, GATE_ONLY=norms_in,
+        qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
+        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in,
         num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)
     chunk_intra_kernel[intra_grid](
-        qn, kn, gcum, b, rscale, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+        qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=invert_by_products(dot_t), QK_IN=2 if norms_in else int(raw_qk), QK_NORM=flags["QK_NORM"],
+        INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"],
         num_warps=PHASE_WARPS["intra"],
     )
     if solve_in:

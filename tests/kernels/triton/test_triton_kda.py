@@ -189,14 +189,12 @@ _PREFILL_CASES = [
 # and a separate solve reading intra's KB, the default before session 19; "4-launch-unsplit": the prep walking its
 # column slices and the solve reading k' and G; "-inverts": with INTRA_INVERTS, the diagonal blocks' inverses computed
 # by the intra kernel for the solve; "solve-in-walk": SOLVE_IN_WALK, no solve launch (SOLVE_KB / INTRA_INVERTS off
-# there: the setting overrides them); "-products": INVERT_BY_PRODUCTS; "-raw-qk": INTRA_READS_RAW_QK (the intra kernel
-# scales the raw q, k by the prep's row factors); "-norms-in-intra": NORMS_IN_INTRA (the prep only gates and sums; the
-# intra kernel normalises q, k itself and writes QG, KD); "-lean": the default with NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
-# (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda tier). The default is
-# "3-launch-solve-in-walk-products")
+# there: the setting overrides them); "-products": INVERT_BY_PRODUCTS; "-norms-in-intra": NORMS_IN_INTRA (the prep
+# only gates and sums; the intra kernel normalises q, k itself and writes QG, KD); "-lean": with NORMS_IN_INTRA and
+# BAND_IN_DOT_DTYPE (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda
+# tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             INTRA_READS_RAW_QK=False, BAND_IN_DOT_DTYPE=False,
-             NORMS_IN_INTRA=False)  # the four launches, every option named (off)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False)  # the four launches, every option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -205,8 +203,6 @@ _PATHS = {
     # prefill.INVERT_BY_PRODUCTS: the solve's and the intra kernel's diagonal inverses by products
     "4-launch-products": {**_FOUR, "INVERT_BY_PRODUCTS": True},
     "3-launch-solve-in-walk-products": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True},
-    "4-launch-raw-qk": {**_FOUR, "INTRA_READS_RAW_QK": True},
-    "3-launch-raw-qk": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "INTRA_READS_RAW_QK": True},
     "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
@@ -484,15 +480,14 @@ def test_chunk_intra_inverses_feed_the_solve_interpret(dtype: torch.dtype, tol: 
         plan.num_chunks, H, D, dt=torch.float32)
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-                            qn, kn, gcum, b, qg, kd, glast, b, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
-                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False,
-                            WRITE_QK=True, WRITE_RS=False)
+                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
+                            HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
     def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
-        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, b, H * D, H * D, 1.0, plan.chunk_seq,
+        chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, H * D, H * D, 1.0, plan.chunk_seq,
                                                      plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, H=H, K=D,
                                                      DOT_T=dot_t,
                                                      PREC=prec, WRITE_KB=False, INVERT_DIAG=invert,
-                                                     INVERT_PRODUCTS=products, QK_IN=0)
+                                                     INVERT_PRODUCTS=products, RAW_QK=False)
 
     def solve(a_in, w_out, u_out, inverted: bool, products: bool) -> None:
         chunk_solve_kernel[(plan.num_chunks, H, 4)](a_in, kn, v, gcum, b, plan.chunk_seq, plan.chunk_start, cu,
@@ -537,8 +532,7 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
     """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None;
-    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k' and their row factors RS [T, H, 2] (q' / q,
-    k' / k), b, then QG = q' exp(G), KD = k' exp(G_last - G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and
+    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last - G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and
     the row bands A / Aqk [T, H, 64] (A strictly lower times b, Aqk lower, zeros above), each decay factor
     exp(G_i - G_j) taken from the fp64 difference."""
     T, H, K = q.shape
@@ -547,8 +541,6 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
         x = g + params.dt_bias.double().view(H, K)
         g = params.lower_bound * torch.sigmoid(params.A_log.double().exp().view(H, 1) * x)
     qn, kn = ref.l2norm(q.double()) * scale, ref.l2norm(k.double())
-    rs = torch.stack([scale / (q.double().square().sum(-1) + ref.L2NORM_EPS).sqrt(),
-                      1.0 / (k.double().square().sum(-1) + ref.L2NORM_EPS).sqrt()], dim=-1)  # [T, H, 2]
     b = torch.sigmoid(beta.double())
     out = {name: torch.zeros(T, H, K, dtype=torch.float64) for name in ("QG", "KD", "KB")}
     out["A"], out["Aqk"] = torch.zeros(T, H, 64, dtype=torch.float64), torch.zeros(T, H, 64, dtype=torch.float64)
@@ -570,24 +562,22 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
             strict = tril & ~torch.eye(n, dtype=torch.bool)[:, :, None]
             out["A"][t0:t1, :, :n] = torch.where(strict, kk, 0.0).transpose(1, 2)
             out["Aqk"][t0:t1, :, :n] = torch.where(tril, qk, 0.0).transpose(1, 2)
-    out["GL"], out["b"], out["qn"], out["kn"], out["RS"] = torch.stack(gl), b, qn, kn, rs
+    out["GL"], out["b"], out["qn"], out["kn"] = torch.stack(gl), b, qn, kn
     return out
 
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,inverts,qk_in", [
-    ("safe", torch.float32, 2e-5, False, 0), ("mild", torch.float32, 1e-5, False, 0),
-    ("mild", torch.float16, 1e-3, False, 0), ("safe", torch.float32, 2e-5, True, 1),
-    ("mild", torch.float16, 1e-3, True, 1), ("safe", torch.float32, 2e-5, True, 2),
-    ("mild", torch.float16, 1e-3, True, 2)],
-    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-raw-qk", "mild-fp16-inverts-raw-qk",
-         "safe-fp32-inverts-norms-in-intra", "mild-fp16-inverts-norms-in-intra"])
+@pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
+    ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
+    ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
+    ("mild", torch.float16, 1e-3, True, True)],
+    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-norms-in-intra", "mild-fp16-inverts-norms-in-intra"])
 def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
-                                                qk_in: int) -> None:
+                                                raw: bool) -> None:
     """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their fp64
-    twin (_prep_intra_oracle): q', k' (or, qk_in 1: INTRA_READS_RAW_QK, the prep's row factors RS and nothing written to
-    q' / k'; qk_in 2: NORMS_IN_INTRA, the prep writes G, GL, b alone and the intra kernel QG and KD), b, QG, KD, GL,
+    twin (_prep_intra_oracle): q', k' (or, raw: NORMS_IN_INTRA, nothing written to q' / k', the prep writes G, GL, b
+    alone and the intra kernel QG and KD), b, QG, KD, GL,
     then A, Aqk, KB, on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
     Every output starts as NaN, so an element not written fails. "safe": K3's safe gate (|g| < 5: decay factors up to
     exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every row's QG, KD, KB is O(1) and a wrong
@@ -620,29 +610,24 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     if inverts:
         want["A"] = _invert_band_diagonal(want["A"], cu)
     shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
-              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D), "RS": (T, H, 2)}
-    fp32 = ("A", "b", "GL", "G", "RS")
+              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D)}
+    fp32 = ("A", "b", "GL", "G")
     got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
            for name, shape in shapes.items()}
     a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
     bk = D // 2
-    raw = qk_in > 0
     chunk_prep_kernel[(plan.num_chunks * (D // bk), H)](
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["qn"], got["kn"], got["G"],
-        got["b"], got["QG"], got["KD"], got["GL"], got["RS"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
+        got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         BT=64, BK=bk, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True,
-        COL_SPLIT=True, WRITE_QK=not raw, WRITE_RS=qk_in == 1, GATE_ONLY=qk_in == 2)
-    if qk_in == 2:
-        assert all(got[n].isnan().all() for n in ("RS", "QG", "KD")), "the prep wrote more than G, GL, b"
+        COL_SPLIT=True, GATE_ONLY=raw)
+    if raw:
+        assert all(got[n].isnan().all() for n in ("qn", "kn", "QG", "KD")), "the prep wrote more than G, GL, b"
     qa, ka = (q, k) if raw else (got["qn"], got["kn"])
     chunk_intra_kernel[(plan.num_chunks * 4, H)](
-        qa, ka, got["G"], got["b"], got["RS"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq, plan.chunk_start,
+        qa, ka, got["G"], got["b"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq, plan.chunk_start,
         cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True,
-        INVERT_DIAG=inverts, INVERT_PRODUCTS=True, QK_IN=qk_in, QK_NORM=True)
-    if qk_in == 1:
-        assert_rel(got["RS"], want["RS"], tol, "RS")
-    else:
-        assert got["RS"].isnan().all(), "RS written although nothing reads it"
+        INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw, QK_NORM=True)
     if raw:
         assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
     for name in ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")):
@@ -728,10 +713,8 @@ _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_c
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve",
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
-                # INTRA_READS_RAW_QK ("4-launch-raw-qk", "3-launch-raw-qk") and BAND_IN_DOT_DTYPE ("3-launch-lean")
-                "chunk_prep_split_rs", "chunk_intra_inv_prod_raw", "chunk_state_solve_band16",
-                # NORMS_IN_INTRA ("3-launch-norms-in-intra")
-                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms")
+                # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
+                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -741,14 +724,13 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_solve_kb_prod": ("mma.sync.aligned", "v_mfma"), "chunk_intra_inv_prod": ("mma.sync.aligned", "v_mfma"),
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
-        "chunk_intra_inv_prod_raw": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
-# Dot kernels that fit their registers on every target (the default's inverting intra kernel, with and without the
-# raw q / k reads: sm_90 170 / 178, gfx942 104 / 102, gfx950 102 / 112 in session 20): a spill there is a regression.
-_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_raw", "chunk_intra_inv_prod_norms")
+# Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
+# normalising the raw q, k itself): a spill there is a regression.
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms")
 
 
 @pytest.fixture(scope="module")
