@@ -1,6 +1,7 @@
 """Phase 2 of the chunked KDA prefill: the in-chunk pair matrices, one program per (chunk, head, sub-block I).
 
-With G the in-chunk cumulative log-decay, q' and k' from phase 1 and b = beta (fp32), for the C = 64 rows::
+With G the in-chunk cumulative log-decay and b = beta (fp32) from phase 1, q' and k' (from phase 1, or with RAW_QK
+normalised here), for the C = 64 rows::
 
     A[i, j]   = b_i * sum_d k'_i[d] k'_j[d] exp(G_i[d] - G_j[d])      j <  i   (strictly lower), fp32
     Aqk[i, j] =       sum_d q'_i[d] k'_j[d] exp(G_i[d] - G_j[d])      j <= i   (activation dtype)
@@ -103,7 +104,7 @@ def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
 
 @triton.jit
 def chunk_intra_kernel(
-    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # phase-1 outputs: q', k' [T, H, K] (RAW_QK: the raw q, k at row strides
+    qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # q', k' [T, H, K] from phase 1 (RAW_QK: the raw q, k at row strides
     # stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
     stride_q, stride_k, scale,  # RAW_QK: the raw q's and k's row strides and q's scale
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
