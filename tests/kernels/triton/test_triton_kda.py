@@ -532,9 +532,9 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
     """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None;
-    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last - G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and
-    the row bands A / Aqk [T, H, 64] (A strictly lower times b, Aqk lower, zeros above), each decay factor
-    exp(G_i - G_j) taken from the fp64 difference."""
+    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last -
+    G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A strictly lower times
+    b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64 difference."""
     T, H, K = q.shape
     g = f.double()
     if params is not None:
@@ -572,7 +572,8 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
     ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
     ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
     ("mild", torch.float16, 1e-3, True, True)],
-    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-norms-in-intra", "mild-fp16-inverts-norms-in-intra"])
+    ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-norms-in-intra",
+         "mild-fp16-inverts-norms-in-intra"])
 def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
                                                 raw: bool) -> None:
     """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their fp64
