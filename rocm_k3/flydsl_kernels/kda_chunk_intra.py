@@ -29,7 +29,7 @@ a different fp32 summation order. KB: the chunk's 64 x K elements, K / 4 per lan
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import gpu, range_constexpr
+from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
@@ -47,27 +47,30 @@ from rocm_k3.flydsl_kernels.kda_prefill_plan import (
 
 
 def build_kda_chunk_intra(config):
-    """``launch(Qn, Kn, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB, num_chunks)``.
+    """``launch(Q, Kt, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB, QG, KD, num_chunks, scale)``.
 
-    Qn, Kn, Gc fp32 [T, H, K] and B fp32 [T, H] from phase 1; the chunk plan as in :mod:`.kda_chunk_prep`;
-    outputs Aqk fp32 [T, H, 64] (zeros above the diagonal), the A band Ab fp32 [T, H, 64] (T_II on the diagonal
-    blocks, zeros above them) and KB fp32 [T, H, K]. ``config`` is a
-    :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig` (K = V).
+    Q, Kt [T, H, K] the raw q, k (activation dtype, contiguous); Gc fp32 [T, H, K] and B fp32 [T, H] from phase 1;
+    the chunk plan as in :mod:`.kda_chunk_prep`; outputs Aqk fp32 [T, H, 64] (zeros above the diagonal), the A band
+    Ab fp32 [T, H, 64] (T_II on the diagonal blocks, zeros above them), KB, QG and KD fp32 [T, H, K]. ``config`` is
+    a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig` (K = V).
     """
     H, K = config.num_heads, config.head_dim
     slabs = K // INTRA_SLAB
     elems = intra_slab_elems()
-    kb_elems = CHUNK * K // LANES  # KB elements per lane
+    kb_elems = CHUNK * K // LANES  # KB / QG / KD elements per lane
+    row_lanes = LANES // CHUNK  # lanes sharing a row of the pair matrices
 
     @fx.struct
     class Shared:
-        buf: fx.Array[fx.Float32, 3 * CHUNK * INTRA_SLAB, 16]  # k', q', G slabs
+        buf: fx.Array[fx.Float32, 3 * CHUNK * INTRA_SLAB, 16]  # raw k, raw q, G slabs
         a: fx.Array[fx.Float32, CHUNK * CHUNK, 16]
+        rn: fx.Array[fx.Float32, 2 * CHUNK, 16]  # row factors: 1 / ||k_i|| at i, scale / ||q_i|| at 64 + i
 
     @flyc.kernel
     def kda_chunk_intra_kernel(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, B: fx.Tensor, ChunkSeq: fx.Tensor, ChunkStart: fx.Tensor,
-        CuSeq: fx.Tensor, Aqk: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor,
+        Q: fx.Tensor, Kt: fx.Tensor, Gc: fx.Tensor, B: fx.Tensor, ChunkSeq: fx.Tensor, ChunkStart: fx.Tensor,
+        CuSeq: fx.Tensor, Aqk: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, QG: fx.Tensor, KD: fx.Tensor,
+        scale: fx.Float32,
     ):
         tid = gpu.thread_idx.x
         ch = gpu.block_idx.x
@@ -77,23 +80,25 @@ def build_kda_chunk_intra(config):
         t_last = t_end - 1
         lds = fx.SharedAllocator().allocate(Shared).peek()
         slab = CHUNK * INTRA_SLAB
-        sb = lds.buf.view(fx.make_layout(3 * slab, 1))  # k' slab at 0, q' slab at `slab`, G at 2 * slab
+        sb = lds.buf.view(fx.make_layout(3 * slab, 1))  # k slab at 0, q slab at `slab`, G at 2 * slab
         sa = lds.a.view(fx.make_layout(CHUNK * CHUNK, 1))
+        srn = lds.rn.view(fx.make_layout(2 * CHUNK, 1))
 
         i, j0 = intra_pair(tid, 0)
-        acc_k = common.fill_rmem(INTRA_COLS, 0.0)  # sum_d k'_i k'_j exp(G_i - G_j), columns j of the lane
-        acc_q = common.fill_rmem(INTRA_COLS, 0.0)  # the same with q'_i
+        acc_k = common.fill_rmem(INTRA_COLS, 0.0)  # sum_d k_i k_j exp(G_i - G_j) (raw k), columns j of the lane
+        acc_q = common.fill_rmem(INTRA_COLS, 0.0)  # the same with the raw q_i
+        sq = common.fill_rmem(2, 0.0)  # sum_d k_i^2, sum_d q_i^2 of the lane's row
         for s in range_constexpr(slabs):
             for e in range_constexpr(elems):
                 row, d = intra_slab(tid, e)
                 src = fx.min(t0 + row, t_last)
-                sb[row * INTRA_SLAB + d] = fx.Float32(Kn[src, h, s * INTRA_SLAB + d])
-                sb[slab + row * INTRA_SLAB + d] = fx.Float32(Qn[src, h, s * INTRA_SLAB + d])
+                sb[row * INTRA_SLAB + d] = fx.Float32(Kt[src, h, s * INTRA_SLAB + d])
+                sb[slab + row * INTRA_SLAB + d] = fx.Float32(Q[src, h, s * INTRA_SLAB + d])
                 sb[2 * slab + row * INTRA_SLAB + d] = fx.Float32(Gc[src, h, s * INTRA_SLAB + d])
             gpu.barrier()
             for d in range(INTRA_SLAB):
                 k_i, q_i, g_i = sb[i * INTRA_SLAB + d], sb[slab + i * INTRA_SLAB + d], sb[2 * slab + i * INTRA_SLAB + d]
-                ak, aq = fx.memref_load_vec(acc_k), fx.memref_load_vec(acc_q)
+                ak, aq, ss = fx.memref_load_vec(acc_k), fx.memref_load_vec(acc_q), fx.memref_load_vec(sq)
                 nk, nq = [], []
                 for r in range_constexpr(INTRA_COLS):
                     _, j = intra_pair(tid, r)
@@ -103,17 +108,30 @@ def build_kda_chunk_intra(config):
                     nq.append(aq[r] + q_i * kj)
                 acc_k.store(common.vector_of(nk, fx.Float32))
                 acc_q.store(common.vector_of(nq, fx.Float32))
+                sq.store(common.vector_of([ss[0] + k_i * k_i, ss[1] + q_i * q_i], fx.Float32))
             gpu.barrier()  # every lane has read the slab before the next one overwrites it
+
+        # the row factors (the L2 norms factor out of the pair sums): k'_i = rk_i k_i, q'_i = rq_i q_i
+        ss = fx.memref_load_vec(sq)
+        rk_i, rq_i = fx.Float32(1.0), scale
+        if const_expr(config.qk_l2norm):
+            rk_i = fmath.rsqrt(ss[0] + 1e-6)
+            rq_i = fmath.rsqrt(ss[1] + 1e-6) * scale
+        if tid % row_lanes == 0:
+            srn[i] = rk_i
+            srn[CHUNK + i] = rq_i
+        gpu.barrier()
 
         b_i = fx.Float32(B[fx.min(t0 + i, t_last), h])
         ak, aq = fx.memref_load_vec(acc_k), fx.memref_load_vec(acc_q)
         a_row, qk_row = [], []
         for r in range_constexpr(INTRA_COLS):
             _, j = intra_pair(tid, r)
-            a_ij = (j < i).select(ak[r] * b_i, 0.0)
+            rk_j = srn[j]
+            a_ij = (j < i).select(ak[r] * (b_i * rk_i) * rk_j, 0.0)
             sa[i * CHUNK + j] = a_ij
             a_row.append(a_ij)
-            qk_row.append((j <= i).select(aq[r], 0.0))
+            qk_row.append((j <= i).select(aq[r] * rq_i * rk_j, 0.0))
         if t0 + i < t_end:
             for r in range_constexpr(INTRA_COLS):
                 _, j = intra_pair(tid, r)
@@ -139,22 +157,28 @@ def build_kda_chunk_intra(config):
                 if t0 + base + r < t_end:
                     Ab[t0 + base + r, h, base + c] = t[r]
 
-        # KB = b exp(G) k', the walk's right-hand side of W's place
+        # the walk's row operands: KB = b exp(G) k' (the right-hand side in W's place), QG = q' exp(G),
+        # KD = k' exp(G_last - G) (G_last: G at the chunk's last row)
         for e in range_constexpr(kb_elems):
             idx = tid + e * LANES
             row = idx // K
             d = idx % K
             if t0 + row < t_end:
                 st = t0 + row
-                KB[st, h, d] = fx.Float32(Kn[st, h, d]) * fmath.exp(fx.Float32(Gc[st, h, d])) * fx.Float32(B[st, h])
+                g = fx.Float32(Gc[st, h, d])
+                eg = fmath.exp(g)
+                k = fx.Float32(Kt[st, h, d]) * srn[row]
+                KB[st, h, d] = k * eg * fx.Float32(B[st, h])
+                QG[st, h, d] = fx.Float32(Q[st, h, d]) * srn[CHUNK + row] * eg
+                KD[st, h, d] = k * fmath.exp(fx.Float32(Gc[t_last, h, d]) - g)
 
     @flyc.jit
     def launch(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, B: fx.Tensor, ChunkSeq: fx.Tensor, ChunkStart: fx.Tensor,
-        CuSeq: fx.Tensor, Aqk: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, num_chunks: fx.Int32,
-        stream: fx.Stream = common.DEFAULT_STREAM,
+        Q: fx.Tensor, Kt: fx.Tensor, Gc: fx.Tensor, B: fx.Tensor, ChunkSeq: fx.Tensor, ChunkStart: fx.Tensor,
+        CuSeq: fx.Tensor, Aqk: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, QG: fx.Tensor, KD: fx.Tensor,
+        num_chunks: fx.Int32, scale: fx.Float32, stream: fx.Stream = common.DEFAULT_STREAM,
     ):
-        kda_chunk_intra_kernel(Qn, Kn, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB).launch(
+        kda_chunk_intra_kernel(Q, Kt, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB, QG, KD, scale).launch(
             grid=(num_chunks, H), block=(LANES,), stream=stream)
 
     return launch

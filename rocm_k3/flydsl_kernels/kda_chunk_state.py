@@ -4,29 +4,30 @@ fp32 MFMA (``v_mfma_f32_16x16x4_f32``).
 
 Twin of ``rocm_k3.triton_kernels.kda.chunk_state`` with ``SOLVE_IN`` and the output fused (``WITH_OUTPUT``), the
 Triton default since session 19 (``prefill.SOLVE_IN_WALK``). Walking the sequence's chunks in order with the fp32
-state slice S [K, 16] in registers, for the n <= 64 rows of a chunk (G, q', k', b from phase 1; the A band, KB, Aqk
-from phase 2; G_last = G at the chunk's last row), by associativity V' = U - W S = (I + A)^-1 (b v - KB S), solved
-by block forward substitution over the chunk's four 16-row tiles I in order::
+state slice S [K, 16] in registers, for the n <= 64 rows of a chunk (G and b from phase 1; the A band, KB, Aqk and the
+row operands QG = q' exp(G), KD = k' exp(G_last - G) from phase 2; G_last = G at the chunk's last row), by
+associativity V' = U - W S = (I + A)^-1 (b v - KB S), solved by block forward substitution over the chunk's four
+16-row tiles I in order::
 
     V'_I = T_II (b v_I - KB_I S - sum_{J < I} A_IJ V'_J)        [16, 16] per tile  (T_II = (I + A_II)^-1)
-    O    = (q' exp(G)) S + Aqk V'                               [n, 16]   (written in o's dtype)
-    S    = diag(exp(G_last)) S + (k' exp(G_last - G))^T V'
+    O    = QG S + Aqk V'                                        [n, 16]   (written in o's dtype)
+    S    = diag(exp(G_last)) S + KD^T V'
 
 The initial state is ``State[Slots[n]]`` when ``HasInit[n]`` (else 0, selected so a never-written slot's NaN
 cannot leak in); the final state is written back to the same slot. ``InterMap[chunk]`` >= 0 asks for the state
 after that chunk in row ``InterMap[chunk]`` of ``Inter``.
 
-Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane); contractions step
-through rows in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are used directly as the B
-operands of KB S and (q' exp(G)) S, and the C fragment of a tile's right-hand side is the B operand of its T_II
-product. V' is built one 16-row tile per iteration and goes through LDS ([64, 16]), from where each lane reads
-the B operands of the later tiles' A_IJ V'_J, of Aqk V' and of KD^T V' in the same step order (a barrier after
-each tile). The A operands (KB, the A band, q' exp(G), Aqk, k' exp(G_last - G)) are read from the fp32
-intermediates, one value per lane and step. Rows past the chunk's end read the chunk's last row (in range); their
-right-hand side and their V' are set to 0, so they add nothing (T_II's upper triangle is stored as exact zeros,
-so a valid row gives a later row's right-hand side zero weight); their outputs are not stored. All operands and accumulators are fp32 (exact fp32
-products, fp32 accumulation, as the reference). Row tiles, the substitution's earlier tiles and the KD^T V' row
-groups are runtime loops, which keeps the register count near 240.
+Tiling: 64 lanes. S is held as K/16 MFMA C fragments (16-row tiles, 4 fp32 per lane); contractions step through rows
+in the order ``kda_prefill_plan.mfma_krow``, so those C fragments are used directly as the B operands of KB S and QG
+S, and the C fragment of a tile's right-hand side is the B operand of its T_II product. V' is built one 16-row tile
+per iteration and goes through LDS ([64, 16]), from where each lane reads the B operands of the later tiles' A_IJ
+V'_J, of Aqk V' and of KD^T V' in the same step order (a barrier after each tile). The A operands (KB, the A band, QG,
+Aqk, KD) are read from the fp32 intermediates, one value per lane and step (no exp in the MFMA loops; the only exps
+left are exp(G_last) of the state's decay). Rows past the chunk's end read the chunk's last row (in range); their
+right-hand side and their V' are set to 0, so they add nothing (T_II's upper triangle is stored as exact zeros, so a
+valid row gives a later row's right-hand side zero weight); their outputs are not stored. All operands and
+accumulators are fp32 (exact fp32 products, fp32 accumulation, as the reference). Row tiles, the substitution's
+earlier tiles and the KD^T V' row groups are runtime loops, which keeps the register count near 240.
 """
 
 import flydsl.compiler as flyc
@@ -42,14 +43,14 @@ TILE = 16
 
 
 def build_kda_chunk_state(config):
-    """``launch(Qn, Kn, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter, InterMap,
+    """``launch(QG, KD, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter, InterMap,
     num_seqs)``.
 
-    Qn, Kn, Gc fp32 [T, H, K] and B fp32 [T, H] from phase 1; the A band Ab fp32 [T, H, 64] (T_II on its diagonal
-    blocks), KB fp32 [T, H, K] and Aqk fp32 [T, H, 64] from phase 2; V [T, H, V] (activation dtype); CuSeq and
-    SeqFirstChunk int32 [N+1]; State fp32 [S, H, K, V] (in place); Slots, HasInit int32 [N]; O [T, H, V]
-    (activation dtype); Inter fp32 [M, H, K, V]; InterMap int32 [NC]. ``config`` is a
-    :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig`.
+    QG, KD fp32 [T, H, K] from phase 2, Gc fp32 [T, H, K] (only its chunks' last rows are read) and B fp32 [T, H] from
+    phase 1; the A band Ab fp32 [T, H, 64] (T_II on its diagonal blocks), KB fp32 [T, H, K] and Aqk fp32 [T, H, 64]
+    from phase 2; V [T, H, V] (activation dtype); CuSeq and SeqFirstChunk int32 [N+1]; State fp32 [S, H, K, V] (in
+    place); Slots, HasInit int32 [N]; O [T, H, V] (activation dtype); Inter fp32 [M, H, K, V]; InterMap int32 [NC].
+    ``config`` is a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig`.
     """
     H, K = config.num_heads, config.head_dim
     k_tiles, k_steps = K // TILE, K // MFMA_K  # S row tiles; MFMA steps over K
@@ -68,7 +69,7 @@ def build_kda_chunk_state(config):
 
     @flyc.kernel
     def kda_chunk_state_kernel(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
+        QG: fx.Tensor, KD: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
         Aqk: fx.Tensor, CuSeq: fx.Tensor, SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor,
         HasInit: fx.Tensor, O: fx.Tensor, Inter: fx.Tensor, InterMap: fx.Tensor,
     ):
@@ -128,13 +129,12 @@ def build_kda_chunk_state(config):
                 gpu.barrier()  # the next tile reads this one's V' rows
             vp = [svp[mfma_krow(s, q) * STATE_BV + a_row] for s in range_constexpr(c_steps)]  # B operands over rows
 
-            # O = (q' exp(G)) S + Aqk V' (Aqk is zero above the diagonal), one 16-row tile per iteration
+            # O = QG S + Aqk V' (Aqk is zero above the diagonal), one 16-row tile per iteration
             for r in range(c_tiles):
                 src = fx.min(t0 + r * TILE + a_row, t_last)
                 acc_o = common.fill_rmem(4, 0.0)
                 for s in range_constexpr(k_steps):
-                    k = mfma_krow(s, q)
-                    qg = fx.Float32(Qn[src, h, k]) * fmath.exp(fx.Float32(Gc[src, h, k]))
+                    qg = fx.Float32(QG[src, h, mfma_krow(s, q)])
                     fx.gemm(atom, acc_o, one(qg), one(s_frag[s // 4][s % 4]), acc_o)
                 for s in range_constexpr(c_steps):
                     fx.gemm(atom, acc_o, one(fx.Float32(Aqk[src, h, mfma_krow(s, q)])), one(vp[s]), acc_o)
@@ -144,9 +144,8 @@ def build_kda_chunk_state(config):
                     if row < cnt:
                         O[t0 + row, h, col] = o[i].to(act)
 
-            # S = diag(exp(G_last)) S + KD^T V', KD = k' exp(G_last - G); the contraction over the chunk's rows
+            # S = diag(exp(G_last)) S + KD^T V'; the contraction over the chunk's rows
             # runs one 16-row group (4 MFMA steps) per iteration
-            gl_key = [fx.Float32(Gc[t_last, h, m * TILE + a_row]) for m in range_constexpr(k_tiles)]
             for m in range_constexpr(k_tiles):
                 st[m].store(common.vector_of(
                     [s_frag[m][i] * fmath.exp(fx.Float32(Gc[t_last, h, mfma_krow(4 * m + i, q)]))
@@ -157,8 +156,7 @@ def build_kda_chunk_state(config):
                     t = fx.min(t0 + j, t_last)
                     b = one(svp[j * STATE_BV + a_row])
                     for m in range_constexpr(k_tiles):
-                        key = m * TILE + a_row  # A-operand row: a key channel
-                        kd = fx.Float32(Kn[t, h, key]) * fmath.exp(gl_key[m] - fx.Float32(Gc[t, h, key]))
+                        kd = fx.Float32(KD[t, h, m * TILE + a_row])  # A-operand row: a key channel
                         fx.gemm(atom, st[m], one(kd), b, st[m])
             gpu.barrier()  # every lane has read V' before the next chunk overwrites it
 
@@ -176,12 +174,12 @@ def build_kda_chunk_state(config):
 
     @flyc.jit
     def launch(
-        Qn: fx.Tensor, Kn: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
+        QG: fx.Tensor, KD: fx.Tensor, Gc: fx.Tensor, Ab: fx.Tensor, KB: fx.Tensor, V: fx.Tensor, B: fx.Tensor,
         Aqk: fx.Tensor, CuSeq: fx.Tensor, SeqFirstChunk: fx.Tensor, State: fx.Tensor, Slots: fx.Tensor,
         HasInit: fx.Tensor, O: fx.Tensor, Inter: fx.Tensor, InterMap: fx.Tensor, num_seqs: fx.Int32,
         stream: fx.Stream = common.DEFAULT_STREAM,
     ):
-        kda_chunk_state_kernel(Qn, Kn, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter,
+        kda_chunk_state_kernel(QG, KD, Gc, Ab, KB, V, B, Aqk, CuSeq, SeqFirstChunk, State, Slots, HasInit, O, Inter,
                                InterMap).launch(grid=(K // STATE_BV, num_seqs, H), block=(common.WAVE,), stream=stream)
 
     return launch

@@ -7,23 +7,25 @@ Chunked form (the default path, ``ops_impl.kda_prefill``): K3_SPEC section 2 wit
 fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
 
     Triton phase             FlyDSL kernel (module)            grid / tiling
-    1 chunk_prep             kda_chunk_prep                    (chunk, head), 2K lanes: gate, in-chunk cumsum G,
-                                                               q/k L2 norm (+ scale), beta sigmoid -> fp32 q', k', G, b
+    1 chunk_prep             kda_chunk_prep                    (chunk, head), K lanes: gate, in-chunk cumsum G,
+      (GATE_ONLY)                                              beta sigmoid -> fp32 G, b
     2 chunk_intra            kda_chunk_intra                   (chunk, head), 256 lanes: A (strictly lower, times b)
       (INVERT_DIAG,                                            and Aqk (lower incl. diagonal), 16 pair entries per lane,
-      WRITE_KB)                                                k'/q'/G staged in LDS slabs; VALU, exp(G_i - G_j) exact;
-                                                               the four diagonal blocks' inverses T_II = (I + A_II)^-1
-                                                               by forward substitution (one block column per lane)
-                                                               -> fp32 A band (T_II on the diagonal blocks), Aqk, and
-                                                               KB = b exp(G) k'
+      WRITE_KB, RAW_QK)                                        raw k/q and G staged in LDS slabs, the row norms from
+                                                               the same slabs (they factor out of the pair sums);
+                                                               VALU, exp(G_i - G_j) exact; the four diagonal blocks'
+                                                               inverses T_II = (I + A_II)^-1 by forward substitution
+                                                               (one block column per lane) -> fp32 A band (T_II on the
+                                                               diagonal blocks), Aqk, KB = b exp(G) k',
+                                                               QG = q' exp(G), KD = k' exp(G_last - G)
     4 chunk_state            kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
       (SOLVE_IN, output)                                       registers: V'_I = T_II (b v_I - KB_I S - sum_{J<I}
-                                                               A_IJ V'_J) tile by tile, O = (q' exp G) S + Aqk V',
-                                                               S = diag(exp G_last) S + (k' exp(G_last - G))^T V', all
-                                                               products on fp32 MFMA v_mfma_f32_16x16x4_f32
+                                                               A_IJ V'_J) tile by tile, O = QG S + Aqk V',
+                                                               S = diag(exp G_last) S + KD^T V', all products on fp32
+                                                               MFMA v_mfma_f32_16x16x4_f32
 
-The Triton twin's default since session 19 (``prefill.SOLVE_IN_WALK``): no phase 3 (chunk_solve), no W or U in
-memory.
+The Triton twin's default since session 21 (``prefill.SOLVE_IN_WALK``, ``prefill.NORMS_IN_INTRA``): no phase 3
+(chunk_solve), no W or U in memory, q and k read once (by the intra kernel).
 Differences from it: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16 activations), so products
 are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference G_i - G_j per element (no 16-row
 reference-row split, hence no per-token |g| range limit); the diagonal inverses by substitution on VALU where the

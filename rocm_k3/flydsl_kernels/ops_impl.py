@@ -286,15 +286,16 @@ def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inte
     rows = [] if positions is None else [tuple(r) for r in positions.tolist()]
     imap, source = inter_map(first, rows, NC)
     f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
-    qn, kn, gc, b = f32(T, H, K), f32(T, H, K), f32(T, H, K), f32(T, H)  # phase 1
-    aqk, ab, kb = f32(T, H, CHUNK), f32(T, H, CHUNK), f32(T, H, K)  # phase 2: Aqk, A band (T_II diagonal), KB
+    gc, b = f32(T, H, K), f32(T, H)  # phase 1
+    aqk, ab = f32(T, H, CHUNK), f32(T, H, CHUNK)  # phase 2: Aqk, the A band (T_II on its diagonal blocks) ...
+    kb, qg, kd = f32(T, H, K), f32(T, H, K), f32(T, H, K)  # ... and the walk's row operands KB, QG, KD
     o = torch.empty(T, H, K, dtype=v.dtype, device=dev)
     prep, intra, walk = _kda_chunk_launchers(cfg)
     seqs, starts = as_i32(chunk_seq), as_i32(chunk_start)
     stream = stream_of(q)
-    prep(q, k, g, beta, seqs, starts, cu, a_log, dt_bias, qn, kn, gc, b, NC, scale, **stream)
-    intra(qn, kn, gc, b, seqs, starts, cu, aqk, ab, kb, NC, **stream)
-    walk(qn, kn, gc, ab, kb, v, b, aqk, cu, as_i32(first), state, slots, has_init, o, inter, as_i32(imap), N,
+    prep(g, beta, seqs, starts, cu, a_log, dt_bias, gc, b, NC, **stream)
+    intra(q, k, gc, b, seqs, starts, cu, aqk, ab, kb, qg, kd, NC, scale, **stream)
+    walk(qg, kd, gc, ab, kb, v, b, aqk, cu, as_i32(first), state, slots, has_init, o, inter, as_i32(imap), N,
          **stream)
     if rows and source != list(range(len(rows))):
         inter[: len(rows)] = inter[torch.tensor(source, device=dev)]

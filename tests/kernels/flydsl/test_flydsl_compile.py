@@ -137,18 +137,18 @@ def _kda_chunk_case(phase: str, shape: str) -> Case:
     plan = (i32(NC), i32(NC), i32(N + 1))  # ChunkSeq, ChunkStart, CuSeq
     builds = {"prep": build_kda_chunk_prep, "intra": build_kda_chunk_intra, "state": build_kda_chunk_state}
     args = {
-        "prep": lambda: (z(T, H, HEAD), z(T, H, HEAD), f32(T, H, HEAD), z(T, H), *plan, f32(H), f32(H * HEAD),
-                         f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), NC, HEAD**-0.5),
-        "intra": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H), *plan,
-                          f32(T, H, 64), f32(T, H, 64), f32(T, H, HEAD), NC),
+        "prep": lambda: (f32(T, H, HEAD), z(T, H), *plan, f32(H), f32(H * HEAD), f32(T, H, HEAD), f32(T, H), NC),
+        "intra": lambda: (z(T, H, HEAD), z(T, H, HEAD), f32(T, H, HEAD), f32(T, H), *plan, f32(T, H, 64),
+                          f32(T, H, 64), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), NC, HEAD**-0.5),
         "state": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, 64), f32(T, H, HEAD),
                           z(T, H, HEAD), f32(T, H), f32(T, H, 64), i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD),
                           i32(N), i32(N), z(T, H, HEAD), f32(M, H, HEAD, HEAD), i32(NC), N),
     }[phase]
-    # budgets (arch VGPRs + AGPRs): prep ~31; intra 32 accumulators + 16 in-flight exps + the 16 solved rows of a
-    # diagonal-block column (177 on gfx942, 141 on gfx950); state: 32 state +
-    # 16 V' + 4 output accumulator registers plus the hoisted A-operand loads of a 48-MFMA row tile (~240)
-    budget = {"prep": 64, "intra": 192, "state": 256}[phase]
+    # budgets (arch VGPRs + AGPRs), measured 2026-12-05 (session 22's split): prep 15 (gate and sums only); intra
+    # 32 accumulators + 2 row sums + 16 in-flight exps + the 16 solved rows of a diagonal-block column (179 on
+    # gfx942, 141 on gfx950); state: 32 state + 16 V' + 4 output accumulator registers plus the hoisted A-operand
+    # loads of a 48-MFMA row tile (197 on both: no exps in the MFMA loops since QG / KD come from the intra kernel)
+    budget = {"prep": 32, "intra": 192, "state": 224}[phase]
     mfma = (lambda arch: "v_mfma_f32_16x16x4_f32") if phase == "state" else (lambda arch: None)
     return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget,
                 mfma=mfma)

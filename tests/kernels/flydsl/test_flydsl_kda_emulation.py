@@ -1,7 +1,8 @@
 """Host emulation of the chunked FlyDSL kda_prefill (unit tier, no compiler, no GPU).
 
 The FlyDSL kernels cannot run here, so their algorithm is checked in torch, step for step:
-- the three phases in matrix form (the kernels' fp32 formulas: exp of G differences, the diagonal blocks'
+- the three phases in matrix form (the kernels' fp32 formulas: exp of G differences, the row norms factored out
+  of the raw q, k pair sums, the walk's row operands QG / KD formed by the intra kernel, the diagonal blocks'
   inverses by row-by-row forward substitution, the walk's block substitution over 16-row tiles, masked chunk
   tails, chunk-end intermediate states) against the float64 token recurrence ``kda_prefill_naive`` — an
   independent formulation;
@@ -27,23 +28,30 @@ def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, p
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
     T, H, K = q.shape
-    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale  # phase 1
-    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    b = torch.sigmoid(beta)
+    b = torch.sigmoid(beta)  # phase 1: b and G only
     seq, start, first = kp.chunk_plan(bounds)
     ends = [min(bounds[s + 1], t0 + kp.CHUNK) for s, t0 in zip(seq, start)]
     gc = torch.empty_like(g)
     for t0, te in zip(start, ends):
         gc[t0:te] = torch.cumsum(g[t0:te], 0)
+    # phase 2 reads the raw q, k: the row factors k' = rk k, q' = rq q factor out of the pair sums
+    rk = 1.0 / torch.sqrt((k * k).sum(-1) + 1e-6)  # [T, H]
+    rq = scale / torch.sqrt((q * q).sum(-1) + 1e-6)
+    kn, qn = k * rk[..., None], q * rq[..., None]
     aqk, ab = torch.zeros(T, H, kp.CHUNK), torch.zeros(T, H, kp.CHUNK)
     kb = b[:, :, None] * torch.exp(gc) * kn  # [T, H, K]: the walk's right-hand side in W's place
+    qg, kd = qn * torch.exp(gc), torch.empty(T, H, K)  # the walk's row operands
     for t0, te in zip(start, ends):  # phase 2: pair matrices, the A band with the diagonal blocks inverted
         n = te - t0
+        kd[t0:te] = kn[t0:te] * torch.exp(gc[te - 1][None] - gc[t0:te])
         diff = gc[t0:te, None] - gc[None, t0:te]  # [i, j, H, K]: G_i - G_j
         lower = torch.ones(n, n).tril()[:, :, None, None].bool()
-        e = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0) * kn[None, t0:te]
-        a = torch.einsum("ihd,ijhd->hij", kn[t0:te], e) * b[t0:te].T[:, :, None] * torch.ones(n, n).tril(-1)
-        aqk[t0:te, :, :n] = torch.einsum("ihd,ijhd->ihj", qn[t0:te], e)
+        e = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0) * k[None, t0:te]  # raw k_j
+        rows, cols = rk[t0:te].T[:, :, None], rk[t0:te].T[:, None, :]  # [H, i, 1], [H, 1, j]
+        a = torch.einsum("ihd,ijhd->hij", k[t0:te], e) * b[t0:te].T[:, :, None] * rows * cols
+        a = a * torch.ones(n, n).tril(-1)
+        qk = torch.einsum("ihd,ijhd->hij", q[t0:te], e) * rq[t0:te].T[:, :, None] * cols
+        aqk[t0:te, :, :n] = qk.permute(1, 0, 2)
         ab[t0:te, :, :n] = a.permute(1, 0, 2)
         for i0 in range(0, n, kp.SUB):  # T_II = (I + A_II)^-1, row by row as the kernel's lanes solve it
             m = min(kp.SUB, n - i0)
@@ -67,15 +75,15 @@ def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, p
                 m = min(kp.SUB, n - i0)
                 x = rhs[i0:i0 + m] - torch.einsum("thj,jhv->thv", ab[t0 + i0:t0 + i0 + m, :, :i0], vp[:i0])
                 vp[i0:i0 + m] = torch.einsum("thj,jhv->thv", ab[t0 + i0:t0 + i0 + m, :, i0:i0 + m], x)
-            o[t0:te] = (torch.einsum("thk,hkv->thv", qn[t0:te] * torch.exp(gc[t0:te]), s)
+            o[t0:te] = (torch.einsum("thk,hkv->thv", qg[t0:te], s)
                         + torch.einsum("thj,jhv->thv", aqk[t0:te, :, :n], vp))
-            glast = gc[te - 1]  # [H, K]
-            kd = kn[t0:te] * torch.exp(glast[None] - gc[t0:te])
-            s = torch.exp(glast)[:, :, None] * s + torch.einsum("thk,thv->hkv", kd, vp)
+            s = torch.exp(gc[te - 1])[:, :, None] * s + torch.einsum("thk,thv->hkv", kd[t0:te], vp)
             if imap[c] >= 0:
                 inter[imap[c]] = s
         state[slots[i]] = s
-    mids = {"qn": qn, "kn": kn, "gc": gc, "ab": ab, "kb": kb, "v": v, "b": b, "aqk": aqk}  # what phase 3 reads
+    # what phases 2 and 3 read
+    mids = {"q": q, "k": k, "scale": scale, "qg": qg, "kd": kd, "gc": gc, "ab": ab, "kb": kb, "v": v, "b": b,
+            "aqk": aqk}
     return o, (inter[source] if positions else inter), mids
 
 
@@ -123,7 +131,7 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
     the MFMA emulated per lane."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    qn, kn, gc, ab, kb, v, b, aqk = (mids[x] for x in ("qn", "kn", "gc", "ab", "kb", "v", "b", "aqk"))
+    qg, kd, gc, ab, kb, v, b, aqk = (mids[x] for x in ("qg", "kd", "gc", "ab", "kb", "v", "b", "aqk"))
     lane = torch.arange(64)
     q, a_row = lane // 16, lane % 16
     col = vt * kp.STATE_BV + a_row
@@ -143,7 +151,7 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
             for s in range(K // 4):
                 k, bf = krow(s, q), s_frag[s // 4][:, s % 4]
                 acc = _mfma_16x16x4(acc, kb[src, h, k], bf)
-                acc_o = _mfma_16x16x4(acc_o, qn[src, h, k] * torch.exp(gc[src, h, k]), bf)
+                acc_o = _mfma_16x16x4(acc_o, qg[src, h, k], bf)
             for s in range(r * 4):  # the earlier tiles' V' rows, read back from LDS
                 j = krow(s, q)
                 acc = _mfma_16x16x4(acc, ab[src, h, j], svp[j, a_row])
@@ -173,8 +181,7 @@ def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K,
             st[m] = s_frag[m] * torch.exp(torch.stack([gc[t_last, h, krow(4 * m + i, q)] for i in range(4)], 1))
             for s in range(kp.CHUNK // 4):
                 t = (t0 + krow(s, q)).clamp(max=t_last)
-                kd = kn[t, h, key] * torch.exp(gc[t_last, h, key] - gc[t, h, key])
-                st[m] = _mfma_16x16x4(st[m], kd, vp[s])
+                st[m] = _mfma_16x16x4(st[m], kd[t, h, key], vp[s])
         if imap[ci] >= 0:
             for m, i in itertools.product(range(K // 16), range(4)):
                 inter[imap[ci], h, krow(4 * m + i, q), col] = st[m][:, i]
@@ -210,22 +217,27 @@ def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
 
 
 def _emulate_intra_writes(mids, bounds, H, K):
-    """kda_chunk_intra's global writes lane by lane (which lane writes which Aqk, A band and KB entry; the pair sums
-    in matrix form from the chunk's rows clamped to its last one, as the kernel stages them) into NaN-filled
-    outputs: an entry the walk reads but no lane writes stays NaN."""
+    """kda_chunk_intra's global writes lane by lane (which lane writes which Aqk, A band, KB, QG and KD entry; the
+    pair sums of the raw q, k and the row factors in matrix form from the chunk's rows clamped to its last one, as
+    the kernel stages them; the factors through the [2, 64] LDS table) into NaN-filled outputs: an entry the walk
+    reads but no lane writes stays NaN."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    qn, kn, gc, b = (mids[x] for x in ("qn", "kn", "gc", "b"))
-    T = qn.shape[0]
-    aqk, ab, kb = (torch.full((T, H, n), float("nan")) for n in (kp.CHUNK, kp.CHUNK, K))
+    q, k, gc, b, scale = (mids[x] for x in ("q", "k", "gc", "b", "scale"))
+    T = q.shape[0]
+    aqk, ab = (torch.full((T, H, kp.CHUNK), float("nan")) for _ in range(2))
+    kb, qg, kd = (torch.full((T, H, K), float("nan")) for _ in range(3))
     seq, start, _ = kp.chunk_plan(bounds)
     I, J = torch.arange(kp.CHUNK)[:, None], torch.arange(kp.CHUNK)[None, :]
     for (sq, t0), h in itertools.product(zip(seq, start), range(H)):
         t_end = min(bounds[sq + 1], t0 + kp.CHUNK)
         rows = (t0 + torch.arange(kp.CHUNK)).clamp(max=t_end - 1)
-        e = torch.exp(gc[rows, h][:, None] - gc[rows, h][None]) * kn[rows, h][None]  # [i, j, K]; j > i may be inf
-        sa = torch.where(J < I, (kn[rows, h][:, None] * e).sum(-1) * b[rows, h][:, None], 0.0)  # the LDS A
-        qk = torch.where(J <= I, (qn[rows, h][:, None] * e).sum(-1), 0.0)
+        kr, qr, gr = k[rows, h], q[rows, h], gc[rows, h]  # the staged slabs [64, K]
+        srn = torch.cat([1.0 / torch.sqrt((kr * kr).sum(-1) + 1e-6), scale / torch.sqrt((qr * qr).sum(-1) + 1e-6)])
+        e = torch.exp(gr[:, None] - gr[None]) * kr[None]  # [i, j, K]; j > i may be inf
+        rk_i, rq_i, rk_j = srn[:kp.CHUNK, None], srn[kp.CHUNK:, None], srn[None, :kp.CHUNK]
+        sa = torch.where(J < I, (kr[:, None] * e).sum(-1) * (b[rows, h][:, None] * rk_i) * rk_j, 0.0)  # the LDS A
+        qk = torch.where(J <= I, (qr[:, None] * e).sum(-1) * rq_i * rk_j, 0.0)
         for tid in range(kp.LANES):  # pair lanes: Aqk, and the A band off the diagonal blocks
             i, j0 = kp.intra_pair(tid, 0)
             if t0 + i < t_end:
@@ -241,11 +253,16 @@ def _emulate_intra_writes(mids, bounds, H, K):
                 t.append(float(c == r) - sum((sa[base + r, base + jj] * t[jj] for jj in range(r)), torch.tensor(0.0)))
                 if t0 + base + r < t_end:
                     ab[t0 + base + r, h, base + c] = t[r]
-        for tid, el in itertools.product(range(kp.LANES), range(kp.CHUNK * K // kp.LANES)):  # KB
+        for tid, el in itertools.product(range(kp.LANES), range(kp.CHUNK * K // kp.LANES)):  # KB, QG, KD
             row, d = divmod(tid + el * kp.LANES, K)
             if t0 + row < t_end:
-                kb[t0 + row, h, d] = kn[t0 + row, h, d] * torch.exp(gc[t0 + row, h, d]) * b[t0 + row, h]
-    return aqk, ab, kb
+                st = t0 + row
+                kk = k[st, h, d] * srn[row]
+                eg = torch.exp(gc[st, h, d])
+                kb[st, h, d] = kk * eg * b[st, h]
+                qg[st, h, d] = q[st, h, d] * srn[kp.CHUNK + row] * eg
+                kd[st, h, d] = kk * torch.exp(gc[t_end - 1, h, d] - gc[st, h, d])
+    return {"aqk": aqk, "ab": ab, "kb": kb, "qg": qg, "kd": kd}
 
 
 @pytest.mark.parametrize("lens,gscale", [([1, 17, 33], 0.5), ([64, 65], 0.5), ([40], 30.0)],
@@ -269,13 +286,13 @@ def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: floa
     st_mat, st_frag = state.clone(), state.clone()
     o_mat, inter_mat, mids = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_mat, slots,
                                                       torch.tensor(has_init), save, K**-0.5)
-    aqk, ab, kb = _emulate_intra_writes(mids, bounds, H, K)
-    for name, got, key in (("Aqk", aqk, "aqk"), ("A band", ab, "ab"), ("KB", kb, "kb")):
-        assert_rel(got, mids[key], 1e-6, name)  # NaN (an entry no lane writes) fails
+    writes = _emulate_intra_writes(mids, bounds, H, K)
+    for key, got in writes.items():
+        assert_rel(got, mids[key], 1e-6, key)  # NaN (an entry no lane writes) fails
     _, _, first = kp.chunk_plan(bounds)
     imap, _ = kp.inter_map(first, save, first[-1])
     o_frag, inter_frag = torch.full((T, H, K), float("nan")), torch.full((len(save), H, K, K), float("nan"))
-    lanes = dict(mids, aqk=aqk, ab=ab, kb=kb)
+    lanes = dict(mids, **writes)
     for n, vt in itertools.product(range(N), range(K // kp.STATE_BV)):
         _emulate_state_wave(lanes, bounds, first, st_frag, slots[n], has_init[n], n, 0, vt, K, o_frag, inter_frag,
                             imap)
