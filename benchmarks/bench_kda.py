@@ -243,7 +243,8 @@ PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAUL
                     ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}),
                     ("gate-only prep BK 128, 4 warps", {"PREP_BK": 128, "PHASE_WARPS": {"prep_split": 4}}),
                     ("intra 2 warps", {"PHASE_WARPS": {"intra": 2}}),
-                    ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}))
+                    ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}),
+                    ("solving walk BV 32, 2 warps", {"state_tile": lambda n, v: (min(32, v), 2)}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
