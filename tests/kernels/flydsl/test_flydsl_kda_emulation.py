@@ -22,7 +22,7 @@ from rocm_k3.flydsl_kernels import plans
 from tests.helpers import assert_rel, seeded
 
 
-def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale):
+def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale, l2norm=True):
     """The chunked FlyDSL prefill's phases in torch fp32, step for step (the diagonal inverses row by row, the
     walk's block substitution, exp of fp32 differences, masked tails); logdecay gate, l2 norm, beta logits."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
@@ -35,8 +35,8 @@ def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, p
     for t0, te in zip(start, ends):
         gc[t0:te] = torch.cumsum(g[t0:te], 0)
     # phase 2 reads the raw q, k: the row factors k' = rk k, q' = rq q factor out of the pair sums
-    rk = 1.0 / torch.sqrt((k * k).sum(-1) + 1e-6)  # [T, H]
-    rq = scale / torch.sqrt((q * q).sum(-1) + 1e-6)
+    rk = 1.0 / torch.sqrt((k * k).sum(-1) + 1e-6) if l2norm else torch.ones(T, H)  # [T, H]
+    rq = scale / torch.sqrt((q * q).sum(-1) + 1e-6) if l2norm else torch.full((T, H), scale)
     kn, qn = k * rk[..., None], q * rq[..., None]
     aqk, ab = torch.zeros(T, H, kp.CHUNK), torch.zeros(T, H, kp.CHUNK)
     kb = b[:, :, None] * torch.exp(gc) * kn  # [T, H, K]: the walk's right-hand side in W's place
@@ -82,15 +82,18 @@ def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, p
                 inter[imap[c]] = s
         state[slots[i]] = s
     # what phases 2 and 3 read
-    mids = {"q": q, "k": k, "scale": scale, "qg": qg, "kd": kd, "gc": gc, "ab": ab, "kb": kb, "v": v, "b": b,
-            "aqk": aqk}
+    mids = {"q": q, "k": k, "scale": scale, "l2norm": l2norm, "qg": qg, "kd": kd, "gc": gc, "ab": ab, "kb": kb,
+            "v": v, "b": b, "aqk": aqk}
     return o, (inter[source] if positions else inter), mids
 
 
-@pytest.mark.parametrize("lens,save", [([5, 64, 0, 130], [(1, 64), (3, 128), (0, 5), (3, 130), (1, 64)]),
-                                       ([200], [(0, 192)])], ids=["4seq-save-dup", "1seq-T200"])
-def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save: list[tuple[int, int]]) -> None:
-    """The phase decomposition the chunked kernels implement (host emulation) against the float64 recurrence."""
+@pytest.mark.parametrize("lens,save,l2norm", [([5, 64, 0, 130], [(1, 64), (3, 128), (0, 5), (3, 130), (1, 64)], True),
+                                              ([200], [(0, 192)], True), ([70, 5], [(0, 64)], False)],
+                         ids=["4seq-save-dup", "1seq-T200", "no-l2norm"])
+def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save: list[tuple[int, int]],
+                                                          l2norm: bool) -> None:
+    """The phase decomposition the chunked kernels implement (host emulation) against the float64 recurrence
+    (without the L2 norm, small q and k keep the delta rule stable)."""
     from rocm_k3.ops.kda.naive import kda_prefill_naive
 
     H, K = 2, 32
@@ -98,6 +101,8 @@ def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save:
     T, N = bounds[-1], len(lens)
     gen = seeded(50)
     q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    if not l2norm:
+        q, k = q * 0.15, k * 0.15
     g = -torch.rand(T, H, K, generator=gen) * 0.5
     beta = torch.randn(T, H, generator=gen)
     state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
@@ -105,9 +110,9 @@ def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save:
     has_init = [i % 2 == 0 for i in range(N)]
     st_emu, st_ref = state.clone(), state.clone()
     o, inter, _ = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_emu, slots, torch.tensor(has_init), save,
-                                        K**-0.5)
+                                        K**-0.5, l2norm)
     ref = kda_prefill_naive(q, k, v, g, beta, torch.tensor(bounds, dtype=torch.int32), st_ref,
-                            torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init),
+                            torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init), qk_l2norm=l2norm,
                             intermediate_positions=torch.tensor(save, dtype=torch.int32))
     assert_rel(o, ref.o.float(), 1e-4, "o")
     assert_rel(st_emu, st_ref, 1e-4, "final states")
@@ -223,7 +228,7 @@ def _emulate_intra_writes(mids, bounds, H, K):
     reads but no lane writes stays NaN."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    q, k, gc, b, scale = (mids[x] for x in ("q", "k", "gc", "b", "scale"))
+    q, k, gc, b, scale, l2norm = (mids[x] for x in ("q", "k", "gc", "b", "scale", "l2norm"))
     T = q.shape[0]
     aqk, ab = (torch.full((T, H, kp.CHUNK), float("nan")) for _ in range(2))
     kb, qg, kd = (torch.full((T, H, K), float("nan")) for _ in range(3))
@@ -233,7 +238,10 @@ def _emulate_intra_writes(mids, bounds, H, K):
         t_end = min(bounds[sq + 1], t0 + kp.CHUNK)
         rows = (t0 + torch.arange(kp.CHUNK)).clamp(max=t_end - 1)
         kr, qr, gr = k[rows, h], q[rows, h], gc[rows, h]  # the staged slabs [64, K]
-        srn = torch.cat([1.0 / torch.sqrt((kr * kr).sum(-1) + 1e-6), scale / torch.sqrt((qr * qr).sum(-1) + 1e-6)])
+        if l2norm:
+            srn = torch.cat([1.0 / torch.sqrt((kr * kr).sum(-1) + 1e-6), scale / torch.sqrt((qr * qr).sum(-1) + 1e-6)])
+        else:
+            srn = torch.cat([torch.ones(kp.CHUNK), torch.full((kp.CHUNK,), scale)])
         e = torch.exp(gr[:, None] - gr[None]) * kr[None]  # [i, j, K]; j > i may be inf
         rk_i, rq_i, rk_j = srn[:kp.CHUNK, None], srn[kp.CHUNK:, None], srn[None, :kp.CHUNK]
         sa = torch.where(J < I, (kr[:, None] * e).sum(-1) * (b[rows, h][:, None] * rk_i) * rk_j, 0.0)  # the LDS A
@@ -265,9 +273,10 @@ def _emulate_intra_writes(mids, bounds, H, K):
     return {"aqk": aqk, "ab": ab, "kb": kb, "qg": qg, "kd": kd}
 
 
-@pytest.mark.parametrize("lens,gscale", [([1, 17, 33], 0.5), ([64, 65], 0.5), ([40], 30.0)],
-                         ids=["short-tails", "full-and-one", "strong-decay"])
-def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: float) -> None:
+@pytest.mark.parametrize("lens,gscale,l2norm", [([1, 17, 33], 0.5, True), ([64, 65], 0.5, True),
+                                                ([40], 30.0, True), ([17, 64], 0.5, False)],
+                         ids=["short-tails", "full-and-one", "strong-decay", "no-l2norm"])
+def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: float, l2norm: bool) -> None:
     """kda_chunk_intra's per-lane writes (NaN where no lane writes) equal the matrix form, and fed to the state
     kernel's fragment walk give the matrix form's o and states: partial chunks (1, 17, 33 rows), a chunk of one row
     after a full one, and decays strong enough that the discarded exp(G_i - G_j), j > i, overflow."""
@@ -278,6 +287,8 @@ def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: floa
     T, N = bounds[-1], len(lens)
     gen = seeded(52)
     q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    if not l2norm:  # small q and k keep the unnormalised delta rule (and T_II) well conditioned
+        q, k = q * 0.15, k * 0.15
     g = -torch.rand(T, H, K, generator=gen) * gscale
     beta = torch.randn(T, H, generator=gen)
     state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
@@ -285,7 +296,7 @@ def test_kda_chunk_intra_lane_writes_feed_the_walk(lens: list[int], gscale: floa
     save = [(i, n) for i, n in enumerate(lens)]
     st_mat, st_frag = state.clone(), state.clone()
     o_mat, inter_mat, mids = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_mat, slots,
-                                                      torch.tensor(has_init), save, K**-0.5)
+                                                      torch.tensor(has_init), save, K**-0.5, l2norm)
     writes = _emulate_intra_writes(mids, bounds, H, K)
     for key, got in writes.items():
         assert_rel(got, mids[key], 1e-6, key)  # NaN (an entry no lane writes) fails

@@ -209,6 +209,31 @@ def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, in
         assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
 
 
+
+@pytest.mark.parametrize("lens,save", [([9, 70], [(1, 64)]), ([9, 70], [(1, 5)])], ids=["chunked", "recurrent"])
+def test_kda_prefill_without_norms_or_beta_logits(lens: list[int], save: list[tuple[int, int]]) -> None:
+    """qk_l2norm and beta_logits off (the intra kernel's row factors are then 1 and the scale; b is read as is):
+    small q, k keep the unnormalised delta rule stable."""
+    from rocm_k3.ops.kda import kda_prefill
+
+    H, K = 4, 128
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32).to(DEV)
+    q, k, v = rnd(T, H, K, seed=40, scale=0.05), rnd(T, H, K, seed=41, scale=0.05), rnd(T, H, K, seed=42)
+    g = -torch.rand(T, H, K, generator=seeded(43)).to(DEV) * 0.5
+    beta = torch.rand(T, H, generator=seeded(44)).to(DEV, torch.bfloat16)
+    state = rnd(N + 1, H, K, K, dtype=torch.float32, seed=45, scale=0.1)
+    slots = torch.arange(N, dtype=torch.int32, device=DEV) + 1
+    has_init = torch.tensor([True, False], device=DEV)
+    pos = torch.tensor(save, dtype=torch.int32, device=DEV)
+    st_ref = state.clone()
+    kw = dict(qk_l2norm=False, beta_logits=False, intermediate_positions=pos)
+    out = kda_prefill(q, k, v, g, beta, cu, state, slots, has_init, backend="flydsl", **kw)
+    ref = kda_prefill(q, k, v, g, beta, cu, st_ref, slots, has_init, backend="reference", **kw)
+    assert_rel(out.o, ref.o, 1e-2, "o")
+    assert_rel(state, st_ref, 1e-4, "final states")
+    assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
+
 MOE = [(1, 4, 8), (37, 4, 8), (129, 8, 16)]
 
 
