@@ -244,7 +244,10 @@ PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAUL
                     ("gate-only prep BK 128, 4 warps", {"PREP_BK": 128, "PHASE_WARPS": {"prep_split": 4}}),
                     ("intra 2 warps", {"PHASE_WARPS": {"intra": 2}}),
                     ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}),
-                    ("solving walk BV 32, 2 warps", {"state_tile": lambda n, v: (min(32, v), 2)}))
+                    ("solving walk BV 32, 2 warps", {"state_tile": lambda n, v: (min(32, v), 2)}),
+                    ("sliced prep+intra BK 32, 4 warps", {"SLICED_PREP_INTRA": True}),
+                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "SLICED_BK": 16,
+                                                          "PHASE_WARPS": {"sliced": 8}}))
 
 
 def _kernel_ms(prof, calls: int) -> float:

@@ -33,6 +33,7 @@ from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
+from rocm_k3.triton_kernels.kda.chunk_sliced import chunk_sliced_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
@@ -44,7 +45,7 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1}
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "sliced": 4}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -114,6 +115,12 @@ NORMS_IN_INTRA = True
 # dots are fp32). On: H100 2026-12-05 (session 21): 1.251 / 4.973 ms at T = 4k / 16k alone against 1.297 / 5.136; with
 # NORMS_IN_INTRA 1.084 / 4.333 against 1.106 / 4.360 (the walk's sm_90 build spills 128 B at 255 registers with it).
 BAND_IN_DOT_DTYPE = True
+# With SOLVE_IN_WALK, phases 1 and 2 in one launch (chunk_sliced): one program per (chunk, head) walks K in SLICED_BK
+# column slices, gating, summing and accumulating the pair blocks per slice, so G never goes through memory and every
+# element is gated once (~1.8 KB of HBM traffic per token and head at K = 128 in bf16 instead of ~2.8 for chunk_prep +
+# chunk_intra). Same outputs as the two launches (NORMS_IN_INTRA's formulas); off until timed (session 22).
+SLICED_PREP_INTRA = False
+SLICED_BK = 32
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -295,6 +302,15 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         return torch.empty(*shape, dtype=dtype, device=q.device)
 
     b = buf(T, H, dtype=torch.float32)
+    if SLICED_PREP_INTRA and solve_in:  # phases 1 and 2 in one launch (chunk_sliced)
+        a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
+        kb = buf(T, H, K)
+        chunk_sliced_kernel[(plan.num_chunks, H)](
+            q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, b, glast, a, aqk, kb, qg, kd,
+            scale, lower, q.stride(0), k.stride(0), H=H, K=K, BK=min(SLICED_BK, K), DOT_T=dot_t, PREC=prec, **flags,
+            INVERT_PRODUCTS=invert_by_products(dot_t), num_warps=PHASE_WARPS["sliced"],
+        )
+        return a, kb, b
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
     write_kb = SOLVE_KB or solve_in
     norms_in = NORMS_IN_INTRA and write_kb  # nothing else reads k' then

@@ -194,7 +194,8 @@ _PREFILL_CASES = [
 # BAND_IN_DOT_DTYPE (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda
 # tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False)  # the four launches, every option named (off)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, SLICED_PREP_INTRA=False)  # the four launches, every
+# option named (off)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -206,6 +207,9 @@ _PATHS = {
     "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
+    # prefill.SLICED_PREP_INTRA: the lean path's phases 1 and 2 in one launch (chunk_sliced)
+    "2-launch-sliced": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
+                        "BAND_IN_DOT_DTYPE": True, "SLICED_PREP_INTRA": True},
 }
 
 
@@ -530,9 +534,9 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
+def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = True) -> dict:
     """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None;
-    q/k L2 norm; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last -
+    q/k L2 norm unless l2norm is false; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last -
     G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A strictly lower times
     b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64 difference."""
     T, H, K = q.shape
@@ -540,7 +544,8 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float) -> dict:
     if params is not None:
         x = g + params.dt_bias.double().view(H, K)
         g = params.lower_bound * torch.sigmoid(params.A_log.double().exp().view(H, 1) * x)
-    qn, kn = ref.l2norm(q.double()) * scale, ref.l2norm(k.double())
+    qn, kn = (ref.l2norm(q.double()), ref.l2norm(k.double())) if l2norm else (q.double(), k.double())
+    qn = qn * scale
     b = torch.sigmoid(beta.double())
     out = {name: torch.zeros(T, H, K, dtype=torch.float64) for name in ("QG", "KD", "KB")}
     out["A"], out["Aqk"] = torch.zeros(T, H, 64, dtype=torch.float64), torch.zeros(T, H, 64, dtype=torch.float64)
@@ -641,6 +646,60 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
             if r0 < r1:
                 assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
 
+
+
+@pytest.mark.interpret
+@needs_interp
+@pytest.mark.parametrize("gate,dtype,tol,bk,l2norm", [
+    ("safe", torch.float32, 2e-5, 16, True), ("mild", torch.float32, 1e-5, 32, True),
+    ("mild", torch.float16, 1e-3, 16, True), ("mild", torch.float32, 1e-5, 16, False)],
+    ids=["safe-fp32-2-slices", "mild-fp32-1-slice", "mild-fp16-2-slices", "mild-fp32-no-l2norm"])
+def test_chunk_sliced_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, bk: int, l2norm: bool) -> None:
+    """chunk_sliced (prefill.SLICED_PREP_INTRA: phases 1 and 2 in one program per (chunk, head), K in BK-column
+    slices) tensor by tensor against the fp64 twin (_prep_intra_oracle, the A band's diagonal blocks inverted): b, GL,
+    A, Aqk, and QG, KD, KB per 16-row block, on a varlen batch with short chunks and strided q, k (column slices of
+    one NaN-padded tensor); every output starts as NaN, so an element not written fails. Gates and tolerances as
+    test_chunk_prep_and_intra_outputs_interpret's; "no-l2norm": q, k unnormalised (small), the row factors 1 and the
+    scale."""
+    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
+    from rocm_k3.triton_kernels.kda.chunk_sliced import chunk_sliced_kernel
+    from rocm_k3.triton_kernels.kda.common import plan_chunks
+    from tests.helpers import poisoned_like
+
+    gen = seeded(10)
+    lengths = [37, 64, 49, 5, 70]
+    q0, k0, _, f, beta, cu, params = _prefill_inputs(lengths, dtype, -5.0 if gate == "safe" else "raw", l2norm, True,
+                                                     gen)
+    T, H, D = q0.shape
+    if gate == "mild":
+        f = f * 0.04  # raw log-decay in (-0.2, 0)
+    qk = torch.full((T, 2 * H * D + 8), float("nan"), dtype=dtype)
+    qk[:, : H * D], qk[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)
+    q, k = (part.reshape(T, H, D) for part in qk[:, : 2 * H * D].split(H * D, dim=-1))
+    plan = plan_chunks(cu)
+    dot_t, prec = tri_prefill.dot_config(dtype)
+    want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5, l2norm)
+    want["A"] = _invert_band_diagonal(want["A"], cu)
+    shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
+              "GL": (plan.num_chunks, H, D)}
+    fp32 = ("A", "b", "GL")
+    got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
+           for name, shape in shapes.items()}
+    a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
+    chunk_sliced_kernel[(plan.num_chunks, H)](
+        q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["b"], got["GL"], got["A"],
+        got["Aqk"], got["KB"], got["QG"], got["KD"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D, BK=bk,
+        DOT_T=dot_t, PREC=prec, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=l2norm,
+        BETA_LOGITS=True, INVERT_PRODUCTS=True)
+    for name in ("A", "Aqk", "b", "GL"):
+        assert_rel(got[name], want[name], tol, name)
+    bounds = cu.tolist()
+    blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
+              for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()) for i in range(4)]
+    for name in ("QG", "KD", "KB"):
+        for r0, r1 in blocks:
+            if r0 < r1:
+                assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
 
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_kernel_signatures_match_the_contract(op: str) -> None:
