@@ -7,7 +7,8 @@
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band).
+``PREP_COMPARE`` (session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band;
+session 22's ``SLICED_PREP_INTRA``, phases 1 and 2 in one launch).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -245,9 +246,10 @@ PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAUL
                     ("intra 2 warps", {"PHASE_WARPS": {"intra": 2}}),
                     ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}),
                     ("solving walk BV 32, 2 warps", {"state_tile": lambda n, v: (min(32, v), 2)}),
-                    ("sliced prep+intra BK 32, 4 warps", {"SLICED_PREP_INTRA": True}),
-                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "SLICED_BK": 16,
-                                                          "PHASE_WARPS": {"sliced": 8}}))
+                    ("sliced prep+intra (BK 16, 4 warps)", {"SLICED_PREP_INTRA": True}),
+                    ("sliced prep+intra BK 32, 8 warps", {"SLICED_PREP_INTRA": True, "SLICED_BK": 32,
+                                                          "PHASE_WARPS": {"sliced": 8}}),
+                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "PHASE_WARPS": {"sliced": 8}}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -376,7 +378,7 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
 # ... and --prep-compare's: session 19's default (the prep normalising q, k, the A band in fp32) against today's, also
 # while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
 # four launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT),)
+PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT), ("ms_sliced", {"SLICED_PREP_INTRA": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

@@ -535,10 +535,11 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = True) -> dict:
-    """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None;
-    q/k L2 norm unless l2norm is false; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G), KD = k' exp(G_last -
-    G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A strictly lower times
-    b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64 difference."""
+    """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None; q/k
+    L2 norm unless l2norm is false; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G),
+    KD = k' exp(G_last - G), KB = b exp(G) k', GL = exp(G_last) [NC, H, K], and the row bands A / Aqk [T, H, 64] (A
+    strictly lower times b, Aqk lower, zeros above), each decay factor exp(G_i - G_j) taken from the fp64
+    difference."""
     T, H, K = q.shape
     g = f.double()
     if params is not None:
@@ -774,7 +775,9 @@ _KDA_KERNELS = ("kda_gate", "short_conv", "conv_history", "conv_state", "short_c
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
-                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16")
+                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
+                # prefill.SLICED_PREP_INTRA: phases 1 and 2 in one launch
+                "chunk_sliced")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -786,11 +789,13 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
+        "chunk_sliced": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
-# normalising the raw q, k itself): a spill there is a regression.
-_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms")
+# normalising the raw q, k itself; chunk_sliced at SLICED_BK 16, 4 warps: 168 sm_90 registers): a spill there is a
+# regression.
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms", "chunk_sliced")
 
 
 @pytest.fixture(scope="module")
