@@ -572,6 +572,35 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = T
     return out
 
 
+def _strided_prep_inputs(gate: str, dtype: torch.dtype, l2norm: bool, gen: torch.Generator) -> tuple:
+    """(q0, k0 contiguous; q, k the same values as column slices of one NaN-padded [T, 2 H D + 8] tensor; f, beta, cu,
+    params) of the prep / intra output tests: lengths 37, 64, 49, 5, 70; "safe": K3's safe gate, "mild": a raw
+    log-decay in (-0.2, 0)."""
+    q0, k0, _, f, beta, cu, params = _prefill_inputs([37, 64, 49, 5, 70], dtype, -5.0 if gate == "safe" else "raw",
+                                                     l2norm, True, gen)
+    T, H, D = q0.shape
+    if gate == "mild":
+        f = f * 0.04
+    qk = torch.full((T, 2 * H * D + 8), float("nan"), dtype=dtype)
+    qk[:, : H * D], qk[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)
+    q, k = (part.reshape(T, H, D) for part in qk[:, : 2 * H * D].split(H * D, dim=-1))
+    return q0, k0, q, k, f, beta, cu, params
+
+
+def _check_prep_outputs(got: dict, want: dict, cu: torch.Tensor, plan, tol: float, names: tuple) -> None:
+    """``names`` whole, then QG, KD and KB per 16-row block of each chunk (a later block's values can be ~exp(-40) of
+    the first's under the safe gate)."""
+    for name in names:
+        assert_rel(got[name], want[name], tol, name)
+    bounds = cu.tolist()
+    blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
+              for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()) for i in range(4)]
+    for name in ("QG", "KD", "KB"):
+        for r0, r1 in blocks:
+            if r0 < r1:
+                assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
+
+
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
@@ -601,16 +630,8 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     from rocm_k3.triton_kernels.kda.common import plan_chunks
     from tests.helpers import poisoned_like
 
-    gen = seeded(9)
-    lengths = [37, 64, 49, 5, 70]
-    q0, k0, _, f, beta, cu, params = _prefill_inputs(lengths, dtype, -5.0 if gate == "safe" else "raw", True, True,
-                                                     gen)
+    q0, k0, q, k, f, beta, cu, params = _strided_prep_inputs(gate, dtype, True, seeded(9))
     T, H, D = q0.shape
-    if gate == "mild":
-        f = f * 0.04  # raw log-decay in (-0.2, 0)
-    qk = torch.full((T, 2 * H * D + 8), float("nan"), dtype=dtype)
-    qk[:, : H * D], qk[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)
-    q, k = (part.reshape(T, H, D) for part in qk[:, : 2 * H * D].split(H * D, dim=-1))
     plan = plan_chunks(cu)
     dot_t, prec = tri_prefill.dot_config(dtype)
     want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5)
@@ -637,15 +658,7 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
         INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw, QK_NORM=True)
     if raw:
         assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
-    for name in ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")):
-        assert_rel(got[name], want[name], tol, name)
-    bounds = cu.tolist()
-    blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
-              for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()) for i in range(4)]
-    for name in ("QG", "KD", "KB"):
-        for r0, r1 in blocks:
-            if r0 < r1:
-                assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
+    _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")))
 
 
 
@@ -667,16 +680,8 @@ def test_chunk_sliced_outputs_interpret(gate: str, dtype: torch.dtype, tol: floa
     from rocm_k3.triton_kernels.kda.common import plan_chunks
     from tests.helpers import poisoned_like
 
-    gen = seeded(10)
-    lengths = [37, 64, 49, 5, 70]
-    q0, k0, _, f, beta, cu, params = _prefill_inputs(lengths, dtype, -5.0 if gate == "safe" else "raw", l2norm, True,
-                                                     gen)
+    q0, k0, q, k, f, beta, cu, params = _strided_prep_inputs(gate, dtype, l2norm, seeded(10))
     T, H, D = q0.shape
-    if gate == "mild":
-        f = f * 0.04  # raw log-decay in (-0.2, 0)
-    qk = torch.full((T, 2 * H * D + 8), float("nan"), dtype=dtype)
-    qk[:, : H * D], qk[:, H * D: 2 * H * D] = q0.reshape(T, H * D), k0.reshape(T, H * D)
-    q, k = (part.reshape(T, H, D) for part in qk[:, : 2 * H * D].split(H * D, dim=-1))
     plan = plan_chunks(cu)
     dot_t, prec = tri_prefill.dot_config(dtype)
     want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5, l2norm)
@@ -692,15 +697,7 @@ def test_chunk_sliced_outputs_interpret(gate: str, dtype: torch.dtype, tol: floa
         got["Aqk"], got["KB"], got["QG"], got["KD"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D, BK=bk,
         DOT_T=dot_t, PREC=prec, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=l2norm,
         BETA_LOGITS=True, INVERT_PRODUCTS=True)
-    for name in ("A", "Aqk", "b", "GL"):
-        assert_rel(got[name], want[name], tol, name)
-    bounds = cu.tolist()
-    blocks = [(t0 + 16 * i, min(t0 + 16 * i + 16, bounds[s + 1]))
-              for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()) for i in range(4)]
-    for name in ("QG", "KD", "KB"):
-        for r0, r1 in blocks:
-            if r0 < r1:
-                assert_rel(got[name][r0:r1], want[name][r0:r1], tol, f"{name} rows {r0}..{r1 - 1}")
+    _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL"))
 
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_kernel_signatures_match_the_contract(op: str) -> None:
