@@ -310,7 +310,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         chunk_sliced_kernel[(plan.num_chunks, H)](
             q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, b, glast, a, aqk, kb, qg, kd,
             scale, lower, q.stride(0), k.stride(0), H=H, K=K, BK=min(SLICED_BK, K), DOT_T=dot_t, PREC=prec, **flags,
-            INVERT_PRODUCTS=invert_by_products(dot_t), num_warps=PHASE_WARPS["sliced"],
+            INVERT_PRODUCTS=invert_by_products(dot_t), num_warps=PHASE_WARPS["sliced"], num_stages=2,
         )
         return a, kb, b
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
