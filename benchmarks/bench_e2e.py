@@ -339,10 +339,10 @@ def run_prefill(path: Path, args) -> None:
           f"tokens per step: {seconds * 1e3:.0f} ms, {rate:,.0f} prompt tokens/s")
     print("FLOPs per prompt token (every matmul): " + ", ".join(f"{k} {v / 1e9:.3f} G" for k, v in flops.items())
           + f"; total {per_token / 1e9:.3f} GFLOP")
-    print(f"achieved {achieved / 1e12:.0f} TFLOP/s = {100 * achieved / ROOFLINE:.1f} % of the {ROOFLINE / 1e12:.0f} "
-          f"TFLOP/s roofline (H200 bf16) = {100 * achieved / PEAK:.1f} % of {PEAK / 1e12:.0f} TFLOP/s (H200 dense bf16, "
-          f"spec) = {100 * achieved / 1e12 / matmul:.1f} % of the measured bf16 matmul ({matmul:.0f} TFLOP/s)",
-          flush=True)
+    print(f"achieved {achieved / 1e12:.0f} TFLOP/s = {100 * achieved / ROOFLINE:.1f} % of the "
+          f"{ROOFLINE / 1e12:.0f} TFLOP/s roofline (H200 bf16) = {100 * achieved / PEAK:.1f} % of "
+          f"{PEAK / 1e12:.0f} TFLOP/s (H200 dense bf16, spec) = {100 * achieved / 1e12 / matmul:.1f} % of the "
+          f"measured bf16 matmul ({matmul:.0f} TFLOP/s)", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

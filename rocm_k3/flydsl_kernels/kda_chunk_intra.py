@@ -1,30 +1,36 @@
-"""Phase 2 of the chunked FlyDSL KDA prefill: in-chunk pair matrices, the diagonal blocks' inverses and the
-solve's right-hand side KB, one workgroup per (chunk, head).
+"""Phase 2 of the chunked FlyDSL KDA prefill: in-chunk pair matrices, the diagonal blocks' inverses and the walk's
+row operands KB, QG, KD, one workgroup per (chunk, head).
 
-Twin of ``rocm_k3.triton_kernels.kda.chunk_intra`` with ``INVERT_DIAG`` and ``WRITE_KB`` (the Triton default since
-session 19: ``prefill.SOLVE_IN_WALK``; the WY solve runs inside the state walk, :mod:`.kda_chunk_state`). With G, q',
-k', b from phase 1 (:mod:`.kda_chunk_prep`) and the n <= 64 rows of the chunk::
+Twin of ``rocm_k3.triton_kernels.kda.chunk_intra`` with ``INVERT_DIAG``, ``WRITE_KB`` and ``RAW_QK`` (the Triton
+default since session 21: ``prefill.SOLVE_IN_WALK``, the WY solve inside the state walk, :mod:`.kda_chunk_state`;
+``prefill.NORMS_IN_INTRA``, q and k normalised here). With G and b from phase 1 (:mod:`.kda_chunk_prep`), the raw q,
+k and the n <= 64 rows of the chunk, k' = rk k and q' = rq q (rk = 1 / ||k||, rq = scale / ||q||; 1 and scale
+without the L2 norm)::
 
-    A[i, j]   = b_i * sum_d k'_i[d] k'_j[d] exp(G_i[d] - G_j[d])     j <  i   (strictly lower), fp32
-    Aqk[i, j] =       sum_d q'_i[d] k'_j[d] exp(G_i[d] - G_j[d])     j <= i   written fp32 [T, H, 64]
+    A[i, j]   = b_i rk_i rk_j sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <  i   (strictly lower), fp32
+    Aqk[i, j] =     rq_i rk_j sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <= i   written fp32 [T, H, 64]
     A band    = A off the four 16 x 16 diagonal blocks (zero above them), T_II = (I + A_II)^-1 on them
                                                                               written fp32 [T, H, 64]
-    KB        = b * exp(G) * k'                                               written fp32 [T, H, K]
+    KB = b exp(G) k',  QG = q' exp(G),  KD = k' exp(G_last - G)             written fp32 [T, H, K]
 
 Numerics: every decay factor is computed as ``exp(G_i - G_j)`` from the fp32 difference, never split into
 ``exp(G_i) * exp(-G_j)`` (the Triton twin's 16-row sub-block reference rows exist only to feed tensor-core dots), so
-no gate range limit applies here.
+no gate range limit applies here. The row factors factor out of the pair sums: the sums run over the raw q, k and
+the factors multiply the results (the Triton twin normalises the rows before its dots; same values, another fp32
+rounding order).
 
 Tiling (VALU; no MFMA): 256 lanes. Pair matrices: lane ``tid`` owns row i and the 16 columns of one 16-column block
-(``kda_prefill_plan.intra_pair``); the chunk's k', q', G are staged through LDS in [64, 32] slabs (``intra_slab``),
-the 16 + 16 fp32 accumulators stay in registers. A goes to LDS (64 x 64 fp32), Aqk to global; each lane writes its
-row's A band entries off the diagonal blocks. Inverses: lanes 0..63, one per (diagonal block, column c)
-(``kda_prefill_plan.intra_inverse``), solve (I + A_II) t = e_c by forward substitution over the block's 16 rows
-read from LDS (uniform addresses within a 16-lane group), the solved entries kept in registers: 120 FMAs per lane.
-This is the row-by-row inversion, not the Triton twin's product of four factors: here the product form would cost
-six 16 x 16 x 16 products on VALU (24 576 FMAs per block) where the substitution costs 1 920, and it runs beside
-the pair matrices in the same workgroup, so its short dependent chain is no launch of its own. Same (I + A_II)^-1,
-a different fp32 summation order. KB: the chunk's 64 x K elements, K / 4 per lane.
+(``kda_prefill_plan.intra_pair``); the chunk's raw k, q and G are staged through LDS in [64, 32] slabs
+(``intra_slab``), the 16 + 16 fp32 accumulators and the row's two sums of squares stay in registers; the lanes with
+``tid % 4 == 0`` put their row's factors rk_i, rq_i in LDS ([2, 64]) for the column factors rk_j. A goes to LDS (64 x
+64 fp32), Aqk to global; each lane writes its row's A band entries off the diagonal blocks. Inverses: lanes 0..63,
+one per (diagonal block, column c) (``kda_prefill_plan.intra_inverse``), solve (I + A_II) t = e_c by forward
+substitution over the block's 16 rows read from LDS (uniform addresses within a 16-lane group), the solved entries
+kept in registers: 120 FMAs per lane. This is the row-by-row inversion, not the Triton twin's product of four
+factors: here the product form would cost six 16 x 16 x 16 products on VALU (24 576 FMAs per block) where the
+substitution costs 1 920, and it runs beside the pair matrices in the same workgroup, so its short dependent chain is
+no launch of its own. Same (I + A_II)^-1, a different fp32 summation order. KB, QG, KD: the chunk's 64 x K elements,
+K / 4 per lane.
 """
 
 import flydsl.compiler as flyc

@@ -9,7 +9,7 @@ rows of one chunk of one head::
     b  = sigmoid(beta) with beta_logits, else beta                              fp32 [T, H]
 
 Tiling: K lanes, lane c owns channel c and walks the rows in order with the running sum of g in a register (no
-reductions: the loads and stores of a row are K consecutive fp32 across the lanes); lane 0 writes b.
+reductions: the loads and stores of a row are K consecutive values across the lanes); lane 0 writes b.
 """
 
 import flydsl.compiler as flyc

@@ -27,7 +27,7 @@ left are exp(G_last) of the state's decay). Rows past the chunk's end read the c
 right-hand side and their V' are set to 0, so they add nothing (T_II's upper triangle is stored as exact zeros, so a
 valid row gives a later row's right-hand side zero weight); their outputs are not stored. All operands and
 accumulators are fp32 (exact fp32 products, fp32 accumulation, as the reference). Row tiles, the substitution's
-earlier tiles and the KD^T V' row groups are runtime loops, which keeps the register count near 240.
+earlier tiles and the KD^T V' row groups are runtime loops, which keeps the register count near 200 (197 at K = 128).
 """
 
 import flydsl.compiler as flyc

@@ -2,7 +2,8 @@
 ``BK``-column slices (``prefill.SLICED_PREP_INTRA``).
 
 It writes what chunk_prep (``GATE_ONLY``) and chunk_intra (``RAW_QK``, ``INVERT_DIAG``, ``WRITE_KB``) write together,
-from the same formulas, but G never goes through memory: per slice the program gates its [64, BK] tile of f, takes
+from the same formulas (G_last for KD is the slice's sum of g, as GL's, where chunk_intra reads the cumsum's last
+row: a few ulps apart), but G never goes through memory: per slice the program gates its [64, BK] tile of f, takes
 the in-chunk cumsum in registers (a column slice's cumsum needs no other column) and accumulates the pair products
 over the slice. With the chunk's four 16-row sub-blocks I = 0..3, reference row m_I (row 7 of I, or its last valid
 row), k' = rk k and q' = rq q (rk = 1 / ||k||, rq = scale / ||q|| from a first pass over the full rows, or 1 and
@@ -16,8 +17,8 @@ then per sub-block A_I times b (strictly lower), T_II = (I + A_II)^-1 on its dia
 (chunk_solve.invert_diagonal_block), Aqk lower, zeros above. The decay factors are chunk_intra's sub-block
 factors (see there for their range): for the earlier rows G_mI <= G_j, so the column factor is <= 1; rows after
 sub-block I get zero operands (their factor could overflow; those columns are above the diagonal). The
-accumulators are four [16, 64] bands per matrix (each warp owns a 16-column MMA tile; sixteen [16, 16] blocks would
-be replicated on every warp and spill).
+accumulators are four [16, 64] bands per matrix (at 4 warps each warp owns a 16-column MMA tile; sixteen [16, 16]
+blocks would be replicated on every warp and spill).
 
 Why one program per chunk: chunk_prep_intra (session 17) gave each of a chunk's four sub-block programs the gate and
 cumsum over all the rows before it and lost 2x; here each element is gated once, read once from HBM (q and k a
@@ -40,12 +41,10 @@ from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
 
 @triton.jit
 def _rows(ptr, row0, eos, stride, col0, R: tl.constexpr, BK: tl.constexpr):
-    """[R, BK] block (rows row0 .. row0 + R - 1, columns col0 .. col0 + BK - 1) as stored, rows past eos 0; and the
-    row mask [R]."""
+    """[R, BK] block (rows row0 .. row0 + R - 1, columns col0 .. col0 + BK - 1) as stored, rows past eos 0."""
     rows = row0 + tl.arange(0, R)
-    m = rows < eos
     offs = rows.to(tl.int64)[:, None] * stride + col0 + tl.arange(0, BK)[None, :]
-    return tl.load(ptr + offs, mask=m[:, None], other=0.0), m
+    return tl.load(ptr + offs, mask=(rows < eos)[:, None], other=0.0)
 
 
 @triton.jit
@@ -54,7 +53,7 @@ def _row_factor(ptr, t0, eos, stride, fscale, K: tl.constexpr, BK: tl.constexpr,
     if QK_NORM:
         sq = tl.zeros([64], dtype=tl.float32)
         for j in range(0, K // BK):
-            x, _ = _rows(ptr, t0, eos, stride, j * BK, 64, BK)
+            x = _rows(ptr, t0, eos, stride, j * BK, 64, BK)
             x = x.to(tl.float32)
             sq += tl.sum(x * x, axis=1)
         return fscale / tl.sqrt(sq + 1e-6)
@@ -114,6 +113,7 @@ def _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, I: tl.constexpr, a, a
     """Sub-block I's rows of the A and Aqk bands from its accumulated [16, 64] rows: A times b left of the diagonal
     block, T_II = (I + b A_II strictly lower)^-1 on it, zeros right of it; Aqk for columns j <= i, zeros above."""
     row0 = t0 + I * 16
+    # b re-read (from L1) rather than kept live through the slice loop: that costs 22 sm_90 registers (168 -> 190)
     b, _, m = _beta_rows(beta_ptr, row0, eos, h, 16, H, BETA_LOGITS)
     r = tl.arange(0, 16)
     j = tl.arange(0, 64)
@@ -165,7 +165,7 @@ def chunk_sliced_kernel(
         a_log = tl.load(a_log_ptr + h)
     for j in range(0, K // BK):  # pass 2, one column slice per iteration
         col0 = j * BK
-        f, _ = _rows(fh, t0, eos, sk, col0, 64, BK)
+        f = _rows(fh, t0, eos, sk, col0, 64, BK)
         g = f.to(tl.float32)
         if HAS_GATE:
             dt_bias = tl.load(dt_bias_ptr + h * K + col0 + tl.arange(0, BK))
@@ -174,8 +174,8 @@ def chunk_sliced_kernel(
         G = tl.cumsum(g, axis=0)  # [64, BK]
         gl = tl.sum(g, axis=0)  # G at the chunk's last row (rows past eos add 0)
         tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + col0 + tl.arange(0, BK), tl.exp(gl))
-        k, _ = _rows(kh, t0, eos, stride_k, col0, 64, BK)
-        q, _ = _rows(qh, t0, eos, stride_q, col0, 64, BK)
+        k = _rows(kh, t0, eos, stride_k, col0, 64, BK)
+        q = _rows(qh, t0, eos, stride_q, col0, 64, BK)
         k = k.to(tl.float32) * rk[:, None]
         q = q.to(tl.float32) * rq[:, None]
         eg = tl.exp(G)  # <= 1

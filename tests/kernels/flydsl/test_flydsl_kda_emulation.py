@@ -24,7 +24,8 @@ from tests.helpers import assert_rel, seeded
 
 def _emulate_chunked_prefill(q, k, v, g, beta, bounds, state, slots, has_init, positions, scale, l2norm=True):
     """The chunked FlyDSL prefill's phases in torch fp32, step for step (the diagonal inverses row by row, the
-    walk's block substitution, exp of fp32 differences, masked tails); logdecay gate, l2 norm, beta logits."""
+    walk's block substitution, exp of fp32 differences, masked tails); logdecay gate, l2 norm unless l2norm is
+    false, beta logits."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
     T, H, K = q.shape
@@ -238,12 +239,16 @@ def _emulate_intra_writes(mids, bounds, H, K):
         t_end = min(bounds[sq + 1], t0 + kp.CHUNK)
         rows = (t0 + torch.arange(kp.CHUNK)).clamp(max=t_end - 1)
         kr, qr, gr = k[rows, h], q[rows, h], gc[rows, h]  # the staged slabs [64, K]
-        if l2norm:
-            srn = torch.cat([1.0 / torch.sqrt((kr * kr).sum(-1) + 1e-6), scale / torch.sqrt((qr * qr).sum(-1) + 1e-6)])
+        if l2norm:  # each lane's own row factors, from its row's sums of squares
+            own_k, own_q = 1.0 / torch.sqrt((kr * kr).sum(-1) + 1e-6), scale / torch.sqrt((qr * qr).sum(-1) + 1e-6)
         else:
-            srn = torch.cat([torch.ones(kp.CHUNK), torch.full((kp.CHUNK,), scale)])
+            own_k, own_q = torch.ones(kp.CHUNK), torch.full((kp.CHUNK,), scale)
+        srn = torch.full((2 * kp.CHUNK,), float("nan"))  # the LDS table, written by the lanes with tid % 4 == 0
+        for tid in range(0, kp.LANES, kp.LANES // kp.CHUNK):
+            i = kp.intra_pair(tid, 0)[0]
+            srn[i], srn[kp.CHUNK + i] = own_k[i], own_q[i]
         e = torch.exp(gr[:, None] - gr[None]) * kr[None]  # [i, j, K]; j > i may be inf
-        rk_i, rq_i, rk_j = srn[:kp.CHUNK, None], srn[kp.CHUNK:, None], srn[None, :kp.CHUNK]
+        rk_i, rq_i, rk_j = own_k[:, None], own_q[:, None], srn[None, :kp.CHUNK]
         sa = torch.where(J < I, (kr[:, None] * e).sum(-1) * (b[rows, h][:, None] * rk_i) * rk_j, 0.0)  # the LDS A
         qk = torch.where(J <= I, (qr[:, None] * e).sum(-1) * rq_i * rk_j, 0.0)
         for tid in range(kp.LANES):  # pair lanes: Aqk, and the A band off the diagonal blocks

@@ -209,9 +209,9 @@ def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, in
         assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
 
 
-
-@pytest.mark.parametrize("lens,save", [([9, 70], [(1, 64)]), ([9, 70], [(1, 5)])], ids=["chunked", "recurrent"])
-def test_kda_prefill_without_norms_or_beta_logits(lens: list[int], save: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("lens,save,path", [([9, 70], [(1, 64)], "chunked"), ([9, 70], [(1, 5)], "recurrent")],
+                         ids=["chunked", "recurrent"])
+def test_kda_prefill_without_norms_or_beta_logits(lens: list[int], save: list[tuple[int, int]], path: str) -> None:
     """qk_l2norm and beta_logits off (the intra kernel's row factors are then 1 and the scale; b is read as is):
     small q, k keep the unnormalised delta rule stable."""
     from rocm_k3.ops.kda import kda_prefill
@@ -228,11 +228,16 @@ def test_kda_prefill_without_norms_or_beta_logits(lens: list[int], save: list[tu
     pos = torch.tensor(save, dtype=torch.int32, device=DEV)
     st_ref = state.clone()
     kw = dict(qk_l2norm=False, beta_logits=False, intermediate_positions=pos)
+    from rocm_k3.flydsl_kernels.ops_impl import kda_prefill_supports
+
+    ok, reason = kda_prefill_supports(q, k, v, g, beta, cu, state, slots, has_init, **kw)
+    assert ok and f"{path}" in reason, reason  # the intended kernels run (ops_impl names them)
     out = kda_prefill(q, k, v, g, beta, cu, state, slots, has_init, backend="flydsl", **kw)
     ref = kda_prefill(q, k, v, g, beta, cu, st_ref, slots, has_init, backend="reference", **kw)
     assert_rel(out.o, ref.o, 1e-2, "o")
     assert_rel(state, st_ref, 1e-4, "final states")
     assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
+
 
 MOE = [(1, 4, 8), (37, 4, 8), (129, 8, 16)]
 

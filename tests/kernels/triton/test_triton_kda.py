@@ -193,9 +193,9 @@ _PREFILL_CASES = [
 # only gates and sums; the intra kernel normalises q, k itself and writes QG, KD); "-lean": with NORMS_IN_INTRA and
 # BAND_IN_DOT_DTYPE (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda
 # tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
+# the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, SLICED_PREP_INTRA=False)  # the four launches, every
-# option named (off)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, SLICED_PREP_INTRA=False)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -397,7 +397,7 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products"])
+@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products", "2-launch-sliced"])
 def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
     runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel stores
@@ -661,7 +661,6 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")))
 
 
-
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("gate,dtype,tol,bk,l2norm", [
@@ -698,6 +697,7 @@ def test_chunk_sliced_outputs_interpret(gate: str, dtype: torch.dtype, tol: floa
         DOT_T=dot_t, PREC=prec, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=l2norm,
         BETA_LOGITS=True, INVERT_PRODUCTS=True)
     _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL"))
+
 
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_kernel_signatures_match_the_contract(op: str) -> None:
