@@ -35,16 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rocm_k3.triton_kernels.kda.chunk_intra import _load_rows
 from rocm_k3.triton_kernels.kda.chunk_solve import invert_diagonal_block
 from rocm_k3.triton_kernels.kda.common import gate, sigmoid_f32
-
-
-@triton.jit
-def _rows(ptr, row0, eos, stride, col0, R: tl.constexpr, BK: tl.constexpr):
-    """[R, BK] block (rows row0 .. row0 + R - 1, columns col0 .. col0 + BK - 1) as stored, rows past eos 0."""
-    rows = row0 + tl.arange(0, R)
-    offs = rows.to(tl.int64)[:, None] * stride + col0 + tl.arange(0, BK)[None, :]
-    return tl.load(ptr + offs, mask=(rows < eos)[:, None], other=0.0)
 
 
 @triton.jit
@@ -53,7 +46,7 @@ def _row_factor(ptr, t0, eos, stride, fscale, K: tl.constexpr, BK: tl.constexpr,
     if QK_NORM:
         sq = tl.zeros([64], dtype=tl.float32)
         for j in range(0, K // BK):
-            x = _rows(ptr, t0, eos, stride, j * BK, 64, BK)
+            x, _ = _load_rows(ptr + j * BK, t0, eos, stride, BK, 64)
             x = x.to(tl.float32)
             sq += tl.sum(x * x, axis=1)
         return fscale / tl.sqrt(sq + 1e-6)
@@ -165,7 +158,7 @@ def chunk_sliced_kernel(
         a_log = tl.load(a_log_ptr + h)
     for j in range(0, K // BK):  # pass 2, one column slice per iteration
         col0 = j * BK
-        f = _rows(fh, t0, eos, sk, col0, 64, BK)
+        f, _ = _load_rows(fh + col0, t0, eos, sk, BK, 64)
         g = f.to(tl.float32)
         if HAS_GATE:
             dt_bias = tl.load(dt_bias_ptr + h * K + col0 + tl.arange(0, BK))
@@ -174,8 +167,8 @@ def chunk_sliced_kernel(
         G = tl.cumsum(g, axis=0)  # [64, BK]
         gl = tl.sum(g, axis=0)  # G at the chunk's last row (rows past eos add 0)
         tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + col0 + tl.arange(0, BK), tl.exp(gl))
-        k = _rows(kh, t0, eos, stride_k, col0, 64, BK)
-        q = _rows(qh, t0, eos, stride_q, col0, 64, BK)
+        k, _ = _load_rows(kh + col0, t0, eos, stride_k, BK, 64)
+        q, _ = _load_rows(qh + col0, t0, eos, stride_q, BK, 64)
         k = k.to(tl.float32) * rk[:, None]
         q = q.to(tl.float32) * rq[:, None]
         eg = tl.exp(G)  # <= 1

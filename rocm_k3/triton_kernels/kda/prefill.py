@@ -119,9 +119,8 @@ BAND_IN_DOT_DTYPE = True
 # column slices, gating, summing and accumulating the pair blocks per slice, so G never goes through memory and every
 # element is gated once (~1.8 KB of HBM traffic per token and head at K = 128 in bf16 instead of ~2.8 for chunk_prep +
 # chunk_intra). Same outputs as the two launches (NORMS_IN_INTRA's formulas); only with SOLVE_IN_WALK (without it the
-# two launches run); off until timed (session 22). SLICED_BK
-# 16 at 4 warps: 168 sm_90 registers, 132 / 136 VGPRs on gfx942 / gfx950, no spills (BK 32: 253 on sm_90; BK 32 at 8
-# warps: 200).
+# two launches run); off until timed (session 22). SLICED_BK 16 at 4 warps: 168 sm_90 registers, 132 / 136 VGPRs on
+# gfx942 / gfx950, no spills (BK 32: 253 on sm_90; BK 32 at 8 warps: 200).
 SLICED_PREP_INTRA = False
 SLICED_BK = 16
 
