@@ -5,8 +5,8 @@ rows of the per-chunk grids), ``gate``, the KDA decay gate (safe gate ``L * sigm
 or softplus gate ``-exp(A_log) * softplus(f + dt_bias)``) in fp32, and the fp32 ``sigmoid_f32`` /
 ``softplus_f32`` it is made of.
 
-Host helper :func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into
-(one host synchronisation per prefill call, like every varlen chunked kernel).
+:func:`plan_chunks` turns ``cu_seqlens`` into the list of 64-token chunks a varlen batch is cut into, on the device
+(one small launch; the host never reads ``cu_seqlens`` back, so it can run ahead of the GPU).
 """
 
 from __future__ import annotations
@@ -61,39 +61,77 @@ def chunk_bounds(chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr, c, BT: tl.const
 
 
 class ChunkPlan(NamedTuple):
-    """The 64-token chunks of a varlen batch, sequences in order, chunks in order inside each sequence.
+    """The chunk slots of a varlen batch: sequences in order, chunks in order inside each sequence, then the unused
+    slots. Built on the device (:func:`plan_chunks`), so the host never waits for ``cu_seqlens``: the number of
+    chunks is not known on the host, only its bound ``num_chunks``. An unused slot points past the last token (its
+    sequence N - 1, its first row ``cu_seqlens[N]``), so it has no rows and the kernels' row masks make it a no-op.
 
-    chunk_seq:    int32 [NC]   sequence of each chunk.
-    chunk_start:  int32 [NC]   first token (global row) of each chunk.
-    seq_first_chunk: int32 [N+1] index of the first chunk of each sequence (last entry = NC).
-    num_chunks:   NC (host int).
-    bounds:       cu_seqlens as a host list.
+    chunk_seq:    int32 [num_chunks]   sequence of each chunk.
+    chunk_start:  int32 [num_chunks]   first token (global row) of each chunk.
+    seq_first_chunk: int32 [N+1] index of the first chunk of each sequence (last entry = the chunks in use).
+    num_chunks:   slots (host int): an upper bound of the chunks in use, exact for a single sequence whose length
+                  is a multiple of the chunk, and for every batch whose sequences' lengths leave no partial chunk
+                  but the last.
     """
 
     chunk_seq: torch.Tensor
     chunk_start: torch.Tensor
     seq_first_chunk: torch.Tensor
     num_chunks: int
-    bounds: list[int]
 
 
-def plan_chunks(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> ChunkPlan:
-    """Cut every sequence of ``cu_seqlens`` (int32 [N+1]) into chunks of ``chunk`` tokens (the last may be short)."""
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    seqs, starts, first = [], [], [0]
-    for i in range(len(bounds) - 1):
-        n = -(-(bounds[i + 1] - bounds[i]) // chunk)
-        seqs += [i] * n
-        starts += [bounds[i] + j * chunk for j in range(n)]
-        first.append(first[-1] + n)
-    device = cu_seqlens.device
-    return ChunkPlan(
-        torch.tensor(seqs, dtype=torch.int32, device=device),
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(first, dtype=torch.int32, device=device),
-        len(seqs),
-        bounds,
-    )
+def chunk_slots(total_tokens: int, num_seqs: int, chunk: int) -> int:
+    """Upper bound of the chunks ``num_seqs`` sequences of ``total_tokens`` tokens in all are cut into: the sum of
+    ceil(l_i / chunk) is at most (T + N (chunk - 1)) // chunk, and at most T (no chunk is empty)."""
+    return min(total_tokens, (total_tokens + num_seqs * (chunk - 1)) // chunk)
+
+
+@triton.jit
+def chunk_plan_kernel(cu_seqlens_ptr, chunk_seq_ptr, chunk_start_ptr, seq_first_ptr, N, num_slots,
+                      BT: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(num_slots, BLOCK),): every program sums the chunks per sequence itself ([NP] >= N + 1 lanes) and
+    fills BLOCK slots; program 0 also writes seq_first_chunk."""
+    i = tl.arange(0, NP)
+    mi = i < N
+    lo = tl.load(cu_seqlens_ptr + i, mask=mi, other=0)
+    hi = tl.load(cu_seqlens_ptr + i + 1, mask=mi, other=0)
+    nch = tl.where(mi, (hi - lo + BT - 1) // BT, 0)  # [NP] chunks of each sequence
+    ends = tl.cumsum(nch, axis=0)  # one past each sequence's last chunk
+    first = ends - nch
+    used = tl.sum(nch, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(seq_first_ptr + i, first, mask=mi)
+        tl.store(seq_first_ptr + N, used)
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] slots
+    # the sequence of slot c: how many sequences end at or before it (N for an unused slot)
+    seq = tl.sum((tl.where(mi, ends, used + 1)[None, :] <= c[:, None]).to(tl.int32), axis=1)
+    seq = tl.minimum(seq, N - 1)
+    pick = i[None, :] == seq[:, None]  # [BLOCK, NP]
+    seq_lo = tl.sum(tl.where(pick, lo[None, :], 0), axis=1)  # [BLOCK] the sequence's first row
+    seq_c0 = tl.sum(tl.where(pick, first[None, :], 0), axis=1)  # [BLOCK] and its first chunk
+    start = seq_lo + (c - seq_c0) * BT
+    start = tl.where(c < used, start, tl.load(cu_seqlens_ptr + N))  # unused: no rows
+    tl.store(chunk_seq_ptr + c, seq, mask=c < num_slots)
+    tl.store(chunk_start_ptr + c, start, mask=c < num_slots)
+
+
+def plan_chunks(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK) -> ChunkPlan:
+    """Cut every sequence of ``cu_seqlens`` (int32 [N+1], N >= 1, contiguous) into chunks of ``chunk`` tokens (the
+    last may be short), on the device: one small launch and no host synchronisation; ``total_tokens`` (T, the
+    rows of the batch, = cu_seqlens[N]) bounds the slots (:func:`chunk_slots`)."""
+    n = cu_seqlens.shape[0] - 1
+    slots = chunk_slots(total_tokens, n, chunk)
+    out = torch.empty(2 * slots + n + 1, dtype=torch.int32, device=cu_seqlens.device)
+    plan = ChunkPlan(out[:slots], out[slots: 2 * slots], out[2 * slots:], slots)
+    np_ = triton.next_power_of_2(n + 1)
+    block = max(2, min(1024, 8192 // np_))  # [BLOCK, NP] stays at 8192 lanes
+    if slots > 0:
+        chunk_plan_kernel[(triton.cdiv(slots, block),)](
+            cu_seqlens, plan.chunk_seq, plan.chunk_start, plan.seq_first_chunk, n, slots,
+            BT=chunk, NP=np_, BLOCK=block, num_warps=4)
+    else:
+        plan.seq_first_chunk.zero_()
+    return plan
 
 
 def is_pow2(n: int) -> bool:

@@ -233,7 +233,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     q, k, v = (_row_strided(t) for t in (q, k, v))  # column views of the short conv's output: no copy
     g, beta = g.contiguous(), beta.contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
-    plan = plan_chunks(cu)
+    plan = plan_chunks(cu, T)
     o = torch.empty(T, H, V, dtype=v.dtype, device=dev)
     has_inter = intermediate_positions is not None and intermediate_positions.shape[0] > 0
     inter = None

@@ -193,7 +193,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, 
             has_init = has_initial_state.to(torch.int8).contiguous()
     else:
         idx, has_init = cu, cu  # unread placeholders
-    plan = plan_chunks(cu, _BT)
+    plan = plan_chunks(cu, T, _BT)
     silu = activation == "silu"
     if plan.num_chunks > 0:
         short_conv_kernel[(plan.num_chunks, triton.cdiv(C, _BC))](
