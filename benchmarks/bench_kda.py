@@ -8,7 +8,8 @@ state every 1024 tokens, each timed at the default settings, at each of ``PHASE_
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
 ``PREP_COMPARE`` (session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band;
-session 22's ``SLICED_PREP_INTRA``, phases 1 and 2 in one launch).
+session 22's ``SLICED_PREP_INTRA``, phases 1 and 2 in one launch; session 23's ``SLICED_FULL_INVERSE`` on top, the
+whole in-chunk inverse in the A band and the walk's two-product step).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -239,6 +240,7 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # added) at 2 warps, and the solving walk at BV 32 (four value blocks per walk: twice the programs, each re-reading the
 # band, KB, QG, KD).
 _S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
+_SLICED_FULL_INV = {"SLICED_PREP_INTRA": True, "SLICED_FULL_INVERSE": True}
 PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAULT),
                     ("gate-only prep 4 warps", {"PHASE_WARPS": {"prep_split": 4}}),
                     ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}),
@@ -249,7 +251,9 @@ PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAUL
                     ("sliced prep+intra (BK 16, 4 warps)", {"SLICED_PREP_INTRA": True}),
                     ("sliced prep+intra BK 32, 8 warps", {"SLICED_PREP_INTRA": True, "SLICED_BK": 32,
                                                           "PHASE_WARPS": {"sliced": 8}}),
-                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "PHASE_WARPS": {"sliced": 8}}))
+                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "PHASE_WARPS": {"sliced": 8}}),
+                    ("sliced + whole inverse, walk V' = Tinv (b v - KB S)", _SLICED_FULL_INV),
+                    ("sliced + whole inverse, walk at 2 stages", {**_SLICED_FULL_INV, "STATE_STAGES": 2}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -378,7 +382,8 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
 # ... and --prep-compare's: session 19's default (the prep normalising q, k, the A band in fp32) against today's, also
 # while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
 # four launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT), ("ms_sliced", {"SLICED_PREP_INTRA": True}))
+PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT), ("ms_sliced", {"SLICED_PREP_INTRA": True}),
+                ("ms_sliced_full_inv", _SLICED_FULL_INV))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

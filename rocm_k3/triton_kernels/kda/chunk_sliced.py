@@ -101,6 +101,49 @@ def _row_block_products(G4, k4, q4, G, k, keep_all, t0, eos, I: tl.constexpr, a,
 
 
 @triton.jit
+def _block(x, J: tl.constexpr):
+    """Columns 16 J .. 16 J + 15 of x [16, 64], exactly: [16, 16]."""
+    s = tl.arange(0, 4)[None, :, None]
+    return tl.sum(tl.where(s == J, tl.reshape(x, [16, 4, 16]), 0.0), axis=1)
+
+
+@triton.jit
+def _inverse_rows(a, I: tl.constexpr, r0, r1, r2, beta_ptr, t0, eos, h, H: tl.constexpr, BETA_LOGITS: tl.constexpr,
+                  INVERT_PRODUCTS: tl.constexpr):
+    """Rows 16 I .. 16 I + 15 of (I + A)^-1 [16, 64] (FULL_INVERSE) from sub-block I's accumulated rows ``a`` (before
+    b) and the rows r0 .. r2 of the sub-blocks before it: R_I = T_II (E_I - sum_{J<I} A_IJ R_J), T_II = (I +
+    A_II)^-1, in fp32 ("ieee" dots); rows past eos hold identity rows and are not stored."""
+    b, _, _ = _beta_rows(beta_ptr, t0 + I * 16, eos, h, 16, H, BETA_LOGITS)
+    a = a * b[:, None]
+    r = tl.arange(0, 16)
+    diag = tl.where(r[:, None] > r[None, :], _block(a, I), 0.0)
+    rhs = tl.where(tl.arange(0, 64)[None, :] == (I * 16 + r)[:, None], 1.0, 0.0)  # E_I [16, 64]
+    if I > 0:
+        rhs -= tl.dot(_block(a, 0), r0, input_precision="ieee")
+    if I > 1:
+        rhs -= tl.dot(_block(a, 1), r1, input_precision="ieee")
+    if I > 2:
+        rhs -= tl.dot(_block(a, 2), r2, input_precision="ieee")
+    return tl.dot(invert_diagonal_block(diag, 16, INVERT_PRODUCTS), rhs, input_precision="ieee")
+
+
+@triton.jit
+def _store_rows(ptr, t0, eos, h, I: tl.constexpr, x, H: tl.constexpr):
+    """Sub-block I's rows [16, 64] of a [T, H, 64] band (rows past eos not stored)."""
+    r = tl.arange(0, 16)
+    rows = (t0 + I * 16 + r).to(tl.int64)[:, None] * (H * 64) + h * 64
+    tl.store(ptr + rows + tl.arange(0, 64)[None, :], x.to(ptr.dtype.element_ty), mask=(t0 + I * 16 + r < eos)[:, None])
+
+
+@triton.jit
+def _store_aqk_rows(aqk_ptr, t0, eos, h, I: tl.constexpr, aqk, H: tl.constexpr):
+    """Sub-block I's rows of the Aqk band: columns j <= i, zeros above."""
+    r = tl.arange(0, 16)
+    keep = tl.arange(0, 64)[None, :] <= (I * 16 + r)[:, None]
+    _store_rows(aqk_ptr, t0, eos, h, I, tl.where(keep, aqk, 0.0), H)
+
+
+@triton.jit
 def _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, I: tl.constexpr, a, aqk, H: tl.constexpr,
                      BETA_LOGITS: tl.constexpr, INVERT_PRODUCTS: tl.constexpr):
     """Sub-block I's rows of the A and Aqk bands from its accumulated [16, 64] rows: A times b left of the diagonal
@@ -112,14 +155,11 @@ def _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, I: tl.constexpr, a, a
     j = tl.arange(0, 64)
     rows = (row0 + r).to(tl.int64)[:, None] * (H * 64) + h * 64
     a = a * b[:, None]
-    aqk = tl.where(j[None, :] <= (I * 16 + r)[:, None], aqk, 0.0)
     off_diag = (j // 16 != I)[None, :]
     tl.store(a_ptr + rows + j[None, :], tl.where(j[None, :] < I * 16, a, 0.0).to(a_ptr.dtype.element_ty),
              mask=m[:, None] & off_diag)
-    tl.store(aqk_ptr + rows + j[None, :], aqk.to(aqk_ptr.dtype.element_ty), mask=m[:, None])
-    s = tl.arange(0, 4)[None, :, None]
-    diag = tl.sum(tl.where(s == I, tl.reshape(a, [16, 4, 16]), 0.0), axis=1)  # [16, 16] columns 16 I ..
-    diag = tl.where(r[:, None] > r[None, :], diag, 0.0)
+    _store_aqk_rows(aqk_ptr, t0, eos, h, I, aqk, H)
+    diag = tl.where(r[:, None] > r[None, :], _block(a, I), 0.0)  # [16, 16] columns 16 I ..
     t = invert_diagonal_block(diag, 16, INVERT_PRODUCTS)
     tl.store(a_ptr + rows + I * 16 + r[None, :], t.to(a_ptr.dtype.element_ty), mask=m[:, None])
 
@@ -133,7 +173,7 @@ def chunk_sliced_kernel(
     scale, lower_bound, stride_q, stride_k,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    INVERT_PRODUCTS: tl.constexpr,
+    INVERT_PRODUCTS: tl.constexpr, FULL_INVERSE: tl.constexpr = False,
 ):
     """Grid (NC, H). The pair blocks accumulate as four [16, 64] row bands per matrix (sub-block I's rows against
     all 64 columns; the columns past sub-block I get zero operands), so the accumulators use every warp's MMA tile
@@ -184,10 +224,24 @@ def chunk_sliced_kernel(
         a2, q2 = _row_block_products(G4, k4, q4, G, k, m, t0, eos, 2, a2, q2, DOT_T, PREC)
         a3, q3 = _row_block_products(G4, k4, q4, G, k, m, t0, eos, 3, a3, q3, DOT_T, PREC)
 
-    _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 0, a0, q0, H, BETA_LOGITS, INVERT_PRODUCTS)
-    if t0 + 16 < eos:
-        _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 1, a1, q1, H, BETA_LOGITS, INVERT_PRODUCTS)
-    if t0 + 32 < eos:
-        _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 2, a2, q2, H, BETA_LOGITS, INVERT_PRODUCTS)
-    if t0 + 48 < eos:
-        _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 3, a3, q3, H, BETA_LOGITS, INVERT_PRODUCTS)
+    if FULL_INVERSE:  # the A band holds (I + A)^-1 whole; the Aqk rows first (their accumulators die there)
+        _store_aqk_rows(aqk_ptr, t0, eos, h, 0, q0, H)
+        _store_aqk_rows(aqk_ptr, t0, eos, h, 1, q1, H)
+        _store_aqk_rows(aqk_ptr, t0, eos, h, 2, q2, H)
+        _store_aqk_rows(aqk_ptr, t0, eos, h, 3, q3, H)
+        r0 = _inverse_rows(a0, 0, a0, a0, a0, beta_ptr, t0, eos, h, H, BETA_LOGITS, INVERT_PRODUCTS)
+        _store_rows(a_ptr, t0, eos, h, 0, r0, H)
+        r1 = _inverse_rows(a1, 1, r0, r0, r0, beta_ptr, t0, eos, h, H, BETA_LOGITS, INVERT_PRODUCTS)
+        _store_rows(a_ptr, t0, eos, h, 1, r1, H)
+        r2 = _inverse_rows(a2, 2, r0, r1, r1, beta_ptr, t0, eos, h, H, BETA_LOGITS, INVERT_PRODUCTS)
+        _store_rows(a_ptr, t0, eos, h, 2, r2, H)
+        r3 = _inverse_rows(a3, 3, r0, r1, r2, beta_ptr, t0, eos, h, H, BETA_LOGITS, INVERT_PRODUCTS)
+        _store_rows(a_ptr, t0, eos, h, 3, r3, H)
+    else:
+        _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 0, a0, q0, H, BETA_LOGITS, INVERT_PRODUCTS)
+        if t0 + 16 < eos:
+            _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 1, a1, q1, H, BETA_LOGITS, INVERT_PRODUCTS)
+        if t0 + 32 < eos:
+            _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 2, a2, q2, H, BETA_LOGITS, INVERT_PRODUCTS)
+        if t0 + 48 < eos:
+            _store_row_block(a_ptr, aqk_ptr, beta_ptr, t0, eos, h, 3, a3, q3, H, BETA_LOGITS, INVERT_PRODUCTS)

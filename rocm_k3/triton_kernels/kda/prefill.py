@@ -123,6 +123,13 @@ BAND_IN_DOT_DTYPE = True
 # gfx942 / gfx950, no spills (BK 32: 253 on sm_90; BK 32 at 8 warps: 200).
 SLICED_PREP_INTRA = False
 SLICED_BK = 16
+# With SLICED_PREP_INTRA, chunk_sliced stores the whole inverse (I + A)^-1 of each chunk in the A band (block forward
+# substitution over its four row bands in fp32, after the diagonal inverses) instead of A with T_II on its diagonal,
+# and the walk forms V' = Tinv (b v - KB S) with two [64, *] products (chunk_state's FULL_INV) instead of the chain
+# of eight dependent [16, *] products of the substitution; the walk's step then has the shape of the four-launch
+# walk (0.29 ms at T = 4k on the H200 against the solving walk's 0.37, session 19). Same bytes. Off until timed
+# (session 23).
+SLICED_FULL_INVERSE = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -263,8 +270,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     w, u = (o, o) if solve_in else (buf(T, H, K), buf(T, H, V))  # o: unread placeholders (the walk solves)
     glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     aqk = buf(T, H, CHUNK)
+    full_inv = solve_in and SLICED_PREP_INTRA and SLICED_FULL_INVERSE
     walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
-                            w, u, dot_t, prec, solve_in) or (o, o, o)  # (A band, KB, b) when the walk solves
+                            w, u, dot_t, prec, solve_in, full_inv) or (o, o, o)  # (A band, KB, b) when the walk solves
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -279,7 +287,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
-        num_warps=warps, num_stages=state_stages(bv, solve_in),
+        FULL_INV=full_inv, num_warps=warps, num_stages=state_stages(bv, solve_in and not full_inv),
     )
     if split:
         bvo = min(64, V)
@@ -293,10 +301,11 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
-                  dot_t, prec, solve_in: bool) -> tuple | None:
+                  dot_t, prec, solve_in: bool, full_inv: bool = False) -> tuple | None:
     """Phases 1-3 as three launches (prep, intra, solve); writes qg, kd, glast, aqk, w, u. With ``solve_in``
     (``SOLVE_IN_WALK``) no solve runs: the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are
-    returned for the state walk."""
+    returned for the state walk. ``full_inv`` (SLICED_FULL_INVERSE, with SLICED_PREP_INTRA): the band holds the whole
+    inverse."""
     T, H, K = q.shape
     V = v.shape[-1]
 
@@ -310,7 +319,8 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         chunk_sliced_kernel[(plan.num_chunks, H)](
             q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, b, glast, a, aqk, kb, qg, kd,
             scale, lower, q.stride(0), k.stride(0), H=H, K=K, BK=min(SLICED_BK, K), DOT_T=dot_t, PREC=prec, **flags,
-            INVERT_PRODUCTS=invert_by_products(dot_t), num_warps=PHASE_WARPS["sliced"], num_stages=2,
+            INVERT_PRODUCTS=invert_by_products(dot_t), FULL_INVERSE=full_inv, num_warps=PHASE_WARPS["sliced"],
+            num_stages=2,
         )
         return a, kb, b
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
