@@ -18,17 +18,13 @@ from pathlib import Path
 
 import torch
 
-from rocm_k3.cache.config import CacheConfig
-from rocm_k3.engine.config import EngineConfig
-from rocm_k3.engine.engine import LLMEngine
+from rocm_k3.engine.llm import LLM
 from rocm_k3.sampling_params import SamplingParams
-from rocm_k3.model.loader import load_model
-from rocm_k3.model.tiny import ensure_embedded_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: embedded tiny K3)")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded tiny K3)")
     p.add_argument("--prefix-len", type=int, default=448)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=6)
@@ -45,23 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_once(model, args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
+def run_once(args: argparse.Namespace, prompts: list[list[int]], caching: bool) -> dict:
+    """One pass of the workload on a fresh engine (the same checkpoint and granularities) with prefix caching
+    ``caching``; requests enter ``arrival_interval`` engine steps apart."""
     max_len = max(len(p) for p in prompts) + args.max_tokens
-    cache = CacheConfig(
-        block_size=args.block_size,
-        match_unit=args.match_unit,
-        alignment=args.alignment,
-        enable_prefix_caching=caching,
-        num_blocks=args.num_requests * (max_len // args.block_size + 2),
-        num_state_slots=4 * args.num_requests + args.prefix_len // args.match_unit + 4,
-    )
-    cfg = EngineConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_len,
-        cache=cache,
-    )
-    engine = LLMEngine(model, cfg)
+    llm = LLM(args.model, dtype="float32", device="cpu", enable_prefix_caching=caching, block_size=args.block_size,
+              match_unit=args.match_unit, alignment=args.alignment, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+    engine = llm.engine  # EngineCore: requests in, one scheduled step at a time
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
     queue = list(enumerate(prompts))
@@ -72,31 +59,28 @@ def run_once(model, args: argparse.Namespace, prompts: list[list[int]], caching:
             i, prompt = queue.pop(0)
             engine.add_request(f"r{i}", prompt, params)
         if engine.has_unfinished():
-            outputs.update((req.request_id, req.output) for req in engine.step())
+            outputs.update((d.request_id, d.output) for d in engine.step() if d.finished)
         step += 1
     elapsed = time.perf_counter() - start
-    stats = engine.stats()
     return {
         "caching": caching,
         "seconds": elapsed,
-        "tokens": {k: v.token_ids for k, v in outputs.items()},
-        "stats": stats,
+        "tokens": {k: v.token_ids for k, v in sorted(outputs.items())},
+        "stats": engine.stats(),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = args.model if args.model is not None else ensure_embedded_model()
-    model = load_model(path, dtype=torch.float32, device="cpu", progress=False)
     gen = torch.Generator().manual_seed(args.seed)
-    vocab = model.cfg.vocab_size
+    vocab = 256  # ids every K3 checkpoint holds (the embedded tiny model's byte range)
     prefix = torch.randint(1, vocab, (args.prefix_len,), generator=gen).tolist()
     prompts = [
         prefix + torch.randint(1, vocab, (args.suffix_len,), generator=gen).tolist() for _ in range(args.num_requests)
     ]
-    off = run_once(model, args, prompts, caching=False)
-    on = run_once(model, args, prompts, caching=True)
+    off = run_once(args, prompts, caching=False)
+    on = run_once(args, prompts, caching=True)
     identical = off["tokens"] == on["tokens"]
     s_off, s_on = off["stats"], on["stats"]
     saved = s_off["prefill_tokens"] - s_on["prefill_tokens"]

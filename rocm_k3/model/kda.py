@@ -143,22 +143,24 @@ class KDALayer(WeightTargets):
 
     @staticmethod
     def _conv_snapshots(qkv: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """Conv state after the first p new tokens of each save row: the last W-1 inputs before that point.
+        """Conv state after the first p new tokens of each save row (i, p): the last W-1 inputs before that point,
+        taken from this step's rows and, where p < W-1, from the sequence's old history (zeros without one).
 
-        Read before ``short_conv`` overwrites the sequences' slots. Returns [M, 3HD, W-1], oldest first.
+        Read before ``short_conv`` overwrites the sequences' slots. Gathers on the device (no host read, a fixed
+        number of launches whatever the number of rows). Returns [M, 3HD, W-1], oldest first.
         """
         hist = conv_state.shape[-1]  # W-1
-        cu = batch.cu_seqlens.tolist()
-        rows = []
-        for (i, p) in batch.save_positions.tolist():
-            start = cu[i]
-            new = qkv[max(start, start + p - hist):start + p]  # [<= W-1, C]
-            if new.shape[0] < hist:
-                old = (conv_state[int(batch.kda_slots[i])].t() if bool(batch.has_initial_state[i])
-                       else qkv.new_zeros(hist, qkv.shape[1]))  # [W-1, C]
-                new = torch.cat([old, new], dim=0)[-hist:]
-            rows.append(new.t())  # [C, W-1]
-        return torch.stack(rows).to(conv_state.dtype)
+        pos = batch.save_positions.long()  # [M, 2]
+        seq, p = pos[:, 0], pos[:, 1]  # [M]
+        j = torch.arange(hist, device=qkv.device)  # [W-1]
+        back = p[:, None] - hist + j[None, :]  # [M, W-1] offset from the sequence's first new row (< 0: history)
+        rows = batch.cu_seqlens.long()[seq][:, None] + back  # [M, W-1] rows of qkv
+        new = qkv[rows.clamp(0, max(qkv.shape[0] - 1, 0))]  # [M, W-1, C]
+        slots = batch.kda_slots.long()[seq]  # [M]
+        at = (back + hist).clamp(0, hist - 1)  # [M, W-1] history entry of a position before the new rows
+        old = conv_state[slots].gather(2, at[:, None, :].expand(-1, conv_state.shape[1], -1))  # [M, C, W-1]
+        old = torch.where(batch.has_initial_state[seq].bool()[:, None, None], old, 0.0)  # a fresh slot: zeros
+        return torch.where((back >= 0)[:, None, :], new.transpose(1, 2).to(conv_state.dtype), old)
 
     @staticmethod
     def _save_after_decode(batch: ForwardBatch, state: torch.Tensor, conv_state: torch.Tensor) -> None:

@@ -98,6 +98,26 @@ def test_saved_kda_states_equal_prefix_states(model) -> None:
             assert_rel(cache.conv_state(layer)[slot], prefix.conv_state(layer)[0], TOL, f"conv p={p} kda{layer}")
 
 
+def test_saves_in_a_continuing_prefill_equal_prefix_states(model) -> None:
+    """Saves in a step that continues a cached sequence (p < W - 1 takes the conv snapshot partly from the old
+    history) beside a fresh sequence whose early save has no history (zeros), rows in another order than the slots:
+    every saved KDA and conv state equals the state after that prefix alone."""
+    a, b = _ids(model, 11, seed=10), _ids(model, 6, seed=11)
+    cache = SimpleCache(model.cfg, max_seqs=2, max_model_len=11, spare_slots=5, dtype=model.dtype)
+    model.forward(cache.prepare([(0, a[:5])]), cache)
+    for layer in range(len(model.cfg.kda_layers)):  # b's stale slot 1 (no history) and the save slots: NaN
+        cache.conv_state(layer)[1:].fill_(float("nan"))
+    saves = [(1, 1, 2), (1, 2, 3), (0, 1, 4), (1, 6, 5), (0, 4, 6)]  # (step row, p, slot); row 0 is b, row 1 a
+    model.forward(cache.prepare([(1, b), (0, a[5:])], save=saves), cache)
+    for row, p, slot in saves:
+        ids = b[:p] if row == 0 else a[: 5 + p]
+        prefix = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype)
+        model.forward(prefix.prepare([(0, ids)]), prefix)
+        for layer in range(len(model.cfg.kda_layers)):
+            assert_rel(cache.kda_state(layer)[slot], prefix.kda_state(layer)[0], TOL, f"state {ids} kda{layer}")
+            assert_rel(cache.conv_state(layer)[slot], prefix.conv_state(layer)[0], TOL, f"conv {ids} kda{layer}")
+
+
 def test_bf16_close_to_fp32(tmp_path) -> None:
     # Every expert is routed (top-k = E) so no near-tie in the router can flip between dtypes: the comparison
     # measures rounding only. bf16 (8-bit mantissa) through 6 random layers gives a few percent (measured

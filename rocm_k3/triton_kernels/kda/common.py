@@ -1,4 +1,4 @@
-"""Pieces shared by the KDA Triton kernels: device-side math helpers and the host-side varlen chunk plan.
+"""Pieces shared by the KDA Triton kernels: device-side math helpers and the varlen chunk plan.
 
 Device helpers (``@triton.jit``, inlined into the kernels): ``grid_ids`` and ``chunk_bounds`` (program ids and
 rows of the per-chunk grids), ``gate``, the KDA decay gate (safe gate ``L * sigmoid(exp(A_log) * (f + dt_bias))``
@@ -69,9 +69,9 @@ class ChunkPlan(NamedTuple):
     chunk_seq:    int32 [num_chunks]   sequence of each chunk.
     chunk_start:  int32 [num_chunks]   first token (global row) of each chunk.
     seq_first_chunk: int32 [N+1] index of the first chunk of each sequence (last entry = the chunks in use).
-    num_chunks:   slots (host int): an upper bound of the chunks in use, exact for a single sequence whose length
-                  is a multiple of the chunk, and for every batch whose sequences' lengths leave no partial chunk
-                  but the last.
+    num_chunks:   slots (host int): an upper bound of the chunks in use (:func:`chunk_slots`), the best one from
+                  T and N alone: exact for one sequence whose length is a multiple of the chunk; up to N - 1 slots
+                  over when every length is.
     """
 
     chunk_seq: torch.Tensor
@@ -120,7 +120,7 @@ def plan_chunks(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
     last may be short), on the device: one small launch and no host synchronisation; ``total_tokens`` (T, the
     rows of the batch, = cu_seqlens[N]) bounds the slots (:func:`chunk_slots`)."""
     n = cu_seqlens.shape[0] - 1
-    slots = chunk_slots(total_tokens, n, chunk)
+    slots = chunk_slots(total_tokens, n, chunk) if n > 0 else 0  # no sequence: no chunk, whatever T says
     out = torch.empty(2 * slots + n + 1, dtype=torch.int32, device=cu_seqlens.device)
     plan = ChunkPlan(out[:slots], out[slots: 2 * slots], out[2 * slots:], slots)
     np_ = triton.next_power_of_2(n + 1)

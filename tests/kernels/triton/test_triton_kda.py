@@ -98,6 +98,16 @@ def _activated(q, k, beta, f, gate_params, qk_l2norm, beta_logits):
 
 
 # ------------------------------------------------------------------------------------------------ interpret tier
+@pytest.mark.interpret
+@needs_interp
+def test_chunk_plan_without_sequences_interpret() -> None:
+    """No sequence (cu_seqlens = [0]) plans no chunk even when rows are passed (nothing may read cu[-1])."""
+    from rocm_k3.triton_kernels.kda.common import plan_chunks
+
+    plan = plan_chunks(torch.zeros(1, dtype=torch.int32), 100, 32)
+    assert plan.num_chunks == 0 and plan.seq_first_chunk.tolist() == [0]
+
+
 def _host_plan(bounds: list[int], chunk: int) -> tuple[list[int], list[int], list[int]]:
     """(chunk_seq, chunk_start, seq_first_chunk) of the chunks in use, built on the host for comparison."""
     seqs, starts, first = [], [], [0]
@@ -113,8 +123,8 @@ def _host_plan(bounds: list[int], chunk: int) -> tuple[list[int], list[int], lis
 @needs_interp
 @pytest.mark.parametrize("lengths,chunk", [
     ([4096], 64), ([37, 64, 49, 5], 64), ([0, 70, 0, 13], 64), ([0, 2, 0, 1, 5, 40], 32), ([65, 0, 0], 64),
-    ([1] * 300 + [130, 0, 64], 64)],
-    ids=["one-full", "varlen", "empty-inside", "conv-block-32", "empty-tail", "300-seqs"])
+    ([1] * 300 + [130, 0, 64], 64), ([64, 64, 64], 64)],
+    ids=["one-full", "varlen", "empty-inside", "conv-block-32", "empty-tail", "300-seqs", "whole-chunks"])
 def test_chunk_plan_interpret(lengths: list[int], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """common.plan_chunks (on the device, no host read) against the plan built on the host: the chunks in use in
     order, seq_first_chunk exact, every other slot with no rows (sequence N - 1 from cu[N]); the slot count is the
@@ -130,7 +140,8 @@ def test_chunk_plan_interpret(lengths: list[int], chunk: int, monkeypatch: pytes
     monkeypatch.setattr(torch, "empty", empty)
     seqs, starts, first = _host_plan(bounds, chunk)
     used = len(seqs)
-    assert plan.num_chunks == chunk_slots(bounds[-1], len(lengths), chunk) >= used
+    bound = min(bounds[-1], (bounds[-1] + len(lengths) * (chunk - 1)) // chunk)  # sum ceil(l / c) <= this
+    assert plan.num_chunks == chunk_slots(bounds[-1], len(lengths), chunk) == bound >= used
     if lengths == [4096]:
         assert plan.num_chunks == used == 64
     assert plan.chunk_seq[:used].tolist() == seqs
@@ -443,7 +454,8 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products", "2-launch-sliced"])
+@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products", "2-launch-sliced",
+                                  "2-launch-sliced-full-inverse"])
 def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
     runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel stores
