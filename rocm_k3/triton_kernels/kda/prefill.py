@@ -128,7 +128,10 @@ SLICED_BK = 16
 # and the walk forms V' = Tinv (b v - KB S) with two [64, *] products (chunk_state's FULL_INV) instead of the chain
 # of eight dependent [16, *] products of the substitution; the walk's step then has the shape of the four-launch
 # walk (0.29 ms at T = 4k on the H200 against the solving walk's 0.37, session 19). Same bytes. Off until timed
-# (session 23).
+# (session 23). Precision: the walk rounds Tinv to the dot dtype against the whole of b v - KB S, where the
+# substitution rounds A_IJ and T_II against smaller terms; on near-identical keys (spread 1e-3, b 0.99, weak decay)
+# with a bf16 band and fp32 dots (CPU interpreter) o was 3.2e-2 from the reference against 9.8e-3 (random keys 8.8e-3
+# vs 6.8e-3). Adopting it needs bench_kda's correlated-keys table within bf16 level too.
 SLICED_FULL_INVERSE = False
 
 
