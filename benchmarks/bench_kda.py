@@ -329,12 +329,15 @@ ACCURACY_SETTINGS = (("default", {}), ("sliced", {"SLICED_PREP_INTRA": True}),
                      ("sliced + whole inverse", _SLICED_FULL_INV))
 
 
-def correlated_accuracy(gen: torch.Generator, H: int = 8, T: int = 2048, device: str = "cuda") -> None:
+def correlated_accuracy(gen: torch.Generator, H: int = 8, T: int = 2048, device: str = "cuda",
+                        chunk_kda=None) -> None:
     """bf16 prefill error on keys of decreasing spread around one direction (random, 3e-2, 1e-3), weak decay (a raw
     log-decay in (-1e-3, 0), no gate) and beta 0.99: there (I + A) is nearly singular per chunk and the in-chunk
     solve cancels, the inputs where the A band's bf16 rounding shows (session 23's review: the whole inverse rounds
     Tinv against all of b v - KB S). Per setting of ACCURACY_SETTINGS: o's and the final state's relative error
-    against the same inputs through the fp32 path (fp32 dots, row-by-row inverses: 1e-5 of the reference op)."""
+    against the same inputs through the fp32 path (fp32 dots, row-by-row inverses: 1e-5 of the reference op), and
+    FLA's chunk_kda on the same bf16 inputs when given (the peer's level: its WY form V' = U - W S rounds U and W to
+    bf16 as the whole inverse rounds Tinv)."""
     run = KERNELS["kda_prefill"][0]
     print(f"\ncorrelated keys, H = {H}, T = {T}, D = {D}: relative error against the fp32 path (o / final state)")
     for spread in (None, 3e-2, 1e-3):
@@ -357,6 +360,18 @@ def correlated_accuracy(gen: torch.Generator, H: int = 8, T: int = 2048, device:
             eo = ((o - o32).norm() / o32.norm()).item()
             es = ((pool - pool32).norm() / pool32.norm()).item()
             cells.append(f"{name} {eo:.1e} / {es:.1e}")
+        if chunk_kda is not None:
+            q_, k_, v_, f_, b_ = (a[None] for a in args)
+            try:
+                with torch.inference_mode():
+                    o, s_fla = chunk_kda(q_, k_, v_, f_, b_, initial_state=torch.zeros(1, H, D, D, device=device),
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                         cu_seqlens=cu.long(), cu_seqlens_cpu=cu.long().cpu())
+                eo = ((o[0].float() - o32).norm() / o32.norm()).item()
+                es = ((s_fla.float() - pool32).norm() / pool32.norm()).item()
+                cells.append(f"FLA chunk_kda {eo:.1e} / {es:.1e}")
+            except Exception as exc:  # the peer's failure is reported, not fatal
+                cells.append(f"FLA chunk_kda failed: {repr(exc)[:120]}")
         print(f"  spread {'random' if spread is None else spread}: " + "; ".join(cells), flush=True)
 
 
@@ -475,7 +490,7 @@ def main() -> None:
     chunk_kda, fla_rec = _fla()
     if args.profile_only:
         try:
-            correlated_accuracy(gen)
+            correlated_accuracy(gen, chunk_kda=chunk_kda)
         except Exception as exc:  # an accuracy table that fails must not cost the profiles after it
             print(f"correlated_accuracy failed: {repr(exc)[:300]}", flush=True)
         for lengths in ([4096], [16384], VARLEN):
