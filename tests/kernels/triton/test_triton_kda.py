@@ -361,8 +361,10 @@ def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"),
-                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean")],
-                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output"])
+                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean"),
+                                               (True, "2-launch-sliced-full-inverse")],
+                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output",
+                              "full-inverse-split-output"])
 def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
