@@ -310,7 +310,6 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     returned for the state walk. ``full_inv`` (SLICED_FULL_INVERSE, with SLICED_PREP_INTRA): the band holds the whole
     inverse."""
     T, H, K = q.shape
-    V = v.shape[-1]
 
     def buf(*shape: int, dtype: torch.dtype = q.dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=q.device)
