@@ -59,9 +59,14 @@ def run_once(args: argparse.Namespace, prompts: list[list[int]], caching: bool) 
             i, prompt = queue.pop(0)
             engine.add_request(f"r{i}", prompt, params)
         if engine.has_unfinished():
-            outputs.update((d.request_id, d.output) for d in engine.step() if d.finished)
+            for d in engine.step():
+                if d.finished and d.output is None:
+                    raise RuntimeError(f"request {d.request_id} failed: {d.error}")
+                if d.finished:
+                    outputs[d.request_id] = d.output
         step += 1
     elapsed = time.perf_counter() - start
+    llm.shutdown()
     return {
         "caching": caching,
         "seconds": elapsed,
