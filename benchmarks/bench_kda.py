@@ -7,9 +7,8 @@
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band;
-session 22's ``SLICED_PREP_INTRA``, phases 1 and 2 in one launch; session 23's ``SLICED_FULL_INVERSE`` on top, the
-whole in-chunk inverse in the A band and the walk's two-product step).
+``PREP_COMPARE`` (the gate-only prep at 4 warps; session 19's default, before session 20's byte cuts: q, k normalised
+in the prep, an fp32 A band).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -240,20 +239,13 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # added) at 2 warps, and the solving walk at BV 32 (four value blocks per walk: twice the programs, each re-reading the
 # band, KB, QG, KD).
 _S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
-_SLICED_FULL_INV = {"SLICED_PREP_INTRA": True, "SLICED_FULL_INVERSE": True}
-PROFILE_VARIANTS = (("session 19's default (prep norms, fp32 band)", _S19_DEFAULT),
-                    ("gate-only prep 4 warps", {"PHASE_WARPS": {"prep_split": 4}}),
-                    ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}),
-                    ("gate-only prep BK 128, 4 warps", {"PREP_BK": 128, "PHASE_WARPS": {"prep_split": 4}}),
-                    ("intra 2 warps", {"PHASE_WARPS": {"intra": 2}}),
-                    ("solving walk BV 32", {"state_tile": lambda n, v: (min(32, v), 4)}),
-                    ("solving walk BV 32, 2 warps", {"state_tile": lambda n, v: (min(32, v), 2)}),
-                    ("sliced prep+intra (BK 16, 4 warps)", {"SLICED_PREP_INTRA": True}),
-                    ("sliced prep+intra BK 32, 8 warps", {"SLICED_PREP_INTRA": True, "SLICED_BK": 32,
-                                                          "PHASE_WARPS": {"sliced": 8}}),
-                    ("sliced prep+intra BK 16, 8 warps", {"SLICED_PREP_INTRA": True, "PHASE_WARPS": {"sliced": 8}}),
-                    ("sliced + whole inverse, walk V' = Tinv (b v - KB S)", _SLICED_FULL_INV),
-                    ("sliced + whole inverse, walk at 2 stages", {**_SLICED_FULL_INV, "STATE_STAGES": 2}))
+# Session 23 (H100): the gate-only prep at 4 warps 1.031 / 4.108 ms against the default's 1.083 / 4.365 at 4k / 16k (o
+# bit-equal), at 64-column slices 1.041 / 4.095; the varlen row was cut. The sliced prep + intra launch (6.96 ms against
+# 0.71 for prep + intra) and the whole in-chunk inverse (walk 0.396 against 0.369 ms) were rejected and removed, the
+# intra kernel at 2 warps (0.622 against 0.502 ms) and the solving walk at BV 32 (0.609 / 0.551 against 0.369) too.
+_PREP4 = {"PHASE_WARPS": {"prep_split": 4}}
+PROFILE_VARIANTS = (("gate-only prep 4 warps", _PREP4),
+                    ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -325,19 +317,18 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
-ACCURACY_SETTINGS = (("default", {}), ("sliced", {"SLICED_PREP_INTRA": True}),
-                     ("sliced + whole inverse", _SLICED_FULL_INV))
+ACCURACY_SETTINGS = (("default", {}), ("gate-only prep 4 warps", _PREP4))
 
 
 def correlated_accuracy(gen: torch.Generator, H: int = 8, T: int = 2048, device: str = "cuda",
                         chunk_kda=None) -> None:
     """bf16 prefill error on keys of decreasing spread around one direction (random, 3e-2, 1e-3), weak decay (a raw
     log-decay in (-1e-3, 0), no gate) and beta 0.99: there (I + A) is nearly singular per chunk and the in-chunk
-    solve cancels, the inputs where the A band's bf16 rounding shows (session 23's review: the whole inverse rounds
-    Tinv against all of b v - KB S). Per setting of ACCURACY_SETTINGS: o's and the final state's relative error
+    solve cancels, the inputs where the A band's bf16 rounding shows (session 23: the whole in-chunk inverse, since
+    removed, lost there). Per setting of ACCURACY_SETTINGS: o's and the final state's relative error
     against the same inputs through the fp32 path (fp32 dots, row-by-row inverses: 1e-5 of the reference op), and
     FLA's chunk_kda on the same bf16 inputs when given (the peer's level: its WY form V' = U - W S rounds U and W to
-    bf16 as the whole inverse rounds Tinv)."""
+    bf16)."""
     run = KERNELS["kda_prefill"][0]
     print(f"\ncorrelated keys, H = {H}, T = {T}, D = {D}: relative error against the fp32 path (o / final state)")
     for spread in (None, 3e-2, 1e-3):
@@ -432,11 +423,10 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: session 19's default (the prep normalising q, k, the A band in fp32) against today's, also
-# while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
+# ... and --prep-compare's: the gate-only prep at 4 warps and session 19's default (the prep normalising q, k, the A
+# band in fp32) against today's, also while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
 # four launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_s19_default", _S19_DEFAULT), ("ms_sliced", {"SLICED_PREP_INTRA": True}),
-                ("ms_sliced_full_inv", _SLICED_FULL_INV))
+PREP_COMPARE = (("ms_prep4", _PREP4), ("ms_s19_default", _S19_DEFAULT))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

@@ -116,7 +116,7 @@ run_part() {
       tests/kernels/triton/test_triton_kda.py tests/kernels/triton/test_triton_model.py tests/engine/test_engine_cuda.py \
       -k "(prefill and not unsplit) or tiny or geometry or prefix_caching" ;;
     cuda_lean) part cuda_lean 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
-      tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (lean or norms or sliced)" ;;
+      tests/kernels/triton/test_triton_kda.py -k "kda_prefill_k3 and (lean or norms)" ;;
     cuda_engine) part cuda_engine 120 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
       tests/engine/test_engine_cuda.py tests/kernels/triton/test_triton_model.py -k "prefix_caching or geometry or bf16_triton_logits" ;;
     kda_saving) part kda_saving 90 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --saving-only \

@@ -53,20 +53,6 @@ def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int,
             dict(H=H, K=K, V=V, BD=bd, **dots, KB=kb, DIAG_INVERTED=inv, INVERT_PRODUCTS=prod), warps, 1)
 
 
-def _sliced_spec(pkg: str, plan: dict, dots: dict, full_inverse: bool) -> tuple:
-    """chunk_sliced at SLICED_BK column slices, the A band in bf16 holding T_II on its diagonal or (full_inverse,
-    prefill.SLICED_FULL_INVERSE) the whole (I + A)^-1."""
-    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, SLICED_BK
-
-    return (f"{pkg}.chunk_sliced", "chunk_sliced_kernel",
-            {"q_ptr": "*bf16", "k_ptr": "*bf16", "f_ptr": "*bf16", "beta_ptr": "*bf16", "a_log_ptr": "*fp32",
-             "dt_bias_ptr": "*fp32", **plan, "b_ptr": "*fp32", "glast_ptr": "*fp32", "a_ptr": "*bf16",
-             "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "scale": "fp32",
-             "lower_bound": "fp32", "stride_q": "i32", "stride_k": "i32"},
-            dict(H=H, K=K, BK=SLICED_BK, **dots, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
-                 INVERT_PRODUCTS=True, FULL_INVERSE=full_inverse), PHASE_WARPS["sliced"], 2)
-
-
 def _specs() -> dict:
     """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
     import triton.language as tl
@@ -122,13 +108,6 @@ def _specs() -> dict:
         "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], gate_only=True),
         "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                                   raw=True, band="*bf16"),
-        # prefill.SLICED_PREP_INTRA: phases 1 and 2 in one program per (chunk, head) over SLICED_BK column slices
-        "chunk_sliced": _sliced_spec(pkg, plan, dots, False),
-        # prefill.SLICED_FULL_INVERSE: chunk_sliced stores the whole (I + A)^-1; the walk takes V' = Tinv (b v - KB S)
-        "chunk_sliced_full_inv": _sliced_spec(pkg, plan, dots, True),
-        "chunk_state_full_inv": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
-                                 dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True,
-                                      FULL_INV=True), state_warps, state_stages(bv)),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),

@@ -17,12 +17,6 @@ its W / U round trip go away, at the price of the substitution inside the sequen
     X_I  = b_I v_I - KB_I S,   V'_I = T_II (X_I - sum_{J<I} A_IJ V'_J)
     O_I  = QG_I S + sum_{J<=I} Aqk_IJ V'_J,   S = diag(GL) S + sum_J KD_J^T V'_J
 
-With ``FULL_INV`` as well the A band holds the whole inverse Tinv = (I + A)^-1 of each chunk (chunk_sliced's
-``FULL_INVERSE``, formed in the parallel phase), so the step is two [64, *] products instead of the substitution's
-chain of dependent [16, *] ones::
-
-    V' = Tinv (b v - KB S)
-
 With ``WITH_OUTPUT`` false the loop skips the output and instead stores the state at each chunk's start
 (``hbuf`` [NC, H, K, V], dot dtype) and V' (``vbuf`` [T, H, V]) for :mod:`.chunk_output`, which computes O for
 all chunks in parallel: a shorter sequential step for more bytes moved.
@@ -42,24 +36,14 @@ from rocm_k3.triton_kernels.kda.chunk_solve import _mm
 
 @triton.jit
 def _step_wu(s_dot, t0, eos, rt, loc_k, loc_v, loc_a, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, o_ptr, vbuf_ptr,
-             a_ptr, kb_ptr, v_ptr, b_ptr, loc_vin, stride_v, h,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr,
-             PREC: tl.constexpr, FULL_INV: tl.constexpr):
-    """One chunk from chunk_solve's W and U: V' = U - W S, or (FULL_INV) from the whole inverse Tinv = (I + A)^-1 in
-    the A band: V' = Tinv (b v - KB S); then O (or V' to vbuf), and KD^T V' [K, BV] returned."""
+             PREC: tl.constexpr):
+    """One chunk from chunk_solve's W and U: V' = U - W S, O (or V' to vbuf), and KD^T V' [K, BV] returned."""
     BT: tl.constexpr = 64
     m = (rt < eos - t0)[:, None]
-    if FULL_INV:
-        b = tl.load(b_ptr + (t0 + rt) * H + h, mask=rt < eos - t0, other=0.0)  # [BT]
-        v_in = tl.load(v_ptr + t0 * stride_v + loc_vin, mask=m, other=0.0).to(tl.float32)  # [BT, BV]
-        kb = tl.load(kb_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)  # [BT, K]
-        x = (b[:, None] * v_in - tl.dot(kb, s_dot, input_precision=PREC)).to(DOT_T)
-        tinv = tl.load(a_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT], zeros above
-        v_dot = tl.dot(tinv, x, input_precision=PREC).to(DOT_T)
-    else:
-        w = tl.load(w_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
-        u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
-        v_dot = (u - tl.dot(w, s_dot, input_precision=PREC)).to(DOT_T)  # [BT, BV]
+    w = tl.load(w_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
+    u = tl.load(u_ptr + t0 * (H * V) + loc_v, mask=m, other=0.0).to(tl.float32)
+    v_dot = (u - tl.dot(w, s_dot, input_precision=PREC)).to(DOT_T)  # [BT, BV]
     if WITH_OUTPUT:
         qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
         aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT]
@@ -168,12 +152,10 @@ def chunk_state_kernel(
     a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band [T, H, 64] (fp32 or bf16; T_II diagonal), KB, v, b
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
-    SOLVE_IN: tl.constexpr, FULL_INV: tl.constexpr = False,
+    SOLVE_IN: tl.constexpr,
 ):
     """Grid (V / BV, N, H). Without SOLVE_IN, w_ptr / u_ptr hold chunk_solve's W / U and a_ptr .. b_ptr are unread;
-    with it, w_ptr / u_ptr are unread. FULL_INV (with SOLVE_IN): the A band holds the whole (I + A)^-1 of each chunk
-    (chunk_sliced's FULL_INVERSE), so V' = Tinv (b v - KB S) takes two [64, *] products instead of the block
-    substitution."""
+    with it, w_ptr / u_ptr are unread."""
     BT: tl.constexpr = 64
     iv = tl.program_id(0)
     n = tl.program_id(1)
@@ -198,20 +180,18 @@ def chunk_state_kernel(
     loc_k = rt[:, None] * (H * K) + h * K + rk[None, :]  # int32 offsets of a [BT, K] tile from its chunk's row 0
     loc_v = rt[:, None] * (H * V) + h * V + rv[None, :]  # [BT, BV]
     loc_a = rt[:, None] * (H * BT) + h * BT + rt[None, :]  # [BT, BT]
-    loc_vin = rt[:, None] * stride_v + h * V + rv[None, :]  # [BT, BV] of v (row stride stride_v; FULL_INV)
     for ci in range(0, n_chunks):
         t0 = (bos + ci * BT).to(tl.int64)  # scalar 64-bit row base; the tiles add 32-bit offsets
         s_dot = s.to(DOT_T)
         if not WITH_OUTPUT:
             h_c = hbuf_ptr + ((c_first + ci) * H + h).to(tl.int64) * (K * V)
             tl.store(h_c + s_offs, s_dot.to(hbuf_ptr.dtype.element_ty))
-        if SOLVE_IN and not FULL_INV:
+        if SOLVE_IN:
             upd = _step_solved(s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, kd_ptr,
                                aqk_ptr, o_ptr, vbuf_ptr, H, K, V, WITH_OUTPUT, DOT_T, PREC)
         else:
             upd = _step_wu(s_dot, t0, eos, rt, loc_k, loc_v, loc_a, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, o_ptr,
-                           vbuf_ptr, a_ptr, kb_ptr, v_ptr, b_ptr, loc_vin, stride_v, h, H, K, V, WITH_OUTPUT, DOT_T,
-                           PREC, FULL_INV)
+                           vbuf_ptr, H, K, V, WITH_OUTPUT, DOT_T, PREC)
         gl = tl.load(glast_ptr + ((c_first + ci) * H + h).to(tl.int64) * K + rk)  # [K]
         s = s * gl[:, None] + upd
         if HAS_INTER:

@@ -33,7 +33,6 @@ from rocm_k3.ops.kda.datatypes import KDAGateParams, KDAPrefillOutput
 from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
 from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
-from rocm_k3.triton_kernels.kda.chunk_sliced import chunk_sliced_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
@@ -45,7 +44,7 @@ SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
 # each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1, "sliced": 4}
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -115,24 +114,6 @@ NORMS_IN_INTRA = True
 # dots are fp32). On: H100 2026-12-05 (session 21): 1.251 / 4.973 ms at T = 4k / 16k alone against 1.297 / 5.136; with
 # NORMS_IN_INTRA 1.084 / 4.333 against 1.106 / 4.360 (the walk's sm_90 build spills 128 B at 255 registers with it).
 BAND_IN_DOT_DTYPE = True
-# With SOLVE_IN_WALK, phases 1 and 2 in one launch (chunk_sliced): one program per (chunk, head) walks K in SLICED_BK
-# column slices, gating, summing and accumulating the pair blocks per slice, so G never goes through memory and every
-# element is gated once (~1.8 KB of HBM traffic per token and head at K = 128 in bf16 instead of ~2.8 for chunk_prep +
-# chunk_intra). Same outputs as the two launches (NORMS_IN_INTRA's formulas); only with SOLVE_IN_WALK (without it the
-# two launches run); off until timed (session 22). SLICED_BK 16 at 4 warps: 168 sm_90 registers, 132 / 136 VGPRs on
-# gfx942 / gfx950, no spills (BK 32: 253 on sm_90; BK 32 at 8 warps: 200).
-SLICED_PREP_INTRA = False
-SLICED_BK = 16
-# With SLICED_PREP_INTRA, chunk_sliced stores the whole inverse (I + A)^-1 of each chunk in the A band (block forward
-# substitution over its four row bands in fp32, after the diagonal inverses) instead of A with T_II on its diagonal,
-# and the walk forms V' = Tinv (b v - KB S) with two [64, *] products (chunk_state's FULL_INV) instead of the chain
-# of eight dependent [16, *] products of the substitution; the walk's step then has the shape of the four-launch
-# walk (0.29 ms at T = 4k on the H200 against the solving walk's 0.37, session 19). Same bytes. Off until timed
-# (session 23). Precision: the walk rounds Tinv to the dot dtype against the whole of b v - KB S, where the
-# substitution rounds A_IJ and T_II against smaller terms; on near-identical keys (spread 1e-3, b 0.99, weak decay)
-# with a bf16 band and fp32 dots (CPU interpreter) o was 3.2e-2 from the reference against 9.8e-3 (random keys 8.8e-3
-# vs 6.8e-3). Adopting it needs bench_kda's correlated-keys table within bf16 level too.
-SLICED_FULL_INVERSE = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -273,9 +254,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     w, u = (o, o) if solve_in else (buf(T, H, K), buf(T, H, V))  # o: unread placeholders (the walk solves)
     glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     aqk = buf(T, H, CHUNK)
-    full_inv = solve_in and SLICED_PREP_INTRA and SLICED_FULL_INVERSE
     walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
-                            w, u, dot_t, prec, solve_in, full_inv) or (o, o, o)  # (A band, KB, b) when the walk solves
+                            w, u, dot_t, prec, solve_in) or (o, o, o)  # (A band, KB, b) when the walk solves
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -290,7 +270,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
-        FULL_INV=full_inv, num_warps=warps, num_stages=state_stages(bv, solve_in and not full_inv),
+        num_warps=warps, num_stages=state_stages(bv, solve_in),
     )
     if split:
         bvo = min(64, V)
@@ -304,27 +284,16 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
-                  dot_t, prec, solve_in: bool, full_inv: bool = False) -> tuple | None:
+                  dot_t, prec, solve_in: bool) -> tuple | None:
     """Phases 1-3 as three launches (prep, intra, solve); writes qg, kd, glast, aqk, w, u. With ``solve_in``
     (``SOLVE_IN_WALK``) no solve runs: the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are
-    returned for the state walk. ``full_inv`` (SLICED_FULL_INVERSE, with SLICED_PREP_INTRA): the band holds the whole
-    inverse."""
+    returned for the state walk."""
     T, H, K = q.shape
 
     def buf(*shape: int, dtype: torch.dtype = q.dtype) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=q.device)
 
     b = buf(T, H, dtype=torch.float32)
-    if SLICED_PREP_INTRA and solve_in:  # phases 1 and 2 in one launch (chunk_sliced)
-        a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
-        kb = buf(T, H, K)
-        chunk_sliced_kernel[(plan.num_chunks, H)](
-            q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, b, glast, a, aqk, kb, qg, kd,
-            scale, lower, q.stride(0), k.stride(0), H=H, K=K, BK=min(SLICED_BK, K), DOT_T=dot_t, PREC=prec, **flags,
-            INVERT_PRODUCTS=invert_by_products(dot_t), FULL_INVERSE=full_inv, num_warps=PHASE_WARPS["sliced"],
-            num_stages=2,
-        )
-        return a, kb, b
     intra_grid = (plan.num_chunks * (CHUNK // 16), H)  # sub-block fastest (common.grid_ids)
     write_kb = SOLVE_KB or solve_in
     norms_in = NORMS_IN_INTRA and write_kb  # nothing else reads k' then

@@ -248,7 +248,7 @@ _PREFILL_CASES = [
 # tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
 # the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, SLICED_PREP_INTRA=False, SLICED_FULL_INVERSE=False)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -260,13 +260,6 @@ _PATHS = {
     "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
-    # prefill.SLICED_PREP_INTRA: the lean path's phases 1 and 2 in one launch (chunk_sliced)
-    "2-launch-sliced": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
-                        "BAND_IN_DOT_DTYPE": True, "SLICED_PREP_INTRA": True},
-    # prefill.SLICED_FULL_INVERSE: chunk_sliced stores the whole (I + A)^-1, the walk takes V' = Tinv (b v - KB S)
-    "2-launch-sliced-full-inverse": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
-                                     "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "SLICED_PREP_INTRA": True,
-                                     "SLICED_FULL_INVERSE": True},
 }
 
 
@@ -361,10 +354,8 @@ def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"),
-                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean"),
-                                               (True, "2-launch-sliced-full-inverse")],
-                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output",
-                              "full-inverse-split-output"])
+                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean")],
+                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output"])
 def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
@@ -456,8 +447,7 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products", "2-launch-sliced",
-                                  "2-launch-sliced-full-inverse"])
+@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products"])
 def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
     runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel stores
@@ -594,19 +584,6 @@ def _invert_band_diagonal(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _invert_band_whole(a: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """A [T, H, 64] row band with each chunk's strictly lower A replaced by the whole (I + A)^-1 over the chunk's
-    rows (fp64; columns past the chunk's end stay 0): what chunk_sliced stores with FULL_INVERSE."""
-    out = torch.zeros_like(a)
-    bounds = cu.tolist()
-    for s in range(len(bounds) - 1):
-        for t0 in range(bounds[s], bounds[s + 1], 64):
-            n = min(64, bounds[s + 1] - t0)
-            blk = a[t0:t0 + n, :, :n].transpose(0, 1)  # [H, rows, cols]
-            out[t0:t0 + n, :, :n] = torch.linalg.inv(torch.eye(n, dtype=a.dtype) + blk).transpose(0, 1)
-    return out
-
-
 def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = True) -> dict:
     """fp64 twin of chunk_prep's and chunk_intra's outputs (safe gate, or the raw log-decay when params is None; q/k
     L2 norm unless l2norm is false; beta logits): per 64-token chunk G = cumsum(g), q', k', b, then QG = q' exp(G),
@@ -734,48 +711,6 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")))
 
 
-@pytest.mark.interpret
-@needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,bk,l2norm,whole", [
-    ("safe", torch.float32, 2e-5, 16, True, False), ("mild", torch.float32, 1e-5, 32, True, False),
-    ("mild", torch.float16, 1e-3, 16, True, False), ("mild", torch.float32, 1e-5, 16, False, False),
-    ("safe", torch.float32, 2e-5, 16, True, True), ("mild", torch.float16, 1e-3, 16, True, True)],
-    ids=["safe-fp32-2-slices", "mild-fp32-1-slice", "mild-fp16-2-slices", "mild-fp32-no-l2norm",
-         "safe-fp32-full-inverse", "mild-fp16-full-inverse"])
-def test_chunk_sliced_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, bk: int, l2norm: bool,
-                                        whole: bool) -> None:
-    """chunk_sliced (prefill.SLICED_PREP_INTRA: phases 1 and 2 in one program per (chunk, head), K in BK-column
-    slices) tensor by tensor against the fp64 twin (_prep_intra_oracle, the A band's diagonal blocks inverted, or
-    with "full-inverse" (FULL_INVERSE) the chunk's whole (I + A)^-1, _invert_band_whole): b, GL,
-    A, Aqk, and QG, KD, KB per 16-row block, on a varlen batch with short chunks and strided q, k (column slices of
-    one NaN-padded tensor); every output starts as NaN, so an element not written fails. Gates and tolerances as
-    test_chunk_prep_and_intra_outputs_interpret's; "no-l2norm": q, k unnormalised (small), the row factors 1 and the
-    scale."""
-    from rocm_k3.triton_kernels.kda import prefill as tri_prefill
-    from rocm_k3.triton_kernels.kda.chunk_sliced import chunk_sliced_kernel
-    from rocm_k3.triton_kernels.kda.common import plan_chunks
-    from tests.helpers import poisoned_like
-
-    q0, k0, q, k, f, beta, cu, params = _strided_prep_inputs(gate, dtype, l2norm, seeded(10))
-    T, H, D = q0.shape
-    plan = plan_chunks(cu, T)
-    dot_t, prec = tri_prefill.dot_config(dtype)
-    want = _prep_intra_oracle(q0, k0, f, beta, cu, params, D**-0.5, l2norm)
-    want["A"] = (_invert_band_whole if whole else _invert_band_diagonal)(want["A"], cu)
-    shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
-              "GL": (plan.num_chunks, H, D)}
-    fp32 = ("A", "b", "GL")
-    got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
-           for name, shape in shapes.items()}
-    a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
-    chunk_sliced_kernel[(plan.num_chunks, H)](
-        q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["b"], got["GL"], got["A"],
-        got["Aqk"], got["KB"], got["QG"], got["KD"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D, BK=bk,
-        DOT_T=dot_t, PREC=prec, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=l2norm,
-        BETA_LOGITS=True, INVERT_PRODUCTS=True, FULL_INVERSE=whole)
-    _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL"))
-
-
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_kernel_signatures_match_the_contract(op: str) -> None:
     """Implementation and supports() take exactly the reference op's parameters (names, kinds, defaults)."""
@@ -849,9 +784,7 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
-                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
-                # prefill.SLICED_PREP_INTRA: phases 1 and 2 in one launch; SLICED_FULL_INVERSE: the whole inverse
-                "chunk_sliced", "chunk_sliced_full_inv", "chunk_state_full_inv")
+                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -863,14 +796,11 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
-        "chunk_sliced": ("mma.sync.aligned", "v_mfma"), "chunk_sliced_full_inv": ("mma.sync.aligned", "v_mfma"),
-        "chunk_state_full_inv": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
-# normalising the raw q, k itself; chunk_sliced at SLICED_BK 16, 4 warps: 168 sm_90 registers, 195 with the whole
-# inverse): a spill there is a regression.
-_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms", "chunk_sliced", "chunk_sliced_full_inv")
+# normalising the raw q, k itself): a spill there is a regression.
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms")
 
 
 @pytest.fixture(scope="module")
