@@ -7,7 +7,7 @@
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
 a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (the gate-only prep at 4 warps; session 19's default, before session 20's byte cuts: q, k normalised
+``PREP_COMPARE`` (the gate-only prep at 8 warps, before session 24; session 19's default, before session 20's byte cuts: q, k normalised
 in the prep, an fp32 A band).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
@@ -243,9 +243,11 @@ _S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
 # bit-equal), at 64-column slices 1.041 / 4.095; the varlen row was cut. The sliced prep + intra launch (6.96 ms against
 # 0.71 for prep + intra) and the whole in-chunk inverse (walk 0.396 against 0.369 ms) were rejected and removed, the
 # intra kernel at 2 warps (0.622 against 0.502 ms) and the solving walk at BV 32 (0.609 / 0.551 against 0.369) too.
-_PREP4 = {"PHASE_WARPS": {"prep_split": 4}}
-PROFILE_VARIANTS = (("gate-only prep 4 warps", _PREP4),
-                    ("gate-only prep BK 64, 4 warps", {"PREP_BK": 64, "PHASE_WARPS": {"prep_split": 4}}))
+# Session 24 (H100) adopted the 4 warps (end to end lower at 4k / 16k / 64k / varlen, o bit-equal); the 8 warps stay
+# as the reference row.
+_PREP8 = {"PHASE_WARPS": {"prep_split": 8}}
+PROFILE_VARIANTS = (("gate-only prep 8 warps (before session 24)", _PREP8),
+                    ("gate-only prep BK 64", {"PREP_BK": 64}))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -317,7 +319,7 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
 
-ACCURACY_SETTINGS = (("default", {}), ("gate-only prep 4 warps", _PREP4))
+ACCURACY_SETTINGS = (("default", {}),)
 
 
 def correlated_accuracy(gen: torch.Generator, H: int = 8, T: int = 2048, device: str = "cuda",
@@ -423,10 +425,10 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the gate-only prep at 4 warps and session 19's default (the prep normalising q, k, the A
+# ... and --prep-compare's: the gate-only prep at 8 warps and session 19's default (the prep normalising q, k, the A
 # band in fp32) against today's, also while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
 # four launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_prep4", _PREP4), ("ms_s19_default", _S19_DEFAULT))
+PREP_COMPARE = (("ms_prep8", _PREP8), ("ms_s19_default", _S19_DEFAULT))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

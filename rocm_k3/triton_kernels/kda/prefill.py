@@ -43,8 +43,10 @@ MAX_HEAD_DIM = 128  # the chunk tiles hold whole [16 or 64, K] rows and [K, BV] 
 SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
-# each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower.
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "intra": 4, "solve": 1}
+# each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower. The gate-only split prep (NORMS_IN_INTRA) at 4
+# warps instead of 8: H100 2026-12-06 (session 24, RESULTS.md) end to end 1.034 / 4.009 / 16.29 / 3.930 ms against
+# 1.081 / 4.281 / 17.00 / 4.198 at T = 4k / 16k / 64k / varlen 16k (o bit-equal; its kernel 0.209 -> 0.156 ms at 4k).
+PHASE_WARPS = {"prep": 16, "prep_split": 4, "intra": 4, "solve": 1}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
