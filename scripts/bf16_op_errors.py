@@ -1,0 +1,123 @@
+"""Where a backend's bf16 logits drift from the fp32 reference model: per position, and per op on the model's own
+inputs (session 24's diagnosis of the K3 slice's bf16 logits test, RESULTS.md).
+
+    python scripts/bf16_op_errors.py CHECKPOINT [--backend triton] [--device cuda] [--tokens 48] [--force-routing]
+
+Loads the checkpoint three times (fp32 reference, bf16 reference, bf16 ``--backend``), runs one teacher-forced
+prefill of ``--tokens`` random ids through each and prints the logits' relative error against the fp32 model, in
+total and per position (expert flips at near-ties show as a few positions far above the rest). Then, for each op
+of the backend's model, the call's inputs as the model made them (its first call) go through the backend's op, the
+reference op in bf16 and the reference op in fp32: the first two's relative errors against the third. With
+``--force-routing`` both bf16 models choose the fp32 model's experts (their own router weights at them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # simple_cache: the model-level cache
+
+OPS = ("kda_prefill", "gated_rms_norm", "short_conv", "fused_moe", "route", "mla_prefill", "rms_norm",
+       "add_rms_norm", "attn_res_step", "situ_and_mul")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _wrap(table, op: str, fn) -> None:
+    """Replace the first bound implementation of ``op`` by ``fn(impl, *args, **kwargs)``."""
+    impl = table.candidates[op][0]
+    table.candidates[op] = (dataclasses.replace(impl, fn=lambda *a, **k: fn(impl, *a, **k)),) \
+        + table.candidates[op][1:]
+
+
+def _routing(table, routes: list, replay: bool) -> None:
+    """Record every route call's ids into ``routes``, or (replay) choose them again in the recorded order."""
+    recorded = iter(list(routes))
+
+    def fn(impl, logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
+        out = impl.fn(logits, top_k, correction_bias=correction_bias, renormalize=renormalize,
+                      scaling_factor=scaling_factor)
+        if not replay:
+            routes.append(out.ids.clone())
+            return out
+        ids = next(recorded)
+        w = torch.sigmoid(logits).gather(1, ids.long())
+        w = w / w.sum(dim=-1, keepdim=True) if renormalize else w
+        return out._replace(weights=(w * scaling_factor).float().contiguous(), ids=ids)
+
+    _wrap(table, "route", fn)
+
+
+def _first(out):
+    """The op's main output tensor (``.o`` of a prefill result, the first of a tuple)."""
+    if hasattr(out, "o"):
+        return out.o
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _copy(x, fp32: bool = False):
+    if not torch.is_tensor(x):
+        return x
+    return x.float().clone() if fp32 and x.is_floating_point() else x.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--force-routing", action="store_true")
+    args = parser.parse_args()
+    if args.tokens < 1:
+        raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
+
+    from rocm_k3.model.loader import load_model
+    from rocm_k3.ops.registry import _impls
+    from simple_cache import SimpleCache
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.randint(0, 256, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    routes: list = []
+
+    def logits(backend: str, dtype: torch.dtype, replay: bool, captured: dict | None = None):
+        model = load_model(args.checkpoint, dtype=dtype, device=args.device, backend=backend, progress=False)
+        if args.force_routing:
+            _routing(model.backend, routes, replay)
+        for op in (OPS if captured is not None else ()):
+            if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
+                _wrap(model.backend, op, lambda impl, *a, _op=op, **k: (captured.setdefault(_op, (impl, a, k)),
+                                                                         impl.fn(*a, **k))[1])
+        cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=args.device)
+        batch = cache.prepare([(0, ids)])
+        batch.logits_indices = torch.arange(batch.num_tokens, device=args.device)
+        with torch.inference_mode():
+            return model.forward(batch, cache).float()
+
+    truth = logits("reference", torch.float32, False)
+    ref16 = logits("reference", torch.bfloat16, True)
+    captured: dict = {}
+    got16 = logits(args.backend, torch.bfloat16, True, captured)
+    print(f"logits vs fp32 ({args.tokens} tokens, routing {'forced' if args.force_routing else 'free'}): "
+          f"bf16 reference {rel(ref16, truth):.3e}, bf16 {args.backend} {rel(got16, truth):.3e}")
+    for name, x in (("reference", ref16), (args.backend, got16)):
+        per = ((x - truth).norm(dim=-1) / truth.norm(dim=-1)).tolist()
+        print(f"  per position, bf16 {name}: " + " ".join(f"{e:.2f}" for e in per))
+    print(f"ops on the {args.backend} model's own inputs (first call), relative error against the fp32 reference op:")
+    for op, (impl, a, k) in captured.items():
+        ref = _impls[op]["reference"].fn
+        want = _first(ref(*[_copy(x, True) for x in a], **{n: _copy(v, True) for n, v in k.items()}))
+        got = _first(impl.fn(*[_copy(x) for x in a], **{n: _copy(v) for n, v in k.items()}))
+        base = _first(ref(*[_copy(x) for x in a], **{n: _copy(v) for n, v in k.items()}))
+        print(f"  {op}: {args.backend} {rel(got, want):.3e}, bf16 reference {rel(base, want):.3e}")
+
+
+if __name__ == "__main__":
+    main()
