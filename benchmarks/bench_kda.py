@@ -6,9 +6,8 @@
 ``--phase-compare``: only the K3 prefill shapes T = 4k / 16k / 64k, the varlen batch and the varlen batch saving a
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
-a short device call; ``--prep-compare`` the same with
-``PREP_COMPARE`` (the gate-only prep at 8 warps, before session 24; session 19's default, before session 20's byte cuts: q, k normalised
-in the prep, an fp32 A band).
+a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the gate-only prep at 8 warps, before session
+24; session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
 
@@ -426,8 +425,9 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
 # ... and --prep-compare's: the gate-only prep at 8 warps and session 19's default (the prep normalising q, k, the A
-# band in fp32) against today's, also while saving states. Session 21 (H100, RESULTS.md) timed session 20's byte cuts end to end this way; session 19 the
-# four launches, INTRA_INVERTS by products and the solve in the walk.
+# band in fp32) against today's, also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep
+# this way, session 21 session 20's byte cuts, session 19 the four launches, INTRA_INVERTS by products and the solve
+# in the walk.
 PREP_COMPARE = (("ms_prep8", _PREP8), ("ms_s19_default", _S19_DEFAULT))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 

@@ -14,13 +14,12 @@ reference op in bf16 and the reference op in fp32: the first two's relative erro
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # simple_cache: the model-level cache
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # simple_cache, forced_routing
 
 OPS = ("kda_prefill", "gated_rms_norm", "short_conv", "fused_moe", "route", "mla_prefill", "rms_norm",
        "add_rms_norm", "attn_res_step", "situ_and_mul")
@@ -28,31 +27,6 @@ OPS = ("kda_prefill", "gated_rms_norm", "short_conv", "fused_moe", "route", "mla
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _wrap(table, op: str, fn) -> None:
-    """Replace the first bound implementation of ``op`` by ``fn(impl, *args, **kwargs)``."""
-    impl = table.candidates[op][0]
-    table.candidates[op] = (dataclasses.replace(impl, fn=lambda *a, **k: fn(impl, *a, **k)),) \
-        + table.candidates[op][1:]
-
-
-def _routing(table, routes: list, replay: bool) -> None:
-    """Record every route call's ids into ``routes``, or (replay) choose them again in the recorded order."""
-    recorded = iter(list(routes))
-
-    def fn(impl, logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
-        out = impl.fn(logits, top_k, correction_bias=correction_bias, renormalize=renormalize,
-                      scaling_factor=scaling_factor)
-        if not replay:
-            routes.append(out.ids.clone())
-            return out
-        ids = next(recorded)
-        w = torch.sigmoid(logits).gather(1, ids.long())
-        w = w / w.sum(dim=-1, keepdim=True) if renormalize else w
-        return out._replace(weights=(w * scaling_factor).float().contiguous(), ids=ids)
-
-    _wrap(table, "route", fn)
 
 
 def _first(out):
@@ -81,6 +55,7 @@ def main() -> None:
 
     from rocm_k3.model.loader import load_model
     from rocm_k3.ops.registry import _impls
+    from forced_routing import route_through, wrap_op
     from simple_cache import SimpleCache
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -90,10 +65,10 @@ def main() -> None:
     def logits(backend: str, dtype: torch.dtype, replay: bool, captured: dict | None = None):
         model = load_model(args.checkpoint, dtype=dtype, device=args.device, backend=backend, progress=False)
         if args.force_routing:
-            _routing(model.backend, routes, replay)
+            route_through(model.backend, routes, replay)
         for op in (OPS if captured is not None else ()):
             if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
-                _wrap(model.backend, op, lambda impl, *a, _op=op, **k: (captured.setdefault(_op, (impl, a, k)),
+                wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (captured.setdefault(_op, (impl, a, k)),
                                                                          impl.fn(*a, **k))[1])
         cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=args.device)
         batch = cache.prepare([(0, ids)])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forced_routing import route_through
 from helpers import rel_err
 from model_fixtures import SMALL_MLA_GEOMETRY, hf_greedy, write_kimi_linear_checkpoint
 
@@ -157,43 +158,20 @@ def test_tiny_model_interpret_in_subprocess() -> None:
 def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, ids: list[int],
                            routes: list | None = None, replay: bool = False, device: str = "cuda") -> torch.Tensor:
     """Logits at every position of ``ids`` in one prefill (no sampling, so no divergence cascade). With ``routes``
-    the MoE routing is teacher-forced too (_route_through): recorded into it, or with ``replay`` taken from it."""
+    the MoE routing is teacher-forced too (forced_routing.route_through): recorded into it, or with ``replay`` taken
+    from it."""
     from rocm_k3.model.loader import load_model
     from simple_cache import SimpleCache
     from rocm_k3.model.tiny import ensure_embedded_model
 
     model = load_model(path or ensure_embedded_model(), dtype=dtype, device=device, backend=backend, progress=False)
     if routes is not None:
-        _route_through(model.backend, routes, replay)
+        route_through(model.backend, routes, replay)
     cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=device)
     batch = cache.prepare([(0, ids)])
     batch.logits_indices = torch.arange(batch.num_tokens, device=device)
     with torch.inference_mode():
         return model.forward(batch, cache).float()  # [T, vocab]
-
-
-def _route_through(table, routes: list, replay: bool) -> None:
-    """Wrap the bound ``route`` op of a model's op table: every call's expert ids [T, k] are appended to ``routes``
-    (record), or (``replay``) the ids of the same call in the recorded order are chosen again, their weights taken
-    from this model's own router logits as the op defines them (sigmoid at the ids, renormalised, scaled)."""
-    import dataclasses
-
-    impl = table.candidates["route"][0]
-    recorded = iter(list(routes)) if replay else None
-
-    def fn(router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
-        out = impl.fn(router_logits, top_k, correction_bias=correction_bias, renormalize=renormalize,
-                      scaling_factor=scaling_factor)
-        if not replay:
-            routes.append(out.ids.clone())
-            return out
-        ids = next(recorded).to(out.ids.device)
-        w = torch.sigmoid(router_logits).gather(1, ids.long())  # [T, k]
-        if renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return out._replace(weights=(w * scaling_factor).float().contiguous(), ids=ids)
-
-    table.candidates["route"] = (dataclasses.replace(impl, fn=fn),) + table.candidates["route"][1:]
 
 
 def test_route_through_replays_the_recorded_routing() -> None:

@@ -1,0 +1,38 @@
+"""Teacher-forced MoE routing for accuracy comparisons: one model records the experts its ``route`` op chose, another
+chooses the same experts again (its own router weights at them), so a bf16-vs-fp32 comparison measures rounding
+instead of expert flips at near-ties (session 24, RESULTS.md). Used by test_triton_model's bf16 logits test and
+``scripts/bf16_op_errors.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def wrap_op(table, op: str, fn) -> None:
+    """Replace the first bound implementation of ``op`` in a model's op table by ``fn(impl, *args, **kwargs)``."""
+    impl = table.candidates[op][0]
+    table.candidates[op] = (dataclasses.replace(impl, fn=lambda *a, **k: fn(impl, *a, **k)),) \
+        + table.candidates[op][1:]
+
+
+def route_through(table, routes: list, replay: bool) -> None:
+    """Wrap the bound ``route`` op: every call's expert ids [T, k] are appended to ``routes`` (record), or
+    (``replay``) the ids of the same call in the recorded order are chosen again, their weights taken from this
+    model's own router logits as the op defines them (sigmoid at the ids, renormalised, scaled)."""
+    recorded = iter(list(routes))
+
+    def fn(impl, router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
+        out = impl.fn(router_logits, top_k, correction_bias=correction_bias, renormalize=renormalize,
+                      scaling_factor=scaling_factor)
+        if not replay:
+            routes.append(out.ids.clone())
+            return out
+        ids = next(recorded).to(out.ids.device)
+        w = torch.sigmoid(router_logits).gather(1, ids.long())  # [T, k]
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return out._replace(weights=(w * scaling_factor).float().contiguous(), ids=ids)
+
+    wrap_op(table, "route", fn)
