@@ -26,17 +26,18 @@ prompts step N does not hold and is launched before step N's first tokens are re
 
     PYTHONPATH=. python3 benchmarks/bench_e2e.py --prefill [--prompts 16] [--prompt-len 2048] [--budget 8192]
 
-``--prefill``: prompt tokens per second. ``--prompts`` prompts of ``--prompt-len`` random tokens that share no
-prefix (each starts with its own token; prefix caching off) arrive at once and are prefilled in steps of at most
-``--budget`` tokens until every one has its first token (a warm-up round of other prompts first compiles the
-kernels for these shapes). The FLOP roofline counts every matmul of a prompt token (:func:`prefill_flops`): each
-weight matrix of the checkpoint (2 * rows * cols per token; routed experts at top-k of E; the LM head once per
-prompt, on the one row the model computes logits for), MLA attention over the expanded heads
+``--prefill``: prompt tokens per second, then (unless ``--no-mixed``) the decodes' inter-token p50 / p99 under a
+mixed load at the engine's default step budget (:func:`mixed_load`). ``--prompts`` prompts of ``--prompt-len``
+random tokens that share no prefix (each starts with its own token; prefix caching off) arrive at once and are
+prefilled in steps of at most ``--budget`` tokens until every one has its first token (a warm-up round of other
+prompts first compiles the kernels for these shapes). The FLOP roofline counts every matmul of a prompt token
+(:func:`prefill_flops`): each weight matrix of the checkpoint (2 * rows * cols per token; routed experts at top-k of
+E; the LM head once per prompt, on the one row the model computes logits for), MLA attention over the expanded heads
 (2 (Dn + P + Dv) per causal (query, key, head) pair, the mean over the prompt's positions) and the KDA chunked
-recurrence (per token and head: 2 D^2 each for q S, W S and the state update k^T V', plus 2 C D each for the
-chunk's A, Aqk and Aqk V' products, C = 64). % of peak = FLOP/s over the brief's ~780 TFLOP/s H200 bf16 roofline
-(issue 35's "bf16 peak"), over 989 TFLOP/s (H200 dense bf16, spec sheet) and over an 8192^3 bf16 matmul measured in
-the same run.
+recurrence (per token and head: 2 D^2 each for q S, W S and the state update k^T V', plus 2 C D each for the chunk's
+A, Aqk and Aqk V' products, C = 64). % of peak = FLOP/s over the brief's ~780 TFLOP/s H200 bf16 roofline (issue 35's
+"bf16 peak"), over 989 TFLOP/s (H200 dense bf16, spec sheet) and over an 8192^3 bf16 matmul measured in the same
+run.
 """
 
 from __future__ import annotations
@@ -365,6 +366,27 @@ def run_prefill(path: Path, args) -> None:
         for e in sorted(ops, key=lambda e: -e.device_time_total)[:12]:
             print(f"  {e.device_time_total / 1e3:9.2f} ms x{e.count:<5d} {e.key} {str(e.input_shapes)[:120]}")
     llm.shutdown()
+    if args.mixed:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        mixed_load(path, args.dtype)
+
+
+def mixed_load(path: Path, dtype: str) -> None:
+    """Inter-token latency of running decodes while long prompts arrive, at the engine's default step budget and
+    no long-prefill threshold (bench_mixed_load.py's GPU load; that script sweeps the two flags)."""
+    from bench_mixed_load import GPU_LOAD, gpu_engine_args, measure
+
+    from rocm_k3.settings import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    load = argparse.Namespace(**GPU_LOAD)
+    r = measure(path, DEFAULT_MAX_NUM_BATCHED_TOKENS, 0, load, "cuda", gpu_engine_args(dtype))
+    print(f"mixed load ({load.decodes} decodes running, {load.long_prompts} prompts of {load.long_len} tokens arrive; "
+          f"--max-num-batched-tokens {DEFAULT_MAX_NUM_BATCHED_TOKENS}, no --long-prefill-token-threshold): inter-token "
+          f"p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms (p99 / p50 {r['ratio']:.2f}), max {r['max']:.1f} ms; the "
+          f"prompts' TTFT mean {r['ttft_mean']:.0f} ms, last {r['ttft_last']:.0f} ms, {r['prefill_tok_s']:,.0f} "
+          f"prompt tokens/s", flush=True)
 
 
 def main() -> None:
@@ -387,6 +409,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="timed --prefill rounds (the fastest is printed)")
     ap.add_argument("--profile", action="store_true", help="--prefill: one more round under torch.profiler, "
                     "the 30 costliest CUDA kernels")
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false",
+                    help="--prefill: skip the mixed-load line (decode inter-token p50 / p99 while long prompts arrive)")
     ap.add_argument("--copies", action="store_true", help="--prefill: one more profiled round that names the "
                     "torch ops (and input shapes) behind the GPU copy kernels")
     args = ap.parse_args()

@@ -31,6 +31,10 @@ from rocm_k3.model.tiny import ensure_embedded_model, k3_slice_overrides, write_
 from rocm_k3.sampling_params import SamplingParams
 
 
+# The GPU load (the K3 slice has 4k positions), also bench_e2e.py --prefill's mixed-load line.
+GPU_LOAD = dict(decodes=16, long_prompts=8, long_len=3968, steady_steps=24)
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -89,6 +93,26 @@ def run(llm: LLM, args: argparse.Namespace, device: str) -> dict:
             "prefill_tok_s": args.long_prompts * args.long_len / max(ttft.values()), "mixed_steps": len(mixed)}
 
 
+def gpu_engine_args(dtype: str) -> dict:
+    """The LLM arguments of the GPU runs (Triton backend, 8 GiB of MLA cache, 16 GiB of KDA state)."""
+    return dict(dtype=dtype, backend="triton", device="cuda", kv_cache_bytes=8 << 30, state_cache_bytes=16 << 30)
+
+
+def measure(path: Path, budget: int, threshold: int, args: argparse.Namespace, device: str, kw: dict) -> dict:
+    """:func:`run` on a fresh engine at ``max_num_batched_tokens`` = budget and ``long_prefill_token_threshold`` =
+    threshold (``kw``: the other LLM arguments), shut down and freed afterwards."""
+    llm = LLM(path, max_num_seqs=args.decodes + args.long_prompts, max_num_batched_tokens=budget,
+              max_model_len=args.long_len + 64, long_prefill_token_threshold=threshold, **kw)
+    try:
+        return run(llm, args, device)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the embedded model on the CPU (small default sizes)")
@@ -103,8 +127,7 @@ def main() -> None:
     args = ap.parse_args()
     cpu = args.cpu or not torch.cuda.is_available()
     small = dict(decodes=4, long_prompts=2, long_len=1024, configs=["1024:0", "1024:256"], steady_steps=8)
-    large = dict(decodes=16, long_prompts=8, long_len=3968, steady_steps=24,  # the slice has 4k positions
-                 configs=["4096:0", "4096:512", "1024:0", "1024:256", "512:256"])
+    large = dict(GPU_LOAD, configs=["4096:0", "4096:512", "1024:0", "1024:256", "512:256"])
     for key, value in (small if cpu else large).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -115,24 +138,17 @@ def main() -> None:
         path = Path(tempfile.mkdtemp()) / "k3-slice"
         write_tiny_checkpoint(path, text_overrides=k3_slice_overrides(args.width))
         device = "cuda"
-        kw = dict(dtype=args.dtype, backend="triton", device="cuda", kv_cache_bytes=8 << 30, state_cache_bytes=16 << 30)
+        kw = gpu_engine_args(args.dtype)
         what = f"K3 slice (width 1/{args.width}), {args.dtype}, Triton backend, {torch.cuda.get_device_name()}"
     print(f"{what}: {args.decodes} decodes, {args.long_prompts} prompts of {args.long_len} tokens arrive")
     print(f"{'budget':>6} | {'threshold':>9} | {'ITL p50':>8} | {'ITL p99':>8} | {'ITL max':>8} | {'p99/p50':>7} | "
           f"{'TTFT mean':>9} | {'TTFT last':>9} | {'prefill tok/s':>13} | steps")
     for config in args.configs:
         budget, threshold = (int(x) for x in config.split(":"))
-        llm = LLM(path, max_num_seqs=args.decodes + args.long_prompts, max_num_batched_tokens=budget,
-                  max_model_len=args.long_len + 64, long_prefill_token_threshold=threshold, **kw)
-        r = run(llm, args, device)
-        print(f"{budget:>6} | {threshold:>9} | {r['p50']:>5.1f} ms | {r['p99']:>5.1f} ms | {r['max']:>5.1f} ms | {r['ratio']:>7.2f} | "
-              f"{r['ttft_mean']:>6.0f} ms | {r['ttft_last']:>6.0f} ms | {r['prefill_tok_s']:>13.0f} | "
-              f"{r['mixed_steps']}", flush=True)
-        llm.shutdown()
-        del llm
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        r = measure(path, budget, threshold, args, device, kw)
+        print(f"{budget:>6} | {threshold:>9} | {r['p50']:>5.1f} ms | {r['p99']:>5.1f} ms | {r['max']:>5.1f} ms | "
+              f"{r['ratio']:>7.2f} | {r['ttft_mean']:>6.0f} ms | {r['ttft_last']:>6.0f} ms | "
+              f"{r['prefill_tok_s']:>13.0f} | {r['mixed_steps']}", flush=True)
 
 
 if __name__ == "__main__":
