@@ -30,6 +30,9 @@ def route_through(table, routes: list, replay: bool) -> None:
             routes.append(out.ids.clone())
             return out
         ids = next(recorded).to(out.ids.device)
+        if ids.shape != out.ids.shape:
+            raise ValueError(f"replayed routing: recorded ids {tuple(ids.shape)} for a call routing "
+                             f"{tuple(out.ids.shape)}: the two runs saw different tokens or layers")
         w = torch.sigmoid(router_logits).gather(1, ids.long())  # [T, k]
         if renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
