@@ -232,11 +232,7 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # session 19's default (NORMS_IN_INTRA alone 1.106 / 4.360 / 4.264, the band alone 1.251 / 4.973 / 4.889); slower than
 # session 19's default: the intra kernel scaling raw q, k by the prep's row factors (1.275 / 5.032, a half-way step,
 # removed), the norm-taking prep at 16-column slices at 4 / 8 warps (1.534 / 1.483 at 4k), the solving walk at 3
-# stages (1.391), the inverting intra kernel at 8 warps (1.678). FLA's chunk_kda: 1.611 / 6.366 / 6.305. So: session
-# 19's default as the reference, then the knobs of the new phases: the gate-only prep (now 0.21 of 1.08 ms at 4k, ~50 %
-# of the copy rate) at 4 warps and at 64- / 128-column slices, the intra kernel (now 0.50 ms, the norms and QG / KD
-# added) at 2 warps, and the solving walk at BV 32 (four value blocks per walk: twice the programs, each re-reading the
-# band, KB, QG, KD).
+# stages (1.391), the inverting intra kernel at 8 warps (1.678). FLA's chunk_kda: 1.611 / 6.366 / 6.305.
 _S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
 # Session 23 (H100): the gate-only prep at 4 warps 1.031 / 4.108 ms against the default's 1.083 / 4.365 at 4k / 16k (o
 # bit-equal), at 64-column slices 1.041 / 4.095; the varlen row was cut. The sliced prep + intra launch (6.96 ms against
@@ -244,7 +240,7 @@ _S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
 # intra kernel at 2 warps (0.622 against 0.502 ms) and the solving walk at BV 32 (0.609 / 0.551 against 0.369) too.
 # Session 24 (H100) adopted the 4 warps (end to end lower at 4k / 16k / 64k / varlen, o bit-equal); the 8 warps stay
 # as the reference row.
-_PREP8 = {"PHASE_WARPS": {"prep_split": 8}}
+_PREP8 = {"PHASE_WARPS": {"prep_gate": 8}}
 PROFILE_VARIANTS = (("gate-only prep 8 warps (before session 24)", _PREP8),
                     ("gate-only prep BK 64", {"PREP_BK": 64}))
 

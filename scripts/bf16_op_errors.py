@@ -7,8 +7,10 @@ Loads the checkpoint three times (fp32 reference, bf16 reference, bf16 ``--backe
 prefill of ``--tokens`` random ids through each and prints the logits' relative error against the fp32 model, in
 total and per position (expert flips at near-ties show as a few positions far above the rest). Then, for each op
 of the backend's model, the call's inputs as the model made them (its first call) go through the backend's op, the
-reference op in bf16 and the reference op in fp32: the first two's relative errors against the third. With
-``--force-routing`` both bf16 models choose the fp32 model's experts (their own router weights at them).
+reference op in bf16 and the reference op in fp32: the first two's relative errors against the third (floating
+tensors cast to fp32 for the third; tensors inside structures, e.g. gate parameters or expert weights, as they are).
+With ``--force-routing`` both bf16 models choose the fp32 model's experts (their own router weights at them), and the
+route op is left out of the per-op table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # simple_cache, forced_routing
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "tests")]  # rocm_k3 without an install; simple_cache, forced_routing
 
 OPS = ("kda_prefill", "gated_rms_norm", "short_conv", "fused_moe", "route", "mla_prefill", "rms_norm",
        "add_rms_norm", "attn_res_step", "situ_and_mul")
@@ -40,6 +43,12 @@ def _copy(x, fp32: bool = False):
     if not torch.is_tensor(x):
         return x
     return x.float().clone() if fp32 and x.is_floating_point() else x.clone()
+
+
+def _capture(captured: dict, op: str, impl, args: tuple, kwargs: dict) -> None:
+    """Keep the first call of ``op``: its implementation and copies of its tensors (ops write states in place)."""
+    if op not in captured:
+        captured[op] = (impl, tuple(_copy(x) for x in args), {n: _copy(v) for n, v in kwargs.items()})
 
 
 def main() -> None:
@@ -68,7 +77,7 @@ def main() -> None:
             route_through(model.backend, routes, replay)
         for op in (OPS if captured is not None else ()):
             if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
-                wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (captured.setdefault(_op, (impl, a, k)),
+                wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (_capture(captured, _op, impl, a, k),
                                                                          impl.fn(*a, **k))[1])
         cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=args.device)
         batch = cache.prepare([(0, ids)])

@@ -6,22 +6,26 @@ instead of expert flips at near-ties (session 24, RESULTS.md). Used by test_trit
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 
 def wrap_op(table, op: str, fn) -> None:
-    """Replace the first bound implementation of ``op`` in a model's op table by ``fn(impl, *args, **kwargs)``."""
-    impl = table.candidates[op][0]
-    table.candidates[op] = (dataclasses.replace(impl, fn=lambda *a, **k: fn(impl, *a, **k)),) \
-        + table.candidates[op][1:]
+    """Replace every bound implementation of ``op`` in a model's op table by ``fn(impl, *args, **kwargs)`` (each
+    candidate wrapped, so a fallback from the first one is wrapped too)."""
+    table.candidates[op] = tuple(dataclasses.replace(impl, fn=lambda *a, _impl=impl, **k: fn(_impl, *a, **k))
+                                 for impl in table.candidates[op])
 
 
-def route_through(table, routes: list, replay: bool) -> None:
+def route_through(table, routes: list, replay: bool) -> Callable[[], int]:
     """Wrap the bound ``route`` op: every call's expert ids [T, k] are appended to ``routes`` (record), or
     (``replay``) the ids of the same call in the recorded order are chosen again, their weights taken from this
-    model's own router logits as the op defines them (sigmoid at the ids, renormalised, scaled)."""
-    recorded = iter(list(routes))
+    model's own router logits as the op defines them (sigmoid at the ids, renormalised, scaled; the correction bias
+    only chooses). Returns a function giving how many recorded calls are not replayed yet (0 after a replayed
+    forward that routed as the recording did)."""
+    recorded = list(routes)
+    used = [0]
 
     def fn(impl, router_logits, top_k, *, correction_bias=None, renormalize=True, scaling_factor=1.0):
         out = impl.fn(router_logits, top_k, correction_bias=correction_bias, renormalize=renormalize,
@@ -29,7 +33,10 @@ def route_through(table, routes: list, replay: bool) -> None:
         if not replay:
             routes.append(out.ids.clone())
             return out
-        ids = next(recorded).to(out.ids.device)
+        if used[0] >= len(recorded):
+            raise ValueError(f"replayed routing: call {used[0] + 1} routes, {len(recorded)} were recorded")
+        ids = recorded[used[0]].to(out.ids.device)
+        used[0] += 1
         if ids.shape != out.ids.shape:
             raise ValueError(f"replayed routing: recorded ids {tuple(ids.shape)} for a call routing "
                              f"{tuple(out.ids.shape)}: the two runs saw different tokens or layers")
@@ -39,3 +46,4 @@ def route_through(table, routes: list, replay: bool) -> None:
         return out._replace(weights=(w * scaling_factor).float().contiguous(), ids=ids)
 
     wrap_op(table, "route", fn)
+    return lambda: len(recorded) - used[0] if replay else 0

@@ -105,7 +105,7 @@ def _specs() -> dict:
         # the default (session 21): prefill.NORMS_IN_INTRA, the prep gates and sums only, the intra kernel normalises
         # q, k and writes QG, KD; BAND_IN_DOT_DTYPE, the intra kernel stores the A band in bf16, the solving walk
         # reads it
-        "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_split"], gate_only=True),
+        "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_gate"], gate_only=True),
         "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                                   raw=True, band="*bf16"),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},

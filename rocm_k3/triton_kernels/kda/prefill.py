@@ -43,10 +43,13 @@ MAX_HEAD_DIM = 128  # the chunk tiles hold whole [16 or 64, K] rows and [K, BV] 
 SPLIT_OUTPUT = False
 # num_warps of the parallel phases (the state walk's come from state_tile). H200 sweep at H = 96, T = 4096
 # (2026-11-29, one knob at a time from prep 8 / intra 4 / solve 4, run-to-run spread ~5%): prep 16 and solve 2
-# each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower. The gate-only split prep (NORMS_IN_INTRA) at 4
-# warps instead of 8: H100 2026-12-06 (session 24, RESULTS.md) end to end 1.034 / 4.009 / 16.29 / 3.930 ms against
-# 1.081 / 4.281 / 17.00 / 4.198 at T = 4k / 16k / 64k / varlen 16k (o bit-equal; its kernel 0.209 -> 0.156 ms at 4k).
-PHASE_WARPS = {"prep": 16, "prep_split": 4, "intra": 4, "solve": 1}
+# each took ~0.15-0.2 ms off a 2.1 ms call; intra 2 and 8 were slower. "prep_split": the column-split prep that
+# normalises q, k (NORMS_IN_INTRA off); "prep_gate": the column-split prep that only gates and sums (NORMS_IN_INTRA,
+# the default), at 4 warps instead of 8 since H100 2026-12-06 (session 24, RESULTS.md): end to end 1.034 / 4.009 /
+# 16.29 / 3.930 ms against 1.081 / 4.281 / 17.00 / 4.198 at T = 4k / 16k / 64k / varlen 16k (o bit-equal; the kernel
+# 0.209 -> 0.156 ms at 4k). The norm-taking prep was slower at 4 warps (kernel sum 1.534 vs 1.483 ms at 4k with
+# 16-column slices, session 21).
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 4, "intra": 4, "solve": 1}
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -61,10 +64,10 @@ PREP_BK = 32
 # at 2 stages (one program per SM: 192 walks of K3 run in two waves on 132 SMs); BV 64 / 4 warps / 1 stage fits two
 # per SM and was 1.06-1.11x faster end to end at T = 4k-64k and on varlen batches (H200, 2026-12-04, RESULTS.md).
 STATE_STAGES: int | None = None
-# chunk_prep as one program per (chunk, PREP_BK-column slice, head) at PHASE_WARPS["prep_split"] warps (True) or one
-# per (chunk, head) walking the slices at PHASE_WARPS["prep"] (False). H200 2026-12-04 (session 16, RESULTS.md),
-# H = 96: split at 8 warps 0.434 / 1.718 ms at T = 4k / 16k against 0.456 / 1.848 unsplit at 16 warps (split at
-# 4 warps: equal to unsplit).
+# chunk_prep as one program per (chunk, PREP_BK-column slice, head) at PHASE_WARPS["prep_split"] / ["prep_gate"]
+# warps (True) or one per (chunk, head) walking the slices at PHASE_WARPS["prep"] (False). H200 2026-12-04 (session
+# 16, RESULTS.md), H = 96: split at 8 warps 0.434 / 1.718 ms at T = 4k / 16k against 0.456 / 1.848 unsplit at 16
+# warps (split at 4 warps: equal to unsplit).
 PREP_SPLIT = True
 # chunk_intra writes KB = b * exp(G) * k' (activation dtype) and chunk_solve reads it as W's right-hand side instead
 # of k' and fp32 G (2 bytes per element instead of 6, 147 registers instead of 202 on sm_90). H200 2026-12-04:
@@ -308,7 +311,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
         H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in,
-        num_warps=PHASE_WARPS["prep_split" if PREP_SPLIT else "prep"], num_stages=1,
+        num_warps=PHASE_WARPS[("prep_gate" if norms_in else "prep_split") if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from forced_routing import route_through
-from helpers import rel_err
+from helpers import rel_err, seeded
 from model_fixtures import SMALL_MLA_GEOMETRY, hf_greedy, write_kimi_linear_checkpoint
 
 if not torch.cuda.is_available():
@@ -165,13 +165,15 @@ def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, 
     from rocm_k3.model.tiny import ensure_embedded_model
 
     model = load_model(path or ensure_embedded_model(), dtype=dtype, device=device, backend=backend, progress=False)
-    if routes is not None:
-        route_through(model.backend, routes, replay)
+    unreplayed = route_through(model.backend, routes, replay) if routes is not None else (lambda: 0)
     cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=device)
     batch = cache.prepare([(0, ids)])
     batch.logits_indices = torch.arange(batch.num_tokens, device=device)
     with torch.inference_mode():
-        return model.forward(batch, cache).float()  # [T, vocab]
+        out = model.forward(batch, cache).float()  # [T, vocab]
+    if unreplayed():
+        raise ValueError(f"{unreplayed()} recorded routing calls were not replayed: the runs routed differently")
+    return out
 
 
 def test_route_through_replays_the_recorded_routing() -> None:
@@ -188,6 +190,31 @@ def test_route_through_replays_the_recorded_routing() -> None:
     rolled = [(r + 1) % used for r in routes]
     moved = _teacher_forced_logits(None, "reference", torch.float32, ids, rolled, replay=True, device="cpu")
     assert rel_err(moved, free) > 1e-2
+    with pytest.raises(ValueError, match="not replayed"):  # a recording longer than the run's routing calls
+        _teacher_forced_logits(None, "reference", torch.float32, ids, routes + routes[:1], replay=True, device="cpu")
+
+
+def test_route_through_weights_follow_the_op_definition() -> None:
+    """The replayed call's weights are the route op's own at the forced ids: sigmoid of the logits there (the
+    correction bias only chooses), renormalised, times the scaling factor (2.5 here: the tiny model's is 1), and
+    its ids exactly the recorded ones; the record pass returns the op's output unchanged."""
+    from rocm_k3.ops.registry import bind
+
+    gen = seeded(5)
+    logits, bias = torch.randn(6, 10, generator=gen), torch.randn(10, generator=gen)
+    kw = dict(correction_bias=bias, renormalize=True, scaling_factor=2.5)
+    plain = bind("cpu", "reference").run("route", (logits, 3), kw)
+    recording, routes = bind("cpu", "reference"), []
+    route_through(recording, routes, replay=False)
+    got = recording.run("route", (logits, 3), kw)
+    assert torch.equal(got.ids, plain.ids) and torch.equal(got.weights, plain.weights)
+    forced = [(routes[0] + 1) % 10]
+    replaying = bind("cpu", "reference")
+    left = route_through(replaying, forced, replay=True)
+    out = replaying.run("route", (logits, 3), kw)
+    assert torch.equal(out.ids, forced[0]) and left() == 0
+    w = torch.sigmoid(logits).gather(1, forced[0].long())
+    torch.testing.assert_close(out.weights, w / w.sum(dim=-1, keepdim=True) * 2.5, rtol=1e-6, atol=0)
 
 
 @pytest.mark.cuda
@@ -274,10 +301,11 @@ def test_k3_slice_bf16_greedy_agrees_up_to_near_ties_cuda(k3_slice_path: Path,
 def test_bf16_triton_logits_as_close_to_fp32_truth_as_bf16_reference_cuda(which: str, k3_slice_path: Path) -> None:
     """Teacher-forced logits over 48 tokens: the bf16 Triton model's relative error against the fp32 reference
     model must be within 2x the bf16 reference backend's own error (both round to bf16 at different points).
-    Measured on the H200 (2026-11-29): tiny 3.36e-1 vs 1.84e-1 (the random tiny model amplifies rounding: MoE
-    routing flips), K3 slice 5.35e-2 vs 6.27e-2.
+    Measured on the H200 (2026-11-29, free routing): tiny 3.36e-1 vs 1.84e-1 (the random tiny model amplifies
+    rounding: MoE routing flips), K3 slice 5.35e-2 vs 6.27e-2.
 
-    The MoE routing is teacher-forced as well (every bf16 run chooses the fp32 run's experts, with its own weights):
+    The MoE routing is teacher-forced as well (every bf16 run chooses the fp32 run's experts, with its own weights;
+    the backend's route kernel itself is checked by test_triton_ops' route tests):
     with free routing the metric counted expert flips, discrete events at near-ties of the random router. H100
     2026-12-06 (session 24) with free routing: K3 slice triton 9.05e-2 vs reference 4.30e-2, the error in 7 of 48
     positions at 0.14-0.39 (reference: 4 at 0.09-0.16), while every op on the model's own inputs stayed within 2.2x
