@@ -13,7 +13,9 @@
 #                                             prefill cuda tests of the products and solve-in-walk paths),
 #                                             cuda_kda (every
 #                                             KDA prefill cuda test but of the paths measured slower), cuda_lean
-#                                             (the K3 prefill cuda tests of session 20's byte cuts)
+#                                             (the K3 prefill cuda tests of session 20's byte cuts), cuda_logits
+#                                             (the bf16 teacher-forced logits tests, on the slice part's
+#                                             checkpoint), op_errors (scripts/bf16_op_errors.py on it)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
@@ -108,6 +110,9 @@ run_part() {
       --durations=10 tests/kernels/triton/test_moe_grouped.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_ops.py tests/kernels/triton/test_triton_model.py \
       -k "grouped or dequant or short_conv or kda_prefill or norms or ws_gemm_graph or (fused_moe_k3 and T2048) or k3_slice_bf16" ;;
+    cuda_logits) part cuda_logits 200 0 env ROCM_K3_TEST_SLICE="$CK" "$PY" -m pytest -v -p no:cacheprovider -m cuda \
+      --durations=10 tests/kernels/triton/test_triton_model.py -k bf16_triton_logits ;;
+    op_errors) part op_errors 150 0 "$PY" -u scripts/bf16_op_errors.py "$CK" --force-routing ;;
     kda_prof) part kda_prof 240 0 "${PEER[@]}" -u benchmarks/bench_kda.py --profile-only ;;
     kda_prep) part kda_prep 200 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --json "$OUT/kda_prep.json" ;;
     cuda_prep) part cuda_prep 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
@@ -131,7 +136,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_logits op_errors cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
   esac
 }
 
