@@ -9,7 +9,8 @@ and pipeline stages, ``STATE_STAGES``; relative error of o against the default) 
 a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the gate-only prep at 8 warps, before session
 24; session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
-settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's, each with its kernel sum per call.
+settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's (after all of ours), each with its
+kernel sum per call.
 
 Prefill: ``rocm_k3`` Triton ``kda_prefill`` (gate, q/k L2 norm and beta sigmoid fused, initial state read and
 final state written in place) vs FLA ``chunk_kda`` with the same fusions (``use_gate_in_kernel``, ``safe_gate``,
@@ -254,11 +255,12 @@ def _kernel_ms(prof, calls: int) -> float:
 
 
 def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=None,
-                    variants: tuple = PROFILE_VARIANTS) -> None:
+                    variants: tuple = PROFILE_VARIANTS, ours: bool = True) -> None:
     """Per-kernel CUDA time of one prefill call (torch profiler, 10 calls) over sequences of ``lengths`` tokens:
     ours at the default settings, ours at each of ``variants`` (with the relative error of o against the
-    default's) and FLA's ``chunk_kda`` when given; each table is followed by its kernel sum per call. Each of ours
-    also gets o's relative error against the same inputs in fp32 through the prefill's fp32 path."""
+    default's; neither without ``ours``) and FLA's ``chunk_kda`` when given; each table is followed by its kernel
+    sum per call. Each of ours also gets o's relative error against the same inputs in fp32 through the prefill's
+    fp32 path."""
     from torch.profiler import ProfilerActivity, profile
 
     T, N = sum(lengths), len(lengths)
@@ -273,10 +275,11 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
     pool0 = pool.clone()  # the profiled calls update pool in place; the error checks start from this copy
     run = KERNELS["kda_prefill"][0]
 
-    def ours():
+    def ours_call():
         return run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
 
-    calls = [("rocm_k3", ours, {})] + [(f"rocm_k3 {name}", ours, settings) for name, settings in variants]
+    calls = [("rocm_k3", ours_call, {})] + [(f"rocm_k3 {name}", ours_call, settings) for name, settings in variants]
+    calls = calls if ours else []
     if chunk_kda is not None:
         cu64, h0 = cu.long(), pool.clone()
         calls.append(("FLA chunk_kda", lambda: chunk_kda(
@@ -287,7 +290,7 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
     o_ref = None
     with torch.inference_mode():  # the same inputs in fp32 through the fp32 path (fp32 dots, row-by-row inverses)
         o_32 = run(q.float(), k.float(), v.float(), f.float(), beta.float(), cu, pool0.clone(), idx, hi,
-                   gate_params=params).o
+                   gate_params=params).o if ours else None
     for name, call, settings in calls:
         try:
             with prefill_settings(settings), torch.inference_mode():
@@ -481,8 +484,12 @@ def main() -> None:
             correlated_accuracy(gen, chunk_kda=chunk_kda)
         except Exception as exc:  # an accuracy table that fails must not cost the profiles after it
             print(f"correlated_accuracy failed: {repr(exc)[:300]}", flush=True)
-        for lengths in ([4096], [16384], VARLEN):
-            profile_prefill(96, lengths, gen, chunk_kda)
+        # ours at every shape first, then FLA's (its first call per shape autotunes, > 150 s at 4k on a fresh
+        # machine in session 24: a cap cut there keeps all of ours); each shape's inputs seeded by its length
+        for with_fla in (False, True):
+            for lengths in ([4096], [16384], VARLEN):
+                shape_gen = torch.Generator().manual_seed(sum(lengths))
+                profile_prefill(96, lengths, shape_gen, chunk_kda if with_fla else None, ours=not with_fla)
         return
     rows = []
     skip_decode = args.prefill_only or args.phase_compare or args.prep_compare
