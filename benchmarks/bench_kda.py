@@ -6,8 +6,8 @@
 ``--phase-compare``: only the K3 prefill shapes T = 4k / 16k / 64k, the varlen batch and the varlen batch saving a
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
-a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the gate-only prep at 8 warps, before session
-24; session 19's default, before session 20's byte cuts: q, k normalised in the prep, an fp32 A band).
+a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the intra kernel uncapped, before session 25,
+and capped at 96 and 80 registers per thread).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's (after all of ours), each with its
 kernel sum per call.
@@ -234,16 +234,19 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # session 19's default: the intra kernel scaling raw q, k by the prep's row factors (1.275 / 5.032, a half-way step,
 # removed), the norm-taking prep at 16-column slices at 4 / 8 warps (1.534 / 1.483 at 4k), the solving walk at 3
 # stages (1.391), the inverting intra kernel at 8 warps (1.678). FLA's chunk_kda: 1.611 / 6.366 / 6.305.
-_S19_DEFAULT = {"NORMS_IN_INTRA": False, "BAND_IN_DOT_DTYPE": False}
 # Session 23 (H100): the gate-only prep at 4 warps 1.031 / 4.108 ms against the default's 1.083 / 4.365 at 4k / 16k (o
 # bit-equal), at 64-column slices 1.041 / 4.095; the varlen row was cut. The sliced prep + intra launch (6.96 ms against
 # 0.71 for prep + intra) and the whole in-chunk inverse (walk 0.396 against 0.369 ms) were rejected and removed, the
 # intra kernel at 2 warps (0.622 against 0.502 ms) and the solving walk at BV 32 (0.609 / 0.551 against 0.369) too.
-# Session 24 (H100) adopted the 4 warps (end to end lower at 4k / 16k / 64k / varlen, o bit-equal); the 8 warps stay
-# as the reference row.
-_PREP8 = {"PHASE_WARPS": {"prep_gate": 8}}
-PROFILE_VARIANTS = (("gate-only prep 8 warps (before session 24)", _PREP8),
-                    ("gate-only prep BK 64", {"PREP_BK": 64}))
+# Session 24 (H100) adopted the 4 warps (end to end lower at 4k / 16k / 64k / varlen, o bit-equal). Session 25: the
+# intra kernel under a register cap (prefill.INTRA_MAXNREG; sm_90 cross-compile: 172-174 registers uncapped, two
+# 4-warp programs per SM by registers; 168 fits three, 8 bytes spilled; 128 fits four, 24 bytes spilled; 96 five, 256
+# bytes; 80 six, 424 bytes). Session 25 (H100) adopted the cap of 128 (intra 0.502 -> 0.444 ms at 4k; end to end -5.8 / -7.2 / -6.6 / -7.4 % at
+# 4k / 16k / 64k / varlen, o bit-equal; 168: ~1 %); the uncapped kernel stays as the reference row.
+_INTRA_CAP = {None: {"INTRA_MAXNREG": None}, 96: {"INTRA_MAXNREG": 96}, 80: {"INTRA_MAXNREG": 80}}
+PROFILE_VARIANTS = (("intra uncapped (before session 25)", _INTRA_CAP[None]),
+                    ("intra capped at 96 registers (5 programs per SM)", _INTRA_CAP[96]),
+                    ("intra capped at 80 registers (6 programs per SM)", _INTRA_CAP[80]))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -423,11 +426,12 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the gate-only prep at 8 warps and session 19's default (the prep normalising q, k, the A
-# band in fp32) against today's, also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep
-# this way, session 21 session 20's byte cuts, session 19 the four launches, INTRA_INVERTS by products and the solve
-# in the walk.
-PREP_COMPARE = (("ms_prep8", _PREP8), ("ms_s19_default", _S19_DEFAULT))
+# ... and --prep-compare's: the intra kernel under other register caps (prefill.INTRA_MAXNREG) against today's,
+# also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
+# 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
+# launches, INTRA_INVERTS by products and the solve in the walk.
+PREP_COMPARE = (("ms_intra_uncapped", _INTRA_CAP[None]), ("ms_intra_cap96", _INTRA_CAP[96]),
+                ("ms_intra_cap80", _INTRA_CAP[80]))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -467,8 +471,8 @@ def main() -> None:
                         help="prefill rows T = 4k/16k/64k + varlen (+ saving states) only: the default vs the "
                              "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --phase-compare, with the PREP_COMPARE settings (session 19's default: the prep "
-                             "normalising q / k, an fp32 A band)")
+                        help="as --phase-compare, with the PREP_COMPARE settings (the intra kernel's register "
+                             "caps: uncapped, 96, 80)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

@@ -58,7 +58,7 @@ def _specs() -> dict:
     import triton.language as tl
 
     from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS
-    from rocm_k3.triton_kernels.kda.prefill import PHASE_WARPS, SOLVE_BD, state_stages, state_tile
+    from rocm_k3.triton_kernels.kda.prefill import INTRA_MAXNREG, PHASE_WARPS, SOLVE_BD, state_stages, state_tile
 
     plan = {"chunk_seq_ptr": "*i32", "chunk_start_ptr": "*i32", "cu_seqlens_ptr": "*i32"}
     dots = {"DOT_T": tl.bfloat16, "PREC": "ieee"}
@@ -108,6 +108,9 @@ def _specs() -> dict:
         "chunk_prep_split_gate": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_gate"], gate_only=True),
         "chunk_intra_inv_prod_norms": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                                   raw=True, band="*bf16"),
+        # ... as launched on NVIDIA: under prefill.INTRA_MAXNREG's register cap (session 25)
+        "chunk_intra_inv_prod_norms_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True,
+                                                         prod=True, raw=True, band="*bf16") + (None, INTRA_MAXNREG),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),

@@ -253,7 +253,7 @@ def compile_kernel(
 
 
 # (module, attribute, signature, constexprs or target -> constexprs, num_warps or target -> num_warps, num_stages
-#  [, divisible_by_16])
+#  [, divisible_by_16 [, maxnreg (NVIDIA targets only)]])
 KernelSpec = tuple
 
 
@@ -262,7 +262,9 @@ def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
     import importlib
 
     specs_fn, name, target = job
-    module, attr, sig, constexprs, warps, stages, *divisible = specs_fn()[name]
+    module, attr, sig, constexprs, warps, stages, *extra = specs_fn()[name]
+    divisible = extra[0] if extra else None
+    maxnreg = extra[1] if len(extra) > 1 and target.startswith("sm_") else None
     fn = getattr(importlib.import_module(module), attr)
     if callable(constexprs):  # per-target constexprs (e.g. an NVIDIA-only inline-asm path)
         constexprs = constexprs(target)
@@ -270,7 +272,7 @@ def _summarize_job(job: tuple[Any, str, str]) -> tuple[str, dict]:
         warps = warps(target)
     try:
         res = compile_kernel(fn, sig, constexprs, target, num_warps=warps, num_stages=stages,
-                             divisible_by_16=divisible[0] if divisible else None)
+                             divisible_by_16=divisible, maxnreg=maxnreg)
     except Exception as exc:  # reported per kernel/target; the calling test fails with this message
         return f"{name}/{target}", {"ok": False, "error": repr(exc)[-2000:]}
     loops = sass_loops(res.extra["cubin"]) if target == "sm_90" else None

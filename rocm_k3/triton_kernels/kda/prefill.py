@@ -50,6 +50,13 @@ SPLIT_OUTPUT = False
 # 0.209 -> 0.156 ms at 4k). The norm-taking prep was slower at 4 warps (kernel sum 1.534 vs 1.483 ms at 4k with
 # 16-column slices, session 21).
 PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 4, "intra": 4, "solve": 1}
+# Register cap per thread of chunk_intra on NVIDIA (Triton's maxnreg; None: ptxas's choice; not passed on ROCm). sm_90
+# cross-compile of the default intra kernel: 172-174 registers uncapped (two 4-warp programs per SM by registers); 168
+# fits three (8 bytes spilled), 128 four (24 bytes spilled), 96 five (256 bytes). H100 2026-12-06 (session 25,
+# RESULTS.md): the cap of 128 took the intra kernel from 0.502 to 0.444 ms at T = 4k, H = 96 and the call end to end
+# from 1.030 / 4.047 / 16.40 / 3.968 to 0.971 / 3.755 / 15.32 / 3.676 ms at 4k / 16k / 64k / varlen 16k (o bit-equal);
+# 168 gained ~1 %.
+INTRA_MAXNREG: int | None = 128
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
 # against one program per (chunk, head) at 2 warps 0.506 / 2.02 ms; BD 32 / 1 warp 0.886 / 3.51, BD 128 / 2 warps
@@ -143,6 +150,16 @@ def band_dtype(dot_t: tl.dtype, solve_in: bool) -> torch.dtype:
     if BAND_IN_DOT_DTYPE and solve_in and dot_t == tl.bfloat16:
         return torch.bfloat16
     return torch.float32
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """Launch options capping a kernel's registers per thread at ``maxnreg`` on NVIDIA (none when None or on ROCm,
+    whose Triton backend has no such option)."""
+    if maxnreg is None:
+        return {}
+    if not 24 <= maxnreg <= 255:
+        raise ValueError(f"a register cap must lie in [24, 255], got {maxnreg}")
+    return {} if torch.version.hip is not None else {"maxnreg": maxnreg}
 
 
 def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
@@ -319,7 +336,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"],
-        num_warps=PHASE_WARPS["intra"],
+        num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG),
     )
     if solve_in:
         return a, kb, b

@@ -260,6 +260,9 @@ _PATHS = {
     "3-launch-norms-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True},
     "3-launch-lean": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                       "BAND_IN_DOT_DTYPE": True},
+    # the default without prefill.INTRA_MAXNREG's register cap on the intra kernel (before session 25)
+    "3-launch-lean-uncapped": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
+                               "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "INTRA_MAXNREG": None},
 }
 
 
@@ -726,6 +729,16 @@ def test_kernel_signatures_match_the_contract(op: str) -> None:
     assert params(supports) == params(REFERENCE_IMPLS[op])
 
 
+def test_register_cap_launch_options() -> None:
+    from rocm_k3.triton_kernels.kda.prefill import register_cap
+
+    assert register_cap(None) == {}
+    assert register_cap(128) == ({} if torch.version.hip else {"maxnreg": 128})
+    for bad in (8, 300):
+        with pytest.raises(ValueError, match="register cap"):
+            register_cap(bad)
+
+
 def test_kda_prefill_supports_reasons() -> None:
     gen = seeded(6)
     q, k, v, f, beta, cu, params = _prefill_inputs([70], torch.float32, -5.0, True, True, gen)
@@ -784,7 +797,8 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
-                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16")
+                "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
+                "chunk_intra_inv_prod_norms_capped")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -796,6 +810,7 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_inv_prod_norms_capped": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
@@ -823,6 +838,21 @@ def test_kda_kernels_compile(kda_compiled: dict, kernel: str, target: str) -> No
     if kernel in _NO_SPILLS:
         assert res["spills"] == 0 and res["scratch"] == 0, (
             f"{kernel} on {target} spills ({res['spills']} / {res['scratch']} B, {res['registers']} registers)")
+
+
+# The capped intra kernel on sm_90 (prefill.INTRA_MAXNREG = 128): four programs per SM by registers, at most this many
+# bytes spilled (24 at session 25's cross-compile; a growth beyond it would eat the occupancy it buys).
+_CAPPED_SPILL_BUDGET = 64
+
+
+@pytest.mark.compile
+def test_kda_capped_intra_fits_its_register_cap(kda_compiled: dict) -> None:
+    from rocm_k3.triton_kernels.kda.prefill import INTRA_MAXNREG
+
+    res = kda_compiled["chunk_intra_inv_prod_norms_capped/sm_90"]
+    assert res["ok"], res["error"]
+    assert INTRA_MAXNREG is not None and res["registers"] <= INTRA_MAXNREG, (res["registers"], INTRA_MAXNREG)
+    assert res["spills"] <= _CAPPED_SPILL_BUDGET, f"{res['spills']} B spilled under the cap of {INTRA_MAXNREG}"
 
 
 # ----------------------------------------------------------------------------------------------------- cuda tier
