@@ -281,8 +281,8 @@ def profile_prefill(H: int, lengths: list[int], gen: torch.Generator, chunk_kda=
     def ours_call():
         return run(q, k, v, f, beta, cu, pool, idx, hi, gate_params=params)
 
-    calls = [("rocm_k3", ours_call, {})] + [(f"rocm_k3 {name}", ours_call, settings) for name, settings in variants]
-    calls = calls if ours else []
+    calls = ([("rocm_k3", ours_call, {})] + [(f"rocm_k3 {name}", ours_call, settings) for name, settings in variants]
+             if ours else [])
     if chunk_kda is not None:
         cu64, h0 = cu.long(), pool.clone()
         calls.append(("FLA chunk_kda", lambda: chunk_kda(

@@ -62,28 +62,22 @@ def main() -> None:
     if args.tokens < 1:
         raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
 
-    from rocm_k3.model.loader import load_model
     from rocm_k3.ops.registry import _impls
-    from forced_routing import route_through, wrap_op
-    from simple_cache import SimpleCache
+    from forced_routing import teacher_forced_logits, wrap_op
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ids = torch.randint(0, 256, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     routes: list = []
 
     def logits(backend: str, dtype: torch.dtype, replay: bool, captured: dict | None = None):
-        model = load_model(args.checkpoint, dtype=dtype, device=args.device, backend=backend, progress=False)
-        if args.force_routing:
-            route_through(model.backend, routes, replay)
-        for op in (OPS if captured is not None else ()):
-            if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
-                wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (_capture(captured, _op, impl, a, k),
-                                                                         impl.fn(*a, **k))[1])
-        cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=args.device)
-        batch = cache.prepare([(0, ids)])
-        batch.logits_indices = torch.arange(batch.num_tokens, device=args.device)
-        with torch.inference_mode():
-            return model.forward(batch, cache).float()
+        def capture(model) -> None:  # each op's inputs on its first call, in captured
+            for op in (OPS if captured is not None else ()):
+                if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
+                    wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (_capture(captured, _op, impl, a, k),
+                                                                             impl.fn(*a, **k))[1])
+
+        return teacher_forced_logits(args.checkpoint, backend, dtype, ids, routes if args.force_routing else None,
+                                     replay, args.device, before_forward=capture)
 
     truth = logits("reference", torch.float32, False)
     ref16 = logits("reference", torch.bfloat16, True)

@@ -47,3 +47,29 @@ def route_through(table, routes: list, replay: bool) -> Callable[[], int]:
 
     wrap_op(table, "route", fn)
     return lambda: len(recorded) - used[0] if replay else 0
+
+
+def teacher_forced_logits(path, backend: str, dtype: torch.dtype, ids: list[int], routes: list | None = None,
+                          replay: bool = False, device: str = "cuda",
+                          before_forward: Callable | None = None) -> torch.Tensor:
+    """Logits [T, vocab] (fp32) at every position of ``ids`` in one prefill of the checkpoint at ``path`` (None: the
+    embedded model), no sampling, so no divergence cascade. With ``routes`` the MoE routing is teacher-forced too
+    (:func:`route_through`: recorded into it, or with ``replay`` taken from it; a recording the run did not use up is
+    a ValueError). ``before_forward(model)`` runs after the routing is wrapped, before the forward (e.g. wrap_op
+    captures)."""
+    from rocm_k3.model.loader import load_model
+    from rocm_k3.model.tiny import ensure_embedded_model
+    from simple_cache import SimpleCache
+
+    model = load_model(path or ensure_embedded_model(), dtype=dtype, device=device, backend=backend, progress=False)
+    unreplayed = route_through(model.backend, routes, replay) if routes is not None else (lambda: 0)
+    if before_forward is not None:
+        before_forward(model)
+    cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=device)
+    batch = cache.prepare([(0, ids)])
+    batch.logits_indices = torch.arange(batch.num_tokens, device=device)
+    with torch.inference_mode():
+        out = model.forward(batch, cache).float()  # [T, vocab]
+    if unreplayed():
+        raise ValueError(f"{unreplayed()} recorded routing calls were not replayed: the runs routed differently")
+    return out

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forced_routing import route_through
+from forced_routing import route_through, teacher_forced_logits
 from helpers import rel_err, seeded
 from model_fixtures import SMALL_MLA_GEOMETRY, hf_greedy, write_kimi_linear_checkpoint
 
@@ -155,43 +155,22 @@ def test_tiny_model_interpret_in_subprocess() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-def _teacher_forced_logits(path: Path | None, backend: str, dtype: torch.dtype, ids: list[int],
-                           routes: list | None = None, replay: bool = False, device: str = "cuda") -> torch.Tensor:
-    """Logits at every position of ``ids`` in one prefill (no sampling, so no divergence cascade). With ``routes``
-    the MoE routing is teacher-forced too (forced_routing.route_through): recorded into it, or with ``replay`` taken
-    from it."""
-    from rocm_k3.model.loader import load_model
-    from simple_cache import SimpleCache
-    from rocm_k3.model.tiny import ensure_embedded_model
-
-    model = load_model(path or ensure_embedded_model(), dtype=dtype, device=device, backend=backend, progress=False)
-    unreplayed = route_through(model.backend, routes, replay) if routes is not None else (lambda: 0)
-    cache = SimpleCache(model.cfg, max_model_len=len(ids), dtype=model.dtype, device=device)
-    batch = cache.prepare([(0, ids)])
-    batch.logits_indices = torch.arange(batch.num_tokens, device=device)
-    with torch.inference_mode():
-        out = model.forward(batch, cache).float()  # [T, vocab]
-    if unreplayed():
-        raise ValueError(f"{unreplayed()} recorded routing calls were not replayed: the runs routed differently")
-    return out
-
-
 def test_route_through_replays_the_recorded_routing() -> None:
     """CPU check of the teacher-forced routing the bf16 logits test uses: replaying a model's own recorded routing
     gives its logits back exactly (weights recomputed as the op does), and replaying the routing with every
     token's experts rolled by one changes them (the replay really chooses the experts)."""
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     routes: list = []
-    free = _teacher_forced_logits(None, "reference", torch.float32, ids, routes, device="cpu")
+    free = teacher_forced_logits(None, "reference", torch.float32, ids, routes, device="cpu")
     assert routes, "the tiny model routed nothing"
-    again = _teacher_forced_logits(None, "reference", torch.float32, ids, routes, replay=True, device="cpu")
+    again = teacher_forced_logits(None, "reference", torch.float32, ids, routes, replay=True, device="cpu")
     assert torch.equal(again, free)
     used = max(int(r.max()) for r in routes) + 1  # experts 0 .. used - 1 appear; a bijection keeps rows distinct
     rolled = [(r + 1) % used for r in routes]
-    moved = _teacher_forced_logits(None, "reference", torch.float32, ids, rolled, replay=True, device="cpu")
+    moved = teacher_forced_logits(None, "reference", torch.float32, ids, rolled, replay=True, device="cpu")
     assert rel_err(moved, free) > 1e-2
     with pytest.raises(ValueError, match="not replayed"):  # a recording longer than the run's routing calls
-        _teacher_forced_logits(None, "reference", torch.float32, ids, routes + routes[:1], replay=True, device="cpu")
+        teacher_forced_logits(None, "reference", torch.float32, ids, routes + routes[:1], replay=True, device="cpu")
 
 
 def test_route_through_weights_follow_the_op_definition() -> None:
@@ -316,9 +295,9 @@ def test_bf16_triton_logits_as_close_to_fp32_truth_as_bf16_reference_cuda(which:
     path = None if which == "tiny" else k3_slice_path
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     routes: list = []
-    truth = _teacher_forced_logits(path, "reference", torch.float32, ids, routes)
-    ref16 = _teacher_forced_logits(path, "reference", torch.bfloat16, ids, routes, replay=True)
-    tri16 = _teacher_forced_logits(path, "triton", torch.bfloat16, ids, routes, replay=True)
+    truth = teacher_forced_logits(path, "reference", torch.float32, ids, routes)
+    ref16 = teacher_forced_logits(path, "reference", torch.bfloat16, ids, routes, replay=True)
+    tri16 = teacher_forced_logits(path, "triton", torch.bfloat16, ids, routes, replay=True)
     e_ref, e_tri = rel_err(ref16, truth), rel_err(tri16, truth)
     print(f"{which}: bf16 reference vs fp32 {e_ref:.3e}; bf16 triton vs fp32 {e_tri:.3e} (routing teacher-forced)")
     assert e_tri <= max(2 * e_ref, 1e-3), f"triton {e_tri:.3e} vs reference {e_ref:.3e}"
