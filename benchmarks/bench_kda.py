@@ -6,8 +6,8 @@
 ``--phase-compare``: only the K3 prefill shapes T = 4k / 16k / 64k, the varlen batch and the varlen batch saving a
 state every 1024 tokens, each timed at the default settings, at each of ``PHASE_COMPARE``'s (the state walk's tile
 and pipeline stages, ``STATE_STAGES``; relative error of o against the default) and FLA's, few compiles, so it fits
-a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the intra kernel uncapped, before session 25,
-and capped at 96 and 80 registers per thread).
+a short device call; ``--prep-compare`` the same with ``PREP_COMPARE`` (the intra kernel uncapped, as before session 25,
+and capped at 168 registers instead of 128).
 ``--profile-only``: per-kernel profiles (torch profiler) at T = 4k, 16k and the varlen batch, ours at the default
 settings and at each of ``PROFILE_VARIANTS`` in the same process, then FLA's (after all of ours), each with its
 kernel sum per call.
@@ -241,12 +241,14 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # Session 24 (H100) adopted the 4 warps (end to end lower at 4k / 16k / 64k / varlen, o bit-equal). Session 25: the
 # intra kernel under a register cap (prefill.INTRA_MAXNREG; sm_90 cross-compile: 172-174 registers uncapped, two
 # 4-warp programs per SM by registers; 168 fits three, 8 bytes spilled; 128 fits four, 24 bytes spilled; 96 five, 256
-# bytes; 80 six, 424 bytes). Session 25 (H100) adopted the cap of 128 (intra 0.502 -> 0.444 ms at 4k; end to end -5.8 / -7.2 / -6.6 / -7.4 % at
-# 4k / 16k / 64k / varlen, o bit-equal; 168: ~1 %); the uncapped kernel stays as the reference row.
-_INTRA_CAP = {None: {"INTRA_MAXNREG": None}, 96: {"INTRA_MAXNREG": 96}, 80: {"INTRA_MAXNREG": 80}}
+# bytes; 80 six, 424 bytes). Session 25 (H100) adopted the cap of 128 (intra 0.502 -> 0.444 ms at 4k; end to end
+# -5.8 / -7.2 / -6.6 / -7.4 % at 4k / 16k / 64k / varlen, o bit-equal; 168: ~1 %); the uncapped kernel stays as the
+# reference row.
+# Caps 96 / 80 lost 25 % / 76 % end to end at 4k (spills); the intra phase as one program per (chunk, head) over its
+# four sub-blocks (no re-reads, 255 registers) lost 33 % (prefill.INTRA_MAXNREG's comment): both dropped.
+_INTRA_CAP = {None: {"INTRA_MAXNREG": None}, 168: {"INTRA_MAXNREG": 168}}
 PROFILE_VARIANTS = (("intra uncapped (before session 25)", _INTRA_CAP[None]),
-                    ("intra capped at 96 registers (5 programs per SM)", _INTRA_CAP[96]),
-                    ("intra capped at 80 registers (6 programs per SM)", _INTRA_CAP[80]))
+                    ("intra capped at 168 registers (3 programs per SM)", _INTRA_CAP[168]))
 
 
 def _kernel_ms(prof, calls: int) -> float:
@@ -426,12 +428,11 @@ PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES"
                  ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
                  ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
                  ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
-# ... and --prep-compare's: the intra kernel under other register caps (prefill.INTRA_MAXNREG) against today's,
+# ... and --prep-compare's: the intra kernel uncapped and at another register cap against today's,
 # also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
 # 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
 # launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_intra_uncapped", _INTRA_CAP[None]), ("ms_intra_cap96", _INTRA_CAP[96]),
-                ("ms_intra_cap80", _INTRA_CAP[80]))
+PREP_COMPARE = (("ms_intra_uncapped", _INTRA_CAP[None]), ("ms_intra_cap168", _INTRA_CAP[168]))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
@@ -471,8 +472,8 @@ def main() -> None:
                         help="prefill rows T = 4k/16k/64k + varlen (+ saving states) only: the default vs the "
                              "PHASE_COMPARE settings (state-walk tiles and stages) vs FLA")
     parser.add_argument("--prep-compare", action="store_true",
-                        help="as --phase-compare, with the PREP_COMPARE settings (the intra kernel's register "
-                             "caps: uncapped, 96, 80)")
+                        help="as --phase-compare, with the PREP_COMPARE settings (the intra kernel uncapped "
+                             "and capped at 168 registers)")
     parser.add_argument("--saving-only", action="store_true",
                         help="with --phase-compare / --prep-compare: only the row that also saves states")
     args = parser.parse_args()

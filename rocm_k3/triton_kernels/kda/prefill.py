@@ -55,7 +55,10 @@ PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 4, "intra": 4, "solve":
 # fits three (8 bytes spilled), 128 four (24 bytes spilled), 96 five (256 bytes). H100 2026-12-06 (session 25,
 # RESULTS.md): the cap of 128 took the intra kernel from 0.502 to 0.444 ms at T = 4k, H = 96 and the call end to end
 # from 1.030 / 4.047 / 16.40 / 3.968 to 0.971 / 3.755 / 15.32 / 3.676 ms at 4k / 16k / 64k / varlen 16k (o bit-equal);
-# 168 gained ~1 %.
+# 168 gained ~1 %, 96 / 80 lost 25 % / 76 % at 4k (spills). Measured and dropped in the same session: the intra
+# phase as one program per (chunk, head) walking its four sub-blocks (each row of q, k, G read once, no re-reads of
+# earlier sub-blocks): 255 registers on sm_90 (the carried column operands), 1.30 / 5.00 / 20.2 ms end to end at 4k /
+# 16k / 64k (4 warps; 1.26 / 4.84 / 19.5 capped at 168; 8 warps 1.52 / 5.91 / 24.0) against 0.976 / 3.789 / 15.40.
 INTRA_MAXNREG: int | None = 128
 # Column block of chunk_solve's programs (one per (chunk, head, BD columns of [W | U])). H200 2026-12-04 (session
 # 16, RESULTS.md): BD 64 / 1 warp (202 registers, 10 programs per SM) solve 0.507 / 1.445 ms at T = 4k / 16k, H = 96,
