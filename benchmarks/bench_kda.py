@@ -413,21 +413,20 @@ def conv_case(bw: float) -> None:
     print(f"  peer torch conv1d (depthwise, cuDNN, channels-first, no state): {peer:.3f} ms", flush=True)
 
 
-# (row key, prefill settings): --phase-compare's: the four launches (timed again), then the state walk's tile (BV,
-# warps) and pipeline stages, where sm_90 fits two programs per SM (the earlier default BV 64 / 8 warps / 2 stages holds
-# 192 registers and 147 KB of shared memory: one program per SM, so 96 heads x 2 value blocks run in two waves on 132
-# SMs)
-_FOUR_LAUNCHES = {"SOLVE_IN_WALK": False, "INTRA_INVERTS": False, "INVERT_BY_PRODUCTS": False}
+# (row key, prefill settings): --phase-compare's: the state walk's tile (BV, warps) and pipeline stages
 
 
 def _walk(bv: int, warps: int, stages: int) -> dict:
     return {"state_tile": lambda n, v: (bv, warps), "STATE_STAGES": stages}
 
 
-PHASE_COMPARE = (("ms_4launch", {**_FOUR_LAUNCHES, "PREP_BK": 32, "STATE_STAGES": None}),
-                 ("ms_walk_bv64_w8_s2", _walk(64, 8, 2)),
-                 ("ms_walk_bv64_w4_s1", _walk(64, 4, 1)), ("ms_walk_bv32_w4_s1", _walk(32, 4, 1)),
-                 ("ms_walk_bv64_w8_s1", _walk(64, 8, 1)))
+# Session 25 (H100, RESULTS.md): the solving walk over the whole value width (BV 128, one program per (sequence, head))
+# at 8 warps, KB, QG and KD read once per head instead of once per value block (sm_90: 254 registers, no spills at 2
+# stages; the default BV 64 / 4 warps / 2 stages holds 255 with 128 bytes spilled): 1.431 / 5.572 / 22.52 ms end to
+# end at 4k / 16k / 64k (1 stage 1.885 / 7.386 / 29.80) against the default's 0.979 / 3.836 / 15.51, o bit-equal:
+# rejected (the step's chain grows with the program's width; BV 32 lost the other way, session 23). Earlier rows
+# (RESULTS.md): the four launches (session 19), BV 64 at 8 warps / 1-2 stages.
+PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s1", _walk(128, 8, 1)))
 # ... and --prep-compare's: the intra kernel uncapped and at another register cap against today's,
 # also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
 # 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
