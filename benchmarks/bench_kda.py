@@ -242,10 +242,10 @@ def decode_case(H: int, N: int, gen: torch.Generator, fla_rec, sweep: bool) -> d
 # intra kernel under a register cap (prefill.INTRA_MAXNREG; sm_90 cross-compile: 172-174 registers uncapped, two
 # 4-warp programs per SM by registers; 168 fits three, 8 bytes spilled; 128 fits four, 24 bytes spilled; 96 five, 256
 # bytes; 80 six, 424 bytes). Session 25 (H100) adopted the cap of 128 (intra 0.502 -> 0.444 ms at 4k; end to end
-# -5.8 / -7.2 / -6.6 / -7.4 % at 4k / 16k / 64k / varlen, o bit-equal; 168: ~1 %); the uncapped kernel stays as the
-# reference row.
+# -5.8 / -5.4 / -5.9 / -5.8 % at 4k / 16k / 64k / varlen in the adopting call, o bit-equal; 168: ~1 %); the uncapped
+# kernel stays as the reference row.
 # Caps 96 / 80 lost 25 % / 76 % end to end at 4k (spills); the intra phase as one program per (chunk, head) over its
-# four sub-blocks (no re-reads, 255 registers) lost 33 % (prefill.INTRA_MAXNREG's comment): both dropped.
+# four sub-blocks (no re-reads, 255 registers) lost 27-34 % (prefill.INTRA_MAXNREG's comment): both dropped.
 _INTRA_CAP = {None: {"INTRA_MAXNREG": None}, 168: {"INTRA_MAXNREG": 168}}
 PROFILE_VARIANTS = (("intra uncapped (before session 25)", _INTRA_CAP[None]),
                     ("intra capped at 168 registers (3 programs per SM)", _INTRA_CAP[168]))

@@ -54,7 +54,8 @@ def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int,
 
 
 def _specs() -> dict:
-    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages)."""
+    """kernel name -> (module, attribute, signature, constexprs, num_warps, num_stages[, divisible_by_16[, maxnreg]])
+    (compile_check.KernelSpec)."""
     import triton.language as tl
 
     from rocm_k3.triton_kernels.kda.decode import DECODE_PREFETCH, DECODE_WARPS

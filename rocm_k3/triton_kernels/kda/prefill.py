@@ -50,8 +50,9 @@ SPLIT_OUTPUT = False
 # 0.209 -> 0.156 ms at 4k). The norm-taking prep was slower at 4 warps (kernel sum 1.534 vs 1.483 ms at 4k with
 # 16-column slices, session 21).
 PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 4, "intra": 4, "solve": 1}
-# Register cap per thread of chunk_intra on NVIDIA (Triton's maxnreg; None: ptxas's choice; not passed on ROCm). sm_90
-# cross-compile of the default intra kernel: 172-174 registers uncapped (two 4-warp programs per SM by registers); 168
+# Register cap per thread of chunk_intra with bf16 dots on NVIDIA (Triton's maxnreg; None: ptxas's choice; not
+# passed on ROCm, nor for fp16 / fp32 activations, whose fp32-dot build spills 656 bytes uncapped and 1352 at 128).
+# sm_90 cross-compile of the default intra kernel: 172-174 registers uncapped (two 4-warp programs per SM by registers); 168
 # fits three (8 bytes spilled), 128 four (24 bytes spilled), 96 five (256 bytes). H100 2026-12-06 (session 25,
 # RESULTS.md): the cap of 128 took the intra kernel from 0.502 to 0.444 ms at T = 4k, H = 96 and the call end to end
 # from 1.030 / 4.047 / 16.40 / 3.968 to 0.971 / 3.755 / 15.32 / 3.676 ms at 4k / 16k / 64k / varlen 16k (o bit-equal);
@@ -160,6 +161,8 @@ def register_cap(maxnreg: int | None) -> dict:
     whose Triton backend has no such option)."""
     if maxnreg is None:
         return {}
+    if not isinstance(maxnreg, int) or isinstance(maxnreg, bool):
+        raise TypeError(f"a register cap must be an int, got {type(maxnreg).__name__}")
     if not 24 <= maxnreg <= 255:
         raise ValueError(f"a register cap must lie in [24, 255], got {maxnreg}")
     return {} if torch.version.hip is not None else {"maxnreg": maxnreg}
@@ -339,7 +342,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"],
-        num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG),
+        num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:
         return a, kb, b

@@ -737,6 +737,8 @@ def test_register_cap_launch_options() -> None:
     for bad in (8, 300):
         with pytest.raises(ValueError, match="register cap"):
             register_cap(bad)
+    with pytest.raises(TypeError, match="register cap"):
+        register_cap(128.0)
 
 
 def test_kda_prefill_supports_reasons() -> None:
