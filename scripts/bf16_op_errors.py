@@ -71,13 +71,14 @@ def main() -> None:
 
     def logits(backend: str, dtype: torch.dtype, replay: bool, captured: dict | None = None):
         def capture(model) -> None:  # each op's inputs on its first call, in captured
-            for op in (OPS if captured is not None else ()):
+            for op in OPS:
                 if model.backend.candidates.get(op) and not (args.force_routing and op == "route"):
                     wrap_op(model.backend, op, lambda impl, *a, _op=op, **k: (_capture(captured, _op, impl, a, k),
                                                                              impl.fn(*a, **k))[1])
 
         return teacher_forced_logits(args.checkpoint, backend, dtype, ids, routes if args.force_routing else None,
-                                     replay, args.device, before_forward=capture)
+                                     replay, args.device,
+                                     before_forward=capture if captured is not None else None)
 
     truth = logits("reference", torch.float32, False)
     ref16 = logits("reference", torch.bfloat16, True)

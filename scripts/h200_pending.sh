@@ -7,7 +7,8 @@
 #   bash scripts/h200_pending.sh [part ...]   parts (default all, in this order): slice spec_b1 spec_b8 spec_b32
 #                                             e2e kda cuda_tier; on request: e2e_async (bench_e2e
 #                                             --async-scheduling), kda_phase (bench_kda --phase-compare),
-#                                             cuda_new (the cuda tests of session 14's merges), kda_prof
+#                                             cuda_new (the cuda tests of session 14's merges), kda_ncu
+#                                             (Nsight Compute over the KDA prefill kernels at T = 16k), kda_prof
 #                                             (bench_kda --profile-only: per kernel, default vs PROFILE_VARIANTS
 #                                             vs FLA), kda_prep (bench_kda --prep-compare), cuda_prep (the K3
 #                                             prefill cuda tests of the products and solve-in-walk paths),
@@ -85,6 +86,17 @@ spec() {  # bench_spec at one batch: its own engines capture only that batch's g
     --methods ngram --workloads repetitive --batches "$1" --max-tokens 32 --json "$OUT/spec_b$1.json"
 }
 
+kda_ncu() {  # Nsight Compute over the three KDA prefill kernels at T = 16384, H = 96: details and per-kernel stalls
+  ncu -k "regex:chunk_(prep|intra|state)" --launch-skip 3 --launch-count 3 --set full -o "$OUT/kda_ncu" -f \
+    "$PY" scripts/kda_prefill_once.py 16384 || return $?
+  local k
+  for k in chunk_prep chunk_intra chunk_state; do
+    ncu -i "$OUT/kda_ncu.ncu-rep" --page source --csv --print-source sass -k "regex:$k" >"/tmp/$k.csv" \
+      && "$PY" scripts/ncu_summary.py "/tmp/$k.csv"
+  done
+  ncu -i "$OUT/kda_ncu.ncu-rep" --page details
+}
+
 run_part() {
   case $1 in
     slice) part slice 120 300 "$PY" -c "$SLICE_PY" "$CK" "$SLICE_WIDTH" ;;
@@ -113,6 +125,7 @@ run_part() {
     cuda_logits) part cuda_logits 200 0 env ROCM_K3_TEST_SLICE="$CK" "$PY" -m pytest -v -p no:cacheprovider -m cuda \
       --durations=10 tests/kernels/triton/test_triton_model.py -k bf16_triton_logits ;;
     op_errors) part op_errors 150 0 "$PY" -u scripts/bf16_op_errors.py "$CK" --force-routing ;;
+    kda_ncu) export -f kda_ncu; export OUT PY; part kda_ncu 150 0 bash -c kda_ncu ;;
     kda_prof) part kda_prof 240 0 "${PEER[@]}" -u benchmarks/bench_kda.py --profile-only ;;
     kda_prep) part kda_prep 200 0 "${PEER[@]}" -u benchmarks/bench_kda.py --prep-compare --json "$OUT/kda_prep.json" ;;
     cuda_prep) part cuda_prep 200 0 "$PY" -m pytest -v -p no:cacheprovider -m cuda --durations=10 \
@@ -136,7 +149,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_logits op_errors cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_ncu kda_prof kda_phase kda_prep kda_saving conv moe32 moe_tiles cuda_logits op_errors cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
   esac
 }
 
