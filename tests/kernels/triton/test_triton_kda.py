@@ -264,7 +264,7 @@ _PATHS = {
     "3-launch-lean-uncapped": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
                                "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "INTRA_MAXNREG": None},
 }
-# the interpreter ignores launch options such as the register cap: paths differing only there run on the GPU alone
+# the interpreter ignores the register cap (a launch option): paths that set INTRA_MAXNREG run on the GPU alone
 _INTERP_PATHS = [p for p in _PATHS if "INTRA_MAXNREG" not in _PATHS[p]]
 
 
