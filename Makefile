@@ -22,11 +22,14 @@ demo: $(STAMP)
 toolchain:
 	bash scripts/ensure_lld.sh || true
 
-# One pytest process per test area (tests/<area>/), two at a time on a machine with two or more CPUs, longest
-# first (scripts/test_areas.sh: an area's memory goes back to the system when its process ends; every area runs even
-# when one fails; TEST_LANES=1 runs them one by one).
+# One pytest process per test area (tests/<area>/): the memory an area's in-process engines keep (allocator caches,
+# NIXL/UCX agents, compiled grammars) goes back to the system before the next area starts. Every area runs even
+# when one fails; the exit status is non-zero if any failed (5, "no tests collected", is not a failure).
 test: $(STAMP) toolchain
-	@PY=$(BIN)/python bash scripts/test_areas.sh
+	@fail=0; for d in tests/*/; do \
+	  case $$d in *__pycache__*) continue;; esac; \
+	  echo "== $$d"; $(BIN)/python -m pytest -q -p no:cacheprovider $$d || [ $$? -eq 5 ] || fail=1; \
+	done; exit $$fail
 
 test-cuda: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda
