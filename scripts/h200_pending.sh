@@ -89,11 +89,9 @@ spec() {  # bench_spec at one batch: its own engines capture only that batch's g
 kda_ncu() {  # Nsight Compute over the three KDA prefill kernels at T = 16384, H = 96: details and per-kernel stalls
   ncu -k "regex:chunk_(prep|intra|state)" --launch-skip 3 --launch-count 3 --set full -o "$OUT/kda_ncu" -f \
     "$PY" scripts/kda_prefill_once.py 16384 || return $?
-  local k rc=0
-  for k in chunk_prep chunk_intra chunk_state; do
-    ncu -i "$OUT/kda_ncu.ncu-rep" --page source --csv --print-source sass -k "regex:$k" >"/tmp/$k.csv" \
-      && "$PY" scripts/ncu_summary.py "/tmp/$k.csv" || rc=$?
-  done
+  local rc=0  # one source page holds the three kernels; ncu_summary summarises each
+  ncu -i "$OUT/kda_ncu.ncu-rep" --page source --csv --print-source sass >/tmp/kda_ncu_sass.csv \
+    && "$PY" scripts/ncu_summary.py /tmp/kda_ncu_sass.csv || rc=$?
   ncu -i "$OUT/kda_ncu.ncu-rep" --page details || rc=$?
   return $rc
 }

@@ -86,7 +86,7 @@ def _summarise_kernel(label: str, hdr: list[str], data: list[list[str]], top: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("csv", help="ncu --page source --csv --print-source sass output of one kernel")
+    parser.add_argument("csv", help="ncu --page source --csv --print-source sass output (one kernel or several)")
     parser.add_argument("--top", type=int, default=12, help="instructions to list (default 12)")
     args = parser.parse_args()
     summarise(args.csv, args.top)
