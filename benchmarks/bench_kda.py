@@ -427,11 +427,14 @@ def _walk(bv: int, warps: int, stages: int) -> dict:
 # rejected (the step's chain grows with the program's width; BV 32 lost the other way, session 23). Earlier rows
 # (RESULTS.md): the four launches (session 19), BV 64 at 8 warps / 1-2 stages.
 PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s1", _walk(128, 8, 1)))
-# ... and --prep-compare's: the intra kernel uncapped and at another register cap against today's,
-# also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
+# ... and --prep-compare's (until session 26: the intra kernel uncapped and at a cap of 168 registers against
+# today's), also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
 # 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
 # launches, INTRA_INVERTS by products and the solve in the walk.
-PREP_COMPARE = (("ms_intra_uncapped", _INTRA_CAP[None]), ("ms_intra_cap168", _INTRA_CAP[168]))
+# Session 27: the prep's and the intra kernel's exponentials as exp2 (FAST_EXP), and with chunk_intra's QG, KB, KD
+# from its row operands' exponentials (INTRA_SHARED_EXPS).
+PREP_COMPARE = (("ms_fast_exp", {"FAST_EXP": True}),
+                ("ms_fast_exp_shared", {"FAST_EXP": True, "INTRA_SHARED_EXPS": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

@@ -25,7 +25,11 @@ overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a ref
 sub-block the second factor is <= 1; inside one sub-block both factors stay within 8 steps of decay
 (|exponent| <= 8 max|g|; K3's safe gate has |g| < 5, so <= 40, far from fp32's 88). With the softplus gate
 this holds while per-token |g| < 11. Dot operands are bf16 for bf16 activations, else fp32 (fp16 cannot hold
-the sub-block factors, which reach exp(40)).
+the sub-block factors, which reach exp(40)). ``FAST_EXP`` (``prefill.FAST_EXP``): the exponentials through
+common.exp_f32's FAST form. ``SHARED_EXPS`` (``prefill.INTRA_SHARED_EXPS``): QG's and KB's exp(G) and KD's
+exp(G_last - G) as the row operands' factors exp(+-(G - G_m)) times [K] exponentials of G_m and G_last - G_m (two
+[16, K] exponentials less per program; a factor that underflows there is one whose exact product is below ~1e-15
+of the chunk's largest, with |g| < 5).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rocm_k3.triton_kernels.kda.chunk_solve import invert_diagonal_block
-from rocm_k3.triton_kernels.kda.common import grid_ids
+from rocm_k3.triton_kernels.kda.common import exp_f32, grid_ids
 
 
 @triton.jit
@@ -63,9 +67,9 @@ def _qk_rows(x_ptr, row0, eos, stride, fscale, D: tl.constexpr, BC: tl.constexpr
 
 
 @triton.jit
-def _decay(x, g, gref, m, SIGN: tl.constexpr):
+def _decay(x, g, gref, m, SIGN: tl.constexpr, FAST_EXP: tl.constexpr):
     """x * exp(SIGN * (g - gref)) as fp32; masked rows (m false) get exponent 0."""
-    return x.to(tl.float32) * tl.exp(tl.where(m, SIGN * (g - gref[None, :]), 0.0))
+    return x.to(tl.float32) * exp_f32(tl.where(m, SIGN * (g - gref[None, :]), 0.0), FAST_EXP)
 
 
 @triton.jit
@@ -113,6 +117,7 @@ def chunk_intra_kernel(
     qg_ptr, kd_ptr,  # outputs when RAW_QK: QG, KD [T, H, K] (chunk_prep's, see there)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False, SHARED_EXPS: tl.constexpr = False,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -143,18 +148,26 @@ def chunk_intra_kernel(
         k_own, mk = _qk_rows(k_ptr, r0, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)  # k'
         g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
         q_own, _ = _qk_rows(qn_ptr + h * K, r0, eos, sq_in, scale, K, BC, RAW_QK, QK_NORM)
-        kp = _decay(k_own, g_own, gm, mk, 1.0).to(DOT_T)  # [BC, K]
-        qp = _decay(q_own, g_own, gm, mk, 1.0).to(DOT_T)
+        e_up = exp_f32(tl.where(mk, g_own - gm[None, :], 0.0), FAST_EXP)  # exp(G - G_m) [BC, K]
+        e_dn = exp_f32(tl.where(mk, gm[None, :] - g_own, 0.0), FAST_EXP)  # exp(G_m - G)
+        kp = (k_own.to(tl.float32) * e_up).to(DOT_T)  # [BC, K]
+        qp = (q_own.to(tl.float32) * e_up).to(DOT_T)
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
-        kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0).to(DOT_T))  # diagonal block's column operand [K, BC]
+        kn = tl.trans((k_own.to(tl.float32) * e_dn).to(DOT_T))  # diagonal block's column operand [K, BC]
         if WRITE_KB:
-            eg = tl.exp(g_own)  # exp(G) <= 1
+            if SHARED_EXPS:  # exp(G) = exp(G_m) exp(G - G_m): a [K] exponential instead of a [BC, K] one
+                eg = e_up * exp_f32(gm, FAST_EXP)[None, :]
+            else:
+                eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, (k_own.to(tl.float32) * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
             if RAW_QK:  # chunk_prep's QG and KD for these rows
                 tl.store(qg_ptr + own, (q_own * eg).to(qg_ptr.dtype.element_ty), mask=mk)
                 g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # G at the chunk's last row
-                kd = k_own * tl.exp(tl.where(mk, g_last[None, :] - g_own, 0.0))  # <= 1
+                if SHARED_EXPS:  # exp(G_last - G) = exp(G_last - G_m) exp(G_m - G)
+                    kd = k_own * e_dn * exp_f32(g_last - gm, FAST_EXP)[None, :]
+                else:
+                    kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
                 tl.store(kd_ptr + own, kd.to(kd_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
@@ -163,7 +176,7 @@ def chunk_intra_kernel(
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             k_j, m_j = _qk_rows(k_ptr, t0 + j * BC, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)
             g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
-            kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0).to(DOT_T))  # [K, BC]
+            kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
         zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

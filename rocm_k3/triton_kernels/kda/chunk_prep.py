@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_k3.triton_kernels.kda.common import gate, grid_ids, sigmoid_f32
+from rocm_k3.triton_kernels.kda.common import exp_f32, gate, grid_ids, sigmoid_f32
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def chunk_prep_kernel(
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
-    COL_SPLIT: tl.constexpr, GATE_ONLY: tl.constexpr = False,
+    COL_SPLIT: tl.constexpr, GATE_ONLY: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
 ):
     """Works on [BT, BK] column slices (BK divides K): the squared norms first (over all K columns), then
     everything else. Grid (NC, H): one program per (chunk, head) walks the K / BK slices; with COL_SPLIT, grid
@@ -73,24 +73,24 @@ def chunk_prep_kernel(
         if HAS_GATE:
             a_log = tl.load(a_log_ptr + h)
             dt_bias = tl.load(dt_bias_ptr + h * K + j * BK + cols)  # [BK]
-            g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE)
+            g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE, FAST_EXP)
         g = tl.where(mask, g, 0.0)
         gc = tl.cumsum(g, axis=0)  # [BT, BK]
         tl.store(gcum_ptr + offs, gc, mask=mask)
         glast = tl.sum(g, axis=0)  # [BK] G at the last token (padding rows add 0)
-        tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + j * BK + cols, tl.exp(glast))
+        tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + j * BK + cols, exp_f32(glast, FAST_EXP))
         if not GATE_ONLY:
             q = tl.load(q_ptr + q_base + j * BK, mask=mask, other=0.0).to(tl.float32) * q_scale[:, None]
             k = tl.load(k_ptr + k_base + j * BK, mask=mask, other=0.0).to(tl.float32) * k_scale[:, None]
             tl.store(qn_ptr + offs, q.to(qn_ptr.dtype.element_ty), mask=mask)
             tl.store(kn_ptr + offs, k.to(kn_ptr.dtype.element_ty), mask=mask)
-            tl.store(qg_ptr + offs, (q * tl.exp(gc)).to(qg_ptr.dtype.element_ty), mask=mask)
-            kdecay = tl.exp(tl.where(mask, glast[None, :] - gc, 0.0))  # <= 1
+            tl.store(qg_ptr + offs, (q * exp_f32(gc, FAST_EXP)).to(qg_ptr.dtype.element_ty), mask=mask)
+            kdecay = exp_f32(tl.where(mask, glast[None, :] - gc, 0.0), FAST_EXP)  # <= 1
             tl.store(kd_ptr + offs, (k * kdecay).to(kd_ptr.dtype.element_ty), mask=mask)
 
     if j0 == 0:
         b_offs = (t0 + rows).to(tl.int64) * H + h
         b = tl.load(beta_ptr + b_offs, mask=mask_t, other=0.0).to(tl.float32)  # [BT]
         if BETA_LOGITS:
-            b = sigmoid_f32(b)
+            b = sigmoid_f32(b, FAST_EXP)
         tl.store(beta_out_ptr + b_offs, b, mask=mask_t)

@@ -20,10 +20,23 @@ import triton.language as tl
 CHUNK = 64  # chunk length C of the chunked prefill (K3_SPEC section 2)
 
 
+LOG2E = 1.4426950408889634
+
+
 @triton.jit
-def sigmoid_f32(x):
-    """1 / (1 + exp(-x)) in fp32."""
-    return 1.0 / (1.0 + tl.exp(-x))
+def exp_f32(x, FAST: tl.constexpr = False):
+    """exp(x) in fp32: ``tl.exp``, or (FAST) ``exp2(x log2 e)``, the same ex2.approx (NVIDIA) / v_exp_f32 (AMD)
+    without tl.exp's denormal-range fix-up (sm_90: a compare, a select and a multiply per call): results below
+    2^-126 flush to 0, which no caller tells from 0."""
+    if FAST:
+        return tl.exp2(x * 1.4426950408889634)
+    return tl.exp(x)
+
+
+@triton.jit
+def sigmoid_f32(x, FAST: tl.constexpr = False):
+    """1 / (1 + exp(-x)) in fp32 (FAST: exp_f32's)."""
+    return 1.0 / (1.0 + exp_f32(-x, FAST))
 
 
 @triton.jit
@@ -33,12 +46,13 @@ def softplus_f32(x):
 
 
 @triton.jit
-def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr):
-    """Log-space decay g (fp32) from the raw gate input f; a_log is a scalar, dt_bias broadcasts with f."""
+def gate(f, a_log, dt_bias, lower_bound, SAFE_GATE: tl.constexpr, FAST_EXP: tl.constexpr = False):
+    """Log-space decay g (fp32) from the raw gate input f; a_log is a scalar, dt_bias broadcasts with f (FAST_EXP:
+    the safe gate's sigmoid through exp_f32's FAST form)."""
     x = f.to(tl.float32) + dt_bias
     a = tl.exp(a_log)
     if SAFE_GATE:
-        g = lower_bound * sigmoid_f32(a * x)
+        g = lower_bound * sigmoid_f32(a * x, FAST_EXP)
     else:
         g = -a * softplus_f32(x)
     return g

@@ -130,6 +130,11 @@ NORMS_IN_INTRA = True
 # dots are fp32). On: H100 2026-12-05 (session 21): 1.251 / 4.973 ms at T = 4k / 16k alone against 1.297 / 5.136; with
 # NORMS_IN_INTRA 1.084 / 4.333 against 1.106 / 4.360 (the walk's sm_90 build spills 128 B at 255 registers with it).
 BAND_IN_DOT_DTYPE = True
+# The prep's and the intra kernel's exponentials as exp2(x log2 e) (common.exp_f32's FAST form: tl.exp without its
+# denormal-range fix-up, a compare, a select and a multiply per call on sm_90; results below 2^-126 flush to 0).
+FAST_EXP = False
+# chunk_intra's QG, KB and KD from the row operands' exponentials and two [K] ones (chunk_intra's SHARED_EXPS).
+INTRA_SHARED_EXPS = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -333,7 +338,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     chunk_prep_kernel[prep_grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
-        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in,
+        H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in, FAST_EXP=FAST_EXP,
         num_warps=PHASE_WARPS[("prep_gate" if norms_in else "prep_split") if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
@@ -341,7 +346,8 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"],
+        INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP,
+        SHARED_EXPS=INTRA_SHARED_EXPS,
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:
