@@ -35,6 +35,7 @@ from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
+from rocm_k3.triton_kernels.kda.chunk_state_t import chunk_state_t_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -135,6 +136,9 @@ BAND_IN_DOT_DTYPE = True
 # the prep's sigmoids with the reciprocal as rsqrt(1 + e)^2 (common.sigmoid_f32's). sm_90 cross-compile (Triton 3.9,
 # instructions per thread): prep 960 -> 832, intra 2,176 -> 1,936; gfx942: 709 -> 532, 1,820 -> 1,528.
 FAST_EXP = False
+# The solving walk with the output (SOLVE_IN_WALK, not SPLIT_OUTPUT) as chunk_state_t: the recurrence transposed, so
+# that the operands made inside each step pass from product to product in registers (chunk_state_t's docstring).
+WALK_TRANSPOSED = False
 # chunk_intra's QG, KB and KD from the row operands' exponentials and two [K] ones (chunk_intra's SHARED_EXPS).
 INTRA_SHARED_EXPS = False
 
@@ -299,6 +303,18 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     split = SPLIT_OUTPUT
     hbuf = buf(plan.num_chunks, H, K, V) if split else o  # o: an unread placeholder
     vbuf = buf(T, H, V) if split else o
+    if WALK_TRANSPOSED and solve_in and not split:
+        chunk_state_t_kernel[(V // bv, N, H)](
+            qg, kd, aqk, glast, cu, plan.seq_first_chunk,
+            state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
+            o, inter if has_inter else o, inter_map if has_inter else cu,
+            walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
+            H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec,
+            num_warps=warps, num_stages=state_stages(bv, solve_in),
+        )
+        if copy_from is not None:
+            inter = inter[copy_from]
+        return KDAPrefillOutput(o, inter)
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
