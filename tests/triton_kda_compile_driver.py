@@ -15,6 +15,13 @@ TARGETS = ("sm_90", "gfx942", "gfx950")
 H, K, V, W = 96, 128, 128, 4
 
 
+def _fast_exp() -> bool:
+    """prefill.FAST_EXP, as the wrappers pass it to the prep and the intra kernel."""
+    from rocm_k3.triton_kernels.kda.prefill import FAST_EXP
+
+    return FAST_EXP
+
+
 def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = False) -> tuple:
     """chunk_prep over one column slice per program (split) or all of them; writing q', k', QG, KD, G, GL and b, or
     (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone."""
@@ -25,7 +32,7 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = 
              "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
              "stride_k": "i32"},
             dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
-                 COL_SPLIT=split, GATE_ONLY=gate_only), warps, 1)
+                 COL_SPLIT=split, GATE_ONLY=gate_only, FAST_EXP=_fast_exp()), warps, 1)
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
@@ -38,8 +45,8 @@ def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: boo
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
              "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
              "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16"},
-            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, QK_NORM=True),
-            warps, 2)
+            dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, QK_NORM=True,
+                 FAST_EXP=_fast_exp()), warps, 2)
 
 
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,

@@ -26,10 +26,7 @@ sub-block the second factor is <= 1; inside one sub-block both factors stay with
 (|exponent| <= 8 max|g|; K3's safe gate has |g| < 5, so <= 40, far from fp32's 88). With the softplus gate
 this holds while per-token |g| < 11. Dot operands are bf16 for bf16 activations, else fp32 (fp16 cannot hold
 the sub-block factors, which reach exp(40)). ``FAST_EXP`` (``prefill.FAST_EXP``): the exponentials through
-common.exp_f32's FAST form. ``SHARED_EXPS`` (``prefill.INTRA_SHARED_EXPS``): QG's and KB's exp(G) and KD's
-exp(G_last - G) as the row operands' factors exp(+-(G - G_m)) times [K] exponentials of G_m and G_last - G_m (two
-[16, K] exponentials less per program; a factor that underflows there is one whose exact product is below ~1e-15
-of the chunk's largest, with |g| < 5).
+common.exp_f32's FAST form.
 """
 
 from __future__ import annotations
@@ -117,7 +114,7 @@ def chunk_intra_kernel(
     qg_ptr, kd_ptr,  # outputs when RAW_QK: QG, KD [T, H, K] (chunk_prep's, see there)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, SHARED_EXPS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -155,19 +152,13 @@ def chunk_intra_kernel(
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
         kn = tl.trans((k_own.to(tl.float32) * e_dn).to(DOT_T))  # diagonal block's column operand [K, BC]
         if WRITE_KB:
-            if SHARED_EXPS:  # exp(G) = exp(G_m) exp(G - G_m): a [K] exponential instead of a [BC, K] one
-                eg = e_up * exp_f32(gm, FAST_EXP)[None, :]
-            else:
-                eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
+            eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, (k_own.to(tl.float32) * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
             if RAW_QK:  # chunk_prep's QG and KD for these rows
                 tl.store(qg_ptr + own, (q_own * eg).to(qg_ptr.dtype.element_ty), mask=mk)
                 g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # G at the chunk's last row
-                if SHARED_EXPS:  # exp(G_last - G) = exp(G_last - G_m) exp(G_m - G)
-                    kd = k_own * e_dn * exp_f32(g_last - gm, FAST_EXP)[None, :]
-                else:
-                    kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
+                kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
                 tl.store(kd_ptr + own, kd.to(kd_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1

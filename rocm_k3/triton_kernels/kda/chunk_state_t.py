@@ -28,12 +28,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _rows_t(ptr, row0, eos, stride, cols, other):
+def _rows_t(ptr, row0, eos, stride, cols, other, DIRECT: tl.constexpr = False):
     """Rows row0 .. row0 + 15 of a [T, ...] tensor at columns ``cols`` [C] (offsets within a row), transposed:
-    [C, 16]; rows past eos ``other``."""
+    [C, 16]; rows past eos ``other``. DIRECT: a volatile load, which Triton's pipeliner leaves in place (straight to
+    registers, no shared-memory stage)."""
     r = tl.arange(0, 16)
     return tl.load(ptr + row0 * stride + (r[None, :] * stride + cols[:, None]), mask=(r < eos - row0)[None, :],
-                   other=other)
+                   other=other, volatile=DIRECT)
 
 
 @triton.jit
@@ -46,38 +47,38 @@ def _rows(ptr, row0, eos, stride, cols, other):
 
 
 @triton.jit
-def _band_t(ptr, row0, eos, h, J: tl.constexpr, H: tl.constexpr):
+def _band_t(ptr, row0, eos, h, J: tl.constexpr, H: tl.constexpr, DIRECT: tl.constexpr = False):
     """Block (I, J)^T [16, 16] of a [T, H, 64] row band (rows row0 .. row0 + 15 of block row I; rows past eos 0):
     element [j, i] = band[row0 + i, 16 J + j]."""
-    return _rows_t(ptr, row0, eos, H * 64, h * 64 + J * 16 + tl.arange(0, 16), 0.0)
+    return _rows_t(ptr, row0, eos, H * 64, h * 64 + J * 16 + tl.arange(0, 16), 0.0, DIRECT)
 
 
 @triton.jit
 def _block_t(I: tl.constexpr, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, aqk_ptr,
              o_ptr, w0, w1, w2, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_T: tl.constexpr,
-             PREC: tl.constexpr):
+             PREC: tl.constexpr, DIRECT_V: tl.constexpr):
     """Row block I of a chunk: V'^T_I [BV, 16] in the dot dtype, returned; O_I stored."""
     row0 = t0 + I * 16
     r = row0 + tl.arange(0, 16)
-    b = tl.load(b_ptr + r * H + h, mask=r < eos, other=0.0)  # [16]
-    v_t = _rows_t(v_ptr, row0, eos, stride_v, h * V + rv, 0.0).to(tl.float32)  # [BV, 16]
+    b = tl.load(b_ptr + r * H + h, mask=r < eos, other=0.0, volatile=DIRECT_V)  # [16]
+    v_t = _rows_t(v_ptr, row0, eos, stride_v, h * V + rv, 0.0, DIRECT_V).to(tl.float32)  # [BV, 16]
     kb_t = _rows_t(kb_ptr, row0, eos, H * K, h * K + rk, 0.0).to(DOT_T)  # [K, 16]
     x = b[None, :] * v_t - tl.dot(s_dot, kb_t, input_precision=PREC)
     if I > 0:
-        x -= tl.dot(w0, _band_t(a_ptr, row0, eos, h, 0, H).to(DOT_T), input_precision=PREC)
+        x -= tl.dot(w0, _band_t(a_ptr, row0, eos, h, 0, H, DIRECT_V).to(DOT_T), input_precision=PREC)
     if I > 1:
-        x -= tl.dot(w1, _band_t(a_ptr, row0, eos, h, 1, H).to(DOT_T), input_precision=PREC)
+        x -= tl.dot(w1, _band_t(a_ptr, row0, eos, h, 1, H, DIRECT_V).to(DOT_T), input_precision=PREC)
     if I > 2:
-        x -= tl.dot(w2, _band_t(a_ptr, row0, eos, h, 2, H).to(DOT_T), input_precision=PREC)
-    vp = tl.dot(x.to(DOT_T), _band_t(a_ptr, row0, eos, h, I, H).to(DOT_T), input_precision=PREC).to(DOT_T)
+        x -= tl.dot(w2, _band_t(a_ptr, row0, eos, h, 2, H, DIRECT_V).to(DOT_T), input_precision=PREC)
+    vp = tl.dot(x.to(DOT_T), _band_t(a_ptr, row0, eos, h, I, H, DIRECT_V).to(DOT_T), input_precision=PREC).to(DOT_T)
     o = tl.dot(s_dot, _rows_t(qg_ptr, row0, eos, H * K, h * K + rk, 0.0).to(DOT_T), input_precision=PREC)
-    o = tl.dot(vp, _band_t(aqk_ptr, row0, eos, h, I, H).to(DOT_T), o, input_precision=PREC)
+    o = tl.dot(vp, _band_t(aqk_ptr, row0, eos, h, I, H, DIRECT_V).to(DOT_T), o, input_precision=PREC)
     if I > 0:
-        o = tl.dot(w0, _band_t(aqk_ptr, row0, eos, h, 0, H).to(DOT_T), o, input_precision=PREC)
+        o = tl.dot(w0, _band_t(aqk_ptr, row0, eos, h, 0, H, DIRECT_V).to(DOT_T), o, input_precision=PREC)
     if I > 1:
-        o = tl.dot(w1, _band_t(aqk_ptr, row0, eos, h, 1, H).to(DOT_T), o, input_precision=PREC)
+        o = tl.dot(w1, _band_t(aqk_ptr, row0, eos, h, 1, H, DIRECT_V).to(DOT_T), o, input_precision=PREC)
     if I > 2:
-        o = tl.dot(w2, _band_t(aqk_ptr, row0, eos, h, 2, H).to(DOT_T), o, input_precision=PREC)
+        o = tl.dot(w2, _band_t(aqk_ptr, row0, eos, h, 2, H, DIRECT_V).to(DOT_T), o, input_precision=PREC)
     ri = tl.arange(0, 16)
     offs = row0 * (H * V) + (ri[None, :] * (H * V) + (h * V + rv)[:, None])  # [BV, 16]
     tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=(ri < eos - row0)[None, :])
@@ -92,7 +93,7 @@ def chunk_state_t_kernel(
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
     a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # A band [T, H, 64] (T_II diagonal), KB [T, H, K], v (row-strided), b
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    HAS_INTER: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
+    HAS_INTER: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, DIRECT_V: tl.constexpr = False,
 ):
     """Grid (V / BV, N, H)."""
     BT: tl.constexpr = 64
@@ -122,18 +123,18 @@ def chunk_state_t_kernel(
         s = s * gl[None, :]  # S^T diag(GL); the step's products read s_dot (the state at the chunk's start)
         kd_cols = h * K + rk
         w0 = _block_t(0, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, aqk_ptr, o_ptr,
-                      s_dot, s_dot, s_dot, H, K, V, DOT_T, PREC)
+                      s_dot, s_dot, s_dot, H, K, V, DOT_T, PREC, DIRECT_V)
         s = tl.dot(w0, _rows(kd_ptr, t0, eos, H * K, kd_cols, 0.0).to(DOT_T), s, input_precision=PREC)
         w1 = _block_t(1, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, aqk_ptr, o_ptr,
-                      w0, w0, w0, H, K, V, DOT_T, PREC)
+                      w0, w0, w0, H, K, V, DOT_T, PREC, DIRECT_V)
         s = tl.dot(w1, _rows(kd_ptr, t0 + 16, eos, H * K, kd_cols, 0.0).to(DOT_T), s,
                    input_precision=PREC)
         w2 = _block_t(2, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, aqk_ptr, o_ptr,
-                      w0, w1, w1, H, K, V, DOT_T, PREC)
+                      w0, w1, w1, H, K, V, DOT_T, PREC, DIRECT_V)
         s = tl.dot(w2, _rows(kd_ptr, t0 + 32, eos, H * K, kd_cols, 0.0).to(DOT_T), s,
                    input_precision=PREC)
         w3 = _block_t(3, s_dot, t0, eos, h, rk, rv, a_ptr, kb_ptr, v_ptr, b_ptr, stride_v, qg_ptr, aqk_ptr, o_ptr,
-                      w0, w1, w2, H, K, V, DOT_T, PREC)
+                      w0, w1, w2, H, K, V, DOT_T, PREC, DIRECT_V)
         s = tl.dot(w3, _rows(kd_ptr, t0 + 48, eos, H * K, kd_cols, 0.0).to(DOT_T), s,
                    input_precision=PREC)
         if HAS_INTER:

@@ -134,13 +134,13 @@ BAND_IN_DOT_DTYPE = True
 # The prep's and the intra kernel's exponentials as exp2(x log2 e) (common.exp_f32's FAST form: tl.exp without its
 # denormal-range fix-up, a compare, a select and a multiply per call on sm_90; results below 2^-126 flush to 0), and
 # the prep's sigmoids with the reciprocal as rsqrt(1 + e)^2 (common.sigmoid_f32's). sm_90 cross-compile (Triton 3.9,
-# instructions per thread): prep 960 -> 832, intra 2,176 -> 1,936; gfx942: 709 -> 532, 1,820 -> 1,528.
-FAST_EXP = False
+# instructions per thread): prep 960 -> 832, intra 2,176 -> 1,936; gfx942: 709 -> 532, 1,820 -> 1,528. On: H100
+# 2026-12-06 (session 27, RESULTS.md) end to end 0.966 / 3.733 / 15.25 / 3.655 ms against 0.977 / 3.799 / 15.44 /
+# 3.728 at T = 4k / 16k / 64k / varlen 16k (o 2.6e-4 off the exact-exp build, bf16 level).
+FAST_EXP = True
 # The solving walk with the output (SOLVE_IN_WALK, not SPLIT_OUTPUT) as chunk_state_t: the recurrence transposed, so
 # that the operands made inside each step pass from product to product in registers (chunk_state_t's docstring).
 WALK_TRANSPOSED = False
-# chunk_intra's QG, KB and KD from the row operands' exponentials and two [K] ones (chunk_intra's SHARED_EXPS).
-INTRA_SHARED_EXPS = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -365,7 +365,6 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP,
-        SHARED_EXPS=INTRA_SHARED_EXPS,
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:

@@ -263,16 +263,12 @@ _PATHS = {
     # the default without prefill.INTRA_MAXNREG's register cap on the intra kernel (before session 25)
     "3-launch-lean-uncapped": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
                                "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "INTRA_MAXNREG": None},
-    # the default with the prep's and the intra kernel's exponentials as exp2 (prefill.FAST_EXP)
-    "3-launch-lean-fast-exp": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
-                               "BAND_IN_DOT_DTYPE": True, "FAST_EXP": True},
+    # the default with tl.exp for every exponential (prefill.FAST_EXP off, before session 27)
+    "3-launch-lean-exact-exp": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
+                                "BAND_IN_DOT_DTYPE": True, "FAST_EXP": False},
     # the default with the solving walk transposed (prefill.WALK_TRANSPOSED: chunk_state_t)
     "3-launch-lean-walk-t": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                              "BAND_IN_DOT_DTYPE": True, "WALK_TRANSPOSED": True},
-    # ... and with chunk_intra's QG, KB, KD from the row operands' exponentials (prefill.INTRA_SHARED_EXPS)
-    "3-launch-lean-fast-exp-shared": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
-                                      "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "FAST_EXP": True,
-                                      "INTRA_SHARED_EXPS": True},
 }
 # the interpreter ignores the register cap (a launch option): paths that set INTRA_MAXNREG run on the GPU alone
 _INTERP_PATHS = [p for p in _PATHS if "INTRA_MAXNREG" not in _PATHS[p]]
