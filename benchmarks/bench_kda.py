@@ -431,14 +431,9 @@ PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s
 # today's), also while saving states. Session 24 (H100, RESULTS.md) adopted the 4-warp prep this way (its rows also had session
 # 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
 # launches, INTRA_INVERTS by products and the solve in the walk.
-# Session 27: the prep's and the intra kernel's exponentials as exp2 (FAST_EXP), and the solving walk transposed
-# (WALK_TRANSPOSED) over the whole value width (BV 128, 8 warps: one program per head, two warpgroups) at 2 and 3
-# stages and at BV 64 / 4 warps / 2 stages.
-_WALK_T = {"WALK_TRANSPOSED": True, "FAST_EXP": True}
-PREP_COMPARE = (("ms_fast_exp", {"FAST_EXP": True}),
-                ("ms_fast_walk_t128_s2", {**_WALK_T, **_walk(128, 8, 2)}),
-                ("ms_fast_walk_t128_s3", {**_WALK_T, **_walk(128, 8, 3)}),
-                ("ms_fast_walk_t64_s2", {**_WALK_T, **_walk(64, 4, 2)}))
+# Session 27 (H100, RESULTS.md) adopted FAST_EXP this way and rejected the walk's L2 prefetch, the 8-warp walk and
+# the transposed walk (BV 64 and 128). The exact exponentials (FAST_EXP off, before session 27) against today's:
+PREP_COMPARE = (("ms_exact_exp", {"FAST_EXP": False}),)
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

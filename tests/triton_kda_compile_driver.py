@@ -122,12 +122,6 @@ def _specs() -> dict:
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),
-        # prefill.WALK_TRANSPOSED: the solving walk on S^T (chunk_state_t)
-        "chunk_state_t": (f"{pkg}.chunk_state_t", "chunk_state_t_kernel",
-                          {k: v for k, v in state_sig.items() if k not in ("w_ptr", "u_ptr", "hbuf_ptr", "vbuf_ptr")}
-                          | {"a_ptr": "*bf16"},
-                          dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, **dots), state_warps,
-                          state_stages(bv, solve_in=True)),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
                         dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=False),
                         state_warps, state_stages(bv)),

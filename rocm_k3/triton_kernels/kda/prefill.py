@@ -17,7 +17,8 @@ row strides).
 Measured and removed (session 20; RESULTS.md has their numbers, git history their code): phases 1-3 in one launch
 (FUSED, chunk_fused: not faster on the H200, 255 registers and spills), phases 2 and 3 in one (MERGE_WY, chunk_wy:
 25-30 % slower on the H200), phases 1 and 2 in one (PREP_IN_INTRA, chunk_prep_intra: 2x slower than the two
-launches on the H100, twice).
+launches on the H100, twice). Session 27 (H100): an L2 prefetch of the walk's next chunk (noise), the walk at 8 warps
+(2.1x slower) and the walk transposed onto S^T with wgmma (chunk_state_t: 21-54 % slower).
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
@@ -35,7 +36,6 @@ from rocm_k3.triton_kernels.kda.chunk_output import chunk_output_kernel
 from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
 from rocm_k3.triton_kernels.kda.chunk_solve import chunk_solve_kernel
 from rocm_k3.triton_kernels.kda.chunk_state import chunk_state_kernel
-from rocm_k3.triton_kernels.kda.chunk_state_t import chunk_state_t_kernel
 from rocm_k3.triton_kernels.kda.common import CHUNK, is_pow2, plan_chunks
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -138,9 +138,6 @@ BAND_IN_DOT_DTYPE = True
 # 2026-12-06 (session 27, RESULTS.md) end to end 0.966 / 3.733 / 15.25 / 3.655 ms against 0.977 / 3.799 / 15.44 /
 # 3.728 at T = 4k / 16k / 64k / varlen 16k (o 2.6e-4 off the exact-exp build, bf16 level).
 FAST_EXP = True
-# The solving walk with the output (SOLVE_IN_WALK, not SPLIT_OUTPUT) as chunk_state_t: the recurrence transposed, so
-# that the operands made inside each step pass from product to product in registers (chunk_state_t's docstring).
-WALK_TRANSPOSED = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -303,18 +300,6 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     split = SPLIT_OUTPUT
     hbuf = buf(plan.num_chunks, H, K, V) if split else o  # o: an unread placeholder
     vbuf = buf(T, H, V) if split else o
-    if WALK_TRANSPOSED and solve_in and not split:
-        chunk_state_t_kernel[(V // bv, N, H)](
-            qg, kd, aqk, glast, cu, plan.seq_first_chunk,
-            state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),
-            o, inter if has_inter else o, inter_map if has_inter else cu,
-            walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
-            H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, DOT_T=dot_t, PREC=prec,
-            num_warps=warps, num_stages=state_stages(bv, solve_in),
-        )
-        if copy_from is not None:
-            inter = inter[copy_from]
-        return KDAPrefillOutput(o, inter)
     chunk_state_kernel[(V // bv, N, H)](
         w, u, qg, kd, aqk, glast, cu, plan.seq_first_chunk,
         state, state_indices.to(torch.int32).contiguous(), has_initial_state.to(torch.int8).contiguous(),

@@ -266,9 +266,6 @@ _PATHS = {
     # the default with tl.exp for every exponential (prefill.FAST_EXP off, before session 27)
     "3-launch-lean-exact-exp": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                                 "BAND_IN_DOT_DTYPE": True, "FAST_EXP": False},
-    # the default with the solving walk transposed (prefill.WALK_TRANSPOSED: chunk_state_t)
-    "3-launch-lean-walk-t": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
-                             "BAND_IN_DOT_DTYPE": True, "WALK_TRANSPOSED": True},
 }
 # the interpreter ignores the register cap (a launch option): paths that set INTRA_MAXNREG run on the GPU alone
 _INTERP_PATHS = [p for p in _PATHS if "INTRA_MAXNREG" not in _PATHS[p]]
@@ -808,7 +805,7 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
                 "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
-                "chunk_intra_inv_prod_norms_capped", "chunk_state_t")
+                "chunk_intra_inv_prod_norms_capped")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -819,7 +816,6 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state": ("wgmma.mma_async", "v_mfma"), "chunk_state_split": ("wgmma.mma_async", "v_mfma"),
         "chunk_state_solve": ("mma.sync.aligned", "v_mfma"),
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
-        "chunk_state_t": ("wgmma.mma_async", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms_capped": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
