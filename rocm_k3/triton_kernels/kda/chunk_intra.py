@@ -145,12 +145,11 @@ def chunk_intra_kernel(
         k_own, mk = _qk_rows(k_ptr, r0, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)  # k'
         g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
         q_own, _ = _qk_rows(qn_ptr + h * K, r0, eos, sq_in, scale, K, BC, RAW_QK, QK_NORM)
-        e_up = exp_f32(tl.where(mk, g_own - gm[None, :], 0.0), FAST_EXP)  # exp(G - G_m) [BC, K]
-        e_dn = exp_f32(tl.where(mk, gm[None, :] - g_own, 0.0), FAST_EXP)  # exp(G_m - G)
-        kp = (k_own.to(tl.float32) * e_up).to(DOT_T)  # [BC, K]
-        qp = (q_own.to(tl.float32) * e_up).to(DOT_T)
+        kp = _decay(k_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)  # [BC, K]
+        qp = _decay(q_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
-        kn = tl.trans((k_own.to(tl.float32) * e_dn).to(DOT_T))  # diagonal block's column operand [K, BC]
+        # the diagonal block's column operand [K, BC]
+        kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0, FAST_EXP).to(DOT_T))
         if WRITE_KB:
             eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
             own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]

@@ -20,16 +20,13 @@ import triton.language as tl
 CHUNK = 64  # chunk length C of the chunked prefill (K3_SPEC section 2)
 
 
-LOG2E = 1.4426950408889634
-
-
 @triton.jit
 def exp_f32(x, FAST: tl.constexpr = False):
     """exp(x) in fp32: ``tl.exp``, or (FAST) ``exp2(x log2 e)``, the same ex2.approx (NVIDIA) / v_exp_f32 (AMD)
     without tl.exp's denormal-range fix-up (sm_90: a compare, a select and a multiply per call): results below
     2^-126 flush to 0, which no caller tells from 0."""
     if FAST:
-        return tl.exp2(x * 1.4426950408889634)
+        return tl.exp2(x * 1.4426950408889634)  # log2(e)
     return tl.exp(x)
 
 
