@@ -433,9 +433,7 @@ PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s
 # launches, INTRA_INVERTS by products and the solve in the walk.
 # Session 27 (H100, RESULTS.md) adopted FAST_EXP this way and rejected the walk's L2 prefetch, the 8-warp walk and
 # the transposed walk (BV 64 and 128). The exact exponentials (FAST_EXP off, before session 27) against today's:
-PREP_COMPARE = (("ms_gate_in_intra", {"GATE_IN_INTRA": True}),
-                ("ms_gate_in_cap168", {"GATE_IN_INTRA": True, "INTRA_MAXNREG": 168}),
-                ("ms_gate_in_uncapped", {"GATE_IN_INTRA": True, "INTRA_MAXNREG": None}))
+PREP_COMPARE = (("ms_exact_exp", {"FAST_EXP": False}),)
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

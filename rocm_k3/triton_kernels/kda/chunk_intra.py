@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from rocm_k3.triton_kernels.kda.chunk_solve import invert_diagonal_block
-from rocm_k3.triton_kernels.kda.common import exp_f32, gate, grid_ids
+from rocm_k3.triton_kernels.kda.common import exp_f32, grid_ids
 
 
 @triton.jit
@@ -61,19 +61,6 @@ def _qk_rows(x_ptr, row0, eos, stride, fscale, D: tl.constexpr, BC: tl.constexpr
         else:
             x = x * fscale
     return x, m
-
-
-@triton.jit
-def _gated_rows(g_ptr, row0, eos, stride, start, a_log, dt_bias, lower_bound, D: tl.constexpr, BC: tl.constexpr,
-                HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, FAST_EXP: tl.constexpr):
-    """(G of rows row0 .. row0 + BC - 1 [BC, D] fp32; their row mask [BC, 1]) for GATE_IN: start [D] (G before
-    row0) plus the inclusive cumsum of the rows' gated g (common.gate of the raw input when HAS_GATE; rows past eos
-    add 0)."""
-    x, m = _load_rows(g_ptr, row0, eos, stride, D, BC)
-    x = x.to(tl.float32)
-    if HAS_GATE:
-        x = gate(x, a_log, dt_bias[None, :], lower_bound, SAFE_GATE, FAST_EXP)
-    return start[None, :] + tl.cumsum(tl.where(m, x, 0.0), axis=0), m
 
 
 @triton.jit
@@ -125,20 +112,14 @@ def chunk_intra_kernel(
     a_ptr, aqk_ptr,  # outputs: A [T, H, 64] (fp32, or BAND_IN_DOT_DTYPE's dtype), Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
     qg_ptr, kd_ptr,  # outputs when RAW_QK: QG, KD [T, H, K] (chunk_prep's, see there)
-    bounds_ptr, a_log_ptr, dt_bias_ptr, lower_bound,  # GATE_IN: G at each sub-block's last row fp32 [NC, 4, H, K]
-    # (chunk_prep's BOUNDS_ONLY), the gate's fp32 [H] and [H * K] parameters (read when HAS_GATE) and lower bound
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, GATE_IN: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
-    SAFE_GATE: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
     G) are read once and give the row operands, the diagonal block's column operand and (WRITE_KB) KB; the earlier
-    sub-blocks' k' and G are read for their column operands. With GATE_IN (``prefill.GATE_IN_INTRA``) gcum_ptr is
-    the raw gate input g [T, H, K] instead of G: every sub-block's G is its bound from chunk_prep (G before its
-    first row) plus the cumsum of its gated rows, and the reference is the midpoint of the block's G range (also
-    within 8 steps of decay of every row of it)."""
+    sub-blocks' k' and G are read for their column operands."""
     BC: tl.constexpr = 16
     BT: tl.constexpr = 64
     tl.static_assert(not RAW_QK or WRITE_KB, "RAW_QK writes QG and KD with KB: it needs WRITE_KB")
@@ -159,25 +140,10 @@ def chunk_intra_kernel(
         rows = r0 + tl.arange(0, BC)
         m = rows < eos
         r = tl.arange(0, BC)
-        cols = tl.arange(0, K)
-        if GATE_IN:
-            bnd_ptr = bounds_ptr + (c * (BT // BC) * H + h).to(tl.int64) * K + cols  # [K], sub-block 0's bound
-            a_log = 0.0
-            dt_bias = tl.zeros([K], dtype=tl.float32)
-            if HAS_GATE:
-                a_log = tl.load(a_log_ptr + h)
-                dt_bias = tl.load(dt_bias_ptr + h * K + cols)
-            g_start = tl.where(blk > 0, tl.load(bnd_ptr + tl.maximum(blk - 1, 0) * (H * K)), 0.0)  # G before row r0
-            gm = 0.5 * (g_start + tl.load(bnd_ptr + blk * (H * K)))  # reference: the midpoint of G's range
-        else:
-            gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + cols)  # reference row
+        gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # reference row
         b = tl.load(beta_ptr + rows.to(tl.int64) * H + h, mask=m, other=0.0)  # [BC]
         k_own, mk = _qk_rows(k_ptr, r0, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)  # k'
-        if GATE_IN:
-            g_own, _ = _gated_rows(g_ptr, r0, eos, sk, g_start, a_log, dt_bias, lower_bound, K, BC, HAS_GATE,
-                                   SAFE_GATE, FAST_EXP)
-        else:
-            g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
+        g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
         q_own, _ = _qk_rows(qn_ptr + h * K, r0, eos, sq_in, scale, K, BC, RAW_QK, QK_NORM)
         kp = _decay(k_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)  # [BC, K]
         qp = _decay(q_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)
@@ -186,14 +152,11 @@ def chunk_intra_kernel(
         kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0, FAST_EXP).to(DOT_T))
         if WRITE_KB:
             eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
-            own = rows.to(tl.int64)[:, None] * sk + h * K + cols[None, :]
+            own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
             tl.store(kb_ptr + own, (k_own.to(tl.float32) * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
             if RAW_QK:  # chunk_prep's QG and KD for these rows
                 tl.store(qg_ptr + own, (q_own * eg).to(qg_ptr.dtype.element_ty), mask=mk)
-                if GATE_IN:
-                    g_last = tl.load(bnd_ptr + (BT // BC - 1) * (H * K))  # G at the chunk's last row
-                else:
-                    g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + cols)  # G at the chunk's last row
+                g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # G at the chunk's last row
                 kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
                 tl.store(kd_ptr + own, kd.to(kd_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
@@ -202,12 +165,7 @@ def chunk_intra_kernel(
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             k_j, m_j = _qk_rows(k_ptr, t0 + j * BC, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)
-            if GATE_IN:
-                s_j = tl.where(j > 0, tl.load(bnd_ptr + tl.maximum(j - 1, 0) * (H * K)), 0.0)  # G before block j
-                g_j, _ = _gated_rows(g_ptr, t0 + j * BC, eos, sk, s_j, a_log, dt_bias, lower_bound, K, BC, HAS_GATE,
-                                     SAFE_GATE, FAST_EXP)
-            else:
-                g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
+            g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
             kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)

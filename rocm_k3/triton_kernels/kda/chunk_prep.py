@@ -9,9 +9,7 @@ For the rows of one 64-token chunk of one head:
     QG = q' * exp(G),  KD = k' * exp(G_last - G),  GL = exp(G_last)  (G_last: G at the chunk's last token)
 q', k', QG and KD are written in the activation dtype; GL fp32 [NC, H, K]. With ``GATE_ONLY``
 (``prefill.NORMS_IN_INTRA``, the default) q and k are not read at all and q', k', QG, KD not written: only G, GL and
-b (chunk_intra then normalises the raw q, k itself and writes QG and KD). With ``BOUNDS_ONLY`` as well
-(``prefill.GATE_IN_INTRA``) not even G: only G at the last row of each 16-row sub-block, fp32 [NC, 4, H, K] in
-gcum_ptr's place (chunk_intra gates and sums its rows itself from there), GL and b. q and k may be strided views (any token-row
+b (chunk_intra then normalises the raw q, k itself and writes QG and KD). q and k may be strided views (any token-row
 stride, head stride K, element stride 1: column slices of the short conv's [T, 3HK] output); g, beta and every output
 are contiguous.
 """
@@ -29,15 +27,13 @@ def chunk_prep_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr,  # q, k [T, H, K] (row strides below); g [T, H, K] (log-decay or raw f); beta [T, H]
     a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
-    qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K] (BOUNDS_ONLY: [NC, 4, H, K]);
-    # b fp32 [T, H]
+    qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
     qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
     scale, lower_bound,  # fp32 scalars
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_GATE: tl.constexpr, SAFE_GATE: tl.constexpr, QK_NORM: tl.constexpr, BETA_LOGITS: tl.constexpr,
     COL_SPLIT: tl.constexpr, GATE_ONLY: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
-    BOUNDS_ONLY: tl.constexpr = False,
 ):
     """Works on [BT, BK] column slices (BK divides K): the squared norms first (over all K columns), then
     everything else. Grid (NC, H): one program per (chunk, head) walks the K / BK slices; with COL_SPLIT, grid
@@ -79,14 +75,8 @@ def chunk_prep_kernel(
             dt_bias = tl.load(dt_bias_ptr + h * K + j * BK + cols)  # [BK]
             g = gate(g, a_log, dt_bias[None, :], lower_bound, SAFE_GATE, FAST_EXP)
         g = tl.where(mask, g, 0.0)
-        if BOUNDS_ONLY:  # G at each sub-block's last row (padding rows add 0): [BT / 16, BK]
-            ends = tl.cumsum(tl.sum(tl.reshape(g, [BT // 16, 16, BK]), axis=1), axis=0)
-            sub = tl.arange(0, BT // 16)
-            b_offs = ((c * (BT // 16) + sub[:, None]).to(tl.int64) * H + h) * K + j * BK + cols[None, :]
-            tl.store(gcum_ptr + b_offs, ends)
-        else:
-            gc = tl.cumsum(g, axis=0)  # [BT, BK]
-            tl.store(gcum_ptr + offs, gc, mask=mask)
+        gc = tl.cumsum(g, axis=0)  # [BT, BK]
+        tl.store(gcum_ptr + offs, gc, mask=mask)
         glast = tl.sum(g, axis=0)  # [BK] G at the last token (padding rows add 0)
         tl.store(glast_ptr + (c * H + h).to(tl.int64) * K + j * BK + cols, exp_f32(glast, FAST_EXP))
         if not GATE_ONLY:

@@ -18,7 +18,9 @@ Measured and removed (session 20; RESULTS.md has their numbers, git history thei
 (FUSED, chunk_fused: not faster on the H200, 255 registers and spills), phases 2 and 3 in one (MERGE_WY, chunk_wy:
 25-30 % slower on the H200), phases 1 and 2 in one (PREP_IN_INTRA, chunk_prep_intra: 2x slower than the two
 launches on the H100, twice). Session 27 (H100): an L2 prefetch of the walk's next chunk (noise), the walk at 8 warps
-(2.1x slower) and the walk transposed onto S^T with wgmma (chunk_state_t: 21-54 % slower).
+(2.1x slower) and the walk transposed onto S^T with wgmma (chunk_state_t: 21-54 % slower). Session 28 (H100): the
+gate and the cumsum in the intra kernel (GATE_IN_INTRA: the prep writing only G's 16-row sub-block bounds, 0.75 KB
+per token and head less, but chunk_intra 50 % more instructions: 20 % slower end to end).
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
@@ -138,12 +140,6 @@ BAND_IN_DOT_DTYPE = True
 # 2026-12-06 (session 27, RESULTS.md) end to end 0.966 / 3.733 / 15.25 / 3.655 ms against 0.977 / 3.799 / 15.44 /
 # 3.728 at T = 4k / 16k / 64k / varlen 16k (o 2.6e-4 off the exact-exp build, bf16 level).
 FAST_EXP = True
-# With NORMS_IN_INTRA, chunk_prep writes no per-token G: only G at each 16-row sub-block's last row (fp32 [NC, 4, H,
-# K], 32 bytes per token and head instead of 512) besides GL and b, and chunk_intra reads the raw gate input g and
-# gates and sums the rows of each sub-block it touches itself (its own and the earlier ones: 2.5 of the chunk's 4
-# per program on average). Of the ~4.9 KB per token and head the three launches move (session 26's profile: the
-# fp32 G round trip is 21 % of them), ~0.75 KB less; the prep no longer runs its 64-row cumsum.
-GATE_IN_INTRA = False
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -341,26 +337,21 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     norms_in = NORMS_IN_INTRA and write_kb  # nothing else reads k' then
     # the intra kernel reads q and k in place and normalises them itself, or reads the prep's q', k'
     qn, kn = (q, k) if norms_in else (buf(T, H, K), buf(T, H, K))
-    # GATE_IN_INTRA: the prep writes sub-block bounds of G, the intra kernel gates the raw g itself (read in place)
-    gate_in = GATE_IN_INTRA and norms_in and (solve_in or SOLVE_KB)  # the solve reads no G then
-    gcum = buf(plan.num_chunks, CHUNK // 16, H, K, dtype=torch.float32) if gate_in else buf(T, H, K, dtype=torch.float32)
+    gcum = buf(T, H, K, dtype=torch.float32)
     bk = min(PREP_BK, K)
     prep_grid = (plan.num_chunks * (K // bk), H) if PREP_SPLIT else (plan.num_chunks, H)  # slice fastest (grid_ids)
     chunk_prep_kernel[prep_grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
         qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
         H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in, FAST_EXP=FAST_EXP,
-        BOUNDS_ONLY=gate_in,
         num_warps=PHASE_WARPS[("prep_gate" if norms_in else "prep_split") if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)
     chunk_intra_kernel[intra_grid](
-        qn, kn, g if gate_in else gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu,
-        a, aqk, kb, qg, kd, gcum, a_log, dt_bias, lower,
-        H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
+        qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
+        kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
         INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP,
-        GATE_IN=gate_in, HAS_GATE=flags["HAS_GATE"], SAFE_GATE=flags["SAFE_GATE"],
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:

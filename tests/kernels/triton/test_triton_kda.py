@@ -248,7 +248,7 @@ _PREFILL_CASES = [
 # tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
 # the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, GATE_IN_INTRA=False)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -263,9 +263,6 @@ _PATHS = {
     # the default without prefill.INTRA_MAXNREG's register cap on the intra kernel (before session 25)
     "3-launch-lean-uncapped": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
                                "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "INTRA_MAXNREG": None},
-    # the default with prefill.GATE_IN_INTRA: the prep writes G's sub-block bounds, the intra kernel gates g itself
-    "3-launch-lean-gate-in-intra": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True,
-                                    "NORMS_IN_INTRA": True, "BAND_IN_DOT_DTYPE": True, "GATE_IN_INTRA": True},
     # the default with tl.exp for every exponential (prefill.FAST_EXP off, before session 27)
     "3-launch-lean-exact-exp": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                                 "BAND_IN_DOT_DTYPE": True, "FAST_EXP": False},
@@ -549,8 +546,7 @@ def test_chunk_intra_inverses_feed_the_solve_interpret(dtype: torch.dtype, tol: 
                             HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
     def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
         chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, H * D, H * D, 1.0, plan.chunk_seq,
-                                                     plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, gcum, gcum,
-                                                     gcum, 0.0, H=H, K=D,
+                                                     plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, H=H, K=D,
                                                      DOT_T=dot_t,
                                                      PREC=prec, WRITE_KB=False, INVERT_DIAG=invert,
                                                      INVERT_PRODUCTS=products, RAW_QK=False)
@@ -665,19 +661,17 @@ def _check_prep_outputs(got: dict, want: dict, cu: torch.Tensor, plan, tol: floa
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,inverts,raw,gate_in", [
-    ("safe", torch.float32, 2e-5, False, False, False), ("mild", torch.float32, 1e-5, False, False, False),
-    ("mild", torch.float16, 1e-3, False, False, False), ("safe", torch.float32, 2e-5, True, True, False),
-    ("mild", torch.float16, 1e-3, True, True, False), ("safe", torch.float32, 2e-5, True, True, True),
-    ("mild", torch.float16, 1e-3, True, True, True)],
+@pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
+    ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
+    ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
+    ("mild", torch.float16, 1e-3, True, True)],
     ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-norms-in-intra",
-         "mild-fp16-inverts-norms-in-intra", "safe-fp32-gate-in-intra", "mild-fp16-gate-in-intra"])
+         "mild-fp16-inverts-norms-in-intra"])
 def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
-                                                raw: bool, gate_in: bool) -> None:
+                                                raw: bool) -> None:
     """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their fp64
     twin (_prep_intra_oracle): q', k' (or, raw: NORMS_IN_INTRA, nothing written to q' / k', the prep writes G, GL, b
-    alone and the intra kernel QG and KD; gate_in: GATE_IN_INTRA, the prep writes G's sub-block bounds instead of G
-    and the intra kernel gates the raw g itself), b, QG, KD, GL,
+    alone and the intra kernel QG and KD), b, QG, KD, GL,
     then A, Aqk, KB, on a varlen batch with short chunks and strided q, k (column slices of one NaN-padded tensor).
     Every output starts as NaN, so an element not written fails. "safe": K3's safe gate (|g| < 5: decay factors up to
     exp(+-40) in A, |G| up to 320); "mild": a raw log-decay in (-0.2, 0), so every row's QG, KD, KB is O(1) and a wrong
@@ -702,8 +696,7 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     if inverts:
         want["A"] = _invert_band_diagonal(want["A"], cu)
     shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
-              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D),
-              "G": (plan.num_chunks, 4, H, D) if gate_in else (T, H, D)}
+              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D)}
     fp32 = ("A", "b", "GL", "G")
     got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
            for name, shape in shapes.items()}
@@ -713,15 +706,14 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["qn"], got["kn"], got["G"],
         got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         BT=64, BK=bk, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True,
-        COL_SPLIT=True, GATE_ONLY=raw, BOUNDS_ONLY=gate_in)
+        COL_SPLIT=True, GATE_ONLY=raw)
     if raw:
         assert all(got[n].isnan().all() for n in ("qn", "kn", "QG", "KD")), "the prep wrote more than G, GL, b"
     qa, ka = (q, k) if raw else (got["qn"], got["kn"])
     chunk_intra_kernel[(plan.num_chunks * 4, H)](
-        qa, ka, f if gate_in else got["G"], got["b"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq,
-        plan.chunk_start, cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], got["G"], a_log, dt_bias, -5.0,
-        H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True, INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw,
-        QK_NORM=True, GATE_IN=gate_in, HAS_GATE=params is not None, SAFE_GATE=params is not None)
+        qa, ka, got["G"], got["b"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq, plan.chunk_start,
+        cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True,
+        INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw, QK_NORM=True)
     if raw:
         assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
     _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")))
