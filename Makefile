@@ -22,14 +22,11 @@ demo: $(STAMP)
 toolchain:
 	bash scripts/ensure_lld.sh || true
 
-# One pytest process per test area (tests/<area>/): the memory an area's in-process engines keep (allocator caches,
-# NIXL/UCX agents, compiled grammars) goes back to the system before the next area starts. Every area runs even
-# when one fails; the exit status is non-zero if any failed (5, "no tests collected", is not a failure).
+# One pytest process per test area (tests/<area>/), the areas in two lanes side by side (TEST_LANES=1: one after
+# another), tcmalloc preloaded when installed (TEST_MALLOC=system: glibc's): see scripts/test_areas.sh. Every area
+# runs even when one fails; the exit status is non-zero if any failed.
 test: $(STAMP) toolchain
-	@fail=0; for d in tests/*/; do \
-	  case $$d in *__pycache__*) continue;; esac; \
-	  echo "== $$d"; $(BIN)/python -m pytest -q -p no:cacheprovider $$d || [ $$? -eq 5 ] || fail=1; \
-	done; exit $$fail
+	@bash scripts/test_areas.sh $(BIN)/python
 
 test-cuda: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda

@@ -67,78 +67,96 @@ class _App(FastAPI):
 
 
 def build_app(served: ServedModel) -> FastAPI:
-    """The app serving ``served`` (the caller owns the engine and shuts it down)."""
+    """The app serving ``served`` (the caller owns the engine and shuts it down).
+
+    The handlers find the served model through ``request.app.state.served`` and never hold it themselves: FastAPI
+    keeps every endpoint and dependency function it has seen in module-level caches, so a handler that closed over
+    ``served`` would keep the engine (weights, caches) alive after its server stopped, for as long as the process
+    lives (an embedding process that builds and stops servers, or a test session).
+    """
     app = _App(title="rocm-k3", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
     install_error_handlers(app)
 
     async def check_key(request: Request) -> None:
-        if served.api_key is None:
+        key = _served(request).api_key
+        if key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), served.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     auth = [Depends(check_key)]
 
     @app.get("/health")
-    async def health() -> Response:
-        if served.draining:
+    async def health(request: Request) -> Response:
+        sm = _served(request)
+        if sm.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
-        if served.engine.is_dead:
-            return JSONResponse({"status": "engine failed", "reason": served.engine.dead_reason}, status_code=503)
+        if sm.engine.is_dead:
+            return JSONResponse({"status": "engine failed", "reason": sm.engine.dead_reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=str(served.frontend.path), max_model_len=served.max_model_len)
+    async def metrics(request: Request) -> Response:
+        return Response(_served(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=auth)
-    async def models() -> ModelList:
-        return ModelList(data=[card(n) for n in served.names])
+    async def models(request: Request) -> ModelList:
+        sm = _served(request)
+        return ModelList(data=[_card(sm, n) for n in sm.names])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
-    async def model(model_id: str) -> ModelCard:
-        return card(served.check_model(model_id))  # 404 naming the model when unknown
+    async def model(request: Request, model_id: str) -> ModelCard:
+        sm = _served(request)
+        return _card(sm, sm.check_model(model_id))  # 404 naming the model when unknown
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        return await _answer(request, served, CompletionRequest, prepare_completion)
+        return await _answer(request, _served(request), CompletionRequest, prepare_completion)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, served, ChatCompletionRequest, prepare_chat, fetch_images=True)
+        return await _answer(request, _served(request), ChatCompletionRequest, prepare_chat, fetch_images=True)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
-        req = await read_body(request, TokenizeRequest, served.max_request_bytes)
-        served.check_model(req.model)
-        remote = await fetch_remote_images(served, req.messages) if req.messages is not None else None
-        ids = await asyncio.to_thread(_tokenize, served, req, remote)
-        body: dict = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
+        sm = _served(request)
+        req = await read_body(request, TokenizeRequest, sm.max_request_bytes)
+        sm.check_model(req.model)
+        remote = await fetch_remote_images(sm, req.messages) if req.messages is not None else None
+        ids = await asyncio.to_thread(_tokenize, sm, req, remote)
+        body: dict = {"count": len(ids), "max_model_len": sm.max_model_len, "tokens": ids}
         if req.return_token_strs:
-            body["token_strs"] = [served.tokenizer.decode([t]) for t in ids]
+            body["token_strs"] = [sm.tokenizer.decode([t]) for t in ids]
         return JSONResponse(body)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> Response:
-        req = await read_body(request, DetokenizeRequest, served.max_request_bytes)
-        served.check_model(req.model)
-        if served.tokenizer is None:
+        sm = _served(request)
+        req = await read_body(request, DetokenizeRequest, sm.max_request_bytes)
+        sm.check_model(req.model)
+        if sm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
+        bad = [t for t in req.tokens if not 0 <= t < sm.tokenizer.vocab_size]
         if bad:
-            raise APIError(400, f"tokens: ids {bad[:8]} outside the vocabulary [0, {served.tokenizer.vocab_size})",
+            raise APIError(400, f"tokens: ids {bad[:8]} outside the vocabulary [0, {sm.tokenizer.vocab_size})",
                            param="tokens")
-        return JSONResponse({"prompt": served.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": sm.tokenizer.decode(req.tokens)})
 
-    install_responses_routes(app, served, auth)
+    install_responses_routes(app, served.responses_store_size, auth)
     return app
+
+
+def _served(request: Request) -> ServedModel:
+    """The served model of the app answering ``request`` (see :func:`build_app`)."""
+    return request.app.state.served
+
+
+def _card(served: ServedModel, name: str) -> ModelCard:
+    return ModelCard(id=name, root=str(served.frontend.path), max_model_len=served.max_model_len)
 
 
 async def _answer(request: Request, served: ServedModel, model, prepare, fetch_images: bool = False) -> Response:
