@@ -433,12 +433,9 @@ PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s
 # launches, INTRA_INVERTS by products and the solve in the walk.
 # Session 27 (H100, RESULTS.md) adopted FAST_EXP this way and rejected the walk's L2 prefetch, the 8-warp walk and
 # the transposed walk (BV 64 and 128). The exact exponentials (FAST_EXP off, before session 27) against today's:
-# Session 28: the gate-only prep at fewer warps or other column slices (it is issue-bound; sm_90 thread-instructions per
-# element: 52 at BK 32 / 4 warps, 37 at 32 / 2, 30 at 32 / 1, 41 at 64 / 4, 35 at 16 / 1):
-PREP_COMPARE = (("ms_prep_w2", {"PHASE_WARPS": {"prep_gate": 2}}),
-                ("ms_prep_w1", {"PHASE_WARPS": {"prep_gate": 1}}),
-                ("ms_prep_bk64", {"PREP_BK": 64}),
-                ("ms_prep_bk16_w1", {"PREP_BK": 16, "PHASE_WARPS": {"prep_gate": 1}}))
+# Session 28 (H100, RESULTS.md) adopted the gate-only prep at 1 warp this way (against 2 warps, BK 64, BK 16 at 1 warp)
+# and rejected GATE_IN_INTRA. The gate-only prep at its session-24 setting (4 warps) against today's:
+PREP_COMPARE = (("ms_prep_4_warps", {"PHASE_WARPS": {"prep_gate": 4}}),)
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

@@ -52,7 +52,10 @@ SPLIT_OUTPUT = False
 # 16.29 / 3.930 ms against 1.081 / 4.281 / 17.00 / 4.198 at T = 4k / 16k / 64k / varlen 16k (o bit-equal; the kernel
 # 0.209 -> 0.156 ms at 4k). The norm-taking prep was slower at 4 warps (kernel sum 1.534 vs 1.483 ms at 4k with
 # 16-column slices, session 21).
-PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 4, "intra": 4, "solve": 1}
+# Session 28 (H100, RESULTS.md): the gate-only prep at 1 warp (sm_90: 30 thread-instructions per element instead of 52,
+# 128 registers, no spills) took the call end to end from 0.960 / 3.758 / 15.30 / 3.673 to 0.947 / 3.697 / 15.23 /
+# 3.600 ms at T = 4k / 16k / 64k / varlen 16k (o bit-equal; 2 warps: -1 to +0.4 %, BK 64 or BK 16 at 1 warp: no gain).
+PHASE_WARPS = {"prep": 16, "prep_split": 8, "prep_gate": 1, "intra": 4, "solve": 1}
 # Register cap per thread of chunk_intra with bf16 dots on NVIDIA (Triton's maxnreg; None: ptxas's choice; not
 # passed on ROCm, nor for fp16 / fp32 activations, whose fp32-dot build spills 656 bytes uncapped and 1352 at 128).
 # sm_90 cross-compile of the default intra kernel: 172-174 registers uncapped (two 4-warp programs per SM by registers); 168
