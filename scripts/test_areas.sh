@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: one pytest process per test area (tests/<area>/), the areas spread over TEST_LANES lanes that run side
-# by side (default 2: CI's two cores; most areas keep one core busy, see RESULTS.md "CI time"). Each area's output
+# by side (default 2: CI's two cores; most areas keep one core busy; RESULTS.md, "CI time"). Each area's output
 # goes to its own log, printed whole when the area ends (one area at a time, so lanes never interleave lines).
 # Every area runs even when one fails; the exit status is 1 if any failed (pytest's 5, "no tests collected", is not a
 # failure). An area is its own process so that the memory its in-process engines keep (allocator caches, NIXL/UCX
