@@ -7,8 +7,8 @@
 # agents, compiled grammars) goes back to the system when it ends.
 # TEST_MALLOC=tcmalloc (the default when libtcmalloc_minimal is installed; .ci/run installs it) preloads it into
 # every test process and the servers and ranks they start: glibc's allocator hands the engines' large per-step
-# buffers back to the kernel and faults them in again on every step (a third of the serve area's CPU time was
-# system time).
+# buffers back to the kernel and faults them in again on every step (one spec-decode engine test: 1.62 M minor faults
+# and 29.8 s with glibc's, 0.14 M and 25.7 s with tcmalloc).
 # Usage: scripts/test_areas.sh PYTHON [AREA ...]   (no area: every tests/<area>/)
 set -uo pipefail
 py=${1:?usage: scripts/test_areas.sh PYTHON [AREA ...]}
@@ -17,7 +17,7 @@ lanes=${TEST_LANES:-2}
 case $lanes in ''|*[!0-9]*|0) echo "TEST_LANES must be a positive integer, got '$lanes'" >&2; exit 2;; esac
 
 if [ "${TEST_MALLOC:-tcmalloc}" = tcmalloc ]; then
-  for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4; do
+  for lib in /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4; do  # .ci/run's check has the same pattern
     if [ -e "$lib" ]; then export LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}"; echo "tests run with $lib"; break; fi
   done
 fi
