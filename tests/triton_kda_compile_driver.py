@@ -22,31 +22,32 @@ def _fast_exp() -> bool:
     return FAST_EXP
 
 
-def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = False) -> tuple:
+def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = False, factors: bool = False) -> tuple:
     """chunk_prep over one column slice per program (split) or all of them; writing q', k', QG, KD, G, GL and b, or
-    (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone."""
+    (gate_only, prefill.NORMS_IN_INTRA) G, GL and b alone, or (factors, prefill.GATE_FACTORS) bf16 E, G_m, GL, b."""
     return (f"{pkg}.chunk_prep", "chunk_prep_kernel",
             {**plan, "q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*bf16", "beta_ptr": "*bf16",
              "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
-             "gcum_ptr": "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16", "kd_ptr": "*bf16",
-             "glast_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32", "stride_q": "i32",
-             "stride_k": "i32"},
+             "gcum_ptr": "*bf16" if factors else "*fp32", "beta_out_ptr": "*fp32", "qg_ptr": "*bf16",
+             "kd_ptr": "*bf16", "glast_ptr": "*fp32", "gref_ptr": "*fp32", "scale": "fp32", "lower_bound": "fp32",
+             "stride_q": "i32", "stride_k": "i32"},
             dict(H=H, K=K, BT=64, BK=32, HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True,
-                 COL_SPLIT=split, GATE_ONLY=gate_only, FAST_EXP=_fast_exp()), warps, 1)
+                 COL_SPLIT=split, GATE_ONLY=gate_only, FAST_EXP=_fast_exp(), FACTORS=factors), warps, 1)
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
-                prod: bool = False, raw: bool = False, band: str = "*fp32") -> tuple:
+                prod: bool = False, raw: bool = False, band: str = "*fp32", factors: bool = False) -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
     prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
     as a product of four factors; reading q', k' or (raw, prefill.NORMS_IN_INTRA) the raw q, k, normalising them
-    itself and writing QG and KD too; the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16)."""
+    itself and writing QG and KD too; the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16); reading G or
+    (factors, prefill.GATE_FACTORS) the prep's bf16 E and fp32 G_m."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
-            {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*fp32", "beta_ptr": "*fp32",
-             "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
-             "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16"},
+            {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*bf16" if factors else "*fp32",
+             "beta_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
+             "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "gref_ptr": "*fp32"},
             dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, QK_NORM=True,
-                 FAST_EXP=_fast_exp()), warps, 2)
+                 FAST_EXP=_fast_exp(), FACTORS=factors), warps, 2)
 
 
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
@@ -119,6 +120,12 @@ def _specs() -> dict:
         # ... as launched on NVIDIA: under prefill.INTRA_MAXNREG's register cap (session 25)
         "chunk_intra_inv_prod_norms_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True,
                                                          prod=True, raw=True, band="*bf16") + (None, INTRA_MAXNREG),
+        # prefill.GATE_FACTORS: the prep writes bf16 E = exp(G - G_m) and G_m, the intra kernel forms its factors
+        # from them (as launched on NVIDIA, under the register cap)
+        "chunk_prep_split_gate_factors": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_gate"],
+                                                    gate_only=True, factors=True),
+        "chunk_intra_factors_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
+                                                  raw=True, band="*bf16", factors=True) + (None, INTRA_MAXNREG),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),

@@ -24,7 +24,11 @@ overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a ref
 ``exp(G_i - G_j) = exp(G_i - G_m) * exp(G_m - G_j)`` with m the reference of i's sub-block. For j in an earlier
 sub-block the second factor is <= 1; inside one sub-block both factors stay within 8 steps of decay
 (|exponent| <= 8 max|g|; K3's safe gate has |g| < 5, so <= 40, far from fp32's 88). With the softplus gate
-this holds while per-token |g| < 11. Dot operands are bf16 for bf16 activations, else fp32 (fp16 cannot hold
+this holds while per-token |g| < 11. With ``FACTORS`` (``prefill.GATE_FACTORS``) gcum_ptr holds chunk_prep's
+E = exp(G - G_m) per sub-block (G_m the midpoint of its G range instead of its 8th row's G: as close to every row)
+and gref_ptr G_m of the chunk's four sub-blocks and G_last (fp32 [NC, H, 5, K]); the factors are then products, no exponential per element: exp(G_i - G_m) = E_i,
+exp(G_m - G_j) = exp(G_m - G_mJ) / E_j, exp(G_i) = E_i exp(G_m), exp(G_last - G_i) = exp(G_last - G_m) / E_i (one
+exponential per column and sub-block, one reciprocal per element). Dot operands are bf16 for bf16 activations, else fp32 (fp16 cannot hold
 the sub-block factors, which reach exp(40)). ``FAST_EXP`` (``prefill.FAST_EXP``): the exponentials through
 common.exp_f32's FAST form.
 """
@@ -70,6 +74,16 @@ def _decay(x, g, gref, m, SIGN: tl.constexpr, FAST_EXP: tl.constexpr):
 
 
 @triton.jit
+def _factor_rows(e_ptr, row0, eos, stride, D: tl.constexpr, BC: tl.constexpr):
+    """(E rows row0 .. row0 + BC - 1 as fp32 [BC, D] (rows past eos 1), their reciprocals as rsqrt(E)^2: two
+    instructions (rsqrt.approx / v_rsq_f32 and a multiply) where a division takes range checks)."""
+    e, m = _load_rows(e_ptr, row0, eos, stride, D, BC)
+    e = tl.where(m, e.to(tl.float32), 1.0)
+    r = tl.math.rsqrt(e)
+    return e, r * r
+
+
+@triton.jit
 def _keep_lower(a, aqk):
     """A's strictly lower and Aqk's lower part of a diagonal [16, 16] block."""
     r = tl.arange(0, 16)
@@ -112,9 +126,10 @@ def chunk_intra_kernel(
     a_ptr, aqk_ptr,  # outputs: A [T, H, 64] (fp32, or BAND_IN_DOT_DTYPE's dtype), Aqk [T, H, 64]
     kb_ptr,  # output when WRITE_KB: b * exp(G) * k' [T, H, K] (chunk_solve's right-hand side of W)
     qg_ptr, kd_ptr,  # outputs when RAW_QK: QG, KD [T, H, K] (chunk_prep's, see there)
+    gref_ptr,  # with FACTORS: G_m of the four sub-blocks and G_last, fp32 [NC, H, 5, K] (gcum_ptr then holds E)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, FACTORS: tl.constexpr = False,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -140,24 +155,41 @@ def chunk_intra_kernel(
         rows = r0 + tl.arange(0, BC)
         m = rows < eos
         r = tl.arange(0, BC)
-        gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # reference row
+        cols = tl.arange(0, K)
+        ref_base = gref_ptr + (c * H + h).to(tl.int64) * (5 * K)  # FACTORS: G_m of sub-blocks 0-3, G_last
+        if FACTORS:
+            gm = tl.load(ref_base + blk * K + cols)
+        else:
+            gm = tl.load(g_ptr + tl.minimum(r0 + 7, eos - 1).to(tl.int64) * sk + cols)  # reference row
         b = tl.load(beta_ptr + rows.to(tl.int64) * H + h, mask=m, other=0.0)  # [BC]
         k_own, mk = _qk_rows(k_ptr, r0, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)  # k'
-        g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
         q_own, _ = _qk_rows(qn_ptr + h * K, r0, eos, sq_in, scale, K, BC, RAW_QK, QK_NORM)
-        kp = _decay(k_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)  # [BC, K]
-        qp = _decay(q_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)
+        if FACTORS:
+            e_own, inv_own = _factor_rows(g_ptr, r0, eos, sk, K, BC)  # exp(G - G_m), exp(G_m - G)
+            kp = (k_own * e_own).to(DOT_T)  # [BC, K]
+            qp = (q_own * e_own).to(DOT_T)
+            kn = tl.trans((k_own * inv_own).to(DOT_T))  # the diagonal block's column operand [K, BC]
+        else:
+            g_own, _ = _load_rows(g_ptr, r0, eos, sk, K, BC)  # fp32
+            kp = _decay(k_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)  # [BC, K]
+            qp = _decay(q_own, g_own, gm, mk, 1.0, FAST_EXP).to(DOT_T)
+            kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0, FAST_EXP).to(DOT_T))
         out_rows = rows.to(tl.int64)[:, None] * (H * BT) + h * BT + r[None, :]  # column block 0 of the band
-        # the diagonal block's column operand [K, BC]
-        kn = tl.trans(_decay(k_own, g_own, gm, mk, -1.0, FAST_EXP).to(DOT_T))
         if WRITE_KB:
-            eg = exp_f32(g_own, FAST_EXP)  # exp(G) <= 1
-            own = rows.to(tl.int64)[:, None] * sk + h * K + tl.arange(0, K)[None, :]
+            if FACTORS:
+                eg = e_own * exp_f32(gm, FAST_EXP)[None, :]  # exp(G) <= 1
+            else:
+                eg = exp_f32(g_own, FAST_EXP)
+            own = rows.to(tl.int64)[:, None] * sk + h * K + cols[None, :]
             tl.store(kb_ptr + own, (k_own.to(tl.float32) * eg * b[:, None]).to(kb_ptr.dtype.element_ty), mask=mk)
             if RAW_QK:  # chunk_prep's QG and KD for these rows
                 tl.store(qg_ptr + own, (q_own * eg).to(qg_ptr.dtype.element_ty), mask=mk)
-                g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + tl.arange(0, K))  # G at the chunk's last row
-                kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
+                if FACTORS:  # exp(G_last - G) = exp(G_last - G_m) / E <= 1
+                    g_last = tl.load(ref_base + 4 * K + cols)
+                    kd = k_own * inv_own * exp_f32(g_last - gm, FAST_EXP)[None, :]
+                else:
+                    g_last = tl.load(g_ptr + (eos - 1).to(tl.int64) * sk + cols)  # G at the chunk's last row
+                    kd = k_own * exp_f32(tl.where(mk, g_last[None, :] - g_own, 0.0), FAST_EXP)  # <= 1
                 tl.store(kd_ptr + own, kd.to(kd_ptr.dtype.element_ty), mask=mk)
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
@@ -165,8 +197,13 @@ def chunk_intra_kernel(
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             k_j, m_j = _qk_rows(k_ptr, t0 + j * BC, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)
-            g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
-            kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
+            if FACTORS:  # exp(G_m - G_j) = exp(G_m - G_mJ) / E_j
+                e_j, inv_j = _factor_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)  # (e_j unused)
+                between = exp_f32(gm - tl.load(ref_base + j * K + cols), FAST_EXP)  # [K] <= 1
+                kn = tl.trans((k_j * inv_j * between[None, :]).to(DOT_T))  # [K, BC]
+            else:
+                g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
+                kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
         zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

@@ -143,6 +143,18 @@ BAND_IN_DOT_DTYPE = True
 # 2026-12-06 (session 27, RESULTS.md) end to end 0.966 / 3.733 / 15.25 / 3.655 ms against 0.977 / 3.799 / 15.44 /
 # 3.728 at T = 4k / 16k / 64k / varlen 16k (o 2.6e-4 off the exact-exp build, bf16 level).
 FAST_EXP = True
+# With NORMS_IN_INTRA and the walk that solves, for bf16 dots: chunk_prep writes the sub-block decay factors E = exp(G -
+# G_m) in bf16 (G_m: the midpoint of each 16-row sub-block's G range, chunk_intra's reference) and G_m / G_last fp32 per
+# chunk ([NC, H, 5, K]) instead of fp32 G [T, H, K]: 0.5 KB per token and head less between the two (of ~4.9 KB
+# measured, session 26), and the intra kernel forms its factors by products (one exponential per column and
+# sub-block, one reciprocal per element) instead of exponentials per element. E carries bf16's 8 mantissa bits
+# into factors that the dots round to bf16 anyway. fp16 / fp32 activations keep fp32 G (their dots are fp32).
+GATE_FACTORS = False
+
+
+def gate_factors(dot_t: tl.dtype, norms_in: bool, solve_in: bool) -> bool:
+    """Whether chunk_prep writes GATE_FACTORS' E and G_m (bf16 dots, the prep gating only, the walk solving)."""
+    return GATE_FACTORS and dot_t == tl.bfloat16 and norms_in and solve_in
 
 
 def dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
@@ -340,21 +352,26 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
     norms_in = NORMS_IN_INTRA and write_kb  # nothing else reads k' then
     # the intra kernel reads q and k in place and normalises them itself, or reads the prep's q', k'
     qn, kn = (q, k) if norms_in else (buf(T, H, K), buf(T, H, K))
-    gcum = buf(T, H, K, dtype=torch.float32)
+    factors = gate_factors(dot_t, norms_in, solve_in)
+    # G fp32, or (factors) E in the dot dtype and G_m / G_last per chunk
+    gcum = buf(T, H, K, dtype=torch.bfloat16 if factors and dot_t == tl.bfloat16 else torch.float32)
+    gref = buf(plan.num_chunks, H, 5, K, dtype=torch.float32) if factors else gcum  # gcum: an unread placeholder
     bk = min(PREP_BK, K)
     prep_grid = (plan.num_chunks * (K // bk), H) if PREP_SPLIT else (plan.num_chunks, H)  # slice fastest (grid_ids)
     chunk_prep_kernel[prep_grid](
         q, k, g, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-        qn, kn, gcum, b, qg, kd, glast, scale, lower, q.stride(0), k.stride(0),
+        qn, kn, gcum, b, qg, kd, glast, gref, scale, lower, q.stride(0), k.stride(0),
         H=H, K=K, BT=CHUNK, BK=bk, **flags, COL_SPLIT=PREP_SPLIT, GATE_ONLY=norms_in, FAST_EXP=FAST_EXP,
+        FACTORS=factors,
         num_warps=PHASE_WARPS[("prep_gate" if norms_in else "prep_split") if PREP_SPLIT else "prep"], num_stages=1,
     )
     a = buf(T, H, CHUNK, dtype=band_dtype(dot_t, solve_in))
     kb = buf(T, H, K) if write_kb else kn  # without KB the solve reads k' (and G)
     chunk_intra_kernel[intra_grid](
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
-        kb, qg, kd, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb, INVERT_DIAG=INTRA_INVERTS or solve_in,
-        INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in, QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP,
+        kb, qg, kd, gref, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb,
+        INVERT_DIAG=INTRA_INVERTS or solve_in, INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in,
+        QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP, FACTORS=factors,
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:

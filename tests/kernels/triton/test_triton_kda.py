@@ -248,7 +248,7 @@ _PREFILL_CASES = [
 # tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
 # the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, GATE_FACTORS=False)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -266,6 +266,10 @@ _PATHS = {
     # the default with tl.exp for every exponential (prefill.FAST_EXP off, before session 27)
     "3-launch-lean-exact-exp": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                                 "BAND_IN_DOT_DTYPE": True, "FAST_EXP": False},
+    # prefill.GATE_FACTORS: the prep writes bf16 sub-block factors E and G_m instead of fp32 G (forced at every dtype
+    # by _set_path: E then in the dot dtype, fp32 here)
+    "3-launch-lean-gate-factors": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
+                                   "BAND_IN_DOT_DTYPE": True, "GATE_FACTORS": True},
 }
 # the interpreter ignores the register cap (a launch option): paths that set INTRA_MAXNREG run on the GPU alone
 _INTERP_PATHS = [p for p in _PATHS if "INTRA_MAXNREG" not in _PATHS[p]]
@@ -281,6 +285,8 @@ def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         monkeypatch.setattr(tri_prefill, name, value)
     if _PATHS[path]["INVERT_BY_PRODUCTS"]:
         monkeypatch.setattr(tri_prefill, "invert_by_products", lambda dot_t: True)
+    if _PATHS[path]["GATE_FACTORS"]:
+        monkeypatch.setattr(tri_prefill, "gate_factors", lambda dot_t, norms_in, solve_in: norms_in and solve_in)
 
 
 @contextlib.contextmanager
@@ -542,11 +548,13 @@ def test_chunk_intra_inverses_feed_the_solve_interpret(dtype: torch.dtype, tol: 
         plan.num_chunks, H, D, dt=torch.float32)
     grid = (plan.num_chunks, H)
     chunk_prep_kernel[grid](q, k, f, beta, params.A_log, params.dt_bias, plan.chunk_seq, plan.chunk_start, cu,
-                            qn, kn, gcum, b, qg, kd, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64, BK=D,
+                            qn, kn, gcum, b, qg, kd, glast, glast, D**-0.5, -5.0, H * D, H * D, H=H, K=D, BT=64,
+                            BK=D,
                             HAS_GATE=True, SAFE_GATE=True, QK_NORM=True, BETA_LOGITS=True, COL_SPLIT=False)
     def intra(a_out, aqk_out, invert: bool, products: bool) -> None:
         chunk_intra_kernel[(plan.num_chunks * 4, H)](qn, kn, gcum, b, H * D, H * D, 1.0, plan.chunk_seq,
-                                                     plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, H=H, K=D,
+                                                     plan.chunk_start, cu, a_out, aqk_out, kn, kn, kn, kn, H=H,
+                                                     K=D,
                                                      DOT_T=dot_t,
                                                      PREC=prec, WRITE_KB=False, INVERT_DIAG=invert,
                                                      INVERT_PRODUCTS=products, RAW_QK=False)
@@ -608,7 +616,8 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = T
     b = torch.sigmoid(beta.double())
     out = {name: torch.zeros(T, H, K, dtype=torch.float64) for name in ("QG", "KD", "KB")}
     out["A"], out["Aqk"] = torch.zeros(T, H, 64, dtype=torch.float64), torch.zeros(T, H, 64, dtype=torch.float64)
-    gl = []
+    gl, gm = [], []
+    out["E"] = torch.zeros(T, H, K, dtype=torch.float64)
     bounds = cu.tolist()
     for s in range(len(bounds) - 1):
         for t0 in range(bounds[s], bounds[s + 1], 64):
@@ -616,6 +625,15 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = T
             n = t1 - t0
             G = g[t0:t1].cumsum(0)  # [n, H, K]
             gl.append(G[-1].exp())
+            # GATE_FACTORS: G_m the midpoint of each 16-row sub-block's G range (G before its first row plus half
+            # the sub-block's sum over its rows in the chunk; G_last past the chunk's end) and E = exp(G - G_m);
+            # [5, H, K] per chunk: the four G_m and G_last
+            before = [G[i - 1] if 0 < i < n else (G[-1] if i else torch.zeros_like(G[0])) for i in range(0, 64, 16)]
+            refs = [(s0 + G[min(i + 15, n - 1)]) / 2 if i < n else G[-1] for s0, i in zip(before, range(0, 64, 16))]
+            refs.append(G[-1])
+            gm.append(torch.stack(refs).transpose(0, 1))  # [H, 5, K]
+            for i in range(0, n, 16):
+                out["E"][t0 + i:t0 + min(i + 16, n)] = (G[i:i + 16] - refs[i // 16]).exp()
             out["QG"][t0:t1] = qn[t0:t1] * G.exp()
             out["KD"][t0:t1] = kn[t0:t1] * (G[-1] - G).exp()
             out["KB"][t0:t1] = kn[t0:t1] * G.exp() * b[t0:t1, :, None]
@@ -626,7 +644,7 @@ def _prep_intra_oracle(q, k, f, beta, cu, params, scale: float, l2norm: bool = T
             strict = tril & ~torch.eye(n, dtype=torch.bool)[:, :, None]
             out["A"][t0:t1, :, :n] = torch.where(strict, kk, 0.0).transpose(1, 2)
             out["Aqk"][t0:t1, :, :n] = torch.where(tril, qk, 0.0).transpose(1, 2)
-    out["GL"], out["b"], out["qn"], out["kn"] = torch.stack(gl), b, qn, kn
+    out["GL"], out["b"], out["qn"], out["kn"], out["GM"] = torch.stack(gl), b, qn, kn, torch.stack(gm)
     return out
 
 
@@ -661,14 +679,15 @@ def _check_prep_outputs(got: dict, want: dict, cu: torch.Tensor, plan, tol: floa
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("gate,dtype,tol,inverts,raw", [
-    ("safe", torch.float32, 2e-5, False, False), ("mild", torch.float32, 1e-5, False, False),
-    ("mild", torch.float16, 1e-3, False, False), ("safe", torch.float32, 2e-5, True, True),
-    ("mild", torch.float16, 1e-3, True, True)],
+@pytest.mark.parametrize("gate,dtype,tol,inverts,raw,factors", [
+    ("safe", torch.float32, 2e-5, False, False, False), ("mild", torch.float32, 1e-5, False, False, False),
+    ("mild", torch.float16, 1e-3, False, False, False), ("safe", torch.float32, 2e-5, True, True, False),
+    ("mild", torch.float16, 1e-3, True, True, False), ("safe", torch.float32, 2e-5, True, True, True),
+    ("mild", torch.float32, 1e-5, True, True, True)],
     ids=["safe-fp32", "mild-fp32", "mild-fp16", "safe-fp32-inverts-norms-in-intra",
-         "mild-fp16-inverts-norms-in-intra"])
+         "mild-fp16-inverts-norms-in-intra", "safe-fp32-gate-factors", "mild-fp32-gate-factors"])
 def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, tol: float, inverts: bool,
-                                                raw: bool) -> None:
+                                                raw: bool, factors: bool) -> None:
     """chunk_prep (two column slices per (chunk, head), COL_SPLIT) then chunk_intra, tensor by tensor against their fp64
     twin (_prep_intra_oracle): q', k' (or, raw: NORMS_IN_INTRA, nothing written to q' / k', the prep writes G, GL, b
     alone and the intra kernel QG and KD), b, QG, KD, GL,
@@ -681,7 +700,9 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     four-launch pair measured 1.2e-5 when this test covered the fused prep); fp16 1e-3 (outputs rounded to fp16, 2^-11,
     with fp32 dot operands; under the safe gate the later blocks' QG, ~exp(-40), are below fp16's range, hence the mild
     gate). "inverts": INVERT_DIAG by products (prefill.INTRA_INVERTS / SOLVE_IN_WALK), A's diagonal blocks then hold (I
-    + A_II)^-1 (_invert_band_diagonal of the twin's A)."""
+    + A_II)^-1 (_invert_band_diagonal of the twin's A). "factors": prefill.GATE_FACTORS, the prep writes E = exp(G -
+    G_m) per 16-row sub-block (here in fp32, the activations' dot dtype; bf16 on the GPU) and G_m / G_last per chunk
+    instead of G, and the intra kernel forms its factors from them: E and G_m are checked too, E per sub-block."""
     from rocm_k3.triton_kernels.kda import prefill as tri_prefill
     from rocm_k3.triton_kernels.kda.chunk_intra import chunk_intra_kernel
     from rocm_k3.triton_kernels.kda.chunk_prep import chunk_prep_kernel
@@ -696,24 +717,33 @@ def test_chunk_prep_and_intra_outputs_interpret(gate: str, dtype: torch.dtype, t
     if inverts:
         want["A"] = _invert_band_diagonal(want["A"], cu)
     shapes = {"A": (T, H, 64), "Aqk": (T, H, 64), "KB": (T, H, D), "b": (T, H), "QG": (T, H, D), "KD": (T, H, D),
-              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D)}
-    fp32 = ("A", "b", "GL", "G")
+              "GL": (plan.num_chunks, H, D), "qn": (T, H, D), "kn": (T, H, D), "G": (T, H, D),
+              "GM": (plan.num_chunks, H, 5, D)}
+    fp32 = ("A", "b", "GL", "G", "GM")
     got = {name: poisoned_like(torch.empty(*shape, dtype=torch.float32 if name in fp32 else dtype))
            for name, shape in shapes.items()}
     a_log, dt_bias = (params.A_log, params.dt_bias) if params is not None else (f, f)  # f: unread placeholders
     bk = D // 2
     chunk_prep_kernel[(plan.num_chunks * (D // bk), H)](
         q, k, f, beta, a_log, dt_bias, plan.chunk_seq, plan.chunk_start, cu, got["qn"], got["kn"], got["G"],
-        got["b"], got["QG"], got["KD"], got["GL"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
+        got["b"], got["QG"], got["KD"], got["GL"], got["GM"], D**-0.5, -5.0, q.stride(0), k.stride(0), H=H, K=D,
         BT=64, BK=bk, HAS_GATE=params is not None, SAFE_GATE=params is not None, QK_NORM=True, BETA_LOGITS=True,
-        COL_SPLIT=True, GATE_ONLY=raw)
+        COL_SPLIT=True, GATE_ONLY=raw, FACTORS=factors)
+    if factors:  # G holds E; G_m per sub-block (rows past a short chunk's end: G_last, as the twin has it)
+        assert_rel(got["GM"][: want["GM"].shape[0]], want["GM"], tol, "G_m, G_last")
+        for s, t0 in zip(plan.chunk_seq.tolist(), plan.chunk_start.tolist()):
+            for r0 in range(t0, min(t0 + 64, cu[s + 1].item()), 16):
+                r1 = min(r0 + 16, cu[s + 1].item())
+                assert_rel(got["G"][r0:r1], want["E"][r0:r1], tol, f"E rows {r0}..{r1 - 1}")
+    else:
+        assert got["GM"].isnan().all(), "G_m written without FACTORS"
     if raw:
         assert all(got[n].isnan().all() for n in ("qn", "kn", "QG", "KD")), "the prep wrote more than G, GL, b"
     qa, ka = (q, k) if raw else (got["qn"], got["kn"])
     chunk_intra_kernel[(plan.num_chunks * 4, H)](
         qa, ka, got["G"], got["b"], qa.stride(0), ka.stride(0), D**-0.5, plan.chunk_seq, plan.chunk_start,
-        cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], H=H, K=D, DOT_T=dot_t, PREC=prec, WRITE_KB=True,
-        INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw, QK_NORM=True)
+        cu, got["A"], got["Aqk"], got["KB"], got["QG"], got["KD"], got["GM"], H=H, K=D, DOT_T=dot_t, PREC=prec,
+        WRITE_KB=True, INVERT_DIAG=inverts, INVERT_PRODUCTS=True, RAW_QK=raw, QK_NORM=True, FACTORS=factors)
     if raw:
         assert got["qn"].isnan().all() and got["kn"].isnan().all(), "q' / k' written although the intra reads q, k"
     _check_prep_outputs(got, want, cu, plan, tol, ("A", "Aqk", "b", "GL") + (() if raw else ("qn", "kn")))
@@ -805,7 +835,9 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
                 # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
                 "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
-                "chunk_intra_inv_prod_norms_capped")
+                "chunk_intra_inv_prod_norms_capped",
+                # prefill.GATE_FACTORS: bf16 E and G_m from the prep, the intra kernel's factors by products
+                "chunk_prep_split_gate_factors", "chunk_intra_factors_capped")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -818,6 +850,7 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms_capped": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_factors_capped": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
