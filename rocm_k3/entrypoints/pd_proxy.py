@@ -107,48 +107,52 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def build_proxy_app(config: ProxyConfig) -> FastAPI:
-    """The app; ``app.state.pools`` is started (its health checks run) and must be stopped by the caller."""
-    app = FastAPI(title="rocm-k3 pd-proxy")
-    pools = Pools(config.prefill_urls, config.decode_urls, config.health_interval_s, config.health_timeout_s)
-    owners: collections.OrderedDict[str, str] = collections.OrderedDict()  # response id -> decode instance URL
-    registry = CollectorRegistry()
-    requests_total = Counter("rocm_k3_pd_proxy_requests", "requests routed", ["route"], registry=registry)
-    fallbacks = Counter("rocm_k3_pd_proxy_prefill_fallbacks",
-                        "requests whose prefill no prefill instance answered, left to the decode instance",
-                        registry=registry)
-    retries = Counter("rocm_k3_pd_proxy_retries", "upstream calls retried on another instance", ["role"],
-                      registry=registry)
-    healthy = Gauge("rocm_k3_pd_proxy_instance_healthy", "1 while the instance is in its pool", ["role", "url"],
-                    registry=registry)
-    in_flight = Gauge("rocm_k3_pd_proxy_instance_in_flight", "requests in flight", ["role", "url"],
-                      registry=registry)
+class _Router:
+    """The proxy's state (pools, which decode instance made each response id, metrics) and its routing. The app's
+    handlers are module functions that find it on ``request.app.state.router``: FastAPI keeps endpoint functions in
+    module-level caches, so handlers closing over it would keep a stopped proxy's pools and clients alive."""
 
-    def remember(response_id: bytes | str, inst: Instance) -> None:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.pools = Pools(config.prefill_urls, config.decode_urls, config.health_interval_s, config.health_timeout_s)
+        self.owners: collections.OrderedDict[str, str] = collections.OrderedDict()  # response id -> decode URL
+        self.registry = registry = CollectorRegistry()
+        self.requests_total = Counter("rocm_k3_pd_proxy_requests", "requests routed", ["route"], registry=registry)
+        self.fallbacks = Counter("rocm_k3_pd_proxy_prefill_fallbacks",
+                                 "requests whose prefill no prefill instance answered, left to the decode instance",
+                                 registry=registry)
+        self.retries = Counter("rocm_k3_pd_proxy_retries", "upstream calls retried on another instance", ["role"],
+                               registry=registry)
+        self.healthy = Gauge("rocm_k3_pd_proxy_instance_healthy", "1 while the instance is in its pool",
+                             ["role", "url"], registry=registry)
+        self.in_flight = Gauge("rocm_k3_pd_proxy_instance_in_flight", "requests in flight", ["role", "url"],
+                               registry=registry)
+
+    def remember(self, response_id: bytes | str, inst: Instance) -> None:
         rid = response_id.decode() if isinstance(response_id, bytes) else response_id
-        owners[rid] = inst.url
-        while len(owners) > _REMEMBERED_RESPONSES:
-            owners.popitem(last=False)
+        self.owners[rid] = inst.url
+        while len(self.owners) > _REMEMBERED_RESPONSES:
+            self.owners.popitem(last=False)
 
-    def prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | Response | None:
+    def prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | Response | None:
         """The prefill answer, a client error to pass back, or None (no instance answered: prefill on decode)."""
-        tried: list[str] = []
+        pools, tried = self.pools, []
         while (inst := pools.pick("prefill", tuple(tried))) is not None:
             tried.append(inst.url)
             try:
                 with pools.use(inst), _post(inst.url + path, prefill_body(path, body), headers,
-                                            config.timeout_s) as resp:
+                                            self.config.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as exc:  # 4xx: the request's fault, every instance would refuse it
                 return Response(exc.read(), status_code=exc.code, media_type="application/json")
             except (_Upstream, OSError, http.client.HTTPException, ValueError):  # incl. a body cut off or bad
                 pools.set_health(inst, False)  # out until its next passing health check
-                retries.labels("prefill").inc()
-        fallbacks.inc()
+                self.retries.labels("prefill").inc()
+        self.fallbacks.inc()
         return None
 
-    def decode(path: str, body: dict[str, Any], headers: dict[str, str], pinned: str | None) -> Response:
-        tried: list[str] = []
+    def decode(self, path: str, body: dict[str, Any], headers: dict[str, str], pinned: str | None) -> Response:
+        pools, tried = self.pools, []
         while True:
             inst = pools.by_url(pinned) if pinned and not tried else (
                 pools.pick("decode", tuple(tried)) or pools.pick("decode", tuple(tried), healthy_only=False))
@@ -157,7 +161,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             tried.append(inst.url)
             pools.acquire(inst)  # released when the answer (or the stream) ends
             try:
-                resp = _post(inst.url + path, body, headers, config.timeout_s)
+                resp = _post(inst.url + path, body, headers, self.config.timeout_s)
             except urllib.error.HTTPError as exc:
                 pools.release(inst)
                 return Response(exc.read(), status_code=exc.code, media_type="application/json")
@@ -168,10 +172,10 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
                 if not exc.refused:  # timed out or reset after the request went out: it may still be running
                     return _error(504, f"decode instance {inst.url} did not answer: {exc}")
                 pools.set_health(inst, False)  # never reached: out until its next passing health check
-                retries.labels("decode").inc()
+                self.retries.labels("decode").inc()
                 continue
             if body.get("stream"):
-                return StreamingResponse(relay(resp, inst, path), status_code=resp.status,
+                return StreamingResponse(self.relay(resp, inst, path), status_code=resp.status,
                                          media_type="text/event-stream")
             try:
                 with resp:
@@ -182,90 +186,118 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
             finally:
                 pools.release(inst)
             if path == _RESPONSES and (m := _RESPONSE_ID.search(data)):
-                remember(m.group(1), inst)
+                self.remember(m.group(1), inst)
             return Response(data, status_code=resp.status, media_type="application/json")
 
-    def relay(resp, inst: Instance, path: str) -> Iterator[bytes]:
+    def relay(self, resp, inst: Instance, path: str) -> Iterator[bytes]:
         seen = path != _RESPONSES
         try:
             with resp:
                 while chunk := resp.read1(65536):
                     if not seen and (m := _RESPONSE_ID.search(chunk)):
-                        remember(m.group(1), inst)
+                        self.remember(m.group(1), inst)
                         seen = True
                     yield chunk
         except (OSError, http.client.HTTPException) as exc:  # the instance died or stalled mid-stream
-            pools.set_health(inst, False)
+            self.pools.set_health(inst, False)
             error = {"message": f"decode instance {inst.url} failed mid-stream: {exc!r}", "type": "BadGateway",
                      "code": 502}
             yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
         finally:
-            pools.release(inst)
+            self.pools.release(inst)
 
-    def route(path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        requests_total.labels(path).inc()
-        pinned = owners.get(str(body.get("previous_response_id"))) if path == _RESPONSES else None
+    def route(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        self.requests_total.labels(path).inc()
+        pinned = self.owners.get(str(body.get("previous_response_id"))) if path == _RESPONSES else None
         dbody = dict(body)
         if path != _RESPONSES or body.get("previous_response_id") is None:
-            answer = prefill(path, body, headers)
+            answer = self.prefill(path, body, headers)
             if isinstance(answer, Response):
                 return answer
             if isinstance(answer, dict) and answer.get("kv_transfer_params"):
                 dbody["kv_transfer_params"] = answer["kv_transfer_params"]
-        return decode(path, dbody, headers, pinned)
+        return self.decode(path, dbody, headers, pinned)
 
-    def make_handler(path: str):
-        async def handler(request: Request) -> Response:
-            try:
-                body = await request.json()
-            except ValueError:
-                return _error(400, "request body is not valid JSON")
-            if not isinstance(body, dict):
-                return _error(400, "request body must be a JSON object")
-            headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-            return await run_in_threadpool(route, path, body, headers)
-        return handler
-
-    for path in (_COMPLETIONS, _CHAT, _RESPONSES):
-        app.add_api_route(path, make_handler(path), methods=["POST"])
-
-    def forward_get(url: str) -> Response:
+    def forward_get(self, url: str) -> Response:
         try:
-            with urllib.request.urlopen(url, timeout=config.timeout_s) as resp:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=self.config.timeout_s) as resp:  # noqa: S310
                 return Response(resp.read(), status_code=resp.status, media_type="application/json")
         except urllib.error.HTTPError as exc:
             return Response(exc.read(), status_code=exc.code, media_type="application/json")
         except (urllib.error.URLError, OSError) as exc:
             return _error(503, f"{url} failed: {exc}")
 
-    @app.get("/v1/responses/{response_id}")
-    def get_response(response_id: str) -> Response:
-        owner = owners.get(response_id)
-        if owner is None:
-            return JSONResponse({"error": {"message": f"no response {response_id!r} passed through this proxy",
-                                           "type": "NotFoundError", "param": "response_id", "code": 404}}, 404)
-        return forward_get(f"{owner}/v1/responses/{response_id}")
 
-    @app.get("/v1/models")
-    def models() -> Response:
-        inst = pools.pick("decode") or pools.pick("decode", healthy_only=False)
-        return forward_get(inst.url + "/v1/models")
+def _router(request: Request) -> _Router:
+    return request.app.state.router
 
-    @app.get("/health")
-    def health() -> Response:
-        """200 while each pool has a healthy instance or the decode pool can prefill alone; 503 without decode."""
-        ok = pools.pick("decode") is not None
-        return JSONResponse({"status": "ok" if ok else "unavailable",
-                             "instances": [dataclasses.asdict(i) for i in pools.instances]},
-                            status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        for inst in pools.instances:
-            healthy.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
-            in_flight.labels(inst.role, inst.url).set(inst.in_flight)
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+async def _post_route(request: Request, path: str) -> Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object")
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    return await run_in_threadpool(_router(request).route, path, body, headers)
 
-    app.state.pools = pools
-    pools.start()
+
+async def _completions(request: Request) -> Response:
+    return await _post_route(request, _COMPLETIONS)
+
+
+async def _chat(request: Request) -> Response:
+    return await _post_route(request, _CHAT)
+
+
+async def _responses(request: Request) -> Response:
+    return await _post_route(request, _RESPONSES)
+
+
+def _get_response(request: Request, response_id: str) -> Response:
+    router = _router(request)
+    owner = router.owners.get(response_id)
+    if owner is None:
+        return JSONResponse({"error": {"message": f"no response {response_id!r} passed through this proxy",
+                                       "type": "NotFoundError", "param": "response_id", "code": 404}}, 404)
+    return router.forward_get(f"{owner}/v1/responses/{response_id}")
+
+
+def _models(request: Request) -> Response:
+    router = _router(request)
+    inst = router.pools.pick("decode") or router.pools.pick("decode", healthy_only=False)
+    return router.forward_get(inst.url + "/v1/models")
+
+
+def _health(request: Request) -> Response:
+    """200 while each pool has a healthy instance or the decode pool can prefill alone; 503 without decode."""
+    pools = _router(request).pools
+    ok = pools.pick("decode") is not None
+    return JSONResponse({"status": "ok" if ok else "unavailable",
+                         "instances": [dataclasses.asdict(i) for i in pools.instances]},
+                        status_code=200 if ok else 503)
+
+
+def _metrics(request: Request) -> Response:
+    router = _router(request)
+    for inst in router.pools.instances:
+        router.healthy.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
+        router.in_flight.labels(inst.role, inst.url).set(inst.in_flight)
+    return Response(generate_latest(router.registry), media_type="text/plain; version=0.0.4")
+
+
+def build_proxy_app(config: ProxyConfig) -> FastAPI:
+    """The app; ``app.state.pools`` is started (its health checks run) and must be stopped by the caller."""
+    app = FastAPI(title="rocm-k3 pd-proxy")
+    router = _Router(config)
+    for path, handler in ((_COMPLETIONS, _completions), (_CHAT, _chat), (_RESPONSES, _responses)):
+        app.add_api_route(path, handler, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", _get_response, methods=["GET"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.state.router = router
+    app.state.pools = router.pools
+    router.pools.start()
     return app

@@ -41,3 +41,37 @@ def test_a_stopped_server_releases_its_engine() -> None:
         gc.collect()
     alive = [i for i, ref in enumerate(cores) if ref() is not None]
     assert not alive, f"the engine cores of stopped servers {alive} are still referenced"
+
+
+def test_a_stopped_pd_proxy_releases_its_router() -> None:
+    """The same for ``pd-proxy``: its routes find their state on ``app.state.router``; after every kind of route ran
+    (POSTs answered 503: the decode URL refuses connections; a missing response id 404; health, metrics, models),
+    a stopped proxy's router, pools and metrics registry go."""
+    import urllib.error
+
+    from tests.pd_fixtures import free_port, running_proxy
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    routers = []
+    for _ in range(2):
+        with running_proxy(dead, dead, health_interval_s=60) as srv:
+            for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+                req = urllib.request.Request(srv.url(route), data=b'{"prompt": "hi"}',
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=60)
+                    raise AssertionError(f"{route} answered although no decode instance runs")
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == 503, (route, exc.code)
+            for route, status in (("/v1/responses/resp_x", 404), ("/health", 503), ("/metrics", 200),
+                                  ("/v1/models", 503)):
+                try:
+                    with urllib.request.urlopen(srv.url(route), timeout=60) as r:
+                        assert r.status == status, (route, r.status)
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == status, (route, exc.code)
+            routers.append(weakref.ref(srv._server.config.app.state.router))
+        del srv
+        gc.collect()
+    alive = [i for i, ref in enumerate(routers) if ref() is not None]
+    assert not alive, f"the routers of stopped proxies {alive} are still referenced"
