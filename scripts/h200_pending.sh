@@ -17,7 +17,8 @@
 #                                             (the K3 prefill cuda tests of session 20's byte cuts), cuda_logits
 #                                             (the bf16 teacher-forced logits tests, on the slice part's
 #                                             checkpoint), op_errors (scripts/bf16_op_errors.py on it), moe_prefill
-#                                             (bench_moe at T = 512 / 2048: the prefill rows' MMA%)
+#                                             (bench_moe at T = 512 / 2048: the prefill rows' MMA%), kda_error
+#                                             (scripts/kda_prefill_error.py: o and states against the reference op)
 #   env: OUT (required), BUDGET (seconds this script may use, default 570), CARRY (default .carry/peers),
 #        CK (slice checkpoint dir, default /tmp/k3-slice), DRY=1 (print each part's command and timeout, run none);
 #        CPU dry runs only: SLICE_WIDTH (slice widths divided by this, default 1 = K3 width), DEVICE (bench_spec's
@@ -113,6 +114,7 @@ run_part() {
     conv) part conv 90 0 "${PEER[@]}" -u benchmarks/bench_kda.py --conv ;;
     moe32) part moe32 120 0 "$PY" -u benchmarks/bench_moe.py --experts 32 --tokens 8192 2048 --grouped --no-peer \
       --no-sass ;;
+    kda_error) part kda_error 90 0 "$PY" -u scripts/kda_prefill_error.py ;;
     moe_prefill) part moe_prefill 150 0 "$PY" -u benchmarks/bench_moe.py --tokens 512 2048 --no-peer --no-sass ;;
     moe_tiles) part moe_tiles 150 0 "$PY" -u benchmarks/bench_moe.py --tokens 1024 2048 --no-peer --no-sass \
       --prefill-sweep --prefill-filter "tile_rows256" --out "$OUT" ;;
@@ -150,7 +152,7 @@ run_part() {
       --durations=20 --junitxml="$OUT/cuda_tier.xml" tests/parallel/test_expert_dispatch_graph.py \
       tests/model/test_mla_gate_fusion.py tests/kernels/triton/test_triton_kda.py \
       tests/kernels/triton/test_triton_mla_prefill.py tests/worker tests/engine/test_engine_cuda.py ;;
-    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_ncu kda_prof kda_phase kda_prep kda_saving conv moe32 moe_prefill moe_tiles cuda_logits op_errors cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
+    *) echo "unknown part $1 (slice spec_b1 spec_b8 spec_b32 e2e e2e_async e2e_prefill e2e_prefill_async kda kda_ncu kda_prof kda_phase kda_prep kda_saving conv kda_error moe32 moe_prefill moe_tiles cuda_logits op_errors cuda_new cuda_s15 cuda_s16 cuda_prep cuda_kda cuda_lean cuda_engine cuda_tier)" >&2; return 2 ;;
   esac
 }
 

@@ -120,10 +120,12 @@ def _specs() -> dict:
         # ... as launched on NVIDIA: under prefill.INTRA_MAXNREG's register cap (session 25)
         "chunk_intra_inv_prod_norms_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True,
                                                          prod=True, raw=True, band="*bf16") + (None, INTRA_MAXNREG),
-        # prefill.GATE_FACTORS: the prep writes bf16 E = exp(G - G_m) and G_m, the intra kernel forms its factors
-        # from them (as launched on NVIDIA, under the register cap)
+        # the default since session 29, prefill.GATE_FACTORS: the prep writes bf16 E = exp(G - G_m) and G_m, the
+        # intra kernel forms its factors from them (uncapped, and as launched on NVIDIA under the register cap)
         "chunk_prep_split_gate_factors": _prep_spec(pkg, plan, split=True, warps=PHASE_WARPS["prep_gate"],
                                                     gate_only=True, factors=True),
+        "chunk_intra_factors": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
+                                           raw=True, band="*bf16", factors=True),
         "chunk_intra_factors_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
                                                   raw=True, band="*bf16", factors=True) + (None, INTRA_MAXNREG),
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},

@@ -148,8 +148,12 @@ FAST_EXP = True
 # chunk ([NC, H, 5, K]) instead of fp32 G [T, H, K]: 0.5 KB per token and head less between the two (of ~4.9 KB
 # measured, session 26), and the intra kernel forms its factors by products (one exponential per column and
 # sub-block, one reciprocal per element) instead of exponentials per element. E carries bf16's 8 mantissa bits
-# into factors that the dots round to bf16 anyway. fp16 / fp32 activations keep fp32 G (their dots are fp32).
-GATE_FACTORS = False
+# into factors that the dots round to bf16 anyway. fp16 / fp32 activations keep fp32 G (their dots are fp32). On: H200
+# 2026-12-06 (session 29, RESULTS.md), end to end 0.850 / 3.324 / 13.53 / 3.270 ms against 0.905 / 3.519 / 14.35 / 3.467
+# at T = 4k / 16k / 64k / varlen 16k (-5.5 to -6.1 %; the prep at 2 warps with it: slower); sm_90 cross-compile, per
+# thread: intra 1,920 -> 1,856 instructions (80 -> 17 ex2, 32 rsqrt), 32 -> 8 bytes spilled at its cap; prep 1,936 ->
+# 1,992 (the exponential per element it gains).
+GATE_FACTORS = True
 
 
 def gate_factors(dot_t: tl.dtype, norms_in: bool, solve_in: bool) -> bool:

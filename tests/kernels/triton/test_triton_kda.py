@@ -245,7 +245,9 @@ _PREFILL_CASES = [
 # there: the setting overrides them); "-products": INVERT_BY_PRODUCTS; "-norms-in-intra": NORMS_IN_INTRA (the prep
 # only gates and sums; the intra kernel normalises q, k itself and writes QG, KD); "-lean": with NORMS_IN_INTRA and
 # BAND_IN_DOT_DTYPE (whose bf16 band only bf16 activations get: test_kda_prefill_bf16_band_interpret and the cuda
-# tier). The default is "3-launch-lean" (session 21; "3-launch-solve-in-walk-products" before))
+# tier); "-gate-factors": with GATE_FACTORS (bf16 activations only, forced at every dtype here). The default is
+# "3-launch-lean-gate-factors" for bf16 activations (session 29; "3-launch-lean" from session 21, which fp16 / fp32
+# activations still take; "3-launch-solve-in-walk-products" before))
 # the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
              BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, GATE_FACTORS=False)
@@ -833,11 +835,12 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_prep_split", "chunk_intra", "chunk_intra_kb", "chunk_intra_inv", "chunk_solve",
                 "chunk_solve_kb", "chunk_solve_inv", "chunk_solve_kb_prod", "chunk_intra_inv_prod", "chunk_state",
                 "chunk_state_split", "chunk_state_solve", "chunk_output", "kda_decode",
-                # the default ("3-launch-lean"): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
+                # "3-launch-lean" (the default of sessions 21-28): NORMS_IN_INTRA and BAND_IN_DOT_DTYPE
                 "chunk_prep_split_gate", "chunk_intra_inv_prod_norms", "chunk_state_solve_band16",
                 "chunk_intra_inv_prod_norms_capped",
-                # prefill.GATE_FACTORS: bf16 E and G_m from the prep, the intra kernel's factors by products
-                "chunk_prep_split_gate_factors", "chunk_intra_factors_capped")
+                # the default since session 29, prefill.GATE_FACTORS: bf16 E and G_m from the prep, the intra
+                # kernel's factors by products (uncapped, and as launched on NVIDIA under the register cap)
+                "chunk_prep_split_gate_factors", "chunk_intra_factors", "chunk_intra_factors_capped")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -850,12 +853,14 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_state_solve_band16": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_inv_prod_norms_capped": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_factors": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_factors_capped": ("mma.sync.aligned", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
 # normalising the raw q, k itself): a spill there is a regression.
-_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms")
+_NO_SPILLS = ("chunk_intra_inv_prod", "chunk_intra_inv_prod_norms", "chunk_intra_factors", "chunk_prep_split_gate",
+              "chunk_prep_split_gate_factors")
 
 
 @pytest.fixture(scope="module")
@@ -889,10 +894,11 @@ _CAPPED_SPILL_BUDGET = 64
 def test_kda_capped_intra_fits_its_register_cap(kda_compiled: dict) -> None:
     from rocm_k3.triton_kernels.kda.prefill import INTRA_MAXNREG
 
-    res = kda_compiled["chunk_intra_inv_prod_norms_capped/sm_90"]
-    assert res["ok"], res["error"]
-    assert INTRA_MAXNREG is not None and res["registers"] <= INTRA_MAXNREG, (res["registers"], INTRA_MAXNREG)
-    assert res["spills"] <= _CAPPED_SPILL_BUDGET, f"{res['spills']} B spilled under the cap of {INTRA_MAXNREG}"
+    for kernel in ("chunk_intra_inv_prod_norms_capped", "chunk_intra_factors_capped"):  # GATE_FACTORS off / on
+        res = kda_compiled[f"{kernel}/sm_90"]
+        assert res["ok"], res["error"]
+        assert INTRA_MAXNREG is not None and res["registers"] <= INTRA_MAXNREG, (kernel, res["registers"])
+        assert res["spills"] <= _CAPPED_SPILL_BUDGET, f"{kernel}: {res['spills']} B spilled under the cap"
 
 
 # ----------------------------------------------------------------------------------------------------- cuda tier
