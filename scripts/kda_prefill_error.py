@@ -2,7 +2,9 @@
 shape, for the default settings and each of ``benchmarks/bench_kda.py``'s ``PREP_COMPARE`` variants: o, the final
 states and the saved prefix states, on one 4096-token sequence and a varlen batch, with K3's safe gate.
 
-    python scripts/kda_prefill_error.py [H]      (default 96 heads)
+    python scripts/kda_prefill_error.py [H] [--device cuda]      (default 96 heads; on the CPU only under
+                                                                 TRITON_INTERPRET=1, a plumbing check: its bf16 dots
+                                                                 are not the GPU's)
 """
 
 from __future__ import annotations
@@ -48,22 +50,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("H", type=int, nargs="?", default=96)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     if args.H < 1:
         raise ValueError(f"H must be positive, got {args.H}")
-    H = args.H
+    H, dev = args.H, args.device
     gen = torch.Generator().manual_seed(0)
     for lengths in ([4096], [3000, 200, 1500, 64]):
         T, N = sum(lengths), len(lengths)
-        q, k, v, f = (torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
-        beta = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
-        params = KDAGateParams((torch.randn(H, generator=gen) * 0.5).cuda(),
-                               (torch.randn(H * D, generator=gen) * 0.5).cuda(), LOWER)
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        pool = (torch.randn(N, H, D, D, generator=gen) * 0.05).cuda()
-        idx = torch.arange(N, dtype=torch.int32, device="cuda")
-        has_init = torch.tensor([i % 2 == 0 for i in range(N)], device="cuda")
-        pos = torch.tensor([[0, 1024]], dtype=torch.int32, device="cuda")
+        q, k, v, f = (torch.randn(T, H, D, generator=gen).to(dev, torch.bfloat16) for _ in range(4))
+        beta = torch.randn(T, H, generator=gen).to(dev, torch.bfloat16)
+        params = KDAGateParams((torch.randn(H, generator=gen) * 0.5).to(dev),
+                               (torch.randn(H * D, generator=gen) * 0.5).to(dev), LOWER)
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        pool = (torch.randn(N, H, D, D, generator=gen) * 0.05).to(dev)
+        idx = torch.arange(N, dtype=torch.int32, device=dev)
+        has_init = torch.tensor([i % 2 == 0 for i in range(N)], device=dev)
+        pos = torch.tensor([[0, 1024]], dtype=torch.int32, device=dev)
         pool_ref = pool.clone()
         want = ref.kda_prefill(q, k, v, f, beta, cu, pool_ref, idx, has_init, gate_params=params,
                                intermediate_positions=pos)
