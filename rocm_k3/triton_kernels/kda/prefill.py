@@ -1,8 +1,10 @@
 """Triton ``kda_prefill``: chunked (C = 64) KDA over a varlen batch, in three launches (default: prep, intra with
 the diagonal inverses, the state walk that solves, ``SOLVE_IN_WALK``) or four (phase 3 as its own launch).
 
-    phase 1  chunk_prep   gate, in-chunk cumsum of g, beta sigmoid (NORMS_IN_INTRA, the default); without it also
-                          the q/k L2 norm and scale and the decayed q and k
+    phase 1  chunk_prep   gate, in-chunk cumsum of g, beta sigmoid (NORMS_IN_INTRA, the default; with bf16
+                          activations, GATE_FACTORS, written as bf16 sub-block factors E = exp(G - G_m) and fp32
+                          G_m per chunk instead of fp32 G); without it also the q/k L2 norm and scale and the decayed
+                          q and k
     phase 2  chunk_intra  in-chunk A and Aqk, per 16-row sub-block (and, SOLVE_KB, the solve's X = b exp(G) k';
                           INTRA_INVERTS, the diagonal blocks' inverses T_II in A's place; NORMS_IN_INTRA, the q/k
                           norms and the decayed q and k)
@@ -24,7 +26,8 @@ per token and head less, but chunk_intra 50 % more instructions: 20 % slower end
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
-|g| < 5. A softplus gate or a raw g beyond that can overflow fp32 inside a 16-token sub-block.
+|g| < 5. A softplus gate or a raw g beyond that can overflow fp32 (or GATE_FACTORS' bf16 E, whose exponent range is
+fp32's) inside a 16-token sub-block.
 """
 
 from __future__ import annotations
