@@ -120,7 +120,7 @@ def zero_band_above(a_ptr, aqk_ptr, out_rows, I, m):
 @triton.jit
 def chunk_intra_kernel(
     qn_ptr, kn_ptr, gcum_ptr, beta_ptr,  # q', k' [T, H, K] from phase 1 (RAW_QK: the raw q, k at row strides
-    # stride_q, stride_k), G fp32 [T, H, K], b fp32 [T, H]
+    # stride_q, stride_k), G fp32 [T, H, K] (FACTORS: chunk_prep's E, bf16 for bf16 activations), b fp32 [T, H]
     stride_q, stride_k, scale,  # RAW_QK: the raw q's and k's row strides and q's scale
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan
     a_ptr, aqk_ptr,  # outputs: A [T, H, 64] (fp32, or BAND_IN_DOT_DTYPE's dtype), Aqk [T, H, 64]
@@ -133,11 +133,12 @@ def chunk_intra_kernel(
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
-    G) are read once and give the row operands, the diagonal block's column operand and (WRITE_KB) KB; the earlier
-    sub-blocks' k' and G are read for their column operands."""
+    G or, FACTORS, E) are read once and give the row operands, the diagonal block's column operand and (WRITE_KB) KB;
+    the earlier sub-blocks' k' and G (E and G_m) are read for their column operands."""
     BC: tl.constexpr = 16
     BT: tl.constexpr = 64
     tl.static_assert(not RAW_QK or WRITE_KB, "RAW_QK writes QG and KD with KB: it needs WRITE_KB")
+    tl.static_assert(not FACTORS or RAW_QK, "FACTORS comes from the gate-only prep (GATE_ONLY): it needs RAW_QK")
     c, h, blk = grid_ids(BT // BC)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)

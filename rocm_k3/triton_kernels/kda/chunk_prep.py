@@ -31,9 +31,10 @@ def chunk_prep_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr,  # q, k [T, H, K] (row strides below); g [T, H, K] (log-decay or raw f); beta [T, H]
     a_log_ptr, dt_bias_ptr,  # gate parameters: fp32 [H], fp32 [H*K] (read only when HAS_GATE)
     chunk_seq_ptr, chunk_start_ptr, cu_seqlens_ptr,  # chunk plan (int32)
-    qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K]; b fp32 [T, H]
+    qn_ptr, kn_ptr, gcum_ptr, beta_out_ptr,  # outputs: q', k' [T, H, K]; G fp32 [T, H, K] (FACTORS: E in the
+    # buffer's dtype, bf16 for bf16 activations); b fp32 [T, H]
     qg_ptr, kd_ptr, glast_ptr,  # outputs: QG, KD [T, H, K]; GL fp32 [NC, H, K]
-    gref_ptr,  # output with FACTORS: G at each sub-block's 8th row and G_last, fp32 [NC, H, 5, K]
+    gref_ptr,  # output with FACTORS: G_m (each sub-block's G-range midpoint) of the four and G_last, fp32 [NC, H, 5, K]
     scale, lower_bound,  # fp32 scalars
     stride_q, stride_k,  # token-row strides of q and k in elements (head stride K, element stride 1)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

@@ -26,8 +26,8 @@ per token and head less, but chunk_intra 50 % more instructions: 20 % slower end
 Signature and semantics are those of :func:`rocm_k3.ops.kda.kda_prefill` (minus ``backend``). Intermediate
 states can only be taken at chunk ends: every ``intermediate_positions`` row (i, p) needs p % 64 == 0.
 Range: the in-chunk decay factors are exact while per-token |g| < 11 (see chunk_intra); K3's safe gate keeps
-|g| < 5. A softplus gate or a raw g beyond that can overflow fp32 (or GATE_FACTORS' bf16 E, whose exponent range is
-fp32's) inside a 16-token sub-block.
+|g| < 5. A softplus gate or a raw g beyond that can overflow fp32 inside a 16-token sub-block (or take
+GATE_FACTORS' bf16 E, whose exponent range is fp32's, to inf or to 0, whose reciprocal is inf: NaN in o).
 """
 
 from __future__ import annotations
