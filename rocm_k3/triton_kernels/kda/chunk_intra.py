@@ -24,13 +24,13 @@ overflow fp32), so the chunk is cut into four 16-row sub-blocks, each with a ref
 ``exp(G_i - G_j) = exp(G_i - G_m) * exp(G_m - G_j)`` with m the reference of i's sub-block. For j in an earlier
 sub-block the second factor is <= 1; inside one sub-block both factors stay within 8 steps of decay
 (|exponent| <= 8 max|g|; K3's safe gate has |g| < 5, so <= 40, far from fp32's 88). With the softplus gate
-this holds while per-token |g| < 11. With ``FACTORS`` (``prefill.GATE_FACTORS``) gcum_ptr holds chunk_prep's
-E = exp(G - G_m) per sub-block (G_m the midpoint of its G range instead of its 8th row's G: as close to every row)
-and gref_ptr G_m of the chunk's four sub-blocks and G_last (fp32 [NC, H, 5, K]); the factors are then products, no exponential per element: exp(G_i - G_m) = E_i,
-exp(G_m - G_j) = exp(G_m - G_mJ) / E_j, exp(G_i) = E_i exp(G_m), exp(G_last - G_i) = exp(G_last - G_m) / E_i (one
-exponential per column and sub-block, one reciprocal per element). Dot operands are bf16 for bf16 activations, else fp32 (fp16 cannot hold
-the sub-block factors, which reach exp(40)). ``FAST_EXP`` (``prefill.FAST_EXP``): the exponentials through
-common.exp_f32's FAST form.
+this holds while per-token |g| < 11. With ``FACTORS`` (``prefill.GATE_FACTORS``) gcum_ptr holds chunk_prep's E = exp(G
+- G_m) per sub-block (G_m the midpoint of its G range instead of its 8th row's G: as close to every row) and gref_ptr
+G_m of the chunk's four sub-blocks and G_last (fp32 [NC, H, 5, K]); the factors are then products, no exponential per
+element: exp(G_i - G_m) = E_i, exp(G_m - G_j) = exp(G_m - G_mJ) / E_j, exp(G_i) = E_i exp(G_m), exp(G_last - G_i) =
+exp(G_last - G_m) / E_i (one exponential per column and sub-block, one reciprocal per element). Dot operands are bf16
+for bf16 activations, else fp32 (fp16 cannot hold the sub-block factors, which reach exp(40)). ``FAST_EXP``
+(``prefill.FAST_EXP``): the exponentials through common.exp_f32's FAST form.
 """
 
 from __future__ import annotations
