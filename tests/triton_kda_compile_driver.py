@@ -131,6 +131,10 @@ def _specs() -> dict:
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),
+        # prefill.WALK_HORNER: the solving walk with whole-chunk products (Y = T_D X, V' = Y - L (Y - L (Y - L Y)))
+        "chunk_state_horner": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
+                               dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True,
+                                    HORNER=True), state_warps, state_stages(bv, solve_in=True)),
         "chunk_state": (f"{pkg}.chunk_state", "chunk_state_kernel", state_sig,
                         dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=False),
                         state_warps, state_stages(bv)),

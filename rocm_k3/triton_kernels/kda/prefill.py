@@ -158,6 +158,18 @@ FAST_EXP = True
 # 1,992 (the exponential per element it gains).
 GATE_FACTORS = True
 
+# With SOLVE_IN_WALK and bf16 dots: the walk's step solves with whole-chunk products instead of the block substitution
+# on 16-row tiles (chunk_state's HORNER: Y = T_D (b v - KB S), V' = Y - L (Y - L (Y - L Y)), L = T_D N formed in the
+# walk from the band it reads anyway, off the state's dependency chain): five dependent [64, 64] x [64, BV] products
+# per step instead of ten dependent [16, *] ones, the chunk's tiles loaded whole. bf16 dots only: the truncated series'
+# partial sums are not the block substitution's, and fp32 dots keep the substitution's accuracy.
+WALK_HORNER = False
+
+
+def walk_horner(dot_t: tl.dtype, solve_in: bool) -> bool:
+    """Whether the state walk solves by chunk_state's HORNER products (WALK_HORNER, bf16 dots, the walk solving)."""
+    return WALK_HORNER and dot_t == tl.bfloat16 and solve_in
+
 
 def gate_factors(dot_t: tl.dtype, norms_in: bool, solve_in: bool) -> bool:
     """Whether chunk_prep writes GATE_FACTORS' E and G_m (bf16 dots, the prep gating only, the walk solving)."""
@@ -330,7 +342,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
-        num_warps=warps, num_stages=state_stages(bv, solve_in),
+        HORNER=walk_horner(dot_t, solve_in), num_warps=warps, num_stages=state_stages(bv, solve_in),
     )
     if split:
         bvo = min(64, V)

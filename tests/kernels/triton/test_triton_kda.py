@@ -250,7 +250,7 @@ _PREFILL_CASES = [
 # activations still take; "3-launch-solve-in-walk-products" before))
 # the four launches, every option named (off)
 _FOUR = dict(PREP_SPLIT=True, SOLVE_KB=True, INTRA_INVERTS=False, SOLVE_IN_WALK=False, INVERT_BY_PRODUCTS=False,
-             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, GATE_FACTORS=False)
+             BAND_IN_DOT_DTYPE=False, NORMS_IN_INTRA=False, GATE_FACTORS=False, WALK_HORNER=False)
 _PATHS = {
     "4-launch": _FOUR,
     "4-launch-intra-inverts": {**_FOUR, "INTRA_INVERTS": True},
@@ -272,6 +272,9 @@ _PATHS = {
     # by _set_path: E then in the dot dtype, fp32 here)
     "3-launch-lean-gate-factors": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
                                    "BAND_IN_DOT_DTYPE": True, "GATE_FACTORS": True},
+    # prefill.WALK_HORNER: the walk solves each chunk by whole-chunk products (forced at every dtype by _set_path)
+    "3-launch-lean-horner": {**_FOUR, "SOLVE_IN_WALK": True, "INVERT_BY_PRODUCTS": True, "NORMS_IN_INTRA": True,
+                             "BAND_IN_DOT_DTYPE": True, "GATE_FACTORS": True, "WALK_HORNER": True},
 }
 # the interpreter ignores the register cap (a launch option): paths that set INTRA_MAXNREG run on the GPU alone
 _INTERP_PATHS = [p for p in _PATHS if "INTRA_MAXNREG" not in _PATHS[p]]
@@ -289,6 +292,8 @@ def _set_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         monkeypatch.setattr(tri_prefill, "invert_by_products", lambda dot_t: True)
     if _PATHS[path]["GATE_FACTORS"]:
         monkeypatch.setattr(tri_prefill, "gate_factors", lambda dot_t, norms_in, solve_in: norms_in and solve_in)
+    if _PATHS[path]["WALK_HORNER"]:
+        monkeypatch.setattr(tri_prefill, "walk_horner", lambda dot_t, solve_in: solve_in)
 
 
 @contextlib.contextmanager
