@@ -36,18 +36,20 @@ def _prep_spec(pkg: str, plan: dict, split: bool, warps: int, gate_only: bool = 
 
 
 def _intra_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, inv: bool = False,
-                prod: bool = False, raw: bool = False, band: str = "*fp32", factors: bool = False) -> tuple:
+                prod: bool = False, raw: bool = False, band: str = "*fp32", factors: bool = False,
+                neg_l: bool = False) -> tuple:
     """chunk_intra without (kb False) or with KB written (prefill.SOLVE_KB), storing A_II or (inv,
     prefill.INTRA_INVERTS) T_II in the diagonal blocks, inverted row by row or (prod, prefill.INVERT_BY_PRODUCTS)
     as a product of four factors; reading q', k' or (raw, prefill.NORMS_IN_INTRA) the raw q, k, normalising them
     itself and writing QG and KD too; the A band in ``band`` (prefill.BAND_IN_DOT_DTYPE: bf16); reading G or
-    (factors, prefill.GATE_FACTORS) the prep's bf16 E and fp32 G_m."""
+    (factors, prefill.GATE_FACTORS) the prep's bf16 E and fp32 G_m; storing A_IJ or (neg_l, prefill.WALK_HORNER)
+    -T_II A_IJ below the diagonal."""
     return (f"{pkg}.chunk_intra", "chunk_intra_kernel",
             {**plan, "qn_ptr": "*bf16", "kn_ptr": "*bf16", "gcum_ptr": "*bf16" if factors else "*fp32",
              "beta_ptr": "*fp32", "stride_q": "i32", "stride_k": "i32", "scale": "fp32", "a_ptr": band,
              "aqk_ptr": "*bf16", "kb_ptr": "*bf16", "qg_ptr": "*bf16", "kd_ptr": "*bf16", "gref_ptr": "*fp32"},
             dict(H=H, K=K, **dots, WRITE_KB=kb, INVERT_DIAG=inv, INVERT_PRODUCTS=prod, RAW_QK=raw, QK_NORM=True,
-                 FAST_EXP=_fast_exp(), FACTORS=factors), warps, 2)
+                 FAST_EXP=_fast_exp(), FACTORS=factors, NEG_L=neg_l), warps, 2)
 
 
 def _solve_spec(pkg: str, plan: dict, dots: dict, kb: bool, warps: int, bd: int, inv: bool = False,
@@ -131,7 +133,9 @@ def _specs() -> dict:
         "chunk_state_solve_band16": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                      dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots,
                                           SOLVE_IN=True), state_warps, state_stages(bv, solve_in=True)),
-        # prefill.WALK_HORNER: the solving walk with whole-chunk products (Y = T_D X, V' = Y - L (Y - L (Y - L Y)))
+        # prefill.WALK_HORNER: the intra kernel storing -L below the diagonal (as launched, capped) and the solving walk with whole-chunk products (Y = T_D X, V' = Y - L (Y - L (Y - L Y)))
+        "chunk_intra_negl_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
+                                               raw=True, band="*bf16", factors=True, neg_l=True) + (None, INTRA_MAXNREG),
         "chunk_state_horner": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True,
                                     HORNER=True), state_warps, state_stages(bv, solve_in=True)),

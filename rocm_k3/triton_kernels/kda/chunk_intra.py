@@ -30,7 +30,8 @@ G_m of the chunk's four sub-blocks and G_last (fp32 [NC, H, 5, K]); the factors 
 element: exp(G_i - G_m) = E_i, exp(G_m - G_j) = exp(G_m - G_mJ) / E_j, exp(G_i) = E_i exp(G_m), exp(G_last - G_i) =
 exp(G_last - G_m) / E_i (one exponential per column and sub-block, one reciprocal per element). Dot operands are bf16
 for bf16 activations, else fp32 (fp16 cannot hold the sub-block factors, which reach exp(40)). ``FAST_EXP``
-(``prefill.FAST_EXP``): the exponentials through common.exp_f32's FAST form.
+(``prefill.FAST_EXP``): the exponentials through common.exp_f32's FAST form. ``NEG_L`` (``prefill.WALK_HORNER``): the
+band's blocks below the diagonal hold -L_IJ = -T_II A_IJ instead of A_IJ (chunk_state's HORNER operand).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def chunk_intra_kernel(
     gref_ptr,  # with FACTORS: G_m of the four sub-blocks and G_last, fp32 [NC, H, 5, K] (gcum_ptr then holds E)
     H: tl.constexpr, K: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, WRITE_KB: tl.constexpr,
     INVERT_DIAG: tl.constexpr, INVERT_PRODUCTS: tl.constexpr, RAW_QK: tl.constexpr, QK_NORM: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, FACTORS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, FACTORS: tl.constexpr = False, NEG_L: tl.constexpr = False,
 ):
     """Grid (NC * 4, H), sub-block fastest (common.grid_ids: the four programs of a chunk-head re-read the earlier
     sub-blocks' rows from L2; H200 2026-12-04: 9-10 % faster than grid (NC, H, 4)). Sub-block I's own rows (k', q',
@@ -139,6 +140,7 @@ def chunk_intra_kernel(
     BT: tl.constexpr = 64
     tl.static_assert(not RAW_QK or WRITE_KB, "RAW_QK writes QG and KD with KB: it needs WRITE_KB")
     tl.static_assert(not FACTORS or RAW_QK, "FACTORS comes from the gate-only prep (GATE_ONLY): it needs RAW_QK")
+    tl.static_assert(not NEG_L or INVERT_DIAG, "NEG_L's -T_II A_IJ needs the inverted diagonal blocks")
     c, h, blk = grid_ids(BT // BC)
     seq = tl.load(chunk_seq_ptr + c)
     t0 = tl.load(chunk_start_ptr + c)
@@ -195,6 +197,7 @@ def chunk_intra_kernel(
         akk, aqk = pair_products(kp, qp, kn, b, True, PREC)
         if INVERT_DIAG:  # chunk_solve's DIAG_INVERTED: the diagonal block holds T_II = (I + A_II)^-1
             akk = invert_diagonal_block(akk, BC, INVERT_PRODUCTS)
+        t_ii = akk.to(DOT_T)  # (NEG_L) T_II as the left operand of the blocks below the diagonal
         store_band_block(a_ptr, aqk_ptr, out_rows, blk, akk, aqk, m)
         for j in range(0, blk):  # earlier sub-blocks: k_j decayed to this block's reference (factor <= 1)
             k_j, m_j = _qk_rows(k_ptr, t0 + j * BC, eos, sk_in, 1.0, K, BC, RAW_QK, QK_NORM)
@@ -206,5 +209,7 @@ def chunk_intra_kernel(
                 g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
                 kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
+            if NEG_L:  # the walk's HORNER operand -L_IJ = -T_II A_IJ (one rounding, from fp32 A_IJ)
+                akk = -tl.dot(t_ii, akk.to(DOT_T), input_precision=PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
         zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

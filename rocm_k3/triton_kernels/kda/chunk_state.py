@@ -147,22 +147,22 @@ def _step_horner(s, s_dot, gl, t0, eos, h, rt, rv, loc_k, loc_v, loc_a, a_ptr, k
                  kd_ptr, aqk_ptr, o_ptr, vbuf_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
     """One chunk with the solve as whole-chunk products (HORNER): with D = blockdiag(I + A_II) (the band's diagonal
-    blocks hold T_II = D_II^-1) and N the band's blocks below the diagonal, I + A = D (I + L), L = T_D N, strictly
-    lower by 16-row blocks, so L^4 = 0 and (I + L)^-1 = I - L + L^2 - L^3::
+    blocks hold T_II = D_II^-1) and N the blocks of A below the diagonal, I + A = D (I + L), L = T_D N, strictly lower
+    by 16-row blocks, so L^4 = 0 and (I + L)^-1 = I - L + L^2 - L^3::
 
         Y = T_D (b v - KB S),   V' = Y - L (Y - L (Y - L Y))        [C, BV]
 
-    Five dependent [64, 64] x [64, BV] products (T_D X and three by L; L itself does not wait for S) instead of the
-    ten dependent [16, *] ones of the block substitution; the chunk's tiles are loaded whole. Returns the state after
-    the chunk, diag(GL) S + KD^T V' (accumulated onto the decayed S)."""
+    Five dependent [64, 64] x [64, BV] products (T_D X and three by L) instead of the ten dependent [16, *] ones of
+    the block substitution; the chunk's tiles are loaded whole. The band's blocks below the diagonal hold -L
+    (chunk_intra's NEG_L). Returns the state after the chunk, diag(GL) S + KD^T V' (accumulated onto the decayed
+    S)."""
     BT: tl.constexpr = 64
     rvalid = rt < eos - t0
     m = rvalid[:, None]
-    band = tl.load(a_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0)  # [BT, BT] T_II on the diagonal blocks
+    band = tl.load(a_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0)  # [BT, BT]: T_II diagonal, -L below
     blk = rt // 16
     t_d = tl.where(blk[:, None] == blk[None, :], band, 0.0).to(DOT_T)
-    low = tl.where(blk[:, None] > blk[None, :], band, 0.0).to(DOT_T)
-    neg_l = (-tl.dot(t_d, low, input_precision=PREC)).to(DOT_T)  # -L = -T_D N [BT, BT]
+    neg_l = tl.where(blk[:, None] > blk[None, :], band, 0.0).to(DOT_T)
     kb = tl.load(kb_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)  # [BT, K]
     b = tl.load(b_ptr + (t0 + rt) * H + h, mask=rvalid, other=0.0)  # [BT]
     v = tl.load(v_ptr + t0 * stride_v + (rt[:, None] * stride_v + h * V + rv[None, :]), mask=m, other=0.0)

@@ -159,10 +159,10 @@ FAST_EXP = True
 GATE_FACTORS = True
 
 # With SOLVE_IN_WALK and bf16 dots: the walk's step solves with whole-chunk products instead of the block substitution
-# on 16-row tiles (chunk_state's HORNER: Y = T_D (b v - KB S), V' = Y - L (Y - L (Y - L Y)), L = T_D N formed in the
-# walk from the band it reads anyway, off the state's dependency chain): five dependent [64, 64] x [64, BV] products
-# per step instead of ten dependent [16, *] ones, the chunk's tiles loaded whole. bf16 dots only: the truncated series'
-# partial sums are not the block substitution's, and fp32 dots keep the substitution's accuracy.
+# on 16-row tiles (chunk_state's HORNER: Y = T_D (b v - KB S), V' = Y - L (Y - L (Y - L Y)) with L = T_D N; chunk_intra
+# stores -L_IJ = -T_II A_IJ in the band's blocks below the diagonal, NEG_L, in place of A_IJ): five dependent [64, 64]
+# x [64, BV] products per step instead of ten dependent [16, *] ones, the chunk's tiles loaded whole. bf16 dots only:
+# the truncated series' partial sums are not the block substitution's, and fp32 dots keep the substitution's accuracy.
 WALK_HORNER = False
 
 
@@ -390,7 +390,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, gref, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb,
         INVERT_DIAG=INTRA_INVERTS or solve_in, INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in,
-        QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP, FACTORS=factors,
+        QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP, FACTORS=factors, NEG_L=walk_horner(dot_t, solve_in),
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:
