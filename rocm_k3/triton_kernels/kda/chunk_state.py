@@ -168,9 +168,9 @@ def _step_horner(s, s_dot, gl, t0, eos, h, rt, rv, loc_k, loc_v, loc_a, a_ptr, k
     v = tl.load(v_ptr + t0 * stride_v + (rt[:, None] * stride_v + h * V + rv[None, :]), mask=m, other=0.0)
     x = b[:, None] * v.to(tl.float32) - tl.dot(kb, s_dot, input_precision=PREC)  # [BT, BV]
     y = tl.dot(t_d, x.to(DOT_T), input_precision=PREC)
-    z = tl.dot(neg_l, y.to(DOT_T), acc=y, input_precision=PREC)
-    z = tl.dot(neg_l, z.to(DOT_T), acc=y, input_precision=PREC)
-    vp = tl.dot(neg_l, z.to(DOT_T), acc=y, input_precision=PREC).to(DOT_T)  # V' [BT, BV]
+    l2 = tl.dot(neg_l, neg_l, input_precision=PREC).to(DOT_T)  # L^2 (does not wait for S)
+    w = tl.dot(l2, y.to(DOT_T), acc=y, input_precision=PREC)  # (I + L^2) Y
+    vp = tl.dot(neg_l, w.to(DOT_T), acc=w, input_precision=PREC).to(DOT_T)  # V' = (I - L)(I + L^2) Y [BT, BV]
     if WITH_OUTPUT:
         qg = tl.load(qg_ptr + t0 * (H * K) + loc_k, mask=m, other=0.0).to(DOT_T)
         aqk = tl.load(aqk_ptr + t0 * (H * BT) + loc_a, mask=m, other=0.0).to(DOT_T)  # [BT, BT], zero above
