@@ -845,7 +845,9 @@ _KDA_KERNELS = ("kda_gate", "chunk_plan", "short_conv", "conv_history", "conv_st
                 "chunk_intra_inv_prod_norms_capped",
                 # the default since session 29, prefill.GATE_FACTORS: bf16 E and G_m from the prep, the intra
                 # kernel's factors by products (uncapped, and as launched on NVIDIA under the register cap)
-                "chunk_prep_split_gate_factors", "chunk_intra_factors", "chunk_intra_factors_capped")
+                "chunk_prep_split_gate_factors", "chunk_intra_factors", "chunk_intra_factors_capped",
+                # prefill.WALK_HORNER: the intra kernel storing -L below the diagonal, the walk's whole-chunk products
+                "chunk_intra_negl_capped", "chunk_state_horner")
 # The dot kernels and the matrix instructions they must become (checked in the sm_90 PTX / AMDGCN):
 # chunk_intra's and chunk_solve's 16-row tiles are too small for wgmma (M = 64) and become mma.sync on sm_90.
 _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync.aligned", "v_mfma"),
@@ -860,6 +862,9 @@ _MMA = {"chunk_intra": ("mma.sync.aligned", "v_mfma"), "chunk_solve": ("mma.sync
         "chunk_intra_inv_prod_norms_capped": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_factors": ("mma.sync.aligned", "v_mfma"),
         "chunk_intra_factors_capped": ("mma.sync.aligned", "v_mfma"),
+        "chunk_intra_negl_capped": ("mma.sync.aligned", "v_mfma"),
+        # HORNER's [64, 64] x [64, BV] products fill a warpgroup's M = 64
+        "chunk_state_horner": ("wgmma.mma_async", "v_mfma"),
         "chunk_output": ("wgmma.mma_async", "v_mfma")}
 
 # Dot kernels that fit their registers on every target (the inverting intra kernel, reading q', k' and, the default,
