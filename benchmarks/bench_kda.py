@@ -435,8 +435,10 @@ PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s
 # the transposed walk (BV 64 and 128). The exact exponentials (FAST_EXP off, before session 27) against today's:
 # Session 28 (H100, RESULTS.md) adopted the gate-only prep at 1 warp this way (against 2 warps, BK 64, BK 16 at 1 warp)
 # and rejected GATE_IN_INTRA. The gate-only prep at its session-24 setting (4 warps) against today's:
-PREP_COMPARE = (("ms_fp32_g", {"GATE_FACTORS": False}), ("ms_horner_1stage", {"WALK_HORNER": True, "SOLVE_WALK_STAGES": 1}),
-                ("ms_horner_2stage", {"WALK_HORNER": True}))
+# Session 30: the walk solving by whole-chunk products (WALK_HORNER) at 1 stage (its 2-stage build holds 172 KB of
+# shared memory on sm_90: one program per SM).
+PREP_COMPARE = (("ms_fp32_g", {"GATE_FACTORS": False}),
+                ("ms_horner_1stage", {"WALK_HORNER": True, "SOLVE_WALK_STAGES": 1}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 
