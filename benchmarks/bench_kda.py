@@ -432,13 +432,12 @@ PHASE_COMPARE = (("ms_walk_bv128_w8_s2", _walk(128, 8, 2)), ("ms_walk_bv128_w8_s
 # 19's default: NORMS_IN_INTRA and BAND_IN_DOT_DTYPE off), session 21 session 20's byte cuts, session 19 the four
 # launches, INTRA_INVERTS by products and the solve in the walk.
 # Session 27 (H100, RESULTS.md) adopted FAST_EXP this way and rejected the walk's L2 prefetch, the 8-warp walk and
-# the transposed walk (BV 64 and 128). The exact exponentials (FAST_EXP off, before session 27) against today's:
+# the transposed walk (BV 64 and 128).
 # Session 28 (H100, RESULTS.md) adopted the gate-only prep at 1 warp this way (against 2 warps, BK 64, BK 16 at 1 warp)
 # and rejected GATE_IN_INTRA. Session 29 (H200) adopted GATE_FACTORS this way (the fp32-G row: its predecessor).
-# Session 30: the walk solving by whole-chunk products (WALK_HORNER) at 1 stage (its 2-stage build holds 172 KB of
-# shared memory on sm_90: one program per SM).
-PREP_COMPARE = (("ms_fp32_g", {"GATE_FACTORS": False}),
-                ("ms_horner_1stage", {"WALK_HORNER": True, "SOLVE_WALK_STAGES": 1}))
+# Session 30: the walk solving by whole-chunk products (WALK_HORNER, at HORNER_WALK_STAGES = 1: its 2-stage build holds
+# 172 KB of shared memory on sm_90, one program per SM).
+PREP_COMPARE = (("ms_fp32_g", {"GATE_FACTORS": False}), ("ms_horner", {"WALK_HORNER": True}))
 VARLEN = [3000, 200, 7000, 64, 1500, 4520]  # mixed lengths, 16,284 tokens
 
 

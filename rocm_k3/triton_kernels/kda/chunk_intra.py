@@ -209,7 +209,7 @@ def chunk_intra_kernel(
                 g_j, _ = _load_rows(g_ptr, t0 + j * BC, eos, sk, K, BC)
                 kn = tl.trans(_decay(k_j, g_j, gm, m_j, -1.0, FAST_EXP).to(DOT_T))  # [K, BC]
             akk, aqk = pair_products(kp, qp, kn, b, False, PREC)
-            if NEG_L:  # the walk's HORNER operand -L_IJ = -T_II A_IJ (one rounding, from fp32 A_IJ)
+            if NEG_L:  # the walk's HORNER operand -L_IJ = -T_II A_IJ (T_II, A_IJ in DOT_T, fp32 accumulation)
                 akk = -tl.dot(t_ii, akk.to(DOT_T), input_precision=PREC)
             store_band_block(a_ptr, aqk_ptr, out_rows, j, akk, aqk, m)
         zero_band_above(a_ptr, aqk_ptr, out_rows, blk, m)

@@ -148,13 +148,13 @@ def _step_horner(s, s_dot, gl, t0, eos, h, rt, rv, loc_k, loc_v, loc_a, a_ptr, k
                  WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
     """One chunk with the solve as whole-chunk products (HORNER): with D = blockdiag(I + A_II) (the band's diagonal
     blocks hold T_II = D_II^-1) and N the blocks of A below the diagonal, I + A = D (I + L), L = T_D N, strictly lower
-    by 16-row blocks, so L^4 = 0 and (I + L)^-1 = I - L + L^2 - L^3::
+    by 16-row blocks, so L^4 = 0 and (I + L)^-1 = (I - L)(I + L^2)::
 
-        Y = T_D (b v - KB S),   V' = Y - L (Y - L (Y - L Y))        [C, BV]
+        Y = T_D (b v - KB S),   V' = (I - L)(I + L^2) Y        [C, BV]
 
-    Five dependent [64, 64] x [64, BV] products (T_D X and three by L) instead of the ten dependent [16, *] ones of
-    the block substitution; the chunk's tiles are loaded whole. The band's blocks below the diagonal hold -L
-    (chunk_intra's NEG_L). Returns the state after the chunk, diag(GL) S + KD^T V' (accumulated onto the decayed
+    The dependent chain is KB S, T_D X, L^2 Y, -L W, KD^T V' ([64, 64] x [64, BV] products; L^2 = (-L)(-L) does not
+    wait for S) instead of the ten dependent [16, *] products of the block substitution; the chunk's tiles are
+    loaded whole. The band's blocks below the diagonal hold -L (chunk_intra's NEG_L). Returns the state after the chunk, diag(GL) S + KD^T V' (accumulated onto the decayed
     S)."""
     BT: tl.constexpr = 64
     rvalid = rt < eos - t0
@@ -189,7 +189,8 @@ def chunk_state_kernel(
     state_ptr, state_indices_ptr, has_init_ptr,  # fp32 [S, H, K, V]; int32 [N]; int8 [N]
     o_ptr, inter_ptr, inter_map_ptr,  # o [T, H, V]; fp32 [M, H, K, V]; int32 [NC] (read when HAS_INTER)
     hbuf_ptr, vbuf_ptr,  # without WITH_OUTPUT: chunk-start states [NC, H, K, V] and V' [T, H, V]
-    a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band [T, H, 64] (fp32 or bf16; T_II diagonal), KB, v, b
+    a_ptr, kb_ptr, v_ptr, b_ptr, stride_v,  # SOLVE_IN: A band [T, H, 64] (fp32 or bf16; T_II diagonal; HORNER:
+    # -L below the diagonal, chunk_intra's NEG_L), KB, v, b
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, WITH_OUTPUT: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr,
     SOLVE_IN: tl.constexpr, HORNER: tl.constexpr = False,
@@ -197,6 +198,7 @@ def chunk_state_kernel(
     """Grid (V / BV, N, H). Without SOLVE_IN, w_ptr / u_ptr hold chunk_solve's W / U and a_ptr .. b_ptr are unread;
     with it, w_ptr / u_ptr are unread."""
     BT: tl.constexpr = 64
+    tl.static_assert(not HORNER or SOLVE_IN, "HORNER is a way for the walk to solve: it needs SOLVE_IN")
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)

@@ -159,11 +159,15 @@ FAST_EXP = True
 GATE_FACTORS = True
 
 # With SOLVE_IN_WALK and bf16 dots: the walk's step solves with whole-chunk products instead of the block substitution
-# on 16-row tiles (chunk_state's HORNER: Y = T_D (b v - KB S), V' = Y - L (Y - L (Y - L Y)) with L = T_D N; chunk_intra
-# stores -L_IJ = -T_II A_IJ in the band's blocks below the diagonal, NEG_L, in place of A_IJ): five dependent [64, 64]
-# x [64, BV] products per step instead of ten dependent [16, *] ones, the chunk's tiles loaded whole. bf16 dots only:
-# the truncated series' partial sums are not the block substitution's, and fp32 dots keep the substitution's accuracy.
+# on 16-row tiles (chunk_state's HORNER: Y = T_D (b v - KB S), V' = (I - L)(I + L^2) Y with L = T_D N; chunk_intra
+# stores -L_IJ = -T_II A_IJ in the band's blocks below the diagonal, NEG_L, in place of A_IJ): the dependent chain is
+# KB S, T_D X, L^2 Y, -L W, KD^T V' ([64, 64] x [64, BV] products; L^2 = (-L)(-L) is formed off the state's chain)
+# instead of ten dependent [16, *] products, the chunk's tiles loaded whole. bf16 dots only: the series is exact (L^4
+# = 0) but its products round differently from the substitution, and fp32 dots keep the substitution's accuracy.
+# At HORNER_WALK_STAGES stages: the sm_90 build holds 65 KB of shared memory at 1 stage and 172 KB at 2 (one program
+# per SM).
 WALK_HORNER = False
+HORNER_WALK_STAGES = 1
 
 
 def walk_horner(dot_t: tl.dtype, solve_in: bool) -> bool:
@@ -225,12 +229,15 @@ def state_tile(n_seq_heads: int, V: int) -> tuple[int, int]:
     return min(16, V), 4
 
 
-def state_stages(bv: int, solve_in: bool = False) -> int:
+def state_stages(bv: int, solve_in: bool = False, horner: bool = False) -> int:
     """num_stages of the state walk for value block ``bv``: ``STATE_STAGES`` when set; else, for the walk that solves
+    by HORNER's products (``horner``, WALK_HORNER), ``HORNER_WALK_STAGES``; for the walk that substitutes
     (``solve_in``, SOLVE_IN_WALK), ``SOLVE_WALK_STAGES``; else 1 for BV 64 (two programs per SM, measured faster)
     and 2 below it (as timed on 2026-11-29)."""
     if STATE_STAGES is not None:
         return STATE_STAGES
+    if horner:
+        return HORNER_WALK_STAGES
     if solve_in:
         return SOLVE_WALK_STAGES
     return 1 if bv >= 64 else 2
@@ -322,12 +329,13 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                  BETA_LOGITS=beta_logits)
     lower = 0.0 if lower is None else float(lower)
     solve_in = SOLVE_IN_WALK
+    horner = walk_horner(dot_t, solve_in)  # the intra kernel's NEG_L band and the walk's HORNER go together
     qg, kd = buf(T, H, K), buf(T, H, K)
     w, u = (o, o) if solve_in else (buf(T, H, K), buf(T, H, V))  # o: unread placeholders (the walk solves)
     glast = buf(plan.num_chunks, H, K, dtype=torch.float32)
     aqk = buf(T, H, CHUNK)
     walk_in = _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk,
-                            w, u, dot_t, prec, solve_in) or (o, o, o)  # (A band, KB, b) when the walk solves
+                            w, u, dot_t, prec, solve_in, horner) or (o, o, o)  # (A band, KB, b) when the walk solves
 
     inter_map, copy_from = (None, None)
     if has_inter:
@@ -342,7 +350,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         o, inter if has_inter else o, inter_map if has_inter else cu, hbuf, vbuf,
         walk_in[0], walk_in[1], v, walk_in[2], v.stride(0),
         H=H, K=K, V=V, BV=bv, HAS_INTER=has_inter, WITH_OUTPUT=not split, DOT_T=dot_t, PREC=prec, SOLVE_IN=solve_in,
-        HORNER=walk_horner(dot_t, solve_in), num_warps=warps, num_stages=state_stages(bv, solve_in),
+        HORNER=horner, num_warps=warps, num_stages=state_stages(bv, solve_in, horner),
     )
     if split:
         bvo = min(64, V)
@@ -356,10 +364,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, cu, qg, kd, glast, aqk, w, u,
-                  dot_t, prec, solve_in: bool) -> tuple | None:
+                  dot_t, prec, solve_in: bool, horner: bool = False) -> tuple | None:
     """Phases 1-3 as three launches (prep, intra, solve); writes qg, kd, glast, aqk, w, u. With ``solve_in``
     (``SOLVE_IN_WALK``) no solve runs: the intra kernel writes KB and the diagonal inverses, and (A band, KB, b) are
-    returned for the state walk."""
+    returned for the state walk; with ``horner`` (``walk_horner``) the band holds -L below the diagonal (NEG_L)."""
     T, H, K = q.shape
 
     def buf(*shape: int, dtype: torch.dtype = q.dtype) -> torch.Tensor:
@@ -390,7 +398,7 @@ def _three_phases(q, k, v, g, beta, a_log, dt_bias, lower, flags, scale, plan, c
         qn, kn, gcum, b, qn.stride(0), kn.stride(0), scale, plan.chunk_seq, plan.chunk_start, cu, a, aqk,
         kb, qg, kd, gref, H=H, K=K, DOT_T=dot_t, PREC=prec, WRITE_KB=write_kb,
         INVERT_DIAG=INTRA_INVERTS or solve_in, INVERT_PRODUCTS=invert_by_products(dot_t), RAW_QK=norms_in,
-        QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP, FACTORS=factors, NEG_L=walk_horner(dot_t, solve_in),
+        QK_NORM=flags["QK_NORM"], FAST_EXP=FAST_EXP, FACTORS=factors, NEG_L=horner,
         num_warps=PHASE_WARPS["intra"], **register_cap(INTRA_MAXNREG if dot_t == tl.bfloat16 else None),
     )
     if solve_in:

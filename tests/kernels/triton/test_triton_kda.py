@@ -375,8 +375,10 @@ def test_kda_prefill_interpret(case, path: str, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.interpret
 @needs_interp
 @pytest.mark.parametrize("split_output,path", [(False, "4-launch"), (True, "4-launch"),
-                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean")],
-                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output"])
+                                               (True, "3-launch-solve-in-walk"), (True, "3-launch-lean"),
+                                               (True, "3-launch-lean-horner")],
+                         ids=["fused-output", "split-output", "solve-in-walk-split-output", "lean-split-output",
+                              "horner-split-output"])
 def test_kda_prefill_matches_chunked_reference_interpret(split_output: bool, path: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Second twin: the reference backend's chunked kda_prefill on the same call (fp32, two sequences), with the
@@ -468,7 +470,7 @@ def test_kda_prefill_prep_column_slices_interpret(path: str, monkeypatch: pytest
 
 @pytest.mark.interpret
 @needs_interp
-@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products"])
+@pytest.mark.parametrize("path", ["3-launch-lean", "3-launch-solve-in-walk-products", "3-launch-lean-horner"])
 def test_kda_prefill_bf16_band_interpret(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BAND_IN_DOT_DTYPE's bf16 A band on the interpreter (whose bf16 dots are wrong, so no bf16-activation case
     runs here): ``band_dtype`` patched to bf16 for fp32 activations, the intra kernel stores
