@@ -277,14 +277,17 @@ class MultiprocExecutor:
         self._wait("ready", startup=True)
 
     # ---- the executor interface ----------------------------------------------------------------------------
+    # info, the cache budget (a profiling forward) and the cache's allocation run once, at start: they wait as long as
+    # the start does, not a step's timeout_s (a TP-2 server at --distributed-timeout 5 on two loaded cores timed out
+    # in its profiling forward, session 30's CI)
     def info(self) -> WorkerInfo:
-        return self._call("info")
+        return self._call("info", startup=True)
 
     def cache_budget(self, block_size: int) -> tuple[int, int] | None:
-        return self._call("cache_budget", block_size)
+        return self._call("cache_budget", block_size, startup=True)
 
     def init_cache(self, geometry: CacheGeometry) -> None:
-        self._call("init_cache", geometry)
+        self._call("init_cache", geometry, startup=True)
 
     def execute(self, step: StepInput) -> StepOutput:
         if self.config.parallel.data_parallel_size > 1:
@@ -372,11 +375,11 @@ class MultiprocExecutor:
             pass
 
     # ---- plumbing ------------------------------------------------------------------------------------------
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, startup: bool = False) -> Any:
         if self._closed:
             raise WorkerError("the worker group has shut down (an earlier error ended it)")
         self._conn.send((name, args))
-        return self._wait("ok")
+        return self._wait("ok", startup)
 
     def _wait(self, expected: str, startup: bool = False) -> Any:
         """Wait for rank 0's reply while watching every local rank; on any failure end the whole group."""
