@@ -154,8 +154,8 @@ def _step_horner(s, s_dot, gl, t0, eos, h, rt, rv, loc_k, loc_v, loc_a, a_ptr, k
 
     The dependent chain is KB S, T_D X, L^2 Y, -L W, KD^T V' ([64, 64] x [64, BV] products; L^2 = (-L)(-L) does not
     wait for S) instead of the ten dependent [16, *] products of the block substitution; the chunk's tiles are
-    loaded whole. The band's blocks below the diagonal hold -L (chunk_intra's NEG_L). Returns the state after the chunk, diag(GL) S + KD^T V' (accumulated onto the decayed
-    S)."""
+    loaded whole. The band's blocks below the diagonal hold -L (chunk_intra's NEG_L). Returns the state after the
+    chunk, diag(GL) S + KD^T V' (accumulated onto the decayed S)."""
     BT: tl.constexpr = 64
     rvalid = rt < eos - t0
     m = rvalid[:, None]
