@@ -136,7 +136,8 @@ def _specs() -> dict:
         # prefill.WALK_HORNER: the intra kernel storing -L below the diagonal (as launched, capped) and the solving
         # walk with whole-chunk products (Y = T_D X, V' = (I - L)(I + L^2) Y) at its HORNER_WALK_STAGES
         "chunk_intra_negl_capped": _intra_spec(pkg, plan, dots, True, PHASE_WARPS["intra"], inv=True, prod=True,
-                                               raw=True, band="*bf16", factors=True, neg_l=True) + (None, INTRA_MAXNREG),
+                                               raw=True, band="*bf16", factors=True, neg_l=True)
+                                   + (None, INTRA_MAXNREG),
         "chunk_state_horner": (f"{pkg}.chunk_state", "chunk_state_kernel", {**state_sig, "a_ptr": "*bf16"},
                                dict(H=H, K=K, V=V, BV=bv, HAS_INTER=True, WITH_OUTPUT=True, **dots, SOLVE_IN=True,
                                     HORNER=True), state_warps, state_stages(bv, solve_in=True, horner=True)),
