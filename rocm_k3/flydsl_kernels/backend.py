@@ -5,13 +5,12 @@ priority order of ``rocm_k3.ops.registry``). Every kernel is compile-verified fo
 ``compile`` test tier (ISA checks) and has host-tested index maps; none has been run on an AMD GPU by
 the authors yet — ``pytest -m rocm`` on an MI300X/MI355X is the parity check.
 
-Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, short_conv, kda_prefill (chunked,
-C = 64, three kernels, state walk on fp32 MFMA; the recurrent kernel for off-grid intermediate positions),
-route and fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and silu_and_mul (shared experts, dense
-layer), mla_prefill (the expanded-heads flash kernel with the fused output gate, for calls whose every chunk has
->= EXPANDED_MIN_QUERIES queries; shorter chunks, mla_decode and mla_write_cache fall through to the next
-backend). MoE weights must be prepared once at
-load time with :func:`prepare_weights`;
+Ops: rms_norm, add_rms_norm, gated_rms_norm, attn_res_step, kda_decode, short_conv, kda_prefill (chunked, C = 64,
+three kernels, state walk on bf16 MFMA for bf16 activations and fp32 MFMA otherwise; the recurrent kernel for off-grid
+intermediate positions), route and fused_moe (MXFP4 experts, A16W4 and A8W4), situ_and_mul and silu_and_mul (shared
+experts, dense layer), mla_prefill (the expanded-heads flash kernel with the fused output gate, for calls whose every
+chunk has >= EXPANDED_MIN_QUERIES queries; shorter chunks, mla_decode and mla_write_cache fall through to the next
+backend). MoE weights must be prepared once at load time with :func:`prepare_weights`;
 ``fused_moe`` declines unprepared weights (``supports`` says so) rather than re-laying them per call.
 """
 

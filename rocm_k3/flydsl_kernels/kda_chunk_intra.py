@@ -8,10 +8,13 @@ k and the n <= 64 rows of the chunk, k' = rk k and q' = rq q (rk = 1 / ||k||, rq
 without the L2 norm)::
 
     A[i, j]   = b_i rk_i rk_j sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <  i   (strictly lower), fp32
-    Aqk[i, j] =     rq_i rk_j sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <= i   written fp32 [T, H, 64]
+    Aqk[i, j] =     rq_i rk_j sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <= i   written [T, H, 64]
     A band    = A off the four 16 x 16 diagonal blocks (zero above them), T_II = (I + A_II)^-1 on them
-                                                                              written fp32 [T, H, 64]
-    KB = b exp(G) k',  QG = q' exp(G),  KD = k' exp(G_last - G)             written fp32 [T, H, K]
+                                                                              written [T, H, 64]
+    KB = b exp(G) k',  QG = q' exp(G),  KD = k' exp(G_last - G)             written [T, H, K]
+
+computed in fp32 and written in the state walk's MFMA operand type (``kda_prefill_plan.walk_operands``): bf16 for
+bf16 activations (one rounding, where the Triton twin rounds its dot operands), fp32 otherwise.
 
 Numerics: every decay factor is computed as ``exp(G_i - G_j)`` from the fp32 difference, never split into
 ``exp(G_i) * exp(-G_j)`` (the Triton twin's 16-row sub-block reference rows exist only to feed tensor-core dots), so
@@ -49,6 +52,7 @@ from rocm_k3.flydsl_kernels.kda_prefill_plan import (
     intra_pair,
     intra_slab,
     intra_slab_elems,
+    walk_operands,
 )
 
 
@@ -56,8 +60,9 @@ def build_kda_chunk_intra(config):
     """``launch(Q, Kt, Gc, B, ChunkSeq, ChunkStart, CuSeq, Aqk, Ab, KB, QG, KD, num_chunks, scale)``.
 
     Q, Kt [T, H, K] the raw q, k (activation dtype, contiguous); Gc fp32 [T, H, K] and B fp32 [T, H] from phase 1;
-    the chunk plan as in :mod:`.kda_chunk_prep`; outputs Aqk fp32 [T, H, 64] (zeros above the diagonal), the A band
-    Ab fp32 [T, H, 64] (T_II on the diagonal blocks, zeros above them), KB, QG and KD fp32 [T, H, K]. ``config`` is
+    the chunk plan as in :mod:`.kda_chunk_prep`; outputs Aqk [T, H, 64] (zeros above the diagonal), the A band
+    Ab [T, H, 64] (T_II on the diagonal blocks, zeros above them), KB, QG and KD [T, H, K], all in the walk's
+    operand type (``walk_operands(config.dtype)``: bf16 or fp32). ``config`` is
     a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig` (K = V).
     """
     H, K = config.num_heads, config.head_dim
@@ -65,6 +70,7 @@ def build_kda_chunk_intra(config):
     elems = intra_slab_elems()
     kb_elems = CHUNK * K // LANES  # KB / QG / KD elements per lane
     row_lanes = LANES // CHUNK  # lanes sharing a row of the pair matrices
+    opnd = common.fx_dtype(walk_operands(config.dtype))  # type of the written intermediates (the walk's operands)
 
     @fx.struct
     class Shared:
@@ -141,12 +147,12 @@ def build_kda_chunk_intra(config):
         if t0 + i < t_end:
             for r in range_constexpr(INTRA_COLS):
                 _, j = intra_pair(tid, r)
-                Aqk[t0 + i, h, j] = qk_row[r]
+                Aqk[t0 + i, h, j] = qk_row[r].to(opnd)
             # the A band off the diagonal blocks: the lane's 16 columns are one 16-column block (j0 // SUB)
             if j0 // SUB != i // SUB:
                 for r in range_constexpr(INTRA_COLS):
                     _, j = intra_pair(tid, r)
-                    Ab[t0 + i, h, j] = a_row[r]  # zero above the diagonal blocks (j > i there)
+                    Ab[t0 + i, h, j] = a_row[r].to(opnd)  # zero above the diagonal blocks (j > i there)
         gpu.barrier()
 
         # the diagonal blocks' inverses: lane (block, c) solves (I + A_II) t = e_c down the block's rows
@@ -161,7 +167,7 @@ def build_kda_chunk_intra(config):
                 t.append(acc)
             for r in range_constexpr(SUB):
                 if t0 + base + r < t_end:
-                    Ab[t0 + base + r, h, base + c] = t[r]
+                    Ab[t0 + base + r, h, base + c] = t[r].to(opnd)
 
         # the walk's row operands: KB = b exp(G) k' (the right-hand side in W's place), QG = q' exp(G),
         # KD = k' exp(G_last - G) (G_last: G at the chunk's last row)
@@ -174,9 +180,9 @@ def build_kda_chunk_intra(config):
                 g = fx.Float32(Gc[st, h, d])
                 eg = fmath.exp(g)
                 k = fx.Float32(Kt[st, h, d]) * srn[row]
-                KB[st, h, d] = k * eg * fx.Float32(B[st, h])
-                QG[st, h, d] = fx.Float32(Q[st, h, d]) * srn[CHUNK + row] * eg
-                KD[st, h, d] = k * fmath.exp(fx.Float32(Gc[t_last, h, d]) - g)
+                KB[st, h, d] = (k * eg * fx.Float32(B[st, h])).to(opnd)
+                QG[st, h, d] = (fx.Float32(Q[st, h, d]) * srn[CHUNK + row] * eg).to(opnd)
+                KD[st, h, d] = (k * fmath.exp(fx.Float32(Gc[t_last, h, d]) - g)).to(opnd)
 
     @flyc.jit
     def launch(

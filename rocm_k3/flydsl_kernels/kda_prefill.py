@@ -3,8 +3,9 @@
 Compile-verified for gfx942 and gfx950 only (the ``compile`` test tier: no scratch, VGPR budgets, MFMA
 mnemonics); none of these kernels has been run on an AMD GPU yet — ``pytest -m rocm`` is their parity check.
 
-Chunked form (the default path, ``ops_impl.kda_prefill``): K3_SPEC section 2 with C = 64, all intermediates
-fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
+Chunked form (the default path, ``ops_impl.kda_prefill``): K3_SPEC section 2 with C = 64, G and b in fp32, the
+walk's intermediates in its operand type (bf16 for bf16 activations, else fp32), staged over three launches that
+mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
 
     Triton phase             FlyDSL kernel (module)            grid / tiling
     1 chunk_prep             kda_chunk_prep                    (chunk, head), K lanes: gate, in-chunk cumsum G,
@@ -15,25 +16,26 @@ fp32, staged over three launches that mirror the Triton twin ``rocm_k3.triton_ke
                                                                the same slabs (they factor out of the pair sums);
                                                                VALU, exp(G_i - G_j) exact; the four diagonal blocks'
                                                                inverses T_II = (I + A_II)^-1 by forward substitution
-                                                               (one block column per lane) -> fp32 A band (T_II on the
+                                                               (one block column per lane) -> A band (T_II on the
                                                                diagonal blocks), Aqk, KB = b exp(G) k',
                                                                QG = q' exp(G), KD = k' exp(G_last - G)
     4 chunk_state            kda_chunk_state                   (16-column value tile, sequence, head), one wave, S in
       (SOLVE_IN, output)                                       registers: V'_I = T_II (b v_I - KB_I S - sum_{J<I}
                                                                A_IJ V'_J) tile by tile, O = QG S + Aqk V',
-                                                               S = diag(exp G_last) S + KD^T V', all products on fp32
-                                                               MFMA v_mfma_f32_16x16x4_f32
+                                                               S = diag(exp G_last) S + KD^T V', the products on
+                                                               v_mfma_f32_16x16x16_bf16 (bf16 activations) or
+                                                               v_mfma_f32_16x16x4_f32, fp32 accumulation
 
 The Triton twin's default since session 21 (``prefill.SOLVE_IN_WALK``, ``prefill.NORMS_IN_INTRA``): no phase 3
 (chunk_solve), no W or U in memory, q and k read once (by the intra kernel).
-Differences from it: fp32 operands everywhere (the Triton twin feeds bf16 dots for bf16 activations), so products
-are exact fp32 as in the reference; the in-chunk decay is exp of the fp32 difference G_i - G_j per element (no 16-row
-reference-row split, hence no per-token |g| range limit); the diagonal inverses by substitution on VALU where the
-Triton twin multiplies four factors on tensor cores for bf16 dots (``prefill.invert_by_products``, see
-kda_chunk_intra; its fp16 / fp32 paths substitute row by row too: the products lose ~1e-4 on correlated keys). Index
-maps: ``kda_prefill_plan`` (host-tested). Intermediate states are taken at
-chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes ``ops_impl`` run the
-recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
+Differences from it: the pair matrices on VALU in fp32 (the Triton twin feeds them to bf16 dots for bf16
+activations; its walk's bf16 operands and bf16 intermediates are this walk's too, since session 31); the in-chunk
+decay is exp of the fp32 difference G_i - G_j per element (no 16-row reference-row split, hence no per-token |g|
+range limit); the diagonal inverses by substitution on VALU where the Triton twin multiplies four factors on tensor
+cores for bf16 dots (``prefill.invert_by_products``, see kda_chunk_intra; its fp16 / fp32 paths substitute row by
+row too: the products lose ~1e-4 on correlated keys). Index maps: ``kda_prefill_plan`` (host-tested). Intermediate
+states are taken at chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes
+``ops_impl`` run the recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
 
 Recurrent form (this module's kernel): the token recurrence the chunked form is an exact rewrite of, sequentially
 over each sequence's tokens, with the state in registers::

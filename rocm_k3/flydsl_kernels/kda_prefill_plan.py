@@ -13,8 +13,10 @@ Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intr
   is slab position ``tid + e * 256`` (``intra_slab``), 64 * SLAB / 256 elements per lane.
 - inverses: lane ``tid`` < 64 owns column ``tid % 16`` of the inverse of diagonal block ``tid // 16``
   (``intra_inverse``), its 16 rows in registers.
-- state walk: one wave owns a [K, STATE_BV] slice of one head's state as fp32 MFMA 16x16x4 C fragments;
-  contractions step through rows in the order ``mfma_krow`` (below), which makes C fragments B operands.
+- state walk: one wave owns a [K, STATE_BV] slice of one head's state as MFMA 16x16 C fragments (fp32);
+  contractions step through rows in the order ``mfma_krow`` (below), which makes C fragments B operands. Its
+  products run on bf16 MFMA 16x16x16 for bf16 activations (``state_kpl`` = 4 values per lane and step, the Triton
+  twin's bf16 dots) and on fp32 MFMA 16x16x4 otherwise (1 value per lane and step).
 """
 
 from __future__ import annotations
@@ -47,17 +49,36 @@ def intra_slab_elems() -> int:
     return CHUNK * INTRA_SLAB // LANES
 
 
-# --- state walk on fp32 MFMA 16x16x4 (one wave per [K, 16] state slice) -----------------------------------
-# Lane l supplies A[l % 16][k] and B[k][l % 16] with k the contraction index of lane group q = l // 16, and
-# holds C[16 m + 4 q + i][l % 16] of 16-row output tile m in accumulator element i. Step s of a contraction
-# gives lane group q the index ``mfma_krow(s, q)``: then the C fragments of a [rows, 16] result (the state
-# S, the corrected values V') are, element for element, the B fragments of the next product that contracts
-# over those rows, with no data movement between the two.
+# --- state walk on MFMA 16x16x(4 kpl) (one wave per [K, 16] state slice) ---------------------------------
+# Lane l supplies kpl values A[l % 16][k] and B[k][l % 16], k the contraction indices of lane group q = l // 16,
+# and holds C[16 m + 4 q + i][l % 16] of 16-row output tile m in accumulator element i. Element j of step s of a
+# contraction gives lane group q the index ``mfma_krow(s, q, j, kpl)``: then the C fragments of a [rows, 16]
+# result (the state S, the corrected values V') are, element for element, the B fragments of the next product
+# that contracts over those rows, with no data movement between the two (kpl = 4: C tile s is B step s).
+STATE_KPL_BF16 = 4  # values per lane and step of v_mfma_f32_16x16x16_bf16 (both gfx942 and gfx950 have it)
 
 
-def mfma_krow(s, q):
-    """Contraction index of MFMA step ``s`` for lane group ``q`` (= the row of C element s % 4 of tile s // 4)."""
-    return 16 * (s // 4) + 4 * q + s % 4
+def walk_operands(dtype: str) -> str:
+    """Name of the walk's MFMA operand type for activations of ``dtype`` ('bf16' | 'f16' | 'f32'), which is also the
+    type phase 2 writes the walk's intermediates in (Aqk, the A band, KB, QG, KD): bf16 for bf16 activations, as
+    the Triton twin's dots and its bf16 intermediates; fp32 otherwise (the Triton twin's fp16 path keeps fp32
+    dots too: fp16 cannot hold its sub-block decay factors)."""
+    return "bf16" if dtype == "bf16" else "f32"
+
+
+def state_kpl(dtype: str) -> int:
+    """Values per lane and MFMA step of the state walk for activations of ``dtype``: 4 on bf16 operands
+    (v_mfma_f32_16x16x16_bf16), 1 on fp32 operands (v_mfma_f32_16x16x4_f32)."""
+    return STATE_KPL_BF16 if walk_operands(dtype) == "bf16" else 1
+
+
+def mfma_krow(s, q, j=0, kpl: int = 1):
+    """Contraction index of element ``j`` (< kpl) of MFMA step ``s`` for lane group ``q``: the row of C element
+    e % 4 of tile e // 4, e = kpl s + j."""
+    if kpl == 4:  # one step per 16-row tile (kept free of divisions: s may be a runtime value in the kernel)
+        return 16 * s + 4 * q + j
+    e = s * kpl + j
+    return 16 * (e // 4) + 4 * q + e % 4
 
 
 # --- host plan -------------------------------------------------------------------------------------------

@@ -237,7 +237,8 @@ def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has
         return False, "state must be contiguous [S, H, K, V]"
     if _off_grid(cu_seqlens, intermediate_positions):
         return True, "flydsl recurrent-form prefill (intermediate positions off the 64-token chunk grid)"
-    return True, "flydsl chunked prefill (C = 64, fp32 intermediates, the WY solve inside the state walk)"
+    walk = "bf16 MFMA, bf16 intermediates" if v.dtype == torch.bfloat16 else "fp32 MFMA, fp32 intermediates"
+    return True, f"flydsl chunked prefill (C = 64, the WY solve inside the state walk on {walk})"
 
 
 def _off_grid(cu_seqlens: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -272,10 +273,11 @@ def _segments(cu_seqlens: torch.Tensor, positions: torch.Tensor | None, device: 
 
 
 def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inter, positions, a_log, dt_bias, scale):
-    """The three chunked launches (prep, intra with the diagonal inverses, the state walk that solves) with fp32
-    intermediates; returns o [T, H, V].
+    """The three chunked launches (prep, intra with the diagonal inverses, the state walk that solves); G and b in
+    fp32, the walk's intermediates in its operand type (``kda_prefill_plan.walk_operands``: bf16 for bf16
+    activations, else fp32); returns o [T, H, V].
     ``inter`` [max(M, 1), H, K, V] is filled in place (a repeated request copies the first one's state)."""
-    from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, chunk_plan, inter_map
+    from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, chunk_plan, inter_map, walk_operands
 
     T, H, K = q.shape
     N = cu.numel() - 1
@@ -287,8 +289,10 @@ def _kda_prefill_chunked(cfg, q, k, v, g, beta, cu, state, slots, has_init, inte
     imap, source = inter_map(first, rows, NC)
     f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
     gc, b = f32(T, H, K), f32(T, H)  # phase 1
-    aqk, ab = f32(T, H, CHUNK), f32(T, H, CHUNK)  # phase 2: Aqk, the A band (T_II on its diagonal blocks) ...
-    kb, qg, kd = f32(T, H, K), f32(T, H, K), f32(T, H, K)  # ... and the walk's row operands KB, QG, KD
+    opnd = torch.bfloat16 if walk_operands(cfg.dtype) == "bf16" else torch.float32
+    mid = lambda *shape: torch.empty(*shape, dtype=opnd, device=dev)
+    aqk, ab = mid(T, H, CHUNK), mid(T, H, CHUNK)  # phase 2: Aqk, the A band (T_II on its diagonal blocks) ...
+    kb, qg, kd = mid(T, H, K), mid(T, H, K), mid(T, H, K)  # ... and the walk's row operands KB, QG, KD
     o = torch.empty(T, H, K, dtype=v.dtype, device=dev)
     prep, intra, walk = _kda_chunk_launchers(cfg)
     seqs, starts = as_i32(chunk_seq), as_i32(chunk_start)

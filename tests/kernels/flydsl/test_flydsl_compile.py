@@ -121,37 +121,54 @@ def _kda_prefill_case(shape: str) -> Case:
                 load="buffer_load_dword")
 
 
-def _kda_chunk_case(phase: str, shape: str) -> Case:
-    """One kernel of the chunked kda_prefill (fp32 intermediates): prep and intra on VALU, the state walk on
-    fp32 MFMA (v_mfma_f32_16x16x4_f32 on both targets)."""
+def _kda_chunk_case(phase: str, shape: str, dtype: str = "bf16") -> Case:
+    """One kernel of the chunked kda_prefill: prep and intra on VALU, the state walk on MFMA with the operand type
+    of ``kda_prefill_plan.walk_operands`` (bf16 activations: v_mfma_f32_16x16x16_bf16 and bf16 intermediates on both
+    targets; fp16: v_mfma_f32_16x16x4_f32 and fp32 intermediates)."""
     from rocm_k3.flydsl_kernels.kda_chunk_intra import build_kda_chunk_intra
     from rocm_k3.flydsl_kernels.kda_chunk_prep import build_kda_chunk_prep
     from rocm_k3.flydsl_kernels.kda_chunk_state import build_kda_chunk_state
     from rocm_k3.flydsl_kernels.kda_prefill import KdaPrefillConfig
+    from rocm_k3.flydsl_kernels.kda_prefill_plan import walk_operands
 
     H = SHAPES[shape]["heads"]
-    cfg = KdaPrefillConfig(H, HEAD, "bf16", "safe", -5.0)
+    cfg = KdaPrefillConfig(H, HEAD, dtype, "safe", -5.0)
+    act = {"bf16": BF16, "f16": torch.float16}[dtype]
+    bf16_walk = walk_operands(dtype) == "bf16"
     T, N, S, M, NC = 200, 2, 4, 2, 5
     f32 = lambda *shape: z(*shape, dtype=F32)
+    mid = lambda *shape: z(*shape, dtype=BF16 if bf16_walk else F32)  # the walk's intermediates
     i32 = lambda n: z(n, dtype=I32)
     plan = (i32(NC), i32(NC), i32(N + 1))  # ChunkSeq, ChunkStart, CuSeq
     builds = {"prep": build_kda_chunk_prep, "intra": build_kda_chunk_intra, "state": build_kda_chunk_state}
     args = {
-        "prep": lambda: (f32(T, H, HEAD), z(T, H), *plan, f32(H), f32(H * HEAD), f32(T, H, HEAD), f32(T, H), NC),
-        "intra": lambda: (z(T, H, HEAD), z(T, H, HEAD), f32(T, H, HEAD), f32(T, H), *plan, f32(T, H, 64),
-                          f32(T, H, 64), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), NC, HEAD**-0.5),
-        "state": lambda: (f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, HEAD), f32(T, H, 64), f32(T, H, HEAD),
-                          z(T, H, HEAD), f32(T, H), f32(T, H, 64), i32(N + 1), i32(N + 1), f32(S, H, HEAD, HEAD),
-                          i32(N), i32(N), z(T, H, HEAD), f32(M, H, HEAD, HEAD), i32(NC), N),
+        "prep": lambda: (f32(T, H, HEAD), z(T, H, dtype=act), *plan, f32(H), f32(H * HEAD), f32(T, H, HEAD),
+                         f32(T, H), NC),
+        "intra": lambda: (z(T, H, HEAD, dtype=act), z(T, H, HEAD, dtype=act), f32(T, H, HEAD), f32(T, H), *plan,
+                          mid(T, H, 64), mid(T, H, 64), mid(T, H, HEAD), mid(T, H, HEAD), mid(T, H, HEAD), NC,
+                          HEAD**-0.5),
+        "state": lambda: (mid(T, H, HEAD), mid(T, H, HEAD), f32(T, H, HEAD), mid(T, H, 64), mid(T, H, HEAD),
+                          z(T, H, HEAD, dtype=act), f32(T, H), mid(T, H, 64), i32(N + 1), i32(N + 1),
+                          f32(S, H, HEAD, HEAD), i32(N), i32(N), z(T, H, HEAD, dtype=act), f32(M, H, HEAD, HEAD),
+                          i32(NC), N),
     }[phase]
-    # budgets (arch VGPRs + AGPRs), measured 2026-12-05 (session 22's split): prep 15 (gate and sums only); intra
-    # 32 accumulators + 2 row sums + 16 in-flight exps + the 16 solved rows of a diagonal-block column (179 on
-    # gfx942, 141 on gfx950); state: 32 state + 16 V' + 4 output accumulator registers plus the hoisted A-operand
-    # loads of a 48-MFMA row tile (197 on both: no exps in the MFMA loops since QG / KD come from the intra kernel)
+    # budgets (arch VGPRs + AGPRs), measured 2026-12-05 (session 22's split) and 2026-12-07 (session 31's bf16
+    # walk): prep 15 (gate and sums only); intra 32 accumulators + 2 row sums + 16 in-flight exps + the 16 solved
+    # rows of a diagonal-block column (179 on gfx942, 141 on gfx950); state on fp32 MFMA: 32 state + 16 V' + 4
+    # output accumulator registers plus the hoisted A-operand loads of a 48-MFMA row tile (197 on both: no exps in
+    # the MFMA loops since QG / KD come from the intra kernel); on bf16 MFMA 214 on both (the state's bf16 copy and
+    # the hoisted 8-byte operand loads of a row tile; two waves per SIMD either way, as under 256)
     budget = {"prep": 32, "intra": 192, "state": 224}[phase]
-    mfma = (lambda arch: "v_mfma_f32_16x16x4_f32") if phase == "state" else (lambda arch: None)
-    return Case(f"kda_chunk_{phase}-{shape}-H{H}", lambda arch: builds[phase](cfg), args, vgpr_budget=budget,
-                mfma=mfma)
+    if phase != "state":
+        mfma = lambda arch: None
+    elif bf16_walk:
+        mfma = lambda arch: "v_mfma_f32_16x16x16_bf16"
+    else:
+        mfma = lambda arch: "v_mfma_f32_16x16x4_f32"
+    # the bf16 walk's KB, QG, Ab, Aqk operands: 4 bf16 of a row per lane and step, one 8-byte load
+    load = "global_load_dwordx2" if phase == "state" and bf16_walk else None
+    return Case(f"kda_chunk_{phase}-{shape}-H{H}-{dtype}", lambda arch: builds[phase](cfg), args,
+                vgpr_budget=budget, mfma=mfma, load=load)
 
 
 _MOE_MFMA = {
@@ -308,6 +325,7 @@ def _cases() -> list[Case]:
         _kda_prefill_case("K3"),
         _kda_prefill_case("TP8"),
         *(_kda_chunk_case(phase, shape) for phase in ("prep", "intra", "state") for shape in SHAPES),
+        *(_kda_chunk_case(phase, "K3", "f16") for phase in ("intra", "state")),  # fp32 intermediates and MFMA
         _quant_case(LATENT, "bf16"),
         _quant_case(3072, "f32"),
         _quant_case(384, "f32"),

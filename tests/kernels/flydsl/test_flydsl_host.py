@@ -597,17 +597,32 @@ def test_kda_chunk_intra_maps_cover_tiles_once() -> None:
         assert len({kp.intra_pair(t, r)[1] // kp.SUB for r in range(kp.INTRA_COLS)}) == 1
 
 
+@pytest.mark.parametrize("kpl", [1, 4], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)
-def test_kda_chunk_state_mfma_steps_cover_rows_once_and_match_c_layout(K: int) -> None:
+def test_kda_chunk_state_mfma_steps_cover_rows_once_and_match_c_layout(K: int, kpl: int) -> None:
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    # the K / 4 steps of a contraction over K rows take every row exactly once across the 4 lane groups
-    rows = collections.Counter(kp.mfma_krow(s, q) for s in range(K // 4) for q in range(4))
+    # the K / (4 kpl) steps of a contraction over K rows take every row exactly once across the 4 lane groups
+    rows = collections.Counter(kp.mfma_krow(s, q, j, kpl) for s in range(K // (4 * kpl)) for q in range(4)
+                               for j in range(kpl))
     assert set(rows) == set(range(K)) and set(rows.values()) == {1}
-    # the state tiles' C fragments (the MoE kernels' 16x16 C layout) are the B operands of those steps
+    # the state tiles' C fragments (the MoE kernels' 16x16 C layout) are the B operands of those steps: C element i
+    # of tile m is element j = e % kpl of step e // kpl, e = 4 m + i
     for lane, m, i in itertools.product(range(64), range(K // 16), range(4)):
         r, c = plans.mfma_c_coord(lane, i)
-        assert (16 * m + r, c) == (kp.mfma_krow(4 * m + i, lane // 16), lane % 16)
+        e = 4 * m + i
+        assert (16 * m + r, c) == (kp.mfma_krow(e // kpl, lane // 16, e % kpl, kpl), lane % 16)
+    # and a step's kpl rows are consecutive at bf16 (one 8-byte load of a row-major operand)
+    for s, q in itertools.product(range(K // (4 * kpl)), range(4)):
+        first = kp.mfma_krow(s, q, 0, kpl)
+        assert [kp.mfma_krow(s, q, j, kpl) for j in range(kpl)] == list(range(first, first + kpl))
+
+
+def test_kda_walk_operands_follow_the_activation_dtype() -> None:
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+
+    assert [kp.walk_operands(d) for d in ("bf16", "f16", "f32")] == ["bf16", "f32", "f32"]
+    assert [kp.state_kpl(d) for d in ("bf16", "f16", "f32")] == [4, 1, 1]
 
 
 def test_kda_chunk_plan_and_inter_map() -> None:

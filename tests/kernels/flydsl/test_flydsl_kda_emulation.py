@@ -120,83 +120,102 @@ def test_kda_chunked_prefill_emulation_matches_recurrence(lens: list[int], save:
     assert_rel(inter, ref.intermediate_states.float(), 1e-4, "intermediate states")
 
 
-def _mfma_16x16x4(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """v_mfma_f32_16x16x4_f32 on per-lane values: lane l gives A[l % 16, l // 16] and B[l // 16, l % 16]
-    and holds C[(l // 16) * 4 + i, l % 16] in acc[l, i] (the layout of ``plans.mfma_c_coord``)."""
+def _mfma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """v_mfma_f32_16x16x(4 kpl) on per-lane values a, b [64, kpl]: lane l gives A[l % 16, kpl (l // 16) + j] and
+    B[kpl (l // 16) + j, l % 16] as its element j and holds C[(l // 16) * 4 + i, l % 16] in acc[l, i] (the layout of
+    ``plans.mfma_c_coord``); fp32 products and accumulation (bf16 operands are exact in fp32)."""
+    kpl = a.shape[1]
     lane = torch.arange(64)
-    A, B = torch.zeros(16, 4), torch.zeros(4, 16)
-    A[lane % 16, lane // 16] = a
-    B[lane // 16, lane % 16] = b
+    A, B = torch.zeros(16, 4 * kpl), torch.zeros(4 * kpl, 16)
+    k = kpl * (lane // 16)[:, None] + torch.arange(kpl)[None, :]  # [64, kpl]
+    A[(lane % 16)[:, None].expand(64, kpl), k] = a
+    B[k, (lane % 16)[:, None].expand(64, kpl)] = b
     C = A @ B
     rows = torch.tensor([[plans.mfma_c_coord(int(l), i)[0] for i in range(4)] for l in range(64)])
     return acc + C[rows, (lane % 16)[:, None]]
 
 
-def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K, out, inter, imap):
-    """One wave of kda_chunk_state, step for step: the kernel's fragment index arithmetic (``mfma_krow``) with
-    the MFMA emulated per lane."""
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def _emulate_state_wave(mids, bounds, first, state, slot, has_init, n, h, vt, K, out, inter, imap, kpl=1, rnd=None):
+    """One wave of kda_chunk_state, step for step: the kernel's fragment index arithmetic (``mfma_krow`` with kpl
+    values per lane and step) with the MFMA emulated per lane. ``rnd`` rounds the operands the kernel converts (S, the
+    right-hand side, V' as it goes to LDS; the bf16 walk) and is the identity by default: kpl = 4 without it checks
+    the bf16 walk's bookkeeping exactly. The intermediates are used as given (the caller rounds them)."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
+    rnd = rnd or (lambda x: x)
     qg, kd, gc, ab, kb, v, b, aqk = (mids[x] for x in ("qg", "kd", "gc", "ab", "kb", "v", "b", "aqk"))
     lane = torch.arange(64)
     q, a_row = lane // 16, lane % 16
     col = vt * kp.STATE_BV + a_row
-    krow = kp.mfma_krow
-    st = [torch.stack([state[slot, h, krow(4 * m + i, q), col] if has_init else torch.zeros(64)
+    krow = lambda s, j: kp.mfma_krow(s, q, j, kpl)
+    js = range(kpl)
+    k_steps, c_steps, t_steps = K // (4 * kpl), kp.CHUNK // (4 * kpl), 16 // (4 * kpl)
+    st = [torch.stack([state[slot, h, kp.mfma_krow(4 * m + i, q), col] if has_init else torch.zeros(64)
                        for i in range(4)], 1) for m in range(K // 16)]
     for ci in range(first[n], first[n + 1]):
         t0 = bounds[n] + (ci - first[n]) * kp.CHUNK
         cnt = min(bounds[n + 1] - t0, kp.CHUNK)
         t_last = t0 + cnt - 1
         s_frag = [x.clone() for x in st]
+        # element j of step s: C element e % 4 of S tile e // 4, e = kpl s + j
+        s_ops = [rnd(torch.stack([s_frag[(s * kpl + j) // 4][:, (s * kpl + j) % 4] for j in js], 1))
+                 for s in range(k_steps)]
         svp = torch.full((kp.CHUNK, kp.STATE_BV), float("nan"))  # the LDS V' tile, [64, 16]
         o_acc = []
         for r in range(kp.CHUNK // 16):
             src = (t0 + r * 16 + a_row).clamp(max=t_last)
             acc, acc_o = torch.zeros(64, 4), torch.zeros(64, 4)
-            for s in range(K // 4):
-                k, bf = krow(s, q), s_frag[s // 4][:, s % 4]
-                acc = _mfma_16x16x4(acc, kb[src, h, k], bf)
-                acc_o = _mfma_16x16x4(acc_o, qg[src, h, k], bf)
-            for s in range(r * 4):  # the earlier tiles' V' rows, read back from LDS
-                j = krow(s, q)
-                acc = _mfma_16x16x4(acc, ab[src, h, j], svp[j, a_row])
+            for s in range(k_steps):
+                idx = torch.stack([krow(s, j) for j in js], 1)  # [64, kpl]
+                acc = _mfma(acc, kb[src[:, None], h, idx], s_ops[s])
+                acc_o = _mfma(acc_o, qg[src[:, None], h, idx], s_ops[s])
+            for s in range(r * t_steps):  # the earlier tiles' V' rows, read back from LDS
+                idx = torch.stack([krow(s, j) for j in js], 1)
+                acc = _mfma(acc, ab[src[:, None], h, idx], svp[idx, a_row[:, None]])
             rhs = []
             for i in range(4):
-                row = r * 16 + krow(i, q)
+                row = r * 16 + 4 * q + i
                 t = (t0 + row).clamp(max=t_last)
                 rhs.append(torch.where(row < cnt, b[t, h] * v[t, h, col] - acc[:, i], 0.0))
             acc_v = torch.zeros(64, 4)
+            for s in range(t_steps):  # element j of step s: C element s kpl + j of the right-hand side
+                idx = torch.stack([r * 16 + 4 * q + s * kpl + j for j in js], 1)
+                acc_v = _mfma(acc_v, ab[src[:, None], h, idx], rnd(torch.stack([rhs[s * kpl + j] for j in js], 1)))
             for i in range(4):
-                acc_v = _mfma_16x16x4(acc_v, ab[src, h, r * 16 + krow(i, q)], rhs[i])
-            for i in range(4):
-                row = r * 16 + krow(i, q)
-                svp[row, a_row] = torch.where(row < cnt, acc_v[:, i], 0.0)
+                row = r * 16 + 4 * q + i
+                svp[row, a_row] = rnd(torch.where(row < cnt, acc_v[:, i], 0.0))
             o_acc.append(acc_o)
-        vp = [svp[krow(s, q), a_row] for s in range(kp.CHUNK // 4)]
+        vp = [svp[torch.stack([krow(s, j) for j in js], 1), a_row[:, None]] for s in range(c_steps)]
         for r in range(kp.CHUNK // 16):
             src = (t0 + r * 16 + a_row).clamp(max=t_last)
-            for s in range(kp.CHUNK // 4):
-                o_acc[r] = _mfma_16x16x4(o_acc[r], aqk[src, h, krow(s, q)], vp[s])
+            for s in range(c_steps):
+                o_acc[r] = _mfma(o_acc[r], aqk[src[:, None], h, torch.stack([krow(s, j) for j in js], 1)], vp[s])
             for i in range(4):
-                row = r * 16 + krow(i, q)
+                row = r * 16 + 4 * q + i
                 ok = row < cnt
                 out[t0 + row[ok], h, col[ok]] = o_acc[r][ok, i]
         for m in range(K // 16):
             key = m * 16 + a_row
-            st[m] = s_frag[m] * torch.exp(torch.stack([gc[t_last, h, krow(4 * m + i, q)] for i in range(4)], 1))
-            for s in range(kp.CHUNK // 4):
-                t = (t0 + krow(s, q)).clamp(max=t_last)
-                st[m] = _mfma_16x16x4(st[m], kd[t, h, key], vp[s])
+            st[m] = s_frag[m] * torch.exp(torch.stack([gc[t_last, h, kp.mfma_krow(4 * m + i, q)] for i in range(4)], 1))
+            for s in range(c_steps):
+                t = (t0 + torch.stack([krow(s, j) for j in js], 1)).clamp(max=t_last)  # [64, kpl] chunk rows
+                st[m] = _mfma(st[m], kd[t, h, key[:, None]], vp[s])
         if imap[ci] >= 0:
             for m, i in itertools.product(range(K // 16), range(4)):
-                inter[imap[ci], h, krow(4 * m + i, q), col] = st[m][:, i]
+                inter[imap[ci], h, kp.mfma_krow(4 * m + i, q), col] = st[m][:, i]
     for m, i in itertools.product(range(K // 16), range(4)):
-        state[slot, h, krow(4 * m + i, q), col] = st[m][:, i]
+        state[slot, h, kp.mfma_krow(4 * m + i, q), col] = st[m][:, i]
 
 
-def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
-    """The state kernel's per-lane MFMA bookkeeping (emulated) against the matrix form of phase 3."""
+@pytest.mark.parametrize("kpl", [1, 4], ids=["fp32-mfma", "bf16-mfma-layout"])
+def test_kda_chunk_state_fragment_walk_matches_matrix_form(kpl: int) -> None:
+    """The state kernel's per-lane MFMA bookkeeping (emulated) against the matrix form of phase 3, for the fp32
+    walk (1 value per lane and step) and the bf16 walk's layout (4 per lane and step; no rounding here, so the index
+    arithmetic is checked exactly)."""
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
     H, K, lens, save = 1, 32, [70, 5], [(0, 64), (1, 5)]
@@ -216,10 +235,51 @@ def test_kda_chunk_state_fragment_walk_matches_matrix_form() -> None:
     o_frag, inter_frag = torch.full((T, H, K), float("nan")), torch.full((len(save), H, K, K), float("nan"))
     for n, vt in itertools.product(range(len(lens)), range(K // kp.STATE_BV)):
         _emulate_state_wave(mids, bounds, first, st_frag, slots[n], has_init[n], n, 0, vt, K, o_frag, inter_frag,
-                            imap)
+                            imap, kpl)
     assert_rel(o_frag, o_mat, 1e-5, "o")  # NaN (a row or column never written) fails
     assert_rel(st_frag, st_mat, 1e-5, "final states")
     assert_rel(inter_frag, inter_mat, 1e-5, "intermediate states")
+
+
+@pytest.mark.parametrize("lens,save", [([70, 5, 200], [(0, 64), (1, 5), (2, 128)]), ([64, 33], [(0, 64)])],
+                         ids=["3seq", "full-and-tail"])
+def test_kda_bf16_walk_error_is_bf16_level(lens: list[int], save: list[tuple[int, int]]) -> None:
+    """The bf16 walk as the kernels round it (intermediates written in bf16 by phase 2; S, the right-hand side and V'
+    rounded to bf16 where the kernel converts them; fp32 accumulation) against the float64 token recurrence: o
+    within 2e-2 and states within 1e-2, the bounds the Triton twin's bf16 path meets (tests/kernels/triton's cuda
+    tier); and the same fragment walk without the roundings within 1e-5 (so the bound measures the rounding, not
+    the bookkeeping)."""
+    from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
+    from rocm_k3.ops.kda.naive import kda_prefill_naive
+
+    H, K = 1, 64
+    bounds = [0, *itertools.accumulate(lens)]
+    T, N = bounds[-1], len(lens)
+    gen = seeded(53)
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    g = -torch.rand(T, H, K, generator=gen) * 0.3
+    beta = torch.randn(T, H, generator=gen)
+    state = torch.randn(N + 1, H, K, K, generator=gen) * 0.1
+    slots, has_init = list(range(1, N + 1)), [i % 2 == 0 for i in range(N)]
+    st_mat, st_ref = state.clone(), state.double()  # the recurrence updates st_ref in place
+    _, _, mids = _emulate_chunked_prefill(q, k, v, g, beta, bounds, st_mat, slots, torch.tensor(has_init), save,
+                                          K**-0.5)
+    ref = kda_prefill_naive(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                            torch.tensor(bounds, dtype=torch.int32), st_ref,
+                            torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init),
+                            intermediate_positions=torch.tensor(save, dtype=torch.int32))
+    _, _, first = kp.chunk_plan(bounds)
+    imap, _ = kp.inter_map(first, save, first[-1])
+    rounded = dict(mids, **{x: _bf16(mids[x]) for x in ("qg", "kd", "ab", "kb", "aqk")})
+    for name, operands, rnd, tol_o, tol_s in (("bf16", rounded, _bf16, 2e-2, 1e-2), ("exact", mids, None, 1e-5, 1e-5)):
+        st = state.clone()
+        o, inter = torch.full((T, H, K), float("nan")), torch.full((len(save), H, K, K), float("nan"))
+        for n, vt in itertools.product(range(N), range(K // kp.STATE_BV)):
+            _emulate_state_wave(operands, bounds, first, st, slots[n], has_init[n], n, 0, vt, K, o, inter, imap, 4,
+                                rnd)
+        assert_rel(o, ref.o.float(), tol_o, f"o ({name})")
+        assert_rel(st, st_ref.float(), tol_s, f"final states ({name})")
+        assert_rel(inter, ref.intermediate_states.float(), tol_s, f"intermediate states ({name})")
 
 
 def _emulate_intra_writes(mids, bounds, H, K):

@@ -169,44 +169,57 @@ def test_short_conv(lens: list[int], with_state: bool) -> None:
     assert torch.equal(state, st_ref), "conv_state"
 
 
-# (lens, gate, intermediate positions, K): positions on the 64-token grid (or at a sequence's end) run the
-# chunked kernels, any other position the recurrent kernel (ops_impl.kda_prefill_supports says which)
-PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 128), (2, 130), (1, 64)], 128), ([1, 33], None, [], 128),
-           ([70], "softplus", [(0, 70)], 128), ([9, 200], "safe", [(1, 64), (1, 192)], 32),
-           ([5, 64, 130], "safe", [(1, 64), (2, 7)], 128), ([9, 20], "safe", [(1, 5)], 32)]
+# (lens, gate, intermediate positions, K, activation dtype): positions on the 64-token grid (or at a sequence's
+# end) run the chunked kernels, any other position the recurrent kernel (ops_impl.kda_prefill_supports says which)
+BF16, F16 = torch.bfloat16, torch.float16
+PREFILL = [([5, 64, 130], "safe", [(1, 64), (2, 128), (2, 130), (1, 64)], 128, BF16), ([1, 33], None, [], 128, BF16),
+           ([70], "softplus", [(0, 70)], 128, BF16), ([9, 200], "safe", [(1, 64), (1, 192)], 32, BF16),
+           ([5, 64, 130], "safe", [(1, 64), (2, 7)], 128, BF16), ([9, 20], "safe", [(1, 5)], 32, BF16),
+           ([5, 64, 130], "safe", [(1, 64), (2, 128)], 128, F16)]
 
 
-@pytest.mark.parametrize("lens,gate,save,K", PREFILL,
+def _state_tol(reason: str) -> float:
+    """States' bound for the path ``kda_prefill_supports`` names: the chunked walk on bf16 MFMA (bf16 activations)
+    rounds its operands to bf16 as the Triton twin's bf16 dots do and meets that twin's bound (1e-2, its cuda tier);
+    the fp32 walk and the recurrent kernel are exact fp32 up to summation order (1e-4)."""
+    return 1e-2 if "bf16 MFMA" in reason else 1e-4
+
+
+@pytest.mark.parametrize("lens,gate,save,K,dtype", PREFILL,
                          ids=["3seq-safe-grid-save", "2seq-logdecay", "1seq-softplus-save-end", "2seq-D32-grid-save",
-                              "3seq-safe-offgrid-recurrent", "2seq-D32-offgrid-recurrent"])
-def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]], K: int) -> None:
+                              "3seq-safe-offgrid-recurrent", "2seq-D32-offgrid-recurrent", "3seq-safe-fp16-fp32-walk"])
+def test_kda_prefill(lens: list[int], gate: str | None, save: list[tuple[int, int]], K: int,
+                     dtype: torch.dtype) -> None:
+    from rocm_k3.flydsl_kernels.ops_impl import kda_prefill_supports
     from rocm_k3.ops.kda import KDAGateParams, kda_prefill
 
     H = 4
     T, N, S = sum(lens), len(lens), len(lens) + 2
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32).to(DEV)
-    q, k, v = rnd(T, H, K, seed=30), rnd(T, H, K, seed=31), rnd(T, H, K, seed=32)
+    q, k, v = rnd(T, H, K, dtype=dtype, seed=30), rnd(T, H, K, dtype=dtype, seed=31), rnd(T, H, K, dtype=dtype, seed=32)
     params = None
     if gate is None:
         g = -torch.rand(T, H, K, generator=seeded(33)).to(DEV) * 0.5  # fp32 log-decay
     else:
-        g = rnd(T, H, K, seed=33)
+        g = rnd(T, H, K, dtype=dtype, seed=33)
         params = KDAGateParams(rnd(H, dtype=torch.float32, seed=34, scale=0.3), rnd(H * K, dtype=torch.float32, seed=35),
                                -5.0 if gate == "safe" else None)
-    beta = rnd(T, H, seed=36)
+    beta = rnd(T, H, dtype=dtype, seed=36)
     state = rnd(S, H, K, K, dtype=torch.float32, seed=37, scale=0.1)
     slots = torch.arange(N, dtype=torch.int32, device=DEV) + 1
     has_init = torch.tensor([i % 2 == 0 for i in range(N)], device=DEV)
     pos = torch.tensor(save, dtype=torch.int32, device=DEV) if save else None
     st_ref = state.clone()
+    _, reason = kda_prefill_supports(q, k, v, g, beta, cu, state, slots, has_init, gate_params=params,
+                                     intermediate_positions=pos)
     out = kda_prefill(q, k, v, g, beta, cu, state, slots, has_init, gate_params=params, intermediate_positions=pos,
                       backend="flydsl")
     ref = kda_prefill(q, k, v, g, beta, cu, st_ref, slots, has_init, gate_params=params, intermediate_positions=pos,
                       backend="reference")
     assert_rel(out.o, ref.o, 1e-2, "o")
-    assert_rel(state, st_ref, 1e-4, "final states")
+    assert_rel(state, st_ref, _state_tol(reason), "final states")
     if save:
-        assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
+        assert_rel(out.intermediate_states, ref.intermediate_states, _state_tol(reason), "intermediate states")
 
 
 @pytest.mark.parametrize("lens,save,path", [([9, 70], [(1, 64)], "chunked"), ([9, 70], [(1, 5)], "recurrent")],
@@ -235,8 +248,8 @@ def test_kda_prefill_without_norms_or_beta_logits(lens: list[int], save: list[tu
     out = kda_prefill(q, k, v, g, beta, cu, state, slots, has_init, backend="flydsl", **kw)
     ref = kda_prefill(q, k, v, g, beta, cu, st_ref, slots, has_init, backend="reference", **kw)
     assert_rel(out.o, ref.o, 1e-2, "o")
-    assert_rel(state, st_ref, 1e-4, "final states")
-    assert_rel(out.intermediate_states, ref.intermediate_states, 1e-4, "intermediate states")
+    assert_rel(state, st_ref, _state_tol(reason), "final states")
+    assert_rel(out.intermediate_states, ref.intermediate_states, _state_tol(reason), "intermediate states")
 
 
 MOE = [(1, 4, 8), (37, 4, 8), (129, 8, 16)]
