@@ -7,51 +7,57 @@ default since session 21: ``prefill.SOLVE_IN_WALK``, the WY solve inside the sta
 k and the n <= 64 rows of the chunk, k' = rk k and q' = rq q (rk = 1 / ||k||, rq = scale / ||q||; 1 and scale
 without the L2 norm)::
 
-    A[i, j]   = b_i rk_i rk_j sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <  i   (strictly lower), fp32
+    A[i, j]   = b_i rk_i rk_j sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <  i   (strictly lower)
     Aqk[i, j] =     rq_i rk_j sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])     j <= i   written [T, H, 64]
     A band    = A off the four 16 x 16 diagonal blocks (zero above them), T_II = (I + A_II)^-1 on them
                                                                               written [T, H, 64]
     KB = b exp(G) k',  QG = q' exp(G),  KD = k' exp(G_last - G)             written [T, H, K]
 
-computed in fp32 and written in the state walk's MFMA operand type (``kda_prefill_plan.walk_operands``): bf16 for
-bf16 activations (one rounding, where the Triton twin rounds its dot operands), fp32 otherwise.
+written in the state walk's MFMA operand type (``kda_prefill_plan.walk_operands``): bf16 for bf16 activations (one
+rounding, where the Triton twin rounds its dot operands), fp32 otherwise.
 
-Numerics: every decay factor is computed as ``exp(G_i - G_j)`` from the fp32 difference, never split into
-``exp(G_i) * exp(-G_j)`` (the Triton twin's 16-row sub-block reference rows exist only to feed tensor-core dots), so
-no gate range limit applies here. The row factors factor out of the pair sums: the sums run over the raw q, k and
-the factors multiply the results (the Triton twin normalises the rows before its dots; same values, another fp32
-rounding order).
+Pair sums on MFMA (since session 31; before, on VALU with one exp(G_i - G_j) per pair and channel): 16 x 16 tiles
+(I, J) of 16-row blocks, J <= I, wave I of the four owning row block I (1 to 4 tiles each, ``kda_prefill_plan``'s
+``intra_pair_dim`` for the channels), the products on ``v_mfma_f32_16x16x16_bf16`` for bf16 activations (operands
+rounded to bf16, fp32 accumulation: the Triton twin's bf16 dots) or ``v_mfma_f32_16x16x4_f32`` otherwise. As in the
+Triton twin, every decay factor is split at a reference R per channel, exp(G_i - G_j) = exp(G_i - R) exp(R - G_j),
+the first folded into the row operand (q_i, k_i), the second into the column operand k_j. For the tiles of the
+earlier blocks (J < I) R is G at block I's first row: both factors are <= 1 (G does not increase), so nothing
+overflows at any decay (a factor that underflows belongs to a product below fp32's range). For the diagonal tile R
+is the midpoint of block I's G range: both factors stay within 8 steps of decay of 1, inside fp32's (and bf16's)
+range while a token's |g| < 11 (K3's safe gate: |g| < 5), the Triton twin's bound; the entries above the diagonal
+may overflow and are discarded by selection. One exp per operand value instead of one per pair and channel. The row factors (L2 norms) factor out of the pair sums:
+the sums run over the raw q, k and the factors multiply the results, from the rows' sums of squares, which the
+lanes gather as they load the A operands (a quarter of a row's channels per lane group, summed by two shuffles).
 
-Tiling (VALU; no MFMA): 256 lanes. Pair matrices: lane ``tid`` owns row i and the 16 columns of one 16-column block
-(``kda_prefill_plan.intra_pair``); the chunk's raw k, q and G are staged through LDS in [64, 32] slabs
-(``intra_slab``), the 16 + 16 fp32 accumulators and the row's two sums of squares stay in registers; the lanes with
-``tid % 4 == 0`` put their row's factors rk_i, rq_i in LDS ([2, 64]) for the column factors rk_j. A goes to LDS (64 x
-64 fp32), Aqk to global; each lane writes its row's A band entries off the diagonal blocks. Inverses: lanes 0..63,
-one per (diagonal block, column c) (``kda_prefill_plan.intra_inverse``), solve (I + A_II) t = e_c by forward
-substitution over the block's 16 rows read from LDS (uniform addresses within a 16-lane group), the solved entries
-kept in registers: 120 FMAs per lane. This is the row-by-row inversion, not the Triton twin's product of four
-factors: here the product form would cost six 16 x 16 x 16 products on VALU (24 576 FMAs per block) where the
-substitution costs 1 920, and it runs beside the pair matrices in the same workgroup, so its short dependent chain is
-no launch of its own. Same (I + A_II)^-1, a different fp32 summation order. KB, QG, KD: the chunk's 64 x K elements,
-K / 4 per lane.
+Tiling: 256 lanes, 4 waves. Wave I: lane l supplies row 16 I + l % 16 (A) and row 16 J + l % 16 (B) of every tile
+(I, J), J <= I (tiles above, J > I, are skipped and written as zeros); C element c of tile J is the pair (16 I + 4 (l
+// 16) + c, 16 J + l % 16). Rows past the chunk's end read its last row (in range) and are not written; a valid
+row's columns past the end lie above the diagonal (masked to 0). The lanes of lane group 0 put their row's factors
+rk_i, rq_i in LDS ([2, 64]); A goes to LDS (64 x 64 fp32) for the inverses, Aqk and the band's off-diagonal tiles to
+global. Inverses: lanes 0..63, one per (diagonal block, column c) (``kda_prefill_plan.intra_inverse``), solve (I +
+A_II) t = e_c by forward substitution over the block's 16 rows read from LDS (uniform addresses within a 16-lane
+group), the solved entries kept in registers: 120 FMAs per lane. This is the row-by-row inversion, not the Triton
+twin's product of four factors: on VALU the product form would cost six 16 x 16 x 16 products (24 576 FMAs per
+block) where the substitution costs 1 920, and it runs beside the pair matrices in the same workgroup, so its
+short dependent chain is no launch of its own. Same (I + A_II)^-1, a different fp32 summation order. KB, QG, KD:
+the chunk's 64 x K elements, K / 4 per lane.
 """
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.expr import const_expr, gpu, range_constexpr
 from flydsl.expr import math as fmath
+from flydsl.expr.typing import T
 
 from rocm_k3.flydsl_kernels import common
 from rocm_k3.flydsl_kernels.kda_prefill_plan import (
     CHUNK,
-    INTRA_COLS,
-    INTRA_SLAB,
     LANES,
     SUB,
     intra_inverse,
-    intra_pair,
-    intra_slab,
-    intra_slab_elems,
+    intra_pair_dim,
+    state_kpl,
     walk_operands,
 )
 
@@ -66,16 +72,21 @@ def build_kda_chunk_intra(config):
     a :class:`rocm_k3.flydsl_kernels.kda_prefill.KdaPrefillConfig` (K = V).
     """
     H, K = config.num_heads, config.head_dim
-    slabs = K // INTRA_SLAB
-    elems = intra_slab_elems()
     kb_elems = CHUNK * K // LANES  # KB / QG / KD elements per lane
-    row_lanes = LANES // CHUNK  # lanes sharing a row of the pair matrices
     opnd = common.fx_dtype(walk_operands(config.dtype))  # type of the written intermediates (the walk's operands)
+    kpl = state_kpl(config.dtype)  # values per lane and MFMA step of the pair sums (the walk's operand type too)
+    k_steps = K // (4 * kpl)
+    blocks = CHUNK // SUB  # row blocks = waves
+
+    def frag(values):
+        """A kpl-element MFMA operand fragment of fp32 ``values`` in the operand type."""
+        reg = fx.make_rmem_tensor(kpl, opnd)
+        reg.store(fx.Vector.from_elements([x.to(opnd) if kpl > 1 else x for x in values], opnd))
+        return reg
 
     @fx.struct
     class Shared:
-        buf: fx.Array[fx.Float32, 3 * CHUNK * INTRA_SLAB, 16]  # raw k, raw q, G slabs
-        a: fx.Array[fx.Float32, CHUNK * CHUNK, 16]
+        a: fx.Array[fx.Float32, CHUNK * CHUNK, 16]  # A (strictly lower, times b and the norms), for the inverses
         rn: fx.Array[fx.Float32, 2 * CHUNK, 16]  # row factors: 1 / ||k_i|| at i, scale / ||q_i|| at 64 + i
 
     @flyc.kernel
@@ -91,68 +102,85 @@ def build_kda_chunk_intra(config):
         t_end = fx.min(fx.Int32(CuSeq[fx.Int32(ChunkSeq[ch]) + 1]), t0 + CHUNK)
         t_last = t_end - 1
         lds = fx.SharedAllocator().allocate(Shared).peek()
-        slab = CHUNK * INTRA_SLAB
-        sb = lds.buf.view(fx.make_layout(3 * slab, 1))  # k slab at 0, q slab at `slab`, G at 2 * slab
         sa = lds.a.view(fx.make_layout(CHUNK * CHUNK, 1))
         srn = lds.rn.view(fx.make_layout(2 * CHUNK, 1))
 
-        i, j0 = intra_pair(tid, 0)
-        acc_k = common.fill_rmem(INTRA_COLS, 0.0)  # sum_d k_i k_j exp(G_i - G_j) (raw k), columns j of the lane
-        acc_q = common.fill_rmem(INTRA_COLS, 0.0)  # the same with the raw q_i
-        sq = common.fill_rmem(2, 0.0)  # sum_d k_i^2, sum_d q_i^2 of the lane's row
-        for s in range_constexpr(slabs):
-            for e in range_constexpr(elems):
-                row, d = intra_slab(tid, e)
-                src = fx.min(t0 + row, t_last)
-                sb[row * INTRA_SLAB + d] = fx.Float32(Kt[src, h, s * INTRA_SLAB + d])
-                sb[slab + row * INTRA_SLAB + d] = fx.Float32(Q[src, h, s * INTRA_SLAB + d])
-                sb[2 * slab + row * INTRA_SLAB + d] = fx.Float32(Gc[src, h, s * INTRA_SLAB + d])
-            gpu.barrier()
-            for d in range(INTRA_SLAB):
-                k_i, q_i, g_i = sb[i * INTRA_SLAB + d], sb[slab + i * INTRA_SLAB + d], sb[2 * slab + i * INTRA_SLAB + d]
-                ak, aq, ss = fx.memref_load_vec(acc_k), fx.memref_load_vec(acc_q), fx.memref_load_vec(sq)
-                nk, nq = [], []
-                for r in range_constexpr(INTRA_COLS):
-                    _, j = intra_pair(tid, r)
-                    # exp of the fp32 difference; j > i may overflow, those entries are discarded below
-                    kj = fmath.exp(g_i - sb[2 * slab + j * INTRA_SLAB + d]) * sb[j * INTRA_SLAB + d]
-                    nk.append(ak[r] + k_i * kj)
-                    nq.append(aq[r] + q_i * kj)
-                acc_k.store(common.vector_of(nk, fx.Float32))
-                acc_q.store(common.vector_of(nq, fx.Float32))
-                sq.store(common.vector_of([ss[0] + k_i * k_i, ss[1] + q_i * q_i], fx.Float32))
-            gpu.barrier()  # every lane has read the slab before the next one overwrites it
+        # the pair sums on MFMA: wave I owns row block I and its tiles (I, J), J <= I. Every decay factor is split
+        # at a reference R per channel, exp(G_i - G_j) = exp(G_i - R) exp(R - G_j): R = G at block I's first row for
+        # the earlier blocks' tiles (both factors <= 1: no overflow at any decay), R = the midpoint of block I's G
+        # range for its diagonal tile (both factors within 8 steps of decay of 1)
+        blk = fx.Int32(fx.rocdl.readfirstlane(T.i32, tid // common.WAVE))  # the wave's row block, uniform (SGPR)
+        lane = tid % common.WAVE
+        q = lane // SUB  # lane group: C rows 4q .. 4q+3 of a tile, channel group of a step
+        a_row = lane % SUB  # A / B operand row of a tile, C column
+        i_src = fx.min(t0 + blk * SUB + a_row, t_last)  # this lane's A row (rows past the end read the last one)
+        r_first = fx.min(t0 + blk * SUB, t_last)
+        r_last = fx.min(t0 + blk * SUB + SUB - 1, t_last)
+        atom = fx.make_mma_atom(fx.rocdl.MFMA(16, 16, 4 * kpl, opnd))
+        acc_k = [common.fill_rmem(4, 0.0) for _ in range_constexpr(blocks)]  # sum_d k_i k_j e_ij (raw k), tile J
+        acc_q = [common.fill_rmem(4, 0.0) for _ in range_constexpr(blocks)]  # the same with the raw q_i
+        ssk = fx.Float32(0.0)  # sum_d k_i^2 over the lane's channels of its A row
+        ssq = fx.Float32(0.0)
+        for s in range_constexpr(k_steps):
+            dims = [intra_pair_dim(s, q, j, kpl) for j in range_constexpr(kpl)]
+            g_first = [fx.Float32(Gc[r_first, h, d]) for d in dims]
+            g_mid = [(g + fx.Float32(Gc[r_last, h, d])) * 0.5 for g, d in zip(g_first, dims)]
+            k_i = [fx.Float32(Kt[i_src, h, d]) for d in dims]
+            q_i = [fx.Float32(Q[i_src, h, d]) for d in dims]
+            g_i = [fx.Float32(Gc[i_src, h, d]) for d in dims]
+            for j in range_constexpr(kpl):
+                ssk = ssk + k_i[j] * k_i[j]
+                ssq = ssq + q_i[j] * q_i[j]
+            e_f = [fmath.exp(g - r) for g, r in zip(g_i, g_first)]
+            e_m = [fmath.exp(g - r) for g, r in zip(g_i, g_mid)]
+            a_kf, a_qf = frag([x * e for x, e in zip(k_i, e_f)]), frag([x * e for x, e in zip(q_i, e_f)])
+            a_km, a_qm = frag([x * e for x, e in zip(k_i, e_m)]), frag([x * e for x, e in zip(q_i, e_m)])
+            for J in range_constexpr(blocks):
+                j_src = fx.min(t0 + J * SUB + a_row, t_last)
+                if J < blk:  # uniform in the wave; the tiles above the diagonal blocks are skipped (stay 0)
+                    b = frag([fx.Float32(Kt[j_src, h, d]) * fmath.exp(r - fx.Float32(Gc[j_src, h, d]))
+                              for d, r in zip(dims, g_first)])
+                    fx.gemm(atom, acc_k[J], a_kf, b, acc_k[J])
+                    fx.gemm(atom, acc_q[J], a_qf, b, acc_q[J])
+                if J == blk:
+                    b = frag([fx.Float32(Kt[j_src, h, d]) * fmath.exp(r - fx.Float32(Gc[j_src, h, d]))
+                              for d, r in zip(dims, g_mid)])
+                    fx.gemm(atom, acc_k[J], a_km, b, acc_k[J])
+                    fx.gemm(atom, acc_q[J], a_qm, b, acc_q[J])
 
-        # the row factors (the L2 norms factor out of the pair sums): k'_i = rk_i k_i, q'_i = rq_i q_i
-        ss = fx.memref_load_vec(sq)
-        rk_i, rq_i = fx.Float32(1.0), scale
+        # the row factors (the L2 norms factor out of the pair sums): k'_i = rk_i k_i, q'_i = rq_i q_i; the four lane
+        # groups of a row hold a quarter of its channels each
+        ssk = ssk + ssk.shuffle_xor(16, common.WAVE)
+        ssk = ssk + ssk.shuffle_xor(32, common.WAVE)
+        ssq = ssq + ssq.shuffle_xor(16, common.WAVE)
+        ssq = ssq + ssq.shuffle_xor(32, common.WAVE)
+        rk_a, rq_a = fx.Float32(1.0), scale
         if const_expr(config.qk_l2norm):
-            rk_i = fmath.rsqrt(ss[0] + 1e-6)
-            rq_i = fmath.rsqrt(ss[1] + 1e-6) * scale
-        if tid % row_lanes == 0:
-            srn[i] = rk_i
-            srn[CHUNK + i] = rq_i
+            rk_a = fmath.rsqrt(ssk + 1e-6)
+            rq_a = fmath.rsqrt(ssq + 1e-6) * scale
+        if q == 0:
+            srn[blk * SUB + a_row] = rk_a
+            srn[CHUNK + blk * SUB + a_row] = rq_a
         gpu.barrier()
 
-        b_i = fx.Float32(B[fx.min(t0 + i, t_last), h])
-        ak, aq = fx.memref_load_vec(acc_k), fx.memref_load_vec(acc_q)
-        a_row, qk_row = [], []
-        for r in range_constexpr(INTRA_COLS):
-            _, j = intra_pair(tid, r)
-            rk_j = srn[j]
-            a_ij = (j < i).select(ak[r] * (b_i * rk_i) * rk_j, 0.0)
-            sa[i * CHUNK + j] = a_ij
-            a_row.append(a_ij)
-            qk_row.append((j <= i).select(aq[r] * rq_i * rk_j, 0.0))
-        if t0 + i < t_end:
-            for r in range_constexpr(INTRA_COLS):
-                _, j = intra_pair(tid, r)
-                Aqk[t0 + i, h, j] = qk_row[r].to(opnd)
-            # the A band off the diagonal blocks: the lane's 16 columns are one 16-column block (j0 // SUB)
-            if j0 // SUB != i // SUB:
-                for r in range_constexpr(INTRA_COLS):
-                    _, j = intra_pair(tid, r)
-                    Ab[t0 + i, h, j] = a_row[r].to(opnd)  # zero above the diagonal blocks (j > i there)
+        # C element c of tile J: pair (i, j) = (16 I + 4 q + c, 16 J + a_row); A and the band's off-diagonal tiles,
+        # Aqk; the tiles above the diagonal blocks are written as zeros (their accumulators never left 0)
+        for c in range_constexpr(4):
+            i = blk * SUB + 4 * q + c
+            t_i = fx.min(t0 + i, t_last)
+            rk_i, rq_i = srn[i], srn[CHUNK + i]
+            b_i = fx.Float32(B[t_i, h])
+            for J in range_constexpr(blocks):
+                j = J * SUB + a_row
+                rk_j = srn[j]
+                ak, aq = fx.memref_load_vec(acc_k[J]), fx.memref_load_vec(acc_q[J])
+                a_ij = (j < i).select(ak[c] * (b_i * rk_i) * rk_j, 0.0)
+                qk_ij = (j <= i).select(aq[c] * rq_i * rk_j, 0.0)
+                sa[i * CHUNK + j] = a_ij
+                if t0 + i < t_end:
+                    Aqk[t0 + i, h, j] = qk_ij.to(opnd)
+                    if J != blk:  # the A band off the diagonal blocks (zero above them: j > i there)
+                        Ab[t0 + i, h, j] = a_ij.to(opnd)
         gpu.barrier()
 
         # the diagonal blocks' inverses: lane (block, c) solves (I + A_II) t = e_c down the block's rows

@@ -10,11 +10,12 @@ mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
     Triton phase             FlyDSL kernel (module)            grid / tiling
     1 chunk_prep             kda_chunk_prep                    (chunk, head), K lanes: gate, in-chunk cumsum G,
       (GATE_ONLY)                                              beta sigmoid -> fp32 G, b
-    2 chunk_intra            kda_chunk_intra                   (chunk, head), 256 lanes: A (strictly lower, times b)
-      (INVERT_DIAG,                                            and Aqk (lower incl. diagonal), 16 pair entries per lane,
-      WRITE_KB, RAW_QK)                                        raw k/q and G staged in LDS slabs, the row norms from
-                                                               the same slabs (they factor out of the pair sums);
-                                                               VALU, exp(G_i - G_j) exact; the four diagonal blocks'
+    2 chunk_intra            kda_chunk_intra                   (chunk, head), 4 waves: A (strictly lower, times b)
+      (INVERT_DIAG,                                            and Aqk (lower incl. diagonal) as 16 x 16 tiles on the
+      WRITE_KB, RAW_QK)                                        walk's MFMA (wave I: tiles (I, J <= I)), the decay
+                                                               split at a per-block reference as in the Triton twin,
+                                                               the row norms (they factor out of the pair sums) from
+                                                               the A rows' sums of squares; the four diagonal blocks'
                                                                inverses T_II = (I + A_II)^-1 by forward substitution
                                                                (one block column per lane) -> A band (T_II on the
                                                                diagonal blocks), Aqk, KB = b exp(G) k',
@@ -28,12 +29,13 @@ mirror the Triton twin ``rocm_k3.triton_kernels.kda`` phase by phase:
 
 The Triton twin's default since session 21 (``prefill.SOLVE_IN_WALK``, ``prefill.NORMS_IN_INTRA``): no phase 3
 (chunk_solve), no W or U in memory, q and k read once (by the intra kernel).
-Differences from it: the pair matrices on VALU in fp32 (the Triton twin feeds them to bf16 dots for bf16
-activations; its walk's bf16 operands and bf16 intermediates are this walk's too, since session 31); the in-chunk
-decay is exp of the fp32 difference G_i - G_j per element (no 16-row reference-row split, hence no per-token |g|
-range limit); the diagonal inverses by substitution on VALU where the Triton twin multiplies four factors on tensor
-cores for bf16 dots (``prefill.invert_by_products``, see kda_chunk_intra; its fp16 / fp32 paths substitute row by
-row too: the products lose ~1e-4 on correlated keys). Index maps: ``kda_prefill_plan`` (host-tested). Intermediate
+Differences from it: the diagonal inverses by substitution on VALU where the Triton twin multiplies four factors on
+tensor cores for bf16 dots (``prefill.invert_by_products``, see kda_chunk_intra; its fp16 / fp32 paths substitute
+row by row too: the products lose ~1e-4 on correlated keys); the decay factors exp(G) from fp32 G (the Triton twin's
+bf16 path reads bf16 sub-block factors, ``GATE_FACTORS``); the diagonal tile's reference is the midpoint of the block's
+G range, the earlier blocks' tiles take the block's first row (both factors <= 1 there). Since session 31 the pair
+sums and the walk run on the Triton twin's bf16 operands for bf16 activations (before, every product was fp32, the
+pair sums on VALU with one exp per pair and channel). Index maps: ``kda_prefill_plan`` (host-tested). Intermediate
 states are taken at chunk ends, i.e. rows (i, p) with p % 64 == 0 or p == len_i; any other position makes
 ``ops_impl`` run the recurrent kernel below for the whole call (``kda_prefill_supports`` names the path).
 

@@ -7,10 +7,10 @@ are used inside the index maps.
 
 Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intra kernel):
 
-- intra pairs: lane ``tid`` owns row ``i = tid // 4`` of the chunk's 64 x 64 pair matrices and columns
-  ``j = (tid % 4) * 16 + r``, r < 16 (``intra_pair``).
-- intra slab: the chunk's [64, SLAB] slice of k' / q' / G is staged in LDS; element ``e`` of lane ``tid``
-  is slab position ``tid + e * 256`` (``intra_slab``), 64 * SLAB / 256 elements per lane.
+- intra pairs: wave w (of 4) owns row block I = w of the chunk's 64 x 64 pair matrices and their 16 x 16 tiles
+  (I, J), J <= I, on MFMA 16x16x(4 kpl) (kpl = ``state_kpl``: bf16 operands for bf16 activations): lane l supplies
+  row 16 I + l % 16 (A) and row 16 J + l % 16 (B) at the key channels ``intra_pair_dim``, and holds C element
+  i = pair (16 I + 4 (l // 16) + i, 16 J + l % 16).
 - inverses: lane ``tid`` < 64 owns column ``tid % 16`` of the inverse of diagonal block ``tid // 16``
   (``intra_inverse``), its 16 rows in registers.
 - state walk: one wave owns a [K, STATE_BV] slice of one head's state as MFMA 16x16 C fragments (fp32);
@@ -22,31 +22,20 @@ Tiles (C = 64 tokens per chunk, K = V head dims; 256-lane workgroups in the intr
 from __future__ import annotations
 
 CHUNK = 64
-LANES = 256  # workgroup of the intra kernel (the state kernel is one 64-lane wave)
-INTRA_COLS = 16  # pair-matrix columns per lane
-INTRA_SLAB = 32  # key channels staged in LDS per step of the intra kernel
+LANES = 256  # workgroup of the intra kernel: 4 waves, one per row block (the state kernel is one 64-lane wave)
 SUB = 16  # rows of a diagonal block of A (inverted by the intra kernel, substituted by the state walk)
 STATE_BV = 16  # value columns per state-walk wave (one MFMA tile wide)
 
 
-def intra_pair(tid, r):
-    """(row i, column j) of the 64 x 64 pair matrices held in accumulator ``r`` (< 16) by lane ``tid``."""
-    return tid // (LANES // CHUNK), (tid % (LANES // CHUNK)) * INTRA_COLS + r
+def intra_pair_dim(s, q, j, kpl: int):
+    """Key channel of element ``j`` (< kpl) of MFMA step ``s`` of the pair sums for lane group ``q`` (A and B alike):
+    each lane's kpl channels of a step are consecutive (one vector load of a row)."""
+    return s * 4 * kpl + q * kpl + j
 
 
 def intra_inverse(tid):
     """(diagonal block, column) of T_II = (I + A_II)^-1 that lane ``tid`` < 64 solves for."""
     return tid // SUB, tid % SUB
-
-
-def intra_slab(tid, e):
-    """(chunk row, channel within the slab) that lane ``tid`` stages as its element ``e`` of a [64, SLAB] slab."""
-    idx = tid + e * LANES
-    return idx // INTRA_SLAB, idx % INTRA_SLAB
-
-
-def intra_slab_elems() -> int:
-    return CHUNK * INTRA_SLAB // LANES
 
 
 # --- state walk on MFMA 16x16x(4 kpl) (one wave per [K, 16] state slice) ---------------------------------

@@ -238,7 +238,7 @@ def kda_prefill_supports(q, k, v, g, beta, cu_seqlens, state, state_indices, has
     if _off_grid(cu_seqlens, intermediate_positions):
         return True, "flydsl recurrent-form prefill (intermediate positions off the 64-token chunk grid)"
     walk = "bf16 MFMA, bf16 intermediates" if v.dtype == torch.bfloat16 else "fp32 MFMA, fp32 intermediates"
-    return True, f"flydsl chunked prefill (C = 64, the WY solve inside the state walk on {walk})"
+    return True, f"flydsl chunked prefill (C = 64, the pair sums and the state walk with its WY solve on {walk})"
 
 
 def _off_grid(cu_seqlens: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int]]:

@@ -581,20 +581,26 @@ def test_prepared_flydsl_weights_are_single_copy_and_run_on_the_reference() -> N
 # --- chunked kda_prefill: index maps and a host emulation of its three phases ----------------------------
 
 
-def test_kda_chunk_intra_maps_cover_tiles_once() -> None:
+@pytest.mark.parametrize("kpl", [1, 4], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K", plans.KDA_HEAD_DIMS)
+def test_kda_chunk_intra_maps_cover_tiles_once(K: int, kpl: int) -> None:
     from rocm_k3.flydsl_kernels import kda_prefill_plan as kp
 
-    pairs = collections.Counter(kp.intra_pair(t, r) for t in range(kp.LANES) for r in range(kp.INTRA_COLS))
-    assert set(pairs) == {(i, j) for i in range(kp.CHUNK) for j in range(kp.CHUNK)} and set(pairs.values()) == {1}
-    slab = collections.Counter(kp.intra_slab(t, e) for t in range(kp.LANES) for e in range(kp.intra_slab_elems()))
-    assert set(slab) == {(r, d) for r in range(kp.CHUNK) for d in range(kp.INTRA_SLAB)}
-    assert set(slab.values()) == {1}
-    # the inverses: lanes 0 .. 63 take each (diagonal block, column) once; a pair lane's 16 columns are one block
+    # the pair sums' MFMA steps take every key channel once across the 4 lane groups, kpl consecutive per lane
+    dims = collections.Counter(kp.intra_pair_dim(s, q, j, kpl) for s in range(K // (4 * kpl)) for q in range(4)
+                               for j in range(kpl))
+    assert set(dims) == set(range(K)) and set(dims.values()) == {1}
+    # the 4 waves' C fragments over tiles (I = wave, J <= I) cover the lower block triangle of the 64 x 64 pairs
+    # once; every pair on or below the diagonal lies in one of them
+    blocks = kp.CHUNK // kp.SUB
+    pairs = collections.Counter((16 * w + r, 16 * J + c) for w in range(blocks) for J in range(w + 1)
+                                for lane in range(64) for r, c in [plans.mfma_c_coord(lane, i) for i in range(4)])
+    assert set(pairs.values()) == {1}
+    assert {(i, j) for i in range(kp.CHUNK) for j in range(i + 1)} <= set(pairs)
+    # the inverses: lanes 0 .. 63 take each (diagonal block, column) once
     inv = collections.Counter(kp.intra_inverse(t) for t in range(kp.CHUNK))
-    assert set(inv) == {(blk, c) for blk in range(kp.CHUNK // kp.SUB) for c in range(kp.SUB)}
+    assert set(inv) == {(blk, c) for blk in range(blocks) for c in range(kp.SUB)}
     assert set(inv.values()) == {1}
-    for t in range(kp.LANES):
-        assert len({kp.intra_pair(t, r)[1] // kp.SUB for r in range(kp.INTRA_COLS)}) == 1
 
 
 @pytest.mark.parametrize("kpl", [1, 4], ids=["fp32", "bf16"])
