@@ -19,16 +19,22 @@ rounding, where the Triton twin rounds its dot operands), fp32 otherwise.
 Pair sums on MFMA (since session 31; before, on VALU with one exp(G_i - G_j) per pair and channel): 16 x 16 tiles
 (I, J) of 16-row blocks, J <= I, wave I of the four owning row block I (1 to 4 tiles each, ``kda_prefill_plan``'s
 ``intra_pair_dim`` for the channels), the products on ``v_mfma_f32_16x16x16_bf16`` for bf16 activations (operands
-rounded to bf16, fp32 accumulation: the Triton twin's bf16 dots) or ``v_mfma_f32_16x16x4_f32`` otherwise. As in the
-Triton twin, every decay factor is split at a reference R per channel, exp(G_i - G_j) = exp(G_i - R) exp(R - G_j),
-the first folded into the row operand (q_i, k_i), the second into the column operand k_j. For the tiles of the
-earlier blocks (J < I) R is G at block I's first row: both factors are <= 1 (G does not increase), so nothing
-overflows at any decay (a factor that underflows belongs to a product below fp32's range). For the diagonal tile R
-is the midpoint of block I's G range: both factors stay within 8 steps of decay of 1, inside fp32's (and bf16's)
-range while a token's |g| < 11 (K3's safe gate: |g| < 5), the Triton twin's bound; the entries above the diagonal
-may overflow and are discarded by selection. One exp per operand value instead of one per pair and channel. The row factors (L2 norms) factor out of the pair sums:
-the sums run over the raw q, k and the factors multiply the results, from the rows' sums of squares, which the
-lanes gather as they load the A operands (a quarter of a row's channels per lane group, summed by two shuffles).
+rounded to bf16, fp32 accumulation: the Triton twin's bf16 dots) or ``v_mfma_f32_16x16x4_f32`` otherwise: 10 tiles x
+2 (k, q) x K / (4 kpl) MFMA per chunk and head (160 bf16 or 640 fp32 ones at K = 128). As in the Triton twin, every
+decay factor is split at a reference R per channel, exp(G_i - G_j) = exp(G_i - R) exp(R - G_j), the first folded
+into the row operand (q_i, k_i), the second into the column operand k_j. For the tiles of the earlier blocks (J < I)
+R is G at block I's first row: both factors are <= 1 (G does not increase), so nothing overflows there at any decay
+(a factor that underflows belongs to a product below fp32's range); the midpoint would do as well below the bound
+below, the first row keeps these tiles finite above it. For the diagonal tile R is the midpoint of block I's G
+range: both factors stay within 8 steps of decay of 1, so the operands stay inside fp32's (and bf16's) range while
+half a block's G range plus ln max(|q|, |k|) stays below ~88, i.e. a token's |g| < 11 for inputs of moderate size
+(K3's safe gate: |g| < 5), the Triton twin's bound (which it applies to the normalised q', k'). Past it the
+diagonal tiles overflow to inf / NaN; nothing checks the gate's range at the boundary (a device reduction and a
+synchronisation per call), as in the Triton twin. The entries above the diagonal may overflow below the bound too
+and are discarded by selection. One exp per operand value instead of one per pair and channel (~37k for the pair
+sums per chunk and head at K = 128, against 524k). The row factors (L2 norms) factor out of the pair sums: the sums
+run over the raw q, k and the factors multiply the results, from the rows' sums of squares, which the lanes gather
+as they load the A operands (a quarter of a row's channels per lane group, summed by two shuffles).
 
 Tiling: 256 lanes, 4 waves. Wave I: lane l supplies row 16 I + l % 16 (A) and row 16 J + l % 16 (B) of every tile
 (I, J), J <= I (tiles above, J > I, are skipped and written as zeros); C element c of tile J is the pair (16 I + 4 (l
@@ -185,17 +191,17 @@ def build_kda_chunk_intra(config):
 
         # the diagonal blocks' inverses: lane (block, c) solves (I + A_II) t = e_c down the block's rows
         if tid < CHUNK:
-            blk, c = intra_inverse(tid)
-            base = blk * SUB
+            dblk, col = intra_inverse(tid)
+            base = dblk * SUB
             t = []
             for r in range_constexpr(SUB):
-                acc = (c == r).select(fx.Float32(1.0), fx.Float32(0.0))
+                acc = (col == r).select(fx.Float32(1.0), fx.Float32(0.0))
                 for jj in range_constexpr(r):
                     acc = acc - sa[(base + r) * CHUNK + base + jj] * t[jj]
                 t.append(acc)
             for r in range_constexpr(SUB):
                 if t0 + base + r < t_end:
-                    Ab[t0 + base + r, h, base + c] = t[r].to(opnd)
+                    Ab[t0 + base + r, h, base + col] = t[r].to(opnd)
 
         # the walk's row operands: KB = b exp(G) k' (the right-hand side in W's place), QG = q' exp(G),
         # KD = k' exp(G_last - G) (G_last: G at the chunk's last row)

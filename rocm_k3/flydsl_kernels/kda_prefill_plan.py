@@ -29,7 +29,7 @@ STATE_BV = 16  # value columns per state-walk wave (one MFMA tile wide)
 
 def intra_pair_dim(s, q, j, kpl: int):
     """Key channel of element ``j`` (< kpl) of MFMA step ``s`` of the pair sums for lane group ``q`` (A and B alike):
-    each lane's kpl channels of a step are consecutive (one vector load of a row)."""
+    each lane's kpl channels of a step are adjacent in a row."""
     return s * 4 * kpl + q * kpl + j
 
 
@@ -51,7 +51,7 @@ def walk_operands(dtype: str) -> str:
     """Name of the walk's MFMA operand type for activations of ``dtype`` ('bf16' | 'f16' | 'f32'), which is also the
     type phase 2 writes the walk's intermediates in (Aqk, the A band, KB, QG, KD): bf16 for bf16 activations, as
     the Triton twin's dots and its bf16 intermediates; fp32 otherwise (the Triton twin's fp16 path keeps fp32
-    dots too: fp16 cannot hold its sub-block decay factors)."""
+    dots too, since fp16 cannot hold its sub-block decay factors, but stores most of its intermediates in fp16)."""
     return "bf16" if dtype == "bf16" else "f32"
 
 
