@@ -208,6 +208,14 @@ def vector_of(values, dtype):
     return fx.Vector.from_elements(list(values), dtype)
 
 
+def rmem_of(values, dtype):
+    """A register tensor holding ``values`` (already of ``dtype``), e.g. one lane's MFMA operand fragment."""
+    values = list(values)
+    reg = fx.make_rmem_tensor(len(values), dtype)
+    reg.store(fx.Vector.from_elements(values, dtype))
+    return reg
+
+
 def fill_rmem(n: int, value: float):
     reg = fx.make_rmem_tensor(n, fx.Float32)
     reg.store(fx.Vector.filled(n, value, fx.Float32))

@@ -86,9 +86,7 @@ def build_kda_chunk_intra(config):
 
     def frag(values):
         """A kpl-element MFMA operand fragment of fp32 ``values`` in the operand type."""
-        reg = fx.make_rmem_tensor(kpl, opnd)
-        reg.store(fx.Vector.from_elements([x.to(opnd) if kpl > 1 else x for x in values], opnd))
-        return reg
+        return common.rmem_of([x.to(opnd) if kpl > 1 else x for x in values], opnd)
 
     @fx.struct
     class Shared:
@@ -125,6 +123,13 @@ def build_kda_chunk_intra(config):
         atom = fx.make_mma_atom(fx.rocdl.MFMA(16, 16, 4 * kpl, opnd))
         acc_k = [common.fill_rmem(4, 0.0) for _ in range_constexpr(blocks)]  # sum_d k_i k_j e_ij (raw k), tile J
         acc_q = [common.fill_rmem(4, 0.0) for _ in range_constexpr(blocks)]  # the same with the raw q_i
+
+        def column(J, dims, refs):
+            """B fragment of tile (I, J): k_j exp(R - G_j) at the channels ``dims``, R = ``refs``."""
+            j_src = fx.min(t0 + J * SUB + a_row, t_last)
+            return frag([fx.Float32(Kt[j_src, h, d]) * fmath.exp(r - fx.Float32(Gc[j_src, h, d]))
+                         for d, r in zip(dims, refs)])
+
         ssk = fx.Float32(0.0)  # sum_d k_i^2 over the lane's channels of its A row
         ssq = fx.Float32(0.0)
         for s in range_constexpr(k_steps):
@@ -142,15 +147,12 @@ def build_kda_chunk_intra(config):
             a_kf, a_qf = frag([x * e for x, e in zip(k_i, e_f)]), frag([x * e for x, e in zip(q_i, e_f)])
             a_km, a_qm = frag([x * e for x, e in zip(k_i, e_m)]), frag([x * e for x, e in zip(q_i, e_m)])
             for J in range_constexpr(blocks):
-                j_src = fx.min(t0 + J * SUB + a_row, t_last)
                 if J < blk:  # uniform in the wave; the tiles above the diagonal blocks are skipped (stay 0)
-                    b = frag([fx.Float32(Kt[j_src, h, d]) * fmath.exp(r - fx.Float32(Gc[j_src, h, d]))
-                              for d, r in zip(dims, g_first)])
+                    b = column(J, dims, g_first)
                     fx.gemm(atom, acc_k[J], a_kf, b, acc_k[J])
                     fx.gemm(atom, acc_q[J], a_qf, b, acc_q[J])
                 if J == blk:
-                    b = frag([fx.Float32(Kt[j_src, h, d]) * fmath.exp(r - fx.Float32(Gc[j_src, h, d]))
-                              for d, r in zip(dims, g_mid)])
+                    b = column(J, dims, g_mid)
                     fx.gemm(atom, acc_k[J], a_km, b, acc_k[J])
                     fx.gemm(atom, acc_q[J], a_qm, b, acc_q[J])
 
@@ -170,7 +172,10 @@ def build_kda_chunk_intra(config):
         gpu.barrier()
 
         # C element c of tile J: pair (i, j) = (16 I + 4 q + c, 16 J + a_row); A and the band's off-diagonal tiles,
-        # Aqk; the tiles above the diagonal blocks are written as zeros (their accumulators never left 0)
+        # Aqk; the tiles above the diagonal blocks are written as zeros (their accumulators never left 0); only the
+        # diagonal tile goes to LDS (the inverses read nothing else)
+        ak = [fx.memref_load_vec(acc_k[J]) for J in range_constexpr(blocks)]
+        aq = [fx.memref_load_vec(acc_q[J]) for J in range_constexpr(blocks)]
         for c in range_constexpr(4):
             i = blk * SUB + 4 * q + c
             t_i = fx.min(t0 + i, t_last)
@@ -179,10 +184,10 @@ def build_kda_chunk_intra(config):
             for J in range_constexpr(blocks):
                 j = J * SUB + a_row
                 rk_j = srn[j]
-                ak, aq = fx.memref_load_vec(acc_k[J]), fx.memref_load_vec(acc_q[J])
-                a_ij = (j < i).select(ak[c] * (b_i * rk_i) * rk_j, 0.0)
-                qk_ij = (j <= i).select(aq[c] * rq_i * rk_j, 0.0)
-                sa[i * CHUNK + j] = a_ij
+                a_ij = (j < i).select(ak[J][c] * (b_i * rk_i) * rk_j, 0.0)
+                qk_ij = (j <= i).select(aq[J][c] * rq_i * rk_j, 0.0)
+                if J == blk:
+                    sa[i * CHUNK + j] = a_ij
                 if t0 + i < t_end:
                     Aqk[t0 + i, h, j] = qk_ij.to(opnd)
                     if J != blk:  # the A band off the diagonal blocks (zero above them: j > i there)

@@ -42,7 +42,7 @@ from flydsl.expr import gpu, range_constexpr
 from flydsl.expr import math as fmath
 
 from rocm_k3.flydsl_kernels import common
-from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, STATE_BV, mfma_krow, state_kpl
+from rocm_k3.flydsl_kernels.kda_prefill_plan import CHUNK, STATE_BV, mfma_krow, state_kpl, walk_operands
 
 TILE = 16
 
@@ -64,13 +64,11 @@ def build_kda_chunk_state(config):
     k_tiles, k_steps = K // TILE, K // depth  # S row tiles; MFMA steps over K
     c_tiles, c_steps, t_steps = CHUNK // TILE, CHUNK // depth, TILE // depth  # ... over the chunk; over one tile
     act = common.fx_dtype(config.dtype)
-    elem = fx.BFloat16 if kpl > 1 else fx.Float32  # MFMA operand type
+    elem = common.fx_dtype(walk_operands(config.dtype))  # MFMA operand type (bf16 at kpl 4, else fp32)
 
     def frag(values):
         """A kpl-element MFMA operand fragment of ``values`` already in the operand type (the intermediates, V')."""
-        reg = fx.make_rmem_tensor(kpl, elem)
-        reg.store(fx.Vector.from_elements([elem(x) for x in values], elem))
-        return reg
+        return common.rmem_of([elem(x) for x in values], elem)
 
     def cvt(x):
         """fp32 ``x`` in the operand type (rounded to bf16 at kpl > 1)."""

@@ -108,9 +108,7 @@ def build_mla_prefill_expanded(config: MlaPrefillConfig):
     elem = common.fx_dtype(config.dtype)
 
     def frag(values):
-        reg = fx.make_rmem_tensor(kpl, elem)
-        reg.store(fx.Vector.from_elements(list(values), elem))
-        return reg
+        return common.rmem_of(values, elem)
 
     @flyc.kernel
     def mla_prefill_expanded_kernel(

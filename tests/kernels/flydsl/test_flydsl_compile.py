@@ -152,13 +152,12 @@ def _kda_chunk_case(phase: str, shape: str, dtype: str = "bf16") -> Case:
                           f32(S, H, HEAD, HEAD), i32(N), i32(N), z(T, H, HEAD, dtype=act), f32(M, H, HEAD, HEAD),
                           i32(NC), N),
     }[phase]
-    # budgets (arch VGPRs + AGPRs), measured 2026-12-05 (session 22's split) and 2026-12-07 (session 31's MFMA pair
-    # sums and bf16 walk): prep 15 (gate and sums only); intra 2 x 4 tiles x 4 accumulators, the step's operands
-    # and exps and the 16 solved rows of a diagonal-block column (bf16 165 on gfx942 / 166 on gfx950, fp32 147 on
-    # both); state on fp32 MFMA: 32 state + 16 V' + 4 output accumulator registers plus the hoisted A-operand loads
-    # of a 48-MFMA row tile (197 on both: no exps in the MFMA loops since QG / KD come from the intra kernel); on
-    # bf16 MFMA 214 on both (the state's bf16 copy and the hoisted 8-byte operand loads of a row tile; two waves per
-    # SIMD either way, as under 256)
+    # budgets (arch VGPRs + AGPRs), measured 2026-12-05 (session 22's split) and 2026-12-07 (session 31's MFMA pair sums
+    # and bf16 walk): prep 15 (gate and sums only); intra 2 x 4 tiles x 4 accumulators, the step's operands and exps and
+    # the 16 solved rows of a diagonal-block column (bf16 152, fp32 133, on both targets); state on fp32 MFMA: 32 state
+    # + 16 V' + 4 output accumulator registers plus the hoisted A-operand loads of a 48-MFMA row tile (197 on both: no
+    # exps in the MFMA loops since QG / KD come from the intra kernel); on bf16 MFMA 214 on both (the state's bf16 copy
+    # and the hoisted 8-byte operand loads of a row tile; two waves per SIMD either way, as under 256)
     budget = {"prep": 32, "intra": 192, "state": 224}[phase]
     if phase == "prep":
         mfma = lambda arch: None

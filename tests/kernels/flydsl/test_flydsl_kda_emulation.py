@@ -340,7 +340,8 @@ def _emulate_intra_writes(mids, bounds, H, K, kpl=1, rnd=None):
                     j = J * 16 + a_row
                     a_ij = torch.where(j < i, acc_k[J][:, c] * (b_i * rk_i) * srn[j], 0.0)
                     qk_ij = torch.where(j <= i, acc_q[J][:, c] * rq_i * srn[j], 0.0)
-                    sa[i, j] = a_ij
+                    if J == blk:  # only the diagonal tile goes to LDS (the rest stays NaN: the inverses never read it)
+                        sa[i, j] = a_ij
                     aqk[t0 + i[ok], h, j[ok]] = rnd(qk_ij[ok])
                     if J != blk:
                         ab[t0 + i[ok], h, j[ok]] = rnd(a_ij[ok])
